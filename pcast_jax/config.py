@@ -1,0 +1,187 @@
+"""What an FP8 attention kernel does at the P-cast: :class:`KernelConfig` and the presets.
+
+Algorithm 1 of the paper, per query row and KV block j (in the kernel's order)::
+
+    m_new = max(m, rowmax(Z_j));  α = exp(m − m_new)
+    P     = exp(Z_j − m_new);     ℓ = α ℓ + rowsum(P)          # FP32, pre-cast P
+    P8    = cast_E4M3(P · S);     O = α O + P8 · V_j           # FP8 × FP8 → FP32
+    return O / (S ℓ)
+
+``scale_mode`` says where S goes:
+
+* ``"multiply"`` — P·S after the exponential, ℓ from unscaled P, epilogue O/(S·ℓ)
+  (hpc-ops, FlashInfer, TensorRT-LLM XQA; the paper's simulator).
+* ``"exponent"`` — S folded into the exponent, P̃ = exp2(Z·log2e − (m·log2e − log2 S)), so ℓ sums
+  the scaled values and the epilogue is O/ℓ (FlashAttention-3/4, SageAttention).
+* ``"dynamic"`` — per row and block, the largest power of two 2^k with rowmax(P)·2^k ≤ max_E4M3;
+  each block's P8·V is multiplied by 2^-k (exact) before it is accumulated; ℓ unscaled. The paper's
+  "future work" (§7.4); no released kernel does this. ``scale`` is ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from pcast_jax import formats
+from pcast_jax.errors import PcastError, check_choice, check_int, check_positive
+
+__all__ = ["KernelConfig", "PRESETS", "PAPER_CONFIGS", "KERNEL_PRESETS", "get_preset", "resolve"]
+
+ORDERS = ("forward", "reverse")
+SCALE_MODES = ("multiply", "exponent", "dynamic")
+ACCUMULATORS = ("f32", "f16")
+QKV_PRECISIONS = ("f32", "e4m3")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class KernelConfig:
+    """P-cast semantics of one FP8 attention kernel; validated on construction.
+
+    Attributes:
+      order: KV block order, ``"forward"`` (0 → N) or ``"reverse"`` (N → 0).
+      scale: the static P scale S (> 0, finite). ``"dynamic"`` mode ignores it.
+      scale_mode: ``"multiply"``, ``"exponent"`` or ``"dynamic"`` (module docstring).
+      block_kv: KV block size B. N that is not a multiple is padded with masked keys.
+      p_format: format of the P-cast (``"e4m3"`` or ``"e5m2"``).
+      overflow: ``"satfinite"`` (Hopper cvt.rn.satfinite; what kernels do) or ``"nan"``.
+      accumulator: ``"f32"``, or ``"f16"``: each block's P8·V product is rounded to float16 before
+        it is added to the FP32 output (SageAttention2++'s ``fp32+fp16`` PV accumulation).
+      qkv: ``"f32"`` keeps Q, K, V exact (isolates the P-cast, as the paper does); ``"e4m3"``
+        quantizes each of Q, K, V per tensor (scale = amax/max_E4M3) as production kernels do.
+      causal: bottom-right aligned causal mask (query i of q_len sits at position N − q_len + i).
+      name: label used in reports.
+    """
+
+    order: str = "forward"
+    scale: float = 1.0
+    scale_mode: str = "multiply"
+    block_kv: int = 64
+    p_format: str = "e4m3"
+    overflow: str = "satfinite"
+    accumulator: str = "f32"
+    qkv: str = "f32"
+    causal: bool = False
+    name: str = ""
+
+    def __post_init__(self):
+        check_choice("order", self.order, ORDERS)
+        object.__setattr__(self, "scale", check_positive("scale", self.scale))
+        check_choice("scale_mode", self.scale_mode, SCALE_MODES)
+        check_int("block_kv", self.block_kv, min_value=1, max_value=1 << 16)
+        formats.get_format(self.p_format, param="p_format")
+        check_choice("overflow", self.overflow, formats.OVERFLOW_MODES)
+        check_choice("accumulator", self.accumulator, ACCUMULATORS)
+        check_choice("qkv", self.qkv, QKV_PRECISIONS)
+        if not isinstance(self.causal, bool):
+            raise PcastError(f"causal={self.causal!r} must be True or False")
+        if not self.name:
+            object.__setattr__(self, "name", self.default_name())
+
+    def default_name(self) -> str:
+        s = "dyn" if self.scale_mode == "dynamic" else f"{self.scale:g}"
+        return f"{self.order[:3]}_s{s}"
+
+    @property
+    def fmt(self) -> formats.FP8Format:
+        return formats.get_format(self.p_format)
+
+    @property
+    def log2_scale(self) -> float:
+        return math.log2(self.scale)
+
+    @property
+    def scale_is_power_of_two(self) -> bool:
+        """Prop. 5: ×S and ×(1/S) are exact in FP32 iff S = 2^k."""
+        m, _ = math.frexp(self.scale)
+        return m == 0.5
+
+    def replace(self, **changes) -> "KernelConfig":
+        """A copy with fields changed (the name is re-derived unless given)."""
+        if "name" not in changes:
+            changes["name"] = ""
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        s = "dynamic 2^k" if self.scale_mode == "dynamic" else f"S={self.scale:g} ({self.scale_mode})"
+        extra = []
+        if self.accumulator != "f32":
+            extra.append(f"{self.accumulator} PV accumulator")
+        if self.qkv != "f32":
+            extra.append(f"{self.qkv} QKV")
+        if self.causal:
+            extra.append("causal")
+        tail = (", " + ", ".join(extra)) if extra else ""
+        return f"{self.order}, {s}, B={self.block_kv}{tail}"
+
+
+def _paper(order: str, scale: float, label: str) -> KernelConfig:
+    return KernelConfig(order=order, scale=scale, scale_mode="multiply", block_kv=64, name=label)
+
+
+#: The paper's five configurations (§6.2, Table 2): Q, K, V in FP32, ℓ from pre-cast P, B = 64.
+PAPER_CONFIGS: dict[str, KernelConfig] = {
+    "fwd_s1": _paper("forward", 1.0, "fwd_s1"),
+    "rev_s1": _paper("reverse", 1.0, "rev_s1"),
+    "fwd_s448": _paper("forward", 448.0, "fwd_s448"),
+    "fwd_s256": _paper("forward", 256.0, "fwd_s256"),
+    "rev_s256": _paper("reverse", 256.0, "rev_s256"),
+}
+
+#: Production kernels, each following its public source (see the notes in each entry).
+KERNEL_PRESETS: dict[str, KernelConfig] = {
+    # FlashAttention-3 (Hopper): hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp walks n_block from
+    # n_block_max - 1 down (reverse); hopper/softmax.h folds S = 2^8 into exp2 (Max_offset = 8 for
+    # FP8), so the row sum holds scaled values.
+    "fa3": KernelConfig(order="reverse", scale=256.0, scale_mode="exponent", block_kv=128, name="fa3"),
+    # FlashAttention-4 (Blackwell, CuTe DSL): flash_attn/cute/flash_fwd_sm100.py iterates
+    # n_block = n_block_max - 1 - n_tile (reverse); softmax.py uses max_offset = 8 for 8-bit P.
+    "fa4": KernelConfig(order="reverse", scale=256.0, scale_mode="exponent", block_kv=128, name="fa4"),
+    # FlashInfer SM90 FP8 prefill: include/flashinfer/attention/hopper/variants.cuh multiplies P by
+    # p_scale = max_E4M3 = 448 after exp; mainloop_mma.cuh walks kv_tile_idx downward (reverse) and
+    # the epilogue uses v_scale / p_scale. The paper's Table 2 label "Forward, S=448 — FlashInfer/TRT"
+    # implies forward; the source (and the paper's Table 3) say reverse, which we follow.
+    "flashinfer_sm90": KernelConfig(
+        order="reverse", scale=448.0, scale_mode="multiply", block_kv=128, name="flashinfer_sm90"
+    ),
+    # TensorRT-LLM XQA (SM90): cpp/kernels/xqa/mha_sm90.cu iterates idxIter = 0 .. nbIters
+    # (forward) and scales acc by kE4M3_MAX = 448 after the row sum; output × 1/448.
+    "trtllm_xqa": KernelConfig(order="forward", scale=448.0, scale_mode="multiply", block_kv=64, name="trtllm_xqa"),
+    # SageAttention2: csrc/qattn/attn_utils.cuh folds S_FP8_OFFSET = 8.807 (2^8.807 ≈ 448) into the
+    # exponent; forward order. Its INT8 per-block Q/K quantization is not modelled (P-cast isolated).
+    "sageattn2": KernelConfig(
+        order="forward", scale=2.0**8.807, scale_mode="exponent", block_kv=64, name="sageattn2"
+    ),
+    # SageAttention2++ (pv_accum_dtype="fp32+fp16"): sageattention/core.py keeps P at 448 and cuts
+    # the V range to 2.25 (quant_v_scale_max) so the FP16 PV accumulator cannot overflow. The paper's
+    # "S = 112" is not in the released code; we follow the code: S = 2^8.807 with an f16 accumulator.
+    "sageattn2pp": KernelConfig(
+        order="forward", scale=2.0**8.807, scale_mode="exponent", block_kv=64, accumulator="f16",
+        name="sageattn2pp",
+    ),
+    # Tencent hpc-ops prefill FP8, before the paper: src/attention/prefill/kernels.cuh walks
+    # itile_seq_kv forward with no P scale (S = 1); gSum from unscaled P.
+    "hpc_ops_prior": KernelConfig(order="forward", scale=1.0, scale_mode="multiply", block_kv=64, name="hpc_ops_prior"),
+    # Tencent hpc-ops prefill FP8, updated: kFp8PrefillPScale = 256.0f multiplies P after exp;
+    # epilogue × vscale / 256; forward order.
+    "hpc_ops": KernelConfig(order="forward", scale=256.0, scale_mode="multiply", block_kv=64, name="hpc_ops"),
+    # The paper's future work (§7.4): per-block power-of-two scale chosen from the block's max P.
+    "dynamic_pow2": KernelConfig(order="forward", scale_mode="dynamic", block_kv=64, name="dynamic_pow2"),
+}
+
+PRESETS: dict[str, KernelConfig] = {**PAPER_CONFIGS, **KERNEL_PRESETS}
+
+
+def get_preset(name: str) -> KernelConfig:
+    """Look up a preset by name (see :data:`PRESETS`)."""
+    check_choice("preset", name, tuple(PRESETS))
+    return PRESETS[name]
+
+
+def resolve(config: str | KernelConfig) -> KernelConfig:
+    """A preset name or a :class:`KernelConfig` → :class:`KernelConfig`."""
+    if isinstance(config, KernelConfig):
+        return config
+    if isinstance(config, str):
+        return get_preset(config)
+    raise PcastError(f"config={config!r} must be a preset name or a KernelConfig")

@@ -1,0 +1,349 @@
+"""The kernel-faithful simulator: what an FP8 attention kernel computes, block by block.
+
+Two engines compute the same thing:
+
+* :func:`attention` with ``engine="scan"`` — ``lax.scan`` over KV blocks in the kernel's order,
+  Algorithm 1 line by line (running max m, correction α, row sum ℓ from pre-cast P, P-cast, P8·V,
+  epilogue). This is the reference the Pallas kernels are checked against.
+* ``engine="fast"`` — the same numbers without the sequential loop: the running maximum after
+  each block is a cumulative max over block maxima, so every block's P and its cast are computed at
+  once, and the α chain collapses to one factor exp(m_b − m_final) per block. One batched
+  contraction replaces the per-block updates. It equals the scan engine to FP32 rounding (the α
+  products are rounded in a different order); the cast inputs, and so every zeroed P, are identical.
+
+Scores are logits with the softmax scale already applied, shape ``(..., q_len, N)``; V is
+``(..., N, d)``. Leading dimensions broadcast (vmap is the usual way to batch).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pcast_jax import formats
+from pcast_jax.config import KernelConfig, resolve
+from pcast_jax.errors import PcastError, check_choice
+
+__all__ = [
+    "AttentionResult",
+    "attention",
+    "attention_qkv",
+    "effective_weights",
+    "reference_attention",
+    "reference_probs",
+    "quantize_per_tensor",
+    "prepare_qkv",
+    "ENGINES",
+]
+
+ENGINES = ("scan", "fast")
+_LOG2E = math.log2(math.e)
+
+
+class AttentionResult(NamedTuple):
+    """What the simulated kernel returns, per query row.
+
+    Attributes:
+      out: (q_len, d) kernel output O / (S ℓ) (or O / ℓ for the exponent and dynamic modes).
+      row_sum: (q_len,) ℓ as the kernel holds it at the end (scaled in the exponent mode).
+      n_zeroed: (q_len,) how many counted positions had P > 0 but cast to 0.
+      n_counted: (q_len,) how many counted, unmasked positions there were.
+      zeroed_mass: (q_len,) exact softmax probability carried by the zeroed positions.
+    """
+
+    out: jax.Array
+    row_sum: jax.Array
+    n_zeroed: jax.Array
+    n_counted: jax.Array
+    zeroed_mass: jax.Array
+
+
+# --------------------------------------------------------------------------------------------
+# One block: the lines of Algorithm 1 that both engines share.
+# --------------------------------------------------------------------------------------------
+
+
+def _safe(m):
+    """m with −inf replaced by 0, so fully masked rows give exp(−inf) = 0 rather than NaN."""
+    return jnp.where(jnp.isfinite(m), m, 0.0)
+
+
+def _alpha(m_old, m_new, cfg: KernelConfig):
+    """Line 6: α = exp(m_old − m_new) (exp2 form in the exponent mode)."""
+    if cfg.scale_mode == "exponent":
+        return jnp.exp2((m_old - _safe(m_new)) * _LOG2E)
+    return jnp.exp(m_old - _safe(m_new))
+
+
+def _block_probs(z, m_new, cfg: KernelConfig):
+    """Lines 7 and 9 before the cast: (P that ℓ sums, P·S that is cast, per-row unscale factor).
+
+    ``z``: (..., B) scores of a block; ``m_new``: (...) running max after the block (−inf allowed).
+    The unscale factor is what each block's P8·V is multiplied by before accumulation (1 except in
+    the dynamic mode, where it is 2^-k, an exact power of two).
+    """
+    m = _safe(m_new)[..., None]
+    if cfg.scale_mode == "exponent":
+        p = jnp.exp2(z * _LOG2E - (m * _LOG2E - cfg.log2_scale))
+        return p, p, None
+    p = jnp.exp(z - m)
+    if cfg.scale_mode == "multiply":
+        return p, p * jnp.float32(cfg.scale), None
+    # dynamic: largest 2^k with rowmax(P)·2^k <= max of the format (P <= 1, so k >= 8 for E4M3)
+    pmax = jnp.max(p, axis=-1)
+    fmax = cfg.fmt.max
+    k = jnp.floor(jnp.log2(jnp.float32(fmax) / jnp.where(pmax > 0, pmax, 1.0)))
+    k = jnp.clip(k, 0, 126)
+    s = jnp.exp2(k)
+    # guard against log2 rounding: make sure pmax * s <= fmax
+    s = jnp.where(pmax * s > fmax, s * 0.5, s)
+    return p, p * s[..., None], 1.0 / s
+
+
+def _cast(x, cfg: KernelConfig):
+    return formats.cast(x, cfg.fmt, overflow=cfg.overflow)
+
+
+def _pv(p8, v, cfg: KernelConfig):
+    """Line 10's product P8 · V_j with FP32 accumulation (rounded to f16 for an f16 accumulator)."""
+    y = jnp.einsum("...qb,...bd->...qd", p8, v, precision=jax.lax.Precision.HIGHEST)
+    if cfg.accumulator == "f16":
+        y = y.astype(jnp.float16).astype(jnp.float32)
+    return y
+
+
+def _epilogue_divisor(row_sum, cfg: KernelConfig):
+    """Line 12: O / (S ℓ) in the multiply mode; O / ℓ where ℓ already holds S or S was undone."""
+    if cfg.scale_mode == "multiply":
+        return jnp.float32(cfg.scale) * row_sum
+    return row_sum
+
+
+# --------------------------------------------------------------------------------------------
+# Layout: pad N to a multiple of block_kv with masked keys; causal and count masks.
+# --------------------------------------------------------------------------------------------
+
+
+def _prepare(scores, v, cfg: KernelConfig, count_mask, q_offset):
+    scores = jnp.asarray(scores, jnp.float32)
+    v = jnp.asarray(v, jnp.float32)
+    if scores.ndim < 2 or v.ndim < 2:
+        raise PcastError(f"scores must be (..., q_len, N) and v (..., N, d); got {scores.shape} and {v.shape}")
+    q_len, n = scores.shape[-2:]
+    if v.shape[-2] != n:
+        raise PcastError(f"v has {v.shape[-2]} keys but scores has N={n} (v.shape={v.shape})")
+    if q_len == 0 or n == 0 or v.shape[-1] == 0:
+        raise PcastError(f"empty attention: scores.shape={scores.shape}, v.shape={v.shape}")
+    valid = jnp.ones((q_len, n), bool)
+    if cfg.causal:
+        off = n - q_len if q_offset is None else q_offset
+        qpos = jnp.arange(q_len)[:, None] + off
+        valid = jnp.arange(n)[None, :] <= qpos
+    counted = valid if count_mask is None else valid & jnp.asarray(count_mask, bool)[..., None, :]
+    scores = jnp.where(valid, scores, -jnp.inf)
+    pad = (-n) % cfg.block_kv
+    if pad:
+        widths = [(0, 0)] * (scores.ndim - 1) + [(0, pad)]
+        scores = jnp.pad(scores, widths, constant_values=-jnp.inf)
+        v = jnp.pad(v, [(0, 0)] * (v.ndim - 2) + [(0, pad), (0, 0)])
+        cw = [(0, 0)] * (counted.ndim - 1) + [(0, pad)]
+        counted = jnp.pad(counted, cw, constant_values=False)
+    counted = jnp.broadcast_to(counted, scores.shape)
+    return scores, v, counted
+
+
+def _blocks(x, block_kv: int, axis: int):
+    """Split ``axis`` into (n_blocks, block_kv) and move n_blocks to the front."""
+    axis = axis % x.ndim
+    shape = x.shape[:axis] + (x.shape[axis] // block_kv, block_kv) + x.shape[axis + 1 :]
+    return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+
+def _order(x, cfg: KernelConfig):
+    return x[::-1] if cfg.order == "reverse" else x
+
+
+# --------------------------------------------------------------------------------------------
+# Engines
+# --------------------------------------------------------------------------------------------
+
+
+def _scan_engine(scores, v, counted, cfg: KernelConfig) -> AttentionResult:
+    zb = _order(_blocks(scores, cfg.block_kv, -1), cfg)  # (nb, ..., q, B)
+    vb = _order(_blocks(v, cfg.block_kv, -2), cfg)  # (nb, ..., B, d)
+    cb = _order(_blocks(counted, cfg.block_kv, -1), cfg)
+    batch_q = scores.shape[:-1]
+    d = v.shape[-1]
+
+    def step(carry, xs):
+        m, ell, o, nz, lz = carry
+        z, vj, cj = xs
+        m_new = jnp.maximum(m, jnp.max(z, axis=-1))  # lines 4-5
+        alpha = _alpha(m, m_new, cfg)  # line 6
+        p, ps, unscale = _block_probs(z, m_new, cfg)  # line 7
+        ell = alpha * ell + jnp.sum(p, axis=-1)  # line 8
+        p8 = _cast(ps, cfg)  # line 9
+        pv = _pv(p8, vj, cfg)
+        if unscale is not None:
+            pv = pv * unscale[..., None]
+        o = alpha[..., None] * o + pv  # line 10
+        zero = cj & (p8 == 0) & (ps > 0)
+        nz = nz + jnp.sum(zero, axis=-1, dtype=jnp.int32)
+        lz = alpha * lz + jnp.sum(jnp.where(zero, p, 0.0), axis=-1)
+        return (m_new, ell, o, nz, lz), None
+
+    init = (
+        jnp.full(batch_q, -jnp.inf, jnp.float32),
+        jnp.zeros(batch_q, jnp.float32),
+        jnp.zeros(batch_q + (d,), jnp.float32),
+        jnp.zeros(batch_q, jnp.int32),
+        jnp.zeros(batch_q, jnp.float32),
+    )
+    (m, ell, o, nz, lz), _ = jax.lax.scan(step, init, (zb, vb, cb))
+    out = o / _epilogue_divisor(ell, cfg)[..., None]  # line 12
+    return AttentionResult(out, ell, nz, jnp.sum(counted, axis=-1, dtype=jnp.int32), lz / ell)
+
+
+def _fast_parts(scores, counted, cfg: KernelConfig):
+    """Everything of the fast engine except the contraction with V (shared with the weights)."""
+    zb = _order(_blocks(scores, cfg.block_kv, -1), cfg)  # (nb, ..., q, B)
+    cb = _order(_blocks(counted, cfg.block_kv, -1), cfg)
+    m_run = jax.lax.cummax(jnp.max(zb, axis=-1), axis=0)  # running max after each block, (nb, ..., q)
+    p, ps, unscale = _block_probs(zb, m_run, cfg)
+    p8 = _cast(ps, cfg)
+    # α chain: block b's contribution is multiplied by exp(m_b − m_final) by the end
+    decay = _alpha(m_run, m_run[-1][None], cfg)  # (nb, ..., q)
+    ell = jnp.sum(decay * jnp.sum(p, axis=-1), axis=0)
+    zero = cb & (p8 == 0) & (ps > 0)
+    lz = jnp.sum(decay * jnp.sum(jnp.where(zero, p, 0.0), axis=-1), axis=0)
+    nz = jnp.sum(zero, axis=(0, -1), dtype=jnp.int32)
+    w = decay if unscale is None else decay * unscale  # per block and row, multiplies P8
+    return p8, w, ell, nz, lz
+
+
+def _fast_engine(scores, v, counted, cfg: KernelConfig) -> AttentionResult:
+    p8, w, ell, nz, lz = _fast_parts(scores, counted, cfg)
+    vb = _order(_blocks(v, cfg.block_kv, -2), cfg)  # (nb, ..., B, d)
+    if cfg.accumulator == "f32":
+        o = jnp.einsum(
+            "n...qb,n...bd->...qd", p8 * w[..., None], vb, precision=jax.lax.Precision.HIGHEST
+        )
+    else:  # each block's product is rounded to f16 before the FP32 accumulation
+        o = jnp.sum(w[..., None] * _pv(p8, vb, cfg), axis=0)
+    out = o / _epilogue_divisor(ell, cfg)[..., None]
+    return AttentionResult(out, ell, nz, jnp.sum(counted, axis=-1, dtype=jnp.int32), lz / ell)
+
+
+def effective_weights(scores, config, *, q_offset: int | None = None):
+    """(..., q_len, N) weights W with kernel output = W · V when the accumulator is FP32.
+
+    W = P8 · exp(m_b − m_final) / (S ℓ) per key (in key order, padding dropped). With V entries
+    i.i.d. of variance σ_V², the expected per-dimension squared error given the scores is
+    σ_V² Σ_j (W_j − P_j)² (P the exact softmax) — Prop. 3 / Eq. (8) with the quantization noise of
+    the surviving P kept, and the collapse term Σ_{j∈Z} P_j² as the special case W_j = 0.
+    """
+    cfg = resolve(config)
+    n = jnp.shape(scores)[-1]
+    scores, _, counted = _prepare(scores, jnp.zeros(jnp.shape(scores)[-1:] + (1,)), cfg, None, q_offset)
+    p8, w, ell, _, _ = _fast_parts(scores, counted, cfg)
+    wk = p8 * w[..., None] / _epilogue_divisor(ell, cfg)[None, ..., None]  # (nb, ..., q, B)
+    wk = _order(wk, cfg)  # back to key order
+    wk = jnp.moveaxis(wk, 0, -2)  # (..., q, nb, B)
+    return wk.reshape(wk.shape[:-2] + (-1,))[..., :n]
+
+
+def attention(
+    scores,
+    v,
+    config: str | KernelConfig,
+    *,
+    engine: str = "fast",
+    count_mask=None,
+    q_offset: int | None = None,
+) -> AttentionResult:
+    """Simulate the kernel's attention for precomputed scores.
+
+    Args:
+      scores: (..., q_len, N) float32 logits (softmax scale applied).
+      v: (..., N, d) values as the kernel sees them (already dequantized if FP8).
+      config: a preset name or :class:`KernelConfig`.
+      engine: ``"scan"`` (block by block, the reference) or ``"fast"``.
+      count_mask: optional (N,) bool, positions counted in ``n_zeroed``/``zeroed_mass``
+        (e.g. the non-sink positions); all positions by default.
+      q_offset: position of query row 0 for the causal mask (default N − q_len).
+    """
+    cfg = resolve(config)
+    check_choice("engine", engine, ENGINES)
+    scores, v, counted = _prepare(scores, v, cfg, count_mask, q_offset)
+    fn = _scan_engine if engine == "scan" else _fast_engine
+    return fn(scores, v, counted, cfg)
+
+
+def reference_probs(scores, *, causal: bool = False, q_offset: int | None = None):
+    """Exact FP32 softmax of the scores (the reference's P / ℓ)."""
+    scores = jnp.asarray(scores, jnp.float32)
+    if causal:
+        q_len, n = scores.shape[-2:]
+        off = n - q_len if q_offset is None else q_offset
+        valid = jnp.arange(n)[None, :] <= (jnp.arange(q_len)[:, None] + off)
+        scores = jnp.where(valid, scores, -jnp.inf)
+    return jax.nn.softmax(scores, axis=-1)
+
+
+def reference_attention(scores, v, *, causal: bool = False, q_offset: int | None = None):
+    """FP32 softmax attention, the reference every MSE is measured against."""
+    p = reference_probs(scores, causal=causal, q_offset=q_offset)
+    return jnp.einsum("...qn,...nd->...qd", p, jnp.asarray(v, jnp.float32), precision=jax.lax.Precision.HIGHEST)
+
+
+# --------------------------------------------------------------------------------------------
+# Q/K/V inputs
+# --------------------------------------------------------------------------------------------
+
+
+def quantize_per_tensor(x, fmt="e4m3"):
+    """Per-tensor FP8 quantization as production kernels do: scale = amax / max_fmt.
+
+    Returns ``(x8, descale)`` with x8 the FP8-rounded values (float32 storage) of x / descale.
+    An all-zero tensor gets descale 1.
+    """
+    f = formats.get_format(fmt)
+    x = jnp.asarray(x, jnp.float32)
+    amax = jnp.max(jnp.abs(x))
+    descale = jnp.where(amax > 0, amax / f.max, 1.0).astype(jnp.float32)
+    return formats.cast(x / descale, f, overflow="satfinite"), descale
+
+
+def prepare_qkv(q, k, v, config, *, softmax_scale: float | None = None):
+    """Scores and V as the kernel sees them for Q (..., q_len, d), K and V (..., N, d).
+
+    With ``config.qkv == "e4m3"`` Q, K, V are quantized per tensor; the scores are the FP8×FP8
+    products accumulated in FP32 times q_descale·k_descale·softmax_scale, and V is the dequantized
+    FP8 value (its descale applied to the values, which equals applying it to the output).
+    """
+    cfg = resolve(config)
+    q, k, v = (jnp.asarray(a, jnp.float32) for a in (q, k, v))
+    if q.shape[-1] != k.shape[-1]:
+        raise PcastError(f"q and k head dims differ: q.shape={q.shape}, k.shape={k.shape}")
+    if k.shape[-2] != v.shape[-2]:
+        raise PcastError(f"k and v lengths differ: k.shape={k.shape}, v.shape={v.shape}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    if cfg.qkv == "e4m3":
+        q8, dq = quantize_per_tensor(q)
+        k8, dk = quantize_per_tensor(k)
+        v8, dv = quantize_per_tensor(v)
+        s = jnp.einsum("...qd,...nd->...qn", q8, k8, precision=jax.lax.Precision.HIGHEST)
+        return s * (dq * dk * scale), v8 * dv
+    s = jnp.einsum("...qd,...nd->...qn", q, k, precision=jax.lax.Precision.HIGHEST)
+    return s * scale, v
+
+
+def attention_qkv(q, k, v, config, *, softmax_scale=None, engine: str = "fast", count_mask=None,
+                  q_offset=None) -> AttentionResult:
+    """:func:`attention` from Q, K, V (see :func:`prepare_qkv` for the FP8 Q/K/V path)."""
+    cfg = resolve(config)
+    scores, v_seen = prepare_qkv(q, k, v, cfg, softmax_scale=softmax_scale)
+    return attention(scores, v_seen, cfg, engine=engine, count_mask=count_mask, q_offset=q_offset)

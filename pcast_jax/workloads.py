@@ -1,0 +1,91 @@
+"""Workloads: synthetic attention sinks (§3.1, §6) and scores from given Q/K/V.
+
+A synthetic sink instance is drawn from one PRNG key: non-sink scores s ~ N(0, σ²) for every query
+row and key, sink keys get Δ added to the same kind of draw (so a sink score is Δ + σz, the paper's
+convention behind m_global = Δ + δk, Eq. (3)), and V ~ N(0, σ_V²). The key does not depend on Δ, so
+one seed gives the same draws at every Δ (common random numbers: curves over Δ are smooth and
+paired comparisons are exact).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pcast_jax.errors import PcastError, check_int, check_positive
+
+__all__ = ["SinkWorkload", "Instance", "make_instance", "sink_mask"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class SinkWorkload:
+    """Shape and statistics of a synthetic sink workload (Δ is passed separately, it may be traced).
+
+    Attributes:
+      n: KV length N.
+      q_len: query rows per instance (the paper uses 32).
+      d: head dimension of V (the paper uses 128).
+      k_sink: number of sink tokens (ignored when ``sink_positions`` is given).
+      sink_positions: explicit sink key positions for multi-sink patterns; default the first k_sink.
+      sigma: non-sink score standard deviation σ.
+      sigma_v: standard deviation of V entries.
+    """
+
+    n: int = 4096
+    q_len: int = 32
+    d: int = 128
+    k_sink: int = 4
+    sink_positions: tuple[int, ...] | None = None
+    sigma: float = 1.0
+    sigma_v: float = 1.0
+
+    def __post_init__(self):
+        check_int("n", self.n, min_value=1)
+        check_int("q_len", self.q_len, min_value=1)
+        check_int("d", self.d, min_value=1)
+        check_positive("sigma", self.sigma)
+        check_positive("sigma_v", self.sigma_v)
+        if self.sink_positions is None:
+            check_int("k_sink", self.k_sink, min_value=0, max_value=self.n)
+        else:
+            pos = tuple(int(p) for p in self.sink_positions)
+            if len(set(pos)) != len(pos):
+                raise PcastError(f"sink_positions={pos} has duplicates")
+            if any(p < 0 or p >= self.n for p in pos):
+                raise PcastError(f"sink_positions={pos} must lie in [0, n={self.n})")
+            object.__setattr__(self, "sink_positions", pos)
+            object.__setattr__(self, "k_sink", len(pos))
+
+    @property
+    def positions(self) -> tuple[int, ...]:
+        return self.sink_positions if self.sink_positions is not None else tuple(range(self.k_sink))
+
+
+def sink_mask(workload: SinkWorkload) -> np.ndarray:
+    """(N,) bool, True at the sink keys."""
+    m = np.zeros(workload.n, bool)
+    m[list(workload.positions)] = True
+    return m
+
+
+class Instance(NamedTuple):
+    """One attention instance: scores (q_len, N), V (N, d), and which keys are sinks (N,)."""
+
+    scores: jax.Array
+    v: jax.Array
+    is_sink: jax.Array
+
+
+def make_instance(key, workload: SinkWorkload, delta) -> Instance:
+    """Draw one synthetic sink instance. ``delta`` may be a traced scalar (vmap over Δ)."""
+    w = workload
+    ks, kv = jax.random.split(key)
+    scores = w.sigma * jax.random.normal(ks, (w.q_len, w.n), jnp.float32)
+    is_sink = jnp.asarray(sink_mask(w))
+    scores = scores + jnp.where(is_sink, jnp.asarray(delta, jnp.float32), 0.0)
+    v = w.sigma_v * jax.random.normal(kv, (w.n, w.d), jnp.float32)
+    return Instance(scores, v, is_sink)
