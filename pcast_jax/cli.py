@@ -1,5 +1,5 @@
 """The ``pcast`` command line. Each sub-command lives in ``pcast_jax/commands/<name>.py`` and
-exposes ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``; modules are
+exposes ``add_arguments(parser)`` and ``run(args) -> int`` (its one-line help is in ``COMMANDS``); modules are
 imported only when their sub-command runs, so ``pcast --help`` stays fast.
 
 Errors a user can cause (:class:`ValueError`, including :class:`pcast_jax.errors.PcastError`,

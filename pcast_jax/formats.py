@@ -73,8 +73,8 @@ class FP8Format:
     def nan_threshold(self) -> float:
         """Smallest magnitude that no longer rounds to max under round-to-nearest-even.
 
-        Exactly this value is a tie that rounds to max (max has an even mantissa), so overflow
-        starts strictly above it: 464 for E4M3FN, 61440 for E5M2.
+        Exactly this value is a tie: it rounds to max when max has an even mantissa (E4M3FN:
+        464 → 448, so overflow starts strictly above 464) and overflows otherwise (E5M2: 61440 → inf).
         """
         return self.max + self.max_lsb / 2.0
 

@@ -1,0 +1,648 @@
+"""The paper's closed forms, exact and differentiable.
+
+Every function names its equation / proposition. Scores follow the paper's model (§3.1): non-sink
+scores ``s ~ N(0, σ²)`` and the ``k_sink`` sink scores ``Δ + σ·z`` with ``z ~ N(0, 1)``; the paper
+is the case ``σ = 1``. ``scale`` is the static P-scale ``S`` of Alg. 1 (``P_fp8 = cast(P·S)``).
+
+The smooth functions (δk, F, Δc, thresholds, Prop. 3, Thm. 4) are written in ``jax.numpy`` and are
+``jax.jit``- and ``jax.grad``-able in every real argument (Δ, S, σ and even k). Concrete Python /
+numpy inputs are validated and raise :class:`~pcast_jax.errors.PcastError` naming the parameter;
+traced values pass through unchecked. The discrete results (dp(S), Prop. 5, Theorems 6–7) are
+computed by exact enumeration of the E4M3 number line.
+
+A cast gives zero when ``P·S ≤ 2^-10`` (the tie at ``2^-10`` rounds to even, i.e. 0); the paper
+writes ``<``, which differs only on a set of measure zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.scipy.special import log_ndtr, ndtr
+from jax.scipy.stats import norm
+
+from pcast_jax import formats
+from pcast_jax.errors import PcastError
+
+__all__ = [
+    "LN2",
+    "delta_k",
+    "delta_k_asymptotic",
+    "underflow_threshold",
+    "underflow_p_threshold",
+    "collapse_fraction",
+    "collapse_fraction_spread",
+    "critical_delta",
+    "mse_collapse",
+    "pre_sink_max",
+    "reverse_underflow_prob",
+    "non_sink_mass",
+    "is_bit_exact_scale",
+    "scaling_exactness",
+    "dp",
+    "dp_table",
+    "top_lsb_table",
+    "normal_coverage",
+    "theorem6_holds",
+    "Characterization",
+    "characterize_s256",
+    "table1_closed_form",
+]
+
+LN2 = math.log(2.0)
+
+# Fixed quadrature grid for densities of Gaussian maxima.  The density of the max of k iid N(0,1)
+# is analytic and decays like a Gaussian on the left and like k·φ(x) on the right, so the plain
+# trapezoid rule on a uniform grid converges geometrically; with step 0.01 on [-12, 14] the
+# discretisation error is far below float32 rounding for every k in [1, 1e30].
+_GRID_LO, _GRID_HI, _GRID_STEP = -12.0, 14.0, 0.01
+_GRID_NP = _GRID_LO + _GRID_STEP * np.arange(int(round((_GRID_HI - _GRID_LO) / _GRID_STEP)) + 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation of concrete inputs (traced / jax values pass through so jit and grad keep working).
+# --------------------------------------------------------------------------------------------
+def _concrete(value):
+    """Return ``value`` as a float64 numpy array if it is concrete host data, else ``None``."""
+    if isinstance(value, bool) or isinstance(value, np.bool_):
+        raise PcastError(f"got a boolean {value!r} where a number was expected")
+    if isinstance(value, (numbers.Real, np.generic)):
+        return np.asarray(float(value))
+    if isinstance(value, np.ndarray):
+        if value.dtype == bool:
+            raise PcastError("got a boolean array where numbers were expected")
+        return value.astype(np.float64)
+    if isinstance(value, (list, tuple)):
+        return np.asarray(value, dtype=np.float64)
+    return None
+
+
+def _shown(param: str, value, arr: np.ndarray) -> str:
+    if isinstance(value, numbers.Real) and not isinstance(value, np.generic):
+        return f"{param}={value!r}"
+    if arr.ndim == 0:
+        return f"{param}={float(arr)!r}"
+    return f"{param} (array, offending value {float(arr.flat[0])!r})"
+
+
+def _check(param: str, value, *, lo: float | None = None, strict: bool = False,
+           lo_text: str | None = None) -> None:
+    """Raise PcastError unless every concrete value is finite and above ``lo``."""
+    arr = _concrete(value)
+    if arr is None:
+        return
+    bad = ~np.isfinite(arr)
+    if bad.any():
+        raise PcastError(f"{_shown(param, value, arr[bad] if arr.ndim else arr)} must be finite "
+                         "(got NaN or inf)")
+    if lo is not None:
+        bad = arr <= lo if strict else arr < lo
+        if bad.any():
+            op = ">" if strict else ">="
+            raise PcastError(f"{_shown(param, value, arr[bad] if arr.ndim else arr)} must be "
+                             f"{op} {lo_text or format(lo, 'g')}")
+
+
+def _float_dtype():
+    return jnp.result_type(float)
+
+
+def _cast_threshold_log(fmt) -> float:
+    """``-ln(round-to-zero boundary)``: 10 ln 2 ≈ 6.93 for E4M3 (Eq. (5)), 17 ln 2 for E5M2."""
+    return -math.log(formats.get_format(fmt).round_to_zero)
+
+
+# --------------------------------------------------------------------------------------------
+# Gaussian maxima (Eq. (3), Eq. (11)).
+# --------------------------------------------------------------------------------------------
+def _grid():
+    return jnp.asarray(_GRID_NP, _float_dtype())
+
+
+def _log_cdf(x):
+    """ln Φ(x), accurate in float32 on both tails (ln Φ(x) = log1p(−Φ(−x)) for x > 0)."""
+    positive = x > 0
+    upper = jnp.log1p(-ndtr(-jnp.where(positive, x, 1.0)))
+    lower = log_ndtr(jnp.where(positive, -1.0, x))
+    return jnp.where(positive, upper, lower)
+
+
+def _max_density(x, k):
+    """Density of the max of ``k`` iid N(0,1) on ``x``: k·φ(x)·Φ(x)^(k-1) (in log space)."""
+    return k * jnp.exp(norm.logpdf(x) + (k - 1.0) * _log_cdf(x))
+
+
+def _expect_over_max(fn, k):
+    """E[fn(M)] for M = max of ``k`` iid N(0,1), by the trapezoid rule on the fixed grid.
+
+    ``k`` may be an array; ``fn`` receives the grid broadcast against ``k`` (grid on the last axis).
+    """
+    x = _grid()
+    k = jnp.asarray(k, _float_dtype())
+    shape = k.shape + x.shape
+    x = jnp.broadcast_to(x, shape)  # explicit broadcasting: fine under rank_promotion="raise"
+    density = _max_density(x, jnp.broadcast_to(k[..., None], shape))
+    # Self-normalised (Σ weights = 1 exactly): removes the common float32 rounding of the density,
+    # which keeps |error| < 1e-6 for k up to 1e30 in float32 (~1e-14 in float64).
+    weights = density / jnp.sum(density, axis=-1, keepdims=True)
+    return jnp.sum(weights * fn(x), axis=-1)
+
+
+def delta_k(k):
+    """δk = E[max of k iid N(0,1)], Eq. (3), computed exactly by quadrature.
+
+    δk = ∫ x · k φ(x) Φ(x)^(k-1) dx, evaluated with the trapezoid rule on a fixed grid (absolute
+    error below 1e-6 in float32 for k up to 1e30, ~1e-14 in float64). δ1 = 0,
+    δ2 = 1/√π ≈ 0.5642, δ4 ≈ 1.0294. ``k`` may be real (the max whose CDF is Φ^k) and traced.
+
+    Args:
+      k: number of Gaussians, >= 1 (scalar or array).
+    """
+    _check("k", k, lo=1.0)
+    return _delta_k_core(jnp.asarray(k, _float_dtype()))
+
+
+@jax.jit
+def _delta_k_core(k):
+    return _expect_over_max(lambda x: x, k)
+
+
+def delta_k_asymptotic(k):
+    """The asymptotic √(2 ln k) that the paper contrasts with δk in §3.2 (1.67 at k = 4)."""
+    _check("k", k, lo=1.0)
+    return jnp.sqrt(2.0 * jnp.log(jnp.asarray(k, _float_dtype())))
+
+
+# --------------------------------------------------------------------------------------------
+# Forward-order collapse (Prop. 1, Eq. (5)–(7)).
+# --------------------------------------------------------------------------------------------
+def underflow_p_threshold(scale, *, fmt="e4m3"):
+    """Largest P that casts to zero with scale S, Prop. 1 / Eq. (5): P·S ≤ 2^-10 ⇔ P ≤ 2^-10/S."""
+    _check("scale", scale, lo=0.0, strict=True)
+    rtz = formats.get_format(fmt).round_to_zero
+    return rtz / jnp.asarray(scale, _float_dtype())
+
+
+def underflow_threshold(delta, scale, *, k_sink=4, sigma=1.0, fmt="e4m3"):
+    """Score below which a non-sink P underflows in forward order, Prop. 1 / Eq. (6).
+
+    Forward order puts the sink block first, so m_global = Δ + σ·δk (Eq. (3) with sink scores
+    Δ + σ z) and P = exp(s − m_global). P·S < 2^-10 ⇔ s < Δ + σ·δk − 10 ln 2 − ln S.
+    σ enters only through the sink-max shift σ·δk; the threshold is on the raw score s (to turn it
+    into a fraction divide by σ, see :func:`collapse_fraction`). σ = 1 gives Eq. (6) as printed.
+
+    Args:
+      delta: sink strength Δ (sink logit gap over the non-sink mean).
+      scale: static P-scale S > 0.
+      k_sink: number of sink tokens (>= 1).
+      sigma: standard deviation σ > 0 of the scores.
+      fmt: FP8 format of the cast (10 ln 2 becomes −ln(round-to-zero boundary)).
+    """
+    _check("delta", delta)
+    _check("scale", scale, lo=0.0, strict=True)
+    _check("k_sink", k_sink, lo=1.0)
+    _check("sigma", sigma, lo=0.0, strict=True)
+    return _threshold_core(*_arrays(delta, scale, k_sink, sigma), cast_log=_cast_threshold_log(fmt))
+
+
+def _arrays(*values):
+    dtype = _float_dtype()
+    return tuple(jnp.asarray(v, dtype) for v in values)
+
+
+@functools.partial(jax.jit, static_argnames=("cast_log",))
+def _threshold_core(delta, scale, k, sigma, *, cast_log):
+    return delta + sigma * _delta_k_core(k) - cast_log - jnp.log(scale)
+
+
+@functools.partial(jax.jit, static_argnames=("cast_log",))
+def _fraction_core(delta, scale, k, sigma, *, cast_log):
+    return norm.cdf(_threshold_core(delta, scale, k, sigma, cast_log=cast_log) / sigma)
+
+
+def collapse_fraction(delta, scale, *, k_sink=4, sigma=1.0, fmt="e4m3"):
+    """Fraction of non-sink P zeroed in forward order, Corollary 2 / Eq. (7).
+
+    Paper (σ = 1): F(Δ, S) = Φ(Δ + δk − 10 ln 2 − ln S). Generalisation to non-sink scores
+    s ~ N(0, σ²) and sink scores Δ + σ z: the threshold of Eq. (6) on s is
+    t = Δ + σ δk − 10 ln 2 − ln S, so F = Pr[s < t] = Φ((Δ + σ δk − 10 ln 2 − ln S)/σ).
+    This plugs in the *mean* of the sink max; see :func:`collapse_fraction_spread` for the version
+    that integrates over its spread. Smooth in Δ, S, σ (and k).
+    """
+    _check("delta", delta)
+    _check("scale", scale, lo=0.0, strict=True)
+    _check("k_sink", k_sink, lo=1.0)
+    _check("sigma", sigma, lo=0.0, strict=True)
+    return _fraction_core(*_arrays(delta, scale, k_sink, sigma), cast_log=_cast_threshold_log(fmt))
+
+
+def collapse_fraction_spread(delta, scale, *, k_sink=4, sigma=1.0, fmt="e4m3"):
+    """Eq. (7) integrated over the per-row spread of m_global (proof of Corollary 2).
+
+    F_spread = E_M[Φ((Δ + σM − 10 ln 2 − ln S)/σ)], M ~ max of k_sink iid N(0,1), i.e. the
+    exact probability Pr[s < m_global − 10 ln 2 − ln S] when m_global is the sink max
+    Δ + σ·max(z) (non-sink scores exceeding the sink max are neglected, which is immaterial
+    for Δ ≳ 4). Equivalently Pr[s/σ − M < (Δ − 10 ln 2 − ln S)/σ], a wider distribution than the
+    plug-in of Eq. (7): F_spread > F in the lower tail and F_spread < F in the upper tail. At
+    Δ = Δc it equals E[Φ(M − δk)] ≈ 0.497 for k = 4 (not exactly 1/2: M is right-skewed), for
+    every S and σ. It reproduces the paper's simulated Table 1 columns to about one point, where
+    Eq. (7) is off by up to ~4 points.
+    """
+    _check("delta", delta)
+    _check("scale", scale, lo=0.0, strict=True)
+    _check("k_sink", k_sink, lo=1.0)
+    _check("sigma", sigma, lo=0.0, strict=True)
+    return _spread_core(*_arrays(delta, scale, k_sink, sigma), cast_log=_cast_threshold_log(fmt))
+
+
+@functools.partial(jax.jit, static_argnames=("cast_log",))
+def _spread_core(delta, scale, k, sigma, *, cast_log):
+    offset = (delta - cast_log - jnp.log(scale)) / sigma
+    offset, k = jnp.broadcast_arrays(offset, k)
+    return _expect_over_max(lambda x: norm.cdf(offset[..., None] + x), k)
+
+
+def critical_delta(scale, *, k_sink=4, sigma=1.0, fmt="e4m3"):
+    """Critical sink strength Δc = 10 ln 2 + ln S − σ δk, Eq. (7) / §7.2.
+
+    At Δ = Δc the median non-sink P sits on the round-to-zero boundary 2^-10/S and F = 1/2
+    (for every σ). Δc ≈ 5.90 at S = 1 and ≈ 11.45 at S = 256 (k = 4, σ = 1).
+    """
+    _check("scale", scale, lo=0.0, strict=True)
+    _check("k_sink", k_sink, lo=1.0)
+    _check("sigma", sigma, lo=0.0, strict=True)
+    return _critical_core(*_arrays(scale, k_sink, sigma), cast_log=_cast_threshold_log(fmt))
+
+
+@functools.partial(jax.jit, static_argnames=("cast_log",))
+def _critical_core(scale, k, sigma, *, cast_log):
+    return cast_log + jnp.log(scale) - sigma * _delta_k_core(k)
+
+
+def mse_collapse(p, zeroed_mask, sigma_v, *, axis=-1):
+    """Per-dimension output MSE from the zeroed set Z, Prop. 3 / Eq. (9).
+
+    MSE = σV² / ℓ² · Σ_{j∈Z} P_j², with ℓ = Σ_j P_j over all positions (the exact FP32 running
+    sum). Assumes zero-mean V rows with E[V Vᵀ] = σV² I, pairwise uncorrelated (Eq. (8)'s
+    cross term vanishes). Smooth in ``p`` and ``sigma_v``.
+
+    Args:
+      p: probabilities P_j (any positive scale; only ratios to ℓ matter), reduced over ``axis``.
+      zeroed_mask: boolean array of p's shape, True where the cast zeroed P_j (j ∈ Z).
+      sigma_v: standard deviation σV of V's entries (>= 0).
+      axis: the position axis.
+    """
+    _check("sigma_v", sigma_v, lo=0.0)
+    p = jnp.asarray(p)
+    zeroed_mask = jnp.asarray(zeroed_mask)
+    if p.shape != zeroed_mask.shape:
+        raise PcastError(f"zeroed_mask shape {zeroed_mask.shape} must equal p shape {p.shape}")
+    if zeroed_mask.dtype != jnp.bool_:
+        raise PcastError(f"zeroed_mask must be boolean, got dtype {zeroed_mask.dtype}")
+    ell = jnp.sum(p, axis=axis)
+    lost = jnp.sum(jnp.where(zeroed_mask, p * p, jnp.zeros_like(p)), axis=axis)
+    return jnp.square(jnp.asarray(sigma_v, p.dtype)) * lost / jnp.square(ell)
+
+
+def non_sink_mass(delta, *, n=4096, k_sink=4, sigma=1.0, per_row=True):
+    """Share of the softmax mass on non-sink tokens (Table 1 "Non-sink mass").
+
+    With A = Σ_{N−k} e^s (non-sink) and B = Σ_k e^(Δ+σz) (sinks) the share is A/(A + B).
+
+    * ``per_row=False``: mean-field ratio of expectations (N − k)/((N − k) + k e^Δ) (the e^(σ²/2)
+      factors cancel, so σ drops out).
+    * ``per_row=True`` (default): E[A/(A + B)] over the sink fluctuations, the per-row average the
+      paper tabulates. A is replaced by its mean (N − k)e^(σ²/2) (relative spread ≈ 2% at
+      N = 4096, σ = 1, a second-order effect: ~0.1 point; ~0.3 point at σ = 2) and the
+      expectation over the k lognormal sink terms is exact via 1/(1 + X) = ∫₀^∞ e^(−t(1+X)) dt:
+      E = ∫₀^∞ e^(−t) L(c t)^k dt, L(u) = E[exp(−u e^(σz))], c = e^(Δ − σ²/2)/(N − k),
+      a two-dimensional quadrature. Smooth in Δ, σ, N, k.
+    """
+    _check("delta", delta)
+    _check("k_sink", k_sink, lo=1.0)
+    _check("sigma", sigma, lo=0.0, strict=True)
+    _check_n(n, k_sink)
+    dtype = _float_dtype()
+    delta = jnp.asarray(delta, dtype)
+    k = jnp.asarray(k_sink, dtype)
+    rest = jnp.asarray(n, dtype) - k
+    if not per_row:
+        return rest / (rest + k * jnp.exp(delta))
+    return _per_row_mass_core(delta, k, rest, jnp.asarray(sigma, dtype))
+
+
+@jax.jit
+def _per_row_mass_core(delta, k, rest, sigma):
+    dtype = delta.dtype
+    log_c = delta - 0.5 * jnp.square(sigma) - jnp.log(rest)
+    z = jnp.asarray(np.linspace(-10.0, 10.0, 801), dtype)
+    z_weight = jnp.exp(norm.logpdf(z))
+    z_weight = z_weight / jnp.sum(z_weight)
+    log_t = jnp.asarray(np.linspace(-30.0, 4.5, 1381), dtype)  # t = e^u, dt = t du
+    t = jnp.exp(log_t)
+    log_c, k, sigma = jnp.broadcast_arrays(log_c, k, sigma)
+    lead = (1,) * log_c.ndim
+    log_t_col = jnp.reshape(log_t, lead + (-1, 1))
+    z_row = jnp.reshape(z, lead + (1, -1))
+    # L(c t) for every t: E_z[exp(−c t e^(σ z))], shape (..., t, z).
+    exponent = -jnp.exp(log_c[..., None, None] + log_t_col + sigma[..., None, None] * z_row)
+    # ln L = log1p(−E[1 − e^(exponent)]): keeps float32 precision where L is close to 1.
+    one_minus = jnp.sum(-jnp.expm1(exponent) * jnp.reshape(z_weight, lead + (1, -1)), axis=-1)
+    one_minus = jnp.clip(one_minus, 0.0, 1.0 - jnp.finfo(dtype).eps)  # L^k stays > 0: finite grads
+    t = jnp.reshape(t, lead + (-1,))
+    t_weight = jnp.exp(-t) * t  # e^(−t) dt on the u = ln t grid; Σ t_weight·du = 1
+    integrand = t_weight * jnp.exp(k[..., None] * jnp.log1p(-one_minus))
+    # Self-normalised by the quadrature of ∫ e^(−t) dt = 1 (cancels common float32 rounding).
+    return jnp.sum(integrand, axis=-1) / jnp.sum(t_weight, axis=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# Reverse order (Eq. (11), Theorem 4 / Eq. (13)–(14)).
+# --------------------------------------------------------------------------------------------
+def _check_n(n, k_sink):
+    _check("n", n, lo=1.0)
+    n_arr, k_arr = _concrete(n), _concrete(k_sink)
+    if n_arr is not None and k_arr is not None and np.any(n_arr - k_arr < 1):
+        raise PcastError(f"{_shown('n', n, np.min(n_arr))} must be > k_sink={np.max(k_arr):g} "
+                         "(at least one non-sink token)")
+
+
+def pre_sink_max(n, *, k_sink=4):
+    """Pre-sink running max in reverse order, Eq. (11): m_pre-sink ≈ √(2 ln(N − k_sink)).
+
+    The extreme-value bound for the max of N − k_sink standard Gaussians (in units of σ); it
+    upper-bounds the exact mean :func:`delta_k`(N − k_sink) (4.08 vs 3.63 at N = 4096).
+    """
+    _check("k_sink", k_sink, lo=1.0)
+    _check_n(n, k_sink)
+    dtype = _float_dtype()
+    return jnp.sqrt(2.0 * jnp.log(jnp.asarray(n, dtype) - jnp.asarray(k_sink, dtype)))
+
+
+_MAX_MODELS = ("eq11", "mean", "distribution")
+
+
+def reverse_underflow_prob(n, scale, *, k_sink=4, sigma=1.0, fmt="e4m3", max_model="eq11"):
+    """Probability that a non-sink P underflows before the sink block in reverse order, Thm. 4.
+
+    Eq. (13)–(14): P = exp(s − m) survives iff s > m − 10 ln 2 − ln S (m − 18 ln 2 at S = 256), so
+    Pr[underflow] = Φ((m − 10 ln 2 − ln S)/σ) with m = σ·μ the running max in score units.
+    ``max_model`` picks μ:
+
+    * ``"eq11"`` — the paper's μ = √(2 ln(N − k_sink)) (Eq. (11)), which exceeds E[max];
+    * ``"mean"`` — the exact expected max δ_{N−k_sink} (Eq. (3) with k = N − k_sink), plugged in;
+    * ``"distribution"`` — E_M[Φ(M − (10 ln 2 + ln S)/σ)] over the law of that max: the
+      per-token probability in the last pre-sink block (checked against simulation). Φ is convex
+      in the lower tail, so the plug-in ``"mean"`` value is smaller, and the upper tail of M can
+      make it larger than ``"eq11"`` (2.3e-15 vs 2.3e-17 at N = 4096, S = 256); at N = 10^6,
+      S = 256 it is 5e-13, so Theorem 4's "< 1e-12" still holds.
+
+    All models use the *final* pre-sink max; blocks processed earlier see a smaller running max
+    and underflow less. The B − k_sink non-sink tokens that share the sink's block are processed
+    with m = sink max and follow Eq. (7) instead.
+    """
+    _check("scale", scale, lo=0.0, strict=True)
+    _check("k_sink", k_sink, lo=1.0)
+    _check("sigma", sigma, lo=0.0, strict=True)
+    _check_n(n, k_sink)
+    if max_model not in _MAX_MODELS:
+        raise PcastError(f"max_model={max_model!r} is not one of {', '.join(map(repr, _MAX_MODELS))}")
+    return _reverse_core(*_arrays(n, scale, k_sink, sigma), cast_log=_cast_threshold_log(fmt),
+                         max_model=max_model)
+
+
+@functools.partial(jax.jit, static_argnames=("cast_log", "max_model"))
+def _reverse_core(n, scale, k, sigma, *, cast_log, max_model):
+    gap = (cast_log + jnp.log(scale)) / sigma
+    count = n - k
+    if max_model == "eq11":
+        return norm.cdf(jnp.sqrt(2.0 * jnp.log(count)) - gap)
+    if max_model == "mean":
+        return norm.cdf(_delta_k_core(count) - gap)
+    gap, count = jnp.broadcast_arrays(gap, count)
+    return _expect_over_max(lambda x: norm.cdf(x - gap[..., None]), count)
+
+
+# --------------------------------------------------------------------------------------------
+# Scale factor (Prop. 5, Def. 1, Remark 3, §5.3, Theorems 6–7).
+# --------------------------------------------------------------------------------------------
+def is_bit_exact_scale(scale):
+    """Whether S is a power of two whose reciprocal is also a normal float32, Prop. 5 (C1).
+
+    S = 2^k with −126 ≤ k ≤ 126: then S and 1/S are exact float32 and x·S, x·(1/S) only move the
+    exponent. Any other S (e.g. 448) rounds x·S for most x. S is read as float32 (the kernel's
+    type). Returns a boolean array (``bool()`` it for a scalar).
+    """
+    _check("scale", scale, lo=0.0, strict=True)
+    s = jnp.asarray(scale, jnp.float32)
+    mantissa, exponent = jnp.frexp(s)  # s = mantissa · 2^exponent, mantissa in [0.5, 1)
+    k = exponent - 1
+    return (mantissa == 0.5) & (k >= -126) & (k <= 126) & jnp.isfinite(s)
+
+
+def scaling_exactness(x, scale):
+    """Check Prop. 5 on float32 values: are x·S and x·(1/S) exact? (numpy, IEEE arithmetic).
+
+    Both products are formed in float32 exactly as a kernel does (``x * S`` and
+    ``x * float32(1/S)``) and compared with exact float64 arithmetic: a float32×float32 product
+    is exact in float64, so ``r == x·S`` and ``r·S == x`` are exact tests. Subnormal float32
+    inputs/results are outside Prop. 5's "result in representable range" (and XLA on CPU
+    flushes them), so they are reported as out of range.
+
+    Args:
+      x: array of float32 values.
+      scale: the scale S (> 0).
+
+    Returns:
+      ``(exact, in_range)``: boolean arrays of x's shape. ``exact`` is True where both products
+      are exact; ``in_range`` where x, x·S and x/S are zero or normal finite float32.
+      Prop. 5 says ``exact[in_range]`` is all True exactly when S = 2^k.
+    """
+    _check("scale", scale, lo=0.0, strict=True)
+    x32 = np.asarray(x, dtype=np.float32)
+    s32 = np.float32(scale)
+    inv32 = np.float32(1.0) / s32
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        mul = x32 * s32
+        rec = x32 * inv32
+        x64, s64 = x32.astype(np.float64), np.float64(s32)
+        exact = (mul.astype(np.float64) == x64 * s64) & (rec.astype(np.float64) * s64 == x64)
+        tiny, big = np.finfo(np.float32).tiny, np.finfo(np.float32).max
+
+        def normal(v):
+            a = np.abs(v)
+            return (a == 0) | ((a >= tiny) & (a <= big))
+
+        in_range = normal(x64) & normal(x64 * s64) & normal(x64 / s64) & np.isfinite(x64)
+    return exact, in_range
+
+
+def _cells(fmt):
+    """Left ends and widths of the cells [v_i, v_{i+1}) of the non-negative number line."""
+    values = np.concatenate([[0.0], formats.positive_values(fmt).astype(np.float64)])
+    return values[:-1], np.maximum.accumulate(np.diff(values))
+
+
+def top_lsb_table(scales, *, fmt="e4m3"):
+    """Numerator of Eq. (17): the largest LSB among cells [v_i, v_{i+1}) with v_i < S (numpy).
+
+    This is the LSB of the binade containing the largest x < S: 2^(n−3) with n = ⌈log2 S⌉ − 1
+    (n = ⌊log2 S⌋ unless S is a power of two; at S = 2^k the top binade used is [2^(k−1), 2^k)),
+    and 2^-9 for S ≤ 2^-5 (subnormal spacing). For S above max it is the top binade's LSB (32).
+    Exact (a power of two), so ``top_lsb_table(S) * 16 > S`` tests dp(S) > 2^-4 without rounding.
+    """
+    scales = np.asarray(scales, dtype=np.float64)
+    _check("scale", scales, lo=0.0, strict=True)
+    starts, widths = _cells(fmt)
+    idx = np.searchsorted(starts, scales, side="left")  # number of cell starts < S (>= 1)
+    return widths[idx - 1]
+
+
+def dp_table(scales, *, fmt="e4m3"):
+    """dp(S) of Definition 1 / Eq. (17) and Remark 3 / Eq. (18) for many S (numpy, float64).
+
+    dp(S) = max_{x∈[0,S)} LSB(x) / S by enumeration of the 126 positive E4M3 values (the binade
+    with maximum LSB overlapping [0, S]); for S > 448 the saturation term of Remark 3 joins:
+    dp(S) = max(32/S, 2(1 − 448/S)). Appendix A: dp(2^k) = 2^-4 (k = 0..8; in fact k = −5..8),
+    dp(3) = 0.083, dp(100) = 0.080, dp(250) = 0.064, dp(300) = 0.107, dp(448) = 0.071,
+    dp(512) = 0.25; for S ≤ 2^-5 (subnormal range, §5 footnote) dp(S) = 2^-9/S.
+
+    "Overlapping" means overlapping in more than a point: at S = 2^k the binade [2^k, 2^(k+1))
+    touches [0, S] only at S itself and is excluded (Theorem 6 proof, Appendix A: the top binade
+    is [2^(k−1), 2^k)). For another ``fmt`` the same enumeration runs on its number line and
+    Remark 3 uses its max and top-binade LSB.
+    """
+    scales = np.asarray(scales, dtype=np.float64)
+    _check("scale", scales, lo=0.0, strict=True)
+    f = formats.get_format(fmt)
+    out = top_lsb_table(scales, fmt=fmt) / scales
+    saturated = scales > f.max
+    overflow_step = 2.0 * (1.0 - f.max / np.where(saturated, scales, f.max))
+    return np.where(saturated, np.maximum(out, overflow_step), out)
+
+
+def dp(scale, *, fmt="e4m3"):
+    """dp(S), Definition 1 / Eq. (17) with Remark 3 / Eq. (18) above max (jax.numpy, jit-able).
+
+    Same values as :func:`dp_table` (which is float64 numpy); piecewise smooth in S, so
+    ``jax.grad`` gives −LSB/S² (or Remark 3's slope) away from the binade edges.
+    """
+    _check("scale", scale, lo=0.0, strict=True)
+    return _dp_core(jnp.asarray(scale, _float_dtype()), fmt=formats.get_format(fmt).name)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt",))
+def _dp_core(s, *, fmt):
+    f = formats.get_format(fmt)
+    starts_np, widths_np = _cells(fmt)
+    dtype = s.dtype
+    idx = jnp.searchsorted(jnp.asarray(starts_np, dtype), s, side="left")
+    step = jnp.asarray(widths_np, dtype)[jnp.clip(idx - 1, 0, widths_np.size - 1)]
+    ratio = step / s
+    overflow_step = 2.0 * (1.0 - f.max / s)
+    return jnp.where(s > f.max, jnp.maximum(ratio, overflow_step), ratio)
+
+
+def normal_coverage(scale, *, fmt="e4m3"):
+    """Lower end of the normal range in the P domain, 2^-6/S (§5.3, condition (C3)); smaller = better."""
+    _check("scale", scale, lo=0.0, strict=True)
+    return formats.get_format(fmt).smallest_normal / jnp.asarray(scale, _float_dtype())
+
+
+def _non_power_grid(lo, hi, count):
+    """Dense log grid in [lo, hi] plus float64 neighbours of every power of two, minus powers."""
+    grid = np.geomspace(lo, hi, count)
+    k = np.arange(math.ceil(math.log2(lo)), math.floor(math.log2(hi)) + 1)
+    pw = np.ldexp(1.0, k)
+    grid = np.concatenate([grid, np.nextafter(pw, 0.0), np.nextafter(pw, np.inf), pw * 1.001,
+                           pw * 0.999, [lo, hi]])
+    grid = grid[(grid >= lo) & (grid <= hi)]
+    mantissa, _ = np.frexp(grid)
+    return np.unique(grid[mantissa != 0.5])
+
+
+def theorem6_holds(*, grid_points=20001, upper=4096.0, fmt="e4m3") -> dict[str, bool]:
+    """Check Theorem 6 (i)–(iii) by exhaustive enumeration; returns ``{"i": …, "ii": …, "iii": …}``.
+
+    (i) dp(2^k) = 2^-4 exactly for k = 0..8; (ii) dp(S) > 2^-4 for every non-power-of-two S in
+    [2^-6, 448] of a dense log grid plus the float64 neighbours of each power of two (tested
+    exactly as LSB·16 > S); (iii) dp(S) > 2^-4 (Remark 3 form) on a dense grid of S in
+    (448, ``upper``], powers of two included. Also records (i') the extension to k = −5..8 and
+    the footnote value dp(S) = 2^-9/S below 2^-5.
+    """
+    f = formats.get_format(fmt)
+    target = 2.0 ** -(f.mantissa_bits + 1)
+    pw = np.ldexp(1.0, np.arange(0, 9))
+    result = {"i": bool(np.all(dp_table(pw, fmt=fmt) == target))}
+    grid = _non_power_grid(f.smallest_normal, f.max, grid_points)
+    result["ii"] = bool(np.all(top_lsb_table(grid, fmt=fmt) / target > grid))
+    above = np.concatenate([np.geomspace(f.max, upper, grid_points)[1:],
+                            [np.nextafter(f.max, np.inf)],
+                            np.ldexp(1.0, np.arange(9, int(math.log2(upper)) + 1))])
+    result["iii"] = bool(np.all(dp_table(above, fmt=fmt) > target))
+    low_pw = np.ldexp(1.0, np.arange(-5, 9))
+    result["i_extended"] = bool(np.all(dp_table(low_pw, fmt=fmt) == target))
+    tiny = np.geomspace(f.smallest_subnormal, 2.0 ** -5, 257)
+    result["subnormal_footnote"] = bool(
+        np.allclose(dp_table(tiny, fmt=fmt), f.smallest_subnormal / tiny, rtol=1e-15, atol=0))
+    return result
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Characterization:
+    """Theorem 7's three conditions evaluated on S = 2^k, k = 0..k_max."""
+
+    c1: tuple[float, ...]  # bit-exact scales 2^k (Prop. 5)
+    c2: tuple[float, ...]  # those with dp(S) = 2^-4 (Theorem 6)
+    c3: float  # max{2^k : 2^k <= max}
+    unique: tuple[float, ...]  # scales satisfying C1, C2 and C3
+    best_coverage_in_c2: float  # arg min of 2^-6/S over the C2 candidates
+
+
+def characterize_s256(*, k_max=30, fmt="e4m3") -> Characterization:
+    """Theorem 7: among S = 2^k (k >= 0), the scales satisfying (C1) bit-exactness, (C2)
+    dp(S) = 2^-4 and (C3) S = max{2^k : 2^k <= 448}, by exhaustive enumeration.
+
+    ``unique`` is ``(256.0,)`` for E4M3. (C1)∧(C2) leave nine candidates {1, …, 256} and
+    (C3) — equivalently the best normal coverage 2^-6/S among them — picks 256 (Remark 4).
+    """
+    f = formats.get_format(fmt)
+    target = 2.0 ** -(f.mantissa_bits + 1)
+    scales = np.ldexp(1.0, np.arange(0, k_max + 1))
+    c1 = tuple(float(s) for s in scales if bool(is_bit_exact_scale(float(s))))
+    c1_arr = np.asarray(c1)
+    c2 = tuple(float(s) for s in c1_arr[dp_table(c1_arr, fmt=fmt) == target])
+    c3 = float(scales[scales <= f.max].max())
+    unique = tuple(s for s in c2 if s == c3)
+    c2_arr = np.asarray(c2)
+    best = float(c2_arr[np.argmin(f.smallest_normal / c2_arr)])
+    return Characterization(c1=c1, c2=c2, c3=c3, unique=unique, best_coverage_in_c2=best)
+
+
+def table1_closed_form(deltas, *, k_sink=4, n=4096, sigma=1.0) -> dict[str, np.ndarray]:
+    """Closed-form columns of Table 1 (N = 4096, k_sink = 4) for the given Δ values.
+
+    Returns numpy arrays keyed ``delta``, ``frac_zeroed_s1`` / ``frac_zeroed_s256`` (Eq. (7)),
+    ``frac_zeroed_s1_spread`` / ``frac_zeroed_s256_spread`` (Eq. (7) integrated over the sink-max
+    spread), ``non_sink_mass`` (per-row average, :func:`non_sink_mass`) and ``info_loss``
+    (non-sink mass × frac. zeroed at S = 1, as the paper defines it; from the spread column).
+    All fractions in [0, 1].
+    """
+    deltas = np.asarray(deltas, dtype=np.float64)
+    _check("delta", deltas)
+    d = jnp.asarray(deltas, _float_dtype())
+    out = {"delta": deltas}
+    for s, tag in ((1.0, "s1"), (256.0, "s256")):
+        out[f"frac_zeroed_{tag}"] = np.asarray(collapse_fraction(d, s, k_sink=k_sink, sigma=sigma))
+        out[f"frac_zeroed_{tag}_spread"] = np.asarray(
+            collapse_fraction_spread(d, s, k_sink=k_sink, sigma=sigma))
+    out["non_sink_mass"] = np.asarray(non_sink_mass(d, n=n, k_sink=k_sink, sigma=sigma))
+    out["info_loss"] = out["non_sink_mass"] * out["frac_zeroed_s1_spread"]
+    return out
+
