@@ -1,0 +1,289 @@
+"""Pure-JAX llama forward pass with a pluggable attention function.
+
+The forward pass is ``embed -> L x [RMSNorm -> GQA attention with RoPE -> residual -> RMSNorm ->
+SwiGLU MLP -> residual] -> RMSNorm -> output head``; the layers run under one ``lax.scan`` over
+stacked layer parameters, and the whole pass is ``jax.jit``-compiled.
+
+Attention hook (``attention_fn``)
+---------------------------------
+``attention_fn(q, k, v, layer) -> out`` replaces the softmax attention inside every layer:
+
+* ``q``: ``[T, Hq, D]`` float32, post-RoPE, **not** scaled by 1/sqrt(D);
+* ``k``, ``v``: ``[T, Hkv, D]`` float32 (``k`` post-RoPE); query head ``h`` reads KV head
+  ``h // (Hq // Hkv)`` (see :func:`expand_kv`);
+* ``layer``: int32 scalar layer index — a *traced* value (the layers run under ``lax.scan``),
+  so use it with ``jnp.where``/``lax.switch``/indexing, not Python ``if``;
+* returns ``out``: ``[T, Hq, D]``.
+
+The hook must apply the 1/sqrt(D) scale and the causal mask itself (as a kernel does). It always
+sees one sequence: batched tokens ``[B, T]`` are handled with ``jax.vmap`` around the per-sequence
+pass. Pass the same callable object across calls to reuse the compiled code (it is a static jit
+argument). For trace extraction, ``forward_with_aux`` lets the hook return ``(out, aux)``; the
+``aux`` pytrees are stacked over layers by the scan.
+
+RoPE convention
+---------------
+GGUF files store llama Q/K weights permuted for llama.cpp, so RoPE must rotate **adjacent** pairs
+``(2i, 2i+1)`` with angle ``pos * base^(-2i/D)``. ``rope="half"`` rotates ``(i, i + D/2)`` (the
+Hugging Face layout); with GGUF weights it is wrong and raises the loss sharply.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pcast_jax.errors import PcastError, check_choice, check_int
+from pcast_jax.models.gguf_loader import LlamaConfig
+
+__all__ = [
+    "ROPE_CONVENTIONS",
+    "AttentionFn",
+    "rms_norm",
+    "rope_angles",
+    "apply_rope",
+    "expand_kv",
+    "causal_attention",
+    "forward",
+    "forward_with_aux",
+    "next_token_loss",
+    "greedy_generate",
+]
+
+ROPE_CONVENTIONS = ("adjacent", "half")
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis: ``x / sqrt(mean(x^2) + eps) * weight``."""
+    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def rope_angles(num_tokens: int, head_dim: int, base: float) -> jax.Array:
+    """Rotation angles ``[T, D/2]``: position ``t`` times frequency ``base^(-2i/D)``."""
+    inv_freq = base ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    return jnp.arange(num_tokens, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+
+
+def apply_rope(x: jax.Array, angles: jax.Array, *, rope: str = "adjacent") -> jax.Array:
+    """Rotate ``x [T, H, D]`` by ``angles [T, D/2]``.
+
+    Args:
+        x: queries or keys, ``[T, H, D]``.
+        angles: from :func:`rope_angles`.
+        rope: ``"adjacent"`` rotates pairs (2i, 2i+1) (GGUF/llama.cpp layout); ``"half"``
+            rotates pairs (i, i + D/2) (Hugging Face layout).
+    """
+    cos = jnp.cos(angles)[:, None, :]
+    sin = jnp.sin(angles)[:, None, :]
+    if rope == "adjacent":
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(x.shape)
+    if rope == "half":
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    raise PcastError(f"rope={rope!r} is not one of {ROPE_CONVENTIONS}")
+
+
+def expand_kv(kv: jax.Array, num_heads: int) -> jax.Array:
+    """Repeat KV heads ``[T, Hkv, D] -> [T, Hq, D]`` so query head h gets KV head h // (Hq/Hkv)."""
+    return jnp.repeat(kv, num_heads // kv.shape[1], axis=1)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer=None) -> jax.Array:
+    """Exact float32 causal softmax attention with GQA, the default ``attention_fn``.
+
+    ``softmax(q k^T / sqrt(D) + causal mask) v`` per query head; ``q [T, Hq, D]``,
+    ``k, v [T, Hkv, D]`` -> ``[T, Hq, D]``. ``layer`` is ignored.
+    """
+    del layer
+    num_tokens, num_heads, head_dim = q.shape
+    k = expand_kv(k, num_heads)
+    v = expand_kv(v, num_heads)
+    scores = jnp.einsum("thd,shd->hts", q, k, precision=_HIGHEST) / math.sqrt(head_dim)
+    mask = jnp.tril(jnp.ones((num_tokens, num_tokens), dtype=bool))
+    scores = jnp.where(mask[None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("hts,shd->thd", probs, v, precision=_HIGHEST)
+
+
+def _linear(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """``x @ weight.T`` for a GGUF-layout ``[out, in]`` weight."""
+    return jnp.einsum("ti,oi->to", x, weight, precision=_HIGHEST)
+
+
+def _hidden_states(params, cfg: LlamaConfig, tokens, attention_fn, rope: str, with_aux: bool):
+    """Final normed hidden states ``[T, d]`` (and stacked aux) of one token sequence ``[T]``."""
+    num_tokens = tokens.shape[0]
+    hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    angles = rope_angles(num_tokens, hd, cfg.rope_base)
+    x = jnp.take(params["embed"], tokens, axis=0)
+
+    def layer_step(x, scanned):
+        layer_params, layer = scanned
+        h = rms_norm(x, layer_params["attn_norm"], cfg.rms_eps)
+        q = _linear(h, layer_params["wq"]).reshape(num_tokens, hq, hd)
+        k = _linear(h, layer_params["wk"]).reshape(num_tokens, hkv, hd)
+        v = _linear(h, layer_params["wv"]).reshape(num_tokens, hkv, hd)
+        q = apply_rope(q, angles, rope=rope)
+        k = apply_rope(k, angles, rope=rope)
+        result = attention_fn(q, k, v, layer)
+        out, aux = result if with_aux else (result, None)
+        x = x + _linear(out.reshape(num_tokens, hq * hd), layer_params["wo"])
+        h = rms_norm(x, layer_params["mlp_norm"], cfg.rms_eps)
+        mlp = jax.nn.silu(_linear(h, layer_params["w_gate"])) * _linear(h, layer_params["w_up"])
+        x = x + _linear(mlp, layer_params["w_down"])
+        return x, aux
+
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    x, aux = lax.scan(layer_step, x, (params["layers"], layer_ids))
+    return rms_norm(x, params["final_norm"], cfg.rms_eps), aux
+
+
+def _head(params, cfg: LlamaConfig, hidden: jax.Array) -> jax.Array:
+    weight = params["embed"] if cfg.tied_embeddings else params["output"]
+    return _linear(hidden, weight)
+
+
+def _validate(cfg: LlamaConfig, tokens, rope: str) -> jax.Array:
+    check_choice("rope", rope, ROPE_CONVENTIONS)
+    if not isinstance(cfg, LlamaConfig):
+        raise PcastError(f"cfg must be a LlamaConfig, got {type(cfg).__name__}")
+    if isinstance(tokens, (list, tuple)):
+        tokens = np.asarray(tokens)
+    if tokens.ndim not in (1, 2) or tokens.shape[-1] < 1:
+        raise PcastError(f"tokens must have shape [T] or [B, T] with T >= 1, got {tokens.shape}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise PcastError(f"tokens must be integers, got dtype {tokens.dtype}")
+    if tokens.shape[-1] > cfg.context_length:
+        raise PcastError(
+            f"tokens length T={tokens.shape[-1]} must be <= context_length={cfg.context_length}")
+    try:
+        host = np.asarray(tokens)
+    except jax.errors.TracerArrayConversionError:
+        host = None  # traced inside a caller's jit: values cannot be checked here
+    if host is not None and (host.min() < 0 or host.max() >= cfg.vocab_size):
+        raise PcastError(f"tokens must lie in [0, {cfg.vocab_size - 1}]")
+    return jnp.asarray(tokens, dtype=jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attention_fn", "rope", "with_aux"))
+def _forward_jit(params, tokens, *, cfg, attention_fn, rope, with_aux):
+    def one(seq):
+        hidden, aux = _hidden_states(params, cfg, seq, attention_fn, rope, with_aux)
+        return _head(params, cfg, hidden), aux
+
+    if tokens.ndim == 2:
+        return jax.vmap(one)(tokens)
+    return one(tokens)
+
+
+def forward(params, cfg: LlamaConfig, tokens, *, attention_fn: AttentionFn | None = None,
+            rope: str = "adjacent") -> jax.Array:
+    """Logits of a llama model.
+
+    Args:
+        params: from :func:`pcast_jax.models.load_model`.
+        cfg: the model's :class:`LlamaConfig`.
+        tokens: int token ids, ``[T]`` or ``[B, T]``.
+        attention_fn: ``(q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D], layer) -> [T,Hq,D]``; default
+            :func:`causal_attention`. See the module docstring for the contract.
+        rope: ``"adjacent"`` (right for GGUF weights) or ``"half"``.
+
+    Returns:
+        float32 logits ``[T, V]`` (or ``[B, T, V]``).
+    """
+    tokens = _validate(cfg, tokens, rope)
+    logits, _ = _forward_jit(params, tokens, cfg=cfg, attention_fn=attention_fn or causal_attention,
+                             rope=rope, with_aux=False)
+    return logits
+
+
+def forward_with_aux(params, cfg: LlamaConfig, tokens, *, attention_fn, rope: str = "adjacent"):
+    """Like :func:`forward`, but ``attention_fn`` returns ``(out, aux)``.
+
+    Returns:
+        ``(logits, aux)`` where every leaf of ``aux`` gains a leading ``num_layers`` axis
+        (after the batch axis, for ``[B, T]`` tokens).
+    """
+    if attention_fn is None:
+        raise PcastError("attention_fn must be a callable returning (out, aux)")
+    tokens = _validate(cfg, tokens, rope)
+    return _forward_jit(params, tokens, cfg=cfg, attention_fn=attention_fn, rope=rope,
+                        with_aux=True)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attention_fn", "rope"))
+def _loss_jit(params, tokens, *, cfg, attention_fn, rope):
+    def one(seq):
+        hidden, _ = _hidden_states(params, cfg, seq, attention_fn, rope, False)
+        logits = _head(params, cfg, hidden[:-1])
+        log_probs = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.take_along_axis(log_probs, seq[1:, None], axis=-1)[:, 0]
+
+    nll = jax.vmap(one)(tokens) if tokens.ndim == 2 else one(tokens)
+    return jnp.mean(nll)
+
+
+def next_token_loss(params, cfg: LlamaConfig, tokens, *, attention_fn: AttentionFn | None = None,
+                    rope: str = "adjacent") -> jax.Array:
+    """Mean next-token negative log-likelihood in nats: ``-mean_t log p(x_{t+1} | x_{<=t})``.
+
+    Args: as :func:`forward`; needs ``T >= 2``.
+
+    Returns:
+        float32 scalar (mean over all predicted positions and sequences).
+    """
+    tokens = _validate(cfg, tokens, rope)
+    if tokens.shape[-1] < 2:
+        raise PcastError(f"tokens length T={tokens.shape[-1]} must be >= 2 for a next-token loss")
+    return _loss_jit(params, tokens, cfg=cfg, attention_fn=attention_fn or causal_attention,
+                     rope=rope)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attention_fn", "rope"))
+def _next_token_jit(params, buffer, position, *, cfg, attention_fn, rope):
+    hidden, _ = _hidden_states(params, cfg, buffer, attention_fn, rope, False)
+    last = lax.dynamic_slice_in_dim(hidden, position - 1, 1, axis=0)
+    return jnp.argmax(_head(params, cfg, last)[0]).astype(jnp.int32)
+
+
+def greedy_generate(params, cfg: LlamaConfig, tokenizer, prompt: str, n_new: int, *,
+                    attention_fn: AttentionFn | None = None, rope: str = "adjacent",
+                    stop_at_eos: bool = True) -> str:
+    """Greedy (argmax) continuation of ``prompt``; returns only the new text.
+
+    The sequence lives in a fixed buffer (padded to a multiple of 32 tokens) so one compiled
+    forward serves every step; causal masking keeps the padding from affecting earlier tokens.
+    An ``attention_fn`` therefore sees the padded length T; it must be causal. No KV cache:
+    every step recomputes the whole buffer (fine for tens of tokens on a 135M model).
+    """
+    n_new = check_int("n_new", n_new, min_value=1, max_value=cfg.context_length)
+    check_choice("rope", rope, ROPE_CONVENTIONS)
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        raise PcastError("prompt must encode to at least one token")
+    total = len(ids) + n_new
+    if total > cfg.context_length:
+        raise PcastError(f"len(prompt tokens) + n_new = {total} must be <= {cfg.context_length}")
+    buffer_len = min(-(-total // 32) * 32, cfg.context_length)
+    buffer = np.zeros(buffer_len, dtype=np.int32)
+    buffer[: len(ids)] = ids
+    fn = attention_fn or causal_attention
+    new_ids: list[int] = []
+    for position in range(len(ids), total):
+        token = int(_next_token_jit(params, jnp.asarray(buffer), position, cfg=cfg,
+                                    attention_fn=fn, rope=rope))
+        if stop_at_eos and token == tokenizer.eos_id:
+            break
+        buffer[position] = token
+        new_ids.append(token)
+    return tokenizer.decode(new_ids)
