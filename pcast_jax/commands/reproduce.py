@@ -1,0 +1,39 @@
+"""``pcast reproduce``: run every experiment of the paper and write DIR/report.md."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="results", metavar="DIR",
+                        help="report folder: report.md, *.csv, *.png, run.json, sweeps/ (default: results)")
+    parser.add_argument("--quick", action="store_true",
+                        help="same report at reduced seeds and sizes (about 15 s of compute on 2 CPU cores)")
+    parser.add_argument("--only", action="append", metavar="NAME[,NAME]",
+                        help="run only these experiments (table1, table2, figure1_dp, figure2_delta, "
+                             "figure3_n, appendix_a, appendix_b, table3_kernels); report.md then holds "
+                             "only them")
+    parser.add_argument("--fresh", action="store_true",
+                        help="recompute every sweep instead of resuming from DIR/sweeps")
+    bar = parser.add_mutually_exclusive_group()
+    bar.add_argument("--progress", dest="progress", action="store_true", default=None,
+                     help="always show the sweep progress bar (default: when stderr is a terminal)")
+    bar.add_argument("--no-progress", dest="progress", action="store_false",
+                     help="never show the sweep progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pcast_jax.errors import PcastError
+
+    for module in ("matplotlib", "scipy"):
+        if importlib.util.find_spec(module) is None:
+            raise PcastError(f"pcast reproduce needs {module}: pip install 'pcast_jax[plots]'")
+    from experiments.registry import reproduce
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+
+    reproduce(args.out, quick=args.quick, only=args.only, progress=args.progress, fresh=args.fresh, log=log)
+    return 0

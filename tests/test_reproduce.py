@@ -1,0 +1,156 @@
+"""Smoke test of ``pcast reproduce --quick``: the report folder and the paper's key orderings."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import re
+
+import pytest
+
+from pcast_jax import cli
+
+FIGURES = ("figure1_dp", "figure2_delta", "figure3_n")
+TABLES = ("table1", "table2", "figure1_dp", "figure2_delta", "figure3_n", "appendix_a", "appendix_b",
+          "table3_kernels", "findings")
+
+
+def _rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+def test_quick_reproduce(tmp_path, capsys):
+    """One ``--quick`` run (once: it is the expensive part), then every check on its folder."""
+    out = tmp_path / "report"
+    assert cli.main(["reproduce", "--quick", "--out", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert str(out / "report.md") in printed
+    assert printed.count(" s\n") >= 8  # one line per experiment with its time
+    _check_files(out)
+    _check_report_embeds_figures_and_summary(out)
+    _check_forward_s1_is_worst_at_delta7(out)
+    _check_s256_fixes_collapse(out)
+    _check_appendix_a_matches_paper(out)
+    _check_rerun_resumes(out)
+
+
+def _check_files(quick_report):
+    out = quick_report
+    assert (out / "report.md").stat().st_size > 1000
+    for name in TABLES:
+        rows = _rows(out / f"{name}.csv")
+        assert rows, name
+    for name in FIGURES:
+        data = (out / f"{name}.png").read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
+    meta = json.loads((out / "run.json").read_text())
+    assert meta["mode"] == "quick"
+    for key in ("jax", "jaxlib", "numpy", "ml_dtypes", "python"):
+        assert meta["versions"][key]
+    assert set(meta["experiments"]) == {"table1", "table2", "figure1_dp", "figure2_delta", "figure3_n",
+                                        "appendix_a", "appendix_b", "table3_kernels"}
+    for sweep in meta["sweeps"].values():
+        assert sweep["spec"]["configs"] and sweep["spec"]["seeds"] >= 1
+        assert (out / "sweeps" / sweep["folder"].split("/")[-1] / "results.npz").exists()
+
+
+def _check_report_embeds_figures_and_summary(quick_report):
+    md = (quick_report / "report.md").read_text()
+    for name in FIGURES:
+        assert re.search(rf"!\[[^\]]*\]\({name}\.png\)", md), name
+    assert "what reproduces and what does not" in md
+    assert "QUICK MODE" in md
+    # every finding of findings.csv is in the summary table, verdicts included
+    for row in _rows(quick_report / "findings.csv"):
+        assert row["verdict"] in ("yes", "partly", "no")
+        assert row["claim"].split("|")[0][:40] in md
+
+
+def _check_forward_s1_is_worst_at_delta7(quick_report):
+    rows = [r for r in _rows(quick_report / "table2.csv") if r["config"] != "ratio_fwd_s1_over_best"]
+    for n in {r["n"] for r in rows}:
+        at_n = {r["config"]: float(r["mse"]) for r in rows if r["n"] == n}
+        assert max(at_n, key=at_n.get) == "fwd_s1", (n, at_n)
+        assert at_n["fwd_s1"] > 2 * min(at_n.values())
+    fig2 = [r for r in _rows(quick_report / "figure2_delta.csv") if float(r["delta"]) == 7.0]
+    mse = {r["config"]: float(r["mse_expected"]) for r in fig2}
+    assert max(mse, key=mse.get) == "fwd_s1"
+
+
+def _check_s256_fixes_collapse(quick_report):
+    rows = {float(r["delta"]): r for r in _rows(quick_report / "table1.csv")}
+    assert float(rows[7.0]["s256_ours"]) < 1.0  # percent of non-sink P zeroed at S = 256
+    assert float(rows[7.0]["s1_ours"]) > 50.0
+    # collapse grows with Δ at both scales
+    s1 = [float(rows[d]["s1_ours"]) for d in sorted(rows)]
+    assert all(b >= a - 0.5 for a, b in zip(s1, s1[1:]))
+
+
+def _check_appendix_a_matches_paper(quick_report):
+    rows = _rows(quick_report / "appendix_a.csv")
+    assert len(rows) == 15
+    for r in rows:
+        assert r["matches_printed_digits"] == "yes", r
+        assert math.isclose(float(r["dp"]), float(r["dp_paper"]), abs_tol=5e-4)
+    dp = {float(r["scale"]): float(r["dp"]) for r in rows}
+    assert all(dp[2.0**k] == 0.0625 for k in range(9))
+    assert dp[512.0] == 0.25
+
+
+def _check_rerun_resumes(quick_report):
+    """A second run reuses every finished chunk (no recompute): the numbers are identical."""
+    before = (quick_report / "table2.csv").read_text()
+    chunks = sorted((quick_report / "sweeps").rglob("chunks/*.npz"))
+    stamps = [p.stat().st_mtime_ns for p in chunks]
+    assert cli.main(["reproduce", "--quick", "--out", str(quick_report), "--no-progress",
+                     "--only", "table2"]) == 0
+    assert (quick_report / "table2.csv").read_text() == before
+    assert [p.stat().st_mtime_ns for p in chunks] == stamps
+    md = (quick_report / "report.md").read_text()
+    assert "## Table 2" in md and "## Table 1" not in md  # --only: the report holds only what ran
+
+
+def test_unknown_experiment_is_a_user_error(tmp_path, capsys):
+    assert cli.main(["reproduce", "--out", str(tmp_path), "--only", "table9"]) == 2
+    err = capsys.readouterr().err
+    assert "table9" in err and "table1" in err
+
+
+def test_markdown_table_formats_and_escapes():
+    from pcast_jax import report
+
+    rows = [{"a": "x|y", "b": 0.5, "c": None}, {"a": "z", "b": float("nan"), "c": 2}]
+    md = report.markdown_table(rows, [("a", "A"), ("b", "B", report.fmt_pct), ("c", "C")])
+    lines = md.splitlines()
+    assert lines[0] == "| A | B | C |" and lines[1] == "|:---|---:|---:|"
+    assert lines[2] == "| x\\|y | 50.0% | — |"
+    assert lines[3] == "| z | — | 2 |"
+
+
+def test_csv_and_json_round_trip(tmp_path):
+    from pcast_jax import report
+
+    rows = [{"n": 4096, "mse": 5.65e-5, "flag": True}, {"n": 8192, "mse": float("nan"), "extra": "x"}]
+    path = report.write_csv(tmp_path / "t.csv", rows)
+    back = _rows(path)
+    assert list(back[0]) == ["n", "mse", "flag", "extra"]
+    assert float(back[0]["mse"]) == 5.65e-5 and back[0]["flag"] == "yes"
+    assert back[1]["mse"] == "" and back[1]["extra"] == "x"
+    j = report.write_json(tmp_path / "r.json", {"a": float("inf"), "b": [1, 2.5]})
+    assert json.loads(j.read_text()) == {"a": None, "b": [1, 2.5]}
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~mask  # the usual mode, not mkstemp's 0600
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_library_versions_names_the_stack():
+    from pcast_jax import report
+
+    v = report.library_versions()
+    for key in ("python", "jax", "jaxlib", "numpy", "ml_dtypes"):
+        assert v[key], key
