@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One prepared GPU check for the Pallas FP8 kernels (Hopper: H100/H200); every step has a
+# timeout, 7.5 minutes in all at most.
+# Needs jax 0.11.2 with CUDA plus chex, numpy, scipy, pytest already installed; no network.
+# Run from anywhere; it works in the repository root:
+#   bash benchmarks/gpu_check.sh                 # everything
+#   WHEELS=/path/to/wheels bash benchmarks/gpu_check.sh   # first installs missing packages
+#                                                          # from that local wheel directory only
+#   bash benchmarks/gpu_check.sh --cpu-smoke     # CPU: tiny sizes, kernels in interpret mode
+# Prints everything to stdout: (a) the kernel tests on the GPU (non-interpret), (b) forward
+# timings against jax.nn.dot_product_attention (cudnn, xla), (c) the paper's Table 2 MSEs from the
+# kernels and from the simulator.
+set -u -o pipefail
+cd "$(dirname "$0")/.." || exit 2
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-python}"
+SMOKE=""
+[ "${1:-}" = "--cpu-smoke" ] && SMOKE="--cpu-smoke"
+status=0
+
+if [ -n "${WHEELS:-}" ]; then
+  echo "== installing from local wheels in $WHEELS (no index) =="
+  "$PY" -m pip install --no-index --find-links "$WHEELS" pytest chex ml_dtypes || status=1
+fi
+
+echo "== environment =="
+"$PY" -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__); print(jax.devices())" || status=1
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+
+if [ -z "$SMOKE" ]; then
+  echo
+  echo "== (a) tests/test_pallas.py on the GPU (interpret-mode classes deselected) =="
+  timeout 180 "$PY" -m pytest tests/test_pallas.py -q -p no:cacheprovider -k "not Interpret" -rs || status=1
+fi
+
+echo
+echo "== (b) timing =="
+timeout 150 "$PY" benchmarks/gpu_bench.py --part timing $SMOKE || status=1
+
+echo
+echo "== (c) Table 2 =="
+timeout 120 "$PY" benchmarks/gpu_bench.py --part table2 $SMOKE || status=1
+
+echo
+echo "gpu_check exit status: $status"
+exit $status

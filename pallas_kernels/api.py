@@ -1,0 +1,318 @@
+"""The public entry point :func:`fp8_attention`, its validation, and the matching simulator run.
+
+``fp8_attention`` checks every input (a :class:`~pcast_jax.errors.PcastError` names the bad
+parameter), folds the per-tensor descales into two FP32 scalars and dispatches to the Mosaic GPU
+kernel (Hopper) or the Triton kernel. :func:`simulate_fp8_attention` runs
+``pcast_jax.engine.attention`` on exactly the scores and V the kernel sees, so the two can be
+compared value for value.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import mosaic_gpu, triton_gpu
+from pcast_jax import engine
+from pcast_jax.config import KernelConfig, resolve
+from pcast_jax.errors import PcastError, check_choice, check_int, check_positive
+
+__all__ = [
+    "BACKENDS",
+    "KernelStats",
+    "fp8_attention",
+    "quantize_fp8",
+    "quantize_qkv",
+    "simulate_fp8_attention",
+    "supported_block_kv",
+]
+
+BACKENDS = ("mosaic", "triton")
+_F8 = jnp.dtype(jnp.float8_e4m3fn)
+#: Shared memory one Hopper CTA may use (227 KiB).
+_HOPPER_SMEM_BYTES = 232448
+
+
+class KernelStats(NamedTuple):
+    """Per-row statistics a kernel returns next to its output (shapes (batch, heads, q_len)).
+
+    Attributes:
+      row_sum: ℓ at the end of the KV loop (holds S in the exponent mode, like the simulator's).
+      n_zeroed: how many P were > 0 before the E4M3 cast and 0 after it (unmasked keys).
+    """
+
+    row_sum: jax.Array
+    n_zeroed: jax.Array
+
+
+# --------------------------------------------------------------------------------------------
+# Quantization helpers
+# --------------------------------------------------------------------------------------------
+
+
+def quantize_fp8(x):
+    """Per-tensor E4M3 quantization exactly as ``pcast_jax.engine.quantize_per_tensor``.
+
+    Returns ``(x8, descale)``: x8 in float8_e4m3fn with x ≈ x8 · descale, descale = amax / 448
+    (1 for an all-zero tensor).
+    """
+    x8, descale = engine.quantize_per_tensor(x, "e4m3")
+    return x8.astype(jnp.float8_e4m3fn), descale
+
+
+def quantize_qkv(q, k, v):
+    """Quantize Q, K, V per tensor; returns ``(q8, k8, v8, descales)``.
+
+    ``descales`` is a dict with ``q_descale``, ``k_descale``, ``v_descale``, ready to be passed as
+    ``fp8_attention(q8, k8, v8, config=..., **descales)``.
+    """
+    q8, dq = quantize_fp8(q)
+    k8, dk = quantize_fp8(k)
+    v8, dv = quantize_fp8(v)
+    return q8, k8, v8, {"q_descale": dq, "k_descale": dk, "v_descale": dv}
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+
+def supported_block_kv(backend: str) -> tuple[int, ...]:
+    """KV block sizes a backend accepts (FP8 wgmma/dot K-dimension and swizzle constraints)."""
+    check_choice("backend", backend, BACKENDS)
+    return (128, 256) if backend == "mosaic" else (32, 64, 128, 256)
+
+
+def _mosaic_smem_bytes(q_len: int, head_dim: int, block_kv: int, num_slots: int, n_blocks: int) -> int:
+    wgs = 2 if q_len % (2 * mosaic_gpu.BLOCK_Q) == 0 else 1
+    slots = max(1, min(num_slots, n_blocks))
+    rows = wgs * mosaic_gpu.BLOCK_Q
+    return (
+        rows * head_dim  # Q tiles (fp8)
+        + 2 * slots * block_kv * head_dim  # K and Vᵀ ring (fp8)
+        + rows * block_kv  # P8 tiles
+        + 4 * rows * head_dim  # output staging (f32)
+        + 2 * 4 * rows  # ℓ and zero counts
+        + 4096  # barriers and alignment (measured overhead ≈ 2.2 KB)
+    )
+
+
+def _check_array(name: str, x, ndim: int):
+    shape = getattr(x, "shape", None)
+    dtype = getattr(x, "dtype", None)
+    if shape is None or dtype is None:
+        raise PcastError(f"{name} must be an array, got {type(x).__name__}")
+    if jnp.dtype(dtype) != _F8:
+        raise PcastError(
+            f"{name}.dtype={jnp.dtype(dtype).name} is not supported: must be float8_e4m3fn "
+            "(quantize with pallas_kernels.quantize_qkv)"
+        )
+    if len(shape) != ndim:
+        raise PcastError(f"{name}.shape={tuple(shape)} must have {ndim} dimensions")
+
+
+def _check_descale(name: str, value):
+    if isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool):
+        return check_positive(name, value)
+    if isinstance(value, bool) or jnp.ndim(value) != 0:
+        raise PcastError(f"{name}={value!r} must be a positive scalar (float or 0-d array)")
+    return value
+
+
+def _validate(q, k, v, cfg: KernelConfig, backend: str, softmax_scale, num_slots: int, v_transposed: bool):
+    """All checks; returns the head dim and N. Raises PcastError naming the parameter."""
+    check_choice("backend", backend, BACKENDS)
+    _check_array("q", q, 4)
+    _check_array("k", k, 4)
+    _check_array("v", v, 4)
+    batch, heads, q_len, head_dim = q.shape
+    kb, kv_heads, n_kv, kd = k.shape
+    v_expected = (kb, kv_heads, kd, n_kv) if v_transposed else tuple(k.shape)
+    if tuple(v.shape) != v_expected:
+        layout = "(batch, kv_heads, d, N) with v_transposed=True" if v_transposed else "k.shape"
+        raise PcastError(f"v.shape={tuple(v.shape)} must equal {v_expected} ({layout})")
+    if kb != batch:
+        raise PcastError(f"k.shape={tuple(k.shape)} has batch {kb} but q.shape={tuple(q.shape)} has {batch}")
+    if kd != head_dim:
+        raise PcastError(f"k.shape={tuple(k.shape)} has head dim {kd} but q has {head_dim}")
+    if heads % kv_heads:
+        raise PcastError(f"q heads={heads} must be a multiple of kv_heads={kv_heads} (GQA groups)")
+    if softmax_scale is not None:
+        check_positive("softmax_scale", softmax_scale)
+
+    # P-cast semantics the kernels implement
+    if cfg.p_format not in ("e4m3", "e4m3fn", "float8_e4m3fn"):
+        raise PcastError(f"p_format={cfg.p_format!r} not supported by the kernels: must be 'e4m3'")
+    if cfg.overflow == "nan" and cfg.scale_mode != "dynamic" and cfg.scale > cfg.fmt.max:
+        raise PcastError(
+            f"overflow='nan' with scale={cfg.scale:g} > 448 not supported: the kernels saturate "
+            "(cvt.rn.satfinite); use overflow='satfinite'"
+        )
+    if cfg.causal and q_len > n_kv:
+        raise PcastError(f"q_len={q_len} must be <= N={n_kv} with causal=True (bottom-right aligned)")
+
+    block_kv = cfg.block_kv
+    allowed = supported_block_kv(backend)
+    if backend == "mosaic":
+        if block_kv % 128:
+            raise PcastError(
+                f"block_kv={block_kv} not supported by the mosaic backend: must be a multiple of 128 "
+                "(FP8 wgmma K dimension with 128-byte swizzle); try config.replace(block_kv=128)"
+            )
+        if block_kv not in allowed:
+            raise PcastError(f"block_kv={block_kv} not supported by the mosaic backend: must be one of {allowed}")
+        if head_dim not in (64, 128):
+            raise PcastError(f"head_dim={head_dim} not supported by the mosaic backend: must be 64 or 128")
+        if q_len % mosaic_gpu.BLOCK_Q:
+            raise PcastError(f"q_len={q_len} not supported by the mosaic backend: must be a multiple of 64")
+        check_int("num_slots", num_slots, min_value=2, max_value=8)
+        smem = _mosaic_smem_bytes(q_len, head_dim, block_kv, num_slots, n_kv // block_kv)
+        if smem > _HOPPER_SMEM_BYTES:
+            raise PcastError(
+                f"block_kv={block_kv} with head_dim={head_dim} and num_slots={num_slots} needs "
+                f"{smem} bytes of shared memory > {_HOPPER_SMEM_BYTES}: use a smaller block_kv or num_slots"
+            )
+    else:
+        if block_kv not in allowed:
+            raise PcastError(f"block_kv={block_kv} not supported by the triton backend: must be one of {allowed}")
+        if head_dim not in (32, 64, 128, 256):
+            raise PcastError(f"head_dim={head_dim} not supported by the triton backend: must be 32, 64, 128 or 256")
+        if q_len % 16:
+            raise PcastError(f"q_len={q_len} not supported by the triton backend: must be a multiple of 16")
+    if n_kv % block_kv:
+        raise PcastError(f"N={n_kv} (keys) must be a multiple of block_kv={block_kv}")
+    return head_dim, n_kv
+
+
+# --------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------
+
+
+@functools.partial(
+    jax.jit, static_argnames=("config", "backend", "interpret", "softmax_scale", "num_slots", "v_transposed")
+)
+def _run(q, k, v, q_descale, k_descale, v_descale, *, config, backend, interpret, softmax_scale, num_slots,
+         v_transposed):
+    f32 = jnp.float32
+    score_scale = jnp.asarray(q_descale, f32) * jnp.asarray(k_descale, f32) * softmax_scale
+    params = jnp.stack([score_scale, jnp.asarray(v_descale, f32), f32(0), f32(0)])
+    v_t = v if v_transposed else jnp.swapaxes(v, -1, -2)
+    if backend == "mosaic":
+        out, row_sum, n_zeroed = mosaic_gpu.mosaic_attention(
+            q, k, v_t, params, config=config, num_slots=num_slots, interpret=interpret
+        )
+    else:
+        out, row_sum, n_zeroed = triton_gpu.triton_attention(q, k, v_t, params, config=config, interpret=interpret)
+    return out, KernelStats(row_sum, n_zeroed.astype(jnp.int32))
+
+
+def fp8_attention(
+    q,
+    k,
+    v,
+    *,
+    config: str | KernelConfig,
+    backend: str = "mosaic",
+    interpret: bool = False,
+    softmax_scale: float | None = None,
+    q_descale=1.0,
+    k_descale=1.0,
+    v_descale=1.0,
+    return_stats: bool = False,
+    v_transposed: bool = False,
+    num_slots: int = 2,
+):
+    """FP8 attention forward whose P-cast follows ``config`` (Algorithm 1 of the paper).
+
+    Output = softmax(Q·Kᵀ · q_descale·k_descale·softmax_scale) · V · v_descale, computed block by
+    block in the config's KV order with P cast to E4M3 after scaling by S (``scale_mode``
+    "multiply", "exponent" or "dynamic"; an f16 P·V accumulator if ``config.accumulator`` says so).
+
+    Args:
+      q: (batch, heads, q_len, d) float8_e4m3fn.
+      k: (batch, kv_heads, N, d) float8_e4m3fn; heads must be a multiple of kv_heads (GQA).
+      v: like k, or (batch, kv_heads, d, N) with ``v_transposed=True`` (the layout both kernels
+        read; otherwise it is transposed here).
+      config: preset name or :class:`~pcast_jax.config.KernelConfig`. ``block_kv`` must suit the
+        backend (:func:`supported_block_kv`); N must be a multiple of it.
+      backend: ``"mosaic"`` (Pallas Mosaic GPU, Hopper wgmma + TMA) or ``"triton"``.
+      interpret: run the kernel in Pallas interpret mode (works on CPU).
+      softmax_scale: defaults to 1/√d.
+      q_descale, k_descale, v_descale: per-tensor dequantization scales (floats or 0-d arrays).
+      return_stats: also return :class:`KernelStats` (ℓ and the per-row count of zeroed P).
+      v_transposed: v is already (batch, kv_heads, d, N).
+      num_slots: K/V shared-memory slots in the Mosaic GPU TMA ring (2–8).
+
+    Returns:
+      out (batch, heads, q_len, d) float32, or ``(out, KernelStats)`` with ``return_stats``.
+    """
+    cfg = resolve(config)
+    if not isinstance(interpret, bool):
+        raise PcastError(f"interpret={interpret!r} must be True or False")
+    head_dim, _ = _validate(q, k, v, cfg, backend, softmax_scale, num_slots, v_transposed)
+    q_descale = _check_descale("q_descale", q_descale)
+    k_descale = _check_descale("k_descale", k_descale)
+    v_descale = _check_descale("v_descale", v_descale)
+    if not interpret and not isinstance(q, jax.core.Tracer) and jax.default_backend() != "gpu":
+        raise PcastError(
+            f"backend={backend!r} without interpret needs a CUDA GPU (default backend is "
+            f"{jax.default_backend()!r}); pass interpret=True to run the kernel on CPU"
+        )
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    out, stats = _run(
+        q, k, v, q_descale, k_descale, v_descale,
+        config=cfg, backend=backend, interpret=interpret, softmax_scale=scale,
+        num_slots=num_slots, v_transposed=v_transposed,
+    )
+    return (out, stats) if return_stats else out
+
+
+# --------------------------------------------------------------------------------------------
+# The simulator on the same inputs
+# --------------------------------------------------------------------------------------------
+
+
+def simulate_fp8_attention(
+    q,
+    k,
+    v,
+    *,
+    config: str | KernelConfig,
+    softmax_scale: float | None = None,
+    q_descale=1.0,
+    k_descale=1.0,
+    v_descale=1.0,
+    engine_name: str = "scan",
+    count_mask=None,
+) -> engine.AttentionResult:
+    """``pcast_jax.engine.attention`` on the scores and V an FP8 kernel sees (no kernel involved).
+
+    Scores = (Q8 · K8ᵀ in FP32) · (q_descale·k_descale·softmax_scale) and V = V8 · v_descale, the
+    same path as ``engine.prepare_qkv`` for ``qkv="e4m3"``; K/V heads are repeated for GQA. Arrays
+    in the result carry the (batch, heads) leading dimensions.
+    """
+    cfg = resolve(config)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    return _simulate(
+        q, k, v, q_descale, k_descale, v_descale, count_mask,
+        config=cfg, softmax_scale=scale, engine_name=engine_name,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("config", "softmax_scale", "engine_name"))
+def _simulate(q, k, v, q_descale, k_descale, v_descale, count_mask, *, config, softmax_scale, engine_name):
+    q, k, v = (jnp.asarray(a).astype(jnp.float32) for a in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k = jnp.repeat(k, group, axis=1)
+    v = jnp.repeat(v, group, axis=1)
+    f32 = jnp.float32
+    score_scale = jnp.asarray(q_descale, f32) * jnp.asarray(k_descale, f32) * softmax_scale
+    scores = jnp.einsum("bhqd,bhnd->bhqn", q, k, precision=jax.lax.Precision.HIGHEST) * score_scale
+    v_seen = v * jnp.asarray(v_descale, f32)
+    return engine.attention(scores, v_seen, config, engine=engine_name, count_mask=count_mask)

@@ -1,0 +1,129 @@
+"""FP8 attention forward on the Pallas Triton backend (the simpler, portable path).
+
+One program per (batch, head, query block); it walks the KV blocks in the kernel's order with a
+``fori_loop`` and does Algorithm 1 per block exactly as ``pcast_jax.engine``'s scan engine does
+(see ``_semantics``). Both matmuls are FP8 × FP8 → FP32 ``dot``s (Triton lowers them to
+``tt.dot f8E4M3FN × f8E4M3FN → f32``); V arrives transposed, like the Mosaic GPU kernel, so the
+P·V operand is K-major. Triton schedules its own pipelining (``num_stages``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.triton as pltriton
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _semantics as sem
+from pcast_jax.config import KernelConfig
+
+__all__ = ["triton_attention", "triton_block_q"]
+
+_F8 = jnp.float8_e4m3fn
+
+
+def _dot_nt(a, b):
+    """a · bᵀ for FP8 a (m, k) and b (n, k), accumulated in FP32."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def triton_block_q(q_len: int) -> int:
+    """Query rows per program: the largest of 128, 64, 32, 16 that divides q_len."""
+    for block_q in (128, 64, 32, 16):
+        if q_len % block_q == 0:
+            return block_q
+    raise ValueError(f"q_len={q_len} must be a multiple of 16")
+
+
+def triton_attention(
+    q,
+    k,
+    v_t,
+    params,
+    *,
+    config: KernelConfig,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+    interpret: bool = False,
+):
+    """Run the kernel on FP8 inputs already validated by ``pallas_kernels.fp8_attention``.
+
+    Arguments and results as :func:`pallas_kernels.mosaic_gpu.mosaic_attention`; ``num_warps``
+    defaults to 8 for 128-row query blocks or d > 64 (the FP32 tiles need the registers), else 4.
+    """
+    batch, heads, q_len, head_dim = q.shape
+    _, kv_heads, _, n_kv = v_t.shape
+    block_kv = config.block_kv
+    block_q = triton_block_q(q_len)
+    group = heads // kv_heads
+    n_blocks = n_kv // block_kv
+    if num_warps is None:
+        num_warps = 8 if block_q >= 128 or head_dim > 64 else 4
+    causal = config.causal
+    reverse = config.order == "reverse"
+
+    def kernel(q_ref, k_ref, vt_ref, params_ref, out_ref, rowsum_ref, nzero_ref):
+        q0 = pl.program_id(2) * block_q
+        if causal:
+            last_pos = n_kv - q_len + q0 + block_q - 1
+            kv_steps = jnp.minimum(lax.div(last_pos, block_kv) + 1, n_blocks)
+        else:
+            kv_steps = n_blocks
+        score_scale = params_ref[0]
+        v_descale = params_ref[1]
+        q8 = q_ref[...]
+
+        def step(s, carry):
+            m, ell, o, nz = carry
+            blk = kv_steps - 1 - s if reverse else s
+            cols = pl.ds(blk * block_kv, block_kv)
+            z = _dot_nt(q8, k_ref[cols, :]) * score_scale  # line 3
+            if causal:
+                rows = lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 0)
+                keys = lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 1)
+                visible = keys + blk * block_kv <= rows + (n_kv - q_len + q0)
+                z = jnp.where(visible, z, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(z, axis=1))  # lines 4-5
+            a = sem.alpha(m, m_new, config)  # line 6
+            p, ps, unscale = sem.block_probs(z, m_new, config)  # line 7
+            ell = a * ell + jnp.sum(p, axis=1)  # line 8
+            p8 = sem.clamp_for_cast(ps).astype(_F8)  # line 9
+            nz = nz + jnp.sum(jnp.where(sem.zeroed(ps), 1.0, 0.0), axis=1)
+            pv = _dot_nt(p8, vt_ref[:, cols])
+            o = sem.row_broadcast(a, o.shape) * o + sem.block_product(pv, unscale, config)  # line 10
+            return m_new, ell, o, nz
+
+        init = (
+            jnp.full((block_q,), -jnp.inf, jnp.float32),
+            jnp.zeros((block_q,), jnp.float32),
+            jnp.zeros((block_q, head_dim), jnp.float32),
+            jnp.zeros((block_q,), jnp.float32),
+        )
+        m, ell, o, nz = lax.fori_loop(0, kv_steps, step, init)
+        out = o / sem.row_broadcast(sem.epilogue_divisor(ell, config), o.shape)  # line 12
+        out_ref[...] = out * v_descale
+        rowsum_ref[...] = ell
+        nzero_ref[...] = nz
+
+    row_spec = pl.BlockSpec((None, None, block_q), lambda b, h, i: (b, h, i))
+    stats = jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, heads, q_len // block_q),
+        in_specs=[
+            pl.BlockSpec((None, None, block_q, head_dim), lambda b, h, i: (b, h, i, 0)),
+            pl.BlockSpec((None, None, n_kv, head_dim), lambda b, h, i: (b, h // group, 0, 0)),
+            pl.BlockSpec((None, None, head_dim, n_kv), lambda b, h, i: (b, h // group, 0, 0)),
+            pl.BlockSpec((4,), lambda b, h, i: (0,)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, block_q, head_dim), lambda b, h, i: (b, h, i, 0)),
+            row_spec,
+            row_spec,
+        ],
+        out_shape=[jax.ShapeDtypeStruct((batch, heads, q_len, head_dim), jnp.float32), stats, stats],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"pcast_fp8_attention_triton_{config.scale_mode}_{config.order}",
+    )(q, k, v_t, params)
