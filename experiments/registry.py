@@ -35,6 +35,14 @@ EXPERIMENTS: dict[str, str] = {
     "table3_kernels": "experiments.table3_kernels",
 }
 
+#: Studies beyond the paper, appended after its tables and figures on a full run (not with --only).
+#: Each entry: name → (module, function); the function takes (out_dir, quick=..., log=...) and
+#: returns the section's markdown (a ``##`` heading first), writing its own CSV/PNG files.
+#: An ImportError (an optional extra missing) skips the section with a note saying how to install it.
+EXTRA_SECTIONS: dict[str, tuple[str, str]] = {
+    "real_model": ("experiments.model_report", "model_section"),
+}
+
 #: What each file of the report folder holds (also written into report.md).
 FILE_DESCRIPTIONS: dict[str, str] = {
     "report.md": "this report",
@@ -100,7 +108,7 @@ def _clear_sweeps(out: Path, quick: bool) -> None:
 
 
 def reproduce(out_dir, *, quick: bool = False, only: Sequence[str] | None = None,
-              progress: bool | None = None, fresh: bool = False,
+              progress: bool | None = None, fresh: bool = False, extras: bool = True,
               log: Callable[[str], None] = print) -> Path:
     """Run the experiments and write the report folder; returns the path of ``report.md``.
 
@@ -110,6 +118,9 @@ def reproduce(out_dir, *, quick: bool = False, only: Sequence[str] | None = None
       only: experiment names (default all, in the paper's order).
       progress: the sweep engine's progress bar (None: when stderr is a terminal).
       fresh: delete this mode's sweep folders first, recomputing everything.
+      extras: also run the studies beyond the paper (:data:`EXTRA_SECTIONS`) when ``only`` is not
+        given. The real-model section runs at its reduced size here (``pcast model-report`` gives
+        the full one) and not at all with ``quick``.
       log: receives one line per finished experiment.
     """
     import jax
@@ -141,6 +152,24 @@ def reproduce(out_dir, *, quick: bool = False, only: Sequence[str] | None = None
                          "sweeps_used": sorted(ctx.uses.get(name, ())),
                          "sweeps_computed": sorted(set(ctx.sweep_log) - before)}
         log(f"[{i}/{len(names)}] {section.title:<66} {wall:6.1f} s")
+    extra_md = []
+    if extras and not only:
+        for name, (module, func) in EXTRA_SECTIONS.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            try:
+                if name == "real_model" and quick:
+                    raise ImportError("not run in --quick mode (it alone takes about 30 s); "
+                                      "run `pcast reproduce` or `pcast model-report`")
+                fn = getattr(importlib.import_module(module), func)
+                md = fn(out, quick=True if name == "real_model" else quick, log=log)
+            except ImportError as exc:
+                md = f"## {name.replace('_', ' ').capitalize()}\n\nSkipped: {exc}\n"
+            wall = time.perf_counter() - t0
+            extra_md.append(md)
+            timings[name] = {"title": md.splitlines()[0].lstrip("# ").strip(), "wall_s": round(wall, 3),
+                             "cpu_s": round(time.process_time() - c0, 3), "sweeps_used": [],
+                             "sweeps_computed": []}
+            log(f"[extra] {timings[name]['title']:<64} {wall:6.1f} s")
     t_write = time.perf_counter()
     files = _write_outputs(out, ctx, sections)
     write_s = time.perf_counter() - t_write
@@ -162,7 +191,7 @@ def reproduce(out_dir, *, quick: bool = False, only: Sequence[str] | None = None
         "files": files,
     }
     report.write_json(out / "run.json", meta)
-    _write_markdown(out, ctx, sections, meta)
+    _write_markdown(out, ctx, sections, meta, extra_md)
     log(f"done in {total:.1f} s. Report: {out / 'report.md'}")
     return out / "report.md"
 
@@ -183,7 +212,8 @@ def _write_outputs(out: Path, ctx: Context, sections: list[Section]) -> list[str
     return files
 
 
-def _write_markdown(out: Path, ctx: Context, sections: list[Section], meta: dict) -> None:
+def _write_markdown(out: Path, ctx: Context, sections: list[Section], meta: dict,
+                    extra_md: Sequence[str] = ()) -> None:
     v = meta["versions"]
     lines = [f"# Reproduction: {PAPER_TITLE}", ""]
     if ctx.quick:
@@ -225,6 +255,9 @@ def _write_markdown(out: Path, ctx: Context, sections: list[Section], meta: dict
         if t:
             lines += [f"<sub>{sec.name}: {t['wall_s']:.1f} s wall; sweeps: "
                       f"{', '.join(t['sweeps_used']) or 'none (closed forms)'}</sub>", ""]
+    if extra_md:
+        lines += ["---", "", "*Studies beyond the paper: what it could not do.*", ""]
+        lines += [md.strip() + "\n" for md in extra_md]
     lines += ["## Files", ""]
     lines += [f"- `{name}` — {desc}" for name, desc in FILE_DESCRIPTIONS.items()
               if name in ("report.md", "run.json", "sweeps/", "findings.csv") or name in meta["files"]]

@@ -29,6 +29,7 @@ from pcast_jax.models.llama import (
     greedy_generate,
     next_token_loss,
 )
+from pcast_jax.models.fp8 import FP8Attention, analyze_trace, end_to_end
 from pcast_jax.models.text import STDLIB_FILES, stdlib_source, stdlib_text_tokens
 from pcast_jax.models.traces import SINK_SELECTIONS, QKVTrace, extract_qkv, sink_statistics
 
@@ -37,5 +38,5 @@ __all__ = [
     "load_tokenizer", "require_model_extra", "ROPE_CONVENTIONS", "apply_rope", "causal_attention",
     "expand_kv", "forward", "forward_with_aux", "greedy_generate", "next_token_loss",
     "STDLIB_FILES", "stdlib_source", "stdlib_text_tokens", "SINK_SELECTIONS", "QKVTrace",
-    "extract_qkv", "sink_statistics",
+    "extract_qkv", "sink_statistics", "FP8Attention", "analyze_trace", "end_to_end",
 ]
