@@ -31,6 +31,8 @@ __all__ = ["KernelConfig", "PRESETS", "PAPER_CONFIGS", "KERNEL_PRESETS", "get_pr
 ORDERS = ("forward", "reverse")
 SCALE_MODES = ("multiply", "exponent", "dynamic")
 ACCUMULATORS = ("f32", "f16")
+#: Bounds on S: S, 1/S and S·ℓ (ℓ ≤ N < 2^27) stay finite, nonzero float32 numbers.
+SCALE_MIN, SCALE_MAX = 2.0**-100, 2.0**100
 QKV_PRECISIONS = ("f32", "e4m3")
 
 
@@ -40,7 +42,7 @@ class KernelConfig:
 
     Attributes:
       order: KV block order, ``"forward"`` (0 → N) or ``"reverse"`` (N → 0).
-      scale: the static P scale S (> 0, finite). ``"dynamic"`` mode ignores it.
+      scale: the static P scale S, in [2^-100, 2^100]. ``"dynamic"`` mode ignores it.
       scale_mode: ``"multiply"``, ``"exponent"`` or ``"dynamic"`` (module docstring).
       block_kv: KV block size B. N that is not a multiple is padded with masked keys.
       p_format: format of the P-cast (``"e4m3"`` or ``"e5m2"``).
@@ -66,7 +68,11 @@ class KernelConfig:
 
     def __post_init__(self):
         check_choice("order", self.order, ORDERS)
-        object.__setattr__(self, "scale", check_positive("scale", self.scale))
+        scale = check_positive("scale", self.scale)
+        if not SCALE_MIN <= scale <= SCALE_MAX:
+            raise PcastError(f"scale={self.scale!r} must lie in [2^-100, 2^100] "
+                             "(S, 1/S and S·ℓ must stay finite, nonzero float32 numbers)")
+        object.__setattr__(self, "scale", scale)
         check_choice("scale_mode", self.scale_mode, SCALE_MODES)
         check_int("block_kv", self.block_kv, min_value=1, max_value=1 << 16)
         formats.get_format(self.p_format, param="p_format")
@@ -75,6 +81,8 @@ class KernelConfig:
         check_choice("qkv", self.qkv, QKV_PRECISIONS)
         if not isinstance(self.causal, bool):
             raise PcastError(f"causal={self.causal!r} must be True or False")
+        if not isinstance(self.name, str):
+            raise PcastError(f"name={self.name!r} must be a string")
         if not self.name:
             object.__setattr__(self, "name", self.default_name())
 

@@ -52,7 +52,10 @@ class SinkWorkload:
         if self.sink_positions is None:
             check_int("k_sink", self.k_sink, min_value=0, max_value=self.n)
         else:
-            pos = tuple(int(p) for p in self.sink_positions)
+            if isinstance(self.sink_positions, (str, bytes)) or not hasattr(self.sink_positions, "__iter__"):
+                raise PcastError(f"sink_positions={self.sink_positions!r} must be a sequence of key "
+                                 f"positions in [0, n={self.n})")
+            pos = tuple(check_int("sink_positions", p, min_value=0) for p in self.sink_positions)
             if len(set(pos)) != len(pos):
                 raise PcastError(f"sink_positions={pos} has duplicates")
             if any(p < 0 or p >= self.n for p in pos):
@@ -81,8 +84,21 @@ class Instance(NamedTuple):
 
 
 def make_instance(key, workload: SinkWorkload, delta) -> Instance:
-    """Draw one synthetic sink instance. ``delta`` may be a traced scalar (vmap over Δ)."""
+    """Draw one synthetic sink instance. ``delta`` may be a traced scalar (vmap over Δ).
+
+    A concrete ``delta`` must be finite in float32 (NaN or ±inf would silently poison every row).
+    """
     w = workload
+    if not isinstance(w, SinkWorkload):
+        raise PcastError(f"workload must be a SinkWorkload, got {type(w).__name__}")
+    if not isinstance(delta, jax.core.Tracer):
+        try:
+            with np.errstate(over="ignore", invalid="ignore"):
+                d32 = np.asarray(delta, np.float32)
+        except (TypeError, ValueError):
+            raise PcastError(f"delta={delta!r} must be a real number") from None
+        if not np.all(np.isfinite(d32)):
+            raise PcastError(f"delta={delta!r} must be finite in float32 (|delta| < 3.4e38, not NaN)")
     ks, kv = jax.random.split(key)
     scores = w.sigma * jax.random.normal(ks, (w.q_len, w.n), jnp.float32)
     is_sink = jnp.asarray(sink_mask(w))

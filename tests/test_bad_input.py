@@ -1,0 +1,417 @@
+"""Bad input is refused with one clear error that names the parameter and what is allowed.
+
+Every case below must raise :class:`pcast_jax.errors.PcastError` (a ``ValueError``) whose one-line
+message contains the parameter's name and the allowed range or choices. Public API first, then
+the sweep's side effects (nothing computed, nothing written, nothing mixed), then the ``pcast``
+command line in a subprocess: one ``pcast: error: …`` line on stderr, exit status 2, no traceback.
+
+The one input that is *not* an error — N not a multiple of ``block_kv`` — is padded with masked
+keys; the tests at the end show the padding changes nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pcast_jax import engine, formats, sweep, workloads
+from pcast_jax.config import KernelConfig, get_preset, resolve
+from pcast_jax.errors import PcastError
+
+NAN, INF = float("nan"), float("inf")
+
+# Small, valid inputs that each case breaks in one place.
+_SCORES = np.linspace(-2.0, 2.0, 2 * 8, dtype=np.float32).reshape(2, 8)
+_V = np.ones((8, 3), np.float32)
+_Q = np.ones((2, 4), np.float32)
+_K = np.ones((8, 4), np.float32)
+_SMALL = dict(ns=(64,), seeds=2, q_len=2, d=4, configs=("fwd_s1",))
+
+
+def _with(array, index, value):
+    out = np.array(array, copy=True)
+    out[index] = value
+    return out
+
+
+def _spec(**changes):
+    return sweep.SweepSpec(**{**_SMALL, **changes})
+
+
+def _kernel_inputs(n_keys=256, dtype=jnp.float8_e4m3fn):
+    q = jnp.zeros((1, 1, 64, 64), dtype)
+    k = jnp.zeros((1, 1, n_keys, 64), jnp.float8_e4m3fn)
+    return q, k, k
+
+
+def _fp8_attention(**kw):
+    pallas = importlib.import_module("pallas_kernels")
+    q, k, v = _kernel_inputs(kw.pop("n_keys", 256), kw.pop("dtype", jnp.float8_e4m3fn))
+    return pallas.fp8_attention(q, k, v, interpret=True, **kw)
+
+
+def _theory():
+    return importlib.import_module("pcast_jax.theory")
+
+
+# (id, call, substrings the message must contain: the parameter, then the allowed range/choices)
+CASES = [
+    # KernelConfig: the static scale S and every named choice
+    ("scale_zero", lambda: KernelConfig(scale=0.0), ["scale=0.0", "> 0"]),
+    ("scale_negative", lambda: KernelConfig(scale=-256.0), ["scale=-256.0", "> 0"]),
+    ("scale_nan", lambda: KernelConfig(scale=NAN), ["scale=nan", "finite"]),
+    ("scale_inf", lambda: KernelConfig(scale=INF), ["scale=inf", "finite"]),
+    ("scale_overflows_float32", lambda: KernelConfig(scale=1e40), ["scale=1e+40", "[2^-100, 2^100]"]),
+    ("scale_underflows_float32", lambda: KernelConfig(scale=1e-45), ["scale=1e-45", "[2^-100, 2^100]"]),
+    ("scale_not_a_number", lambda: KernelConfig(scale="256"), ["scale='256'", "real number"]),
+    ("block_kv_zero", lambda: KernelConfig(block_kv=0), ["block_kv=0", ">= 1"]),
+    ("block_kv_fraction", lambda: KernelConfig(block_kv=1.5), ["block_kv=1.5", "integer"]),
+    ("order_unknown", lambda: KernelConfig(order="sideways"), ["order='sideways'", "'forward', 'reverse'"]),
+    ("scale_mode_unknown", lambda: KernelConfig(scale_mode="log"), ["scale_mode='log'", "'multiply'"]),
+    ("p_format_unknown", lambda: KernelConfig(p_format="e3m4"), ["p_format='e3m4'", "'e4m3'"]),
+    ("overflow_unknown", lambda: KernelConfig(overflow="wrap"), ["overflow='wrap'", "'satfinite', 'nan'"]),
+    ("accumulator_unknown", lambda: KernelConfig(accumulator="bf16"), ["accumulator='bf16'", "'f32', 'f16'"]),
+    ("qkv_unknown", lambda: KernelConfig(qkv="int8"), ["qkv='int8'", "'f32', 'e4m3'"]),
+    ("causal_not_bool", lambda: KernelConfig(causal="yes"), ["causal='yes'", "True or False"]),
+    ("preset_unknown", lambda: get_preset("fa5"), ["preset='fa5'", "'fa3'"]),
+    ("config_wrong_type", lambda: resolve(3), ["config=3", "preset name or a KernelConfig"]),
+    # formats
+    ("format_unknown", lambda: formats.get_format("fp4"), ["fmt='fp4'", "'e4m3'"]),
+    ("cast_overflow_unknown", lambda: formats.cast(1.0, overflow="clip"), ["overflow='clip'", "'satfinite'"]),
+    # engine: shapes, dtypes, values
+    ("scores_v_mismatch", lambda: engine.attention(_SCORES, _V[:7], "fwd_s1"), ["v has 7 keys", "N=8"]),
+    ("v_one_dimensional", lambda: engine.attention(_SCORES, _V[:, 0], "fwd_s1"), ["v (..., N, d)", "(8,)"]),
+    ("scores_empty_rows", lambda: engine.attention(_SCORES[:0], _V, "fwd_s1"), ["empty", "scores.shape=(0, 8)"]),
+    ("scores_empty_keys", lambda: engine.attention(_SCORES[:, :0], _V[:0], "fwd_s1"), ["empty", "(2, 0)"]),
+    ("batch_dims_mismatch", lambda: engine.attention(np.zeros((3, 2, 8)), np.ones((2, 8, 3)), "fwd_s1"),
+     ["scores and v", "(3,) vs (2,)"]),
+    ("scores_complex", lambda: engine.attention(_SCORES + 1j, _V, "fwd_s1"), ["scores.dtype=complex", "real"]),
+    ("scores_bool", lambda: engine.attention(_SCORES > 0, _V, "fwd_s1"), ["scores.dtype=bool", "real"]),
+    ("scores_strings", lambda: engine.attention(np.full((2, 8), "a"), _V, "fwd_s1"), ["scores.dtype=<U1", "real"]),
+    ("v_complex", lambda: engine.attention(_SCORES, _V * 1j, "fwd_s1"), ["v.dtype=complex", "real"]),
+    ("scores_nan", lambda: engine.attention(_with(_SCORES, (0, 3), NAN), _V, "fwd_s1"), ["scores", "NaN or +inf"]),
+    ("scores_plus_inf", lambda: engine.attention(_with(_SCORES, (1, 0), INF), _V, "fwd_s1"), ["scores", "finite"]),
+    ("v_nan", lambda: engine.attention(_SCORES, _with(_V, (2, 1), NAN), "fwd_s1"), ["v contains NaN", "finite"]),
+    ("row_fully_masked", lambda: engine.attention(_with(_SCORES, 0, -INF), _V, "fwd_s1"),
+     ["every key masked", "at least one key"]),
+    ("count_mask_length", lambda: engine.attention(_SCORES, _V, "fwd_s1", count_mask=np.ones(5, bool)),
+     ["count_mask.shape=(5,)", "(8,)"]),
+    ("q_offset_negative", lambda: engine.attention(_SCORES, _V, KernelConfig(causal=True), q_offset=-3),
+     ["q_offset=-3", ">= 0"]),
+    ("q_offset_fraction", lambda: engine.attention(_SCORES, _V, KernelConfig(causal=True), q_offset=1.5),
+     ["q_offset=1.5", "integer"]),
+    ("engine_unknown", lambda: engine.attention(_SCORES, _V, "fwd_s1", engine="slow"), ["engine='slow'", "'scan', 'fast'"]),
+    ("weights_nan", lambda: engine.effective_weights(_with(_SCORES, (0, 0), NAN), "fwd_s1"), ["scores", "NaN"]),
+    ("qk_head_dims", lambda: engine.prepare_qkv(_Q, _K[:, :3], _K, "fwd_s1"), ["q and k head dims", "(8, 3)"]),
+    ("kv_lengths", lambda: engine.prepare_qkv(_Q, _K, _K[:5], "fwd_s1"), ["k and v lengths", "(5, 4)"]),
+    ("q_one_dimensional", lambda: engine.prepare_qkv(_Q[0], _K, _K, "fwd_s1"), ["q.shape=(4,)", "(..., len, d)"]),
+    ("qkv_empty", lambda: engine.prepare_qkv(_Q[:0], _K, _K, "fwd_s1"), ["empty", "q.shape=(0, 4)"]),
+    ("qkv_batch_dims", lambda: engine.prepare_qkv(np.ones((3, 2, 4)), np.ones((2, 8, 4)), np.ones((2, 8, 4)), "fwd_s1"),
+     ["q, k and v", "(3,) vs (2,) vs (2,)"]),
+    ("softmax_scale_zero", lambda: engine.prepare_qkv(_Q, _K, _K, "fwd_s1", softmax_scale=0.0),
+     ["softmax_scale=0.0", "> 0"]),
+    ("softmax_scale_nan", lambda: engine.prepare_qkv(_Q, _K, _K, "fwd_s1", softmax_scale=NAN),
+     ["softmax_scale=nan", "finite"]),
+    # workloads
+    ("n_zero", lambda: workloads.SinkWorkload(n=0), ["n=0", ">= 1"]),
+    ("k_sink_above_n", lambda: workloads.SinkWorkload(n=8, k_sink=9), ["k_sink=9", "<= 8"]),
+    ("k_sink_negative", lambda: workloads.SinkWorkload(n=8, k_sink=-1), ["k_sink=-1", ">= 0"]),
+    ("sink_position_too_large", lambda: workloads.SinkWorkload(n=8, sink_positions=(0, 8)),
+     ["sink_positions=(0, 8)", "[0, n=8)"]),
+    ("sink_position_negative", lambda: workloads.SinkWorkload(n=8, sink_positions=(-1,)), ["sink_positions=-1", ">= 0"]),
+    ("sink_positions_duplicated", lambda: workloads.SinkWorkload(n=8, sink_positions=(2, 2)),
+     ["sink_positions=(2, 2)", "duplicates"]),
+    ("sink_position_fraction", lambda: workloads.SinkWorkload(n=8, sink_positions=(1.5,)), ["sink_positions=1.5", "integer"]),
+    ("sink_positions_not_a_sequence", lambda: workloads.SinkWorkload(n=8, sink_positions=3),
+     ["sink_positions=3", "sequence"]),
+    ("sigma_zero", lambda: workloads.SinkWorkload(sigma=0.0), ["sigma=0.0", "> 0"]),
+    ("sigma_v_nan", lambda: workloads.SinkWorkload(sigma_v=NAN), ["sigma_v=nan", "finite"]),
+    ("instance_delta_nan", lambda: workloads.make_instance(jax.random.PRNGKey(0), workloads.SinkWorkload(n=8), NAN),
+     ["delta=nan", "finite"]),
+    ("instance_delta_inf", lambda: workloads.make_instance(jax.random.PRNGKey(0), workloads.SinkWorkload(n=8), -INF),
+     ["delta=-inf", "finite"]),
+    # SweepSpec
+    ("sweep_delta_nan", lambda: _spec(deltas=(5.0, NAN)), ["delta=nan", "finite"]),
+    ("sweep_delta_inf", lambda: _spec(deltas=(INF,)), ["delta=inf", "finite"]),
+    ("sweep_delta_beyond_float32", lambda: _spec(deltas=(1e39,)), ["delta=1e+39", "float32"]),
+    ("sweep_deltas_empty", lambda: _spec(deltas=()), ["deltas", "at least one"]),
+    ("sweep_seeds_zero", lambda: _spec(seeds=0), ["seeds=0", ">= 1"]),
+    ("sweep_seeds_negative", lambda: _spec(seeds=-4), ["seeds=-4", ">= 1"]),
+    ("sweep_base_seed_negative", lambda: _spec(base_seed=-1), ["base_seed=-1", ">= 0"]),
+    ("sweep_seed_offset_negative", lambda: _spec(seed_offset=-1), ["seed_offset=-1", ">= 0"]),
+    ("sweep_seed_indices_beyond_uint32", lambda: _spec(seed_offset=2**32 - 1), ["seed_offset=4294967295", "<= 4294967294"]),
+    ("sweep_config_unknown", lambda: _spec(configs=("fwd_s1", "fa5")), ["preset='fa5'", "'rev_s256'"]),
+    ("sweep_config_names_repeat", lambda: _spec(configs=("fa3", KernelConfig(name="fa3"))), ["unique names", "fa3"]),
+    ("sweep_engine_unknown", lambda: _spec(engine="gpu"), ["engine='gpu'", "'scan', 'fast'"]),
+    ("sweep_n_zero", lambda: _spec(ns=(64, 0)), ["n=0", ">= 1"]),
+    ("sweep_k_sink_above_n", lambda: _spec(ns=(64, 3)), ["k_sink=4", "<= 3"]),
+    ("sweep_expected_mse_not_bool", lambda: _spec(expected_mse="no"), ["expected_mse='no'", "True or False"]),
+    ("sweep_spec_wrong_type", lambda: sweep.run_sweep({"ns": (64,)}), ["spec must be a SweepSpec", "dict"]),
+    ("chunk_size_zero", lambda: sweep.plan_layout(_spec(), n_devices=1, chunk_size=0), ["chunk_size=0", ">= 1"]),
+    ("chunk_size_over_budget", lambda: sweep.plan_layout(_spec(), n_devices=1, chunk_size=10**6, memory_budget=2**24),
+     ["chunk_size=1000000", "at most"]),
+    ("memory_budget_zero", lambda: sweep.plan_layout(_spec(), n_devices=1, memory_budget=0), ["memory_budget=0", "> 0"]),
+    ("memory_budget_nan", lambda: sweep.plan_layout(_spec(), n_devices=1, memory_budget=NAN), ["memory_budget=nan", "finite"]),
+    ("result_metric_unknown", lambda: sweep.SweepResult(_spec(), {"mse": np.zeros((1, 1, 1, 2))}).get("rmse", config="fwd_s1"),
+     ["metric='rmse'", "'mse'"]),
+    ("result_config_unknown", lambda: sweep.SweepResult(_spec(), {"mse": np.zeros((1, 1, 1, 2))}).get("mse", config="fa3"),
+     ["config='fa3'", "'fwd_s1'"]),
+    # theory (closed forms)
+    ("theory_delta_nan", lambda: _theory().collapse_fraction(NAN, 256.0), ["delta=nan", "finite"]),
+    ("theory_delta_array_inf", lambda: _theory().underflow_threshold(np.array([1.0, INF]), 256.0),
+     ["delta (array, offending value inf)", "finite"]),
+    ("theory_scale_zero", lambda: _theory().critical_delta(0.0), ["scale=0.0", "> 0"]),
+    ("theory_sigma_negative", lambda: _theory().collapse_fraction(7.0, 256.0, sigma=-1.0), ["sigma=-1.0", "> 0"]),
+    ("theory_n_not_above_k_sink", lambda: _theory().reverse_underflow_prob(4, 256.0, k_sink=4), ["n=4", "> k_sink=4"]),
+    ("theory_k_below_one", lambda: _theory().delta_k(0.5), ["k=0.5", ">= 1"]),
+    ("theory_max_model_unknown", lambda: _theory().reverse_underflow_prob(100, 256.0, max_model="gumbel"),
+     ["max_model='gumbel'", "'eq11'"]),
+    # Pallas FP8 kernels: what the kernels cannot take (validated before anything is compiled)
+    ("kernel_block_kv_triton", lambda: _fp8_attention(config=KernelConfig(block_kv=48), backend="triton"),
+     ["block_kv=48", "(32, 64, 128, 256)"]),
+    ("kernel_block_kv_mosaic", lambda: _fp8_attention(config=KernelConfig(block_kv=64), backend="mosaic"),
+     ["block_kv=64", "mosaic"]),
+    ("kernel_keys_not_multiple_of_block", lambda: _fp8_attention(config="fwd_s1", backend="triton", n_keys=200),
+     ["N=200", "multiple of block_kv=64"]),
+    ("kernel_dtype_float32", lambda: _fp8_attention(config="fwd_s1", backend="triton", dtype=jnp.float32),
+     ["q.dtype=float32", "float8_e4m3fn"]),
+    ("kernel_backend_unknown", lambda: _fp8_attention(config="fwd_s1", backend="cuda"), ["backend='cuda'", "'mosaic', 'triton'"]),
+]
+
+
+@pytest.mark.parametrize("call, needles", [pytest.param(c, n, id=i) for i, c, n in CASES])
+def test_bad_input_raises_one_clear_error(call, needles):
+    with pytest.raises(PcastError) as info:
+        call()
+    message = str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert "\n" not in message, message
+    for needle in needles:
+        assert needle in message, f"{needle!r} missing from {message!r}"
+
+
+def test_case_ids_are_unique_and_many():
+    ids = [c[0] for c in CASES]
+    assert len(ids) == len(set(ids))
+    assert len(ids) >= 30
+
+
+# --------------------------------------------------------------------------------------------
+# The sweep: refuse before any work, never write where it cannot, never mix two sweeps
+# --------------------------------------------------------------------------------------------
+
+
+class _Computed(Exception):
+    pass
+
+
+@pytest.fixture
+def no_compute(monkeypatch):
+    """Make any chunk computation fail loudly, so a test can show none was started."""
+
+    def refuse(*args, **kwargs):
+        raise _Computed("a chunk was computed")
+
+    monkeypatch.setattr(sweep, "compute_chunk", refuse)
+
+
+def test_memory_budget_too_small_fails_before_any_work(tmp_path, no_compute):
+    out = tmp_path / "out"
+    spec = _spec(ns=(4096,), q_len=32, d=128)
+    with pytest.raises(PcastError, match=r"memory_budget|memory budget") as info:
+        sweep.run_sweep(spec, out_dir=out, memory_budget=4096)
+    assert "GiB" in str(info.value) and "N=4096" in str(info.value)
+    assert not out.exists()  # nothing created, nothing computed
+
+
+def test_output_directory_that_cannot_exist_is_refused(tmp_path, no_compute):
+    blocker = tmp_path / "afile"
+    blocker.write_text("a regular file, so no folder can be made under it (even as root)")
+    out = blocker / "sub"
+    with pytest.raises(PcastError, match=r"out_dir=.*afile/sub.* is not writable"):
+        sweep.run_sweep(_spec(), out_dir=out)
+    assert blocker.read_text().startswith("a regular file")
+
+
+def test_output_directory_under_a_device_file_is_refused(no_compute):
+    # a chmod-ed folder would not stop root; no one can make a folder under /dev/null
+    with pytest.raises(PcastError, match=r"out_dir='/dev/null/pcast' is not writable"):
+        sweep.run_sweep(_spec(), out_dir="/dev/null/pcast")
+
+
+def _claim(out, spec, monkeypatch):
+    """Start a sweep in ``out`` that stops at its first chunk (spec.json written, nothing else)."""
+
+    def stop(*args, **kwargs):
+        raise _Computed("stopped at the first chunk")
+
+    with monkeypatch.context() as m:
+        m.setattr(sweep, "compute_chunk", stop)
+        with pytest.raises(_Computed):
+            sweep.run_sweep(spec, out_dir=out)
+    assert (out / "spec.json").exists()
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(deltas=(5.0, 9.0)), "deltas"),
+    (dict(configs=("rev_s256",)), "configs"),
+    (dict(seeds=3), "seeds"),
+    (dict(base_seed=1), "base_seed"),
+    (dict(ns=(128,)), "ns"),
+])
+def test_resume_with_a_different_spec_is_refused(tmp_path, monkeypatch, no_compute, change, field):
+    out = tmp_path / "out"
+    _claim(out, _spec(deltas=(5.0,)), monkeypatch)
+    saved = (out / "spec.json").read_text()
+    with pytest.raises(PcastError, match=rf"different sweep \(fields that differ: .*{field}.*refusing to mix"):
+        sweep.run_sweep(_spec(**{"deltas": (5.0,), **change}), out_dir=out)
+    assert (out / "spec.json").read_text() == saved
+    assert not (out / "chunks").exists()
+
+
+def test_unreadable_saved_spec_is_refused(tmp_path, monkeypatch, no_compute):
+    out = tmp_path / "out"
+    _claim(out, _spec(), monkeypatch)
+    (out / "spec.json").write_text('{"fingerprint": "abc", "layout": ')  # truncated JSON
+    with pytest.raises(PcastError, match=r"spec.json is unreadable"):
+        sweep.run_sweep(_spec(), out_dir=out)
+
+
+def test_loading_an_unfinished_sweep_is_refused(tmp_path):
+    with pytest.raises(PcastError, match=r"out_dir=.* has no results.npz"):
+        sweep.load_result(tmp_path)
+
+
+# --------------------------------------------------------------------------------------------
+# N not a multiple of block_kv: padded with masked keys, which changes nothing
+# --------------------------------------------------------------------------------------------
+
+
+def _alg1_numpy(scores, v, cfg):
+    """Algorithm 1 in float64/NumPy over blocks of ``block_kv`` keys, the last one partial (no padding)."""
+    scores = np.asarray(scores, np.float64)
+    v = np.asarray(v, np.float64)
+    q_len, n = scores.shape
+    starts = list(range(0, n, cfg.block_kv))
+    if cfg.order == "reverse":
+        starts = starts[::-1]
+    m = np.full(q_len, -np.inf)
+    ell = np.zeros(q_len)
+    o = np.zeros((q_len, v.shape[1]))
+    zeroed = np.zeros(q_len, int)
+    for s in starts:
+        z = scores[:, s:s + cfg.block_kv]
+        m_new = np.maximum(m, z.max(axis=1))
+        alpha = np.exp(m - m_new)
+        p = np.exp(z - m_new[:, None])
+        ell = alpha * ell + p.sum(axis=1)
+        p8 = np.asarray(formats.cast((p * cfg.scale).astype(np.float32), cfg.p_format), np.float64)
+        o = alpha[:, None] * o + p8 @ v[s:s + cfg.block_kv]
+        zeroed += ((p8 == 0) & (p > 0)).sum(axis=1)
+        m = m_new
+    return o / (cfg.scale * ell)[:, None], zeroed
+
+
+@pytest.mark.parametrize("preset", ["fwd_s1", "rev_s256", "fa3"])
+@pytest.mark.parametrize("engine_name", ["fast", "scan"])
+def test_padding_to_a_block_multiple_changes_nothing(preset, engine_name):
+    n, block_kv = 100, 64  # 36 masked keys of padding in the last block
+    cfg = get_preset(preset).replace(block_kv=block_kv)
+    inst = workloads.make_instance(jax.random.PRNGKey(7), workloads.SinkWorkload(n=n, q_len=4, d=8), 6.0)
+    got = engine.attention(inst.scores, inst.v, cfg, engine=engine_name)
+    # the same keys padded by hand to N = 128 = 2 blocks: -inf scores, zero values
+    pad = 2 * block_kv - n
+    scores = jnp.pad(inst.scores, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+    v = jnp.pad(inst.v, ((0, pad), (0, 0)))
+    manual = engine.attention(scores, v, cfg, engine=engine_name)
+    for field in ("out", "row_sum", "n_zeroed", "zeroed_mass"):
+        np.testing.assert_array_equal(getattr(got, field), getattr(manual, field), err_msg=field)
+    np.testing.assert_array_equal(got.n_counted, n)  # padding is never counted
+    assert got.out.shape == (4, 8)
+    weights = engine.effective_weights(inst.scores, cfg)
+    assert weights.shape == (4, n)
+    np.testing.assert_allclose(weights @ inst.v, got.out, rtol=1e-5, atol=1e-6)
+    if cfg.scale_mode == "multiply":  # an independent float64 loop with a partial last block
+        ref_out, ref_zeroed = _alg1_numpy(inst.scores, inst.v, cfg)
+        np.testing.assert_allclose(got.out, ref_out, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(got.n_zeroed, ref_zeroed)
+
+
+def test_n_smaller_than_one_block_is_padded():
+    cfg = KernelConfig(block_kv=64, scale=256.0)
+    scores = np.linspace(-3.0, 1.0, 3 * 5, dtype=np.float32).reshape(3, 5)
+    v = np.arange(5 * 2, dtype=np.float32).reshape(5, 2)
+    got = engine.attention(scores, v, cfg)
+    ref_out, ref_zeroed = _alg1_numpy(scores, v, cfg)
+    np.testing.assert_allclose(got.out, ref_out, rtol=1e-6)
+    np.testing.assert_array_equal(got.n_zeroed, ref_zeroed)
+    np.testing.assert_array_equal(got.n_counted, 5)
+
+
+# --------------------------------------------------------------------------------------------
+# The command line: one line on stderr, exit status 2, no traceback
+# --------------------------------------------------------------------------------------------
+
+_CLI_CASES = {
+    "theory_delta_nan": (["theory", "--delta", "nan"], ["delta=nan", "finite"]),
+    "theory_scale_negative": (["theory", "--scale", "-1"], ["scale=-1.0", "> 0"]),
+    "theory_n_not_above_k_sink": (["theory", "--n", "4", "--ksink", "4"], ["n=4", ">= 5"]),
+    "theory_fmt_unknown": (["theory", "--fmt", "e3m4"], ["--fmt", "e3m4", "choose from"]),
+    "command_unknown": (["sweeep"], ["sweeep", "choose from"]),
+    "sweep_config_unknown": (["sweep", "--configs", "fwd_s1,fa5"], ["--configs", "'fa5'", "choose from"]),
+    "sweep_delta_nan": (["sweep", "--delta", "5,nan"], ["--delta", "nan", "finite"]),
+    "sweep_seeds_zero": (["sweep", "--seeds", "0"], ["--seeds", ">= 1"]),
+    "sweep_engine_unknown": (["sweep", "--engine", "gpu"], ["--engine", "'gpu'", "fast"]),
+    # filled in with a real path by the fixture: a folder under a regular file
+    "sweep_out_under_a_file": (["sweep", "--n", "64", "--seeds", "1", "--out", "{afile}/sub"],
+                               ["out_dir=", "afile/sub", "not writable"]),
+}
+
+
+def _run_cli_cases(cases):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    procs = {name: subprocess.Popen([sys.executable, "-m", "pcast_jax.cli", *argv], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env=env)
+             for name, (argv, _) in cases.items()}
+    results = {}
+    for name, proc in procs.items():
+        try:
+            out, err = proc.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            pytest.fail(f"pcast {' '.join(cases[name][0])} did not finish in 180 s")
+        results[name] = (proc.returncode, out, err)
+    return results
+
+
+@pytest.fixture(scope="module")
+def cli_results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cli")
+    (tmp / "afile").write_text("a regular file")
+    cases = {name: ([a.replace("{afile}", str(tmp / "afile")) for a in argv], needles)
+             for name, (argv, needles) in _CLI_CASES.items()}
+    return cases, _run_cli_cases(cases)
+
+
+@pytest.mark.parametrize("name", sorted(_CLI_CASES))
+def test_cli_prints_one_error_line_and_exits_2(cli_results, name):
+    cases, results = cli_results
+    argv, needles = cases[name]
+    code, out, err = results[name]
+    lines = err.strip().splitlines()
+    assert code == 2, (code, err)
+    assert "Traceback" not in err and "Traceback" not in out
+    assert len(lines) == 1, err
+    assert lines[0].startswith("pcast") and "error:" in lines[0]
+    for needle in needles:
+        assert needle in lines[0], f"{needle!r} missing from {lines[0]!r}"
