@@ -4,7 +4,7 @@
 # Each creates .venv with a Python >= 3.12 found by tools/find-python.
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
-PYTEST_ARGS ?= -n 2
+PYTEST_ARGS ?= -n 2 --dist loadfile
 REPRO_ARGS ?=
 
 .PHONY: venv test reproduce quick clean benchmark

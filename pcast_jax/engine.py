@@ -22,16 +22,19 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pcast_jax import formats
 from pcast_jax.config import KernelConfig, resolve
-from pcast_jax.errors import PcastError, check_choice
+from pcast_jax.errors import PcastError, check_choice, check_int, check_positive
 
 __all__ = [
     "AttentionResult",
     "attention",
     "attention_qkv",
     "effective_weights",
+    "weights_and_stats",
+    "WeightsResult",
     "reference_attention",
     "reference_probs",
     "quantize_per_tensor",
@@ -127,9 +130,37 @@ def _epilogue_divisor(row_sum, cfg: KernelConfig):
 # --------------------------------------------------------------------------------------------
 
 
+def _real_array(name: str, x):
+    """``x`` as float32; complex, boolean, string and object inputs raise PcastError."""
+    dt = getattr(x, "dtype", None)
+    if dt is None:
+        try:
+            x = np.asarray(x)
+        except (TypeError, ValueError) as exc:
+            raise PcastError(f"{name} must be an array of real numbers ({exc})") from None
+        dt = x.dtype
+    dt = np.dtype(dt)
+    if not (jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer)):
+        raise PcastError(f"{name}.dtype={dt} is not supported: must be a real floating-point or integer type")
+    return jnp.asarray(x, jnp.float32)
+
+
+def _concrete(*xs) -> bool:
+    """True when no argument is traced (eager call): values can then be checked on the host."""
+    return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def _batch_shape(param: str, *shapes) -> tuple[int, ...]:
+    try:
+        return jnp.broadcast_shapes(*shapes)
+    except ValueError:
+        raise PcastError(f"{param}: leading (batch) dimensions {' vs '.join(map(str, shapes))} "
+                         "do not broadcast") from None
+
+
 def _prepare(scores, v, cfg: KernelConfig, count_mask, q_offset):
-    scores = jnp.asarray(scores, jnp.float32)
-    v = jnp.asarray(v, jnp.float32)
+    scores = _real_array("scores", scores)
+    v = _real_array("v", v)
     if scores.ndim < 2 or v.ndim < 2:
         raise PcastError(f"scores must be (..., q_len, N) and v (..., N, d); got {scores.shape} and {v.shape}")
     q_len, n = scores.shape[-2:]
@@ -137,13 +168,31 @@ def _prepare(scores, v, cfg: KernelConfig, count_mask, q_offset):
         raise PcastError(f"v has {v.shape[-2]} keys but scores has N={n} (v.shape={v.shape})")
     if q_len == 0 or n == 0 or v.shape[-1] == 0:
         raise PcastError(f"empty attention: scores.shape={scores.shape}, v.shape={v.shape}")
+    _batch_shape("scores and v", scores.shape[:-2], v.shape[:-2])
+    if q_offset is not None and _concrete(q_offset):
+        q_offset = check_int("q_offset", q_offset, min_value=0)
     valid = jnp.ones((q_len, n), bool)
     if cfg.causal:
         off = n - q_len if q_offset is None else q_offset
         qpos = jnp.arange(q_len)[:, None] + off
         valid = jnp.arange(n)[None, :] <= qpos
-    counted = valid if count_mask is None else valid & jnp.asarray(count_mask, bool)[..., None, :]
+    if count_mask is None:
+        counted = valid
+    else:
+        cm = jnp.asarray(count_mask, bool)
+        if cm.ndim < 1 or cm.shape[-1] != n:
+            raise PcastError(f"count_mask.shape={cm.shape} must be (N,) = ({n},) (or (..., N))")
+        _batch_shape("count_mask and scores", cm.shape[:-1], scores.shape[:-2])
+        counted = valid & cm[..., None, :]
     scores = jnp.where(valid, scores, -jnp.inf)
+    if _concrete(scores, v):  # eager call: refuse values that would silently give NaN
+        if bool(jnp.any(jnp.isnan(scores) | (scores == jnp.inf))):
+            raise PcastError("scores contain NaN or +inf: logits must be finite (-inf marks a masked key)")
+        if not bool(jnp.all(jnp.isfinite(v))):
+            raise PcastError("v contains NaN or inf: values must be finite")
+        if not bool(jnp.all(jnp.any(scores > -jnp.inf, axis=-1))):
+            raise PcastError("a query row has every key masked (-inf scores or the causal mask with "
+                             "q_offset): each row needs at least one key")
     pad = (-n) % cfg.block_kv
     if pad:
         widths = [(0, 0)] * (scores.ndim - 1) + [(0, pad)]
@@ -207,37 +256,79 @@ def _scan_engine(scores, v, counted, cfg: KernelConfig) -> AttentionResult:
     return AttentionResult(out, ell, nz, jnp.sum(counted, axis=-1, dtype=jnp.int32), lz / ell)
 
 
-def _fast_parts(scores, counted, cfg: KernelConfig):
-    """Everything of the fast engine except the contraction with V (shared with the weights)."""
-    zb = _order(_blocks(scores, cfg.block_kv, -1), cfg)  # (nb, ..., q, B)
-    cb = _order(_blocks(counted, cfg.block_kv, -1), cfg)
-    m_run = jax.lax.cummax(jnp.max(zb, axis=-1), axis=0)  # running max after each block, (nb, ..., q)
-    p, ps, unscale = _block_probs(zb, m_run, cfg)
-    p8 = _cast(ps, cfg)
+def _fast_parts(scores, counted, cfg: KernelConfig, cast_fn=None):
+    """Everything of the fast engine except the contraction with V (shared with the weights).
+
+    Works in key order on a (..., q, n_blocks, B) view of the scores, so no data moves: the
+    running max after each block in the kernel's order is a cumulative max of the block maxima
+    (from the right in reverse order), and block b's contribution ends up multiplied by
+    exp(m_b − m_final). Returns P8 (..., q, nb, B), the per-block factor w (..., q, nb) that
+    multiplies it, ℓ, the zeroed count and the zeroed mass. ``cast_fn`` replaces line 9's cast
+    (default: the config's exact FP8 cast).
+    """
+    shape = scores.shape[:-1] + (scores.shape[-1] // cfg.block_kv, cfg.block_kv)
+    z = scores.reshape(shape)
+    block_max = jnp.max(z, axis=-1)  # (..., q, nb)
+    m_run = jax.lax.cummax(block_max, axis=block_max.ndim - 1, reverse=cfg.order == "reverse")
+    p, ps, unscale = _block_probs(z, m_run, cfg)
+    p8 = _cast(ps, cfg) if cast_fn is None else cast_fn(ps)
     # α chain: block b's contribution is multiplied by exp(m_b − m_final) by the end
-    decay = _alpha(m_run, m_run[-1][None], cfg)  # (nb, ..., q)
-    ell = jnp.sum(decay * jnp.sum(p, axis=-1), axis=0)
-    zero = cb & (p8 == 0) & (ps > 0)
-    lz = jnp.sum(decay * jnp.sum(jnp.where(zero, p, 0.0), axis=-1), axis=0)
-    nz = jnp.sum(zero, axis=(0, -1), dtype=jnp.int32)
+    decay = _alpha(m_run, jnp.max(block_max, axis=-1, keepdims=True), cfg)  # (..., q, nb)
+    ell = jnp.sum(decay * jnp.sum(p, axis=-1), axis=-1)
+    zero = counted.reshape(shape) & (p8 == 0) & (ps > 0)
+    lz = jnp.sum(decay * jnp.sum(jnp.where(zero, p, 0.0), axis=-1), axis=-1)
+    nz = jnp.sum(zero, axis=(-2, -1), dtype=jnp.int32)
     w = decay if unscale is None else decay * unscale  # per block and row, multiplies P8
     return p8, w, ell, nz, lz
 
 
 def _fast_engine(scores, v, counted, cfg: KernelConfig) -> AttentionResult:
     p8, w, ell, nz, lz = _fast_parts(scores, counted, cfg)
-    vb = _order(_blocks(v, cfg.block_kv, -2), cfg)  # (nb, ..., B, d)
-    if cfg.accumulator == "f32":
-        o = jnp.einsum(
-            "n...qb,n...bd->...qd", p8 * w[..., None], vb, precision=jax.lax.Precision.HIGHEST
-        )
+    if cfg.accumulator == "f32":  # one (q, N) x (N, d) product in key order
+        weighted = (p8 * w[..., None]).reshape(scores.shape)
+        o = jnp.einsum("...qn,...nd->...qd", weighted, v, precision=jax.lax.Precision.HIGHEST)
     else:  # each block's product is rounded to f16 before the FP32 accumulation
-        o = jnp.sum(w[..., None] * _pv(p8, vb, cfg), axis=0)
+        vb = v.reshape(v.shape[:-2] + p8.shape[-2:] + v.shape[-1:])  # (..., nb, B, d)
+        y = jnp.einsum("...qnb,...nbd->...qnd", p8, vb, precision=jax.lax.Precision.HIGHEST)
+        y = y.astype(jnp.float16).astype(jnp.float32)
+        o = jnp.sum(w[..., None] * y, axis=-2)
     out = o / _epilogue_divisor(ell, cfg)[..., None]
     return AttentionResult(out, ell, nz, jnp.sum(counted, axis=-1, dtype=jnp.int32), lz / ell)
 
 
-def effective_weights(scores, config, *, q_offset: int | None = None):
+class WeightsResult(NamedTuple):
+    """The fast engine's effective weights and per-row statistics (see :func:`weights_and_stats`).
+
+    Attributes:
+      weights: (..., q_len, N) W, the kernel output being W · V (FP32 accumulator).
+      row_sum, n_zeroed, n_counted, zeroed_mass: as in :class:`AttentionResult`.
+    """
+
+    weights: jax.Array
+    row_sum: jax.Array
+    n_zeroed: jax.Array
+    n_counted: jax.Array
+    zeroed_mass: jax.Array
+
+
+def weights_and_stats(scores, config, *, count_mask=None, q_offset: int | None = None,
+                      cast_fn=None) -> WeightsResult:
+    """:func:`effective_weights` together with ℓ and the zeroed counts of :func:`attention`.
+
+    Everything the fast engine knows before the contraction with V: for an FP32 accumulator the
+    output is ``weights @ v`` (equal to :func:`attention`'s to FP32 rounding), so several configs
+    can share one matrix product with V (what :func:`pcast_jax.metrics.evaluate` does).
+    """
+    cfg = resolve(config)
+    n = jnp.shape(scores)[-1]
+    scores, _, counted = _prepare(scores, jnp.zeros((n, 1)), cfg, count_mask, q_offset)
+    p8, w, ell, nz, lz = _fast_parts(scores, counted, cfg, cast_fn)
+    wk = p8 * w[..., None] / _epilogue_divisor(ell, cfg)[..., None, None]  # (..., q, nb, B)
+    weights = wk.reshape(wk.shape[:-2] + (-1,))[..., :n]
+    return WeightsResult(weights, ell, nz, jnp.sum(counted, axis=-1, dtype=jnp.int32), lz / ell)
+
+
+def effective_weights(scores, config, *, q_offset: int | None = None, cast_fn=None):
     """(..., q_len, N) weights W with kernel output = W · V when the accumulator is FP32.
 
     W = P8 · exp(m_b − m_final) / (S ℓ) per key (in key order, padding dropped). With V entries
@@ -245,14 +336,7 @@ def effective_weights(scores, config, *, q_offset: int | None = None):
     σ_V² Σ_j (W_j − P_j)² (P the exact softmax) — Prop. 3 / Eq. (8) with the quantization noise of
     the surviving P kept, and the collapse term Σ_{j∈Z} P_j² as the special case W_j = 0.
     """
-    cfg = resolve(config)
-    n = jnp.shape(scores)[-1]
-    scores, _, counted = _prepare(scores, jnp.zeros(jnp.shape(scores)[-1:] + (1,)), cfg, None, q_offset)
-    p8, w, ell, _, _ = _fast_parts(scores, counted, cfg)
-    wk = p8 * w[..., None] / _epilogue_divisor(ell, cfg)[None, ..., None]  # (nb, ..., q, B)
-    wk = _order(wk, cfg)  # back to key order
-    wk = jnp.moveaxis(wk, 0, -2)  # (..., q, nb, B)
-    return wk.reshape(wk.shape[:-2] + (-1,))[..., :n]
+    return weights_and_stats(scores, config, q_offset=q_offset, cast_fn=cast_fn).weights
 
 
 def attention(
@@ -325,7 +409,19 @@ def prepare_qkv(q, k, v, config, *, softmax_scale: float | None = None):
     FP8 value (its descale applied to the values, which equals applying it to the output).
     """
     cfg = resolve(config)
-    q, k, v = (jnp.asarray(a, jnp.float32) for a in (q, k, v))
+    q, k, v = (_real_array(name, a) for name, a in (("q", q), ("k", k), ("v", v)))
+    if q.ndim < 2 or k.ndim < 2 or v.ndim < 2:
+        raise PcastError(f"q, k, v must be (..., len, d); got q.shape={q.shape}, k.shape={k.shape}, "
+                         f"v.shape={v.shape}")
+    if 0 in q.shape or 0 in k.shape or 0 in v.shape:
+        raise PcastError(f"empty q, k or v: q.shape={q.shape}, k.shape={k.shape}, v.shape={v.shape}")
+    _batch_shape("q, k and v", q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    if softmax_scale is not None:
+        try:
+            softmax_scale = float(softmax_scale)
+        except (TypeError, ValueError):
+            raise PcastError(f"softmax_scale={softmax_scale!r} must be a real number > 0") from None
+        check_positive("softmax_scale", softmax_scale)
     if q.shape[-1] != k.shape[-1]:
         raise PcastError(f"q and k head dims differ: q.shape={q.shape}, k.shape={k.shape}")
     if k.shape[-2] != v.shape[-2]:

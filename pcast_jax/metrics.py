@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pcast_jax import engine as _engine
-from pcast_jax.config import KernelConfig
+from pcast_jax.config import KernelConfig, resolve
 
 __all__ = ["METRICS", "CONFIG_METRICS", "evaluate"]
 
@@ -24,28 +24,53 @@ CONFIG_METRICS = ("mse", "mse_expected", "frac_zeroed", "zeroed_mass")
 METRICS = CONFIG_METRICS + ("nonsink_mass",)
 
 
-def evaluate(instance, configs: tuple[KernelConfig, ...], *, engine: str = "fast", sigma_v: float = 1.0,
+def evaluate(instance, configs: tuple[KernelConfig | str, ...], *, engine: str = "fast", sigma_v: float = 1.0,
              expected: bool = True) -> dict[str, jnp.ndarray]:
     """All metrics of one instance for every config; values shaped (len(configs),).
 
     ``instance`` has ``scores`` (q_len, N), ``v`` (N, d) and ``is_sink`` (N,). ``nonsink_mass`` is
     repeated per config so every metric has the same shape. ``expected=False`` skips
-    ``mse_expected`` (reported as NaN then, never as a made-up number).
+    ``mse_expected`` (reported as NaN then, never as a made-up number). A causal config is
+    compared with the causal FP32 reference.
+
+    With the fast engine, a config with an FP32 accumulator has output W·V
+    (:func:`pcast_jax.engine.weights_and_stats`), so its error is (W − P)·V: the weights are
+    computed once for ``mse`` and ``mse_expected``, and all such configs share one matrix product
+    with V (no separate reference product, no cancellation between two outputs).
     """
     scores, v, is_sink = instance.scores, instance.v, instance.is_sink
-    p_ref = _engine.reference_probs(scores)
-    o_ref = jnp.einsum("qn,nd->qd", p_ref, v, precision="highest")
-    nonsink = jnp.mean(jnp.sum(jnp.where(is_sink, 0.0, p_ref), axis=-1))
-    rows = {k: [] for k in METRICS}
-    for cfg in configs:
-        r = _engine.attention(scores, v, cfg, engine=engine, count_mask=~is_sink)
-        rows["mse"].append(jnp.mean((r.out - o_ref) ** 2))
-        if expected:
-            w = _engine.effective_weights(scores, cfg)
-            rows["mse_expected"].append(sigma_v**2 * jnp.mean(jnp.sum((w - p_ref) ** 2, axis=-1)))
+    count_mask = ~is_sink
+    probs = {}
+
+    def reference(causal: bool):
+        if causal not in probs:
+            probs[causal] = _engine.reference_probs(scores, causal=causal)
+        return probs[causal]
+
+    nonsink = jnp.mean(jnp.sum(jnp.where(is_sink, 0.0, reference(False)), axis=-1))
+    rows = {k: [None] * len(configs) for k in METRICS}
+    shared = []  # (config index, W − P) of the configs whose error is (W − P)·V
+    for i, cfg in enumerate(configs):
+        cfg = resolve(cfg)
+        p_ref = reference(cfg.causal)
+        if engine == "fast" and cfg.accumulator == "f32":
+            r = _engine.weights_and_stats(scores, cfg, count_mask=count_mask)
+            diff = r.weights - p_ref
+            shared.append((i, diff))
         else:
-            rows["mse_expected"].append(jnp.float32(jnp.nan))
-        rows["frac_zeroed"].append(jnp.sum(r.n_zeroed) / jnp.maximum(jnp.sum(r.n_counted), 1))
-        rows["zeroed_mass"].append(jnp.mean(r.zeroed_mass))
-        rows["nonsink_mass"].append(nonsink)
+            r = _engine.attention(scores, v, cfg, engine=engine, count_mask=count_mask)
+            o_ref = jnp.einsum("qn,nd->qd", p_ref, v, precision="highest")
+            rows["mse"][i] = jnp.mean((r.out - o_ref) ** 2)
+            diff = _engine.effective_weights(scores, cfg) - p_ref if expected else None
+        if expected:
+            rows["mse_expected"][i] = sigma_v**2 * jnp.mean(jnp.sum(diff**2, axis=-1))
+        else:
+            rows["mse_expected"][i] = jnp.float32(jnp.nan)
+        rows["frac_zeroed"][i] = jnp.sum(r.n_zeroed) / jnp.maximum(jnp.sum(r.n_counted), 1)
+        rows["zeroed_mass"][i] = jnp.mean(r.zeroed_mass)
+        rows["nonsink_mass"][i] = nonsink
+    if shared:
+        err = jnp.einsum("cqn,nd->cqd", jnp.stack([d for _, d in shared]), v, precision="highest")
+        for (i, _), e in zip(shared, err):
+            rows["mse"][i] = jnp.mean(e**2)
     return {k: jnp.stack([jnp.asarray(x, jnp.float32) for x in vals]) for k, vals in rows.items()}

@@ -20,6 +20,7 @@ import math
 import os
 import sys
 import tempfile
+import zipfile
 from functools import partial
 from pathlib import Path
 
@@ -30,12 +31,15 @@ import numpy as np
 from pcast_jax import __version__, metrics
 from pcast_jax.config import KernelConfig, resolve
 from pcast_jax.engine import ENGINES
-from pcast_jax.errors import PcastError, check_choice, check_finite, check_int
+from pcast_jax.errors import PcastError, check_choice, check_finite, check_int, check_positive
 from pcast_jax.workloads import SinkWorkload, make_instance
 
 __all__ = ["SweepSpec", "SweepResult", "run_sweep", "plan_layout", "compute_chunk", "instance_key", "estimate_instance_bytes", "load_result"]
 
 _FORMAT_VERSION = 1
+#: Bump whenever the simulator's numbers change (engine, workloads, metrics): saved chunks of an
+#: older version then no longer match the fingerprint and are recomputed instead of resumed.
+SIMULATOR_VERSION = 2  # 2: per-instance loops instead of vmap (last-bit changes)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -77,6 +81,9 @@ class SweepSpec:
             raise PcastError(f"configs must have unique names, got {names}")
         object.__setattr__(self, "configs", cfgs)
         deltas = tuple(check_finite("delta", d) for d in _as_tuple(self.deltas, "deltas"))
+        for d in deltas:  # Δ is added to float32 scores: it must stay finite there
+            if abs(d) > float(np.finfo(np.float32).max):
+                raise PcastError(f"delta={d!r} must be finite in float32 (|delta| <= 3.4e38)")
         if not deltas:
             raise PcastError("deltas must hold at least one value")
         object.__setattr__(self, "deltas", deltas)
@@ -85,9 +92,12 @@ class SweepSpec:
             raise PcastError("ns must hold at least one value")
         object.__setattr__(self, "ns", ns)
         check_int("seeds", self.seeds, min_value=1)
-        check_int("seed_offset", self.seed_offset, min_value=0)
+        # seed indices are uint32 PRNG data: seed_offset + seeds - 1 must fit in 32 bits
+        check_int("seed_offset", self.seed_offset, min_value=0, max_value=2**32 - self.seeds)
         check_int("base_seed", self.base_seed, min_value=0, max_value=2**31 - 1)
         check_choice("engine", self.engine, ENGINES)
+        if not isinstance(self.expected_mse, bool):
+            raise PcastError(f"expected_mse={self.expected_mse!r} must be True or False")
         for n in ns:  # validates k_sink / sink_positions / sigma against every N
             self.workload(n)
 
@@ -118,7 +128,9 @@ class SweepSpec:
         return cls(**d)
 
     def fingerprint(self) -> str:
-        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        """Identity of the results: the spec, the file format and the simulator version."""
+        ident = {"spec": self.to_dict(), "format": _FORMAT_VERSION, "simulator": SIMULATOR_VERSION}
+        blob = json.dumps(ident, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -215,9 +227,42 @@ class SweepResult:
 # --------------------------------------------------------------------------------------------
 
 
-@partial(jax.jit, static_argnames=("spec", "n"))
-def _chunk_metrics(seed_idx, deltas, *, spec: SweepSpec, n: int):
-    """(C,) seeds × (D,) deltas → metric → (C, D, n_configs). One draw per seed, shared by every Δ."""
+def _loop_map(fn, xs):
+    """``lax.map(fn, xs)`` as a while loop compiled the same way for every length of ``xs``.
+
+    XLA simplifies loops it can see through: one it knows runs once is inlined, and indexing a
+    length-1 array does not depend on the loop counter, so the whole body is hoisted out of the
+    loop. Either changes fusion, and so the low-order bits. Here the trip count is hidden behind
+    an optimization barrier and ``xs`` gets one unused extra element, so every element goes
+    through the same compiled body.
+    """
+    count = xs.shape[0]
+    shapes = jax.eval_shape(fn, jax.tree.map(lambda x: x[0], xs))
+    init = jax.tree.map(lambda s: jnp.zeros((count,) + s.shape, s.dtype), shapes)
+    xs = jax.tree.map(lambda x: jnp.concatenate([x, x[-1:]]), xs)
+    stop = jax.lax.optimization_barrier(jnp.int32(count))
+
+    def body(state):
+        i, acc = state
+        y = fn(jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), xs))
+        return i + 1, jax.tree.map(lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, i, 0), acc, y)
+
+    _, out = jax.lax.while_loop(lambda state: state[0] < stop, body, (jnp.int32(0), init))
+    return out
+
+
+@partial(jax.jit, static_argnames=("spec", "n", "n_shards"))
+def _chunk_metrics(seed_idx, deltas, *, spec: SweepSpec, n: int, n_shards: int = 1):
+    """(C,) seeds × (D,) deltas → metric → (C, D, n_configs). One draw per seed, shared by every Δ.
+
+    Every (seed, Δ) instance is computed by the same compiled loop body: a loop over Δ inside a
+    loop over seeds (:func:`_loop_map`), not a vmap. XLA:CPU's code for reductions, divisions and
+    exponentials depends on array shapes and on what gets fused, so a vmap over a batch whose size
+    follows the chunk size or the device count changes low-order bits; the loops make the results
+    bit-identical whatever the chunking, Δ grouping or device count (and are faster on CPU). The
+    seed axis is split into ``n_shards`` rows (one per device of a sharded ``seed_idx``; C must be
+    a multiple) and only that axis is vmapped, so each device loops over its own seeds.
+    """
     workload = spec.workload(n)
 
     def per_seed(seed):
@@ -228,9 +273,11 @@ def _chunk_metrics(seed_idx, deltas, *, spec: SweepSpec, n: int):
             return metrics.evaluate(inst, spec.configs, engine=spec.engine, sigma_v=spec.sigma_v,
                                     expected=spec.expected_mse)
 
-        return jax.vmap(per_delta)(deltas)
+        return _loop_map(per_delta, deltas)
 
-    return jax.vmap(per_seed)(seed_idx)
+    rows = seed_idx.reshape(n_shards, -1)  # (shards, C / shards)
+    out = jax.vmap(lambda row: _loop_map(per_seed, row))(rows)
+    return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), out)
 
 
 def _mesh(devices):
@@ -256,7 +303,7 @@ def compute_chunk(spec: SweepSpec, n: int, seed_start: int, seed_stop: int, delt
         sharding = jax.sharding.NamedSharding(_mesh(devices), jax.sharding.PartitionSpec("i"))
         seeds = jax.device_put(seeds, sharding)
         deltas = jax.device_put(deltas, jax.sharding.NamedSharding(_mesh(devices), jax.sharding.PartitionSpec()))
-    out = _chunk_metrics(seeds, deltas, spec=spec, n=n)
+    out = _chunk_metrics(seeds, deltas, spec=spec, n=n, n_shards=len(devices))
     return {k: np.asarray(v)[:count] for k, v in out.items()}
 
 
@@ -297,9 +344,13 @@ def _load_chunk(path: Path, fingerprint: str, bounds: tuple[int, int, int, int])
         with np.load(path) as z:
             if str(z["fingerprint"]) != fingerprint or tuple(int(b) for b in z["bounds"]) != bounds:
                 return None
-            return {k[2:]: z[k] for k in z.files if k.startswith("m_")}
-    except (OSError, ValueError, KeyError, EOFError):
+            got = {k[2:]: z[k] for k in z.files if k.startswith("m_")}
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
         return None
+    s0, s1, d0, d1 = bounds  # every metric, each (seeds, deltas, configs): else recompute
+    if set(got) != set(metrics.METRICS) or any(v.shape[:2] != (s1 - s0, d1 - d0) for v in got.values()):
+        return None
+    return got
 
 
 def _check_writable(out: Path) -> None:
@@ -352,25 +403,38 @@ def load_result(out_dir: str | os.PathLike) -> SweepResult:
 # --------------------------------------------------------------------------------------------
 
 
+def _balanced(total: int, most: int) -> int:
+    """The smallest size that covers ``total`` in as few pieces of at most ``most`` as possible.
+
+    Even pieces (20 as 10 + 10, not 16 + 4) mean one compiled shape instead of two.
+    """
+    pieces = -(-total // most)
+    return -(-total // pieces)
+
+
 def plan_layout(spec: SweepSpec, *, n_devices: int, chunk_size: int | None = None,
                 memory_budget: int | None = None) -> dict:
     """Seeds per chunk and Δ values per group so that one chunk fits ``memory_budget`` bytes.
 
     Raises PcastError before anything runs when a single (seed, Δ) instance does not fit.
     """
-    budget = int(memory_budget or _default_budget())
+    if memory_budget is None:
+        budget = _default_budget()
+    else:
+        budget = int(check_positive("memory_budget", memory_budget))
     worst = max(estimate_instance_bytes(spec, n) for n in spec.ns)
     if worst * n_devices > budget:
         raise PcastError(
             f"one instance at N={max(spec.ns)} needs ~{worst / 2**30:.2f} GiB per device but the memory "
             f"budget is {budget / 2**30:.2f} GiB; lower n, q_len or the number of configs, or raise memory_budget")
-    group = max(1, min(len(spec.deltas), budget // (worst * n_devices)))
+    group = _balanced(len(spec.deltas), max(1, min(len(spec.deltas), budget // (worst * n_devices))))
     per_seed = worst * group
     fit = max(1, budget // per_seed)  # seeds per chunk that fit
     if chunk_size is None:
-        chunk_size = min(fit, spec.seeds, 1024)
-        chunk_size = max(n_devices, -(-chunk_size // n_devices) * n_devices) if chunk_size >= n_devices else chunk_size
-        chunk_size = min(chunk_size, max(fit, 1))
+        chunk_size = _balanced(spec.seeds, min(fit, spec.seeds, 1024))
+        if chunk_size >= n_devices:  # a multiple of the device count, when that still fits
+            rounded = -(-chunk_size // n_devices) * n_devices
+            chunk_size = rounded if rounded <= fit else chunk_size
     else:
         check_int("chunk_size", chunk_size, min_value=1)
         if chunk_size > fit:
@@ -396,13 +460,21 @@ def run_sweep(
         A folder holding a different sweep is refused; the same sweep resumes.
       chunk_size: seeds per jit call (default: as many as ``memory_budget`` allows). Results do not
         depend on it. On resume the saved layout is used.
-      devices: devices to shard the seed axis over (default all ``jax.devices()``).
+      devices: devices to shard the seed axis over (default all ``jax.devices()``). With several
+        processes (:func:`pcast_jax.distributed.init_distributed`) and no ``devices``, every process
+        calls this alike and the sweep runs over all processes' devices
+        (:func:`pcast_jax.distributed.run_sweep_distributed`).
       progress: show a progress bar (default: when stderr is a terminal).
       memory_budget: bytes one chunk may use (default half the accelerator memory, or a quarter
         of the host RAM on CPU).
     """
     if not isinstance(spec, SweepSpec):
         raise PcastError(f"spec must be a SweepSpec, got {type(spec).__name__}")
+    if devices is None and jax.process_count() > 1:  # multi-process runtime: shard over every process
+        from pcast_jax.distributed import run_sweep_distributed
+
+        return run_sweep_distributed(spec, out_dir, chunk_size=chunk_size, progress=progress,
+                                     memory_budget=memory_budget)
     devices = list(devices or jax.devices())
     layout = plan_layout(spec, n_devices=len(devices), chunk_size=chunk_size, memory_budget=memory_budget)
     out = None

@@ -1,0 +1,43 @@
+"""``pcast presets``: the kernel presets and what each does at the P-cast."""
+
+from __future__ import annotations
+
+import argparse
+
+from pcast_jax.config import KERNEL_PRESETS, PAPER_CONFIGS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    del parser  # no options
+
+
+def rows() -> list[tuple[str, ...]]:
+    """(group, name, order, S, scale mode, block_kv, power of two, accumulator, description)."""
+    out = []
+    for group, presets in (("paper", PAPER_CONFIGS), ("kernel", KERNEL_PRESETS)):
+        for name, cfg in presets.items():
+            dynamic = cfg.scale_mode == "dynamic"
+            out.append((
+                group,
+                name,
+                cfg.order,
+                "2^k per block" if dynamic else f"{cfg.scale:g}",
+                cfg.scale_mode,
+                str(cfg.block_kv),
+                "yes" if dynamic or cfg.scale_is_power_of_two else "no",
+                cfg.accumulator,
+                cfg.describe(),
+            ))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    del args
+    head = ("group", "name", "order", "S", "scale mode", "block_kv", "pow2 S", "PV acc", "description")
+    table = rows()
+    widths = [max(len(r[i]) for r in (head, *table)) for i in range(len(head))]
+    for r in (head, *table):
+        print("  ".join(f"{cell:<{w}}" for cell, w in zip(r, widths)).rstrip())
+    print("Q, K, V stay FP32 in every preset (the P-cast in isolation); ℓ sums pre-cast P except in the "
+          "exponent mode, where it sums the scaled values.")
+    return 0
