@@ -10,9 +10,10 @@ Rows:
   ``metrics.evaluate`` for every config, exactly what ``run_sweep`` does per chunk.
 * ``sweep chunk, 10 deltas`` — Δ = 4..13 on the same draws (one instance = one (seed, Δ)): the
   draws are paid once per seed, so the engine's share of the time is much larger.
-* ``sweep chunk, V-free`` — the same with d = 1: V is not drawn (the scores of a seed do not
-  depend on d), so ``mse`` is meaningless but ``mse_expected``, ``frac_zeroed`` and the masses are
-  the d = 128 values. This is what a sweep that needs no sampled-V MSE costs.
+* ``sweep chunk, V-free`` — the same with d = 1: V has one column (N normals instead of N·d; the
+  scores of a seed do not depend on d), so ``mse`` is meaningless but ``mse_expected``,
+  ``frac_zeroed`` and the masses are the d = 128 values. This is what a sweep that needs no
+  sampled-V MSE costs.
 * ``engine only`` — ``metrics.evaluate`` on instances drawn beforehand: once vmapped over the
   64 instances (one batched program) and once one instance at a time (``lax.map``).
 * ``draws only`` and ``P·V dot`` — the floor set by the random draws (one instance at a time, as
@@ -20,7 +21,8 @@ Rows:
   (q, N) × (N, d) product of the same shapes for an achieved-GFLOP/s reference.
 
 "GFLOP/s" counts only the P·V products (2·q·N·d per instance and config), so it says how close a
-row runs to the matrix-multiply rate of the machine.
+row runs to the matrix-multiply rate of the machine. "fast/scan speed-up" is the scan row's median
+time over the fast row's.
 """
 
 from __future__ import annotations
@@ -64,9 +66,9 @@ def run(*, seeds: int, n: int, q_len: int, d: int, repeats: int) -> list[dict]:
     pv_gflop = 2.0 * q_len * n * d * len(CONFIGS) * seeds / 1e9
     rows = []
 
-    def add(name, engine, timing, instances=seeds):
+    def add(name, engine, timing, instances=seeds, pv=True):
         rows.append({"row": name, "engine": engine, **timing, "instances_per_s": instances / timing["wall_s"],
-                     "pv_gflops": pv_gflop * instances / seeds / timing["wall_s"]})
+                     "pv_gflops": pv_gflop * instances / seeds / timing["wall_s"] if pv else None})
 
     spec = dict(configs=CONFIGS, deltas=(7.0,), ns=(n,), seeds=seeds, q_len=q_len, d=d, expected_mse=False)
     for eng in ("scan", "fast"):
@@ -80,7 +82,7 @@ def run(*, seeds: int, n: int, q_len: int, d: int, repeats: int) -> list[dict]:
     s = SweepSpec(engine="fast", **{**spec, "expected_mse": True})
     add("sweep chunk + mse_expected", "fast", measure(lambda: compute_chunk(s, n, 0, seeds), repeats))
     s = SweepSpec(engine="fast", **{**spec, "d": 1, "expected_mse": True})
-    add("sweep chunk, V-free (d=1)", "fast", measure(lambda: compute_chunk(s, n, 0, seeds), repeats))
+    add("sweep chunk, V-free (d=1)", "fast", measure(lambda: compute_chunk(s, n, 0, seeds), repeats), pv=False)
 
     workload = SweepSpec(**spec).workload(n)
     def drawn(k):
@@ -92,7 +94,7 @@ def run(*, seeds: int, n: int, q_len: int, d: int, repeats: int) -> list[dict]:
 
     keys = jnp.arange(seeds, dtype=jnp.uint32)
     draws_only = jax.jit(lambda ks: jax.lax.map(draw_cost, ks))
-    add("draws only, one at a time", "-", measure(lambda: draws_only(keys), repeats))
+    add("draws only, one at a time", "-", measure(lambda: draws_only(keys), repeats), pv=False)
     draw = jax.jit(lambda ks: jax.lax.map(drawn, ks))
     inst = _block(draw(keys))
     is_sink = np.asarray(inst.is_sink[0])  # a constant, as in the sweep
@@ -120,7 +122,8 @@ def format_rows(rows: list[dict]) -> list[str]:
     for r in rows:
         ratio = f"{scan[r['row']] / r['wall_s']:.2f}x" if r["engine"] == "fast" and r["row"] in scan else ""
         table.append((r["row"], r["engine"], f"{r['wall_s']:.3f}", f"{r['cpu_s']:.3f}",
-                      f"{r['instances_per_s']:.1f}", f"{r['pv_gflops']:.1f}", ratio))
+                      f"{r['instances_per_s']:.1f}", "-" if r["pv_gflops"] is None else f"{r['pv_gflops']:.1f}",
+                      ratio))
     widths = [max(len(x[i]) for x in (head, *table)) for i in range(len(head))]
     return ["  ".join(f"{c:<{w}}" if i < 2 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(x, widths)))
             for x in (head, *table)]
