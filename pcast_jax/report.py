@@ -11,13 +11,13 @@ import csv
 import io
 import json
 import math
-import os
 import platform
 import sys
-import tempfile
 from importlib import metadata
 from pathlib import Path
 from typing import Iterable, Sequence
+
+from pcast_jax.fileio import atomic_write
 
 __all__ = [
     "fmt_num",
@@ -129,27 +129,7 @@ def markdown_table(rows: Sequence[dict], columns: Sequence, *, align: str | None
 
 
 def _atomic(path: Path, data: bytes) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the usual file mode
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    return path
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+    return atomic_write(path, lambda f: f.write(data))
 
 
 def write_text(path, text: str) -> Path:

@@ -19,7 +19,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import zipfile
 from functools import partial
 from pathlib import Path
@@ -31,6 +30,7 @@ import numpy as np
 from pcast_jax import __version__, metrics
 from pcast_jax.config import KernelConfig, resolve
 from pcast_jax.engine import ENGINES
+from pcast_jax.fileio import atomic_write
 from pcast_jax.errors import PcastError, check_choice, check_finite, check_int, check_positive
 from pcast_jax.workloads import SinkWorkload, make_instance
 
@@ -312,22 +312,7 @@ def compute_chunk(spec: SweepSpec, n: int, seed_start: int, seed_stop: int, delt
 # --------------------------------------------------------------------------------------------
 
 
-def _atomic_write(path: Path, writer, *, text: bool = False) -> None:
-    """Write via a temporary file in the same folder, fsync, then rename: never a half file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w" if text else "wb", **({"newline": ""} if text else {})) as f:
-            writer(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+_atomic_write = atomic_write  # kept under this name for the distributed driver
 
 
 def _save_npz(path: Path, arrays: dict) -> None:

@@ -18,13 +18,13 @@ import importlib
 import importlib.util
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from pcast_jax.errors import PcastError
+from pcast_jax.fileio import atomic_write
 
 __all__ = [
     "INSTALL_HINT",
@@ -309,18 +309,9 @@ def _check_shapes(cfg: LlamaConfig, flat: dict[str, np.ndarray]) -> None:
 def _write_cache(target: Path, cfg: LlamaConfig, flat: dict[str, np.ndarray],
                  tokenizer_json: str) -> None:
     """Write the npz atomically (temp file in the same directory, then os.replace)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=target.stem, suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            np.savez(handle, __config__=np.frombuffer(cfg.to_json().encode(), dtype=np.uint8),
-                     __tokenizer__=np.frombuffer(tokenizer_json.encode(), dtype=np.uint8),
-                     **flat)
-        os.replace(tmp_name, target)
-    except BaseException:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
-        raise
+    atomic_write(target, lambda handle: np.savez(
+        handle, __config__=np.frombuffer(cfg.to_json().encode(), dtype=np.uint8),
+        __tokenizer__=np.frombuffer(tokenizer_json.encode(), dtype=np.uint8), **flat))
 
 
 def _load_flat(gguf_path=None, *, use_cache: bool = True):
