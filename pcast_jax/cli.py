@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 COMMANDS: dict[str, str] = {
@@ -53,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return int(_load(args.command).run(args) or 0)
+    except BrokenPipeError:  # output piped into `head` or similar: stop quietly
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 0
     except (ValueError, OSError) as exc:
         print(f"pcast: error: {exc}", file=sys.stderr)
         return 2
