@@ -25,8 +25,10 @@ PAPER = {
     10.0: {"s1": 100.0, "s256": 11.7, "mass": 5.8, "loss": 5.8},
     12.0: {"s1": 100.0, "s256": 67.9, "mass": 0.8, "loss": 0.8},
 }
-#: Tolerances (percentage points) for the summary verdict.
-TOL_FRAC_PP = 5.0
+#: Tolerances (percentage points) for the summary verdict: the project's bar of 2 points per cell.
+#: With the paper's 12 seeds, seed noise alone is about 1.3 pp at Δ = 6 (the engine tests use 240
+#: seeds and meet the bar there), so a "partly" here can be noise; the table shows every difference.
+TOL_FRAC_PP = 2.0
 TOL_MASS_PP = 2.0
 
 
@@ -128,6 +130,8 @@ def run(ctx: Context) -> Section:
     notes = [f"Largest differences to the paper: S=1 {max(d_s1):.1f} pp, S=256 {max(d_s256):.1f} pp, "
              f"non-sink mass {max(d_mass):.1f} pp (verdict tolerance {TOL_FRAC_PP:g} pp for fractions, "
              f"{TOL_MASS_PP:g} pp for mass).",
+             "With the paper's 12 seeds the fractions carry about 1.3 pp of seed noise (Δ = 6); at 240 seeds "
+             "(tests/test_engine.py) every fraction is within 2 pp of the paper.",
              "`zeroed_mass_s1_ours` in table1.csv is the exact probability mass of the zeroed P values "
              "(what the product \"info loss\" approximates)."]
     for r in off:
