@@ -14,13 +14,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from pcast_jax.config import KernelConfig
+from pcast_jax.formats import E4M3
 
 #: log2(e) as the engine uses it (a Python float, rounded to FP32 where it meets FP32 data).
 LOG2E = math.log2(math.e)
 #: Largest finite E4M3FN value; P·S is clamped to ±this before the cast (cvt.rn.satfinite).
-E4M3_MAX = 448.0
+E4M3_MAX = E4M3.max
 #: E4M3FN round-to-zero boundary: 0 < x <= 2^-10 casts to 0 (the tie goes to the even 0).
-E4M3_ROUND_TO_ZERO = 2.0**-10
+E4M3_ROUND_TO_ZERO = E4M3.round_to_zero
 
 
 def row_broadcast(row, shape):
