@@ -6,7 +6,7 @@ TMA into a ring of ``num_slots`` shared-memory slots, in the kernel's KV order. 
 a slot is full (TMA done) and when it is free (every compute warpgroup has consumed it).
 
 Per KV block each compute warpgroup does Algorithm 1 exactly as ``pcast_jax.engine``'s scan
-engine does (see ``_semantics``):
+engine does (every line of it from :mod:`pcast_jax.block`):
 
 * Z = (Q8 · K8ᵀ) · q_descale·k_descale·softmax_scale, an FP8 × FP8 → FP32 ``wgmma``;
 * running max, α, P and the row sum ℓ in FP32 (exp, or exp2 with log2 S folded in);
@@ -28,7 +28,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _semantics as sem
+from pcast_jax import block
 from pcast_jax.config import KernelConfig
 
 __all__ = ["BLOCK_Q", "mosaic_attention"]
@@ -85,17 +85,15 @@ def mosaic_attention(
     n_blocks = n_kv // block_kv
     slots = max(1, min(num_slots, n_blocks))
     causal = config.causal
-    reverse = config.order == "reverse"
 
     def kv_steps_for(q_tile):
         """KV blocks this CTA visits: all of them, or (causal) those left of its last row."""
         if not causal:
             return n_blocks
-        last_pos = n_kv - q_len + (q_tile + 1) * tile_q - 1
-        return jnp.minimum(lax.div(last_pos, block_kv) + 1, n_blocks)
+        return block.causal_kv_steps(n_kv - q_len + (q_tile + 1) * tile_q - 1, block_kv, n_blocks)
 
     def block_of(step, kv_steps):
-        return kv_steps - 1 - step if reverse else step
+        return block.kv_block(step, kv_steps, config)
 
     def body(q_ref, k_ref, vt_ref, params_ref, out_ref, rowsum_ref, nzero_ref, scoped):
         (q_smem, k_smem, vt_smem, p_smem, o_smem, l_smem, z_smem), barriers = scoped
@@ -143,15 +141,12 @@ def mosaic_attention(
                     cols = plgpu.broadcasted_iota(
                         jnp.int32, (BLOCK_Q, block_kv), 1, layout=plgpu.Layout.WGMMA
                     )
-                    visible = cols + blk * block_kv <= rows + (n_kv - q_len + q0)
+                    visible = block.visible(rows + (n_kv - q_len + q0), cols + blk * block_kv)
                     z = jnp.where(visible, z, -jnp.inf)
-                m_new = jnp.maximum(m, z.max(axis=1))  # lines 4-5
-                a = sem.alpha(m, m_new, config)  # line 6
-                p, ps, unscale = sem.block_probs(z, m_new, config)  # line 7
-                ell = a * ell + p.sum(axis=1)  # line 8
-                p_smem.at[wg][...] = sem.clamp_for_cast(ps).astype(_F8)  # line 9
+                st = block.online_softmax(m, ell, z, config)  # lines 4-8
+                p_smem.at[wg][...] = block.cast_p(st.ps, config)  # line 9
                 plgpu.commit_smem()
-                nz = nz + jnp.where(sem.zeroed(ps), 1.0, 0.0).sum(axis=1)
+                nz = nz + jnp.where(block.zeroed(st.ps, config), 1.0, 0.0).sum(axis=1)
 
                 plgpu.barrier_wait(v_bar.at[slot])
 
@@ -161,13 +156,11 @@ def mosaic_attention(
 
                 pv_block = pl.run_scoped(pv, plgpu.ACC((BLOCK_Q, head_dim), jnp.float32))
                 plgpu.barrier_arrive(v_free.at[slot])
-                pv_block = sem.block_product(pv_block, unscale, config)
-                o = sem.row_broadcast(a, o.shape) * o + pv_block  # line 10
-                return m_new, ell, o, nz
+                o = block.accumulate(o, st.alpha, pv_block, st.unscale, config)  # line 10
+                return st.m, st.row_sum, o, nz
 
             m, ell, o, nz = lax.fori_loop(0, kv_steps, step, (m, ell, o, nz))
-            out = o / sem.row_broadcast(sem.epilogue_divisor(ell, config), o.shape)  # line 12
-            o_smem.at[wg][...] = out * v_descale
+            o_smem.at[wg][...] = block.finalize(o, ell, config) * v_descale  # line 12
             l_smem.at[wg][...] = ell
             z_smem.at[wg][...] = nz
             plgpu.commit_smem()

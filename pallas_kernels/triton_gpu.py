@@ -2,7 +2,7 @@
 
 One program per (batch, head, query block); it walks the KV blocks in the kernel's order with a
 ``fori_loop`` and does Algorithm 1 per block exactly as ``pcast_jax.engine``'s scan engine does
-(see ``_semantics``). Both matmuls are FP8 × FP8 → FP32 ``dot``s (Triton lowers them to
+(every line of it from :mod:`pcast_jax.block`). Both matmuls are FP8 × FP8 → FP32 ``dot``s (Triton lowers them to
 ``tt.dot f8E4M3FN × f8E4M3FN → f32``); V arrives transposed, like the Mosaic GPU kernel, so the
 P·V operand is K-major. Triton schedules its own pipelining (``num_stages``).
 """
@@ -15,7 +15,7 @@ import jax.experimental.pallas.triton as pltriton
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _semantics as sem
+from pcast_jax import block
 from pcast_jax.config import KernelConfig
 
 __all__ = ["triton_attention", "triton_block_q"]
@@ -61,13 +61,12 @@ def triton_attention(
     if num_warps is None:
         num_warps = 8 if block_q >= 128 or head_dim > 64 else 4
     causal = config.causal
-    reverse = config.order == "reverse"
 
     def kernel(q_ref, k_ref, vt_ref, params_ref, out_ref, rowsum_ref, nzero_ref):
         q0 = pl.program_id(2) * block_q
+        q_start = n_kv - q_len + q0  # position of this program's first query row
         if causal:
-            last_pos = n_kv - q_len + q0 + block_q - 1
-            kv_steps = jnp.minimum(lax.div(last_pos, block_kv) + 1, n_blocks)
+            kv_steps = block.causal_kv_steps(q_start + block_q - 1, block_kv, n_blocks)
         else:
             kv_steps = n_blocks
         score_scale = params_ref[0]
@@ -76,23 +75,18 @@ def triton_attention(
 
         def step(s, carry):
             m, ell, o, nz = carry
-            blk = kv_steps - 1 - s if reverse else s
+            blk = block.kv_block(s, kv_steps, config)
             cols = pl.ds(blk * block_kv, block_kv)
             z = _dot_nt(q8, k_ref[cols, :]) * score_scale  # line 3
             if causal:
                 rows = lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 0)
                 keys = lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 1)
-                visible = keys + blk * block_kv <= rows + (n_kv - q_len + q0)
-                z = jnp.where(visible, z, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(z, axis=1))  # lines 4-5
-            a = sem.alpha(m, m_new, config)  # line 6
-            p, ps, unscale = sem.block_probs(z, m_new, config)  # line 7
-            ell = a * ell + jnp.sum(p, axis=1)  # line 8
-            p8 = sem.clamp_for_cast(ps).astype(_F8)  # line 9
-            nz = nz + jnp.sum(jnp.where(sem.zeroed(ps), 1.0, 0.0), axis=1)
-            pv = _dot_nt(p8, vt_ref[:, cols])
-            o = sem.row_broadcast(a, o.shape) * o + sem.block_product(pv, unscale, config)  # line 10
-            return m_new, ell, o, nz
+                z = jnp.where(block.visible(rows + q_start, keys + blk * block_kv), z, -jnp.inf)
+            st = block.online_softmax(m, ell, z, config)  # lines 4-8
+            p8 = block.cast_p(st.ps, config)  # line 9
+            nz = nz + jnp.sum(jnp.where(block.zeroed(st.ps, config), 1.0, 0.0), axis=1)
+            o = block.accumulate(o, st.alpha, _dot_nt(p8, vt_ref[:, cols]), st.unscale, config)  # line 10
+            return st.m, st.row_sum, o, nz
 
         init = (
             jnp.full((block_q,), -jnp.inf, jnp.float32),
@@ -101,8 +95,7 @@ def triton_attention(
             jnp.zeros((block_q,), jnp.float32),
         )
         m, ell, o, nz = lax.fori_loop(0, kv_steps, step, init)
-        out = o / sem.row_broadcast(sem.epilogue_divisor(ell, config), o.shape)  # line 12
-        out_ref[...] = out * v_descale
+        out_ref[...] = block.finalize(o, ell, config) * v_descale  # line 12
         rowsum_ref[...] = ell
         nzero_ref[...] = nz
 

@@ -26,7 +26,7 @@ import math
 from pcast_jax import formats
 from pcast_jax.errors import PcastError, check_choice, check_int, check_positive
 
-__all__ = ["KernelConfig", "PRESETS", "PAPER_CONFIGS", "KERNEL_PRESETS", "get_preset", "resolve"]
+__all__ = ["KernelConfig", "QKV_GRANULARITIES", "PRESETS", "PAPER_CONFIGS", "KERNEL_PRESETS", "get_preset", "resolve"]
 
 ORDERS = ("forward", "reverse")
 SCALE_MODES = ("multiply", "exponent", "dynamic")
@@ -34,6 +34,10 @@ ACCUMULATORS = ("f32", "f16")
 #: Bounds on S: S, 1/S and S·ℓ (ℓ ≤ N < 2^27) stay finite, nonzero float32 numbers.
 SCALE_MIN, SCALE_MAX = 2.0**-100, 2.0**100
 QKV_PRECISIONS = ("f32", "e4m3")
+QKV_GRANULARITIES = ("tensor", "head")
+
+
+_DEFAULT_BLOCK_KV = 64
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,21 +54,28 @@ class KernelConfig:
       accumulator: ``"f32"``, or ``"f16"``: each block's P8·V product is rounded to float16 before
         it is added to the FP32 output (SageAttention2++'s ``fp32+fp16`` PV accumulation).
       qkv: ``"f32"`` keeps Q, K, V exact (isolates the P-cast, as the paper does); ``"e4m3"``
-        quantizes each of Q, K, V per tensor (scale = amax/max_E4M3) as production kernels do.
+        quantizes Q, K and V to E4M3 (scale = amax/max_E4M3) as production kernels do.
+      qkv_granularity: where the E4M3 Q/K/V scales live when ``qkv == "e4m3"``: ``"tensor"``
+        (one scale per tensor) or ``"head"`` (one per attention head). Ignored for FP32 Q/K/V.
       causal: bottom-right aligned causal mask (query i of q_len sits at position N − q_len + i).
-      name: label used in reports.
+      name: a label for reports, not part of the identity: two configs are equal (and hash alike)
+        when their semantics are, whatever their names. Empty → :meth:`default_name`.
+
+    Fields that do not act in a mode are normalised, so equality is semantic: the dynamic mode
+    sets ``scale`` to 1 and FP32 Q/K/V set ``qkv_granularity`` to ``"tensor"``.
     """
 
     order: str = "forward"
     scale: float = 1.0
     scale_mode: str = "multiply"
-    block_kv: int = 64
+    block_kv: int = _DEFAULT_BLOCK_KV
     p_format: str = "e4m3"
     overflow: str = "satfinite"
     accumulator: str = "f32"
     qkv: str = "f32"
+    qkv_granularity: str = "tensor"
     causal: bool = False
-    name: str = ""
+    name: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self):
         check_choice("order", self.order, ORDERS)
@@ -79,6 +90,11 @@ class KernelConfig:
         check_choice("overflow", self.overflow, formats.OVERFLOW_MODES)
         check_choice("accumulator", self.accumulator, ACCUMULATORS)
         check_choice("qkv", self.qkv, QKV_PRECISIONS)
+        check_choice("qkv_granularity", self.qkv_granularity, QKV_GRANULARITIES)
+        if self.scale_mode == "dynamic":
+            object.__setattr__(self, "scale", 1.0)
+        if self.qkv == "f32":
+            object.__setattr__(self, "qkv_granularity", "tensor")
         if not isinstance(self.causal, bool):
             raise PcastError(f"causal={self.causal!r} must be True or False")
         if not isinstance(self.name, str):
@@ -87,8 +103,29 @@ class KernelConfig:
             object.__setattr__(self, "name", self.default_name())
 
     def default_name(self) -> str:
-        s = "dyn" if self.scale_mode == "dynamic" else f"{self.scale:g}"
-        return f"{self.order[:3]}_s{s}"
+        """``fwd_s1``-style label naming every field that differs from its default.
+
+        Order and scale always appear; then ``_exp`` (exponent mode), ``_b128`` (block_kv),
+        ``_e5m2`` (P format), ``_nan`` (overflow), ``_f16acc``, ``_qkv8`` / ``_qkv8h`` (E4M3 Q/K/V
+        per tensor / per head) and ``_causal``. Two configs with different semantics never share a
+        default name.
+        """
+        parts = [self.order[:3], "sdyn" if self.scale_mode == "dynamic" else "s" + repr(self.scale).removesuffix(".0")]
+        if self.scale_mode == "exponent":
+            parts.append("exp")
+        if self.block_kv != _DEFAULT_BLOCK_KV:
+            parts.append(f"b{self.block_kv}")
+        if self.p_format != "e4m3":
+            parts.append(self.p_format)
+        if self.overflow != "satfinite":
+            parts.append(self.overflow)
+        if self.accumulator != "f32":
+            parts.append(f"{self.accumulator}acc")
+        if self.qkv == "e4m3":
+            parts.append("qkv8h" if self.qkv_granularity == "head" else "qkv8")
+        if self.causal:
+            parts.append("causal")
+        return "_".join(parts)
 
     @property
     def fmt(self) -> formats.FP8Format:
@@ -105,7 +142,10 @@ class KernelConfig:
         return m == 0.5
 
     def replace(self, **changes) -> "KernelConfig":
-        """A copy with fields changed (the name is re-derived unless given)."""
+        """A copy with fields changed; its name is re-derived unless given.
+
+        (``dataclasses.replace`` works too and keeps the label as it is.)
+        """
         if "name" not in changes:
             changes["name"] = ""
         return dataclasses.replace(self, **changes)
@@ -116,7 +156,7 @@ class KernelConfig:
         if self.accumulator != "f32":
             extra.append(f"{self.accumulator} PV accumulator")
         if self.qkv != "f32":
-            extra.append(f"{self.qkv} QKV")
+            extra.append(f"{self.qkv} QKV per {self.qkv_granularity}")
         if self.causal:
             extra.append("causal")
         tail = (", " + ", ".join(extra)) if extra else ""

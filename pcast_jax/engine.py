@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pcast_jax import formats
+from pcast_jax import block, formats
 from pcast_jax.config import KernelConfig, resolve
 from pcast_jax.errors import PcastError, check_choice, check_int, check_positive
 
@@ -43,7 +43,6 @@ __all__ = [
 ]
 
 ENGINES = ("scan", "fast")
-_LOG2E = math.log2(math.e)
 
 
 class AttentionResult(NamedTuple):
@@ -64,65 +63,14 @@ class AttentionResult(NamedTuple):
     zeroed_mass: jax.Array
 
 
-# --------------------------------------------------------------------------------------------
-# One block: the lines of Algorithm 1 that both engines share.
-# --------------------------------------------------------------------------------------------
+def _cast(ps, cfg: KernelConfig):
+    """Line 9 as the simulator sees it: the FP8 values widened to FP32, behind a barrier."""
+    return jax.lax.optimization_barrier(block.cast_p(ps, cfg)).astype(jnp.float32)
 
 
-def _safe(m):
-    """m with −inf replaced by 0, so fully masked rows give exp(−inf) = 0 rather than NaN."""
-    return jnp.where(jnp.isfinite(m), m, 0.0)
-
-
-def _alpha(m_old, m_new, cfg: KernelConfig):
-    """Line 6: α = exp(m_old − m_new) (exp2 form in the exponent mode)."""
-    if cfg.scale_mode == "exponent":
-        return jnp.exp2((m_old - _safe(m_new)) * _LOG2E)
-    return jnp.exp(m_old - _safe(m_new))
-
-
-def _block_probs(z, m_new, cfg: KernelConfig):
-    """Lines 7 and 9 before the cast: (P that ℓ sums, P·S that is cast, per-row unscale factor).
-
-    ``z``: (..., B) scores of a block; ``m_new``: (...) running max after the block (−inf allowed).
-    The unscale factor is what each block's P8·V is multiplied by before accumulation (1 except in
-    the dynamic mode, where it is 2^-k, an exact power of two).
-    """
-    m = _safe(m_new)[..., None]
-    if cfg.scale_mode == "exponent":
-        p = jnp.exp2(z * _LOG2E - (m * _LOG2E - cfg.log2_scale))
-        return p, p, None
-    p = jnp.exp(z - m)
-    if cfg.scale_mode == "multiply":
-        return p, p * jnp.float32(cfg.scale), None
-    # dynamic: largest 2^k with rowmax(P)·2^k <= max of the format (P <= 1, so k >= 8 for E4M3)
-    pmax = jnp.max(p, axis=-1)
-    fmax = cfg.fmt.max
-    k = jnp.floor(jnp.log2(jnp.float32(fmax) / jnp.where(pmax > 0, pmax, 1.0)))
-    k = jnp.clip(k, 0, 126)
-    s = jnp.exp2(k)
-    # guard against log2 rounding: make sure pmax * s <= fmax
-    s = jnp.where(pmax * s > fmax, s * 0.5, s)
-    return p, p * s[..., None], 1.0 / s
-
-
-def _cast(x, cfg: KernelConfig):
-    return formats.cast(x, cfg.fmt, overflow=cfg.overflow)
-
-
-def _pv(p8, v, cfg: KernelConfig):
-    """Line 10's product P8 · V_j with FP32 accumulation (rounded to f16 for an f16 accumulator)."""
-    y = jnp.einsum("...qb,...bd->...qd", p8, v, precision=jax.lax.Precision.HIGHEST)
-    if cfg.accumulator == "f16":
-        y = y.astype(jnp.float16).astype(jnp.float32)
-    return y
-
-
-def _epilogue_divisor(row_sum, cfg: KernelConfig):
-    """Line 12: O / (S ℓ) in the multiply mode; O / ℓ where ℓ already holds S or S was undone."""
-    if cfg.scale_mode == "multiply":
-        return jnp.float32(cfg.scale) * row_sum
-    return row_sum
+def _pv(p8, v):
+    """Line 10's product P8 · V_j, exact FP32 products (the kernel's FP32 MMA accumulator)."""
+    return jnp.einsum("...qb,...bd->...qd", p8, v, precision=jax.lax.Precision.HIGHEST)
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,11 +119,7 @@ def _prepare(scores, v, cfg: KernelConfig, count_mask, q_offset):
     _batch_shape("scores and v", scores.shape[:-2], v.shape[:-2])
     if q_offset is not None and _concrete(q_offset):
         q_offset = check_int("q_offset", q_offset, min_value=0)
-    valid = jnp.ones((q_len, n), bool)
-    if cfg.causal:
-        off = n - q_len if q_offset is None else q_offset
-        qpos = jnp.arange(q_len)[:, None] + off
-        valid = jnp.arange(n)[None, :] <= qpos
+    valid = block.causal_mask(q_len, n, q_offset) if cfg.causal else jnp.ones((q_len, n), bool)
     if count_mask is None:
         counted = valid
     else:
@@ -212,7 +156,9 @@ def _blocks(x, block_kv: int, axis: int):
 
 
 def _order(x, cfg: KernelConfig):
-    return x[::-1] if cfg.order == "reverse" else x
+    """Stacked blocks (n_blocks, ...) in the kernel's visiting order."""
+    n_blocks = x.shape[0]
+    return x[block.kv_block(np.arange(n_blocks), n_blocks, cfg)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -230,19 +176,13 @@ def _scan_engine(scores, v, counted, cfg: KernelConfig) -> AttentionResult:
     def step(carry, xs):
         m, ell, o, nz, lz = carry
         z, vj, cj = xs
-        m_new = jnp.maximum(m, jnp.max(z, axis=-1))  # lines 4-5
-        alpha = _alpha(m, m_new, cfg)  # line 6
-        p, ps, unscale = _block_probs(z, m_new, cfg)  # line 7
-        ell = alpha * ell + jnp.sum(p, axis=-1)  # line 8
-        p8 = _cast(ps, cfg)  # line 9
-        pv = _pv(p8, vj, cfg)
-        if unscale is not None:
-            pv = pv * unscale[..., None]
-        o = alpha[..., None] * o + pv  # line 10
-        zero = cj & (p8 == 0) & (ps > 0)
+        st = block.online_softmax(m, ell, z, cfg)  # lines 4-8
+        p8 = _cast(st.ps, cfg)  # line 9
+        o = block.accumulate(o, st.alpha, _pv(p8, vj), st.unscale, cfg)  # line 10
+        zero = cj & block.zeroed(st.ps, cfg)
         nz = nz + jnp.sum(zero, axis=-1, dtype=jnp.int32)
-        lz = alpha * lz + jnp.sum(jnp.where(zero, p, 0.0), axis=-1)
-        return (m_new, ell, o, nz, lz), None
+        lz = st.alpha * lz + jnp.sum(jnp.where(zero, st.p, 0.0), axis=-1)
+        return (st.m, st.row_sum, o, nz, lz), None
 
     init = (
         jnp.full(batch_q, -jnp.inf, jnp.float32),
@@ -252,7 +192,7 @@ def _scan_engine(scores, v, counted, cfg: KernelConfig) -> AttentionResult:
         jnp.zeros(batch_q, jnp.float32),
     )
     (m, ell, o, nz, lz), _ = jax.lax.scan(step, init, (zb, vb, cb))
-    out = o / _epilogue_divisor(ell, cfg)[..., None]  # line 12
+    out = block.finalize(o, ell, cfg)  # line 12
     return AttentionResult(out, ell, nz, jnp.sum(counted, axis=-1, dtype=jnp.int32), lz / ell)
 
 
@@ -264,18 +204,18 @@ def _fast_parts(scores, counted, cfg: KernelConfig, cast_fn=None):
     (from the right in reverse order), and block b's contribution ends up multiplied by
     exp(m_b − m_final). Returns P8 (..., q, nb, B), the per-block factor w (..., q, nb) that
     multiplies it, ℓ, the zeroed count and the zeroed mass. ``cast_fn`` replaces line 9's cast
-    (default: the config's exact FP8 cast).
+    (default: the config's exact FP8 cast); the zeroed count is that of the exact cast either way.
     """
     shape = scores.shape[:-1] + (scores.shape[-1] // cfg.block_kv, cfg.block_kv)
     z = scores.reshape(shape)
     block_max = jnp.max(z, axis=-1)  # (..., q, nb)
     m_run = jax.lax.cummax(block_max, axis=block_max.ndim - 1, reverse=cfg.order == "reverse")
-    p, ps, unscale = _block_probs(z, m_run, cfg)
+    p, ps, unscale = block.block_probs(z, m_run, cfg)
     p8 = _cast(ps, cfg) if cast_fn is None else cast_fn(ps)
     # α chain: block b's contribution is multiplied by exp(m_b − m_final) by the end
-    decay = _alpha(m_run, jnp.max(block_max, axis=-1, keepdims=True), cfg)  # (..., q, nb)
+    decay = block.alpha(m_run, jnp.max(block_max, axis=-1, keepdims=True), cfg)  # (..., q, nb)
     ell = jnp.sum(decay * jnp.sum(p, axis=-1), axis=-1)
-    zero = counted.reshape(shape) & (p8 == 0) & (ps > 0)
+    zero = counted.reshape(shape) & block.zeroed(ps, cfg)
     lz = jnp.sum(decay * jnp.sum(jnp.where(zero, p, 0.0), axis=-1), axis=-1)
     nz = jnp.sum(zero, axis=(-2, -1), dtype=jnp.int32)
     w = decay if unscale is None else decay * unscale  # per block and row, multiplies P8
@@ -290,9 +230,9 @@ def _fast_engine(scores, v, counted, cfg: KernelConfig) -> AttentionResult:
     else:  # each block's product is rounded to f16 before the FP32 accumulation
         vb = v.reshape(v.shape[:-2] + p8.shape[-2:] + v.shape[-1:])  # (..., nb, B, d)
         y = jnp.einsum("...qnb,...nbd->...qnd", p8, vb, precision=jax.lax.Precision.HIGHEST)
-        y = y.astype(jnp.float16).astype(jnp.float32)
+        y = block.round_product(y, cfg)
         o = jnp.sum(w[..., None] * y, axis=-2)
-    out = o / _epilogue_divisor(ell, cfg)[..., None]
+    out = block.finalize(o, ell, cfg)
     return AttentionResult(out, ell, nz, jnp.sum(counted, axis=-1, dtype=jnp.int32), lz / ell)
 
 
@@ -323,7 +263,7 @@ def weights_and_stats(scores, config, *, count_mask=None, q_offset: int | None =
     n = jnp.shape(scores)[-1]
     scores, _, counted = _prepare(scores, jnp.zeros((n, 1)), cfg, count_mask, q_offset)
     p8, w, ell, nz, lz = _fast_parts(scores, counted, cfg, cast_fn)
-    wk = p8 * w[..., None] / _epilogue_divisor(ell, cfg)[..., None, None]  # (..., q, nb, B)
+    wk = p8 * w[..., None] / block.epilogue_divisor(ell, cfg)[..., None, None]  # (..., q, nb, B)
     weights = wk.reshape(wk.shape[:-2] + (-1,))[..., :n]
     return WeightsResult(weights, ell, nz, jnp.sum(counted, axis=-1, dtype=jnp.int32), lz / ell)
 
@@ -370,10 +310,7 @@ def reference_probs(scores, *, causal: bool = False, q_offset: int | None = None
     """Exact FP32 softmax of the scores (the reference's P / ℓ)."""
     scores = jnp.asarray(scores, jnp.float32)
     if causal:
-        q_len, n = scores.shape[-2:]
-        off = n - q_len if q_offset is None else q_offset
-        valid = jnp.arange(n)[None, :] <= (jnp.arange(q_len)[:, None] + off)
-        scores = jnp.where(valid, scores, -jnp.inf)
+        scores = jnp.where(block.causal_mask(*scores.shape[-2:], q_offset), scores, -jnp.inf)
     return jax.nn.softmax(scores, axis=-1)
 
 

@@ -1,9 +1,15 @@
-"""Validation helpers: every bad input becomes a ValueError that names the parameter."""
+"""Validation helpers: every bad input becomes a ValueError that names the parameter.
+
+The one dialect of the package: ``check_*(param, value, ...)`` returns the validated value (or
+nothing) and raises :class:`PcastError` with ``param=value`` and what is allowed.
+"""
 
 from __future__ import annotations
 
 import math
 import numbers
+
+import numpy as np
 
 __all__ = [
     "PcastError",
@@ -11,7 +17,9 @@ __all__ = [
     "check_finite",
     "check_positive",
     "check_int",
-    "check_range",
+    "check_values",
+    "host_values",
+    "shown_value",
 ]
 
 
@@ -54,8 +62,45 @@ def check_int(param: str, value, *, min_value: int | None = None, max_value: int
     return v
 
 
-def check_range(param: str, value, lo: float | None = None, hi: float | None = None) -> float:
-    v = check_finite(param, value)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise PcastError(f"{param}={value!r} must lie in [{lo}, {hi}]")
-    return v
+def host_values(value):
+    """``value`` as a float64 NumPy array when it is concrete host data; ``None`` for jax values."""
+    if isinstance(value, (bool, np.bool_)):
+        raise PcastError(f"got a boolean {value!r} where a number was expected")
+    if isinstance(value, (numbers.Real, np.generic)):
+        return np.asarray(float(value))
+    if isinstance(value, np.ndarray):
+        if value.dtype == bool:
+            raise PcastError("got a boolean array where numbers were expected")
+        return value.astype(np.float64)
+    if isinstance(value, (list, tuple)):
+        return np.asarray(value, dtype=np.float64)
+    return None
+
+
+def shown_value(param: str, value, arr: np.ndarray) -> str:
+    if isinstance(value, numbers.Real) and not isinstance(value, np.generic):
+        return f"{param}={value!r}"
+    if arr.ndim == 0:
+        return f"{param}={float(arr)!r}"
+    return f"{param} (array, offending value {float(arr.flat[0])!r})"
+
+
+def check_values(param: str, value, *, lo: float | None = None, strict: bool = False,
+                 lo_text: str | None = None) -> None:
+    """Every concrete value (scalar, list or array) finite and ≥ ``lo`` (> with ``strict``).
+
+    Traced and other jax values pass unchecked, so functions using this stay jit- and grad-able.
+    """
+    arr = host_values(value)
+    if arr is None:
+        return
+    bad = ~np.isfinite(arr)
+    if bad.any():
+        raise PcastError(f"{shown_value(param, value, arr[bad] if arr.ndim else arr)} must be finite "
+                         "(got NaN or inf)")
+    if lo is not None:
+        bad = arr <= lo if strict else arr < lo
+        if bad.any():
+            op = ">" if strict else ">="
+            raise PcastError(f"{shown_value(param, value, arr[bad] if arr.ndim else arr)} must be "
+                             f"{op} {lo_text or format(lo, 'g')}")

@@ -32,6 +32,7 @@ __all__ = [
     "OVERFLOW_MODES",
     "get_format",
     "cast",
+    "to_fp8",
     "lsb",
     "positive_values",
     "all_codes",
@@ -104,6 +105,20 @@ def get_format(fmt: str | FP8Format, *, param: str = "fmt") -> FP8Format:
     return FORMATS[fmt.lower()]
 
 
+def to_fp8(x, fmt: str | FP8Format = "e4m3", *, overflow: str = "satfinite"):
+    """Round float32 ``x`` to the FP8 format (round-to-nearest-even), returned in that FP8 dtype.
+
+    ``"satfinite"`` clamps to ±max first (``minimum``/``maximum``, which both Pallas backends lower;
+    NaN passes through), like ``cvt.rn.satfinite``; ``"nan"`` converts directly (ml_dtypes/XLA).
+    This is the cast of Algorithm 1 line 9 as the kernels run it; :func:`cast` is the simulator's
+    float32 view of it.
+    """
+    f = get_format(fmt)
+    if overflow == "satfinite":
+        x = jnp.minimum(jnp.maximum(x, -f.max), f.max)
+    return x.astype(f.dtype)
+
+
 def cast(x, fmt: str | FP8Format = "e4m3", *, overflow: str = "satfinite", barrier: bool = True):
     """Round ``x`` to the FP8 format (round-to-nearest-even) and return it as float32.
 
@@ -119,10 +134,7 @@ def cast(x, fmt: str | FP8Format = "e4m3", *, overflow: str = "satfinite", barri
     """
     f = get_format(fmt)
     check_choice("overflow", overflow, OVERFLOW_MODES)
-    x = jnp.asarray(x, jnp.float32)
-    if overflow == "satfinite":
-        x = jnp.clip(x, -f.max, f.max)  # NaN passes through clip unchanged
-    y = x.astype(f.dtype)
+    y = to_fp8(jnp.asarray(x, jnp.float32), f, overflow=overflow)
     if barrier:
         y = jax.lax.optimization_barrier(y)
     return y.astype(jnp.float32)

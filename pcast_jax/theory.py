@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +27,7 @@ from jax.scipy.special import log_ndtr, ndtr
 from jax.scipy.stats import norm
 
 from pcast_jax import formats
-from pcast_jax.errors import PcastError
+from pcast_jax.errors import PcastError, check_values, host_values, shown_value
 
 __all__ = [
     "LN2",
@@ -63,50 +62,6 @@ LN2 = math.log(2.0)
 # discretisation error is far below float32 rounding for every k in [1, 1e30].
 _GRID_LO, _GRID_HI, _GRID_STEP = -12.0, 14.0, 0.01
 _GRID_NP = _GRID_LO + _GRID_STEP * np.arange(int(round((_GRID_HI - _GRID_LO) / _GRID_STEP)) + 1)
-
-
-# --------------------------------------------------------------------------------------------
-# Validation of concrete inputs (traced / jax values pass through so jit and grad keep working).
-# --------------------------------------------------------------------------------------------
-def _concrete(value):
-    """Return ``value`` as a float64 numpy array if it is concrete host data, else ``None``."""
-    if isinstance(value, bool) or isinstance(value, np.bool_):
-        raise PcastError(f"got a boolean {value!r} where a number was expected")
-    if isinstance(value, (numbers.Real, np.generic)):
-        return np.asarray(float(value))
-    if isinstance(value, np.ndarray):
-        if value.dtype == bool:
-            raise PcastError("got a boolean array where numbers were expected")
-        return value.astype(np.float64)
-    if isinstance(value, (list, tuple)):
-        return np.asarray(value, dtype=np.float64)
-    return None
-
-
-def _shown(param: str, value, arr: np.ndarray) -> str:
-    if isinstance(value, numbers.Real) and not isinstance(value, np.generic):
-        return f"{param}={value!r}"
-    if arr.ndim == 0:
-        return f"{param}={float(arr)!r}"
-    return f"{param} (array, offending value {float(arr.flat[0])!r})"
-
-
-def _check(param: str, value, *, lo: float | None = None, strict: bool = False,
-           lo_text: str | None = None) -> None:
-    """Raise PcastError unless every concrete value is finite and above ``lo``."""
-    arr = _concrete(value)
-    if arr is None:
-        return
-    bad = ~np.isfinite(arr)
-    if bad.any():
-        raise PcastError(f"{_shown(param, value, arr[bad] if arr.ndim else arr)} must be finite "
-                         "(got NaN or inf)")
-    if lo is not None:
-        bad = arr <= lo if strict else arr < lo
-        if bad.any():
-            op = ">" if strict else ">="
-            raise PcastError(f"{_shown(param, value, arr[bad] if arr.ndim else arr)} must be "
-                             f"{op} {lo_text or format(lo, 'g')}")
 
 
 def _float_dtype():
@@ -164,7 +119,7 @@ def delta_k(k):
     Args:
       k: number of Gaussians, >= 1 (scalar or array).
     """
-    _check("k", k, lo=1.0)
+    check_values("k", k, lo=1.0)
     return _delta_k_core(jnp.asarray(k, _float_dtype()))
 
 
@@ -175,7 +130,7 @@ def _delta_k_core(k):
 
 def delta_k_asymptotic(k):
     """The asymptotic √(2 ln k) that the paper contrasts with δk in §3.2 (1.67 at k = 4)."""
-    _check("k", k, lo=1.0)
+    check_values("k", k, lo=1.0)
     return jnp.sqrt(2.0 * jnp.log(jnp.asarray(k, _float_dtype())))
 
 
@@ -184,7 +139,7 @@ def delta_k_asymptotic(k):
 # --------------------------------------------------------------------------------------------
 def underflow_p_threshold(scale, *, fmt="e4m3"):
     """Largest P that casts to zero with scale S, Prop. 1 / Eq. (5): P·S ≤ 2^-10 ⇔ P ≤ 2^-10/S."""
-    _check("scale", scale, lo=0.0, strict=True)
+    check_values("scale", scale, lo=0.0, strict=True)
     rtz = formats.get_format(fmt).round_to_zero
     return rtz / jnp.asarray(scale, _float_dtype())
 
@@ -204,10 +159,10 @@ def underflow_threshold(delta, scale, *, k_sink=4, sigma=1.0, fmt="e4m3"):
       sigma: standard deviation σ > 0 of the scores.
       fmt: FP8 format of the cast (10 ln 2 becomes −ln(round-to-zero boundary)).
     """
-    _check("delta", delta)
-    _check("scale", scale, lo=0.0, strict=True)
-    _check("k_sink", k_sink, lo=1.0)
-    _check("sigma", sigma, lo=0.0, strict=True)
+    check_values("delta", delta)
+    check_values("scale", scale, lo=0.0, strict=True)
+    check_values("k_sink", k_sink, lo=1.0)
+    check_values("sigma", sigma, lo=0.0, strict=True)
     return _threshold_core(*_arrays(delta, scale, k_sink, sigma), cast_log=_cast_threshold_log(fmt))
 
 
@@ -235,10 +190,10 @@ def collapse_fraction(delta, scale, *, k_sink=4, sigma=1.0, fmt="e4m3"):
     This plugs in the *mean* of the sink max; see :func:`collapse_fraction_spread` for the version
     that integrates over its spread. Smooth in Δ, S, σ (and k).
     """
-    _check("delta", delta)
-    _check("scale", scale, lo=0.0, strict=True)
-    _check("k_sink", k_sink, lo=1.0)
-    _check("sigma", sigma, lo=0.0, strict=True)
+    check_values("delta", delta)
+    check_values("scale", scale, lo=0.0, strict=True)
+    check_values("k_sink", k_sink, lo=1.0)
+    check_values("sigma", sigma, lo=0.0, strict=True)
     return _fraction_core(*_arrays(delta, scale, k_sink, sigma), cast_log=_cast_threshold_log(fmt))
 
 
@@ -254,10 +209,10 @@ def collapse_fraction_spread(delta, scale, *, k_sink=4, sigma=1.0, fmt="e4m3"):
     every S and σ. It reproduces the paper's simulated Table 1 columns to about one point, where
     Eq. (7) is off by up to ~4 points.
     """
-    _check("delta", delta)
-    _check("scale", scale, lo=0.0, strict=True)
-    _check("k_sink", k_sink, lo=1.0)
-    _check("sigma", sigma, lo=0.0, strict=True)
+    check_values("delta", delta)
+    check_values("scale", scale, lo=0.0, strict=True)
+    check_values("k_sink", k_sink, lo=1.0)
+    check_values("sigma", sigma, lo=0.0, strict=True)
     return _spread_core(*_arrays(delta, scale, k_sink, sigma), cast_log=_cast_threshold_log(fmt))
 
 
@@ -274,9 +229,9 @@ def critical_delta(scale, *, k_sink=4, sigma=1.0, fmt="e4m3"):
     At Δ = Δc the median non-sink P sits on the round-to-zero boundary 2^-10/S and F = 1/2
     (for every σ). Δc ≈ 5.90 at S = 1 and ≈ 11.45 at S = 256 (k = 4, σ = 1).
     """
-    _check("scale", scale, lo=0.0, strict=True)
-    _check("k_sink", k_sink, lo=1.0)
-    _check("sigma", sigma, lo=0.0, strict=True)
+    check_values("scale", scale, lo=0.0, strict=True)
+    check_values("k_sink", k_sink, lo=1.0)
+    check_values("sigma", sigma, lo=0.0, strict=True)
     return _critical_core(*_arrays(scale, k_sink, sigma), cast_log=_cast_threshold_log(fmt))
 
 
@@ -298,7 +253,7 @@ def mse_collapse(p, zeroed_mask, sigma_v, *, axis=-1):
       sigma_v: standard deviation σV of V's entries (>= 0).
       axis: the position axis.
     """
-    _check("sigma_v", sigma_v, lo=0.0)
+    check_values("sigma_v", sigma_v, lo=0.0)
     p = jnp.asarray(p)
     zeroed_mask = jnp.asarray(zeroed_mask)
     if p.shape != zeroed_mask.shape:
@@ -324,9 +279,9 @@ def non_sink_mass(delta, *, n=4096, k_sink=4, sigma=1.0, per_row=True):
       E = ∫₀^∞ e^(−t) L(c t)^k dt, L(u) = E[exp(−u e^(σz))], c = e^(Δ − σ²/2)/(N − k),
       a two-dimensional quadrature. Smooth in Δ, σ, N, k.
     """
-    _check("delta", delta)
-    _check("k_sink", k_sink, lo=1.0)
-    _check("sigma", sigma, lo=0.0, strict=True)
+    check_values("delta", delta)
+    check_values("k_sink", k_sink, lo=1.0)
+    check_values("sigma", sigma, lo=0.0, strict=True)
     _check_n(n, k_sink)
     dtype = _float_dtype()
     delta = jnp.asarray(delta, dtype)
@@ -366,10 +321,10 @@ def _per_row_mass_core(delta, k, rest, sigma):
 # Reverse order (Eq. (11), Theorem 4 / Eq. (13)–(14)).
 # --------------------------------------------------------------------------------------------
 def _check_n(n, k_sink):
-    _check("n", n, lo=1.0)
-    n_arr, k_arr = _concrete(n), _concrete(k_sink)
+    check_values("n", n, lo=1.0)
+    n_arr, k_arr = host_values(n), host_values(k_sink)
     if n_arr is not None and k_arr is not None and np.any(n_arr - k_arr < 1):
-        raise PcastError(f"{_shown('n', n, np.min(n_arr))} must be > k_sink={np.max(k_arr):g} "
+        raise PcastError(f"{shown_value('n', n, np.min(n_arr))} must be > k_sink={np.max(k_arr):g} "
                          "(at least one non-sink token)")
 
 
@@ -379,7 +334,7 @@ def pre_sink_max(n, *, k_sink=4):
     The extreme-value bound for the max of N − k_sink standard Gaussians (in units of σ); it
     upper-bounds the exact mean :func:`delta_k`(N − k_sink) (4.08 vs 3.63 at N = 4096).
     """
-    _check("k_sink", k_sink, lo=1.0)
+    check_values("k_sink", k_sink, lo=1.0)
     _check_n(n, k_sink)
     dtype = _float_dtype()
     return jnp.sqrt(2.0 * jnp.log(jnp.asarray(n, dtype) - jnp.asarray(k_sink, dtype)))
@@ -407,9 +362,9 @@ def reverse_underflow_prob(n, scale, *, k_sink=4, sigma=1.0, fmt="e4m3", max_mod
     and underflow less. The B − k_sink non-sink tokens that share the sink's block are processed
     with m = sink max and follow Eq. (7) instead.
     """
-    _check("scale", scale, lo=0.0, strict=True)
-    _check("k_sink", k_sink, lo=1.0)
-    _check("sigma", sigma, lo=0.0, strict=True)
+    check_values("scale", scale, lo=0.0, strict=True)
+    check_values("k_sink", k_sink, lo=1.0)
+    check_values("sigma", sigma, lo=0.0, strict=True)
     _check_n(n, k_sink)
     if max_model not in _MAX_MODELS:
         raise PcastError(f"max_model={max_model!r} is not one of {', '.join(map(repr, _MAX_MODELS))}")
@@ -439,7 +394,7 @@ def is_bit_exact_scale(scale):
     exponent. Any other S (e.g. 448) rounds x·S for most x. S is read as float32 (the kernel's
     type). Returns a boolean array (``bool()`` it for a scalar).
     """
-    _check("scale", scale, lo=0.0, strict=True)
+    check_values("scale", scale, lo=0.0, strict=True)
     s = jnp.asarray(scale, jnp.float32)
     mantissa, exponent = jnp.frexp(s)  # s = mantissa · 2^exponent, mantissa in [0.5, 1)
     k = exponent - 1
@@ -464,7 +419,7 @@ def scaling_exactness(x, scale):
       are exact; ``in_range`` where x, x·S and x/S are zero or normal finite float32.
       Prop. 5 says ``exact[in_range]`` is all True exactly when S = 2^k.
     """
-    _check("scale", scale, lo=0.0, strict=True)
+    check_values("scale", scale, lo=0.0, strict=True)
     x32 = np.asarray(x, dtype=np.float32)
     s32 = np.float32(scale)
     inv32 = np.float32(1.0) / s32
@@ -498,7 +453,7 @@ def top_lsb_table(scales, *, fmt="e4m3"):
     Exact (a power of two), so ``top_lsb_table(S) * 16 > S`` tests dp(S) > 2^-4 without rounding.
     """
     scales = np.asarray(scales, dtype=np.float64)
-    _check("scale", scales, lo=0.0, strict=True)
+    check_values("scale", scales, lo=0.0, strict=True)
     starts, widths = _cells(fmt)
     idx = np.searchsorted(starts, scales, side="left")  # number of cell starts < S (>= 1)
     return widths[idx - 1]
@@ -519,7 +474,7 @@ def dp_table(scales, *, fmt="e4m3"):
     Remark 3 uses its max and top-binade LSB.
     """
     scales = np.asarray(scales, dtype=np.float64)
-    _check("scale", scales, lo=0.0, strict=True)
+    check_values("scale", scales, lo=0.0, strict=True)
     f = formats.get_format(fmt)
     out = top_lsb_table(scales, fmt=fmt) / scales
     saturated = scales > f.max
@@ -533,7 +488,7 @@ def dp(scale, *, fmt="e4m3"):
     Same values as :func:`dp_table` (which is float64 numpy); piecewise smooth in S, so
     ``jax.grad`` gives −LSB/S² (or Remark 3's slope) away from the binade edges.
     """
-    _check("scale", scale, lo=0.0, strict=True)
+    check_values("scale", scale, lo=0.0, strict=True)
     return _dp_core(jnp.asarray(scale, _float_dtype()), fmt=formats.get_format(fmt).name)
 
 
@@ -551,7 +506,7 @@ def _dp_core(s, *, fmt):
 
 def normal_coverage(scale, *, fmt="e4m3"):
     """Lower end of the normal range in the P domain, 2^-6/S (§5.3, condition (C3)); smaller = better."""
-    _check("scale", scale, lo=0.0, strict=True)
+    check_values("scale", scale, lo=0.0, strict=True)
     return formats.get_format(fmt).smallest_normal / jnp.asarray(scale, _float_dtype())
 
 
@@ -635,7 +590,7 @@ def table1_closed_form(deltas, *, k_sink=4, n=4096, sigma=1.0) -> dict[str, np.n
     All fractions in [0, 1].
     """
     deltas = np.asarray(deltas, dtype=np.float64)
-    _check("delta", deltas)
+    check_values("delta", deltas)
     d = jnp.asarray(deltas, _float_dtype())
     out = {"delta": deltas}
     for s, tag in ((1.0, "s1"), (256.0, "s256")):

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pcast_jax import engine, metrics, theory
+from cases import distinct_configs
+from pcast_jax import block, engine, metrics, theory
 from pcast_jax.config import PRESETS, KernelConfig, resolve
 from pcast_jax.sweep import SweepSpec, run_sweep
 from pcast_jax.workloads import SinkWorkload, make_instance
@@ -29,16 +30,8 @@ F16_REL = 2.0**-11  # same for float16 (10 mantissa bits)
 N, Q_LEN, D = 1000, 8, 32  # N is a multiple of neither 64 nor 128: padded keys
 
 
-def _distinct(configs):
-    """Group presets with identical semantics (all fields but the name): one test covers a group."""
-    groups = {}
-    for name, cfg in configs.items():
-        groups.setdefault(cfg.replace(name="same"), []).append(name)
-    return [pytest.param(configs[names[0]], id="=".join(names)) for names in groups.values()]
-
-
-DISTINCT_PRESETS = _distinct(PRESETS)
-F32_ACC_PRESETS = _distinct({n: c for n, c in PRESETS.items() if c.accumulator == "f32"})
+DISTINCT_PRESETS = distinct_configs(PRESETS)
+F32_ACC_PRESETS = distinct_configs({n: c for n, c in PRESETS.items() if c.accumulator == "f32"})
 
 
 def _batch(deltas=(3.0, 7.0, 11.0), seeds=(0, 1), *, n=N, q_len=Q_LEN, d=D, sink_positions=None):
@@ -61,27 +54,32 @@ def _compiled_weights(cfg, q_offset):
     return jax.jit(jax.vmap(partial(engine.effective_weights, config=cfg, q_offset=q_offset)))
 
 
-def _same_numbers(cfg):
-    return resolve(cfg).replace(name="sim")  # the name never changes a number: share compiled code
-
-
 def _run(cfg, engine_name, scores, v, count_mask=None, q_offset=None):
     mask = jnp.ones(scores.shape[-1], bool) if count_mask is None else count_mask
-    return _compiled(_same_numbers(cfg), engine_name, q_offset)(scores, v, mask)
+    return _compiled(resolve(cfg), engine_name, q_offset)(scores, v, mask)
 
 
 def _weights(cfg, scores, q_offset=None):
-    return _compiled_weights(_same_numbers(cfg), q_offset)(scores)
+    return _compiled_weights(resolve(cfg), q_offset)(scores)
 
 
 def _mix(w, v):
     return jnp.einsum("iqn,ind->iqd", w, v, precision="highest")
 
 
-def assert_engines_agree(fast, scan):
-    """Equal to FP32 rounding; zeroed and counted positions identical."""
+def assert_engines_agree(fast, scan, f16_bound=None):
+    """Equal to FP32 rounding; zeroed and counted positions identical.
+
+    ``f16_bound``: for an f16 accumulator, the most one f16 ulp per block product can move each
+    output. The engines form each block's P8·V with FP32 sums in different orders, so a product
+    within FP32 rounding of an f16 midpoint may round to either neighbour (seen on some CPUs).
+    """
     scale = float(jnp.max(jnp.abs(scan.out)))
-    chex.assert_trees_all_close(fast.out, scan.out, atol=FP32_RTOL * scale, rtol=FP32_RTOL)
+    if f16_bound is None:
+        chex.assert_trees_all_close(fast.out, scan.out, atol=FP32_RTOL * scale, rtol=FP32_RTOL)
+    else:
+        diff = jnp.abs(fast.out - scan.out)
+        assert bool(jnp.all(diff <= FP32_RTOL * scale + f16_bound)), float(jnp.max(diff - f16_bound))
     chex.assert_trees_all_close(fast.row_sum, scan.row_sum, atol=0.0, rtol=FP32_RTOL)
     chex.assert_trees_all_close(fast.zeroed_mass, scan.zeroed_mass, atol=1e-7, rtol=FP32_RTOL)
     np.testing.assert_array_equal(np.asarray(fast.n_zeroed), np.asarray(scan.n_zeroed))
@@ -109,7 +107,10 @@ def test_fast_equals_scan_every_preset(cfg):
         c = cfg.replace(causal=causal)
         fast = _run(c, "fast", scores, v, mask)
         scan = _run(c, "scan", scores, v, mask)
-        assert_engines_agree(fast, scan)
+        f16_bound = None
+        if c.accumulator == "f16":  # one f16 ulp (2^-10 relative) of each block's |P8|·|V|, weighted
+            f16_bound = 2 * F16_REL * _mix(_weights(c.replace(accumulator="f32"), scores), jnp.abs(v))
+        assert_engines_agree(fast, scan, f16_bound)
         assert int(jnp.sum(fast.n_zeroed)) > 0  # the comparison of zeroed counts is not vacuous
         visible = np.arange(N)[None, :] <= (np.arange(Q_LEN)[:, None] + (N - Q_LEN if causal else N))
         expected = np.sum(visible & np.asarray(mask), axis=-1)  # bottom-right aligned causal mask
@@ -303,7 +304,7 @@ def test_dynamic_scale_never_saturates():
         jnp.log(448.0 * 2.0 ** -jnp.arange(1, 65, dtype=jnp.float32))[None, :],  # P near 448·2^-k
     ])
     m_new = jnp.maximum(jnp.max(z, axis=-1), jax.random.normal(k2, (z.shape[0],)) + 2.0)
-    p, ps, unscale = engine._block_probs(z, m_new, cfg)
+    p, ps, unscale = block.block_probs(z, m_new, cfg)
     row_max = jnp.max(ps, axis=-1)
     live = np.asarray(jnp.max(p, axis=-1) > 0)
     assert bool(jnp.all(row_max <= 448.0))

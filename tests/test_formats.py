@@ -18,10 +18,7 @@ FMTS = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
 F32 = np.float32
 
 
-@pytest.fixture(autouse=True)
-def _strict_rank_promotion():
-    with jax.numpy_rank_promotion("raise"):
-        yield
+pytestmark = pytest.mark.usefixtures("strict_rank_promotion")
 
 
 def _bits(x):

@@ -1,0 +1,194 @@
+"""The per-block lines of Algorithm 1, written once for every engine and kernel.
+
+Algorithm 1 of the paper, per query row and KV block j in the kernel's order::
+
+    m_new = max(m, rowmax(Z_j));  α = exp(m − m_new)                         # lines 4–6
+    P     = exp(Z_j − m_new);     ℓ = α ℓ + rowsum(P)                        # lines 7–8 (FP32)
+    P8    = cast(P · S);          O = α O + P8 · V_j                         # lines 9–10
+    return O / (S ℓ)                                                          # line 12
+
+Each function below is one of those lines (its number in the docstring), with the config's scale
+mode, format, overflow and accumulator. The scan engine, the fast engine and both Pallas kernels
+(Mosaic GPU and Triton) call these functions, so the arithmetic exists in one place.
+
+Conventions, so that the same code traces in XLA and lowers in both Pallas backends:
+
+* Rank-generic: a block of scores is ``(..., B)`` and per-row values are ``(...)`` (the leading
+  axes of the block). Per-row values meet a block through :func:`expand_rows`
+  (``lax.broadcast_in_dim``, which Mosaic GPU's register layouts accept where ``x[..., None]`` is
+  not); reductions run over the last axis.
+* Only ``jnp`` ops that both Pallas backends lower: no ``isfinite``, ``floor`` or ``clip``
+  (``== -inf``, int truncation of a positive value and ``minimum``/``maximum`` instead), and no
+  optimization barrier (callers outside a kernel add it, see :func:`pcast_jax.formats.cast`).
+* The P8 that line 10 multiplies is returned in the FP8 dtype itself; a simulator widens it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from jax import lax
+
+from pcast_jax import formats
+from pcast_jax.config import KernelConfig
+
+__all__ = [
+    "LOG2E",
+    "BlockStep",
+    "expand_rows",
+    "safe_max",
+    "alpha",
+    "block_probs",
+    "online_softmax",
+    "cast_p",
+    "zeroed",
+    "round_product",
+    "block_product",
+    "accumulate",
+    "epilogue_divisor",
+    "finalize",
+    "kv_block",
+    "visible",
+    "causal_mask",
+    "causal_kv_steps",
+]
+
+#: log2(e): the exponent mode computes exp(x) as exp2(x · log2 e), like the kernels.
+LOG2E = math.log2(math.e)
+
+
+def expand_rows(row, shape):
+    """Per-row values ``(...)`` broadcast over the last axis of ``shape`` ``(..., cols)``."""
+    return lax.broadcast_in_dim(row, shape, tuple(range(row.ndim)))
+
+
+def safe_max(m):
+    """m with −inf replaced by 0, so rows with nothing visible yet give exp(−inf) = 0, not NaN."""
+    return jnp.where(m == -jnp.inf, 0.0, m)
+
+
+def alpha(m_old, m_new, cfg: KernelConfig):
+    """Line 6: α = exp(m_old − m_new) (the exp2 form in the exponent mode)."""
+    if cfg.scale_mode == "exponent":
+        return jnp.exp2((m_old - safe_max(m_new)) * LOG2E)
+    return jnp.exp(m_old - safe_max(m_new))
+
+
+def block_probs(z, m_new, cfg: KernelConfig):
+    """Lines 7 and 9 before the cast: (P that ℓ sums, P·S that is cast, per-row unscale or None).
+
+    ``z``: ``(..., B)`` scores of a block; ``m_new``: ``(...)`` running max after it (−inf allowed).
+
+    * multiply mode: P = exp(Z − m), cast P·S (S in FP32 after the exponential);
+    * exponent mode: P̃ = exp2(Z·log2 e − (m·log2 e − log2 S)), so ℓ sums the scaled values;
+    * dynamic mode: per row the largest 2^k with rowmax(P)·2^k ≤ max of the format; the unscale
+      factor 2^-k multiplies the block's P8·V before it is accumulated (exact). k = trunc(log2(max /
+      rowmax P)) equals the floor, since the argument is ≥ log2(max) > 0 (P ≤ 1).
+    """
+    m = expand_rows(safe_max(m_new), z.shape)
+    if cfg.scale_mode == "exponent":
+        p = jnp.exp2(z * LOG2E - (m * LOG2E - cfg.log2_scale))
+        return p, p, None
+    p = jnp.exp(z - m)
+    if cfg.scale_mode == "multiply":
+        return p, p * jnp.float32(cfg.scale), None
+    fmax = cfg.fmt.max
+    p_max = jnp.max(p, axis=-1)
+    k = jnp.log2(fmax / jnp.where(p_max > 0.0, p_max, 1.0)).astype(jnp.int32).astype(jnp.float32)
+    s = jnp.exp2(jnp.minimum(jnp.maximum(k, 0.0), 126.0))
+    s = jnp.where(p_max * s > fmax, s * 0.5, s)  # log2 may round up across a power of two
+    return p, p * expand_rows(s, p.shape), 1.0 / s
+
+
+class BlockStep(NamedTuple):
+    """Lines 4–8 for one block: the new running max, α, ℓ, and P before and after the scale."""
+
+    m: object
+    alpha: object
+    row_sum: object
+    p: object
+    ps: object
+    unscale: object
+
+
+def online_softmax(m, row_sum, z, cfg: KernelConfig) -> BlockStep:
+    """Lines 4–8: m_new = max(m, rowmax Z), α, P (and P·S), ℓ = α ℓ + rowsum(P) in FP32."""
+    m_new = jnp.maximum(m, jnp.max(z, axis=-1))
+    a = alpha(m, m_new, cfg)
+    p, ps, unscale = block_probs(z, m_new, cfg)
+    return BlockStep(m_new, a, a * row_sum + jnp.sum(p, axis=-1), p, ps, unscale)
+
+
+def cast_p(ps, cfg: KernelConfig):
+    """Line 9: P·S rounded to the config's P format (round to nearest even), in that FP8 dtype.
+
+    ``"satfinite"`` clamps to ±max first, as Hopper's ``cvt.rn.satfinite`` does (and as both
+    Pallas backends do on the GPU); ``"nan"`` casts directly (XLA: NaN past the format's range).
+    """
+    return formats.to_fp8(ps, cfg.fmt, overflow=cfg.overflow)
+
+
+def zeroed(ps, cfg: KernelConfig):
+    """Line 9's loss: P·S > 0 that the cast sends to 0, i.e. 0 < P·S ≤ half the smallest subnormal."""
+    return (ps > 0.0) & (ps <= cfg.fmt.round_to_zero)
+
+
+def round_product(pv, cfg: KernelConfig):
+    """A block's P8·V as the accumulator holds it: rounded to float16 for an f16 accumulator."""
+    if cfg.accumulator == "f16":
+        return pv.astype(jnp.float16).astype(jnp.float32)
+    return pv
+
+
+def block_product(pv, unscale, cfg: KernelConfig):
+    """Line 10's P8·V_j as it is added: :func:`round_product`, then × 2^-k in the dynamic mode."""
+    pv = round_product(pv, cfg)
+    if unscale is not None:
+        pv = pv * expand_rows(unscale, pv.shape)
+    return pv
+
+
+def accumulate(o, a, pv, unscale, cfg: KernelConfig):
+    """Line 10: O = α O + P8·V_j, with ``pv`` the FP32 product of the block."""
+    return expand_rows(a, o.shape) * o + block_product(pv, unscale, cfg)
+
+
+def epilogue_divisor(row_sum, cfg: KernelConfig):
+    """Line 12's divisor: S·ℓ in the multiply mode; ℓ where ℓ holds S or S was undone per block."""
+    if cfg.scale_mode == "multiply":
+        return jnp.float32(cfg.scale) * row_sum
+    return row_sum
+
+
+def finalize(o, row_sum, cfg: KernelConfig):
+    """Line 12: O / (S ℓ) (O / ℓ in the exponent and dynamic modes)."""
+    return o / expand_rows(epilogue_divisor(row_sum, cfg), o.shape)
+
+
+def kv_block(step, n_steps, cfg: KernelConfig):
+    """Line 2's order: the KV block visited at ``step`` of ``n_steps`` (reverse: last block first).
+
+    Works on Python ints, NumPy index arrays and traced integers alike.
+    """
+    return n_steps - 1 - step if cfg.order == "reverse" else step
+
+
+def visible(q_pos, k_pos):
+    """Causal visibility: key position ``k_pos`` is visible to the query at ``q_pos``."""
+    return k_pos <= q_pos
+
+
+def causal_mask(q_len: int, n: int, q_offset=None):
+    """``(q_len, n)`` causal visibility, bottom-right aligned (query i at position N − q_len + i).
+
+    ``q_offset`` overrides the position of query row 0.
+    """
+    off = n - q_len if q_offset is None else q_offset
+    return visible(jnp.arange(q_len)[:, None] + off, jnp.arange(n)[None, :])
+
+
+def causal_kv_steps(last_q_pos, block_kv: int, n_blocks: int):
+    """How many KV blocks a causal tile visits: those holding a key ≤ its last query position."""
+    return jnp.minimum(lax.div(last_q_pos, block_kv) + 1, n_blocks)

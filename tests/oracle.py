@@ -1,0 +1,202 @@
+"""An independent float64 NumPy implementation of the paper's Algorithm 1 (the test oracle).
+
+Written from the paper (§2.1 Eq. (1)–(2) for the number line, Algorithm 1 for the kernel, §6.1 for
+ℓ from pre-cast P) and from each kernel's documented P-cast placement; it imports nothing from
+``pcast_jax`` or ``pallas_kernels`` and not even ``ml_dtypes``: the FP8 number line is built from the
+bit layout and rounding is a search on it. The engines and the Pallas kernels share
+``pcast_jax.block``, so a test that they agree says nothing about that shared code; agreement with
+this oracle does.
+
+Because the oracle computes in float64 and the package in float32, a value lying within float32
+rounding of a decision point (an FP8 rounding midpoint, the round-to-zero boundary, an f16
+midpoint) may be decided differently. :func:`attention` returns the slack such values can explain,
+so a comparison stays exact everywhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+#: Relative distance from a decision point below which float32 and float64 may decide differently.
+NEAR = 2.0**-20
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Line:
+    """A sign-magnitude 8-bit float: every non-negative finite value, sorted (index = code)."""
+
+    exponent_bits: int
+    mantissa_bits: int
+    bias: int
+    values: np.ndarray  # non-negative finite values in code order: 0, subnormals, normals
+
+    @property
+    def max(self) -> float:
+        return float(self.values[-1])
+
+
+def _line(exponent_bits: int, mantissa_bits: int, bias: int, *, fn: bool) -> Fp8Line:
+    """Eq. (1): subnormals 2^(1−b)·M/2^m, normals 2^(E−b)·(1 + M/2^m); ``fn``: only all-ones is NaN."""
+    vals = []
+    top = 2**exponent_bits - 1
+    for e in range(0, top + 1):
+        for mant in range(2**mantissa_bits):
+            if fn and e == top and mant == 2**mantissa_bits - 1:
+                continue  # E4M3FN: S.1111.111 is NaN, no infinities
+            if not fn and e == top:
+                continue  # IEEE-like E5M2: the top exponent holds inf and NaN
+            if e == 0:
+                vals.append(2.0 ** (1 - bias) * mant / 2**mantissa_bits)
+            else:
+                vals.append(2.0 ** (e - bias) * (1 + mant / 2**mantissa_bits))
+    return Fp8Line(exponent_bits, mantissa_bits, bias, np.array(vals, np.float64))
+
+
+E4M3 = _line(4, 3, 7, fn=True)  # max 448 = 1.75 · 2^8, smallest subnormal 2^-9
+E5M2 = _line(5, 2, 15, fn=False)  # max 57344
+LINES = {"e4m3": E4M3, "e5m2": E5M2}
+
+
+def round_fp8(x, line: Fp8Line, overflow: str = "satfinite"):
+    """Round float64 ``x`` to the nearest value of ``line``, ties to the even code.
+
+    Returns (rounded values, mask of inputs within ``NEAR`` of a rounding midpoint or of max).
+    ``"satfinite"`` saturates to ±max; ``"nan"`` gives NaN (E4M3FN) or ±inf (E5M2) past the
+    midpoint above max (a tie there rounds to max when max has an even code).
+    """
+    x = np.asarray(x, np.float64)
+    a = np.abs(x)
+    vals = line.values
+    idx = np.clip(np.searchsorted(vals, a), 1, len(vals) - 1)
+    lo, hi = vals[idx - 1], vals[idx]
+    mid = (lo + hi) / 2
+    pick_hi = (a > mid) | ((a == mid) & (idx % 2 == 0))
+    r = np.where(pick_hi, hi, lo)
+    near = np.abs(a - mid) <= NEAR * np.maximum(a, vals[1])
+    top_lsb = vals[-1] - vals[-2]
+    over = a > line.max
+    if overflow == "satfinite":
+        r = np.where(over, line.max, r)
+    else:
+        past = (a > line.max + top_lsb / 2) | ((a == line.max + top_lsb / 2) & ((len(vals) - 1) % 2 == 1))
+        special = np.nan if line is E4M3 else np.inf
+        r = np.where(past, special, np.where(over, line.max, r))
+        near |= np.abs(a - (line.max + top_lsb / 2)) <= NEAR * a
+    return np.sign(x) * r, near
+
+
+@dataclasses.dataclass
+class OracleResult:
+    out: np.ndarray  # (q, d)
+    row_sum: np.ndarray  # (q,)
+    n_zeroed: np.ndarray  # (q,)
+    zeroed_mass: np.ndarray  # (q,)
+    out_slack: np.ndarray  # (q, d): largest |Δout| near-ties can explain
+    zeroed_slack: np.ndarray  # (q,): how many zeroed decisions sit at the boundary
+
+
+def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", block_kv=64,
+              p_format="e4m3", overflow="satfinite", accumulator="f32", causal=False,
+              count_mask=None) -> OracleResult:
+    """Algorithm 1 for every query row of ``scores`` (q, N) against ``v`` (N, d), in float64.
+
+    ``scale_mode``: ``"multiply"`` casts P·S and divides by S·ℓ (ℓ of unscaled P);
+    ``"exponent"`` scales P itself by S (so ℓ holds S) and divides by ℓ; ``"dynamic"`` scales
+    each row of each block by the largest 2^k with rowmax(P)·2^k ≤ max, divides that block's
+    product by 2^k, and divides by ℓ. ``accumulator="f16"`` rounds each block's P8·V to float16.
+    Causal masks are bottom-right aligned (query i sits at position N − q + i).
+    """
+    line = LINES[p_format]
+    s = np.asarray(scores, np.float64)
+    v = np.asarray(v, np.float64)
+    q, n = s.shape
+    d = v.shape[1]
+    counted = np.ones((q, n), bool) if count_mask is None else np.broadcast_to(count_mask, (q, n)).copy()
+    if causal:
+        visible = np.arange(n)[None, :] <= np.arange(q)[:, None] + (n - q)
+        s = np.where(visible, s, -np.inf)
+        counted &= visible
+    pad = (-n) % block_kv
+    s = np.pad(s, ((0, 0), (0, pad)), constant_values=-np.inf)
+    v = np.pad(v, ((0, pad), (0, 0)))
+    counted = np.pad(counted, ((0, 0), (0, pad)))
+    n_blocks = s.shape[1] // block_kv
+    blocks = range(n_blocks - 1, -1, -1) if order == "reverse" else range(n_blocks)
+
+    m = np.full(q, -np.inf)
+    ell = np.zeros(q)
+    o = np.zeros((q, d))
+    nz = np.zeros(q, np.int64)
+    lz = np.zeros(q)
+    slack = np.zeros((q, d))  # in units of the accumulator, carried by α like O
+    zslack = np.zeros(q, np.int64)
+    rtz = line.values[1] / 2  # values at or below this round to zero (the tie goes to the even 0)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        for j in blocks:
+            cols = slice(j * block_kv, (j + 1) * block_kv)
+            z, vj = s[:, cols], v[cols]
+            m_new = np.maximum(m, z.max(axis=1))
+            m_safe = np.where(m_new == -np.inf, 0.0, m_new)
+            a = np.exp(m - m_safe)
+            p = np.exp(z - m_safe[:, None])
+            unscale = np.ones(q)
+            if scale_mode == "multiply":
+                ps = p * scale
+            elif scale_mode == "exponent":
+                p = p * scale
+                ps = p
+            else:  # dynamic power of two per row
+                pmax = p.max(axis=1)
+                k = np.floor(np.log2(line.max / np.where(pmax > 0, pmax, 1.0)))
+                sc = 2.0 ** np.clip(k, 0, 126)
+                ps = p * sc[:, None]
+                unscale = 1.0 / sc
+            ell = a * ell + p.sum(axis=1)
+            m = m_new
+            p8, near = round_fp8(ps, line, overflow)
+            y = p8 @ vj
+            y_slack = (near * _step(ps, line)) @ np.abs(vj)
+            if accumulator == "f16":
+                y16 = y.astype(np.float16).astype(np.float64)
+                y_slack = y_slack + np.abs(y) * 2.0**-10  # one f16 ulp: f32 and f64 may round apart
+                y = y16
+            o = a[:, None] * o + y * unscale[:, None]
+            slack = a[:, None] * slack + y_slack * unscale[:, None]
+            zero = counted[:, cols] & (ps > 0) & (p8 == 0)
+            nz += zero.sum(axis=1)
+            lz = a * lz + np.where(zero, p, 0.0).sum(axis=1)
+            zslack += (counted[:, cols] & (np.abs(ps - rtz) <= NEAR * rtz)).sum(axis=1)
+        divisor = scale * ell if scale_mode == "multiply" else ell
+        return OracleResult(o / divisor[:, None], ell, nz, lz / ell, slack / divisor[:, None], zslack)
+
+
+def _step(x, line: Fp8Line):
+    """Spacing of ``line`` at |x| (the most a near-tie can move a rounded value)."""
+    vals = line.values
+    idx = np.clip(np.searchsorted(vals, np.abs(x)), 1, len(vals) - 1)
+    return vals[idx] - vals[idx - 1]
+
+
+def config_kwargs(cfg) -> dict:
+    """The oracle's keyword arguments for a config-like object with the usual field names."""
+    return {"order": cfg.order, "scale": cfg.scale, "scale_mode": cfg.scale_mode, "block_kv": cfg.block_kv,
+            "p_format": cfg.p_format, "overflow": cfg.overflow, "accumulator": cfg.accumulator,
+            "causal": cfg.causal}
+
+
+def sink_scores(rng: np.random.Generator, *, q: int, n: int, d: int, delta: float, k_sink: int = 4):
+    """Paper §3.1 scores: non-sink N(0, 1), the first ``k_sink`` keys Δ + N(0, 1); V ~ N(0, 1).
+
+    Returns float32 scores (q, n), float32 v (n, d) and the non-sink mask (n,).
+    """
+    s = rng.standard_normal((q, n))
+    s[:, :k_sink] += delta
+    v = rng.standard_normal((n, d))
+    mask = np.ones(n, bool)
+    mask[:k_sink] = False
+    return s.astype(np.float32), v.astype(np.float32), mask
+
+
+__all__ = ["E4M3", "E5M2", "Fp8Line", "OracleResult", "attention", "config_kwargs", "round_fp8", "sink_scores"]

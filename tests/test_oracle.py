@@ -1,0 +1,119 @@
+"""Every preset against the independent float64 Algorithm 1 (tests/oracle.py).
+
+The scan engine, the fast engine and both Pallas kernels share ``pcast_jax.block``; these tests
+check that shared code against an implementation that shares nothing with the package. The
+oracle itself is checked first against the FP8 number line of ml_dtypes (every code) and the
+paper's facts (126 positive values, max 448, round-to-zero at 2^-10).
+
+Pass criteria: zeroed counts identical (up to values within float32 rounding of the round-to-zero
+boundary, which the oracle counts), outputs within 2e-6·max|out| plus the slack the oracle reports
+for values within float32 rounding of an FP8 (or f16) rounding midpoint.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+import oracle
+from cases import distinct_configs
+from pcast_jax import engine
+from pcast_jax.config import PRESETS, KernelConfig
+
+OUT_RTOL = 2e-6
+Q, N, D = 8, 1000, 32  # N is a multiple of neither 64, 128 nor 224: padded keys
+DELTAS = (5.0, 7.0, 10.0)
+
+
+#: Every preset, plus causal, reverse-causal, f16 and nan-overflow variants the presets lack.
+CASES = distinct_configs({
+    **PRESETS,
+    "fwd_s1_causal": PRESETS["fwd_s1"].replace(causal=True),
+    "rev_s256_causal": PRESETS["rev_s256"].replace(causal=True),
+    "fa3_causal_b128": PRESETS["fa3"].replace(causal=True),
+    "rev_s64_b128_f16": KernelConfig(order="reverse", scale=64.0, block_kv=128, accumulator="f16"),
+    "fwd_s512_nan": KernelConfig(scale=512.0, overflow="nan"),
+    "fwd_s256_e5m2": KernelConfig(scale=256.0, p_format="e5m2"),
+})
+
+
+# --------------------------------------------------------------------------------------------
+# The oracle's own number line
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,dtype", [("e4m3", ml_dtypes.float8_e4m3fn), ("e5m2", ml_dtypes.float8_e5m2)])
+def test_oracle_number_line_is_every_finite_code(name, dtype):
+    codes = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float64)
+    finite = np.unique(np.abs(codes[np.isfinite(codes)]))
+    np.testing.assert_array_equal(oracle.LINES[name].values, finite)
+
+
+def test_oracle_number_line_matches_the_paper():
+    vals = oracle.E4M3.values
+    assert len(vals) - 1 == 126 and vals[-1] == 448.0 and vals[1] == 2.0**-9
+    assert vals[8] == 2.0**-6  # smallest normal
+    r, _ = oracle.round_fp8(np.array([2.0**-10, np.nextafter(2.0**-10, 1), 464.0, 465.0, 1e6]), oracle.E4M3, "nan")
+    assert r[0] == 0 and r[1] == 2.0**-9 and r[2] == 448.0 and np.isnan(r[3]) and np.isnan(r[4])
+
+
+def test_oracle_rounding_equals_ml_dtypes_on_random_values(rng):
+    x = np.concatenate([rng.standard_normal(20000) * 10.0 ** rng.uniform(-4, 3, 20000),
+                        (oracle.E4M3.values[1:] + oracle.E4M3.values[:-1]) / 2])  # every midpoint
+    x = x.astype(np.float32).astype(np.float64)
+    ours, _ = oracle.round_fp8(x, oracle.E4M3, "nan")
+    ref = x.astype(np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    np.testing.assert_array_equal(ours, ref)
+
+
+# --------------------------------------------------------------------------------------------
+# Engines against the oracle
+# --------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _instances(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return [oracle.sink_scores(rng, q=Q, n=N, d=D, delta=dl) for dl in DELTAS]
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(cfg, engine_name):
+    return jax.jit(lambda s, v, m: engine.attention(s, v, cfg, engine=engine_name, count_mask=m))
+
+
+def assert_matches_oracle(res, ref: oracle.OracleResult):
+    out = np.asarray(res.out, np.float64)
+    tol = OUT_RTOL * np.max(np.abs(ref.out)) + ref.out_slack
+    bad = np.abs(out - ref.out) > tol
+    assert not bad.any(), (f"{bad.sum()} outputs off; worst {np.max(np.abs(out - ref.out) - tol):.3g} past the "
+                           f"tolerance")
+    dz = np.abs(np.asarray(res.n_zeroed) - ref.n_zeroed)
+    assert np.all(dz <= ref.zeroed_slack), f"zeroed counts differ: {dz.max()} (slack {ref.zeroed_slack.max()})"
+    np.testing.assert_allclose(np.asarray(res.row_sum), ref.row_sum, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(res.zeroed_mass), ref.zeroed_mass, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("engine_name", engine.ENGINES)
+@pytest.mark.parametrize("cfg", CASES)
+def test_engine_matches_the_oracle(cfg, engine_name):
+    run = _compiled(cfg, engine_name)
+    for s, v, mask in _instances():
+        ref = oracle.attention(s, v, count_mask=mask, **oracle.config_kwargs(cfg))
+        assert_matches_oracle(run(s, v, mask), ref)
+
+
+def test_oracle_slack_is_small_and_the_check_has_teeth():
+    """The slack the oracle allows is far below one FP8 step, and a wrong order is caught."""
+    s, v, mask = _instances()[1]  # Δ = 7: forward S = 1 zeroes most non-sink P
+    cfg = PRESETS["fwd_s1"]
+    ref = oracle.attention(s, v, count_mask=mask, **oracle.config_kwargs(cfg))
+    assert np.max(ref.out_slack) < 1e-3 * np.max(np.abs(ref.out))
+    assert ref.n_zeroed.sum() > 0.5 * mask.sum() * Q
+    wrong = _compiled(PRESETS["rev_s1"], "scan")(s, v, mask)
+    with pytest.raises(AssertionError):
+        assert_matches_oracle(wrong, ref)
