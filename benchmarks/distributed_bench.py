@@ -31,12 +31,10 @@ import time
 def _worker(cfg: dict) -> None:
     import resource
 
-    from pcast_jax import distributed
-    from pcast_jax.sweep import SweepSpec, run_sweep
+    from pcast_jax.sweep import SweepSpec, init_distributed, run_sweep
 
     if cfg["num_processes"] > 1:
-        distributed.init_distributed(cfg["coordinator"], cfg["num_processes"], cfg["process_id"],
-                                     timeout_s=cfg["timeout"])
+        init_distributed(cfg["coordinator"], cfg["num_processes"], cfg["process_id"], timeout_s=cfg["timeout"])
     spec = SweepSpec.from_dict(cfg["spec"])
     t0 = time.perf_counter()
     result = run_sweep(spec, progress=False)  # compile (and warm every cache)

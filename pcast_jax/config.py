@@ -127,6 +127,29 @@ class KernelConfig:
             parts.append("causal")
         return "_".join(parts)
 
+    def to_dict(self) -> dict:
+        """Every field as a plain value; :meth:`from_dict` reads it back.
+
+        ``qkv_granularity`` is written only where it acts (E4M3 Q/K/V), so sweeps recorded before
+        the field existed keep their fingerprints.
+        """
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.qkv == "f32":
+            del d["qkv_granularity"]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KernelConfig":
+        """A config from :meth:`to_dict`'s form; an unknown key raises :class:`PcastError` naming it."""
+        if not isinstance(d, dict):
+            raise PcastError(f"a kernel config must be a mapping of field names to values, got {d!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise PcastError(f"unknown KernelConfig field(s) {', '.join(map(repr, unknown))}; "
+                             f"fields are {', '.join(sorted(known))}")
+        return cls(**d)
+
     @property
     def fmt(self) -> formats.FP8Format:
         return formats.get_format(self.p_format)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import oracle
 from pcast_jax import engine, formats, sweep, workloads
 from pcast_jax.config import KernelConfig, get_preset, resolve
 from pcast_jax.errors import PcastError
@@ -221,7 +222,7 @@ def no_compute(monkeypatch):
     def refuse(*args, **kwargs):
         raise _Computed("a chunk was computed")
 
-    monkeypatch.setattr(sweep, "compute_chunk", refuse)
+    monkeypatch.setattr("pcast_jax.sweep.local.compute_chunk", refuse)
 
 
 def test_memory_budget_too_small_fails_before_any_work(tmp_path, no_compute):
@@ -255,7 +256,7 @@ def _claim(out, spec, monkeypatch):
         raise _Computed("stopped at the first chunk")
 
     with monkeypatch.context() as m:
-        m.setattr(sweep, "compute_chunk", stop)
+        m.setattr("pcast_jax.sweep.local.compute_chunk", stop)
         with pytest.raises(_Computed):
             sweep.run_sweep(spec, out_dir=out)
     assert (out / "spec.json").exists()
@@ -296,31 +297,6 @@ def test_loading_an_unfinished_sweep_is_refused(tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
-def _alg1_numpy(scores, v, cfg):
-    """Algorithm 1 in float64/NumPy over blocks of ``block_kv`` keys, the last one partial (no padding)."""
-    scores = np.asarray(scores, np.float64)
-    v = np.asarray(v, np.float64)
-    q_len, n = scores.shape
-    starts = list(range(0, n, cfg.block_kv))
-    if cfg.order == "reverse":
-        starts = starts[::-1]
-    m = np.full(q_len, -np.inf)
-    ell = np.zeros(q_len)
-    o = np.zeros((q_len, v.shape[1]))
-    zeroed = np.zeros(q_len, int)
-    for s in starts:
-        z = scores[:, s:s + cfg.block_kv]
-        m_new = np.maximum(m, z.max(axis=1))
-        alpha = np.exp(m - m_new)
-        p = np.exp(z - m_new[:, None])
-        ell = alpha * ell + p.sum(axis=1)
-        p8 = np.asarray(formats.cast((p * cfg.scale).astype(np.float32), cfg.p_format), np.float64)
-        o = alpha[:, None] * o + p8 @ v[s:s + cfg.block_kv]
-        zeroed += ((p8 == 0) & (p > 0)).sum(axis=1)
-        m = m_new
-    return o / (cfg.scale * ell)[:, None], zeroed
-
-
 @pytest.mark.parametrize("preset", ["fwd_s1", "rev_s256", "fa3"])
 @pytest.mark.parametrize("engine_name", ["fast", "scan"])
 def test_padding_to_a_block_multiple_changes_nothing(preset, engine_name):
@@ -340,10 +316,9 @@ def test_padding_to_a_block_multiple_changes_nothing(preset, engine_name):
     weights = engine.effective_weights(inst.scores, cfg)
     assert weights.shape == (4, n)
     np.testing.assert_allclose(weights @ inst.v, got.out, rtol=1e-5, atol=1e-6)
-    if cfg.scale_mode == "multiply":  # an independent float64 loop with a partial last block
-        ref_out, ref_zeroed = _alg1_numpy(inst.scores, inst.v, cfg)
-        np.testing.assert_allclose(got.out, ref_out, rtol=1e-5, atol=1e-6)
-        np.testing.assert_array_equal(got.n_zeroed, ref_zeroed)
+    ref = oracle.attention(inst.scores, inst.v, **oracle.config_kwargs(cfg))  # independent float64
+    np.testing.assert_allclose(got.out, ref.out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got.n_zeroed, ref.n_zeroed)
 
 
 def test_n_smaller_than_one_block_is_padded():
@@ -351,9 +326,9 @@ def test_n_smaller_than_one_block_is_padded():
     scores = np.linspace(-3.0, 1.0, 3 * 5, dtype=np.float32).reshape(3, 5)
     v = np.arange(5 * 2, dtype=np.float32).reshape(5, 2)
     got = engine.attention(scores, v, cfg)
-    ref_out, ref_zeroed = _alg1_numpy(scores, v, cfg)
-    np.testing.assert_allclose(got.out, ref_out, rtol=1e-6)
-    np.testing.assert_array_equal(got.n_zeroed, ref_zeroed)
+    ref = oracle.attention(scores, v, **oracle.config_kwargs(cfg))
+    np.testing.assert_allclose(got.out, ref.out, rtol=1e-6)
+    np.testing.assert_array_equal(got.n_zeroed, ref.n_zeroed)
     np.testing.assert_array_equal(got.n_counted, 5)
 
 

@@ -19,9 +19,10 @@ import time
 import numpy as np
 import pytest
 
-from pcast_jax import distributed
+from pcast_jax.commands._distributed import add_distributed_arguments, init_from_args
 from pcast_jax.errors import PcastError
-from pcast_jax.sweep import SweepSpec, _claim_dir, load_result, run_sweep
+from pcast_jax.sweep import SweepSpec, init_distributed, load_result, run_sweep, run_sweep_distributed
+from pcast_jax.sweep.store import claim_dir
 
 HARD_TIMEOUT_S = 150  # per group of workers; a healthy group finishes far sooner
 
@@ -31,13 +32,13 @@ WORKER = textwrap.dedent("""
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="LOG %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)
     import numpy as np
-    from pcast_jax import distributed
+    from pcast_jax.commands._distributed import add_distributed_arguments, init_from_args
     from pcast_jax.errors import PcastError
     from pcast_jax.sweep import SweepSpec, run_sweep
     try:
         parser = argparse.ArgumentParser()
-        distributed.add_distributed_arguments(parser)  # the command-line path: flags -> init_from_args
-        info = distributed.init_from_args(parser.parse_args([
+        add_distributed_arguments(parser)  # the command-line path: flags -> init_from_args
+        info = init_from_args(parser.parse_args([
             "--coordinator", cfg["coordinator"], "--num-processes", str(cfg["num_processes"]),
             "--process-id", str(cfg["process_id"]), "--init-timeout", str(cfg["timeout_s"])]))
         print("INFO", json.dumps({"process_id": info.process_id, "num_processes": info.num_processes,
@@ -184,7 +185,7 @@ def test_mismatched_specs_are_refused_on_every_process(tmp_path):
 def test_folder_of_another_sweep_is_refused_on_every_process(tmp_path):
     out = tmp_path / "out"
     other = dataclasses.replace(SPEC, seeds=7)
-    _claim_dir(out, other, {"chunk_size": 2, "delta_group": 2})
+    claim_dir(out, other, {"chunk_size": 2, "delta_group": 2})
     saved = (out / "spec.json").read_bytes()
     runs = _launch(tmp_path, 2, specs=[SPEC, SPEC], out_dir=out)
     for r in runs:
@@ -198,7 +199,7 @@ def test_coordinator_that_never_answers_times_out_clearly():
     port = _free_port()  # nothing listens there
     t0 = time.monotonic()
     with pytest.raises(PcastError, match=rf"coordinator='127.0.0.1:{port}' did not answer within timeout_s=2"):
-        distributed.init_distributed(f"127.0.0.1:{port}", 2, 1, timeout_s=2)
+        init_distributed(f"127.0.0.1:{port}", 2, 1, timeout_s=2)
     assert time.monotonic() - t0 < 30
 
 
@@ -221,27 +222,27 @@ def test_missing_peer_times_out_clearly(tmp_path):
 ])
 def test_bad_arguments_are_refused(kwargs, match):
     with pytest.raises(PcastError, match=match):
-        distributed.init_distributed(**kwargs)
+        init_distributed(**kwargs)
 
 
 def test_cli_arguments():
     parser = argparse.ArgumentParser()
-    distributed.add_distributed_arguments(parser)
-    assert distributed.init_from_args(parser.parse_args([])) is None  # single process: nothing started
+    add_distributed_arguments(parser)
+    assert init_from_args(parser.parse_args([])) is None  # single process: nothing started
     args = parser.parse_args(["--coordinator", "node0:4000", "--num-processes", "8", "--process-id", "3",
                               "--init-timeout", "30"])
     assert (args.coordinator, args.num_processes, args.process_id, args.init_timeout) == ("node0:4000", 8, 3, 30.0)
     with pytest.raises(PcastError, match="process_id=9 must be <= 7"):
-        distributed.init_from_args(parser.parse_args(["--coordinator", "h:1", "--num-processes", "8",
-                                                      "--process-id", "9"]))
+        init_from_args(parser.parse_args(["--coordinator", "h:1", "--num-processes", "8",
+                                          "--process-id", "9"]))
     with pytest.raises(PcastError, match="coordinator, num_processes must be given too"):
-        distributed.init_from_args(parser.parse_args(["--process-id", "1"]))
+        init_from_args(parser.parse_args(["--process-id", "1"]))
 
 
 def test_single_process_call_matches_run_sweep(tmp_path, reference):
     """With one process the distributed driver is the plain sweep (same files, same bits)."""
     ref_dir, ref = reference
-    result = distributed.run_sweep_distributed(SPEC, tmp_path / "out", chunk_size=CHUNK, progress=False)
+    result = run_sweep_distributed(SPEC, tmp_path / "out", chunk_size=CHUNK, progress=False)
     assert _bits_equal(ref.data, result.data)
     assert (tmp_path / "out" / "summary.csv").read_bytes() == (ref_dir / "summary.csv").read_bytes()
     assert _bits_equal(ref.data, load_result(tmp_path / "out").data)

@@ -19,6 +19,7 @@ from pcast_jax import cli, engine, metrics
 from pcast_jax import sweep as sweep_mod
 from pcast_jax.errors import PcastError
 from pcast_jax.sweep import SweepSpec, estimate_instance_bytes, load_result, run_sweep
+from pcast_jax.sweep import local as sweep_local
 from pcast_jax.workloads import SinkWorkload, make_instance
 
 #: multiply, exponent and dynamic scale modes; N = 300 pads to 320 (B = 64) and 384 (B = 128)
@@ -46,13 +47,13 @@ def assert_same_bits(a, b):
 
 def _count_chunks(monkeypatch):
     calls = []
-    real = sweep_mod.compute_chunk
+    real = sweep_local.compute_chunk
 
     def counting(spec, n, s0, s1, *args, **kw):
         calls.append((n, s0, s1))
         return real(spec, n, s0, s1, *args, **kw)
 
-    monkeypatch.setattr(sweep_mod, "compute_chunk", counting)
+    monkeypatch.setattr(sweep_local, "compute_chunk", counting)
     return calls
 
 

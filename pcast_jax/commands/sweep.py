@@ -14,10 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
-from pcast_jax import distributed
+from pcast_jax.commands._distributed import add_distributed_arguments, init_from_args
 from pcast_jax.config import PRESETS
 from pcast_jax.engine import ENGINES
 from pcast_jax.errors import PcastError
+from pcast_jax.stats import mean_sem
 
 DEFAULT_CONFIGS = "fwd_s1,rev_s1,fwd_s448,fwd_s256,rev_s256"
 #: (metric, column title, multiplier, format) of the printed table.
@@ -54,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output folder (default sweeps/<fingerprint> under the current directory); "
                              "rerunning into the same folder resumes")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    distributed.add_distributed_arguments(parser)
+    add_distributed_arguments(parser)
 
 
 # --------------------------------------------------------------------------------------------
@@ -159,7 +160,6 @@ def spec_from_args(args: argparse.Namespace):
 def format_table(result) -> list[str]:
     """One line per (N, config, Δ): mean ± standard error of MSE, frac. zeroed, non-sink mass."""
     spec = result.spec
-    seeds = spec.seeds
     head = ["N", "config", "delta"] + [title for _, title, _, _ in COLUMNS]
     rows = []
     for n in spec.ns:
@@ -168,8 +168,7 @@ def format_table(result) -> list[str]:
                 cells = [str(n), c, f"{delta:g}"]
                 for metric, _, mult, fmt in COLUMNS:
                     x = result.get(metric, config=c, n=n, delta=delta).astype(np.float64) * mult
-                    sem = float(np.std(x, ddof=1) / math.sqrt(seeds)) if seeds > 1 else float("nan")
-                    cells.append(fmt.format(float(np.mean(x)), sem))
+                    cells.append(fmt.format(*mean_sem(x)))
                 rows.append(cells)
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
     align = [">", "<", ">"] + [">"] * len(COLUMNS)
@@ -187,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
     chunk_size = None if args.chunk_size is None else _int("--chunk-size", args.chunk_size, min_value=1)
     out = Path(args.out) if args.out is not None else Path("sweeps") / spec.fingerprint()
     resuming = (out / "spec.json").exists()
-    info = distributed.init_from_args(args)  # None unless a multi-process run was asked for
+    info = init_from_args(args)  # None unless a multi-process run was asked for
     if info is not None and info.process_id != 0:  # every process computes; process 0 reports
         run_sweep(spec, out, chunk_size=chunk_size, progress=False)
         return 0

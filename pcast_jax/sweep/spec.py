@@ -1,0 +1,218 @@
+"""What a sweep is and what it returns: :class:`SweepSpec`, :class:`SweepResult`, instance keys.
+
+A sweep's identity is its spec plus the file format and simulator versions
+(:meth:`SweepSpec.fingerprint`); saved chunks and folders are matched against it.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+
+import jax
+import jaxlib
+import numpy as np
+
+from pcast_jax import __version__
+from pcast_jax.config import KernelConfig, resolve
+from pcast_jax.engine import ENGINES
+from pcast_jax.errors import PcastError, check_choice, check_finite, check_int
+from pcast_jax.fileio import atomic_write
+from pcast_jax.stats import mean_sem
+from pcast_jax.workloads import SinkWorkload
+
+__all__ = ["FORMAT_VERSION", "SIMULATOR_VERSION", "SweepSpec", "SweepResult", "check_spec", "instance_key",
+           "estimate_instance_bytes", "software_identity"]
+
+#: Version of the files a sweep writes (spec.json, chunks, results.npz).
+FORMAT_VERSION = 1
+#: Bump whenever the simulator's numbers change (engine, workloads, metrics): saved chunks of an
+#: older version then no longer match the fingerprint and are recomputed instead of resumed.
+SIMULATOR_VERSION = 2  # 2: per-instance loops instead of vmap (last-bit changes)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SweepSpec:
+    """What to sweep. Every field is part of the result's identity (``fingerprint``).
+
+    Attributes:
+      configs: preset names or KernelConfigs (names must be unique).
+      deltas: sink strengths Δ.
+      ns: KV lengths N.
+      seeds: number of seeds per (N, Δ); seed indices ``seed_offset .. seed_offset + seeds − 1``.
+      seed_offset: index of the first seed.
+      base_seed: the root PRNG seed.
+      q_len, d, k_sink, sink_positions, sigma, sigma_v: the synthetic workload (:class:`SinkWorkload`).
+      engine: ``"fast"`` or ``"scan"``.
+      expected_mse: also compute ``mse_expected`` (cheap; NaN when off).
+    """
+
+    configs: tuple = ("fwd_s1", "rev_s1", "fwd_s448", "fwd_s256", "rev_s256")
+    deltas: tuple = (7.0,)
+    ns: tuple = (4096,)
+    seeds: int = 20
+    seed_offset: int = 0
+    base_seed: int = 0
+    q_len: int = 32
+    d: int = 128
+    k_sink: int = 4
+    sink_positions: tuple | None = None
+    sigma: float = 1.0
+    sigma_v: float = 1.0
+    engine: str = "fast"
+    expected_mse: bool = True
+
+    def __post_init__(self):
+        cfgs = tuple(resolve(c) for c in _as_tuple(self.configs, "configs"))
+        if not cfgs:
+            raise PcastError("configs must name at least one config")
+        names = [c.name for c in cfgs]
+        if len(set(names)) != len(names):
+            raise PcastError(f"configs must have unique names, got {names}")
+        object.__setattr__(self, "configs", cfgs)
+        deltas = tuple(check_finite("delta", d) for d in _as_tuple(self.deltas, "deltas"))
+        for d in deltas:  # Δ is added to float32 scores: it must stay finite there
+            if abs(d) > float(np.finfo(np.float32).max):
+                raise PcastError(f"delta={d!r} must be finite in float32 (|delta| <= 3.4e38)")
+        if not deltas:
+            raise PcastError("deltas must hold at least one value")
+        object.__setattr__(self, "deltas", deltas)
+        ns = tuple(check_int("n", n, min_value=1) for n in _as_tuple(self.ns, "ns"))
+        if not ns:
+            raise PcastError("ns must hold at least one value")
+        object.__setattr__(self, "ns", ns)
+        check_int("seeds", self.seeds, min_value=1)
+        # seed indices are uint32 PRNG data: seed_offset + seeds - 1 must fit in 32 bits
+        check_int("seed_offset", self.seed_offset, min_value=0, max_value=2**32 - self.seeds)
+        check_int("base_seed", self.base_seed, min_value=0, max_value=2**31 - 1)
+        check_choice("engine", self.engine, ENGINES)
+        if not isinstance(self.expected_mse, bool):
+            raise PcastError(f"expected_mse={self.expected_mse!r} must be True or False")
+        for n in ns:  # validates k_sink / sink_positions / sigma against every N
+            self.workload(n)
+
+    def workload(self, n: int) -> SinkWorkload:
+        """The synthetic workload of KV length ``n``."""
+        return SinkWorkload(n=n, q_len=self.q_len, d=self.d, k_sink=self.k_sink,
+                            sink_positions=self.sink_positions, sigma=self.sigma, sigma_v=self.sigma_v)
+
+    @property
+    def config_names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.configs)
+
+    def to_dict(self) -> dict:
+        """JSON-able form (the inverse of :meth:`from_dict`)."""
+        d = dataclasses.asdict(self)
+        d["configs"] = [c.to_dict() for c in self.configs]
+        d["deltas"] = list(self.deltas)
+        d["ns"] = list(self.ns)
+        d["sink_positions"] = None if self.sink_positions is None else list(self.sink_positions)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SweepSpec":
+        d = dict(d)
+        d["configs"] = tuple(KernelConfig.from_dict(c) for c in d["configs"])
+        d["deltas"] = tuple(d["deltas"])
+        d["ns"] = tuple(d["ns"])
+        if d.get("sink_positions") is not None:
+            d["sink_positions"] = tuple(d["sink_positions"])
+        return cls(**d)
+
+    def fingerprint(self) -> str:
+        """Identity of the results: the spec, the file format and the simulator version."""
+        ident = {"spec": self.to_dict(), "format": FORMAT_VERSION, "simulator": SIMULATOR_VERSION}
+        blob = json.dumps(ident, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _as_tuple(x, name):
+    if isinstance(x, (str, KernelConfig)) or np.isscalar(x):
+        return (x,)
+    try:
+        return tuple(x)
+    except TypeError:
+        raise PcastError(f"{name}={x!r} must be a value or a sequence of values") from None
+
+
+def check_spec(spec) -> SweepSpec:
+    """``spec`` itself, or a PcastError when it is not a :class:`SweepSpec`."""
+    if not isinstance(spec, SweepSpec):
+        raise PcastError(f"spec must be a SweepSpec, got {type(spec).__name__}")
+    return spec
+
+
+def software_identity(spec: SweepSpec) -> dict:
+    """The spec's fingerprint and the software versions: what every process of one sweep must share."""
+    return {"fingerprint": spec.fingerprint(), "pcast_jax": __version__, "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__}
+
+
+def instance_key(base_seed: int, n, seed):
+    """PRNG key of one instance: depends on (base_seed, N, seed) only — never on Δ or layout."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(base_seed), n), seed)
+
+
+def estimate_instance_bytes(spec: SweepSpec, n: int) -> int:
+    """Rough peak bytes one (seed, Δ) instance needs at KV length ``n`` (scores, P, casts, V)."""
+    per_cfg = 10 * spec.q_len * (n + 256) * 4
+    return int(4 * (6 * spec.q_len * n + 3 * n * spec.d) + per_cfg * len(spec.configs)
+               + (spec.q_len * n * 4 * 64 if spec.engine == "scan" else 0))
+
+
+@dataclasses.dataclass
+class SweepResult:
+    """Metrics of a finished sweep: ``data[metric]`` has shape (len(ns), len(configs), len(deltas), seeds)."""
+
+    spec: SweepSpec
+    data: dict[str, np.ndarray]
+
+    def get(self, metric: str, *, config: str, n: int | None = None, delta: float | None = None) -> np.ndarray:
+        """Values of ``metric`` for one config (and optionally one N / Δ), seeds last."""
+        check_choice("metric", metric, tuple(self.data))
+        check_choice("config", config, self.spec.config_names)
+        x = self.data[metric][:, self.spec.config_names.index(config)]
+        if n is not None:
+            check_choice("n", n, self.spec.ns)
+            x = x[self.spec.ns.index(n)]
+        if delta is not None:
+            idx = [i for i, d in enumerate(self.spec.deltas) if math.isclose(d, delta)]
+            if not idx:
+                raise PcastError(f"delta={delta} is not in the sweep's deltas {self.spec.deltas}")
+            x = x[..., idx[0], :]
+        return x
+
+    def mean(self, metric: str, **kw) -> np.ndarray:
+        """Mean over seeds of :meth:`get`."""
+        return np.mean(self.get(metric, **kw), axis=-1)
+
+    def summary_rows(self) -> list[dict]:
+        """One row per (N, config, Δ): the seed count and every metric's mean and standard error."""
+        rows = []
+        s = self.spec
+        for ni, n in enumerate(s.ns):
+            for ci, c in enumerate(s.config_names):
+                for di, dlt in enumerate(s.deltas):
+                    row = {"n": n, "config": c, "delta": dlt, "seeds": s.seeds}
+                    for m, arr in self.data.items():
+                        row[f"{m}_mean"], row[f"{m}_sem"] = mean_sem(arr[ni, ci, di])
+                    rows.append(row)
+        return rows
+
+    def write_csv(self, path: str | os.PathLike) -> Path:
+        """Write :meth:`summary_rows` to ``path`` as CSV (atomically)."""
+        rows = self.summary_rows()
+        path = Path(path)
+
+        def write(f):
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+
+        atomic_write(path, write, text=True)
+        return path
