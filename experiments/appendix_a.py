@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments.common import Column, Context, Finding, Section, Table
 from pcast_jax import report, theory
+
+from .common import Column, Context, Finding, Section, Table
 
 NAME = "appendix_a"
 TITLE = "Appendix A — exhaustive dp(S) table"
@@ -66,6 +67,6 @@ def run(ctx: Context) -> Section:
 
 
 if __name__ == "__main__":
-    from experiments.registry import main
+    from .command import main
 
     raise SystemExit(main([NAME]))

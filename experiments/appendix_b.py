@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments.common import Column, Context, Finding, Section, Table, delta_sweep, spec_for
 from pcast_jax import report
+from pcast_jax.stats import sem
+
+from .common import Column, Context, Finding, Section, Table, delta_sweep, spec_for
 
 NAME = "appendix_b"
 TITLE = "Appendix B — saturation: paired t-tests, Forward S=256 vs Reverse S=256"
@@ -52,7 +54,7 @@ def run(ctx: Context) -> Section:
         p_mean, p_t, p_sig = PAPER.get((delta, n), (None, None, None))
         rows.append({"delta": delta, "n": n, "instances": len(diff), "mse_fwd_s256": float(fwd.mean()),
                      "mse_rev_s256": float(rev.mean()), "mean_diff": float(diff.mean()),
-                     "sem_diff": float(diff.std(ddof=1) / np.sqrt(len(diff))),
+                     "sem_diff": sem(diff),
                      "relative_diff": float(diff.mean() / fwd.mean()), "t": float(t.statistic),
                      "p": float(t.pvalue), "significant": bool(t.pvalue < ALPHA),
                      "paper_mean_diff": p_mean, "paper_t": p_t, "paper_significant": p_sig,
@@ -110,6 +112,6 @@ def run(ctx: Context) -> Section:
 
 
 if __name__ == "__main__":
-    from experiments.registry import main
+    from .command import main
 
     raise SystemExit(main([NAME]))

@@ -23,7 +23,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from pcast_jax.config import PAPER_CONFIGS, KernelConfig
+from pcast_jax.config import PAPER_CONFIGS
 from pcast_jax.errors import PcastError
 from pcast_jax.sweep import SweepResult, SweepSpec, plan_layout, run_sweep
 
@@ -41,12 +41,9 @@ __all__ = [
     "Section",
     "Context",
     "spec_for",
-    "balanced_chunk_size",
     "delta_sweep",
     "length_sweep",
     "mse_by_length",
-    "same_semantics",
-    "mean_sem",
     "SINK_DELTA",
 ]
 
@@ -245,7 +242,7 @@ class Context:
         resumed = (folder / "spec.json").exists()
         t0 = time.perf_counter()
         try:
-            result = run_sweep(spec, out_dir=folder, progress=self.progress, chunk_size=balanced_chunk_size(spec))
+            result = run_sweep(spec, out_dir=folder, progress=self.progress, chunk_size=_balanced_chunk_size(spec))
         except PcastError as exc:
             if "different sweep" in str(exc):
                 raise PcastError(f"{exc} (pcast reproduce --fresh recomputes every sweep)") from None
@@ -260,7 +257,7 @@ class Context:
         return result
 
 
-def balanced_chunk_size(spec: SweepSpec) -> int:
+def _balanced_chunk_size(spec: SweepSpec) -> int:
     """The engine's seeds-per-chunk, evened out so that every chunk has the same size.
 
     Each distinct chunk shape is one more XLA compile (seconds on a CPU); the engine's default
@@ -307,15 +304,3 @@ def mse_by_length(ctx: Context, metric: str, config: str) -> dict[int, np.ndarra
         src = d if n == ctx.sizes.n_main else ln
         out[n] = np.asarray(src.get(metric, config=config, n=n, delta=SINK_DELTA), np.float64)
     return out
-
-
-def same_semantics(a: KernelConfig, b: KernelConfig) -> bool:
-    """Whether two configs compute the same thing (every field equal except the name)."""
-    return a.replace(name="x") == b.replace(name="x")
-
-
-def mean_sem(x) -> tuple[float, float]:
-    """Mean and standard error of the mean of a 1-D sample."""
-    x = np.asarray(x, np.float64)
-    sem = float(np.std(x, ddof=1) / math.sqrt(x.size)) if x.size > 1 else float("nan")
-    return float(np.mean(x)), sem

@@ -11,8 +11,9 @@ import math
 
 import numpy as np
 
-from experiments.common import Context, Figure, Finding, Section, Table
 from pcast_jax import formats, report, theory
+
+from .common import Context, Figure, Finding, Section, Table
 
 NAME = "figure1_dp"
 TITLE = "Figure 1 — the dp(S) sawtooth"
@@ -90,6 +91,6 @@ def run(ctx: Context) -> Section:
 
 
 if __name__ == "__main__":
-    from experiments.registry import main
+    from .command import main
 
     raise SystemExit(main([NAME]))

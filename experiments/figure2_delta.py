@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments import table1, table2
-from experiments.common import (PAPER_COLORS, PAPER_LABELS, PAPER_ORDER, Column, Context, Figure,
-                                Finding, Section, Table, delta_sweep, mean_sem)
 from pcast_jax import report
+from pcast_jax.stats import mean_sem
+
+from . import table1, table2
+from .common import (PAPER_COLORS, PAPER_LABELS, PAPER_ORDER, Column, Context, Figure, Finding, Section,
+                     Table, delta_sweep)
 
 NAME = "figure2_delta"
 TITLE = "Figure 2 — MSE vs sink strength Δ"
@@ -147,6 +149,6 @@ def run(ctx: Context) -> Section:
 
 
 if __name__ == "__main__":
-    from experiments.registry import main
+    from .command import main
 
     raise SystemExit(main([NAME]))

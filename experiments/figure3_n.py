@@ -9,10 +9,12 @@ from __future__ import annotations
 import numpy as np
 from matplotlib.ticker import NullLocator
 
-from experiments import table2
-from experiments.common import (PAPER_COLORS, PAPER_LABELS, PAPER_ORDER, Column, Context, Figure,
-                                Finding, Section, Table, mean_sem, mse_by_length)
 from pcast_jax import report
+from pcast_jax.stats import mean_sem
+
+from . import table2
+from .common import (PAPER_COLORS, PAPER_LABELS, PAPER_ORDER, Column, Context, Figure, Finding, Section,
+                     Table, mse_by_length)
 
 NAME = "figure3_n"
 TITLE = "Figure 3 — MSE vs sequence length N (Δ = 7)"
@@ -108,6 +110,6 @@ def run(ctx: Context) -> Section:
 
 
 if __name__ == "__main__":
-    from experiments.registry import main
+    from .command import main
 
     raise SystemExit(main([NAME]))

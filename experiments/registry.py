@@ -8,7 +8,6 @@ SweepSpec, seeds, library versions, wall and CPU time per experiment and per swe
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import importlib
 import shutil
@@ -17,31 +16,33 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from experiments.common import Context, Section
 from pcast_jax import report
 from pcast_jax.errors import PcastError
 
-__all__ = ["EXPERIMENTS", "reproduce", "main", "FILE_DESCRIPTIONS"]
+from .common import Context, Section
 
-#: Experiment name → module, in the paper's order.
+__all__ = ["EXPERIMENTS", "reproduce", "FILE_DESCRIPTIONS"]
+
+#: Experiment name → module (relative to this package), in the paper's order.
 EXPERIMENTS: dict[str, str] = {
-    "table1": "experiments.table1",
-    "table2": "experiments.table2",
-    "figure1_dp": "experiments.figure1_dp",
-    "figure2_delta": "experiments.figure2_delta",
-    "figure3_n": "experiments.figure3_n",
-    "appendix_a": "experiments.appendix_a",
-    "appendix_b": "experiments.appendix_b",
-    "table3_kernels": "experiments.table3_kernels",
+    "table1": ".table1",
+    "table2": ".table2",
+    "figure1_dp": ".figure1_dp",
+    "figure2_delta": ".figure2_delta",
+    "figure3_n": ".figure3_n",
+    "appendix_a": ".appendix_a",
+    "appendix_b": ".appendix_b",
+    "table3_kernels": ".table3_kernels",
 }
 
 #: Studies beyond the paper, appended after its tables and figures on a full run (not with --only).
-#: Each entry: name → (module, function); the function takes (out_dir, quick=..., log=...) and
-#: returns the section's markdown (a ``##`` heading first), writing its own CSV/PNG files.
+#: Each entry: name → (module relative to this package, function); the function takes
+#: (out_dir, quick=..., log=...) and returns the section's markdown (a ``##`` heading first),
+#: writing its own CSV/PNG files.
 #: An ImportError (an optional extra missing) skips the section with a note saying how to install it.
 EXTRA_SECTIONS: dict[str, tuple[str, str]] = {
-    "real_model": ("experiments.model_report", "model_section"),
-    "whatif": ("experiments.whatif_report", "whatif_section"),
+    "real_model": (".model_report", "model_section"),
+    "whatif": (".whatif_report", "whatif_section"),
 }
 DEFAULT_EXTRAS = ("real_model",)
 
@@ -80,7 +81,7 @@ PAPER_TITLE = ("P-Cast Precision in FP8 Attention: Sink-Induced Collapse and the
 def _load(name: str):
     if name not in EXPERIMENTS:
         raise PcastError(f"experiment={name!r} is not one of {', '.join(EXPERIMENTS)}")
-    return importlib.import_module(EXPERIMENTS[name])
+    return importlib.import_module(EXPERIMENTS[name], __package__)
 
 
 def _select(only: Sequence[str] | None) -> list[str]:
@@ -117,7 +118,7 @@ def reproduce(out_dir, *, quick: bool = False, only: Sequence[str] | None = None
 
     Args:
       out_dir: report folder (created). Sweep chunks are kept in ``out_dir/sweeps`` and reused.
-      quick: reduced seeds and sizes (:data:`experiments.common.QUICK`).
+      quick: reduced seeds and sizes (:data:`pcast_experiments.common.QUICK`).
       only: experiment names (default all, in the paper's order).
       progress: the sweep engine's progress bar (None: when stderr is a terminal).
       fresh: delete this mode's sweep folders first, recomputing everything.
@@ -165,7 +166,7 @@ def reproduce(out_dir, *, quick: bool = False, only: Sequence[str] | None = None
             module, func = EXTRA_SECTIONS[name]
             t0, c0 = time.perf_counter(), time.process_time()
             try:
-                fn = getattr(importlib.import_module(module), func)
+                fn = getattr(importlib.import_module(module, __package__), func)
                 md = fn(out, quick=True, log=log)
             except ImportError as exc:
                 md = f"## {name.replace('_', ' ').capitalize()}\n\nSkipped: {exc}\n"
@@ -279,17 +280,3 @@ def _anchor(title: str) -> str:
         elif ch == " ":
             out.append("-")
     return "".join(out)
-
-
-def main(names: Sequence[str] | None = None, argv: Sequence[str] | None = None) -> int:
-    """Run experiments as a script: ``python -m experiments.table2 [--out DIR] [--quick]``."""
-    p = argparse.ArgumentParser(description="Run paper experiments and write a report folder.")
-    p.add_argument("--out", default="results", help="report folder (default: results)")
-    p.add_argument("--quick", action="store_true", help="reduced seeds and sizes")
-    args = p.parse_args(argv)
-    try:
-        reproduce(args.out, quick=args.quick, only=names)
-    except PcastError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0

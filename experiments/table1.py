@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments.common import Column, Context, Finding, Section, Table, delta_sweep
 from pcast_jax import report, theory
+from pcast_jax.stats import sem
+
+from .common import Column, Context, Finding, Section, Table, delta_sweep
 
 NAME = "table1"
 TITLE = "Table 1 — P-collapse (forward iteration)"
@@ -69,7 +71,7 @@ def run(ctx: Context) -> Section:
         row["s256_eq7_spread"] = 100 * float(closed["frac_zeroed_s256_spread"][i])
         row["mass_theory"] = 100 * float(closed["non_sink_mass"][i])
         row["zeroed_mass_s1_ours"] = 100 * float(np.mean(zmass))
-        row["s1_sem"] = 100 * float(np.std(fz1, ddof=1) / np.sqrt(k)) if k > 1 else None
+        row["s1_sem"] = 100 * sem(fz1) if k > 1 else None
         rows.append(row)
 
     cols = [
@@ -152,6 +154,6 @@ def _verdict(err, tol):
 
 
 if __name__ == "__main__":
-    from experiments.registry import main
+    from .command import main
 
     raise SystemExit(main([NAME]))

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments.common import (PAPER_LABELS, PAPER_ORDER, Column, Context, Finding, Section, Table,
-                                mean_sem, mse_by_length)
 from pcast_jax import report
+from pcast_jax.stats import mean_sem
+
+from .common import PAPER_LABELS, PAPER_ORDER, Column, Context, Finding, Section, Table, mse_by_length
 
 NAME = "table2"
 TITLE = "Table 2 — MSE at Δ = 7"
@@ -127,6 +128,6 @@ def run(ctx: Context) -> Section:
 
 
 if __name__ == "__main__":
-    from experiments.registry import main
+    from .command import main
 
     raise SystemExit(main([NAME]))

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments.common import (SINK_DELTA, Column, Context, Finding, Section, Table, mean_sem,
-                                mse_by_length, same_semantics, spec_for)
 from pcast_jax.config import KERNEL_PRESETS, PAPER_CONFIGS
+from pcast_jax.stats import mean_sem
+
+from .common import SINK_DELTA, Column, Context, Finding, Section, Table, mse_by_length, spec_for
 
 NAME = "table3_kernels"
 TITLE = "Table 3 — production FP8 attention kernels"
@@ -56,8 +57,8 @@ def run(ctx: Context) -> Section:
     source: dict[str, tuple[str, str]] = {}  # preset -> ("paper" | "kernels", config name)
     to_run = []
     for name, cfg in presets.items():
-        paper = next((p for p, pc in PAPER_CONFIGS.items() if same_semantics(cfg, pc)), None)
-        twin = next((u for u in to_run if same_semantics(cfg, presets[u])), None)
+        paper = next((p for p, pc in PAPER_CONFIGS.items() if cfg == pc), None)
+        twin = next((u for u in to_run if cfg == presets[u]), None)
         if paper is not None:
             source[name] = ("paper", paper)
         elif twin is not None:
@@ -146,6 +147,6 @@ def run(ctx: Context) -> Section:
 
 
 if __name__ == "__main__":
-    from experiments.registry import main
+    from .command import main
 
     raise SystemExit(main([NAME]))

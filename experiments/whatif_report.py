@@ -1,14 +1,11 @@
 """What-if section of the reproduction report: the four differentiable analyses at reduced size.
 
-A thin wrapper: :func:`pcast_jax.whatif.report` does the work; this writes its tables as CSV.
+A thin wrapper: :func:`pcast_jax.whatif.report` does the work and writes its tables and figures.
 ``pcast whatif report`` runs the full-size version.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from pcast_jax import report as _report
 from pcast_jax import whatif
 
 __all__ = ["whatif_section"]
@@ -19,18 +16,12 @@ def whatif_section(out_dir, quick: bool = True, log=None) -> str:
 
     Returns the section's markdown, with its figures embedded and its CSV files listed.
     """
-    out = Path(out_dir)
     if log is not None:
         log("what-if: surrogate validation, worst Δ, optimal S, Prop. 3 calibration, dynamic scale …")
-    rep = whatif.report(quick=True, out_dir=out)
-    files = []
-    for name, rows in rep.tables.items():
-        if rows:
-            _report.write_csv(out / f"whatif_{name}.csv", rows)
-            files.append(f"whatif_{name}.csv")
+    rep = whatif.report(quick=True, out_dir=out_dir)
+    files = [p.name for p in rep.write_tables(out_dir)]
     md = [rep.markdown, ""]
     for fig in rep.figures:
-        p = Path(fig)
-        md += [f"![{p.stem}]({p.name})", ""]
+        md += [f"![{fig.stem}]({fig.name})", ""]
     md.append("Data: " + ", ".join(f"[`{f}`]({f})" for f in files) + ". Full size: `pcast whatif report`.")
     return "\n".join(md)

@@ -1,9 +1,16 @@
-"""The ``pcast`` command line. Each sub-command lives in ``pcast_jax/commands/<name>.py`` and
-exposes ``add_arguments(parser)`` and ``run(args) -> int`` (its one-line help is in ``COMMANDS``); modules are
-imported only when their sub-command runs, so ``pcast --help`` stays fast.
+"""The ``pcast`` command line: built-in sub-commands, and those other packages add.
+
+Each built-in sub-command lives in ``pcast_jax/commands/<name>.py`` and exposes
+``add_arguments(parser)`` and ``run(args) -> int`` (its one-line help is in ``COMMANDS``). Other
+installed packages add sub-commands through the entry-point group ``pcast_jax.commands``: the
+entry point's name is the sub-command and its value a module with ``HELP`` (one line),
+``add_arguments`` and ``run``. The project's experiments package adds ``pcast reproduce`` that
+way, so the library never imports it. Modules are imported only when their sub-command runs (or
+when ``pcast --help`` lists the added ones), so ``pcast --help`` stays fast.
 
 Errors a user can cause (:class:`ValueError`, including :class:`pcast_jax.errors.PcastError`,
-and :class:`OSError`) are printed as one line ``pcast: error: …`` with exit status 2, no traceback.
+and :class:`OSError`) are printed as one line ``pcast: error: …`` with exit status 2, no traceback;
+so is a sub-command whose package is missing.
 """
 
 from __future__ import annotations
@@ -12,15 +19,21 @@ import argparse
 import importlib
 import os
 import sys
+from importlib import metadata
 
+#: Built-in sub-commands and their one-line help.
 COMMANDS: dict[str, str] = {
     "theory": "Closed forms of the paper for one (Δ, S): δk, F(Δ,S), Δc, underflow threshold, dp(S).",
     "sweep": "Run a seed × Δ × N × config sweep with the simulator; results land on disk as chunks finish.",
-    "reproduce": "Reproduce every table and figure of the paper into DIR/report.md.",
     "whatif": "Differentiable what-if analyses: worst Δ, optimal S, Prop. 3 calibration, dynamic scale.",
     "model-report": "Real-model (SmolLM2-135M) sink statistics, per-head P-cast error and perplexity.",
     "presets": "List the kernel presets and their P-cast configuration.",
 }
+#: Entry-point group through which other packages add sub-commands.
+ENTRY_POINT_GROUP = "pcast_jax.commands"
+#: Sub-commands this project's other packages add, and which package: named in the error when the
+#: package is not installed.
+PROVIDED_ELSEWHERE: dict[str, str] = {"reproduce": "pcast_experiments"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -28,32 +41,77 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _load(name: str):
-    return importlib.import_module(f"pcast_jax.commands.{name.replace('-', '_')}")
+class CommandUnavailable(Exception):
+    """A sub-command whose providing package is missing or cannot be imported."""
 
 
-def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+def added_commands() -> dict[str, metadata.EntryPoint]:
+    """Sub-commands installed packages add (name → entry point); built-in names cannot be replaced."""
+    found: dict[str, metadata.EntryPoint] = {}
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name not in COMMANDS:
+            found.setdefault(ep.name, ep)
+    return found
+
+
+def _load(name: str, added: dict[str, metadata.EntryPoint]):
+    """The module of sub-command ``name``; :class:`CommandUnavailable` if it cannot be loaded."""
+    if name in COMMANDS:
+        return importlib.import_module(f"pcast_jax.commands.{name.replace('-', '_')}")
+    ep = added.get(name)
+    if ep is None:
+        raise CommandUnavailable(f"'pcast {name}' comes with the {PROVIDED_ELSEWHERE[name]} package, which is "
+                                 "not installed (pip install -e . in a source checkout installs it)")
+    try:
+        return ep.load()
+    except ImportError as exc:
+        raise CommandUnavailable(f"'pcast {name}' comes from {ep.value} (entry point in group "
+                                 f"{ENTRY_POINT_GROUP}), which cannot be imported: {exc}") from None
+
+
+def _help(name: str, added) -> str:
+    """One-line help of an added sub-command (loads its module)."""
+    try:
+        return getattr(_load(name, added), "HELP", "")
+    except CommandUnavailable as exc:
+        return f"unavailable: {exc}"
+
+
+def build_parser(argv: list[str] | None = None, added: dict | None = None) -> argparse.ArgumentParser:
+    """The ``pcast`` parser; only the sub-command named in ``argv`` gets its options.
+
+    Raises:
+      CommandUnavailable: ``argv`` names an added sub-command whose package is missing.
+    """
+    added = added_commands() if added is None else added
     parser = _Parser(prog="pcast", description="FP8 attention P-cast precision toolkit (pcast_jax).")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    wanted = None
-    if argv:
-        wanted = next((a for a in argv if a in COMMANDS), None)
-    for name, help_text in COMMANDS.items():
+    names = list(COMMANDS) + list(added) + [n for n in PROVIDED_ELSEWHERE if n not in added]
+    wanted = next((a for a in argv if a in names), None) if argv else None
+    for name in names:
+        help_text = COMMANDS.get(name)
+        if help_text is None and wanted in (None, name):  # added commands: help from their module
+            help_text = _help(name, added)
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == wanted:
-            _load(name).add_arguments(p)
+            _load(name, added).add_arguments(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(argv)
+    added = added_commands()
+    try:
+        parser = build_parser(argv, added)
+    except CommandUnavailable as exc:
+        print(f"pcast: error: {exc}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if not args.command:
         parser.print_help()
         return 0
     try:
-        return int(_load(args.command).run(args) or 0)
+        return int(_load(args.command, added).run(args) or 0)
     except BrokenPipeError:  # output piped into `head` or similar: stop quietly
         try:
             sys.stdout = open(os.devnull, "w")

@@ -139,7 +139,8 @@ def test_fp8_qkv_per_tensor_vs_per_head_scales():
     exact = causal_attention(q, k, v)
     err = {}
     for gran in ("tensor", "head"):
-        out = FP8Attention.from_preset("rev_s256", fp8_qkv=True, qkv_granularity=gran)(q, k, v)
+        cfg = get_preset("rev_s256").replace(qkv="e4m3", qkv_granularity=gran)
+        out = FP8Attention(config=cfg)(q, k, v)
         err[gran] = float(jnp.mean(jnp.square(out[:, :3] - exact[:, :3])))  # the quiet KV head
     assert 10 * err["head"] < err["tensor"]
 

@@ -120,6 +120,39 @@ def test_unknown_experiment_is_a_user_error(tmp_path, capsys):
     assert "table9" in err and "table1" in err
 
 
+def test_reproduce_is_added_by_the_experiments_package(capsys, monkeypatch):
+    ep = cli.added_commands()["reproduce"]
+    assert ep.value == "pcast_experiments.command"
+    import pcast_experiments.command
+
+    assert ep.load() is pcast_experiments.command and pcast_experiments.command.HELP
+    assert cli.main([]) == 0  # no command: the help, which lists the added commands
+    assert "reproduce" in capsys.readouterr().out
+    # without the package: one clear line, exit status 2
+    monkeypatch.setattr(cli, "added_commands", lambda: {})
+    assert cli.main(["reproduce", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pcast: error:") and "pcast_experiments" in err and len(err.splitlines()) == 1
+
+
+def test_library_does_not_import_the_experiments():
+    import ast
+    from pathlib import Path
+
+    import pcast_jax
+
+    for path in Path(pcast_jax.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                assert name.split(".")[0] not in ("experiments", "pcast_experiments"), (path, name)
+
+
 def test_markdown_table_formats_and_escapes():
     from pcast_jax import report
 

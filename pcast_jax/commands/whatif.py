@@ -9,13 +9,13 @@ scales) and ``report`` (all of them, markdown + figures).
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import time
 from pathlib import Path
 
 import numpy as np
 
+from pcast_jax import report
 from pcast_jax.errors import PcastError
 
 ANALYSES = ("validate", "worst-delta", "optimal-scale", "calibrate", "dynamic", "report")
@@ -110,16 +110,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _write_csv(path, rows: list[dict]) -> None:
+    """Write ``rows`` to ``path`` (atomically, through :func:`pcast_jax.report.write_csv`) and say so."""
     if not path or not rows:
         return
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    cols = list(dict.fromkeys(k for r in rows for k in r))
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols)
-        w.writeheader()
-        w.writerows(rows)
-    print(f"wrote {path}")
+    print(f"wrote {report.write_csv(path, rows)}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -183,11 +177,10 @@ def run(args: argparse.Namespace) -> int:
     else:  # report
         out = Path(args.out)
         rep = whatif.report(quick=args.quick, out_dir=out, base_seed=args.base_seed)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "whatif.md").write_text(rep.markdown)
-        for name, rows in rep.tables.items():
-            _write_csv(out / f"whatif_{name}.csv", rows)
-        print(f"wrote {out / 'whatif.md'} and {len(rep.figures)} figures")
+        md_path = report.write_text(out / "whatif.md", rep.markdown)
+        for path in rep.write_tables(out):
+            print(f"wrote {path}")
+        print(f"wrote {md_path} and {len(rep.figures)} figures")
         rows = []
     if analysis != "report":
         _write_csv(args.csv, rows)

@@ -7,7 +7,8 @@ Three layers of use:
   block size and cast) for every query head, causal, with query head ``h`` reading KV head
   ``h // (Hq / Hkv)``. With ``config.qkv == "f32"`` (every preset) only the P-cast is simulated,
   as in the paper's §6; with ``config.replace(qkv="e4m3")`` Q, K and V are also quantized to E4M3
-  with one scale per tensor (``amax / 448`` over the whole layer input: all heads and tokens).
+  with one scale per tensor (``amax / 448`` over the whole layer input: all heads and tokens), or
+  one per attention head with ``qkv_granularity="head"`` as well.
 * :func:`head_metrics` / :func:`analyze_trace` — per layer and head, on recorded Q/K/V traces:
   output MSE against exact FP32 attention, relative MSE, and the fraction of non-sink P the cast
   zeroes.
@@ -43,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pcast_jax import engine
-from pcast_jax.config import KernelConfig, resolve
+from pcast_jax.config import QKV_GRANULARITIES, KernelConfig, resolve
 from pcast_jax.errors import PcastError, check_choice, check_int
 from pcast_jax.models.gguf_loader import LlamaConfig
 from pcast_jax.models.llama import _validate, expand_kv, forward
@@ -60,7 +61,6 @@ __all__ = [
     "end_to_end",
 ]
 
-QKV_GRANULARITIES = ("tensor", "head")
 #: What :func:`head_metrics` returns per head (see the module docstring).
 HEAD_METRICS = ("mse", "ref_sq", "rel_mse", "frac_zeroed", "frac_zeroed_pooled", "zeroed_mass",
                 "rows_used")
@@ -78,15 +78,17 @@ def _quantize(x, granularity: str):
     return x8, d
 
 
-def _scores_and_values(q, k, v, cfg: KernelConfig, granularity: str):
+def _scores_and_values(q, k, v, cfg: KernelConfig):
     """Per-head logits ``[Hq, T, T]`` (1/√D applied, no mask) and values ``[Hq, T, D]``.
 
     FP32 Q/K/V: ``q·k / √D``. E4M3 Q/K/V: the FP8×FP8 products accumulated in FP32 times
-    ``q_descale · k_descale / √D``, and V dequantized (as :func:`pcast_jax.engine.prepare_qkv`).
+    ``q_descale · k_descale / √D``, and V dequantized (as :func:`pcast_jax.engine.prepare_qkv`),
+    with the scales of ``cfg.qkv_granularity``.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     softmax_scale = 1.0 / math.sqrt(head_dim)
     if cfg.qkv == "e4m3":
+        granularity = cfg.qkv_granularity
         q8, dq = _quantize(q, granularity)
         k8, dk = _quantize(k, granularity)
         v8, dv = _quantize(v, granularity)
@@ -108,30 +110,28 @@ def _scores_and_values(q, k, v, cfg: KernelConfig, granularity: str):
 
 
 def heads_attention(q, k, v, config: str | KernelConfig, *, count_mask=None,
-                    sim_engine: str = "fast", qkv_granularity: str = "tensor") -> engine.AttentionResult:
+                    sim_engine: str = "fast") -> engine.AttentionResult:
     """The simulated kernel on every query head of one layer (full causal self-attention).
 
     Args:
       q: ``[T, Hq, D]`` post-RoPE queries (unscaled); k, v: ``[T, Hkv, D]``.
       config: preset name or :class:`KernelConfig`; its ``causal`` flag is forced on and the mask
-        has ``q_offset = 0`` (query i sits at position i, since q_len = N = T).
+        has ``q_offset = 0`` (query i sits at position i, since q_len = N = T). With
+        ``config.qkv == "e4m3"`` Q/K/V are quantized with ``config.qkv_granularity`` scales.
       count_mask: optional ``[Hq, T]`` bool, the positions counted as zeroed (non-sink keys).
       sim_engine: ``"fast"`` (vmapped over heads) or ``"scan"`` (the block-by-block reference).
-      qkv_granularity: ``"tensor"`` or ``"head"``, the E4M3 Q/K/V scale when ``config.qkv`` is
-        ``"e4m3"``.
 
     Returns:
       :class:`pcast_jax.engine.AttentionResult` with a leading head axis (``out [Hq, T, D]``).
     """
-    cfg = resolve(config).replace(causal=True, name=resolve(config).name)
+    cfg = dataclasses.replace(resolve(config), causal=True)
     check_choice("sim_engine", sim_engine, engine.ENGINES)
-    check_choice("qkv_granularity", qkv_granularity, QKV_GRANULARITIES)
     if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape or q.shape[0] != k.shape[0] \
             or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
         raise PcastError(f"q must be [T, Hq, D] and k, v [T, Hkv, D] with Hq a multiple of Hkv; "
                          f"got {q.shape}, {k.shape}, {v.shape}")
     scores, v_seen = _scores_and_values(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32),
-                                        jnp.asarray(v, jnp.float32), cfg, qkv_granularity)
+                                        jnp.asarray(v, jnp.float32), cfg)
 
     def one(s, vh, cm):
         return engine.attention(s, vh, cfg, engine=sim_engine, count_mask=cm, q_offset=0)
@@ -149,38 +149,39 @@ class FP8Attention:
     is a static jit argument of :func:`pcast_jax.models.forward`).
 
     Attributes:
-      config: the kernel's P-cast semantics (``causal`` is forced on). Presets keep Q/K/V in FP32
-        (P-cast only); ``config.replace(qkv="e4m3")`` adds per-tensor FP8 Q/K/V.
+      config: the kernel's semantics (``causal`` is forced on). Presets keep Q/K/V in FP32
+        (P-cast only); ``config.replace(qkv="e4m3")`` adds FP8 Q/K/V, with one scale per layer
+        input or, with ``qkv_granularity="head"``, one per head.
       sim_engine: ``"fast"`` (default) or ``"scan"``.
-      qkv_granularity: ``"tensor"`` (one scale per layer input, default) or ``"head"``.
       p_cast: ``False`` skips the kernel: exact FP32 causal softmax on the scores and values the
         kernel would see (with ``qkv="e4m3"``: the Q/K/V quantization floor alone).
     """
 
     config: KernelConfig
     sim_engine: str = "fast"
-    qkv_granularity: str = "tensor"
     p_cast: bool = True
 
     def __post_init__(self):
-        object.__setattr__(self, "config", resolve(self.config).replace(
-            causal=True, name=resolve(self.config).name))
+        object.__setattr__(self, "config", dataclasses.replace(resolve(self.config), causal=True))
         check_choice("sim_engine", self.sim_engine, engine.ENGINES)
-        check_choice("qkv_granularity", self.qkv_granularity, QKV_GRANULARITIES)
         if not isinstance(self.p_cast, bool):
             raise PcastError(f"p_cast={self.p_cast!r} must be True or False")
 
     @classmethod
-    def from_preset(cls, name: str | KernelConfig, *, fp8_qkv: bool = False, **kwargs) -> "FP8Attention":
+    def from_preset(cls, name: str | KernelConfig, *, fp8_qkv: bool = False,
+                    qkv_granularity: str = "tensor", **kwargs) -> "FP8Attention":
         """Hook for a preset; ``fp8_qkv=True`` also quantizes Q/K/V to E4M3.
 
-        The hook is named after the preset, with ``+qkv8`` (per-tensor scales) or ``+qkv8h``
-        (per-head scales) appended when Q/K/V are quantized.
+        A convenience that sets the config's ``qkv`` and ``qkv_granularity`` fields (``"tensor"``:
+        one scale per layer input, ``"head"``: one per head). The hook's label is the preset's
+        name, with ``+qkv8`` (per tensor) or ``+qkv8h`` (per head) appended when Q/K/V are
+        quantized; the label is for display only.
         """
         cfg = resolve(name)
+        check_choice("qkv_granularity", qkv_granularity, QKV_GRANULARITIES)
         if fp8_qkv:
-            suffix = "+qkv8h" if kwargs.get("qkv_granularity") == "head" else "+qkv8"
-            cfg = cfg.replace(qkv="e4m3", name=cfg.name + suffix)
+            suffix = "+qkv8h" if qkv_granularity == "head" else "+qkv8"
+            cfg = cfg.replace(qkv="e4m3", qkv_granularity=qkv_granularity, name=cfg.name + suffix)
         return cls(config=cfg, **kwargs)
 
     @property
@@ -191,11 +192,10 @@ class FP8Attention:
         """``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` → ``[T, Hq, D]``; ``layer`` is ignored."""
         del layer
         if not self.p_cast:
-            scores, v_seen = _scores_and_values(q, k, v, self.config, self.qkv_granularity)
+            scores, v_seen = _scores_and_values(q, k, v, self.config)
             out = engine.reference_attention(scores, v_seen, causal=True, q_offset=0)
             return jnp.swapaxes(out, 0, 1)
-        res = heads_attention(q, k, v, self.config, sim_engine=self.sim_engine,
-                              qkv_granularity=self.qkv_granularity)
+        res = heads_attention(q, k, v, self.config, sim_engine=self.sim_engine)
         return jnp.swapaxes(res.out, 0, 1)
 
 
@@ -213,13 +213,12 @@ def _reference(q, k, v):
     return engine.reference_attention(s, jnp.swapaxes(v, 0, 1), causal=True, q_offset=0)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "min_keys", "qkv_granularity"))
-def _layer_metrics(q, k, v, sink_positions, *, config: KernelConfig, min_keys: int,
-                   qkv_granularity: str):
+@functools.partial(jax.jit, static_argnames=("config", "min_keys"))
+def _layer_metrics(q, k, v, sink_positions, *, config: KernelConfig, min_keys: int):
     num_tokens, num_heads = q.shape[0], q.shape[1]
     positions = jnp.arange(num_tokens)
     is_sink = jnp.any(positions[None, :, None] == sink_positions[:, None, :], axis=-1)  # [Hq, T]
-    res = heads_attention(q, k, v, config, count_mask=~is_sink, qkv_granularity=qkv_granularity)
+    res = heads_attention(q, k, v, config, count_mask=~is_sink)
     ref = _reference(q, k, v)
     err = jnp.mean(jnp.square(res.out - ref), axis=(1, 2))
     ref_sq = jnp.mean(jnp.square(ref), axis=(1, 2))
@@ -240,36 +239,34 @@ def _layer_metrics(q, k, v, sink_positions, *, config: KernelConfig, min_keys: i
     }
 
 
-def head_metrics(q, k, v, config: str | KernelConfig, sink_positions, *, min_keys: int = 16,
-                 qkv_granularity: str = "tensor") -> dict[str, np.ndarray]:
+def head_metrics(q, k, v, config: str | KernelConfig, sink_positions, *,
+                 min_keys: int = 16) -> dict[str, np.ndarray]:
     """Per-head P-cast metrics of one layer (definitions in the module docstring).
 
     Args:
       q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]`` (one layer of :func:`extract_qkv`).
-      config: preset name or :class:`KernelConfig`.
+      config: preset name or :class:`KernelConfig` (its fields say whether and how Q/K/V are
+        quantized).
       sink_positions: ``[Hq, k]`` int, each head's sink positions (``sink_statistics``).
       min_keys: rows with fewer non-sink keys are left out of the row means.
-      qkv_granularity: E4M3 Q/K/V scale granularity when ``config.qkv == "e4m3"``.
 
     Returns:
       dict of ``[Hq]`` numpy arrays, keys :data:`HEAD_METRICS`.
     """
-    cfg = resolve(config).replace(causal=True, name=resolve(config).name)
+    cfg = dataclasses.replace(resolve(config), causal=True)
     min_keys = check_int("min_keys", min_keys, min_value=1)
-    check_choice("qkv_granularity", qkv_granularity, QKV_GRANULARITIES)
     sink_positions = jnp.asarray(sink_positions, jnp.int32)
     if sink_positions.ndim != 2 or sink_positions.shape[0] != np.shape(q)[1]:
         raise PcastError(f"sink_positions.shape={sink_positions.shape} must be [Hq, k] with "
                          f"Hq={np.shape(q)[1]}")
     out = _layer_metrics(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32),
                          jnp.asarray(v, jnp.float32), sink_positions, config=cfg,
-                         min_keys=min_keys, qkv_granularity=qkv_granularity)
+                         min_keys=min_keys)
     return {name: np.asarray(val) for name, val in out.items()}
 
 
 def analyze_trace(trace, configs: Sequence[str | KernelConfig], sink_positions, *,
-                  min_keys: int = 16, qkv_granularity: str = "tensor",
-                  progress=None) -> dict[str, np.ndarray]:
+                  min_keys: int = 16, progress=None) -> dict[str, np.ndarray]:
     """:func:`head_metrics` for every configuration and layer of a trace.
 
     Args:
@@ -294,7 +291,7 @@ def analyze_trace(trace, configs: Sequence[str | KernelConfig], sink_positions, 
         if progress is not None:
             progress(cfg.name)
         layers = [head_metrics(q[layer], k[layer], v[layer], cfg, sink_positions[layer],
-                               min_keys=min_keys, qkv_granularity=qkv_granularity)
+                               min_keys=min_keys)
                   for layer in range(np.shape(q)[0])]
         per_config.append({m: np.stack([x[m] for x in layers]) for m in HEAD_METRICS})
     return {m: np.stack([pc[m] for pc in per_config]) for m in HEAD_METRICS}

@@ -1,38 +1,29 @@
-"""The real-model report: P-cast error per layer and head of SmolLM2-135M, theory vs measured,
-and end-to-end perplexity / KL / top-1 agreement with FP8 attention.
+"""The real-model report: renders :mod:`pcast_jax.models.fp8_study` as markdown, CSV and figures.
 
-:func:`build_report` does the work and writes CSV and PNG files into a folder; it returns the
-markdown. ``pcast model-report`` wraps it into ``DIR/model_report.md``; the reproduction report
-embeds the same markdown as a section.
-
-Texts (both Python standard-library source, identical on every machine with the same Python):
-
-* analysis text — :func:`pcast_jax.models.stdlib_text_tokens` from offset 0 (``argparse.py``):
-  the FP32 model's Q/K/V traces and sink statistics come from it;
-* held-out text — :data:`HELDOUT_FILES` (not among :data:`pcast_jax.models.STDLIB_FILES`), used
-  only for the end-to-end metrics.
+:func:`build_report` runs the study (P-cast error per layer and head of SmolLM2-135M, theory vs
+measured, end-to-end perplexity / KL / top-1 agreement with FP8 attention), writes the files of
+:data:`FILES` into a folder through :mod:`pcast_jax.report` (atomic CSV and PNG writes, Figure
+objects, no pyplot state) and returns the markdown. ``pcast model-report`` wraps it into
+``DIR/model_report.md``; the reproduction report embeds the same markdown as a section.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import time
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 from pcast_jax import report
-from pcast_jax.config import PRESETS, KernelConfig
 from pcast_jax.errors import PcastError, check_int
+from pcast_jax.models.fp8_study import (FULL, HELDOUT_FILES, MAX_TOKENS, QUICK, SCALES, ModelStudy,
+                                        ReportSizes, Stopwatch, describe, heldout_tokens, safe_ratio,
+                                        run_study)
 
 __all__ = ["HELDOUT_FILES", "ReportSizes", "FULL", "QUICK", "build_report", "heldout_tokens",
            "FILES"]
-
-#: End-to-end text: standard-library files that the analysis text never reaches.
-HELDOUT_FILES = ("textwrap.py", "heapq.py", "fractions.py")
 
 #: Files :func:`build_report` writes (name → what it holds).
 FILES: dict[str, str] = {
@@ -51,271 +42,6 @@ FILES: dict[str, str] = {
     "model_theory.png": "Eq. (7) (σ = 1 and measured σ) vs the measured zeroed fraction, per head",
     "model_e2e.png": "KL(FP32 ‖ FP8) and top-1 disagreement per configuration",
 }
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ReportSizes:
-    """What one report run computes.
-
-    Attributes:
-      tokens: length of the analysis and the held-out sequence.
-      head_configs: configurations of the per-head analysis (preset names; ``+qkv8`` adds
-        per-tensor E4M3 Q/K/V).
-      e2e_configs: configurations of the end-to-end run; ``+qkv8h`` quantizes Q/K/V with one
-        scale per head; ``qkv8_exact_p`` / ``qkv8h_exact_p`` are FP8 Q/K/V with an exact FP32
-        softmax (no P-cast): the Q/K/V floor.
-    """
-
-    tokens: int = 1024
-    head_configs: tuple[str, ...] = tuple(PRESETS) + ("fwd_s1+qkv8", "rev_s256+qkv8")
-    e2e_configs: tuple[str, ...] = tuple(PRESETS) + ("qkv8_exact_p", "fwd_s1+qkv8", "rev_s256+qkv8",
-                                                     "qkv8h_exact_p", "fwd_s1+qkv8h", "rev_s256+qkv8h")
-
-
-FULL = ReportSizes()
-#: ``--quick``: 128 tokens, the two configurations the paper contrasts (and FP8 Q/K/V end to end).
-QUICK = ReportSizes(tokens=128, head_configs=("fwd_s1", "rev_s256"),
-                    e2e_configs=("fwd_s1", "rev_s256", "fwd_s1+qkv8"))
-
-#: Longest sequence: the simulator holds a few [Hq, T, T] float32 arrays per layer (~0.6 GB each
-#: at T = 4096).
-MAX_TOKENS = 4096
-_QKV_SUFFIXES = {"+qkv8": "tensor", "+qkv8h": "head"}
-_EXACT_P = {"qkv8_exact_p": "tensor", "qkv8h_exact_p": "head"}
-_GRANULARITY_TEXT = {"tensor": "per tensor", "head": "per head"}
-_SCALES = (1, 256)
-
-
-def _hook(name: str):
-    """The :class:`FP8Attention` hook for a configuration name of :class:`ReportSizes`."""
-    from pcast_jax.models.fp8 import FP8Attention
-
-    if name in _EXACT_P:
-        return FP8Attention(config=KernelConfig(qkv="e4m3", name=name), p_cast=False,
-                            qkv_granularity=_EXACT_P[name])
-    for suffix, granularity in _QKV_SUFFIXES.items():
-        if name.endswith(suffix):
-            return FP8Attention.from_preset(name[: -len(suffix)], fp8_qkv=True,
-                                            qkv_granularity=granularity)
-    return FP8Attention.from_preset(name)
-
-
-def _semantics(cfg: KernelConfig) -> KernelConfig:
-    """The configuration with its name blanked: equal semantics compare equal."""
-    return dataclasses.replace(cfg, name="-")
-
-
-def _dedupe(hooks) -> dict[str, str]:
-    """name → name of the first hook with the same semantics (itself if it is the first)."""
-    first: dict[tuple, str] = {}
-    alias = {}
-    for h in hooks:
-        key = (_semantics(h.config), h.p_cast, h.qkv_granularity)
-        alias[h.name] = first.setdefault(key, h.name)
-    return alias
-
-
-def heldout_tokens(tokenizer, n_tokens: int) -> np.ndarray:
-    """The first ``n_tokens`` tokens of :data:`HELDOUT_FILES` (each tokenized on its own)."""
-    from pcast_jax.models.text import stdlib_source
-
-    n_tokens = check_int("n_tokens", n_tokens, min_value=2)
-    ids: list[int] = []
-    for name in HELDOUT_FILES:
-        ids.extend(tokenizer.encode(stdlib_source(name)))
-        if len(ids) >= n_tokens:
-            return np.asarray(ids[:n_tokens], dtype=np.int32)
-    raise PcastError(f"tokens={n_tokens} must be <= {len(ids)} (tokens in {', '.join(HELDOUT_FILES)})")
-
-
-def _describe(name: str) -> str:
-    if name in _EXACT_P:
-        return f"E4M3 Q/K/V ({_GRANULARITY_TEXT[_EXACT_P[name]]}), exact FP32 softmax: no P-cast"
-    for suffix, granularity in _QKV_SUFFIXES.items():
-        if name.endswith(suffix):
-            return (PRESETS[name[: -len(suffix)]].describe()
-                    + f", E4M3 Q/K/V ({_GRANULARITY_TEXT[granularity]})")
-    return PRESETS[name].describe()
-
-
-class _Clock:
-    """Wall and CPU (process) time per stage."""
-
-    def __init__(self, log):
-        self.log = log
-        self.stages: dict[str, tuple[float, float]] = {}
-        self._t0 = time.perf_counter(), time.process_time()
-
-    def stage(self, name: str, fn, *args, **kwargs):
-        self.log(f"model-report: {name} …")
-        w, c = time.perf_counter(), time.process_time()
-        out = fn(*args, **kwargs)
-        self.stages[name] = (time.perf_counter() - w, time.process_time() - c)
-        return out
-
-    def total(self) -> tuple[float, float]:
-        return time.perf_counter() - self._t0[0], time.process_time() - self._t0[1]
-
-
-# --------------------------------------------------------------------------------------------
-# Computation
-# --------------------------------------------------------------------------------------------
-
-
-def _theory_columns(stats, tokens: int) -> dict[str, np.ndarray]:
-    """Eq. (7) with σ = 1 and with the measured σ, and Thm. 4 at the measured σ, per head."""
-    from pcast_jax import theory
-
-    delta = np.asarray(stats["delta"], np.float64)
-    sigma = np.asarray(stats["sigma"], np.float64)
-    ok = np.isfinite(delta) & np.isfinite(sigma) & (sigma > 0)
-    d = np.where(ok, delta, 0.0)
-    s = np.where(ok, sigma, 1.0)
-    cols = {}
-    for scale in _SCALES:
-        # measured Δ is already max over the sink set minus the non-sink mean (Δ + δk), so k = 1
-        cols[f"eq7_sigma1_s{scale}"] = np.asarray(theory.collapse_fraction(d, float(scale), k_sink=1,
-                                                                           sigma=1.0))
-        cols[f"eq7_sigma_s{scale}"] = np.asarray(theory.collapse_fraction(d, float(scale), k_sink=1,
-                                                                          sigma=s))
-    # reverse order: a non-sink P is zeroed before the sink block if it is more than
-    # 10 ln2 + ln S below the pre-sink running max; rows have on average ~T/2 keys
-    n_keys = max(tokens // 2, 3)
-    cols["thm4_sigma1_s256"] = np.full(d.shape, float(theory.reverse_underflow_prob(
-        n_keys, 256.0, k_sink=1, sigma=1.0, max_model="mean")))
-    cols["thm4_sigma_s256"] = np.asarray(theory.reverse_underflow_prob(
-        n_keys, 256.0, k_sink=1, sigma=s, max_model="mean"))
-    return {k: np.where(ok, v, np.nan) for k, v in cols.items()}
-
-
-def _compute(sizes: ReportSizes, clock: _Clock, log) -> dict:
-    from pcast_jax.models import (extract_qkv, load_model, load_tokenizer, sink_statistics,
-                                  stdlib_text_tokens)
-    from pcast_jax.models.fp8 import analyze_trace, end_to_end
-
-    cfg, params = clock.stage("load model", load_model)
-    tokenizer = load_tokenizer()
-    analysis = stdlib_text_tokens(tokenizer, sizes.tokens)
-    heldout = heldout_tokens(tokenizer, sizes.tokens)
-    trace = clock.stage("FP32 forward + Q/K/V trace", extract_qkv, params, cfg, analysis)
-    stats = clock.stage("sink statistics", sink_statistics, *trace, cfg)
-
-    head_hooks = [_hook(n) for n in sizes.head_configs]
-    head_alias = _dedupe(head_hooks)
-    unique = [h for h in head_hooks if head_alias[h.name] == h.name]
-    per_head = clock.stage(
-        f"per-head P-cast metrics ({len(unique)} configurations × {cfg.num_layers} layers)",
-        analyze_trace, trace, [h.config for h in unique], stats["sink_positions"],
-        progress=lambda n: log(f"model-report:   per-head {n}"))
-    index = {h.name: i for i, h in enumerate(unique)}
-    heads = {name: {m: per_head[m][index[head_alias[name]]] for m in per_head}
-             for name in sizes.head_configs}
-
-    e2e_hooks = [_hook(n) for n in sizes.e2e_configs]
-    e2e_alias = _dedupe(e2e_hooks)
-    e2e_unique = [h for h in e2e_hooks if e2e_alias[h.name] == h.name]
-    fp32, e2e_raw = clock.stage(
-        f"end-to-end forwards ({len(e2e_unique)} configurations)", end_to_end, params, cfg,
-        heldout, e2e_unique, progress=lambda n: log(f"model-report:   end-to-end {n}"))
-    e2e = {name: e2e_raw[e2e_alias[name]] for name in sizes.e2e_configs}
-    return {"cfg": cfg, "stats": stats, "heads": heads, "head_alias": head_alias, "fp32": fp32,
-            "e2e": e2e, "e2e_alias": e2e_alias, "theory": _theory_columns(stats, sizes.tokens)}
-
-
-# --------------------------------------------------------------------------------------------
-# Tables
-# --------------------------------------------------------------------------------------------
-
-
-def _ratio(a, b):
-    a, b = float(a), float(b)
-    return a / b if b > 0 and math.isfinite(a) and math.isfinite(b) else float("nan")
-
-
-def _head_rows(res) -> list[dict]:
-    stats, rows = res["stats"], []
-    for name, m in res["heads"].items():
-        layers, heads = m["mse"].shape
-        for layer in range(layers):
-            for head in range(heads):
-                rows.append({
-                    "config": name, "same_as": res["head_alias"][name], "layer": layer, "head": head,
-                    "sink_position": int(stats["sink_positions"][layer, head, 0]),
-                    "delta": float(stats["delta"][layer, head]),
-                    "sigma": float(stats["sigma"][layer, head]),
-                    "sink_mass": float(stats["sink_mass"][layer, head]),
-                    **{k: float(m[k][layer, head]) for k in ("mse", "ref_sq", "rel_mse", "frac_zeroed",
-                                                            "frac_zeroed_pooled", "zeroed_mass")},
-                    "rows_used": int(m["rows_used"][layer, head]),
-                })
-    return rows
-
-
-def _mode(x) -> int:
-    vals, counts = np.unique(np.asarray(x), return_counts=True)
-    return int(vals[np.argmax(counts)])
-
-
-def _layer_rows(res) -> list[dict]:
-    stats, heads = res["stats"], res["heads"]
-    layers = stats["delta"].shape[0]
-    rows = []
-    for layer in range(layers):
-        row = {"layer": layer, "sink_position": _mode(stats["sink_positions"][layer, :, 0]),
-               "delta": float(np.nanmean(stats["delta"][layer])),
-               "sigma": float(np.nanmean(stats["sigma"][layer])),
-               "sink_mass": float(np.nanmean(stats["sink_mass"][layer]))}
-        for name, m in heads.items():
-            row[f"rel_mse_{name}"] = float(np.sum(m["mse"][layer]) / np.sum(m["ref_sq"][layer]))
-            row[f"mse_{name}"] = float(np.mean(m["mse"][layer]))
-            row[f"frac_zeroed_{name}"] = float(np.nanmean(m["frac_zeroed"][layer]))
-            row[f"zeroed_mass_{name}"] = float(np.nanmean(m["zeroed_mass"][layer]))
-        for a, b in (("fwd_s1", "rev_s256"), ("fwd_s256", "rev_s256"), ("rev_s1", "rev_s256"),
-                     ("fwd_s1+qkv8", "rev_s256+qkv8")):
-            if a in heads and b in heads:
-                row[f"ratio_{a}/{b}"] = _ratio(np.sum(heads[a]["mse"][layer]),
-                                               np.sum(heads[b]["mse"][layer]))
-        rows.append(row)
-    return rows
-
-
-def _theory_rows(res) -> list[dict]:
-    stats, heads, th = res["stats"], res["heads"], res["theory"]
-    layers, nh = stats["delta"].shape
-    rows = []
-    for layer in range(layers):
-        for head in range(nh):
-            row = {"layer": layer, "head": head,
-                   "sink_position": int(stats["sink_positions"][layer, head, 0]),
-                   "delta": float(stats["delta"][layer, head]),
-                   "sigma": float(stats["sigma"][layer, head]),
-                   "delta_over_sigma": float(stats["delta_sigma"][layer, head])}
-            for scale in _SCALES:
-                row[f"eq7_sigma1_s{scale}"] = float(th[f"eq7_sigma1_s{scale}"][layer, head])
-                row[f"eq7_sigma_s{scale}"] = float(th[f"eq7_sigma_s{scale}"][layer, head])
-                row[f"eq6_count_s{scale}"] = float(stats[f"underflow_s{scale}"][layer, head])
-                fwd = f"fwd_s{scale}"
-                if fwd in heads:
-                    row[f"measured_{fwd}"] = float(heads[fwd]["frac_zeroed"][layer, head])
-            row["thm4_sigma1_s256"] = float(th["thm4_sigma1_s256"][layer, head])
-            row["thm4_sigma_s256"] = float(th["thm4_sigma_s256"][layer, head])
-            for name in ("rev_s1", "rev_s256"):
-                if name in heads:
-                    row[f"measured_{name}"] = float(heads[name]["frac_zeroed"][layer, head])
-            rows.append(row)
-    return rows
-
-
-def _e2e_rows(res) -> list[dict]:
-    fp32 = res["fp32"]
-    rows = [{"config": "fp32", "same_as": "fp32", "description": "exact FP32 attention",
-             "perplexity": fp32.perplexity, "nll": fp32.nll, "kl": 0.0, "kl_max": 0.0,
-             "top1_agree": 1.0, "ppl_change": 0.0}]
-    for name, m in res["e2e"].items():
-        rows.append({"config": name, "same_as": res["e2e_alias"][name], "description": _describe(name),
-                     "perplexity": m.perplexity, "nll": m.nll, "kl": m.kl, "kl_max": m.kl_max,
-                     "top1_agree": m.top1_agree, "ppl_change": m.perplexity / fp32.perplexity - 1.0})
-    return rows
 
 
 # --------------------------------------------------------------------------------------------
@@ -341,8 +67,8 @@ def _heatmap(ax, data, title, cmap, label, fig, vmin=None, vmax=None, center=Non
     fig.colorbar(im, ax=ax, label=label)
 
 
-def _fig_sink_gap(res, path):
-    stats = res["stats"]
+def _fig_sink_gap(study: ModelStudy, path):
+    stats = study.stats
     fig, axes = report.new_figure(ncols=2, figsize=(10.0, 5.5))
     _heatmap(axes[0], stats["delta"], "sink gap Δ = max sink logit − non-sink mean", "viridis",
              "Δ (logits)", fig)
@@ -350,8 +76,8 @@ def _fig_sink_gap(res, path):
     report.save_figure(fig, path)
 
 
-def _fig_mse_ratio(res, layer_rows, path):
-    heads = res["heads"]
+def _fig_mse_ratio(study: ModelStudy, layer_rows, path):
+    heads = study.heads
     fig, axes = report.new_figure(ncols=2, figsize=(11.0, 5.5))
     ratio = np.log10(heads["fwd_s1"]["mse"] / np.maximum(heads["rev_s256"]["mse"], 1e-30))
     _heatmap(axes[0], ratio, "log10 MSE(Fwd S=1) / MSE(Rev S=256) per head", "RdBu_r",
@@ -374,7 +100,7 @@ def _fig_mse_ratio(res, layer_rows, path):
 
 def _fig_theory(theory_rows, path):
     fig, axes = report.new_figure(ncols=2, figsize=(10.0, 4.8))
-    for ax, scale in zip(axes, _SCALES):
+    for ax, scale in zip(axes, SCALES):
         key = f"measured_fwd_s{scale}"
         if key not in theory_rows[0]:
             continue
@@ -450,9 +176,9 @@ def _med(x):
     return float(np.median(x)) if x.size else float("nan")
 
 
-def _summary(res, layer_rows, theory_rows, e2e_rows, tokens) -> list[str]:
+def _summary(study: ModelStudy, layer_rows, theory_rows, e2e_rows, tokens) -> list[str]:
     """Plain statements, each with the numbers behind it."""
-    heads, stats = res["heads"], res["stats"]
+    heads, stats = study.heads, study.stats
     out = []
     sink0 = np.all(stats["sink_positions"][:, :, 0] == 0, axis=1)
     first = len(sink0)
@@ -503,7 +229,7 @@ def _summary(res, layer_rows, theory_rows, e2e_rows, tokens) -> list[str]:
     if "fwd_s1" in heads and "rev_s256" in heads:
         per_head = heads["fwd_s1"]["mse"] / np.maximum(heads["rev_s256"]["mse"], 1e-30)
         lr = np.array([r["ratio_fwd_s1/rev_s256"] for r in layer_rows])
-        total = _ratio(np.sum(heads["fwd_s1"]["mse"]), np.sum(heads["rev_s256"]["mse"]))
+        total = safe_ratio(np.sum(heads["fwd_s1"]["mse"]), np.sum(heads["rev_s256"]["mse"]))
         txt = (f"**MSE.** Forward S=1 has {_x(total)} the attention-output MSE of Reverse S=256 "
                f"summed over all heads (per-layer ratio median {_x(_med(lr))}, range "
                f"{_x(np.nanmin(lr))}–{_x(np.nanmax(lr))}; per head median {_x(_med(per_head))}, "
@@ -511,12 +237,12 @@ def _summary(res, layer_rows, theory_rows, e2e_rows, tokens) -> list[str]:
                f"{_sci(_med(heads['fwd_s1']['rel_mse']))} (median head) vs "
                f"{_sci(_med(heads['rev_s256']['rel_mse']))} for Reverse S=256.")
         if "fwd_s256" in heads:
-            r2 = _ratio(np.sum(heads["fwd_s256"]["mse"]), np.sum(heads["rev_s256"]["mse"]))
+            r2 = safe_ratio(np.sum(heads["fwd_s256"]["mse"]), np.sum(heads["rev_s256"]["mse"]))
             txt += (f" Forward S=256 / Reverse S=256 = {_x(r2)}: the paper's saturation (either fix "
                     f"alone reaches the same floor) " + ("holds" if r2 < 1.25 else "does not hold")
                     + " on this model.")
             if "dynamic_pow2" in heads and r2 >= 1.25:
-                r3 = _ratio(np.sum(heads["dynamic_pow2"]["mse"]), np.sum(heads["fwd_s256"]["mse"]))
+                r3 = safe_ratio(np.sum(heads["dynamic_pow2"]["mse"]), np.sum(heads["fwd_s256"]["mse"]))
                 txt += (f" The gap is not underflow: the forward dynamic per-block 2^k scale zeroes "
                         f"a median {_pct(_med(heads['dynamic_pow2']['frac_zeroed']))} of non-sink P "
                         f"yet has {_x(r3)} the MSE of Forward S=256. The likely cause (seen on a "
@@ -530,7 +256,7 @@ def _summary(res, layer_rows, theory_rows, e2e_rows, tokens) -> list[str]:
                  if a in heads and b in heads]
         if pairs:
             txt += (" S = 448 vs S = 256 (paper: 10–15% worse): "
-                    + "; ".join(f"{a} / {b} = {_x(_ratio(np.sum(heads[a]['mse']), np.sum(heads[b]['mse'])))}"
+                    + "; ".join(f"{a} / {b} = {_x(safe_ratio(np.sum(heads[a]['mse']), np.sum(heads[b]['mse'])))}"
                                 for a, b in pairs) + ".")
         out.append(txt)
     e2e = {r["config"]: r for r in e2e_rows}
@@ -540,9 +266,9 @@ def _summary(res, layer_rows, theory_rows, e2e_rows, tokens) -> list[str]:
                f"FP32 perplexity {_f3(e2e['fp32']['perplexity'])}. Forward S=1: perplexity "
                f"{_f3(a['perplexity'])}, KL {_sci(a['kl'])} nats/token, top-1 agreement "
                f"{_pct(a['top1_agree'])}; Reverse S=256: {_f3(b['perplexity'])}, KL {_sci(b['kl'])}, "
-               f"{_pct(b['top1_agree'])} — Forward S=1 has {_x(_ratio(a['kl'], b['kl']))} the KL.")
-        p_only = [r for r in e2e_rows if r["config"] != "fp32" and "qkv8" not in r["config"]]
-        fixed = [r for r in p_only if r["config"] not in ("fwd_s1", "rev_s1", "hpc_ops_prior")]
+               f"{_pct(b['top1_agree'])} — Forward S=1 has {_x(safe_ratio(a['kl'], b['kl']))} the KL.")
+        p_only = [r for r in e2e_rows if r["config"] != "fp32" and study.is_p_cast_only(r["config"])]
+        fixed = [r for r in p_only if study.fixes_p_collapse(r["config"])]
         if len(p_only) > 2:
             txt += (f" Over all P-cast-only configurations the perplexity moves by at most "
                     f"{report.fmt_pct(max(abs(r['ppl_change']) for r in p_only), 2)} (either sign: "
@@ -556,7 +282,7 @@ def _summary(res, layer_rows, theory_rows, e2e_rows, tokens) -> list[str]:
         if "fwd_s1+qkv8" in e2e and "rev_s256+qkv8" in e2e:
             c, d = e2e["fwd_s1+qkv8"], e2e["rev_s256+qkv8"]
             txt += (f" With E4M3 Q/K/V (one scale per tensor) the KL becomes {_sci(c['kl'])} vs "
-                    f"{_sci(d['kl'])} ({_x(_ratio(c['kl'], d['kl']))})")
+                    f"{_sci(d['kl'])} ({_x(safe_ratio(c['kl'], d['kl']))})")
             if "qkv8_exact_p" in e2e:
                 floor = e2e["qkv8_exact_p"]["kl"]
                 txt += (f"; Q/K/V quantization alone (exact softmax) gives {_sci(floor)}, so the "
@@ -565,7 +291,7 @@ def _summary(res, layer_rows, theory_rows, e2e_rows, tokens) -> list[str]:
             if "fwd_s1+qkv8h" in e2e and "rev_s256+qkv8h" in e2e:
                 c, d = e2e["fwd_s1+qkv8h"], e2e["rev_s256+qkv8h"]
                 txt += (f". With one scale per head: {_sci(c['kl'])} vs {_sci(d['kl'])} "
-                        f"({_x(_ratio(c['kl'], d['kl']))})")
+                        f"({_x(safe_ratio(c['kl'], d['kl']))})")
                 if "qkv8h_exact_p" in e2e:
                     txt += f", floor {_sci(e2e['qkv8h_exact_p']['kl'])}"
             txt += (". The paper's §7.4 caveat holds: where the Q/K/V quantization floor dominates, "
@@ -574,10 +300,9 @@ def _summary(res, layer_rows, theory_rows, e2e_rows, tokens) -> list[str]:
     return out
 
 
-def _markdown(res, sizes, layer_rows, theory_rows, e2e_rows, clock, level: int, env: str) -> str:
+def _markdown(study: ModelStudy, layer_rows, theory_rows, e2e_rows, level: int, env: str) -> str:
     h = "#" * level
-    heads = res["heads"]
-    cfg = res["cfg"]
+    sizes, heads, cfg = study.sizes, study.heads, study.model
     lines = [f"{h} Real model: SmolLM2-135M-Instruct with simulated FP8 attention", ""]
     lines += [
         f"SmolLM2-135M-Instruct ({cfg.num_layers} layers, {cfg.num_heads} query / "
@@ -598,7 +323,7 @@ def _markdown(res, sizes, layer_rows, theory_rows, e2e_rows, clock, level: int, 
         "",
         f"{h}# Findings", "",
     ]
-    lines += [f"- {s}" for s in _summary(res, layer_rows, theory_rows, e2e_rows, sizes.tokens)]
+    lines += [f"- {s}" for s in _summary(study, layer_rows, theory_rows, e2e_rows, sizes.tokens)]
     lines.append("")
 
     # End to end
@@ -616,13 +341,14 @@ def _markdown(res, sizes, layer_rows, theory_rows, e2e_rows, clock, level: int, 
     ref = heads.get("rev_s256")
     prow = []
     for name, m in heads.items():
-        row = {"config": name if res["head_alias"][name] == name else f"{name} (= {res['head_alias'][name]})",
-               "desc": _describe(name),
+        alias = study.head_alias[name]
+        row = {"config": name if alias == name else f"{name} (= {alias})",
+               "desc": describe(study.hooks[name]),
                "rel": float(np.sum(m["mse"]) / np.sum(m["ref_sq"])),
                "med_rel": _med(m["rel_mse"]),
                "frac": _med(m["frac_zeroed"]), "mass": _med(m["zeroed_mass"])}
         if ref is not None:
-            row["ratio"] = _ratio(np.sum(m["mse"]), np.sum(ref["mse"]))
+            row["ratio"] = safe_ratio(np.sum(m["mse"]), np.sum(ref["mse"]))
         prow.append(row)
     cols = [("config", "Configuration"), ("desc", "What it does"), ("rel", "rel. MSE (all heads)", _sci),
             ("med_rel", "median head rel. MSE", _sci), ("ratio", "MSE / Rev S=256", _x),
@@ -665,7 +391,7 @@ def _markdown(res, sizes, layer_rows, theory_rows, e2e_rows, clock, level: int, 
         trows.append({k: float(np.nanmean([r.get(k, np.nan) for r in rs]))
                       for k in rs[0] if k not in ("head",)} | {"layer": layer})
     cols = [("layer", "Layer"), ("delta", "Δ", _f2), ("sigma", "σ", _f2)]
-    for scale in _SCALES:
+    for scale in SCALES:
         cols += [(f"eq7_sigma1_s{scale}", f"S={scale}: Eq.7 σ=1", _pct),
                  (f"eq7_sigma_s{scale}", f"S={scale}: Eq.7 σ", _pct),
                  (f"eq6_count_s{scale}", f"S={scale}: Eq.6 count", _pct)]
@@ -677,8 +403,8 @@ def _markdown(res, sizes, layer_rows, theory_rows, e2e_rows, clock, level: int, 
     lines += [report.markdown_table(trows, cols), ""]
     lines += ["![Theory vs measured zeroed fraction per head](model_theory.png)", ""]
 
-    wall, cpu = clock.total()
-    stages = "; ".join(f"{k} {w:.0f} s wall / {c:.0f} s CPU" for k, (w, c) in clock.stages.items())
+    wall, cpu = study.clock.total()
+    stages = "; ".join(f"{k} {w:.0f} s wall / {c:.0f} s CPU" for k, (w, c) in study.clock.stages.items())
     lines += [f"{h}# Runtime", "",
               f"{sizes.tokens} tokens: {wall:.0f} s wall, {cpu:.0f} s CPU (process time, all threads) "
               f"on {env}. Stages: {stages}.", ""]
@@ -724,17 +450,16 @@ def build_report(out_dir, *, tokens: int | None = None, quick: bool = False, lev
     out.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     env = f"{os.cpu_count()} CPU cores (load average {load:.1f} at start)"
-    clock = _Clock(log)
-    res = _compute(sizes, clock, log)
-    head_rows, layer_rows = _head_rows(res), _layer_rows(res)
-    theory_rows, e2e_rows = _theory_rows(res), _e2e_rows(res)
+    study = run_study(sizes, log=log, clock=Stopwatch(log))
+    head_rows, layer_rows = study.head_rows(), study.layer_rows()
+    theory_rows, e2e_rows = study.theory_rows(), study.e2e_rows()
     report.write_csv(out / "model_heads.csv", head_rows)
     report.write_csv(out / "model_layers.csv", layer_rows)
     report.write_csv(out / "model_theory.csv", theory_rows)
     report.write_csv(out / "model_e2e.csv", e2e_rows)
-    _fig_sink_gap(res, out / "model_sink_gap.png")
-    if "fwd_s1" in res["heads"] and "rev_s256" in res["heads"]:
-        _fig_mse_ratio(res, layer_rows, out / "model_mse_ratio.png")
+    _fig_sink_gap(study, out / "model_sink_gap.png")
+    if "fwd_s1" in study.heads and "rev_s256" in study.heads:
+        _fig_mse_ratio(study, layer_rows, out / "model_mse_ratio.png")
     _fig_theory(theory_rows, out / "model_theory.png")
     _fig_e2e(e2e_rows, out / "model_e2e.png")
-    return _markdown(res, sizes, layer_rows, theory_rows, e2e_rows, clock, level, env)
+    return _markdown(study, layer_rows, theory_rows, e2e_rows, level, env)

@@ -1,12 +1,26 @@
-"""``pcast reproduce``: run every experiment of the paper and write DIR/report.md."""
+"""``pcast reproduce``: the sub-command this package adds to the ``pcast`` command line.
+
+Declared in ``pyproject.toml`` under the entry-point group ``pcast_jax.commands``; the ``pcast``
+CLI discovers it there (the library itself never imports this package). Like the built-in
+commands it has ``HELP``, ``add_arguments(parser)`` and ``run(args) -> int``; importing it is
+cheap, the experiments load when the command runs. :func:`main` is the smaller command line of
+each experiment module run as a script (``python -m pcast_experiments.table2 --quick``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import sys
+from typing import Sequence
+
+__all__ = ["HELP", "add_arguments", "run", "main"]
+
+HELP = "Reproduce every table and figure of the paper into DIR/report.md."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``pcast reproduce``."""
     parser.add_argument("--out", default="results", metavar="DIR",
                         help="report folder: report.md, *.csv, *.png, run.json, sweeps/ (default: results)")
     parser.add_argument("--quick", action="store_true",
@@ -28,12 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run the experiments of ``args`` and write the report folder."""
     from pcast_jax.errors import PcastError
 
     for module in ("matplotlib", "scipy"):
         if importlib.util.find_spec(module) is None:
             raise PcastError(f"pcast reproduce needs {module}: pip install 'pcast_jax[plots]'")
-    from experiments.registry import reproduce
+    from .registry import reproduce
 
     def log(line: str) -> None:
         print(line, flush=True)
@@ -41,4 +56,22 @@ def run(args: argparse.Namespace) -> int:
     reproduce(args.out, quick=args.quick, only=args.only, progress=args.progress, fresh=args.fresh,
               extras=[] if args.extras.strip() == "none" else [e.strip() for e in args.extras.split(",") if e.strip()],
               log=log)
+    return 0
+
+
+def main(names: Sequence[str] | None = None, argv: Sequence[str] | None = None) -> int:
+    """Run experiments as a script: ``python -m pcast_experiments.table2 [--out DIR] [--quick]``."""
+    p = argparse.ArgumentParser(description="Run paper experiments and write a report folder.")
+    p.add_argument("--out", default="results", help="report folder (default: results)")
+    p.add_argument("--quick", action="store_true", help="reduced seeds and sizes")
+    args = p.parse_args(argv)
+    from pcast_jax.errors import PcastError
+
+    from .registry import reproduce
+
+    try:
+        reproduce(args.out, quick=args.quick, only=names)
+    except PcastError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0

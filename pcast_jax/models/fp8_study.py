@@ -1,0 +1,345 @@
+"""The real-model study: what the model report computes on SmolLM2-135M, as plain data.
+
+:func:`run_study` loads the model, records the FP32 model's Q/K/V on the analysis text, measures
+the sink statistics, runs every configuration of :class:`ReportSizes` through the kernel
+simulator per layer and head, and runs the whole model with each FP8 attention hook on the
+held-out text. It returns a :class:`ModelStudy`: the arrays, the end-to-end metrics and the rows
+of the report's CSV tables. Rendering (markdown, CSV files, figures) lives in
+:mod:`pcast_jax.models.fp8_report`.
+
+Texts (both Python standard-library source, identical on every machine with the same Python):
+
+* analysis text — :func:`pcast_jax.models.stdlib_text_tokens` from offset 0 (``argparse.py``):
+  the FP32 model's Q/K/V traces and sink statistics come from it;
+* held-out text — :data:`HELDOUT_FILES` (not among :data:`pcast_jax.models.STDLIB_FILES`), used
+  only for the end-to-end metrics.
+
+Each configuration is an :class:`~pcast_jax.models.fp8.FP8Attention` hook; its semantics are its
+fields (the config's ``qkv`` and ``qkv_granularity``, ``p_cast``), its name only labels the rows.
+Hooks that compute the same thing (equal hooks) are run once; the others point to it
+(``same_as``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable
+
+import numpy as np
+
+from pcast_jax.config import PRESETS, KernelConfig
+from pcast_jax.errors import PcastError, check_int
+from pcast_jax.models.fp8 import E2EMetrics, FP8Attention
+
+__all__ = ["HELDOUT_FILES", "MAX_TOKENS", "SCALES", "ReportSizes", "FULL", "QUICK", "Stopwatch",
+           "ModelStudy", "run_study", "heldout_tokens", "describe", "safe_ratio"]
+
+#: End-to-end text: standard-library files that the analysis text never reaches.
+HELDOUT_FILES = ("textwrap.py", "heapq.py", "fractions.py")
+#: Longest sequence: the simulator holds a few [Hq, T, T] float32 arrays per layer (~0.6 GB each
+#: at T = 4096).
+MAX_TOKENS = 4096
+#: The static scales whose theory columns the study computes.
+SCALES = (1, 256)
+_GRANULARITY_TEXT = {"tensor": "per tensor", "head": "per head"}
+
+
+def _qkv8(preset: str, granularity: str) -> FP8Attention:
+    """``preset`` with E4M3 Q/K/V (labelled ``<preset>+qkv8`` or ``+qkv8h``)."""
+    return FP8Attention.from_preset(preset, fp8_qkv=True, qkv_granularity=granularity)
+
+
+def _exact_p(granularity: str, label: str) -> FP8Attention:
+    """E4M3 Q/K/V with an exact FP32 softmax: the Q/K/V quantization floor, no P-cast."""
+    return FP8Attention(config=KernelConfig(qkv="e4m3", qkv_granularity=granularity, name=label),
+                        p_cast=False)
+
+
+_PRESET_HOOKS = tuple(FP8Attention.from_preset(name) for name in PRESETS)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReportSizes:
+    """What one report run computes.
+
+    Attributes:
+      tokens: length of the analysis and the held-out sequence.
+      head_configs: hooks of the per-head analysis (every preset, and Fwd S=1 / Rev S=256 with
+        per-tensor E4M3 Q/K/V, labelled ``+qkv8``).
+      e2e_configs: hooks of the end-to-end run: also E4M3 Q/K/V with one scale per head
+        (``+qkv8h``) and FP8 Q/K/V with an exact FP32 softmax, no P-cast (``qkv8_exact_p`` /
+        ``qkv8h_exact_p``): the Q/K/V floor.
+    """
+
+    tokens: int = 1024
+    head_configs: tuple[FP8Attention, ...] = _PRESET_HOOKS + (_qkv8("fwd_s1", "tensor"),
+                                                              _qkv8("rev_s256", "tensor"))
+    e2e_configs: tuple[FP8Attention, ...] = _PRESET_HOOKS + (
+        _exact_p("tensor", "qkv8_exact_p"), _qkv8("fwd_s1", "tensor"), _qkv8("rev_s256", "tensor"),
+        _exact_p("head", "qkv8h_exact_p"), _qkv8("fwd_s1", "head"), _qkv8("rev_s256", "head"))
+
+
+FULL = ReportSizes()
+#: ``--quick``: 128 tokens, the two configurations the paper contrasts (and FP8 Q/K/V end to end).
+QUICK = ReportSizes(tokens=128,
+                    head_configs=(FP8Attention.from_preset("fwd_s1"), FP8Attention.from_preset("rev_s256")),
+                    e2e_configs=(FP8Attention.from_preset("fwd_s1"), FP8Attention.from_preset("rev_s256"),
+                                 _qkv8("fwd_s1", "tensor")))
+
+
+def _dedupe(hooks) -> dict[str, str]:
+    """label → label of the first hook equal to it (itself if it is the first)."""
+    first: dict[FP8Attention, str] = {}
+    return {h.name: first.setdefault(h, h.name) for h in hooks}
+
+
+def describe(hook: FP8Attention) -> str:
+    """What a hook computes, in words, from its fields (the kernel, then the Q/K/V precision)."""
+    cfg = hook.config
+    qkv = f"E4M3 Q/K/V ({_GRANULARITY_TEXT[cfg.qkv_granularity]})"
+    if not hook.p_cast:
+        return f"{qkv}, exact FP32 softmax: no P-cast" if cfg.qkv == "e4m3" else "exact FP32 attention"
+    kernel = dataclasses.replace(cfg, qkv="f32", causal=False).describe()
+    return kernel + (f", {qkv}" if cfg.qkv == "e4m3" else "")
+
+
+def heldout_tokens(tokenizer, n_tokens: int) -> np.ndarray:
+    """The first ``n_tokens`` tokens of :data:`HELDOUT_FILES` (each tokenized on its own)."""
+    from pcast_jax.models.text import stdlib_source
+
+    n_tokens = check_int("n_tokens", n_tokens, min_value=2)
+    ids: list[int] = []
+    for name in HELDOUT_FILES:
+        ids.extend(tokenizer.encode(stdlib_source(name)))
+        if len(ids) >= n_tokens:
+            return np.asarray(ids[:n_tokens], dtype=np.int32)
+    raise PcastError(f"tokens={n_tokens} must be <= {len(ids)} (tokens in {', '.join(HELDOUT_FILES)})")
+
+
+class Stopwatch:
+    """Wall and CPU (process) time per stage, and since it was made."""
+
+    def __init__(self, log: Callable[[str], None]):
+        self.log = log
+        self.stages: dict[str, tuple[float, float]] = {}
+        self._t0 = time.perf_counter(), time.process_time()
+
+    def stage(self, name: str, fn, *args, **kwargs):
+        """Run ``fn(*args, **kwargs)`` as the stage ``name`` (logged, timed); returns its result."""
+        self.log(f"model-report: {name} …")
+        w, c = time.perf_counter(), time.process_time()
+        out = fn(*args, **kwargs)
+        self.stages[name] = (time.perf_counter() - w, time.process_time() - c)
+        return out
+
+    def total(self) -> tuple[float, float]:
+        """(wall, CPU) seconds since the stopwatch was made."""
+        return time.perf_counter() - self._t0[0], time.process_time() - self._t0[1]
+
+
+def safe_ratio(a, b) -> float:
+    """a / b, NaN unless both are finite and b > 0 (works on NumPy float32 sums too)."""
+    a, b = float(a), float(b)
+    return a / b if b > 0 and math.isfinite(a) and math.isfinite(b) else float("nan")
+
+
+def _theory_columns(stats, tokens: int) -> dict[str, np.ndarray]:
+    """Eq. (7) with σ = 1 and with the measured σ, and Thm. 4 at the measured σ, per head."""
+    from pcast_jax import theory
+
+    delta = np.asarray(stats["delta"], np.float64)
+    sigma = np.asarray(stats["sigma"], np.float64)
+    ok = np.isfinite(delta) & np.isfinite(sigma) & (sigma > 0)
+    d = np.where(ok, delta, 0.0)
+    s = np.where(ok, sigma, 1.0)
+    cols = {}
+    for scale in SCALES:
+        # measured Δ is already max over the sink set minus the non-sink mean (Δ + δk), so k = 1
+        cols[f"eq7_sigma1_s{scale}"] = np.asarray(theory.collapse_fraction(d, float(scale), k_sink=1,
+                                                                           sigma=1.0))
+        cols[f"eq7_sigma_s{scale}"] = np.asarray(theory.collapse_fraction(d, float(scale), k_sink=1,
+                                                                          sigma=s))
+    # reverse order: a non-sink P is zeroed before the sink block if it is more than
+    # 10 ln2 + ln S below the pre-sink running max; rows have on average ~T/2 keys
+    n_keys = max(tokens // 2, 3)
+    cols["thm4_sigma1_s256"] = np.full(d.shape, float(theory.reverse_underflow_prob(
+        n_keys, 256.0, k_sink=1, sigma=1.0, max_model="mean")))
+    cols["thm4_sigma_s256"] = np.asarray(theory.reverse_underflow_prob(
+        n_keys, 256.0, k_sink=1, sigma=s, max_model="mean"))
+    return {k: np.where(ok, v, np.nan) for k, v in cols.items()}
+
+
+@dataclasses.dataclass
+class ModelStudy:
+    """Everything :func:`run_study` measured.
+
+    Attributes:
+      sizes: what was run.
+      model: the model's :class:`~pcast_jax.models.LlamaConfig`.
+      stats: :func:`~pcast_jax.models.sink_statistics` of the analysis text (``[L, Hq]`` arrays).
+      hooks: label → hook, for every configuration of the per-head and end-to-end runs.
+      heads: label → metric → ``[L, Hq]`` per-head P-cast metrics (``HEAD_METRICS``).
+      head_alias: label → label of the equal configuration whose numbers it shares.
+      fp32: the FP32 model against itself (its perplexity) on the held-out text.
+      e2e: label → :class:`~pcast_jax.models.fp8.E2EMetrics` of the model with that hook.
+      e2e_alias: as ``head_alias``, for the end-to-end run.
+      theory: Eq. (7) and Thm. 4 columns per head (``[L, Hq]`` arrays).
+      clock: stage timings.
+    """
+
+    sizes: ReportSizes
+    model: object
+    stats: dict
+    hooks: dict[str, FP8Attention]
+    heads: dict[str, dict[str, np.ndarray]]
+    head_alias: dict[str, str]
+    fp32: E2EMetrics
+    e2e: dict[str, E2EMetrics]
+    e2e_alias: dict[str, str]
+    theory: dict[str, np.ndarray]
+    clock: Stopwatch
+
+    def is_p_cast_only(self, label: str) -> bool:
+        """Whether the configuration keeps Q/K/V in FP32 and simulates the P-cast."""
+        hook = self.hooks[label]
+        return hook.p_cast and hook.config.qkv == "f32"
+
+    def fixes_p_collapse(self, label: str) -> bool:
+        """Whether the configuration's scale is dynamic or a static S ≥ 256."""
+        cfg = self.hooks[label].config
+        return cfg.scale_mode == "dynamic" or cfg.scale >= 256
+
+    def head_rows(self) -> list[dict]:
+        """One row per (configuration, layer, head): metrics and the head's sink statistics."""
+        stats, rows = self.stats, []
+        for name, m in self.heads.items():
+            layers, heads = m["mse"].shape
+            for layer in range(layers):
+                for head in range(heads):
+                    rows.append({
+                        "config": name, "same_as": self.head_alias[name], "layer": layer, "head": head,
+                        "sink_position": int(stats["sink_positions"][layer, head, 0]),
+                        "delta": float(stats["delta"][layer, head]),
+                        "sigma": float(stats["sigma"][layer, head]),
+                        "sink_mass": float(stats["sink_mass"][layer, head]),
+                        **{k: float(m[k][layer, head]) for k in ("mse", "ref_sq", "rel_mse", "frac_zeroed",
+                                                                "frac_zeroed_pooled", "zeroed_mass")},
+                        "rows_used": int(m["rows_used"][layer, head]),
+                    })
+        return rows
+
+    def layer_rows(self) -> list[dict]:
+        """One row per layer: head means of the sink statistics and every configuration's metrics."""
+        stats, heads = self.stats, self.heads
+        layers = stats["delta"].shape[0]
+        rows = []
+        for layer in range(layers):
+            row = {"layer": layer, "sink_position": _mode(stats["sink_positions"][layer, :, 0]),
+                   "delta": float(np.nanmean(stats["delta"][layer])),
+                   "sigma": float(np.nanmean(stats["sigma"][layer])),
+                   "sink_mass": float(np.nanmean(stats["sink_mass"][layer]))}
+            for name, m in heads.items():
+                row[f"rel_mse_{name}"] = float(np.sum(m["mse"][layer]) / np.sum(m["ref_sq"][layer]))
+                row[f"mse_{name}"] = float(np.mean(m["mse"][layer]))
+                row[f"frac_zeroed_{name}"] = float(np.nanmean(m["frac_zeroed"][layer]))
+                row[f"zeroed_mass_{name}"] = float(np.nanmean(m["zeroed_mass"][layer]))
+            for a, b in (("fwd_s1", "rev_s256"), ("fwd_s256", "rev_s256"), ("rev_s1", "rev_s256"),
+                         ("fwd_s1+qkv8", "rev_s256+qkv8")):
+                if a in heads and b in heads:
+                    row[f"ratio_{a}/{b}"] = safe_ratio(np.sum(heads[a]["mse"][layer]),
+                                                       np.sum(heads[b]["mse"][layer]))
+            rows.append(row)
+        return rows
+
+    def theory_rows(self) -> list[dict]:
+        """One row per (layer, head): Δ, σ, the theory columns and the measured zeroed fractions."""
+        stats, heads, th = self.stats, self.heads, self.theory
+        layers, nh = stats["delta"].shape
+        rows = []
+        for layer in range(layers):
+            for head in range(nh):
+                row = {"layer": layer, "head": head,
+                       "sink_position": int(stats["sink_positions"][layer, head, 0]),
+                       "delta": float(stats["delta"][layer, head]),
+                       "sigma": float(stats["sigma"][layer, head]),
+                       "delta_over_sigma": float(stats["delta_sigma"][layer, head])}
+                for scale in SCALES:
+                    row[f"eq7_sigma1_s{scale}"] = float(th[f"eq7_sigma1_s{scale}"][layer, head])
+                    row[f"eq7_sigma_s{scale}"] = float(th[f"eq7_sigma_s{scale}"][layer, head])
+                    row[f"eq6_count_s{scale}"] = float(stats[f"underflow_s{scale}"][layer, head])
+                    fwd = f"fwd_s{scale}"
+                    if fwd in heads:
+                        row[f"measured_{fwd}"] = float(heads[fwd]["frac_zeroed"][layer, head])
+                row["thm4_sigma1_s256"] = float(th["thm4_sigma1_s256"][layer, head])
+                row["thm4_sigma_s256"] = float(th["thm4_sigma_s256"][layer, head])
+                for name in ("rev_s1", "rev_s256"):
+                    if name in heads:
+                        row[f"measured_{name}"] = float(heads[name]["frac_zeroed"][layer, head])
+                rows.append(row)
+        return rows
+
+    def e2e_rows(self) -> list[dict]:
+        """One row for FP32, then one per end-to-end configuration."""
+        fp32 = self.fp32
+        rows = [{"config": "fp32", "same_as": "fp32", "description": "exact FP32 attention",
+                 "perplexity": fp32.perplexity, "nll": fp32.nll, "kl": 0.0, "kl_max": 0.0,
+                 "top1_agree": 1.0, "ppl_change": 0.0}]
+        for name, m in self.e2e.items():
+            rows.append({"config": name, "same_as": self.e2e_alias[name],
+                         "description": describe(self.hooks[name]), "perplexity": m.perplexity,
+                         "nll": m.nll, "kl": m.kl, "kl_max": m.kl_max,
+                         "top1_agree": m.top1_agree, "ppl_change": m.perplexity / fp32.perplexity - 1.0})
+        return rows
+
+
+def _mode(x) -> int:
+    """The most frequent value of an integer array."""
+    vals, counts = np.unique(np.asarray(x), return_counts=True)
+    return int(vals[np.argmax(counts)])
+
+
+def run_study(sizes: ReportSizes = FULL, *, log: Callable[[str], None] | None = None,
+              clock: Stopwatch | None = None) -> ModelStudy:
+    """Run the real-model study (needs the model extra).
+
+    Args:
+      sizes: the sequence length and the configurations (:data:`FULL`, :data:`QUICK` or your own).
+      log: one-line progress messages (default: none).
+      clock: times the stages (default: a new :class:`Stopwatch` logging to ``log``).
+    """
+    from pcast_jax.models import (extract_qkv, load_model, load_tokenizer, sink_statistics,
+                                  stdlib_text_tokens)
+    from pcast_jax.models.fp8 import analyze_trace, end_to_end
+
+    log = log or (lambda _line: None)
+    clock = clock or Stopwatch(log)
+    cfg, params = clock.stage("load model", load_model)
+    tokenizer = load_tokenizer()
+    analysis = stdlib_text_tokens(tokenizer, sizes.tokens)
+    heldout = heldout_tokens(tokenizer, sizes.tokens)
+    trace = clock.stage("FP32 forward + Q/K/V trace", extract_qkv, params, cfg, analysis)
+    stats = clock.stage("sink statistics", sink_statistics, *trace, cfg)
+
+    head_hooks = list(sizes.head_configs)
+    head_alias = _dedupe(head_hooks)
+    unique = [h for h in head_hooks if head_alias[h.name] == h.name]
+    per_head = clock.stage(
+        f"per-head P-cast metrics ({len(unique)} configurations × {cfg.num_layers} layers)",
+        analyze_trace, trace, [h.config for h in unique], stats["sink_positions"],
+        progress=lambda n: log(f"model-report:   per-head {n}"))
+    index = {h.name: i for i, h in enumerate(unique)}
+    heads = {h.name: {m: per_head[m][index[head_alias[h.name]]] for m in per_head} for h in head_hooks}
+
+    e2e_hooks = list(sizes.e2e_configs)
+    e2e_alias = _dedupe(e2e_hooks)
+    e2e_unique = [h for h in e2e_hooks if e2e_alias[h.name] == h.name]
+    fp32, e2e_raw = clock.stage(
+        f"end-to-end forwards ({len(e2e_unique)} configurations)", end_to_end, params, cfg,
+        heldout, e2e_unique, progress=lambda n: log(f"model-report:   end-to-end {n}"))
+    e2e = {h.name: e2e_raw[e2e_alias[h.name]] for h in e2e_hooks}
+    hooks = {h.name: h for h in head_hooks + e2e_hooks}
+    return ModelStudy(sizes=sizes, model=cfg, stats=stats, hooks=hooks, heads=heads, head_alias=head_alias,
+                      fp32=fp32, e2e=e2e, e2e_alias=e2e_alias, theory=_theory_columns(stats, sizes.tokens),
+                      clock=clock)
