@@ -2,9 +2,10 @@
 
 One program per (batch, head, query block); it walks the KV blocks in the kernel's order with a
 ``fori_loop`` and does Algorithm 1 per block exactly as ``pcast_jax.engine``'s scan engine does
-(every line of it from :mod:`pcast_jax.block`). Both matmuls are FP8 × FP8 → FP32 ``dot``s (Triton lowers them to
-``tt.dot f8E4M3FN × f8E4M3FN → f32``); V arrives transposed, like the Mosaic GPU kernel, so the
-P·V operand is K-major. Triton schedules its own pipelining (``num_stages``).
+(every line of it from :mod:`pcast_jax.block`). Both matmuls are FP8 × FP8 → FP32 ``tt.dot``s
+with ``maxNumImpreciseAcc = 2^30``, so Triton emits FP8 wgmma on Hopper (below); V arrives
+transposed, like the Mosaic GPU kernel, so the P·V operand is K-major. Triton schedules its own
+pipelining (``num_stages``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,53 @@ _F8 = jnp.float8_e4m3fn
 def _dot_nt(a, b):
     """a · bᵀ for FP8 a (m, k) and b (n, k), accumulated in FP32."""
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# FP8 wgmma on Hopper. Pallas lowers lax.dot_general to `tt.dot {maxNumImpreciseAcc = 0}`, and
+# Triton's AccelerateMatmul then refuses MMAv3 for an f8 x f8 -> f32 dot: both products would run
+# as mma.sync on E4M3 operands unpacked to F16 (see pallas_kernels/sass.py and tests/test_sass.py).
+# `tl.dot` sets maxNumImpreciseAcc = 2^30 on sm_90 (accumulate in the wgmma accumulator, as the
+# Mosaic GPU kernel and FlashAttention-3 do); this primitive lowers to the same tt.dot with that
+# attribute. It needs Pallas Triton's lowering-rule table, a private module of jax (pinned in
+# pyproject.toml); without it the kernel falls back to the plain dot (correct, but mma.sync).
+# --------------------------------------------------------------------------------------------
+
+#: maxNumImpreciseAcc of both tt.dots: what tl.dot sets for FP8 on sm_90.
+MAX_NUM_IMPRECISE_ACC = 2**30
+
+try:  # pragma: no branch
+    from jax._src.lib.mlir import ir as _ir
+    from jax._src.pallas.triton import lowering as _triton_lowering
+    from jax.extend import core as _jax_core
+    from jax.interpreters import mlir as _mlir
+except ImportError:  # pragma: no cover - another jax layout
+    _triton_lowering = None
+
+if _triton_lowering is not None:
+    _fp8_dot_nt_p = _jax_core.Primitive("pcast_fp8_dot_nt")
+    _fp8_dot_nt_p.def_impl(_dot_nt)
+    _fp8_dot_nt_p.def_abstract_eval(
+        lambda a, b: jax.core.ShapedArray((a.shape[0], b.shape[0]), jnp.float32))
+    _mlir.register_lowering(_fp8_dot_nt_p, _mlir.lower_fun(_dot_nt, multiple_results=False))
+
+    @_triton_lowering.register_lowering(_fp8_dot_nt_p)
+    def _fp8_dot_nt_lowering(ctx, a, b):
+        out = _triton_lowering.triton_lowering_rules[lax.dot_general_p](
+            ctx, a, b, dimension_numbers=(((1,), (1,)), ((), ())), precision=None,
+            preferred_element_type=jnp.float32, out_sharding=None)
+        dot = out.owner  # an FP32 result: the tt.dot itself, no cast after it
+        if dot.name != "tt.dot":  # pragma: no cover - a different lowering of dot_general
+            raise NotImplementedError(f"expected the FP8 product to lower to tt.dot, got {dot.name}")
+        dot.attributes["maxNumImpreciseAcc"] = _ir.IntegerAttr.get(
+            _ir.IntegerType.get_signless(32), MAX_NUM_IMPRECISE_ACC)
+        return out
+
+    def _dot_nt_wgmma(a, b):
+        """:func:`_dot_nt` lowered with ``maxNumImpreciseAcc = 2^30`` (FP8 wgmma on Hopper)."""
+        return _fp8_dot_nt_p.bind(a, b)
+else:  # pragma: no cover
+    _dot_nt_wgmma = _dot_nt
 
 
 def triton_block_q(q_len: int) -> int:
@@ -61,6 +109,7 @@ def triton_attention(
     if num_warps is None:
         num_warps = 8 if block_q >= 128 or head_dim > 64 else 4
     causal = config.causal
+    dot_nt = _dot_nt if interpret else _dot_nt_wgmma
 
     def kernel(q_ref, k_ref, vt_ref, params_ref, out_ref, rowsum_ref, nzero_ref):
         q0 = pl.program_id(2) * block_q
@@ -77,7 +126,7 @@ def triton_attention(
             m, ell, o, nz = carry
             blk = block.kv_block(s, kv_steps, config)
             cols = pl.ds(blk * block_kv, block_kv)
-            z = _dot_nt(q8, k_ref[cols, :]) * score_scale  # line 3
+            z = dot_nt(q8, k_ref[cols, :]) * score_scale  # line 3
             if causal:
                 rows = lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 0)
                 keys = lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 1)
@@ -85,7 +134,7 @@ def triton_attention(
             st = block.online_softmax(m, ell, z, config)  # lines 4-8
             p8 = block.cast_p(st.ps, config)  # line 9
             nz = nz + jnp.sum(jnp.where(block.zeroed(st.ps, config), 1.0, 0.0), axis=1)
-            o = block.accumulate(o, st.alpha, _dot_nt(p8, vt_ref[:, cols]), st.unscale, config)  # line 10
+            o = block.accumulate(o, st.alpha, dot_nt(p8, vt_ref[:, cols]), st.unscale, config)  # line 10
             return st.m, st.row_sum, o, nz
 
         init = (

@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "whatif": "Differentiable what-if analyses: worst Δ, optimal S, Prop. 3 calibration, dynamic scale.",
     "model-report": "Real-model (SmolLM2-135M) sink statistics, per-head P-cast error and perplexity.",
     "presets": "List the kernel presets and their P-cast configuration.",
+    "kernels": "Compile the Pallas FP8 kernels for Hopper without a GPU: registers, spills, FP8 wgmma use.",
 }
 #: Entry-point group through which other packages add sub-commands.
 ENTRY_POINT_GROUP = "pcast_jax.commands"

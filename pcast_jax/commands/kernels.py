@@ -1,0 +1,96 @@
+"""``pcast kernels``: the Pallas FP8 kernels compiled for Hopper on a machine without a GPU.
+
+Per backend × config (× warps × stages): registers, spill bytes, stack frame, shared memory, the
+MMA kind of Q·Kᵀ and P8·V, their FP8 tensor-core instructions against MMAs on converted operands,
+and the compiler that produced the figures (see :mod:`pallas_kernels.sass`). The Triton kernel is
+compiled by the ``triton`` wheel (``pip install triton==3.9.0``). ``--xla`` compiles both kernels with
+XLA's own compilers, ahead of time for an H100 (``pip install jax-cuda12-plugin``, no GPU needed);
+without it the Mosaic GPU kernel's row holds the wgmma of its lowered module only (the CPU jaxlib
+cannot assemble it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+from pathlib import Path
+
+from pcast_jax.config import get_preset
+
+HELP = "Compile the Pallas FP8 kernels for Hopper without a GPU: registers, spills, FP8 wgmma use."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sass", action="store_true",
+                        help="accepted for clarity: the report always compiles to SASS where it can")
+    parser.add_argument("--backends", nargs="+", choices=("triton", "mosaic"), default=["triton", "mosaic"])
+    parser.add_argument("--configs", nargs="+", default=["fa3", "fwd_s1"], metavar="PRESET",
+                        help="kernel presets or paper configs (default: fa3 fwd_s1)")
+    parser.add_argument("--causal", action="store_true", help="compile the causal variant")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=2, help="query heads (default 2)")
+    parser.add_argument("--kv-heads", type=int, default=1, help="K/V heads (default 1: GQA 2:1)")
+    parser.add_argument("--q-len", type=int, default=128)
+    parser.add_argument("--n", type=int, default=512, help="keys N (default 512)")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--num-warps", type=int, nargs="+", default=[None], metavar="W",
+                        help="Triton warps to compile with (default: the kernel's own setting)")
+    parser.add_argument("--num-stages", type=int, nargs="+", default=[None], metavar="S",
+                        help="Triton pipeline stages (default: the kernel's own setting)")
+    parser.add_argument("--max-num-imprecise-acc", type=int, default=None, metavar="K",
+                        help="what-if: set this attribute of every tt.dot (Pallas emits 0; tl.dot uses 2^30 "
+                             "on sm_90 for FP8)")
+    parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                        help="keep TTIR, TTGIR, PTX, cubin, ptxas log and SASS of each Triton build here")
+    parser.add_argument("--xla", action="store_true",
+                        help="also compile both kernels with XLA's own compilers (its Triton, the Mosaic GPU "
+                             "pipeline), ahead of time for an H100: needs jax-cuda12-plugin, no GPU")
+    parser.add_argument("--json", action="store_true", help="one JSON object per row instead of the table")
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    import jax
+
+    from pallas_kernels import sass
+
+    if sass.xla_available() and not os.environ.get("JAX_PLATFORMS"):
+        # nothing here runs on a device; keeps the CUDA plugin from trying to start on a machine without one
+        jax.config.update("jax_platforms", "cpu")
+
+    shape = sass.KernelShape(batch=args.batch, heads=args.heads, kv_heads=args.kv_heads, q_len=args.q_len,
+                             n=args.n, head_dim=args.head_dim)
+    reports = []
+    for name in args.configs:
+        cfg = get_preset(name)
+        if args.causal:
+            cfg = cfg.replace(causal=True, name=f"{cfg.name}_causal")
+        for backend in args.backends:
+            if backend == "mosaic":
+                if cfg.block_kv % 128:  # the Mosaic kernel's smallest block (as the tests adapt it)
+                    cfg_m = cfg.replace(block_kv=128, name=f"{cfg.name}_b128")
+                else:
+                    cfg_m = cfg
+                if args.xla:
+                    reports.append(sass.xla_report("mosaic", cfg_m, shape)[0])
+                else:
+                    reports.append(sass.mosaic_report(cfg_m, shape))
+                continue
+            if args.xla:
+                reports.append(sass.xla_report("triton", cfg, shape)[0])
+            for warps, stages in itertools.product(args.num_warps, args.num_stages):
+                keep = None
+                if args.keep is not None:
+                    keep = args.keep / f"{cfg.name}_w{warps or 'def'}_s{stages or 'def'}"
+                report, _ = sass.triton_report(cfg, shape, num_warps=warps, num_stages=stages,
+                                               max_num_imprecise_acc=args.max_num_imprecise_acc, workdir=keep)
+                reports.append(report)
+    if args.json:
+        for r in reports:
+            print(json.dumps(dataclasses.asdict(r), ensure_ascii=False))
+    else:
+        print(sass.format_table(reports))
+    return 0
