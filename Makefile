@@ -1,13 +1,13 @@
 # Two commands do all the set-up on a fresh clone:
 #   make reproduce   -> runs the paper's reproduction, writes results/report.md
-#   make test        -> runs the test suite
+#   make test        -> lints (ruff) and runs the test suite
 # Each creates .venv with a Python >= 3.12 found by tools/find-python.
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 PYTEST_ARGS ?= -n 2 --dist loadfile
 REPRO_ARGS ?=
 
-.PHONY: venv test reproduce quick clean benchmark
+.PHONY: venv test lint reproduce quick clean benchmark
 
 $(VENV)/.installed: pyproject.toml
 	@python=$$(tools/find-python) && echo "using $$python" && $$python -m venv $(VENV)
@@ -18,8 +18,11 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-test: venv
+test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: venv
+	$(PY) -m ruff check .
 
 reproduce: venv
 	$(VENV)/bin/pcast reproduce --out results $(REPRO_ARGS)

@@ -19,14 +19,12 @@ needed; the timings are then meaningless and cuDNN is skipped). Usage (repo root
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 import traceback
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import pallas_kernels as pk
 from pallas_kernels.workloads import sink_qkv

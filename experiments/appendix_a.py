@@ -31,10 +31,10 @@ def run(ctx: Context) -> Section:
     exact = np.asarray(theory.is_bit_exact_scale(arr))
     cover = np.asarray(theory.normal_coverage(arr), np.float64)
     rows = []
-    for s, d, l, e, cv in zip(scales, dp, lsb, exact, cover):
+    for s, d, top_lsb, e, cv in zip(scales, dp, lsb, exact, cover):
         paper = PAPER_DP[s]
         decimals = 4 if paper == 0.0625 else (2 if paper == 0.25 else 3)
-        rows.append({"scale": s, "power_of_two": bool(e), "top_lsb": float(l), "dp": float(d),
+        rows.append({"scale": s, "power_of_two": bool(e), "top_lsb": float(top_lsb), "dp": float(d),
                      "dp_paper": paper, "diff": float(d) - paper,
                      "matches_printed_digits": bool(round(float(d), decimals) == paper),
                      "overflow": s > 448, "normal_coverage": float(cv),

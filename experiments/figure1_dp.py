@@ -50,7 +50,7 @@ def run(ctx: Context) -> Section:
     ax.plot(valleys, theory.dp_table(valleys), "o", color="#1f77b4", ms=5,
             label="S = 2^k, k = 1…7 (valleys at 2⁻⁴)")
     ax.plot([256], theory.dp_table([256.0]), "*", color="#2ca02c", ms=15, mec="k", mew=0.5,
-            label=f"S = 256: dp = 2⁻⁴ (optimal)", zorder=5)
+            label="S = 256: dp = 2⁻⁴ (optimal)", zorder=5)
     d448 = float(theory.dp_table([448.0])[0])
     ax.plot([448], [d448], "s", color="#d62728", ms=7, mec="k", mew=0.5,
             label=f"S = 448: dp = {d448:.3f} (+{100 * (d448 / floor - 1):.0f}%)", zorder=5)

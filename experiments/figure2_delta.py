@@ -13,8 +13,18 @@ from pcast_jax import report
 from pcast_jax.stats import mean_sem
 
 from . import table1, table2
-from .common import (PAPER_COLORS, PAPER_LABELS, PAPER_ORDER, Column, Context, Figure, Finding, Section,
-                     Table, delta_sweep)
+from .common import (
+    PAPER_COLORS,
+    PAPER_LABELS,
+    PAPER_ORDER,
+    Column,
+    Context,
+    Figure,
+    Finding,
+    Section,
+    Table,
+    delta_sweep,
+)
 
 NAME = "figure2_delta"
 TITLE = "Figure 2 — MSE vs sink strength Δ"
@@ -128,7 +138,8 @@ def run(ctx: Context) -> Section:
              "All Δ values and configurations share the same draws per seed (the engine adds Δ to the "
              "sink scores of one instance), so the curves are smooth and comparisons paired.")
     caption = ("Top: MSE vs sink strength, log scale; open diamonds are the paper's Table 2 values at "
-               "Δ = 7; Forward S=256 (green) lies under Reverse S=256 (blue). Bottom: non-sink probability mass (blue bars), fraction of non-sink P zeroed by "
+               "Δ = 7; Forward S=256 (green) lies under Reverse S=256 (blue). Bottom: non-sink probability mass "
+               "(blue bars), fraction of non-sink P zeroed by "
                "the S = 1 cast (red bars) and by the S = 256 cast (green line), forward order; black × "
                "are the paper's Table 1 values.")
     md_rows = [{"what": f"MSE ×10⁻⁵, {PAPER_LABELS[c]}",
@@ -141,7 +152,7 @@ def run(ctx: Context) -> Section:
     cols = [Column("what", "Δ =")] + [Column(f"d{d:g}", f"{d:g}") for d in s.deltas_fig2]
     return Section(NAME, TITLE, intro, tables=[Table("figure2_delta", rows, cols, md_rows=md_rows)],
                    figures=[Figure("figure2_delta", fig, caption)], findings=findings,
-                   notes=[f"Forward S=1 / best other config by Δ: " + ", ".join(
+                   notes=["Forward S=1 / best other config by Δ: " + ", ".join(
                        f"{d:g}: {r:.1f}×" for d, r in zip(s.deltas_fig2, worst_ratio)) + ".",
                           "At large Δ the output is dominated by the k_sink sink probabilities, whose own "
                           "E4M3 quantization (present in every configuration, larger at S = 448) sets "

@@ -13,8 +13,18 @@ from pcast_jax import report
 from pcast_jax.stats import mean_sem
 
 from . import table2
-from .common import (PAPER_COLORS, PAPER_LABELS, PAPER_ORDER, Column, Context, Figure, Finding, Section,
-                     Table, mse_by_length)
+from .common import (
+    PAPER_COLORS,
+    PAPER_LABELS,
+    PAPER_ORDER,
+    Column,
+    Context,
+    Figure,
+    Finding,
+    Section,
+    Table,
+    mse_by_length,
+)
 
 NAME = "figure3_n"
 TITLE = "Figure 3 — MSE vs sequence length N (Δ = 7)"
@@ -95,7 +105,8 @@ def run(ctx: Context) -> Section:
     if lo not in PAPER_IMPROVEMENT:
         parts.append(f"{improvement[lo]:.1f}× at N={lo}")
     grows = all(np.diff([improvement[n] for n in s.ns_fig3]) > 0)
-    findings = [Finding("Fig. 3: Forward S=256 over Forward S=1 improvement grows with N", "1.3× (N=512) → 10× (N=16384)",
+    findings = [Finding("Fig. 3: Forward S=256 over Forward S=1 improvement grows with N",
+                        "1.3× (N=512) → 10× (N=16384)",
                         "; ".join(parts) + ("; monotone in N" if grows else "; not monotone in N"),
                         "yes" if verdicts and all(verdicts) and grows else "partly")]
     intro = (f"Δ = 7, N ∈ {{{', '.join(map(str, s.ns_fig3))}}}, {s.seeds} seeds, the five configurations; "

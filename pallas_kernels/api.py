@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import mosaic_gpu, triton_gpu
-from pcast_jax import engine
+from pcast_jax import engine as _engine
 from pcast_jax.config import KernelConfig, resolve
 from pcast_jax.errors import PcastError, check_choice, check_int, check_positive
 
@@ -61,7 +61,7 @@ def quantize_fp8(x):
     Returns ``(x8, descale)``: x8 in float8_e4m3fn with x ≈ x8 · descale, descale = amax / 448
     (1 for an all-zero tensor).
     """
-    x8, descale = engine.quantize_per_tensor(x, "e4m3")
+    x8, descale = _engine.quantize_per_tensor(x, "e4m3")
     return x8.astype(jnp.float8_e4m3fn), descale
 
 
@@ -288,25 +288,25 @@ def simulate_fp8_attention(
     q_descale=1.0,
     k_descale=1.0,
     v_descale=1.0,
-    engine_name: str = "scan",
+    engine: str = "scan",
     count_mask=None,
-) -> engine.AttentionResult:
+) -> _engine.AttentionResult:
     """``pcast_jax.engine.attention`` on the scores and V an FP8 kernel sees (no kernel involved).
 
     Scores = (Q8 · K8ᵀ in FP32) · (q_descale·k_descale·softmax_scale) and V = V8 · v_descale, the
-    same path as ``engine.prepare_qkv`` for ``qkv="e4m3"``; K/V heads are repeated for GQA. Arrays
+    same path as ``pcast_jax.engine.prepare_qkv`` for ``qkv="e4m3"``; K/V heads are repeated for GQA. Arrays
     in the result carry the (batch, heads) leading dimensions.
     """
     cfg = resolve(config)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     return _simulate(
         q, k, v, q_descale, k_descale, v_descale, count_mask,
-        config=cfg, softmax_scale=scale, engine_name=engine_name,
+        config=cfg, softmax_scale=scale, engine=engine,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("config", "softmax_scale", "engine_name"))
-def _simulate(q, k, v, q_descale, k_descale, v_descale, count_mask, *, config, softmax_scale, engine_name):
+@functools.partial(jax.jit, static_argnames=("config", "softmax_scale", "engine"))
+def _simulate(q, k, v, q_descale, k_descale, v_descale, count_mask, *, config, softmax_scale, engine):
     q, k, v = (jnp.asarray(a).astype(jnp.float32) for a in (q, k, v))
     group = q.shape[1] // k.shape[1]
     k = jnp.repeat(k, group, axis=1)
@@ -315,4 +315,4 @@ def _simulate(q, k, v, q_descale, k_descale, v_descale, count_mask, *, config, s
     score_scale = jnp.asarray(q_descale, f32) * jnp.asarray(k_descale, f32) * softmax_scale
     scores = jnp.einsum("bhqd,bhnd->bhqn", q, k, precision=jax.lax.Precision.HIGHEST) * score_scale
     v_seen = v * jnp.asarray(v_descale, f32)
-    return engine.attention(scores, v_seen, config, engine=engine_name, count_mask=count_mask)
+    return _engine.attention(scores, v_seen, config, engine=engine, count_mask=count_mask)

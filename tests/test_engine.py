@@ -18,11 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cases import distinct_configs
 from pcast_jax import block, engine, metrics, theory
 from pcast_jax.config import PRESETS, KernelConfig, resolve
 from pcast_jax.sweep import SweepSpec, run_sweep
 from pcast_jax.workloads import SinkWorkload, make_instance
+
+from cases import distinct_configs
 
 FP32_RTOL = 1e-5
 E4M3_REL = 2.0**-4  # largest relative error of a round-to-nearest cast to 3 mantissa bits (normal range)

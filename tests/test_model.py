@@ -12,9 +12,18 @@ require_model_extra()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pcast_jax.models import (apply_rope, extract_qkv, gguf_loader, greedy_generate,  # noqa: E402
-                              load_model, load_tokenizer, next_token_loss, sink_statistics,
-                              stdlib_source, stdlib_text_tokens)
+from pcast_jax.models import (  # noqa: E402
+    apply_rope,
+    extract_qkv,
+    gguf_loader,
+    greedy_generate,
+    load_model,
+    load_tokenizer,
+    next_token_loss,
+    sink_statistics,
+    stdlib_source,
+    stdlib_text_tokens,
+)
 from pcast_jax.models.llama import rms_norm, rope_angles  # noqa: E402
 
 pytestmark = pytest.mark.model
@@ -22,7 +31,7 @@ pytestmark = pytest.mark.model
 PROMPT = "Once upon a time, there was a little girl named"
 COMMON_WORDS = {"the", "a", "an", "and", "to", "of", "in", "on", "she", "her", "he", "his", "was",
                 "who", "with", "loved", "lived", "named", "little", "girl", "day", "one", "had",
-                "would", "very", "play", "loved", "always", "they", "there"}
+                "would", "very", "play", "always", "they", "there"}
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,15 @@ import pytest
 from pcast_jax.errors import PcastError
 from pcast_jax.models import gguf_loader
 from pcast_jax.models.gguf_loader import LlamaConfig
-from pcast_jax.models.llama import (apply_rope, causal_attention, expand_kv, forward,
-                                    forward_with_aux, next_token_loss, rope_angles)
+from pcast_jax.models.llama import (
+    apply_rope,
+    causal_attention,
+    expand_kv,
+    forward,
+    forward_with_aux,
+    next_token_loss,
+    rope_angles,
+)
 from pcast_jax.models.traces import sink_statistics
 
 TINY = LlamaConfig(num_layers=2, hidden_size=32, intermediate_size=48, num_heads=4,

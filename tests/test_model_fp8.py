@@ -16,11 +16,17 @@ from pcast_jax import engine  # noqa: E402
 from pcast_jax.cli import main as cli_main  # noqa: E402
 from pcast_jax.config import KernelConfig, get_preset  # noqa: E402
 from pcast_jax.errors import PcastError  # noqa: E402
-from pcast_jax.models import (causal_attention, extract_qkv, forward, load_model,  # noqa: E402
-                              load_tokenizer, sink_statistics, stdlib_text_tokens)
-from pcast_jax.models import fp8_report  # noqa: E402
-from pcast_jax.models.fp8 import (FP8Attention, compare_logits, end_to_end,  # noqa: E402
-                                  head_metrics, heads_attention)
+from pcast_jax.models import (  # noqa: E402
+    causal_attention,
+    extract_qkv,
+    forward,
+    fp8_report,  # noqa: E402
+    load_model,
+    load_tokenizer,
+    sink_statistics,
+    stdlib_text_tokens,
+)
+from pcast_jax.models.fp8 import FP8Attention, compare_logits, end_to_end, head_metrics, heads_attention  # noqa: E402
 
 pytestmark = pytest.mark.model
 
@@ -81,7 +87,7 @@ def test_hook_scan_engine_matches_fast_engine():
     q, k, v = synthetic_qkv(1, logit_scale=2.0)
     for preset in ("fwd_s1", "rev_s256"):
         fast = FP8Attention.from_preset(preset)(q, k, v)
-        scan = FP8Attention.from_preset(preset, sim_engine="scan")(q, k, v)
+        scan = FP8Attention.from_preset(preset, engine="scan")(q, k, v)
         np.testing.assert_allclose(fast, scan, rtol=1e-5, atol=1e-6)
 
 

@@ -19,10 +19,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import oracle
-from cases import distinct_configs
 from pcast_jax import engine
 from pcast_jax.config import PRESETS, KernelConfig
+
+import oracle
+from cases import distinct_configs
 
 OUT_RTOL = 2e-6
 Q, N, D = 8, 1000, 32  # N is a multiple of neither 64, 128 nor 224: padded keys

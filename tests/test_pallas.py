@@ -29,11 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import oracle
 import pallas_kernels as pk
 from pallas_kernels.workloads import sink_qkv
 from pcast_jax.config import KERNEL_PRESETS, PAPER_CONFIGS, KernelConfig, get_preset
 from pcast_jax.errors import PcastError
+
+import oracle
 
 HAS_GPU = jax.default_backend() == "gpu"
 DELTAS = (5.0, 7.0, 10.0)

@@ -34,7 +34,6 @@ import math
 import hypothesis.extra.numpy as hnp
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings

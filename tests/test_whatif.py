@@ -10,6 +10,7 @@ import pytest
 from pcast_jax import cli, formats, theory, whatif
 from pcast_jax.errors import PcastError
 from pcast_jax.sweep import SweepSpec, instance_key, run_sweep
+from pcast_jax.whatif import objective
 from pcast_jax.workloads import SinkWorkload, make_instance
 
 # One small scenario shared by the tests so its compiled functions are reused.
@@ -127,7 +128,7 @@ def test_expected_mse_is_differentiable_under_jit():
     g_jit = float(jax.jit(jax.grad(loss))(6.0))
     g = whatif.mse_and_grad(SMALL, delta=6.0, log2_scale=0.0, surrogate=SMOOTH)["grad"]["delta"]
     assert g_jit == pytest.approx(g, rel=1e-4)
-    assert hasattr(whatif._point, "lower")  # the per-point evaluator is a jitted function
+    assert hasattr(objective._point, "lower")  # the per-point evaluator is a jitted function
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ loaders raise ImportError naming both commands.
     >>> tokenizer = load_tokenizer()
 """
 
+from pcast_jax.models.fp8 import FP8Attention, analyze_trace, end_to_end
 from pcast_jax.models.gguf_loader import (
     INSTALL_HINT,
     GGUFTokenizer,
@@ -29,7 +30,6 @@ from pcast_jax.models.llama import (
     greedy_generate,
     next_token_loss,
 )
-from pcast_jax.models.fp8 import FP8Attention, analyze_trace, end_to_end
 from pcast_jax.models.text import STDLIB_FILES, stdlib_source, stdlib_text_tokens
 from pcast_jax.models.traces import SINK_SELECTIONS, QKVTrace, extract_qkv, sink_statistics
 

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pcast_jax import engine
+from pcast_jax import engine as _engine
 from pcast_jax.config import QKV_GRANULARITIES, KernelConfig, resolve
 from pcast_jax.errors import PcastError, check_choice, check_int
 from pcast_jax.models.gguf_loader import LlamaConfig
@@ -73,8 +73,8 @@ def _quantize(x, granularity: str):
     ``descale`` is a scalar (tensor) or ``[H]`` (head); x ≈ x8 · descale.
     """
     if granularity == "tensor":
-        return engine.quantize_per_tensor(x)
-    x8, d = jax.vmap(engine.quantize_per_tensor, in_axes=1, out_axes=(1, 0))(x)
+        return _engine.quantize_per_tensor(x)
+    x8, d = jax.vmap(_engine.quantize_per_tensor, in_axes=1, out_axes=(1, 0))(x)
     return x8, d
 
 
@@ -110,7 +110,7 @@ def _scores_and_values(q, k, v, cfg: KernelConfig):
 
 
 def heads_attention(q, k, v, config: str | KernelConfig, *, count_mask=None,
-                    sim_engine: str = "fast") -> engine.AttentionResult:
+                    engine: str = "fast") -> _engine.AttentionResult:
     """The simulated kernel on every query head of one layer (full causal self-attention).
 
     Args:
@@ -119,13 +119,13 @@ def heads_attention(q, k, v, config: str | KernelConfig, *, count_mask=None,
         has ``q_offset = 0`` (query i sits at position i, since q_len = N = T). With
         ``config.qkv == "e4m3"`` Q/K/V are quantized with ``config.qkv_granularity`` scales.
       count_mask: optional ``[Hq, T]`` bool, the positions counted as zeroed (non-sink keys).
-      sim_engine: ``"fast"`` (vmapped over heads) or ``"scan"`` (the block-by-block reference).
+      engine: ``"fast"`` (vmapped over heads) or ``"scan"`` (the block-by-block reference).
 
     Returns:
       :class:`pcast_jax.engine.AttentionResult` with a leading head axis (``out [Hq, T, D]``).
     """
     cfg = dataclasses.replace(resolve(config), causal=True)
-    check_choice("sim_engine", sim_engine, engine.ENGINES)
+    check_choice("engine", engine, _engine.ENGINES)
     if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape or q.shape[0] != k.shape[0] \
             or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
         raise PcastError(f"q must be [T, Hq, D] and k, v [T, Hkv, D] with Hq a multiple of Hkv; "
@@ -134,7 +134,7 @@ def heads_attention(q, k, v, config: str | KernelConfig, *, count_mask=None,
                                         jnp.asarray(v, jnp.float32), cfg)
 
     def one(s, vh, cm):
-        return engine.attention(s, vh, cfg, engine=sim_engine, count_mask=cm, q_offset=0)
+        return _engine.attention(s, vh, cfg, engine=engine, count_mask=cm, q_offset=0)
 
     if count_mask is None:
         return jax.vmap(lambda s, vh: one(s, vh, None))(scores, v_seen)
@@ -152,18 +152,18 @@ class FP8Attention:
       config: the kernel's semantics (``causal`` is forced on). Presets keep Q/K/V in FP32
         (P-cast only); ``config.replace(qkv="e4m3")`` adds FP8 Q/K/V, with one scale per layer
         input or, with ``qkv_granularity="head"``, one per head.
-      sim_engine: ``"fast"`` (default) or ``"scan"``.
+      engine: ``"fast"`` (default) or ``"scan"``.
       p_cast: ``False`` skips the kernel: exact FP32 causal softmax on the scores and values the
         kernel would see (with ``qkv="e4m3"``: the Q/K/V quantization floor alone).
     """
 
     config: KernelConfig
-    sim_engine: str = "fast"
+    engine: str = "fast"
     p_cast: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "config", dataclasses.replace(resolve(self.config), causal=True))
-        check_choice("sim_engine", self.sim_engine, engine.ENGINES)
+        check_choice("engine", self.engine, _engine.ENGINES)
         if not isinstance(self.p_cast, bool):
             raise PcastError(f"p_cast={self.p_cast!r} must be True or False")
 
@@ -193,9 +193,9 @@ class FP8Attention:
         del layer
         if not self.p_cast:
             scores, v_seen = _scores_and_values(q, k, v, self.config)
-            out = engine.reference_attention(scores, v_seen, causal=True, q_offset=0)
+            out = _engine.reference_attention(scores, v_seen, causal=True, q_offset=0)
             return jnp.swapaxes(out, 0, 1)
-        res = heads_attention(q, k, v, self.config, sim_engine=self.sim_engine)
+        res = heads_attention(q, k, v, self.config, engine=self.engine)
         return jnp.swapaxes(res.out, 0, 1)
 
 
@@ -210,12 +210,12 @@ def _reference(q, k, v):
     k = expand_kv(k, num_heads)
     v = expand_kv(v, num_heads)
     s = jnp.einsum("thd,shd->hts", q, k, precision=_HIGHEST) / math.sqrt(head_dim)
-    return engine.reference_attention(s, jnp.swapaxes(v, 0, 1), causal=True, q_offset=0)
+    return _engine.reference_attention(s, jnp.swapaxes(v, 0, 1), causal=True, q_offset=0)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "min_keys"))
 def _layer_metrics(q, k, v, sink_positions, *, config: KernelConfig, min_keys: int):
-    num_tokens, num_heads = q.shape[0], q.shape[1]
+    num_tokens = q.shape[0]
     positions = jnp.arange(num_tokens)
     is_sink = jnp.any(positions[None, :, None] == sink_positions[:, None, :], axis=-1)  # [Hq, T]
     res = heads_attention(q, k, v, config, count_mask=~is_sink)

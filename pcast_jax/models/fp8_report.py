@@ -18,9 +18,20 @@ import numpy as np
 
 from pcast_jax import report
 from pcast_jax.errors import PcastError, check_int
-from pcast_jax.models.fp8_study import (FULL, HELDOUT_FILES, MAX_TOKENS, QUICK, SCALES, ModelStudy,
-                                        ReportSizes, Stopwatch, describe, heldout_tokens, safe_ratio,
-                                        run_study)
+from pcast_jax.models.fp8_study import (
+    FULL,
+    HELDOUT_FILES,
+    MAX_TOKENS,
+    QUICK,
+    SCALES,
+    ModelStudy,
+    ReportSizes,
+    Stopwatch,
+    describe,
+    heldout_tokens,
+    run_study,
+    safe_ratio,
+)
 
 __all__ = ["HELDOUT_FILES", "ReportSizes", "FULL", "QUICK", "build_report", "heldout_tokens",
            "FILES"]
@@ -330,7 +341,8 @@ def _markdown(study: ModelStudy, layer_rows, theory_rows, e2e_rows, level: int, 
     lines += [f"{h}# End to end: perplexity, KL and top-1 agreement (`model_e2e.csv`)", ""]
     cols = [("config", "Configuration"), ("description", "What it does"),
             ("perplexity", "Perplexity", _f3), ("ppl_change", "ΔPPL", lambda v: report.fmt_signed(100 * v, 2, "%")),
-            ("kl", "KL (nats/token)", _sci), ("kl_max", "max KL", _sci), ("top1_agree", "top-1 agree", lambda v: report.fmt_pct(v, 2))]
+            ("kl", "KL (nats/token)", _sci), ("kl_max", "max KL", _sci),
+            ("top1_agree", "top-1 agree", lambda v: report.fmt_pct(v, 2))]
     md_rows = [dict(r, config=(r["config"] if r["same_as"] == r["config"]
                                else f"{r['config']} (= {r['same_as']})")) for r in e2e_rows]
     lines += [report.markdown_table(md_rows, cols, align="llrrrrr"), ""]

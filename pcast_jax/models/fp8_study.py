@@ -309,8 +309,7 @@ def run_study(sizes: ReportSizes = FULL, *, log: Callable[[str], None] | None = 
       log: one-line progress messages (default: none).
       clock: times the stages (default: a new :class:`Stopwatch` logging to ``log``).
     """
-    from pcast_jax.models import (extract_qkv, load_model, load_tokenizer, sink_statistics,
-                                  stdlib_text_tokens)
+    from pcast_jax.models import extract_qkv, load_model, load_tokenizer, sink_statistics, stdlib_text_tokens
     from pcast_jax.models.fp8 import analyze_trace, end_to_end
 
     log = log or (lambda _line: None)

@@ -15,12 +15,18 @@ reproduction report). Every public name is re-exported here.
 
 from pcast_jax.whatif.calibration import MODELS, Prop3Calibration, calibrate_prop3
 from pcast_jax.whatif.dynamic import DynamicComparison, dynamic_vs_static
-from pcast_jax.whatif.objective import (PARAMS, Scenario, _point, expected_mse, expected_mse_scores,
-                                        mse_and_grad)
+from pcast_jax.whatif.objective import PARAMS, Scenario, expected_mse, expected_mse_scores, mse_and_grad
 from pcast_jax.whatif.reporting import WhatIfReport, markdown_table, report
 from pcast_jax.whatif.scale_search import OptimalScaleResult, optimal_scale
-from pcast_jax.whatif.surrogates import (ATOM_MODES, CAST_KINDS, LSB_MODES, PARTS, Surrogate,
-                                         expected_squared_error, make_cast_fn)
+from pcast_jax.whatif.surrogates import (
+                                        ATOM_MODES,
+                                        CAST_KINDS,
+                                        LSB_MODES,
+                                        PARTS,
+                                        Surrogate,
+                                        expected_squared_error,
+                                        make_cast_fn,
+)
 from pcast_jax.whatif.validation import validate_gradients
 from pcast_jax.whatif.worst_case import PAPER_TRANSITION, WorstDeltaResult, worst_case_delta
 

@@ -253,9 +253,11 @@ def calibrate_prop3(config="fwd_s1", n: int = 4096, *, deltas=None, seeds: int =
                                steps=int(steps)))
     per_seed["F"] = {"delta (Eq. 7 fit)": d_f, "rms_residual": f_rms}
     summary["F"] = summarize(per_seed["F"])
-    fz = lambda dl: np.asarray(theory.collapse_fraction(jnp.asarray(deltas + sigma * (dl - dk), jnp.float32),
-                                                        cfg.scale, k_sink=k_sink, sigma=sigma, fmt=cfg.p_format),
-                               np.float64)
+    def fz(dl):
+        shifted = jnp.asarray(deltas + sigma * (dl - dk), jnp.float32)
+        return np.asarray(theory.collapse_fraction(shifted, cfg.scale, k_sink=k_sink, sigma=sigma, fmt=cfg.p_format),
+                          np.float64)
+
     return Prop3Calibration(
         config=cfg.name, n=n, target=target, deltas=deltas, per_seed=per_seed, summary=summary,
         delta_k_theory=dk, sim_mean=tgt.mean(axis=0), model_mean=curves, paper_curve=paper,
