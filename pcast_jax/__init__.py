@@ -4,6 +4,7 @@ The names a user needs are here; everything else is importable from its submodul
 
     import pcast_jax as pj
     cfg = pj.get_preset("fa3")                        # or pj.KernelConfig(order="reverse", ...)
+    out = pj.dot_product_attention(q, k, v, is_causal=True, config=cfg)   # jax.nn-style, in a model
     res = pj.attention(scores, v, cfg)                # simulated kernel output and statistics
     result = pj.run_sweep(pj.SweepSpec(deltas=(7.0,), seeds=20), out_dir="sweeps/t2")
     pj.theory.collapse_fraction(7.0, 1.0)             # Eq. (7)
@@ -22,6 +23,7 @@ _EXPORTS = {
     "KernelConfig": "pcast_jax.config",
     "PRESETS": "pcast_jax.config",
     "get_preset": "pcast_jax.config",
+    "dot_product_attention": "pcast_jax.nn",
     "attention": "pcast_jax.engine",
     "attention_qkv": "pcast_jax.engine",
     "reference_attention": "pcast_jax.engine",

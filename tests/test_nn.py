@@ -1,0 +1,175 @@
+"""pcast_jax.dot_product_attention: jax.nn's conventions, the kernel's forward, documented gradients."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pcast_jax as pj
+from pcast_jax import engine, nn
+from pcast_jax.errors import PcastError
+
+B, T, S, N, K, H = 2, 8, 200, 4, 2, 16  # GQA: 4 query heads over 2 KV heads; S not a block multiple
+
+
+def _qkv(seed=0, *, t=T, s=S, sink=7.0):
+    """Random (B, T, N, H) queries and (B, S, K, H) keys/values; key 0 is a sink: every query's logit
+    on it is ``sink`` (non-sink logits are about N(0, 1.2))."""
+    kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.random.normal(kq, (B, t, N, H)).at[..., 0].set(2.0)
+    k = jax.random.normal(kk, (B, s, K, H))
+    k = k.at[:, 0].set(0.0).at[:, 0, :, 0].set(sink * np.sqrt(H) / 2.0)
+    v = jax.random.normal(kv, (B, s, K, H))
+    return q, k, v
+
+
+def test_exact_equals_jax_nn_with_gqa_bias_mask_and_causal():
+    q, k, v = _qkv(t=S)  # T == S: jax.nn's causal mask is the bottom-right one
+    bias = 0.3 * jax.random.normal(jax.random.PRNGKey(5), (1, N, S, S))
+    mask = jax.random.bernoulli(jax.random.PRNGKey(6), 0.8, (B, 1, S, S))
+    cases = ({}, {"bias": bias}, {"mask": mask}, {"is_causal": True}, {"bias": bias, "mask": mask, "is_causal": True})
+    for kw in cases:
+        ours = pj.dot_product_attention(q, k, v, **kw)
+        ref = jax.nn.dot_product_attention(q, k, v, **kw)
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=2e-5, atol=2e-6, err_msg=str(list(kw)))
+    unbatched = pj.dot_product_attention(q[0], k[0], v[0], is_causal=True)
+    np.testing.assert_allclose(np.asarray(unbatched), np.asarray(jax.nn.dot_product_attention(
+        q[0], k[0], v[0], is_causal=True)), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("config", ["fwd_s1", "fa3", "sageattn2pp"])
+@pytest.mark.parametrize("implementation", ["xla", "scan"])
+def test_preset_equals_the_engine_head_by_head(config, implementation):
+    q, k, v = _qkv()
+    out = pj.dot_product_attention(q, k, v, config=config, implementation=implementation)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    name = "fast" if implementation == "xla" else "scan"
+    for b in range(B):
+        for n in range(N):
+            logits = q[b, :, n] @ k[b, :, n // (N // K)].T / np.sqrt(H)
+            ref = engine.attention(logits, v[b, :, n // (N // K)], config, engine=name).out
+            np.testing.assert_allclose(np.asarray(out[b, :, n]), np.asarray(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_causal_is_bottom_right_aligned_and_config_causal_counts():
+    q, k, v = _qkv()
+    out = pj.dot_product_attention(q, k, v, is_causal=True, config="rev_s256")
+    via_config = pj.dot_product_attention(q, k, v, config=pj.get_preset("rev_s256").replace(causal=True))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(via_config))
+    logits = q[0, :, 0] @ k[0, :, 0].T / np.sqrt(H)
+    ref = engine.attention(logits, v[0, :, 0], pj.get_preset("rev_s256").replace(causal=True)).out
+    np.testing.assert_allclose(np.asarray(out[0, :, 0]), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    # the last query row sees every key: equal to the non-causal output there
+    full = pj.dot_product_attention(q, k, v, config="rev_s256")
+    np.testing.assert_allclose(np.asarray(out[:, -1]), np.asarray(full[:, -1]), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(np.asarray(out[:, 0]), np.asarray(full[:, 0]), atol=1e-3)
+
+
+def test_fully_masked_row_averages_values_like_jax_nn():
+    q, k, v = _qkv()
+    mask = jnp.ones((B, 1, T, S), bool).at[:, :, 0].set(False)
+    out = pj.dot_product_attention(q, k, v, mask=mask, config="fwd_s1")
+    assert bool(jnp.all(jnp.isfinite(out)))
+    ref = jax.nn.dot_product_attention(q, k, v, mask=mask)
+    np.testing.assert_allclose(np.asarray(out[:, 0]), np.asarray(ref[:, 0]), rtol=1e-4, atol=1e-5)
+
+
+def test_jit_and_vmap():
+    q, k, v = _qkv()
+    eager = pj.dot_product_attention(q, k, v, config="fa3")
+    jitted = jax.jit(lambda q, k, v: pj.dot_product_attention(q, k, v, config="fa3"))(q, k, v)
+    np.testing.assert_allclose(np.asarray(jitted), np.asarray(eager), rtol=1e-6, atol=1e-7)
+    stacked = jax.vmap(lambda q, k, v: pj.dot_product_attention(q, k, v, config="fa3"))(
+        q[:, None], k[:, None], v[:, None])
+    np.testing.assert_allclose(np.asarray(stacked[:, 0]), np.asarray(eager), rtol=1e-6, atol=1e-7)
+
+
+def _loss(config, gradient="ste"):
+    """A linear read-out of the output, so the cotangent does not depend on the forward value."""
+    def f(q, k, v):
+        out = pj.dot_product_attention(q, k, v, config=config, gradient=gradient)
+        w = jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
+        return jnp.sum(w * out)
+    return f
+
+
+def test_ste_gradient_is_the_exact_attention_gradient():
+    q, k, v = _qkv()
+    g_ste = jax.grad(_loss("fwd_s1"), argnums=(0, 1, 2))(q, k, v)
+    g_exact = jax.grad(_loss(None), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(g_ste, g_exact):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_smooth_gradient_matches_finite_differences_of_the_surrogate():
+    """The backward pass is the true derivative of the smooth surrogate (directional derivatives)."""
+    q, k, v = _qkv(t=4, s=128, sink=5.0)
+    cfg = pj.get_preset("fwd_s1")
+
+    def surrogate(q, k, v):  # the forward the smooth gradient differentiates, on (B, N, T, H) inputs
+        out = jnp.swapaxes(nn._smooth(q, k, v, None, None, cfg, 1 / np.sqrt(H), 0.2), 1, 2)
+        w = jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
+        return jnp.sum(w * out)
+
+    grads = jax.grad(_loss(cfg, "smooth"), argnums=(0, 1, 2))(q, k, v)
+    rng = np.random.default_rng(1)
+    for i, (x, g) in enumerate(zip((q, k, v), grads)):
+        u = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+        eps = 1e-2
+
+        def shifted(sign, i=i, u=u, eps=eps):
+            xs = [q, k, v]
+            xs[i] = xs[i] + sign * eps * u
+            return surrogate(*(nn._as_bnth(z) for z in xs))
+
+        fd = (float(shifted(1.0)) - float(shifted(-1.0))) / (2 * eps)
+        assert abs(float(jnp.vdot(g, u)) - fd) <= 2e-2 * abs(fd) + 1e-3, (i, float(jnp.vdot(g, u)), fd)
+
+
+def test_smooth_gradient_sees_p_collapse_where_ste_does_not():
+    """Forward S = 1 at Δ = 9 zeroes most non-sink P: smooth gives the values of keys whose P is
+    zeroed for every query almost no gradient; the straight-through estimate does not see it."""
+    q, k, v = _qkv(sink=9.0)
+    logits = jnp.einsum("btnh,bsnh->bnts", q, jnp.repeat(k, N // K, axis=2)) / np.sqrt(H)
+    p = jax.nn.softmax(logits, axis=-1) / jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1, keepdims=True)
+    # P relative to the row max (the sink, seen first in forward order) well below 2^-10 everywhere
+    gone = jnp.all((p < 2.0**-11).reshape(B, K, N // K * T, S), axis=2)  # (B, K, S)
+    gone = jnp.swapaxes(gone, 1, 2)  # (B, S, K), like v's leading axes
+    assert 0.3 < float(jnp.mean(gone)) < 0.99
+    g_ste = jax.grad(_loss("fwd_s1", "ste"), argnums=2)(q, k, v)
+    g_smooth = jax.grad(_loss("fwd_s1", "smooth"), argnums=2)(q, k, v)
+    mass = lambda g: float(jnp.sum(jnp.where(gone[..., None], jnp.abs(g), 0.0)))  # noqa: E731
+    assert mass(g_smooth) < 0.05 * mass(g_ste)
+    # with S = 256 nothing underflows and the two gradients agree closely
+    g_ste256 = jax.grad(_loss("fwd_s256", "ste"), argnums=2)(q, k, v)
+    g_smooth256 = jax.grad(_loss("fwd_s256", "smooth"), argnums=2)(q, k, v)
+    np.testing.assert_allclose(np.asarray(g_smooth256), np.asarray(g_ste256), rtol=0.05, atol=1e-3)
+
+
+def test_triton_kernel_implementation_equals_the_simulator_on_fp8_inputs():
+    q, k, v = (jnp.tile(x, (1, 1, 1, 2)) for x in _qkv(t=16, s=128))  # head dim 32: the kernel's smallest
+    out = pj.dot_product_attention(q, k, v, config="fwd_s1", implementation="triton")
+    sim = pj.dot_product_attention(q, k, v, config=pj.get_preset("fwd_s1").replace(qkv="e4m3"),
+                                   implementation="scan")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(sim), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"key_heads": 3}, "multiple of key/value heads"),
+    ({"mask": jnp.ones((3, 3), bool)}, "mask.shape"),
+    ({"implementation": "cudnn"}, "implementation"),
+    ({"gradient": "exact"}, "gradient"),
+    ({"config": "dynamic_pow2", "gradient": "smooth"}, "static scale"),
+    ({"implementation": "triton"}, "needs a config"),
+    ({"implementation": "triton", "config": "fwd_s1", "mask": jnp.ones((1, 1, 1, 1), bool)}, "neither bias nor mask"),
+    ({"scale": -1.0}, "scale"),
+])
+def test_bad_input_names_the_parameter(kwargs, needle):
+    kwargs = dict(kwargs)
+    kh = kwargs.pop("key_heads", K)
+    q = jnp.ones((1, 16, 6 if kh == 3 else N, H))
+    k = jnp.ones((1, 128, 4 if kh == 3 else K, H))
+    with pytest.raises(PcastError, match=needle):
+        pj.dot_product_attention(q, k, k, **kwargs)
