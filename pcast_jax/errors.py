@@ -18,6 +18,8 @@ __all__ = [
     "check_positive",
     "check_int",
     "check_values",
+    "check_f32",
+    "F32_MAX",
     "host_values",
     "shown_value",
 ]
@@ -36,19 +38,47 @@ def check_choice(param: str, value, choices) -> None:
         raise PcastError(f"{param}={value!r} is not one of {', '.join(map(repr, choices))}")
 
 
-def check_finite(param: str, value) -> float:
+#: Largest finite float32: every number the simulator computes with is a float32.
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _range_limit(float32: bool, max_abs: float | None) -> float | None:
+    if max_abs is not None:
+        return min(max_abs, F32_MAX) if float32 else max_abs
+    return F32_MAX if float32 else None
+
+
+def _range_text(limit: float) -> str:
+    return "finite in float32 (|x| <= 3.4e38)" if limit == F32_MAX else f"<= {limit:g} in magnitude"
+
+
+def check_finite(param: str, value, *, float32: bool = False, max_abs: float | None = None) -> float:
+    """``value`` as a float: a real number, finite (and with ``float32`` finite in float32).
+
+    ``max_abs`` is a tighter bound for numbers that are squared or summed in float32.
+    """
     if not _is_real(value):
         raise PcastError(f"{param}={value!r} must be a real number")
     if not math.isfinite(float(value)):
         raise PcastError(f"{param}={value!r} must be finite (got NaN or inf)")
+    limit = _range_limit(float32, max_abs)
+    if limit is not None and abs(float(value)) > limit:
+        raise PcastError(f"{param}={value!r} must be {_range_text(limit)}")
     return float(value)
 
 
-def check_positive(param: str, value) -> float:
-    v = check_finite(param, value)
+def check_positive(param: str, value, *, float32: bool = False, max_abs: float | None = None) -> float:
+    v = check_finite(param, value, float32=float32, max_abs=max_abs)
     if v <= 0:
         raise PcastError(f"{param}={value!r} must be > 0")
     return v
+
+
+def check_f32(param: str, value, *, positive: bool = False, max_abs: float | None = None) -> float:
+    """``value`` as a float that is finite in float32 (and > 0 with ``positive``; |x| ≤ ``max_abs``)."""
+    if positive:
+        return check_positive(param, value, float32=True, max_abs=max_abs)
+    return check_finite(param, value, float32=True, max_abs=max_abs)
 
 
 def check_int(param: str, value, *, min_value: int | None = None, max_value: int | None = None) -> int:
@@ -86,10 +116,12 @@ def shown_value(param: str, value, arr: np.ndarray) -> str:
 
 
 def check_values(param: str, value, *, lo: float | None = None, strict: bool = False,
-                 lo_text: str | None = None) -> None:
+                 lo_text: str | None = None, float32: bool = False, max_abs: float | None = None) -> None:
     """Every concrete value (scalar, list or array) finite and ≥ ``lo`` (> with ``strict``).
 
-    Traced and other jax values pass unchecked, so functions using this stay jit- and grad-able.
+    With ``float32`` every value must also be finite in float32 (|x| ≤ 3.4e38); ``max_abs`` is a
+    tighter bound for numbers that are squared or summed in float32. Traced and other jax values
+    pass unchecked, so functions using this stay jit- and grad-able.
     """
     arr = host_values(value)
     if arr is None:
@@ -98,6 +130,12 @@ def check_values(param: str, value, *, lo: float | None = None, strict: bool = F
     if bad.any():
         raise PcastError(f"{shown_value(param, value, arr[bad] if arr.ndim else arr)} must be finite "
                          "(got NaN or inf)")
+    limit = _range_limit(float32, max_abs)
+    if limit is not None:
+        bad = np.abs(arr) > limit
+        if bad.any():
+            raise PcastError(f"{shown_value(param, value, arr[bad] if arr.ndim else arr)} must be "
+                             f"{_range_text(limit)}")
     if lo is not None:
         bad = arr <= lo if strict else arr < lo
         if bad.any():

@@ -29,6 +29,11 @@ from jax.scipy.stats import norm
 from pcast_jax import formats
 from pcast_jax.errors import PcastError, check_values, host_values, shown_value
 
+#: Largest σ accepted: e^(σ²/2) is formed in log space, σ² must stay finite in float32.
+_SIGMA_MAX = 1e18
+#: Largest σ_V accepted: σ_V² times a sum of squared probabilities stays finite in float32.
+_SIGMA_V_MAX = 1e15
+
 __all__ = [
     "LN2",
     "delta_k",
@@ -119,7 +124,7 @@ def delta_k(k):
     Args:
       k: number of Gaussians, >= 1 (scalar or array).
     """
-    check_values("k", k, lo=1.0)
+    check_values("k", k, lo=1.0, float32=True)
     return _delta_k_core(jnp.asarray(k, _float_dtype()))
 
 
@@ -130,7 +135,7 @@ def _delta_k_core(k):
 
 def delta_k_asymptotic(k):
     """The asymptotic √(2 ln k) that the paper contrasts with δk in §3.2 (1.67 at k = 4)."""
-    check_values("k", k, lo=1.0)
+    check_values("k", k, lo=1.0, float32=True)
     return jnp.sqrt(2.0 * jnp.log(jnp.asarray(k, _float_dtype())))
 
 
@@ -139,7 +144,7 @@ def delta_k_asymptotic(k):
 # --------------------------------------------------------------------------------------------
 def underflow_p_threshold(scale, *, fmt="e4m3"):
     """Largest P that casts to zero with scale S, Prop. 1 / Eq. (5): P·S ≤ 2^-10 ⇔ P ≤ 2^-10/S."""
-    check_values("scale", scale, lo=0.0, strict=True)
+    check_values("scale", scale, lo=0.0, strict=True, float32=True)
     rtz = formats.get_format(fmt).round_to_zero
     return rtz / jnp.asarray(scale, _float_dtype())
 
@@ -159,10 +164,10 @@ def underflow_threshold(delta, scale, *, k_sink=4, sigma=1.0, fmt="e4m3"):
       sigma: standard deviation σ > 0 of the scores.
       fmt: FP8 format of the cast (10 ln 2 becomes −ln(round-to-zero boundary)).
     """
-    check_values("delta", delta)
-    check_values("scale", scale, lo=0.0, strict=True)
-    check_values("k_sink", k_sink, lo=1.0)
-    check_values("sigma", sigma, lo=0.0, strict=True)
+    check_values("delta", delta, float32=True)
+    check_values("scale", scale, lo=0.0, strict=True, float32=True)
+    check_values("k_sink", k_sink, lo=1.0, float32=True)
+    check_values("sigma", sigma, lo=0.0, strict=True, float32=True, max_abs=_SIGMA_MAX)
     return _threshold_core(*_arrays(delta, scale, k_sink, sigma), cast_log=_cast_threshold_log(fmt))
 
 
@@ -178,7 +183,12 @@ def _threshold_core(delta, scale, k, sigma, *, cast_log):
 
 @functools.partial(jax.jit, static_argnames=("cast_log",))
 def _fraction_core(delta, scale, k, sigma, *, cast_log):
-    return norm.cdf(_threshold_core(delta, scale, k, sigma, cast_log=cast_log) / sigma)
+    return _prob(norm.cdf(_threshold_core(delta, scale, k, sigma, cast_log=cast_log) / sigma))
+
+
+def _prob(x):
+    """A probability or fraction clipped to [0, 1] (quadrature and float32 rounding can step out)."""
+    return jnp.clip(x, 0.0, 1.0)
 
 
 def collapse_fraction(delta, scale, *, k_sink=4, sigma=1.0, fmt="e4m3"):
@@ -190,10 +200,10 @@ def collapse_fraction(delta, scale, *, k_sink=4, sigma=1.0, fmt="e4m3"):
     This plugs in the *mean* of the sink max; see :func:`collapse_fraction_spread` for the version
     that integrates over its spread. Smooth in Δ, S, σ (and k).
     """
-    check_values("delta", delta)
-    check_values("scale", scale, lo=0.0, strict=True)
-    check_values("k_sink", k_sink, lo=1.0)
-    check_values("sigma", sigma, lo=0.0, strict=True)
+    check_values("delta", delta, float32=True)
+    check_values("scale", scale, lo=0.0, strict=True, float32=True)
+    check_values("k_sink", k_sink, lo=1.0, float32=True)
+    check_values("sigma", sigma, lo=0.0, strict=True, float32=True, max_abs=_SIGMA_MAX)
     return _fraction_core(*_arrays(delta, scale, k_sink, sigma), cast_log=_cast_threshold_log(fmt))
 
 
@@ -209,10 +219,10 @@ def collapse_fraction_spread(delta, scale, *, k_sink=4, sigma=1.0, fmt="e4m3"):
     every S and σ. It reproduces the paper's simulated Table 1 columns to about one point, where
     Eq. (7) is off by up to ~4 points.
     """
-    check_values("delta", delta)
-    check_values("scale", scale, lo=0.0, strict=True)
-    check_values("k_sink", k_sink, lo=1.0)
-    check_values("sigma", sigma, lo=0.0, strict=True)
+    check_values("delta", delta, float32=True)
+    check_values("scale", scale, lo=0.0, strict=True, float32=True)
+    check_values("k_sink", k_sink, lo=1.0, float32=True)
+    check_values("sigma", sigma, lo=0.0, strict=True, float32=True, max_abs=_SIGMA_MAX)
     return _spread_core(*_arrays(delta, scale, k_sink, sigma), cast_log=_cast_threshold_log(fmt))
 
 
@@ -220,7 +230,7 @@ def collapse_fraction_spread(delta, scale, *, k_sink=4, sigma=1.0, fmt="e4m3"):
 def _spread_core(delta, scale, k, sigma, *, cast_log):
     offset = (delta - cast_log - jnp.log(scale)) / sigma
     offset, k = jnp.broadcast_arrays(offset, k)
-    return _expect_over_max(lambda x: norm.cdf(offset[..., None] + x), k)
+    return _prob(_expect_over_max(lambda x: norm.cdf(offset[..., None] + x), k))
 
 
 def critical_delta(scale, *, k_sink=4, sigma=1.0, fmt="e4m3"):
@@ -229,9 +239,9 @@ def critical_delta(scale, *, k_sink=4, sigma=1.0, fmt="e4m3"):
     At Δ = Δc the median non-sink P sits on the round-to-zero boundary 2^-10/S and F = 1/2
     (for every σ). Δc ≈ 5.90 at S = 1 and ≈ 11.45 at S = 256 (k = 4, σ = 1).
     """
-    check_values("scale", scale, lo=0.0, strict=True)
-    check_values("k_sink", k_sink, lo=1.0)
-    check_values("sigma", sigma, lo=0.0, strict=True)
+    check_values("scale", scale, lo=0.0, strict=True, float32=True)
+    check_values("k_sink", k_sink, lo=1.0, float32=True)
+    check_values("sigma", sigma, lo=0.0, strict=True, float32=True, max_abs=_SIGMA_MAX)
     return _critical_core(*_arrays(scale, k_sink, sigma), cast_log=_cast_threshold_log(fmt))
 
 
@@ -253,7 +263,7 @@ def mse_collapse(p, zeroed_mask, sigma_v, *, axis=-1):
       sigma_v: standard deviation σV of V's entries (>= 0).
       axis: the position axis.
     """
-    check_values("sigma_v", sigma_v, lo=0.0)
+    check_values("sigma_v", sigma_v, lo=0.0, float32=True, max_abs=_SIGMA_V_MAX)
     p = jnp.asarray(p)
     zeroed_mask = jnp.asarray(zeroed_mask)
     if p.shape != zeroed_mask.shape:
@@ -279,17 +289,17 @@ def non_sink_mass(delta, *, n=4096, k_sink=4, sigma=1.0, per_row=True):
       E = ∫₀^∞ e^(−t) L(c t)^k dt, L(u) = E[exp(−u e^(σz))], c = e^(Δ − σ²/2)/(N − k),
       a two-dimensional quadrature. Smooth in Δ, σ, N, k.
     """
-    check_values("delta", delta)
-    check_values("k_sink", k_sink, lo=1.0)
-    check_values("sigma", sigma, lo=0.0, strict=True)
+    check_values("delta", delta, float32=True)
+    check_values("k_sink", k_sink, lo=1.0, float32=True)
+    check_values("sigma", sigma, lo=0.0, strict=True, float32=True, max_abs=_SIGMA_MAX)
     _check_n(n, k_sink)
     dtype = _float_dtype()
     delta = jnp.asarray(delta, dtype)
     k = jnp.asarray(k_sink, dtype)
     rest = jnp.asarray(n, dtype) - k
-    if not per_row:
-        return rest / (rest + k * jnp.exp(delta))
-    return _per_row_mass_core(delta, k, rest, jnp.asarray(sigma, dtype))
+    if not per_row:  # rest / (rest + k e^Δ) as a sigmoid: no overflow of e^Δ, finite gradients
+        return _prob(jax.nn.sigmoid(jnp.log(rest) - jnp.log(k) - delta))
+    return _prob(_per_row_mass_core(delta, k, rest, jnp.asarray(sigma, dtype)))
 
 
 @jax.jit
@@ -306,7 +316,10 @@ def _per_row_mass_core(delta, k, rest, sigma):
     log_t_col = jnp.reshape(log_t, lead + (-1, 1))
     z_row = jnp.reshape(z, lead + (1, -1))
     # L(c t) for every t: E_z[exp(−c t e^(σ z))], shape (..., t, z).
-    exponent = -jnp.exp(log_c[..., None, None] + log_t_col + sigma[..., None, None] * z_row)
+    # The log argument is capped at 80 (e^80 is finite in float32): past it L is 0 to float32
+    # precision anyway, and an infinite e^x would make the gradient 0 · inf = NaN (large Δ).
+    log_arg = jnp.minimum(log_c[..., None, None] + log_t_col + sigma[..., None, None] * z_row, 80.0)
+    exponent = -jnp.exp(log_arg)
     # ln L = log1p(−E[1 − e^(exponent)]): keeps float32 precision where L is close to 1.
     one_minus = jnp.sum(-jnp.expm1(exponent) * jnp.reshape(z_weight, lead + (1, -1)), axis=-1)
     one_minus = jnp.clip(one_minus, 0.0, 1.0 - jnp.finfo(dtype).eps)  # L^k stays > 0: finite grads
@@ -321,7 +334,7 @@ def _per_row_mass_core(delta, k, rest, sigma):
 # Reverse order (Eq. (11), Theorem 4 / Eq. (13)–(14)).
 # --------------------------------------------------------------------------------------------
 def _check_n(n, k_sink):
-    check_values("n", n, lo=1.0)
+    check_values("n", n, lo=1.0, float32=True)
     n_arr, k_arr = host_values(n), host_values(k_sink)
     if n_arr is not None and k_arr is not None and np.any(n_arr - k_arr < 1):
         raise PcastError(f"{shown_value('n', n, np.min(n_arr))} must be > k_sink={np.max(k_arr):g} "
@@ -334,7 +347,7 @@ def pre_sink_max(n, *, k_sink=4):
     The extreme-value bound for the max of N − k_sink standard Gaussians (in units of σ); it
     upper-bounds the exact mean :func:`delta_k`(N − k_sink) (4.08 vs 3.63 at N = 4096).
     """
-    check_values("k_sink", k_sink, lo=1.0)
+    check_values("k_sink", k_sink, lo=1.0, float32=True)
     _check_n(n, k_sink)
     dtype = _float_dtype()
     return jnp.sqrt(2.0 * jnp.log(jnp.asarray(n, dtype) - jnp.asarray(k_sink, dtype)))
@@ -362,9 +375,9 @@ def reverse_underflow_prob(n, scale, *, k_sink=4, sigma=1.0, fmt="e4m3", max_mod
     and underflow less. The B − k_sink non-sink tokens that share the sink's block are processed
     with m = sink max and follow Eq. (7) instead.
     """
-    check_values("scale", scale, lo=0.0, strict=True)
-    check_values("k_sink", k_sink, lo=1.0)
-    check_values("sigma", sigma, lo=0.0, strict=True)
+    check_values("scale", scale, lo=0.0, strict=True, float32=True)
+    check_values("k_sink", k_sink, lo=1.0, float32=True)
+    check_values("sigma", sigma, lo=0.0, strict=True, float32=True, max_abs=_SIGMA_MAX)
     _check_n(n, k_sink)
     if max_model not in _MAX_MODELS:
         raise PcastError(f"max_model={max_model!r} is not one of {', '.join(map(repr, _MAX_MODELS))}")
@@ -377,11 +390,11 @@ def _reverse_core(n, scale, k, sigma, *, cast_log, max_model):
     gap = (cast_log + jnp.log(scale)) / sigma
     count = n - k
     if max_model == "eq11":
-        return norm.cdf(jnp.sqrt(2.0 * jnp.log(count)) - gap)
+        return _prob(norm.cdf(jnp.sqrt(2.0 * jnp.log(count)) - gap))
     if max_model == "mean":
-        return norm.cdf(_delta_k_core(count) - gap)
+        return _prob(norm.cdf(_delta_k_core(count) - gap))
     gap, count = jnp.broadcast_arrays(gap, count)
-    return _expect_over_max(lambda x: norm.cdf(x - gap[..., None]), count)
+    return _prob(_expect_over_max(lambda x: norm.cdf(x - gap[..., None]), count))
 
 
 # --------------------------------------------------------------------------------------------
@@ -394,7 +407,7 @@ def is_bit_exact_scale(scale):
     exponent. Any other S (e.g. 448) rounds x·S for most x. S is read as float32 (the kernel's
     type). Returns a boolean array (``bool()`` it for a scalar).
     """
-    check_values("scale", scale, lo=0.0, strict=True)
+    check_values("scale", scale, lo=0.0, strict=True, float32=True)
     s = jnp.asarray(scale, jnp.float32)
     mantissa, exponent = jnp.frexp(s)  # s = mantissa · 2^exponent, mantissa in [0.5, 1)
     k = exponent - 1
@@ -419,7 +432,7 @@ def scaling_exactness(x, scale):
       are exact; ``in_range`` where x, x·S and x/S are zero or normal finite float32.
       Prop. 5 says ``exact[in_range]`` is all True exactly when S = 2^k.
     """
-    check_values("scale", scale, lo=0.0, strict=True)
+    check_values("scale", scale, lo=0.0, strict=True, float32=True)
     x32 = np.asarray(x, dtype=np.float32)
     s32 = np.float32(scale)
     inv32 = np.float32(1.0) / s32
@@ -453,7 +466,7 @@ def top_lsb_table(scales, *, fmt="e4m3"):
     Exact (a power of two), so ``top_lsb_table(S) * 16 > S`` tests dp(S) > 2^-4 without rounding.
     """
     scales = np.asarray(scales, dtype=np.float64)
-    check_values("scale", scales, lo=0.0, strict=True)
+    check_values("scale", scales, lo=0.0, strict=True, float32=True)
     starts, widths = _cells(fmt)
     idx = np.searchsorted(starts, scales, side="left")  # number of cell starts < S (>= 1)
     return widths[idx - 1]
@@ -474,7 +487,7 @@ def dp_table(scales, *, fmt="e4m3"):
     Remark 3 uses its max and top-binade LSB.
     """
     scales = np.asarray(scales, dtype=np.float64)
-    check_values("scale", scales, lo=0.0, strict=True)
+    check_values("scale", scales, lo=0.0, strict=True, float32=True)
     f = formats.get_format(fmt)
     out = top_lsb_table(scales, fmt=fmt) / scales
     saturated = scales > f.max
@@ -488,7 +501,7 @@ def dp(scale, *, fmt="e4m3"):
     Same values as :func:`dp_table` (which is float64 numpy); piecewise smooth in S, so
     ``jax.grad`` gives −LSB/S² (or Remark 3's slope) away from the binade edges.
     """
-    check_values("scale", scale, lo=0.0, strict=True)
+    check_values("scale", scale, lo=0.0, strict=True, float32=True)
     return _dp_core(jnp.asarray(scale, _float_dtype()), fmt=formats.get_format(fmt).name)
 
 
@@ -506,7 +519,7 @@ def _dp_core(s, *, fmt):
 
 def normal_coverage(scale, *, fmt="e4m3"):
     """Lower end of the normal range in the P domain, 2^-6/S (§5.3, condition (C3)); smaller = better."""
-    check_values("scale", scale, lo=0.0, strict=True)
+    check_values("scale", scale, lo=0.0, strict=True, float32=True)
     return formats.get_format(fmt).smallest_normal / jnp.asarray(scale, _float_dtype())
 
 
@@ -590,7 +603,7 @@ def table1_closed_form(deltas, *, k_sink=4, n=4096, sigma=1.0) -> dict[str, np.n
     All fractions in [0, 1].
     """
     deltas = np.asarray(deltas, dtype=np.float64)
-    check_values("delta", deltas)
+    check_values("delta", deltas, float32=True)
     d = jnp.asarray(deltas, _float_dtype())
     out = {"delta": deltas}
     for s, tag in ((1.0, "s1"), (256.0, "s256")):

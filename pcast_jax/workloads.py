@@ -18,7 +18,12 @@ import numpy as np
 
 from pcast_jax.errors import PcastError, check_int, check_positive
 
-__all__ = ["SinkWorkload", "Instance", "make_instance", "sink_mask"]
+__all__ = ["SinkWorkload", "Instance", "make_instance", "sink_mask", "SIGMA_MAX", "SIGMA_V_MAX"]
+
+#: Largest σ: σ² (the theory's e^(σ²/2)) and score gaps of ~12σ stay finite in float32.
+SIGMA_MAX = 1e18
+#: Largest σ_V: the MSE sums squares of ~10 σ_V over up to ~1e6 outputs, finite in float32.
+SIGMA_V_MAX = 1e15
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,13 +49,15 @@ class SinkWorkload:
     sigma_v: float = 1.0
 
     def __post_init__(self):
-        check_int("n", self.n, min_value=1)
-        check_int("q_len", self.q_len, min_value=1)
-        check_int("d", self.d, min_value=1)
-        check_positive("sigma", self.sigma)
-        check_positive("sigma_v", self.sigma_v)
+        for name in ("n", "q_len", "d"):  # NumPy integers become ints (JSON-able, hashable alike)
+            object.__setattr__(self, name, check_int(name, getattr(self, name), min_value=1))
+        check_positive("sigma", self.sigma, float32=True, max_abs=SIGMA_MAX)
+        check_positive("sigma_v", self.sigma_v, float32=True, max_abs=SIGMA_V_MAX)
+        for name in ("sigma", "sigma_v"):
+            if isinstance(getattr(self, name), np.generic):
+                object.__setattr__(self, name, float(getattr(self, name)))
         if self.sink_positions is None:
-            check_int("k_sink", self.k_sink, min_value=0, max_value=self.n)
+            object.__setattr__(self, "k_sink", check_int("k_sink", self.k_sink, min_value=0, max_value=self.n))
         else:
             if isinstance(self.sink_positions, (str, bytes)) or not hasattr(self.sink_positions, "__iter__"):
                 raise PcastError(f"sink_positions={self.sink_positions!r} must be a sequence of key "

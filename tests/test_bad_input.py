@@ -12,8 +12,6 @@ keys; the tests at the end show the padding changes nothing.
 from __future__ import annotations
 
 import importlib
-import json
-import math
 import os
 import subprocess
 import sys
@@ -23,10 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import oracle
 from pcast_jax import engine, formats, sweep, workloads
 from pcast_jax.config import KernelConfig, get_preset, resolve
 from pcast_jax.errors import PcastError
+
+import oracle
 
 NAN, INF = float("nan"), float("inf")
 
@@ -390,3 +389,178 @@ def test_cli_prints_one_error_line_and_exits_2(cli_results, name):
     assert lines[0].startswith("pcast") and "error:" in lines[0]
     for needle in needles:
         assert needle in lines[0], f"{needle!r} missing from {lines[0]!r}"
+
+
+# --------------------------------------------------------------------------------------------
+# Numbers that enter float32 are checked against float32's range where they are parsed
+# --------------------------------------------------------------------------------------------
+
+from pcast_jax import theory  # noqa: E402
+from pcast_jax.errors import F32_MAX, check_f32  # noqa: E402
+
+#: (parameter, a call that passes ``x`` as that parameter) for every public entry point of a number.
+_F32_ENTRIES = {
+    "delta (theory)": ("delta", lambda x: theory.collapse_fraction(x, 256.0)),
+    "scale (theory)": ("scale", lambda x: theory.dp(x)),
+    "sigma (theory)": ("sigma", lambda x: theory.critical_delta(256.0, sigma=x)),
+    "n (theory)": ("n", lambda x: theory.reverse_underflow_prob(x, 256.0)),
+    "sigma_v (theory)": ("sigma_v", lambda x: theory.mse_collapse(np.ones(4), np.ones(4, bool), x)),
+    "delta (non_sink_mass)": ("delta", lambda x: theory.non_sink_mass(x)),
+    "sigma (workload)": ("sigma", lambda x: workloads.SinkWorkload(n=8, sigma=x)),
+    "sigma_v (workload)": ("sigma_v", lambda x: workloads.SinkWorkload(n=8, sigma_v=x)),
+    "delta (spec)": ("delta", lambda x: sweep.SweepSpec(deltas=(x,), **_SMALL)),
+    "sigma_v (spec)": ("sigma_v", lambda x: sweep.SweepSpec(sigma_v=x, **_SMALL)),
+    "scale (config)": ("scale", lambda x: KernelConfig(scale=x)),
+    "v_channel_max (config)": ("v_channel_max", lambda x: KernelConfig(accumulator="f16", v_channel_max=x)),
+    "check_f32": ("x", lambda x: check_f32("x", x)),
+}
+
+
+@pytest.mark.parametrize("value", [3.5e38, -3.5e38, 1e39, 1e300, -1e300, np.float64(1e100)])
+@pytest.mark.parametrize("entry", sorted(_F32_ENTRIES))
+def test_numbers_beyond_float32_are_refused_naming_the_parameter(entry, value):
+    param, call = _F32_ENTRIES[entry]
+    with pytest.raises(PcastError, match=rf"\b{param}\b"):
+        call(value)
+
+
+@pytest.mark.parametrize("param, value", [("sigma_v", 1e30), ("sigma_v", 2e15), ("sigma", 1e19)])
+def test_squared_parameters_have_a_tighter_bound(param, value):
+    with pytest.raises(PcastError, match=param):
+        workloads.SinkWorkload(n=8, **{param: value})
+    with pytest.raises(PcastError, match=param):
+        sweep.SweepSpec(**{param: value}, **_SMALL)
+
+
+def test_largest_accepted_sigma_v_and_delta_give_finite_sweep_metrics():
+    spec = sweep.SweepSpec(sigma_v=workloads.SIGMA_V_MAX, deltas=(0.5 * F32_MAX, -1e30), **_SMALL)
+    res = sweep.run_sweep(spec, progress=False)
+    for m in ("mse", "mse_expected", "frac_zeroed", "nonsink_mass", "zeroed_mass"):
+        assert np.isfinite(res.data[m]).all(), m
+
+
+@pytest.mark.parametrize("per_row", [True, False])
+@pytest.mark.parametrize("delta", [84.0, 85.0, 89.0, 100.0, 1e4, 1e30, -1e30])
+def test_non_sink_mass_gradient_is_finite_where_the_value_is(delta, per_row):
+    value = theory.non_sink_mass(delta, per_row=per_row)
+    grads = jax.grad(lambda d, s: theory.non_sink_mass(d, sigma=s, per_row=per_row), argnums=(0, 1))(delta, 1.0)
+    assert np.isfinite(value) and all(np.isfinite(g) for g in grads)
+
+
+def test_probabilities_stay_in_the_unit_interval():
+    deltas = np.concatenate([-np.logspace(-3, 30, 12), np.linspace(-50, 150, 41), np.logspace(-3, 30, 12)])
+    scales = np.array([2.0 ** -100, 1e-3, 1.0, 448.0, 2.0 ** 100])
+    for s in scales:
+        for got in (theory.collapse_fraction(deltas, s), theory.collapse_fraction_spread(deltas, s),
+                    theory.reverse_underflow_prob(4096, s), theory.reverse_underflow_prob(4096, s, max_model="mean")):
+            got = np.asarray(got)
+            assert np.all((got >= 0) & (got <= 1)), (s, got.max(), got.min())
+    for per_row in (True, False):
+        got = np.asarray(theory.non_sink_mass(deltas, per_row=per_row))
+        assert np.all((got >= 0) & (got <= 1)), (per_row, got.max(), got.min())
+
+
+def test_numpy_numbers_are_accepted_where_python_numbers_are(tmp_path):
+    plain = sweep.SweepSpec(**{**_SMALL, "ns": (64,), "seeds": 2}, deltas=(7.0,), sigma=1.5, sink_positions=(0, 3))
+    numpy = sweep.SweepSpec(configs=("fwd_s1",), ns=(np.int32(64),), seeds=np.int64(2), q_len=np.int64(2),
+                            d=np.uint8(4), deltas=(np.float32(7.0),), sigma=np.float32(1.5),
+                            sink_positions=(np.int64(0), np.int16(3)), seed_offset=np.int64(0))
+    assert numpy.fingerprint() == plain.fingerprint()
+    sweep.run_sweep(numpy, tmp_path / "o", progress=False)  # spec.json is JSON: no crash
+    assert sweep.load_result(tmp_path / "o").spec == plain
+    cfg = KernelConfig(block_kv=np.int64(64), kv_splits=np.int32(2), accumulator="f16",
+                       v_channel_max=np.float32(2.0))
+    assert type(cfg.block_kv) is int and type(cfg.kv_splits) is int and type(cfg.v_channel_max) is float
+
+
+# --------------------------------------------------------------------------------------------
+# Pallas entry point: array descales and non-finite input
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [NAN, 0.0, -1.0, INF, 1e39])
+@pytest.mark.parametrize("kind", ["jax array", "numpy 0-d", "float"])
+def test_pallas_descales_are_checked_also_as_arrays(kind, bad):
+    from pallas_kernels import api
+
+    value = {"jax array": jnp.asarray(bad, jnp.float64 if bad == 1e39 else jnp.float32),
+             "numpy 0-d": np.asarray(bad), "float": bad}[kind]
+    if kind == "jax array" and bad == 1e39:
+        value = np.asarray(bad)  # jax would hold it as float32 inf already
+    with pytest.raises(PcastError, match="k_descale"):
+        api._check_descale("k_descale", value)
+    assert float(api._check_descale("k_descale", jnp.asarray(0.5))) == 0.5
+
+
+@pytest.mark.parametrize("bad", [NAN, INF, -INF, 1e39])
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_quantize_qkv_refuses_non_finite_input(which, bad):
+    from pallas_kernels import api
+
+    x = {n: np.ones((1, 1, 4, 8), np.float64) for n in "qkv"}
+    x[which][0, 0, 1, 2] = bad
+    with pytest.raises(PcastError, match=rf"^{which} holds NaN or inf"):
+        api.quantize_qkv(x["q"], x["k"], x["v"])
+
+
+# --------------------------------------------------------------------------------------------
+# The sweep command and the Python sweep API: everything checked first, a closed pipe skips nothing
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw, param", [
+    (dict(out_dir=""), "out_dir"), (dict(out_dir="  "), "out_dir"), (dict(out_dir=3), "out_dir"),
+    (dict(chunk_size=0), "chunk_size"), (dict(chunk_size=2.0), "chunk_size"), (dict(progress="yes"), "progress"),
+    (dict(memory_budget=-1), "memory_budget"), (dict(memory_budget=NAN), "memory_budget"),
+])
+def test_run_sweep_arguments_are_checked_before_any_work(tmp_path, monkeypatch, kw, param):
+    from pcast_jax.sweep import local
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(local, "compute_chunk", lambda *a, **k: pytest.fail("computed before checking"))
+    with pytest.raises(PcastError, match=param):
+        sweep.run_sweep(sweep.SweepSpec(**_SMALL), **kw)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("option, value, named", [
+    ("--out", "", "--out"), ("--sigma-v", "1e30", "sigma_v"), ("--sigma", "1e300", "sigma"),
+    ("--delta", "1e39", "delta"), ("--init-timeout", "1e12", "init_timeout"),
+])
+def test_cli_sweep_refuses_before_any_work(tmp_path, monkeypatch, capsys, option, value, named):
+    from pcast_jax import cli
+    from pcast_jax.sweep import local
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(local, "compute_chunk", lambda *a, **k: pytest.fail("computed before checking"))
+    args = ["sweep", "--n", "64", "--seeds", "2", "--q-len", "2", "--d", "4", "--configs", "fwd_s1",
+            "--no-progress", option, value]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pcast: error:") and named in err[0], err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("option, value", [("--sigma", "1e300"), ("--scale", "1e300"), ("--delta", "1e39"),
+                                           ("--sigma", "1e19")])
+def test_cli_theory_refuses_numbers_beyond_float32(capsys, option, value):
+    from pcast_jax import cli
+
+    assert cli.main(["theory", option, value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and option.lstrip("-") in err[0], err
+
+
+def test_closed_output_pipe_never_skips_the_sweep(tmp_path):
+    """`pcast sweep ... | head -0`: printing stops, the sweep still finishes and writes its results."""
+    out = tmp_path / "o"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pcast_jax.cli", "sweep", "--n", "64", "--seeds", "2", "--q-len", "2", "--d", "4",
+         "--configs", "fwd_s1", "--no-progress", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert "Traceback" not in err
+    res = sweep.load_result(out)
+    assert np.isfinite(res.data["mse"]).all()

@@ -154,7 +154,8 @@ def test_files_written_and_loadable(tmp_path, spec, reference):
     assert_same_bits(load_result(out), reference)
     assert load_result(out).spec == spec
     with np.load(out / "results.npz") as z:
-        assert set(z.files) == set(metrics.METRICS)
+        assert set(z.files) == set(metrics.METRICS) | {"fingerprint"}
+        assert str(z["fingerprint"]) == spec.fingerprint()
     with open(out / "summary.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == len(spec.ns) * len(spec.configs) * len(spec.deltas)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from pcast_jax.sweep.multihost import DEFAULT_TIMEOUT_S, ProcessInfo, init_distributed
+from pcast_jax.sweep.multihost import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, ProcessInfo, init_distributed
 
-__all__ = ["add_distributed_arguments", "init_from_args"]
+__all__ = ["add_distributed_arguments", "init_from_args", "MAX_INIT_TIMEOUT_S"]
+
+#: Largest ``--init-timeout`` (seconds).
+MAX_INIT_TIMEOUT_S = MAX_TIMEOUT_S
 
 
 def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from pcast_jax.commands._distributed import add_distributed_arguments, init_from_args
+from pcast_jax.commands._distributed import MAX_INIT_TIMEOUT_S, add_distributed_arguments, init_from_args
 from pcast_jax.config import PRESETS
 from pcast_jax.engine import ENGINES
-from pcast_jax.errors import PcastError
+from pcast_jax.errors import PcastError, check_f32
 from pcast_jax.stats import mean_sem
 
 DEFAULT_CONFIGS = "fwd_s1,rev_s1,fwd_s448,fwd_s256,rev_s256"
@@ -73,15 +75,19 @@ def _int(option: str, text: str, *, min_value: int | None = None) -> int:
     return value
 
 
-def _float(option: str, text: str, *, positive: bool = False) -> float:
+def _float(option: str, text: str, *, positive: bool = False, max_abs: float | None = None) -> float:
+    """A number that is finite in float32 (the simulator's type), > 0 with ``positive``, |x| ≤ ``max_abs``."""
     try:
         value = float(str(text).strip())
     except ValueError:
         raise PcastError(f"{option}={text!r} must be a number") from None
     if not math.isfinite(value):
         raise PcastError(f"{option}={text!r} must be finite")
-    if positive and value <= 0:
-        raise PcastError(f"{option}={text!r} must be > 0")
+    param = option.lstrip("-").replace("-", "_")
+    try:
+        check_f32(param, value, positive=positive, max_abs=max_abs)
+    except PcastError as exc:
+        raise PcastError(f"{option}={text!r}: {exc}") from None
     return value
 
 
@@ -114,6 +120,7 @@ def parse_deltas(text: str, option: str = "--delta") -> tuple[float, ...]:
 def spec_from_args(args: argparse.Namespace):
     """The :class:`~pcast_jax.sweep.SweepSpec` the options describe."""
     from pcast_jax.sweep import SweepSpec
+    from pcast_jax.workloads import SIGMA_MAX, SIGMA_V_MAX
 
     configs = tuple(_items("--configs", args.configs))
     for c in configs:
@@ -145,8 +152,8 @@ def spec_from_args(args: argparse.Namespace):
         d=_int("--d", args.d, min_value=1),
         k_sink=k_sink,
         sink_positions=sink_positions,
-        sigma=_float("--sigma", args.sigma, positive=True),
-        sigma_v=_float("--sigma-v", args.sigma_v, positive=True),
+        sigma=_float("--sigma", args.sigma, positive=True, max_abs=SIGMA_MAX),
+        sigma_v=_float("--sigma-v", args.sigma_v, positive=True, max_abs=SIGMA_V_MAX),
         engine=engine,
         expected_mse=not args.no_expected_mse,
     )
@@ -179,28 +186,56 @@ def format_table(result) -> list[str]:
     return [line(head)] + [line(r) for r in rows]
 
 
+class _Printer:
+    """Prints lines until the output is closed (``| head``); after that the work goes on silently.
+
+    A closed pipe must never skip the sweep: results are still computed and written to disk.
+    """
+
+    def __init__(self):
+        self.closed = False
+
+    def __call__(self, line: str = "", *, flush: bool = False) -> None:
+        if self.closed:
+            return
+        try:
+            print(line, flush=flush)
+        except BrokenPipeError:
+            self.closed = True
+            try:  # the interpreter's final flush of the dead pipe must not fail either
+                sys.stdout = open(os.devnull, "w")
+            except OSError:
+                pass
+
+
 def run(args: argparse.Namespace) -> int:
     from pcast_jax.sweep import run_sweep
 
-    spec = spec_from_args(args)
+    spec = spec_from_args(args)  # every option is checked before any work starts
     chunk_size = None if args.chunk_size is None else _int("--chunk-size", args.chunk_size, min_value=1)
+    if args.out is not None and not str(args.out).strip():
+        raise PcastError(f"--out={args.out!r} must name a folder (it would write into the current one)")
+    init_timeout = getattr(args, "init_timeout", None)
+    if init_timeout is not None:
+        _float("--init-timeout", init_timeout, positive=True, max_abs=MAX_INIT_TIMEOUT_S)
     out = Path(args.out) if args.out is not None else Path("sweeps") / spec.fingerprint()
+    say = _Printer()
     resuming = (out / "spec.json").exists()
     info = init_from_args(args)  # None unless a multi-process run was asked for
     if info is not None and info.process_id != 0:  # every process computes; process 0 reports
         run_sweep(spec, out, chunk_size=chunk_size, progress=False)
         return 0
     where = "" if info is None else f" on {info.num_processes} processes ({info.global_devices} devices)"
-    print(f"pcast sweep: {len(spec.configs)} configs x {len(spec.deltas)} delta x {len(spec.ns)} N x "
+    say(f"pcast sweep: {len(spec.configs)} configs x {len(spec.deltas)} delta x {len(spec.ns)} N x "
           f"{spec.seeds} seeds (q_len={spec.q_len}, d={spec.d}, k_sink={spec.k_sink}, sigma={spec.sigma:g}, "
           f"engine={spec.engine}){where}{' - resuming' if resuming else ''}", flush=True)
     start = time.perf_counter()
     result = run_sweep(spec, out, chunk_size=chunk_size, progress=False if args.no_progress else None)
     elapsed = time.perf_counter() - start
     for line in format_table(result):
-        print(line)
+        say(line)
     instances = len(spec.ns) * spec.seeds
-    print(f"{instances} instances x {len(spec.deltas)} delta x {len(spec.configs)} configs in {elapsed:.1f} s; "
+    say(f"{instances} instances x {len(spec.deltas)} delta x {len(spec.configs)} configs in {elapsed:.1f} s; "
           f"mean ± standard error over {spec.seeds} seeds")
-    print(f"results: {out / 'results.npz'}, {out / 'summary.csv'} (spec.json and chunks/ beside them)")
+    say(f"results: {out / 'results.npz'}, {out / 'summary.csv'} (spec.json and chunks/ beside them)")
     return 0

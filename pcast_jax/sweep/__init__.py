@@ -20,12 +20,19 @@ import os
 
 import jax
 
+from pcast_jax.errors import PcastError, check_int, check_positive
 from pcast_jax.sweep.compute import compute_chunk
 from pcast_jax.sweep.local import run_sweep_local
 from pcast_jax.sweep.multihost import ProcessInfo, init_distributed, process_info, run_sweep_distributed
 from pcast_jax.sweep.plan import plan_layout
-from pcast_jax.sweep.spec import (SIMULATOR_VERSION, SweepResult, SweepSpec, check_spec, estimate_instance_bytes,
-                                  instance_key)
+from pcast_jax.sweep.spec import (
+    SIMULATOR_VERSION,
+    SweepResult,
+    SweepSpec,
+    check_spec,
+    estimate_instance_bytes,
+    instance_key,
+)
 from pcast_jax.sweep.store import load_result
 
 __all__ = ["SweepSpec", "SweepResult", "run_sweep", "plan_layout", "compute_chunk", "instance_key",
@@ -65,8 +72,24 @@ def run_sweep(
         that cannot be written or holds another sweep — all before any chunk is computed.
     """
     check_spec(spec)
+    _check_run_args(out_dir, chunk_size, progress, memory_budget)
     if devices is None and jax.process_count() > 1:  # multi-process runtime: shard over every process
         return run_sweep_distributed(spec, out_dir, chunk_size=chunk_size, progress=progress,
                                      memory_budget=memory_budget)
     return run_sweep_local(spec, out_dir, chunk_size=chunk_size, devices=devices, progress=progress,
                            memory_budget=memory_budget)
+
+
+def _check_run_args(out_dir, chunk_size, progress, memory_budget) -> None:
+    """Every argument of :func:`run_sweep` checked before any work (PcastError naming it)."""
+    if out_dir is not None:
+        if not isinstance(out_dir, (str, os.PathLike)):
+            raise PcastError(f"out_dir={out_dir!r} must be a path (str or os.PathLike) or None")
+        if not str(os.fspath(out_dir)).strip():
+            raise PcastError(f"out_dir={out_dir!r} must name a folder (it would write into the current one)")
+    if chunk_size is not None:
+        check_int("chunk_size", chunk_size, min_value=1)
+    if progress is not None and not isinstance(progress, bool):
+        raise PcastError(f"progress={progress!r} must be True, False or None")
+    if memory_budget is not None:
+        check_positive("memory_budget", memory_budget)

@@ -40,13 +40,12 @@ def run_sweep_local(
     todo = units(spec, layout)
     data = empty_results(spec)
     missing = np.ones(len(todo), bool) if out is None else scan(out, spec, todo, data)
-    fp = spec.fingerprint()
     with progress_bar(progress, len(todo), desc="sweep", unit="chunk", done=int((~missing).sum())) as advance:
         for unit in (u for u, miss in zip(todo, missing) if miss):
             s0, s1, d0, d1 = unit.bounds
             got = compute_chunk(spec, spec.ns[unit.ni], s0, s1, np.arange(d0, d1), devices)
             if out is not None:
-                save_chunk(chunk_path(out, spec, unit), fp, unit.bounds, got)
+                save_chunk(chunk_path(out, spec, unit), spec, unit, got)
             fill(data, unit, got)
             advance()
     return SweepResult(spec, data) if out is None else write_results(out, spec, data)

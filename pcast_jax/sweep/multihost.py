@@ -33,13 +33,26 @@ from pcast_jax.sweep.compute import global_mesh, local_rows, start_global_call
 from pcast_jax.sweep.plan import call_seeds, plan_calls, plan_process_layout, units
 from pcast_jax.sweep.progress import progress_bar
 from pcast_jax.sweep.spec import SweepResult, SweepSpec, check_spec, software_identity
-from pcast_jax.sweep.store import (check_probes, chunk_path, claim_dir, empty_results, fill, load_result, merge,
-                                   probe_path, save_chunk, scan, write_probe)
+from pcast_jax.sweep.store import (
+    check_probes,
+    chunk_path,
+    claim_dir,
+    empty_results,
+    fill,
+    load_result,
+    merge,
+    probe_path,
+    save_chunk,
+    scan,
+    write_probe,
+)
 
-__all__ = ["DEFAULT_TIMEOUT_S", "ProcessInfo", "init_distributed", "process_info", "run_sweep_distributed"]
+__all__ = ["DEFAULT_TIMEOUT_S", "MAX_TIMEOUT_S", "ProcessInfo", "init_distributed", "process_info", "run_sweep_distributed"]
 
 #: Default seconds to wait for the coordinator and for every process to join.
 DEFAULT_TIMEOUT_S = 300.0
+#: Largest timeout accepted (one week): JAX's own deadline is a 32-bit count of seconds.
+MAX_TIMEOUT_S = 7 * 86400.0
 _RUNTIME_GRACE_S = 60  # JAX's own start-up deadline sits this far past ours, so ours fires first
 _EXCHANGE_BYTES = 4096
 _MESSAGE_CHARS = 1500
@@ -145,7 +158,7 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
         host, port = _parse_coordinator(coordinator)
         check_int("num_processes", num_processes, min_value=1)
         check_int("process_id", process_id, min_value=0, max_value=num_processes - 1)
-    timeout_s = check_positive("timeout_s", timeout_s)
+    timeout_s = check_positive("timeout_s", timeout_s, max_abs=MAX_TIMEOUT_S)
 
     if jax.distributed.is_initialized():
         info = process_info(coordinator)
@@ -322,7 +335,7 @@ def run_sweep_distributed(spec: SweepSpec, out_dir: str | os.PathLike | None = N
     if out is not None:
         _agree(_guard(write_probe, out, pid, token)[1])
         _agree(_guard(check_probes, out, nproc, token)[1] if pid == 0 else None)
-        probe_path(out, pid).unlink(missing_ok=True)
+        probe_path(out, pid, token).unlink(missing_ok=True)
         if pid == 0:
             scanned, err = _guard(scan, out, spec, todo, data)
             if err is None:
@@ -357,7 +370,7 @@ def run_sweep_distributed(spec: SweepSpec, out_dir: str | os.PathLike | None = N
             unit = call[pid]
             start = pid * slot
             vals = {m: local_rows(v, start, start + unit.bounds[1] - unit.bounds[0]) for m, v in outs.items()}
-            save_chunk(chunk_path(out, spec, unit), fp, unit.bounds, vals)
+            save_chunk(chunk_path(out, spec, unit), spec, unit, vals)
             if pid == 0:
                 fill(data, unit, vals)
         if pid == 0:

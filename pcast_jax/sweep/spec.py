@@ -75,10 +75,8 @@ class SweepSpec:
         if len(set(names)) != len(names):
             raise PcastError(f"configs must have unique names, got {names}")
         object.__setattr__(self, "configs", cfgs)
-        deltas = tuple(check_finite("delta", d) for d in _as_tuple(self.deltas, "deltas"))
-        for d in deltas:  # Δ is added to float32 scores: it must stay finite there
-            if abs(d) > float(np.finfo(np.float32).max):
-                raise PcastError(f"delta={d!r} must be finite in float32 (|delta| <= 3.4e38)")
+        # Δ is added to float32 scores: it must stay finite there
+        deltas = tuple(check_finite("delta", d, float32=True) for d in _as_tuple(self.deltas, "deltas"))
         if not deltas:
             raise PcastError("deltas must hold at least one value")
         object.__setattr__(self, "deltas", deltas)
@@ -86,10 +84,24 @@ class SweepSpec:
         if not ns:
             raise PcastError("ns must hold at least one value")
         object.__setattr__(self, "ns", ns)
-        check_int("seeds", self.seeds, min_value=1)
+        # NumPy integers and floats become Python ones, so that the spec stays JSON-able; values
+        # that already are Python numbers are kept as they are (the fingerprint does not change)
+        object.__setattr__(self, "seeds", check_int("seeds", self.seeds, min_value=1))
         # seed indices are uint32 PRNG data: seed_offset + seeds - 1 must fit in 32 bits
-        check_int("seed_offset", self.seed_offset, min_value=0, max_value=2**32 - self.seeds)
-        check_int("base_seed", self.base_seed, min_value=0, max_value=2**31 - 1)
+        object.__setattr__(self, "seed_offset", check_int("seed_offset", self.seed_offset, min_value=0,
+                                                          max_value=2**32 - self.seeds))
+        object.__setattr__(self, "base_seed", check_int("base_seed", self.base_seed, min_value=0,
+                                                        max_value=2**31 - 1))
+        for name in ("q_len", "d", "k_sink", "sigma", "sigma_v"):
+            value = getattr(self, name)
+            if isinstance(value, np.integer):
+                object.__setattr__(self, name, int(value))
+            elif isinstance(value, np.floating):
+                object.__setattr__(self, name, float(value))
+        if self.sink_positions is not None and not isinstance(self.sink_positions, (str, bytes)) and \
+                hasattr(self.sink_positions, "__iter__"):
+            object.__setattr__(self, "sink_positions", tuple(
+                int(p) if isinstance(p, np.integer) else p for p in self.sink_positions))
         check_choice("engine", self.engine, ENGINES)
         if not isinstance(self.expected_mse, bool):
             raise PcastError(f"expected_mse={self.expected_mse!r} must be True or False")

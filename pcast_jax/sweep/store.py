@@ -1,15 +1,23 @@
 """The on-disk store of a sweep: ``spec.json``, ``chunks/``, ``results.npz`` and ``summary.csv``.
 
-A folder belongs to one sweep (its fingerprint, in ``spec.json``, with the chunk layout). Each
-finished chunk is one ``.npz`` written atomically, holding the fingerprint and its bounds; a file
-that does not match exactly is recomputed, never read. Nothing here runs a computation.
+A folder belongs to one sweep (its fingerprint, in ``spec.json``, with the chunk layout).
+``spec.json`` is created exclusively (:func:`~pcast_jax.fileio.create_exclusive`): of several runs
+started into one new folder at the same moment exactly one claims it; the others read its
+``spec.json`` and resume (same sweep) or are refused (another sweep). Each finished chunk is one
+``.npz`` written atomically, holding the fingerprint, its place in the grid and its bounds; a file
+that does not match the spec exactly (every axis length, dtype, metric set, coordinate) is removed
+and recomputed, never read. ``results.npz`` carries the fingerprint too, and :func:`load_result`
+refuses one that does not match ``spec.json``. Nothing here runs a computation.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import struct
 import zipfile
+import zlib
 from pathlib import Path
 
 import jax
@@ -17,12 +25,16 @@ import numpy as np
 
 from pcast_jax import __version__, metrics
 from pcast_jax.errors import PcastError
-from pcast_jax.fileio import atomic_write
+from pcast_jax.fileio import atomic_write, clean_stale_temps, create_exclusive
 from pcast_jax.sweep.plan import Unit
 from pcast_jax.sweep.spec import FORMAT_VERSION, SweepResult, SweepSpec
 
-__all__ = ["claim_dir", "chunk_path", "save_chunk", "load_chunk", "empty_results", "fill", "scan", "merge",
-           "write_results", "load_result", "write_probe", "check_probes", "probe_path"]
+__all__ = ["claim_dir", "read_manifest", "check_layout", "chunk_path", "save_chunk", "load_chunk",
+           "empty_results", "fill", "scan", "merge", "write_results", "load_result", "write_probe",
+           "check_probes", "probe_path"]
+
+#: What reading a damaged ``.npz`` can raise.
+_NPZ_ERRORS = (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile, zlib.error, struct.error)
 
 
 def _save_npz(path: Path, arrays: dict) -> None:
@@ -32,42 +44,97 @@ def _save_npz(path: Path, arrays: dict) -> None:
 def _check_writable(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write_probe"
-        probe.write_bytes(b"")
+        # unique per process and call: concurrent runs never remove each other's probe
+        probe = out / f".write_probe.{os.getpid()}.{secrets.token_hex(6)}"
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.close(fd)
         probe.unlink()
     except OSError as exc:
         raise PcastError(f"out_dir={str(out)!r} is not writable: {exc.strerror or exc}") from None
 
 
+def check_layout(layout, spec: SweepSpec, where: str = "layout") -> dict:
+    """``layout`` as ``{"chunk_size", "delta_group"}`` ints that cover ``spec``'s grid, or PcastError."""
+    if not isinstance(layout, dict):
+        raise PcastError(f"{where} must be an object with chunk_size and delta_group, got {layout!r}")
+    got = {}
+    for key, most in (("chunk_size", None), ("delta_group", len(spec.deltas))):
+        v = layout.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1 or (most and v > most):
+            bound = f"an integer in [1, {most}]" if most else "an integer >= 1"
+            raise PcastError(f"{where}: {key}={v!r} must be {bound}")
+        got[key] = int(v)
+    return got
+
+
+def read_manifest(out: Path) -> dict:
+    """``out/spec.json``, checked whole: readable, consistent with its own fingerprint.
+
+    Returns:
+      The manifest, with ``spec`` replaced by the parsed :class:`SweepSpec` and ``layout`` checked.
+
+    Raises:
+      PcastError: one line naming the file, whatever the damage.
+    """
+    path = Path(out) / "spec.json"
+    try:
+        saved = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PcastError(f"out_dir={str(out)!r}: spec.json does not exist (not a sweep folder?)") from None
+    except (OSError, ValueError) as exc:
+        raise PcastError(f"out_dir={str(out)!r}: spec.json is unreadable or damaged ({exc}); delete the "
+                         "folder or use another one") from None
+    try:
+        if not isinstance(saved, dict) or not isinstance(saved.get("spec"), dict):
+            raise PcastError("it holds no sweep spec")
+        spec = SweepSpec.from_dict(saved["spec"])
+        if saved.get("fingerprint") != spec.fingerprint():
+            raise PcastError(f"its fingerprint {saved.get('fingerprint')!r} does not match its spec "
+                             f"({spec.fingerprint()})")
+        layout = check_layout(saved.get("layout"), spec)
+    except (PcastError, TypeError, KeyError, ValueError, AttributeError) as exc:
+        raise PcastError(f"out_dir={str(out)!r}: spec.json is damaged: {exc}; delete the folder or use "
+                         "another one") from None
+    return {**saved, "spec": spec, "layout": layout}
+
+
 def claim_dir(out: Path, spec: SweepSpec, layout: dict) -> dict:
     """Make sure ``out`` is writable and belongs to ``spec``; return the layout to use.
 
-    A new folder gets ``spec.json`` (with ``layout``); a folder of the same sweep keeps its saved
-    layout, which is returned so that a resumed run cuts the same chunks.
+    A new folder gets ``spec.json`` (with ``layout``), created exclusively: when several runs
+    claim one folder at once exactly one creates it, and every other one then reads it like an
+    existing folder. There is no lock to go stale: a killed run leaves either no ``spec.json``
+    or a complete one. A folder of the same sweep keeps its saved layout, which is returned so
+    that a resumed run cuts the same chunks; temporary files left there by killed writers are
+    removed.
 
     Raises:
-      PcastError: the folder cannot be written, its spec.json is unreadable, or it holds another sweep.
+      PcastError: the folder cannot be written, its spec.json is damaged, or it holds another sweep.
     """
     out = Path(out)
     _check_writable(out)
     manifest = out / "spec.json"
-    if manifest.exists():
-        try:
-            saved = json.loads(manifest.read_text())
-        except (OSError, ValueError) as exc:
-            raise PcastError(f"out_dir={str(out)!r}: spec.json is unreadable ({exc})") from None
-        if saved.get("fingerprint") != spec.fingerprint():
-            old = saved.get("spec", {})
-            new = spec.to_dict()
-            diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-            raise PcastError(
-                f"out_dir={str(out)!r} holds a different sweep (fields that differ: {', '.join(diff) or '?'}); "
-                "refusing to mix results — use another output folder or delete this one")
-        return saved["layout"]
     body = {"format_version": FORMAT_VERSION, "fingerprint": spec.fingerprint(), "layout": layout,
             "spec": spec.to_dict(), "pcast_jax": __version__, "jax": jax.__version__}
-    atomic_write(manifest, lambda f: f.write(json.dumps(body, indent=1)), text=True)
-    return layout
+    try:
+        create_exclusive(manifest, lambda f: f.write(json.dumps(body, indent=1)), text=True)
+        return layout
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise PcastError(f"out_dir={str(out)!r} is not writable: {exc.strerror or exc}") from None
+    saved = read_manifest(out)
+    if saved["fingerprint"] != spec.fingerprint():
+        old = saved["spec"].to_dict()
+        new = spec.to_dict()
+        diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        differ = ", ".join(diff) or "the simulator or file format version"
+        raise PcastError(
+            f"out_dir={str(out)!r} holds a different sweep (fields that differ: {differ}); "
+            "refusing to mix results — use another output folder or delete this one")
+    for folder in (out, out / "chunks"):
+        clean_stale_temps(folder)
+    return saved["layout"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -80,25 +147,57 @@ def chunk_path(out: Path, spec: SweepSpec, unit: Unit) -> Path:
     return Path(out) / "chunks" / f"n{spec.ns[unit.ni]}_g{unit.group:03d}_c{unit.chunk:06d}.npz"
 
 
-def save_chunk(path: Path, fingerprint: str, bounds: tuple[int, int, int, int], vals: dict) -> None:
+def _chunk_tags(spec: SweepSpec, unit: Unit) -> dict[str, np.ndarray]:
+    """What identifies a chunk file: the sweep, its place in the grid and its coordinates."""
+    d0, d1 = unit.bounds[2:]
+    return {"fingerprint": np.array(spec.fingerprint()), "bounds": np.array(unit.bounds),
+            "unit": np.array([unit.ni, unit.group, unit.chunk]), "n": np.array(spec.ns[unit.ni]),
+            "deltas": np.asarray(spec.deltas[d0:d1], np.float64)}
+
+
+def save_chunk(path: Path, spec: SweepSpec, unit: Unit, vals: dict) -> None:
     """Write one chunk's metrics (each (seeds, deltas, configs)) atomically, tagged with its identity."""
-    _save_npz(path, {"fingerprint": np.array(fingerprint), "bounds": np.array(bounds),
-                     **{f"m_{k}": v for k, v in vals.items()}})
+    _save_npz(path, {**_chunk_tags(spec, unit), **{f"m_{k}": v for k, v in vals.items()}})
 
 
-def load_chunk(path: Path, fingerprint: str, bounds: tuple[int, int, int, int]) -> dict[str, np.ndarray] | None:
-    """A finished chunk's metrics, or None when absent or not exactly this chunk of this sweep."""
+def check_chunk(path: Path, spec: SweepSpec, unit: Unit) -> dict[str, np.ndarray] | str:
+    """A chunk file's metrics, or why it cannot be trusted ("missing" when there is no file).
+
+    Every tag must equal the spec's (fingerprint, grid place, bounds, N, Δ values) and the metrics
+    must be exactly the sweep's metric set, each float32 of shape (seeds, deltas, configs).
+    """
+    want = _chunk_tags(spec, unit)
     try:
-        with np.load(path) as z:
-            if str(z["fingerprint"]) != fingerprint or tuple(int(b) for b in z["bounds"]) != bounds:
-                return None
-            got = {k[2:]: z[k] for k in z.files if k.startswith("m_")}
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
-        return None
-    s0, s1, d0, d1 = bounds  # every metric, each (seeds, deltas, configs): else recompute
-    if set(got) != set(metrics.METRICS) or any(v.shape[:2] != (s1 - s0, d1 - d0) for v in got.values()):
-        return None
-    return got
+        with np.load(path, allow_pickle=False) as z:
+            files = set(z.files)
+            for key, ref in want.items():
+                if key not in files:
+                    return f"no {key!r} entry"
+                got = z[key]
+                same = (str(got) == str(ref)) if key == "fingerprint" else (
+                    got.shape == ref.shape and np.array_equal(got.astype(ref.dtype), ref))
+                if not same:
+                    return f"{key} {got.tolist()!r} is not {ref.tolist()!r}"
+            vals = {k[2:]: z[k] for k in files if k.startswith("m_")}
+            extra = files - set(want) - {f"m_{m}" for m in metrics.METRICS}
+    except FileNotFoundError:
+        return "missing"
+    except _NPZ_ERRORS as exc:
+        return f"unreadable ({type(exc).__name__}: {exc})"
+    if set(vals) != set(metrics.METRICS) or extra:
+        return f"entries {sorted(files)} are not the sweep's metrics {sorted(metrics.METRICS)}"
+    s0, s1, d0, d1 = unit.bounds
+    shape = (s1 - s0, d1 - d0, len(spec.configs))
+    for m, v in vals.items():
+        if v.shape != shape or v.dtype != np.float32:
+            return f"{m} is {v.dtype}{list(v.shape)}, expected float32{list(shape)}"
+    return vals
+
+
+def load_chunk(path: Path, spec: SweepSpec, unit: Unit) -> dict[str, np.ndarray] | None:
+    """A finished chunk's metrics, or None when absent or not exactly this chunk of this sweep."""
+    got = check_chunk(path, spec, unit)
+    return None if isinstance(got, str) else got
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,10 +205,13 @@ def load_chunk(path: Path, fingerprint: str, bounds: tuple[int, int, int, int]) 
 # --------------------------------------------------------------------------------------------
 
 
+def _result_shape(spec: SweepSpec) -> tuple[int, int, int, int]:
+    return (len(spec.ns), len(spec.configs), len(spec.deltas), spec.seeds)
+
+
 def empty_results(spec: SweepSpec) -> dict[str, np.ndarray]:
     """metric → NaN array shaped (len(ns), len(configs), len(deltas), seeds), to be filled by chunks."""
-    shape = (len(spec.ns), len(spec.configs), len(spec.deltas), spec.seeds)
-    return {m: np.full(shape, np.nan, np.float32) for m in metrics.METRICS}
+    return {m: np.full(_result_shape(spec), np.nan, np.float32) for m in metrics.METRICS}
 
 
 def fill(data: dict[str, np.ndarray], unit: Unit, vals: dict[str, np.ndarray]) -> None:
@@ -120,22 +222,40 @@ def fill(data: dict[str, np.ndarray], unit: Unit, vals: dict[str, np.ndarray]) -
 
 
 def scan(out: Path, spec: SweepSpec, todo: list[Unit], data: dict) -> np.ndarray:
-    """Fill ``data`` from every valid chunk file in ``out``; True where a chunk is still missing."""
-    fp = spec.fingerprint()
+    """Fill ``data`` from every valid chunk file in ``out``; True where a chunk is still missing.
+
+    A file that is there but does not match (damaged, another chunk's, another shape) is removed,
+    so that it is recomputed and never read.
+    """
     missing = np.ones(len(todo), bool)
     for k, unit in enumerate(todo):
-        got = load_chunk(chunk_path(out, spec, unit), fp, unit.bounds)
-        if got is not None:
-            fill(data, unit, got)
-            missing[k] = False
+        path = chunk_path(out, spec, unit)
+        got = check_chunk(path, spec, unit)
+        if isinstance(got, str):
+            if got != "missing":
+                try:
+                    path.unlink()
+                except OSError:
+                    pass
+            continue
+        fill(data, unit, got)
+        missing[k] = False
     return missing
 
 
 def write_results(out: Path, spec: SweepSpec, data: dict) -> SweepResult:
-    """Write ``results.npz`` and ``summary.csv`` for the complete ``data``."""
+    """Write ``results.npz`` (tagged with the fingerprint) and ``summary.csv`` for the complete ``data``.
+
+    Raises:
+      PcastError: ``spec.json`` no longer holds this sweep (the folder was replaced meanwhile).
+    """
+    out = Path(out)
+    if read_manifest(out)["fingerprint"] != spec.fingerprint():
+        raise PcastError(f"out_dir={str(out)!r} was claimed by another sweep while this one ran; "
+                         "its results are not written there")
     result = SweepResult(spec, data)
-    _save_npz(Path(out) / "results.npz", data)
-    result.write_csv(Path(out) / "summary.csv")
+    _save_npz(out / "results.npz", {**data, "fingerprint": np.array(spec.fingerprint())})
+    result.write_csv(out / "summary.csv")
     return result
 
 
@@ -145,27 +265,45 @@ def merge(out: Path, spec: SweepSpec, written: list[Unit], data: dict) -> SweepR
     Raises:
       PcastError: a chunk file is missing or invalid (the folder is not shared by every process).
     """
-    fp = spec.fingerprint()
     for unit in written:
         path = chunk_path(out, spec, unit)
-        got = load_chunk(path, fp, unit.bounds)
-        if got is None:
-            raise PcastError(f"chunk file {path.name} is missing or unreadable on process 0; "
-                             f"out_dir={str(out)!r} must be one folder shared by every process")
+        got = check_chunk(path, spec, unit)
+        if isinstance(got, str):
+            raise PcastError(f"chunk file {path.name} is {got if got == 'missing' else 'invalid: ' + got} "
+                             f"on process 0; out_dir={str(out)!r} must be one folder shared by every process")
         fill(data, unit, got)
     return write_results(out, spec, data)
 
 
 def load_result(out_dir: str | os.PathLike) -> SweepResult:
-    """Read a finished sweep's ``results.npz`` (with its spec)."""
+    """Read a finished sweep's ``results.npz`` with its spec, checked against ``spec.json``.
+
+    Raises:
+      PcastError: no results yet, a damaged ``spec.json`` or ``results.npz``, or a ``results.npz``
+        that does not belong to ``spec.json``'s sweep (other fingerprint, metrics, shapes or dtype).
+    """
     out = Path(out_dir)
     path = out / "results.npz"
     if not path.exists():
         raise PcastError(f"out_dir={str(out)!r} has no results.npz (sweep not finished?)")
-    saved = json.loads((out / "spec.json").read_text())
-    spec = SweepSpec.from_dict(saved["spec"])
-    with np.load(path) as z:
-        data = {k: z[k] for k in z.files}
+    saved = read_manifest(out)
+    spec = saved["spec"]
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            data = {k: z[k] for k in z.files}
+    except _NPZ_ERRORS as exc:
+        raise PcastError(f"{str(path)!r} is unreadable or damaged ({type(exc).__name__}: {exc})") from None
+    tag = data.pop("fingerprint", None)  # absent in files written before results carried it
+    if tag is not None and str(tag) != spec.fingerprint():
+        raise PcastError(f"{str(path)!r} belongs to another sweep (fingerprint {str(tag)!r}) than its "
+                         f"spec.json ({spec.fingerprint()}); refusing to mix results")
+    if set(data) != set(metrics.METRICS):
+        raise PcastError(f"{str(path)!r} holds {sorted(data)}, not the sweep's metrics {sorted(metrics.METRICS)}")
+    shape = _result_shape(spec)
+    for m, v in data.items():
+        if v.shape != shape or v.dtype != np.float32:
+            raise PcastError(f"{str(path)!r}: {m} is {v.dtype}{list(v.shape)}, but spec.json's sweep "
+                             f"needs float32{list(shape)} (N, configs, deltas, seeds)")
     return SweepResult(spec, data)
 
 
@@ -174,15 +312,15 @@ def load_result(out_dir: str | os.PathLike) -> SweepResult:
 # --------------------------------------------------------------------------------------------
 
 
-def probe_path(out: Path, process_id: int) -> Path:
-    """The probe file process ``process_id`` writes to show the folder is shared."""
-    return Path(out) / "chunks" / f".probe_p{process_id:04d}"
+def probe_path(out: Path, process_id: int, token: str) -> Path:
+    """The probe file process ``process_id`` of the run ``token`` writes to show the folder is shared."""
+    return Path(out) / "chunks" / f".probe_p{process_id:04d}_{token}"
 
 
 def write_probe(out: Path, process_id: int, token: str) -> None:
     """Write ``token`` to this process's probe file (PcastError when the folder is not writable)."""
     try:
-        atomic_write(probe_path(out, process_id), lambda f: f.write(token), text=True)
+        atomic_write(probe_path(out, process_id, token), lambda f: f.write(token), text=True)
     except OSError as exc:
         raise PcastError(f"out_dir={str(out)!r} is not writable on process {process_id}: "
                          f"{exc.strerror or exc}") from None
@@ -193,7 +331,7 @@ def check_probes(out: Path, num_processes: int, token: str) -> None:
     unseen = []
     for p in range(num_processes):
         try:
-            ok = probe_path(out, p).read_text() == token
+            ok = probe_path(out, p, token).read_text() == token
         except OSError:
             ok = False
         if not ok:
