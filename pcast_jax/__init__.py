@@ -35,6 +35,7 @@ _EXPORTS = {
     "load_result": "pcast_jax.sweep",
     "PcastError": "pcast_jax.errors",
     "block": None,
+    "nn": None,
     "formats": None,
     "theory": None,
 }

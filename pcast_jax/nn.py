@@ -50,7 +50,7 @@ from pcast_jax import block, engine
 from pcast_jax.config import KernelConfig, resolve
 from pcast_jax.errors import PcastError, check_choice, check_positive
 
-__all__ = ["IMPLEMENTATIONS", "GRADIENTS", "dot_product_attention"]
+__all__ = ["IMPLEMENTATIONS", "GRADIENTS", "attention_fn", "dot_product_attention"]
 
 IMPLEMENTATIONS = ("xla", "scan", "mosaic", "triton")
 GRADIENTS = ("ste", "smooth")
@@ -263,3 +263,35 @@ def _kernel(q, k, v, bias, mask, cfg: KernelConfig, scale: float, backend: str):
     interpret = jax.default_backend() != "gpu"
     return pk.fp8_attention(q8, k8, v8, config=cfg, backend=backend, softmax_scale=scale,
                             interpret=interpret, **descales)
+
+
+_FLAX_KWARGS = {"broadcast_dropout", "dropout_rng", "dropout_rate", "deterministic", "dtype", "precision",
+                "module", "is_causal"}
+
+
+def attention_fn(config: str | KernelConfig | None = None, *, implementation: str | None = None,
+                 gradient: str = "ste", smooth_temperature: float = 0.2):
+    """An ``attention_fn`` for ``flax.nnx.MultiHeadAttention`` (and ``flax.linen``) through ``config``.
+
+    ``nnx.MultiHeadAttention(..., attention_fn=pcast_jax.nn.attention_fn("fa3"))`` makes the
+    layer's attention the simulated kernel (:func:`dot_product_attention`); ``config=None`` is exact
+    FP32. Dropout is refused (a kernel simulation is deterministic), and so are keyword arguments
+    this function does not know, rather than being ignored.
+    """
+    cfg = None if config is None else resolve(config)
+    check_choice("gradient", gradient, GRADIENTS)
+
+    def fn(query, key, value, bias=None, mask=None, **kwargs):
+        unknown = sorted(set(kwargs) - _FLAX_KWARGS)
+        if unknown:
+            raise PcastError(f"attention_fn got keyword argument(s) {', '.join(unknown)} it does not support")
+        if kwargs.get("dropout_rate", 0.0) > 0.0 and not kwargs.get("deterministic", True):
+            raise PcastError("attention_fn: attention dropout is not simulated (set dropout_rate=0 or "
+                             "deterministic=True)")
+        out = dot_product_attention(query, key, value, bias, mask, is_causal=bool(kwargs.get("is_causal", False)),
+                                    config=cfg, implementation=implementation, gradient=gradient,
+                                    smooth_temperature=smooth_temperature)
+        dtype = kwargs.get("dtype")
+        return out if dtype is None else out.astype(dtype)
+
+    return fn

@@ -173,3 +173,22 @@ def test_bad_input_names_the_parameter(kwargs, needle):
     k = jnp.ones((1, 128, 4 if kh == 3 else K, H))
     with pytest.raises(PcastError, match=needle):
         pj.dot_product_attention(q, k, k, **kwargs)
+
+
+def test_flax_nnx_attention_fn():
+    nnx = pytest.importorskip("flax.nnx")
+    x = jax.random.normal(jax.random.key(1), (2, 64, 32)).at[:, 0].mul(12.0)
+
+    def layer(fn=None):
+        kw = {} if fn is None else {"attention_fn": fn}
+        return nnx.MultiHeadAttention(num_heads=4, in_features=32, decode=False, rngs=nnx.Rngs(0), **kw)
+
+    exact = pj.nn.attention_fn(None)
+    np.testing.assert_allclose(np.asarray(layer(exact)(x, is_causal=True)), np.asarray(layer()(x, is_causal=True)),
+                               rtol=1e-5, atol=1e-6)
+    fp8 = layer(pj.nn.attention_fn("fwd_s1"))(x, is_causal=True)
+    assert bool(jnp.all(jnp.isfinite(fp8))) and not np.allclose(np.asarray(fp8), np.asarray(layer()(x, is_causal=True)))
+    grads = nnx.grad(lambda m: jnp.sum(m(x, is_causal=True) ** 2))(layer(pj.nn.attention_fn("fwd_s1")))
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+    with pytest.raises(PcastError, match="input_positions"):
+        pj.nn.attention_fn("fwd_s1")(x[:, :, None], x[:, :, None], x[:, :, None], input_positions=0)

@@ -48,6 +48,7 @@ from pcast_jax.config import QKV_GRANULARITIES, KernelConfig, resolve
 from pcast_jax.errors import PcastError, check_choice, check_int
 from pcast_jax.models.gguf_loader import LlamaConfig
 from pcast_jax.models.llama import _validate, expand_kv, forward
+from pcast_jax.nn import dot_product_attention
 
 __all__ = [
     "QKV_GRANULARITIES",
@@ -189,14 +190,19 @@ class FP8Attention:
         return self.config.name
 
     def __call__(self, q, k, v, layer=None):
-        """``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` → ``[T, Hq, D]``; ``layer`` is ignored."""
+        """``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` → ``[T, Hq, D]``; ``layer`` is ignored.
+
+        The kernel path is :func:`pcast_jax.nn.dot_product_attention` (causal, the config's
+        Q/K/V precision), the same function a user's own model calls.
+        """
         del layer
         if not self.p_cast:
             scores, v_seen = _scores_and_values(q, k, v, self.config)
             out = _engine.reference_attention(scores, v_seen, causal=True, q_offset=0)
             return jnp.swapaxes(out, 0, 1)
-        res = heads_attention(q, k, v, self.config, engine=self.engine)
-        return jnp.swapaxes(res.out, 0, 1)
+        out = dot_product_attention(q[None], k[None], v[None], is_causal=True, config=self.config,
+                                    implementation="scan" if self.engine == "scan" else "xla")
+        return out[0]
 
 
 # --------------------------------------------------------------------------------------------
