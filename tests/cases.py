@@ -17,3 +17,18 @@ def distinct_configs(configs: dict[str, KernelConfig]) -> list:
     for name, cfg in configs.items():
         groups.setdefault(cfg, []).append(name)
     return [pytest.param(cfg, id="=".join(names)) for cfg, names in groups.items()]
+
+
+def count_chunks(monkeypatch) -> list:
+    """Record (N, first seed, end seed) of every chunk the local sweep driver computes from now on."""
+    from pcast_jax.sweep import local
+
+    calls = []
+    real = local.compute_chunk
+
+    def counting(spec, n, s0, s1, *args, **kw):
+        calls.append((n, s0, s1))
+        return real(spec, n, s0, s1, *args, **kw)
+
+    monkeypatch.setattr(local, "compute_chunk", counting)
+    return calls

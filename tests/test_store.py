@@ -25,6 +25,8 @@ from pcast_jax.fileio import clean_stale_temps, create_exclusive, temp_prefix
 from pcast_jax.sweep import SweepSpec, load_result, run_sweep, store
 from pcast_jax.sweep import local as sweep_local
 
+from cases import count_chunks
+
 TINY = dict(configs=("fwd_s1", "rev_s256"), deltas=(5.0, 7.0, 9.0), ns=(64, 96), seeds=4, q_len=2, d=4)
 
 
@@ -54,16 +56,6 @@ def _same_bits(a: dict, b: dict) -> None:
         np.testing.assert_array_equal(a[m].view(np.uint32), b[m].view(np.uint32), err_msg=m)
 
 
-def _count_chunks(monkeypatch) -> list:
-    calls = []
-    real = sweep_local.compute_chunk
-
-    def counting(spec, n, s0, s1, *args, **kw):
-        calls.append((n, s0, s1))
-        return real(spec, n, s0, s1, *args, **kw)
-
-    monkeypatch.setattr(sweep_local, "compute_chunk", counting)
-    return calls
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,7 +205,7 @@ def test_chunk_that_disagrees_with_the_spec_is_removed_and_recomputed(finished, 
     assert isinstance(store.check_chunk(victim, spec, unit), str)
     with pytest.raises(PcastError, match=victim.name):  # the multi-process merge refuses it
         store.merge(out, spec, [unit], store.empty_results(spec))
-    calls = _count_chunks(monkeypatch)
+    calls = count_chunks(monkeypatch)
     res = run_sweep(spec, out, progress=False)
     assert len(calls) == 1  # exactly the damaged chunk, never merged
     _same_bits(res.data, finished[1].data)
@@ -229,7 +221,7 @@ def test_chunk_moved_to_another_place_is_never_read(finished, spec, tmp_path, mo
     blobs = [p.read_bytes() for p in chunks]
     for i, path in enumerate(chunks):  # rotate: every file now holds its neighbour's content
         path.write_bytes(blobs[(i + 1) % len(blobs)])
-    calls = _count_chunks(monkeypatch)
+    calls = count_chunks(monkeypatch)
     _same_bits(run_sweep(spec, out, progress=False).data, finished[1].data)
     assert len(calls) == len(chunks)
 
@@ -274,7 +266,7 @@ def test_damaged_spec_json_gives_one_error_naming_the_file(finished, spec, tmp_p
     out = _copy(finished[0], tmp_path / "run")
     manifest = out / "spec.json"
     manifest.write_text(SPEC_DAMAGE[damage](manifest.read_text()))
-    calls = _count_chunks(monkeypatch)
+    calls = count_chunks(monkeypatch)
     for action in (lambda: load_result(out), lambda: run_sweep(spec, out, progress=False)):
         with pytest.raises(PcastError) as info:
             action()
@@ -368,7 +360,7 @@ def test_temp_files_of_killed_writers_are_removed_on_resume(finished, spec, tmp_
         if key in ("foreign old", "old naming, old"):
             os.utime(path, (time.time() - 2 * 86400,) * 2)
     (out / f".spec.json.{host_prefix}.{dead}.abc128.tmp").write_text("{")
-    calls = _count_chunks(monkeypatch)
+    calls = count_chunks(monkeypatch)
     run_sweep(spec, out, progress=False)
     assert calls == []
     left = {p.name for p in out.rglob(".*.tmp")}

@@ -19,8 +19,9 @@ from pcast_jax import cli, engine, metrics
 from pcast_jax import sweep as sweep_mod
 from pcast_jax.errors import PcastError
 from pcast_jax.sweep import SweepSpec, estimate_instance_bytes, load_result, run_sweep
-from pcast_jax.sweep import local as sweep_local
 from pcast_jax.workloads import SinkWorkload, make_instance
+
+from cases import count_chunks
 
 #: multiply, exponent and dynamic scale modes; N = 300 pads to 320 (B = 64) and 384 (B = 128)
 SPEC_KW = dict(configs=("rev_s256", "fa3", "dynamic_pow2"), deltas=(5.0, 7.0, 9.0), ns=(300,), seeds=5,
@@ -45,16 +46,6 @@ def assert_same_bits(a, b):
         np.testing.assert_array_equal(a.data[m].view(np.uint32), b.data[m].view(np.uint32), err_msg=m)
 
 
-def _count_chunks(monkeypatch):
-    calls = []
-    real = sweep_local.compute_chunk
-
-    def counting(spec, n, s0, s1, *args, **kw):
-        calls.append((n, s0, s1))
-        return real(spec, n, s0, s1, *args, **kw)
-
-    monkeypatch.setattr(sweep_local, "compute_chunk", counting)
-    return calls
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,7 +168,7 @@ def test_resume_recomputes_only_missing_chunks(tmp_path, spec, reference, monkey
     for path in chunks[::2]:
         path.unlink()
     (out / "results.npz").unlink()
-    calls = _count_chunks(monkeypatch)
+    calls = count_chunks(monkeypatch)
     resumed = run_sweep(spec, out, progress=False)  # the saved layout (chunks of 2) is reused
     assert len(calls) == len(chunks[::2])
     assert_same_bits(resumed, reference)
@@ -193,7 +184,7 @@ def test_corrupted_or_foreign_chunk_is_recomputed_not_read(tmp_path, spec, refer
     chunks[0].write_bytes(b"PK\x03\x04 not a zip file")  # truncated / garbage
     chunks[2].write_bytes(chunks[1].read_bytes())  # a valid chunk file, but of other seeds
     _flip_a_value_byte(chunks[1], "m_mse.npy")  # one bit of one stored MSE (the zip CRC no longer matches)
-    calls = _count_chunks(monkeypatch)
+    calls = count_chunks(monkeypatch)
     assert_same_bits(run_sweep(spec, out, progress=False), reference)
     assert len(calls) == 3
 
@@ -220,7 +211,7 @@ def test_different_spec_in_same_folder_is_refused(tmp_path, spec):
 
 
 def test_too_small_memory_budget_fails_before_any_work(tmp_path, spec, monkeypatch):
-    calls = _count_chunks(monkeypatch)
+    calls = count_chunks(monkeypatch)
     out = tmp_path / "never"
     with pytest.raises(PcastError, match="memory budget"):
         run_sweep(spec, out, memory_budget=10_000, progress=False)
