@@ -23,22 +23,43 @@ TITLE = "Table 3 — production FP8 attention kernels"
 #: where the preset follows the kernel's source rather than the paper).
 PAPER = {
     "fa3": ("FlashAttention-3", "Rev", "256", "Optimal",
-            "S folded into exp2 (ℓ holds S), B = 128; P·S equals multiply mode up to FP32 rounding"),
+            "S folded into exp2 (ℓ holds S), B = 224 at d = 128; P·S equals multiply mode up to FP32 rounding"),
     "fa4": ("FlashAttention-4", "Rev", "256", "Optimal",
             "as FlashAttention-3 (paper lists FA3/4 as one row)"),
     "hpc_ops": ("hpc-ops (updated)", "Fwd", "256", "Optimal", ""),
     "hpc_ops_prior": ("hpc-ops (prior)", "Fwd", "1", "S=1 baseline", ""),
     "flashinfer_sm90": ("FlashInfer", "Rev", "448", "Near-optimal",
                         "order: reverse, from the source and this table; the paper's Table 2 / Fig. 2 "
-                        "label \"Forward, S=448 — FlashInfer/TRT\" implies forward. B = 128"),
-    "trtllm_xqa": ("TensorRT-LLM XQA", "Fwd", "448", "Suboptimal scale", ""),
+                        "label \"Forward, S=448 — FlashInfer/TRT\" implies forward. B = 192 at d = 128"),
+    "trtllm_xqa": ("TensorRT-LLM XQA", "Fwd", "448", "Suboptimal scale", "one CTA per row (multi-block off)"),
+    "trtllm_xqa_multiblock": ("TensorRT-LLM XQA, multi-block decode", "Fwd", "448", "Suboptimal scale",
+                              "8 sub-sequences dealt KV tiles round-robin, each forward with its own max, "
+                              "LSE-merged: only one sees the sink tile first"),
+    "fa3_splitkv": ("FlashAttention-3, split-KV (num_splits = 8)", "Rev", "256", "Optimal",
+                    "contiguous KV ranges, each reverse, LSE-merged"),
     "sageattn2": ("SageAttention2", "Fwd", "448", "Suboptimal scale",
                   "S = 2^8.807 ≈ 447.9 folded into exp2 (source); INT8 Q/K not modelled"),
     "sageattn2pp": ("SageAttention2++ (§2.2, not in Table 3)", "—", "112", "—",
-                    "S: the source keeps 2^8.807 ≈ 448 with an FP16 PV accumulator (V range cut to "
-                    "2.25); the paper's S = 112 is not in the released code"),
+                    "S: the source keeps 2^8.807 ≈ 448 with an FP16 PV accumulator (V scaled per channel "
+                    "to 2.25, f16 rounded per 32 keys); the paper's S = 112 is not in the released code"),
     "dynamic_pow2": ("per-block dynamic 2^k (§7.4 future work)", "—", "—", "—",
                      "no released kernel; per row and block the largest 2^k with max P·2^k ≤ 448"),
+}
+
+
+#: preset → where its KV tile B (at head dim d = 128) comes from (see pcast_jax/config.py).
+TILE_SOURCE = {
+    "fa3": "hopper/tile_size.h tile_size_fwd_sm90, FP8 branch, d ≤ 128 (160 at d = 64)",
+    "fa4": "assumption (not read from source)",
+    "flashinfer_sm90": "hopper/quantization/prefill_sm90.cuh CTA_KV, d = 128 (128 at d = 64/256)",
+    "trtllm_xqa": "xqa/mha_sm90.cu gemm0CtaTileNbTokens = 64",
+    "trtllm_xqa_multiblock": "xqa/mha_sm90.cu gemm0CtaTileNbTokens = 64; 8 strided sub-sequences (assumed launch)",
+    "fa3_splitkv": "as fa3; 8 contiguous splits (assumed num_splits)",
+    "sageattn2": "assumption (not re-read from source)",
+    "sageattn2pp": "assumption (not re-read from source); f16 rounded per 32 keys",
+    "hpc_ops": "assumption (not re-read from source)",
+    "hpc_ops_prior": "assumption (not re-read from source)",
+    "dynamic_pow2": "the paper's B = 64",
 }
 
 
@@ -86,11 +107,13 @@ def run(ctx: Context) -> Section:
         row = {"preset": name, "implementation": impl, "order": _order(cfg), "scale": _scale(cfg),
                "power_of_two": cfg.scale_mode != "dynamic" and cfg.scale_is_power_of_two,
                "scale_mode": cfg.scale_mode, "block_kv": cfg.block_kv, "accumulator": cfg.accumulator,
+               "kv_splits": cfg.kv_splits, "split_layout": cfg.split_layout if cfg.kv_splits > 1 else "",
+               "tile_source": f"B = {cfg.block_kv}: {TILE_SOURCE.get(name, 'assumption')}",
                "paper_order": p_order, "paper_scale": p_scale, "paper_status": p_status,
                "follows_source_not_paper": note,
                "computed_as": cfg_from if kind == "paper" else (cfg_from if cfg_from != name else "")}
         md = {k: row[k] for k in ("implementation", "preset", "order", "scale", "paper_order", "paper_scale",
-                                  "paper_status", "follows_source_not_paper")}
+                                  "paper_status", "follows_source_not_paper", "tile_source")}
         md["power_of_two"] = "dyn. 2^k" if cfg.scale_mode == "dynamic" else ("✓" if row["power_of_two"] else "×")
         for n in s.ns_table3:
             m, se = mean_sem(values("mse", name, n))
@@ -114,6 +137,7 @@ def run(ctx: Context) -> Section:
     for n in s.ns_table3:
         cols += [Column(f"mse_n{n}", f"MSE ×10⁻⁵ N={n}"), Column(f"ratio_n{n}", "/ best")]
     cols.append(Column("follows_source_not_paper", "preset vs paper (from the source)"))
+    cols.append(Column("tile_source", "KV tile and its source"))
 
     # the paper's ranking in MSE terms: S=256 kernels < S≈448 kernels < the S=1 baseline
     findings = []

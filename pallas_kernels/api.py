@@ -70,7 +70,12 @@ def quantize_qkv(q, k, v):
 
     ``descales`` is a dict with ``q_descale``, ``k_descale``, ``v_descale``, ready to be passed as
     ``fp8_attention(q8, k8, v8, config=..., **descales)``.
+
+    Raises:
+      PcastError: a concrete input holds NaN or ±inf (its descale would be NaN or inf).
     """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_finite_input(name, x)
     q8, dq = quantize_fp8(q)
     k8, dk = quantize_fp8(k)
     v8, dv = quantize_fp8(v)
@@ -117,11 +122,35 @@ def _check_array(name: str, x, ndim: int):
 
 
 def _check_descale(name: str, value):
-    if isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool):
-        return check_positive(name, value)
-    if isinstance(value, bool) or jnp.ndim(value) != 0:
+    """A descale: a number or 0-d array, finite in float32 and > 0.
+
+    Concrete arrays (what :func:`quantize_qkv` returns) are checked eagerly, like numbers; traced
+    values (inside ``jit``/``grad``) cannot be read without a host sync and pass unchecked.
+    """
+    if isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, (bool, np.bool_)):
+        return check_positive(name, value, float32=True)
+    if isinstance(value, (bool, np.bool_)) or jnp.ndim(value) != 0:
         raise PcastError(f"{name}={value!r} must be a positive scalar (float or 0-d array)")
+    if isinstance(value, jax.core.Tracer):
+        return value  # unchecked: see the docstring
+    arr = np.asarray(value)
+    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.number):
+        raise PcastError(f"{name} (array of dtype {arr.dtype}) must be a positive number")
+    check_positive(name, float(arr), float32=True)
     return value
+
+
+def _check_finite_input(name: str, x) -> None:
+    """Refuse a concrete array holding NaN or ±inf (traced arrays pass unchecked)."""
+    if isinstance(x, jax.core.Tracer):
+        return
+    try:
+        ok = bool(jnp.all(jnp.isfinite(jnp.asarray(x, jnp.float32))))
+    except (TypeError, ValueError):
+        raise PcastError(f"{name} must be an array of real numbers") from None
+    if not ok:
+        raise PcastError(f"{name} holds NaN or inf (or values beyond float32's range); "
+                         "FP8 quantization needs finite input")
 
 
 def _validate(q, k, v, cfg: KernelConfig, backend: str, softmax_scale, num_slots: int, v_transposed: bool):
@@ -153,6 +182,16 @@ def _validate(q, k, v, cfg: KernelConfig, backend: str, softmax_scale, num_slots
             f"overflow='nan' with scale={cfg.scale:g} > 448 not supported: the kernels saturate "
             "(cvt.rn.satfinite); use overflow='satfinite'"
         )
+    # kernel semantics the simulator models but the kernels do not run (yet): refused, never ignored
+    if cfg.kv_splits > 1:
+        raise PcastError(f"kv_splits={cfg.kv_splits} not supported by the kernels: they run one Algorithm-1 "
+                         "pass per row (kv_splits=1); simulate split-KV with pcast_jax.engine.attention")
+    if cfg.f16_round_keys:
+        raise PcastError(f"f16_round_keys={cfg.f16_round_keys} not supported by the kernels: their f16 "
+                         "accumulator rounds once per KV block (f16_round_keys=0)")
+    if cfg.v_channel_max:
+        raise PcastError(f"v_channel_max={cfg.v_channel_max:g} not supported by the kernels: they accumulate "
+                         "P8·V8 at V8's own scale (v_channel_max=0)")
     if cfg.causal and q_len > n_kv:
         raise PcastError(f"q_len={q_len} must be <= N={n_kv} with causal=True (bottom-right aligned)")
 
@@ -240,7 +279,9 @@ def fp8_attention(
       v: like k, or (batch, kv_heads, d, N) with ``v_transposed=True`` (the layout both kernels
         read; otherwise it is transposed here).
       config: preset name or :class:`~pcast_jax.config.KernelConfig`. ``block_kv`` must suit the
-        backend (:func:`supported_block_kv`); N must be a multiple of it.
+        backend (:func:`supported_block_kv`); N must be a multiple of it. The kernels refuse
+        split-KV (``kv_splits > 1``), ``f16_round_keys`` and ``v_channel_max`` with a
+        :class:`~pcast_jax.errors.PcastError` naming the field: those are simulator-only.
       backend: ``"mosaic"`` (Pallas Mosaic GPU, Hopper wgmma + TMA) or ``"triton"``.
       interpret: run the kernel in Pallas interpret mode (works on CPU).
       softmax_scale: defaults to 1/√d.

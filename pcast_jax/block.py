@@ -29,6 +29,7 @@ import math
 from typing import NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from pcast_jax import formats
@@ -45,6 +46,7 @@ __all__ = [
     "cast_p",
     "zeroed",
     "round_product",
+    "block_pv",
     "block_product",
     "accumulate",
     "epilogue_divisor",
@@ -53,6 +55,9 @@ __all__ = [
     "visible",
     "causal_mask",
     "causal_kv_steps",
+    "split_schedule",
+    "merge_splits",
+    "v_channel_scale",
 ]
 
 #: log2(e): the exponent mode computes exp(x) as exp2(x · log2 e), like the kernels.
@@ -135,15 +140,61 @@ def zeroed(ps, cfg: KernelConfig):
     return (ps > 0.0) & (ps <= cfg.fmt.round_to_zero)
 
 
-def round_product(pv, cfg: KernelConfig):
-    """A block's P8·V as the accumulator holds it: rounded to float16 for an f16 accumulator."""
+def round_product(pv, cfg: KernelConfig, *, carry=None, barrier=None):
+    """A block's P8·V as the accumulator holds it: rounded to float16 for an f16 accumulator.
+
+    ``carry``: the f16 partial sum of the key groups before ``pv`` in the block (see
+    :func:`block_pv`); the f16 MMA adds them and rounds to float16 (round to nearest even).
+    ``barrier``: a function applied to the float16 value before it is widened back; callers
+    outside a kernel pass ``jax.lax.optimization_barrier`` so that XLA cannot fold the
+    f32 → f16 → f32 round trip away (kernels cannot lower a barrier and pass none).
+    """
     if cfg.accumulator == "f16":
-        return pv.astype(jnp.float16).astype(jnp.float32)
+        if carry is not None:
+            pv = carry + pv
+        h = pv.astype(jnp.float16)
+        if barrier is not None:
+            h = barrier(h)
+        return h.astype(jnp.float32)
     return pv
 
 
+def block_pv(product, cfg: KernelConfig, *, barrier=None):
+    """Line 10's P8·V_j as the accumulator produces it, from ``product(lo, hi)`` = P8[:, lo:hi]·V[lo:hi].
+
+    FP32 accumulator: one exact product. f16 accumulator: one f16 MMA per ``f16_round_keys`` keys
+    (all B keys when 0), each adding its exact product to the f16 partial sum of the block and
+    rounding to float16 (:func:`round_product`); the block's f16 sum is what is added to FP32 O.
+    """
+    b = cfg.block_kv
+    if cfg.accumulator != "f16":
+        return product(0, b)
+    r = cfg.f16_round_keys or b
+    acc = None
+    for lo in range(0, b, r):
+        acc = round_product(product(lo, lo + r), cfg, carry=acc, barrier=barrier)
+    return acc
+
+
+def v_channel_scale(v, cfg: KernelConfig):
+    """Per-channel V scale of an f16 accumulator with ``v_channel_max`` (None without one).
+
+    ``v``: ``(..., N, d)``. Returns ``(..., d)`` c = max_n |V[n, :]| / v_channel_max (1 for an
+    all-zero channel): the kernel accumulates P8·(V/c) in f16 and multiplies the result by c after
+    the accumulation (SageAttention2++: V quantized per channel to |V/c| ≤ 2.25 so that a 32-key f16
+    MMA cannot overflow).
+    """
+    if cfg.accumulator != "f16" or not cfg.v_channel_max:
+        return None
+    amax = jnp.max(jnp.abs(v), axis=-2)
+    return jnp.where(amax > 0.0, amax / jnp.float32(cfg.v_channel_max), 1.0)
+
+
 def block_product(pv, unscale, cfg: KernelConfig):
-    """Line 10's P8·V_j as it is added: :func:`round_product`, then × 2^-k in the dynamic mode."""
+    """Line 10's P8·V_j as it is added: :func:`round_product`, then × 2^-k in the dynamic mode.
+
+    Rounding a value :func:`block_pv` already rounded to float16 leaves it unchanged.
+    """
     pv = round_product(pv, cfg)
     if unscale is not None:
         pv = pv * expand_rows(unscale, pv.shape)
@@ -192,3 +243,48 @@ def causal_mask(q_len: int, n: int, q_offset=None):
 def causal_kv_steps(last_q_pos, block_kv: int, n_blocks: int):
     """How many KV blocks a causal tile visits: those holding a key ≤ its last query position."""
     return jnp.minimum(lax.div(last_q_pos, block_kv) + 1, n_blocks)
+
+
+def split_schedule(n_blocks: int, cfg: KernelConfig) -> np.ndarray:
+    """Split-KV: ``(kv_splits, steps)`` KV block that split s visits at step t (host-side, static).
+
+    ``"contiguous"``: split s owns blocks [s·c, (s+1)·c) with c = ⌈n_blocks / kv_splits⌉
+    (flash-decoding, FlashAttention-3 ``num_splits``); ``"strided"``: split s owns blocks s,
+    s + kv_splits, s + 2·kv_splits, … (TensorRT-LLM XQA multi-block: ``idxKTile = idxKTileInit +
+    idxIter · nbSubSeq`` in ``cpp/kernels/xqa/mha_sm90.cu``). Each split walks its own blocks in
+    the config's order (:func:`kv_block`). A split with fewer blocks than ``steps`` idles at the end
+    of its schedule: those entries hold ``n_blocks`` (a fully masked block). ``kv_splits = 1`` gives
+    the one-run order of :func:`kv_block`.
+    """
+    splits = cfg.kv_splits
+    if cfg.split_layout == "contiguous":
+        per = -(-n_blocks // splits)
+        members = [range(s * per, min((s + 1) * per, n_blocks)) for s in range(splits)]
+    else:
+        members = [range(s, n_blocks, splits) for s in range(splits)]
+    steps = max(1, max(len(m) for m in members))
+    sched = np.full((splits, steps), n_blocks, np.int32)
+    for s, m in enumerate(members):
+        for t in range(len(m)):
+            sched[s, t] = m[kv_block(t, len(m), cfg)]
+    return sched
+
+
+def merge_splits(m, row_sum, o, cfg: KernelConfig, extra=()):
+    """Split-KV epilogue: line 12 per split, then the FP32 log-sum-exp merge of the splits.
+
+    The split axis leads: ``m``, ``row_sum`` ``(splits, ...)`` and ``o`` ``(splits, ..., d)``. With
+    m = max_s m_s and w_s = exp(m_s − m)·ℓ_s (ℓ_s as the split holds it, so S cancels in the
+    exponent mode), the output is Σ_s (w_s / Σ_s' w_s') · O_s / (S·ℓ_s) — each split finalised by its
+    own divisor (:func:`epilogue_divisor`), weighted by its share of the merged row sum, as the
+    flash-decoding combine kernels do with LSE_s = m_s + log ℓ_s. A split that saw no visible key
+    (ℓ_s = 0) gets weight 0. Returns ``(out, ℓ, merged extra)`` with ℓ = Σ_s exp(m_s − m)·ℓ_s
+    and each row statistic in ``extra`` (decayed to m_s like ℓ_s) merged the same way.
+    """
+    a = alpha(m, jnp.max(m, axis=0), cfg)  # exp(m_s − m); 0 for a split with m_s = −inf
+    w = a * row_sum
+    ell = jnp.sum(w, axis=0)
+    div = epilogue_divisor(row_sum, cfg)
+    o_s = o / expand_rows(jnp.where(div > 0.0, div, 1.0), o.shape)
+    out = jnp.sum(expand_rows(w / ell, o.shape) * o_s, axis=0)
+    return out, ell, tuple(jnp.sum(a * x, axis=0) for x in extra)

@@ -22,11 +22,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
+
+import numpy as np
 
 from pcast_jax import formats
-from pcast_jax.errors import PcastError, check_choice, check_int, check_positive
+from pcast_jax.errors import F32_MAX, PcastError, check_choice, check_int, check_positive
 
-__all__ = ["KernelConfig", "QKV_GRANULARITIES", "PRESETS", "PAPER_CONFIGS", "KERNEL_PRESETS", "get_preset", "resolve"]
+__all__ = ["KernelConfig", "QKV_GRANULARITIES", "PRESETS", "TILES_BY_HEAD_DIM", "preset_for", "PAPER_CONFIGS",
+           "KERNEL_PRESETS", "get_preset", "resolve"]
 
 ORDERS = ("forward", "reverse")
 SCALE_MODES = ("multiply", "exponent", "dynamic")
@@ -35,6 +39,7 @@ ACCUMULATORS = ("f32", "f16")
 SCALE_MIN, SCALE_MAX = 2.0**-100, 2.0**100
 QKV_PRECISIONS = ("f32", "e4m3")
 QKV_GRANULARITIES = ("tensor", "head")
+SPLIT_LAYOUTS = ("contiguous", "strided")
 
 
 _DEFAULT_BLOCK_KV = 64
@@ -58,6 +63,18 @@ class KernelConfig:
       qkv_granularity: where the E4M3 Q/K/V scales live when ``qkv == "e4m3"``: ``"tensor"``
         (one scale per tensor) or ``"head"`` (one per attention head). Ignored for FP32 Q/K/V.
       causal: bottom-right aligned causal mask (query i of q_len sits at position N − q_len + i).
+      kv_splits: split-KV (flash-decoding / multi-block) parallelism: the KV blocks are dealt over
+        this many independent Algorithm-1 runs (1 = one run per row, as in the paper), merged at the
+        end by the FP32 log-sum-exp merge (:func:`pcast_jax.block.merge_splits`).
+      split_layout: ``"contiguous"`` (split s gets a contiguous range of ⌈n_blocks/kv_splits⌉ blocks,
+        FlashAttention-3 ``num_splits``, FlashInfer split-KV) or ``"strided"`` (block b goes to split
+        b mod kv_splits, TensorRT-LLM XQA multi-block mode). Each split visits its blocks in ``order``.
+      f16_round_keys: with the f16 accumulator, how many keys one f16 MMA covers: P8·V is rounded to
+        float16 after every ``f16_round_keys`` keys (the f16 partial sums chained inside the block)
+        and the block's f16 result is added to the FP32 output. 0 = once per block.
+      v_channel_max: with the f16 accumulator, V is scaled per channel (over the KV length) so that
+        max|V| = this value before the f16 accumulation, and the scale is multiplied back after it
+        (SageAttention2++ ``quant_v_scale_max``). 0 = V as it is.
       name: a label for reports, not part of the identity: two configs are equal (and hash alike)
         when their semantics are, whatever their names. Empty → :meth:`default_name`.
 
@@ -75,6 +92,10 @@ class KernelConfig:
     qkv: str = "f32"
     qkv_granularity: str = "tensor"
     causal: bool = False
+    kv_splits: int = 1
+    split_layout: str = "contiguous"
+    f16_round_keys: int = 0
+    v_channel_max: float = 0.0
     name: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self):
@@ -85,7 +106,7 @@ class KernelConfig:
                              "(S, 1/S and S·ℓ must stay finite, nonzero float32 numbers)")
         object.__setattr__(self, "scale", scale)
         check_choice("scale_mode", self.scale_mode, SCALE_MODES)
-        check_int("block_kv", self.block_kv, min_value=1, max_value=1 << 16)
+        object.__setattr__(self, "block_kv", check_int("block_kv", self.block_kv, min_value=1, max_value=1 << 16))
         formats.get_format(self.p_format, param="p_format")
         check_choice("overflow", self.overflow, formats.OVERFLOW_MODES)
         check_choice("accumulator", self.accumulator, ACCUMULATORS)
@@ -97,6 +118,25 @@ class KernelConfig:
             object.__setattr__(self, "qkv_granularity", "tensor")
         if not isinstance(self.causal, bool):
             raise PcastError(f"causal={self.causal!r} must be True or False")
+        object.__setattr__(self, "kv_splits", check_int("kv_splits", self.kv_splits, min_value=1, max_value=1 << 16))
+        check_choice("split_layout", self.split_layout, SPLIT_LAYOUTS)
+        if self.kv_splits == 1:
+            object.__setattr__(self, "split_layout", "contiguous")
+        object.__setattr__(self, "f16_round_keys", check_int("f16_round_keys", self.f16_round_keys, min_value=0,
+                                                             max_value=1 << 16))
+        if self.f16_round_keys and self.block_kv % self.f16_round_keys:
+            raise PcastError(f"f16_round_keys={self.f16_round_keys} must divide block_kv={self.block_kv}")
+        if isinstance(self.v_channel_max, (bool, np.bool_)) or not isinstance(self.v_channel_max,
+                                                                               (int, float, np.integer, np.floating)):
+            raise PcastError(f"v_channel_max={self.v_channel_max!r} must be a number >= 0")
+        v_max = float(self.v_channel_max)
+        if not (math.isfinite(v_max) and 0.0 <= v_max <= F32_MAX):
+            raise PcastError(f"v_channel_max={self.v_channel_max!r} must be a number >= 0, finite in float32")
+        object.__setattr__(self, "v_channel_max", v_max)
+        if self.accumulator == "f32" or self.f16_round_keys == self.block_kv:
+            object.__setattr__(self, "f16_round_keys", 0)
+        if self.accumulator == "f32":
+            object.__setattr__(self, "v_channel_max", 0.0)
         if not isinstance(self.name, str):
             raise PcastError(f"name={self.name!r} must be a string")
         if not self.name:
@@ -106,9 +146,10 @@ class KernelConfig:
         """``fwd_s1``-style label naming every field that differs from its default.
 
         Order and scale always appear; then ``_exp`` (exponent mode), ``_b128`` (block_kv),
-        ``_e5m2`` (P format), ``_nan`` (overflow), ``_f16acc``, ``_qkv8`` / ``_qkv8h`` (E4M3 Q/K/V
-        per tensor / per head) and ``_causal``. Two configs with different semantics never share a
-        default name.
+        ``_e5m2`` (P format), ``_nan`` (overflow), ``_f16acc`` (with ``_r32`` for f16_round_keys and
+        ``_v2.25`` for v_channel_max), ``_qkv8`` / ``_qkv8h`` (E4M3 Q/K/V per tensor / per head),
+        ``_causal`` and ``_split8`` / ``_split8s`` (kv_splits, contiguous / strided). Two configs with
+        different semantics never share a default name.
         """
         parts = [self.order[:3], "sdyn" if self.scale_mode == "dynamic" else "s" + repr(self.scale).removesuffix(".0")]
         if self.scale_mode == "exponent":
@@ -121,21 +162,31 @@ class KernelConfig:
             parts.append(self.overflow)
         if self.accumulator != "f32":
             parts.append(f"{self.accumulator}acc")
+        if self.f16_round_keys:
+            parts.append(f"r{self.f16_round_keys}")
+        if self.v_channel_max:
+            parts.append("v" + repr(self.v_channel_max).removesuffix(".0"))
         if self.qkv == "e4m3":
             parts.append("qkv8h" if self.qkv_granularity == "head" else "qkv8")
         if self.causal:
             parts.append("causal")
+        if self.kv_splits > 1:
+            parts.append(f"split{self.kv_splits}" + ("s" if self.split_layout == "strided" else ""))
         return "_".join(parts)
 
     def to_dict(self) -> dict:
         """Every field as a plain value; :meth:`from_dict` reads it back.
 
         ``qkv_granularity`` is written only where it acts (E4M3 Q/K/V), so sweeps recorded before
-        the field existed keep their fingerprints.
+        the field existed keep their fingerprints. Likewise ``kv_splits``, ``split_layout``,
+        ``f16_round_keys`` and ``v_channel_max`` are written only when they differ from their defaults.
         """
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if self.qkv == "f32":
             del d["qkv_granularity"]
+        for key in ("kv_splits", "split_layout", "f16_round_keys", "v_channel_max"):
+            if d[key] == _DEFAULTS[key]:
+                del d[key]
         return d
 
     @classmethod
@@ -149,6 +200,57 @@ class KernelConfig:
             raise PcastError(f"unknown KernelConfig field(s) {', '.join(map(repr, unknown))}; "
                              f"fields are {', '.join(sorted(known))}")
         return cls(**d)
+
+    @classmethod
+    def from_string(cls, text: str) -> "KernelConfig":
+        """A config from ``"key=value,key=value"`` (``"name=mine,order=reverse,scale=64,accumulator=f16"``).
+
+        Every field is a key; each value is read as its field's type (``scale=2^8.807`` and
+        ``scale=2**-3`` are accepted for numbers, ``true``/``false``/``yes``/``no``/``1``/``0`` for flags,
+        and a flag alone, ``causal``, means true). Fields not given keep their defaults. Unknown keys,
+        values that do not parse or validate, and keys given twice raise :class:`PcastError` naming the key.
+        """
+        if not isinstance(text, str):
+            raise PcastError(f"a kernel config string must be a str, got {text!r}")
+        hints = _field_types(cls)
+        values: dict = {}
+        items = [t.strip() for t in text.split(",")]
+        if not text.strip() or any(not t for t in items):
+            raise PcastError(f"kernel config {text!r} must be key=value items separated by commas, "
+                             f"keys among {', '.join(hints)}")
+        for item in items:
+            key, sep, raw = item.partition("=")
+            key, raw = key.strip(), raw.strip()
+            if key not in hints:
+                raise PcastError(f"unknown KernelConfig field {key!r} in {text!r}; fields are {', '.join(hints)}")
+            if key in values:
+                raise PcastError(f"KernelConfig field {key!r} is given twice in {text!r}")
+            if not sep:
+                if hints[key] is not bool:
+                    raise PcastError(f"KernelConfig field {key!r} needs a value ({key}=...) in {text!r}")
+                raw = "true"
+            values[key] = _parse_field(key, raw, hints[key])
+        try:
+            return cls(**values)
+        except PcastError as exc:
+            raise PcastError(f"kernel config {text!r}: {exc}") from None
+
+    def to_string(self) -> str:
+        """``"name=...,key=value,..."`` naming every field that differs from its default; :meth:`from_string`
+        reads it back to an equal config with the same name."""
+        parts = [f"name={self.name}"]
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "name" or value == f.default:
+                continue
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, float):
+                text = repr(value).removesuffix(".0")
+            else:
+                text = str(value)
+            parts.append(f"{f.name}={text}")
+        return ",".join(parts)
 
     @property
     def fmt(self) -> formats.FP8Format:
@@ -182,8 +284,63 @@ class KernelConfig:
             extra.append(f"{self.qkv} QKV per {self.qkv_granularity}")
         if self.causal:
             extra.append("causal")
+        if self.kv_splits > 1:
+            extra.append(f"{self.kv_splits} {self.split_layout} KV splits")
         tail = (", " + ", ".join(extra)) if extra else ""
         return f"{self.order}, {s}, B={self.block_kv}{tail}"
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(KernelConfig)}
+
+
+def _field_types(cls) -> dict[str, type]:
+    """Field name → the type its string form is parsed to (the annotation, else the default's type)."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001 - an annotation that cannot be evaluated: use the defaults
+        hints = {}
+    out = {}
+    for f in dataclasses.fields(cls):
+        t = hints.get(f.name, f.type)
+        if not isinstance(t, type):
+            t = type(f.default) if f.default is not dataclasses.MISSING else str
+        out[f.name] = t
+    return out
+
+
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def _parse_field(key: str, raw: str, kind: type):
+    """One value of :meth:`KernelConfig.from_string`, as ``kind``; PcastError naming ``key``."""
+    if kind is bool:
+        if raw.lower() in _TRUE:
+            return True
+        if raw.lower() in _FALSE:
+            return False
+        raise PcastError(f"{key}={raw!r} must be true or false")
+    if kind is int:
+        try:
+            return int(raw)
+        except ValueError:
+            raise PcastError(f"{key}={raw!r} must be an integer") from None
+    if kind is float:
+        base, op, exp = raw.replace("**", "^").partition("^")
+        try:
+            value = float(base) ** float(exp) if op else float(raw)
+        except (ValueError, OverflowError):
+            raise PcastError(f"{key}={raw!r} must be a number (e.g. 256, 0.5, 2^8.807)") from None
+        if not math.isfinite(value):
+            raise PcastError(f"{key}={raw!r} must be finite")
+        return value
+    if kind is str:
+        if not raw:
+            raise PcastError(f"{key}= needs a value")
+        return raw
+    try:
+        return kind(raw)
+    except (TypeError, ValueError) as exc:
+        raise PcastError(f"{key}={raw!r}: {exc}") from None
 
 
 def _paper(order: str, scale: float, label: str) -> KernelConfig:
@@ -199,42 +356,80 @@ PAPER_CONFIGS: dict[str, KernelConfig] = {
     "rev_s256": _paper("reverse", 256.0, "rev_s256"),
 }
 
-#: Production kernels, each following its public source (see the notes in each entry).
+#: KV tile B by head dim, read from each kernel's source (the FP8 forward path at that head dim).
+#: FlashAttention-3: hopper/tile_size.h, tile_size_fwd_sm90(), element_size == 1 branch (commit 07602ad):
+#: d ≤ 64 → 160 (line 58), d ≤ 96 → 128 (61), d ≤ 128 → 224 (66; 160 with paged non-TMA KV, 192 with
+#: V col-major), d ≤ 192 → 160 (69), d = 256 → 128 (71); causal does not change the FP8 tile.
+#: FlashInfer SM90 FP8: include/flashinfer/attention/hopper/quantization/prefill_sm90.cuh,
+#: SingleFP8PrefillWithKVCacheDispatched (commit 1211b4c): CTA_KV = 128 at d = 64, 192 at d = 128, 128
+#: at d = 256 (the paged-KV batch path, BatchFP8PrefillWithPagedKVCacheDispatched, uses 128 everywhere).
+TILES_BY_HEAD_DIM: dict[str, dict[int, int]] = {
+    "fa3": {64: 160, 96: 128, 128: 224, 192: 160, 256: 128},
+    "flashinfer_sm90": {64: 128, 128: 192, 256: 128},
+}
+
+#: Production kernels, each following its public source (see the notes in each entry). Tiles are
+#: those at head dim 128; :func:`preset_for` resolves them for another head dim.
 KERNEL_PRESETS: dict[str, KernelConfig] = {
     # FlashAttention-3 (Hopper): hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp walks n_block from
     # n_block_max - 1 down (reverse); hopper/softmax.h folds S = 2^8 into exp2 (Max_offset = 8 for
-    # FP8), so the row sum holds scaled values.
-    "fa3": KernelConfig(order="reverse", scale=256.0, scale_mode="exponent", block_kv=128, name="fa3"),
+    # FP8), so the row sum holds scaled values. B = 224 at d = 128 (TILES_BY_HEAD_DIM).
+    "fa3": KernelConfig(order="reverse", scale=256.0, scale_mode="exponent", block_kv=224, name="fa3"),
     # FlashAttention-4 (Blackwell, CuTe DSL): flash_attn/cute/flash_fwd_sm100.py iterates
     # n_block = n_block_max - 1 - n_tile (reverse); softmax.py uses max_offset = 8 for 8-bit P.
+    # B = 128 is not read from source (assumption: the SM100 forward's default n_block_size).
     "fa4": KernelConfig(order="reverse", scale=256.0, scale_mode="exponent", block_kv=128, name="fa4"),
     # FlashInfer SM90 FP8 prefill: include/flashinfer/attention/hopper/variants.cuh multiplies P by
     # p_scale = max_E4M3 = 448 after exp; mainloop_mma.cuh walks kv_tile_idx downward (reverse) and
     # the epilogue uses v_scale / p_scale. The paper's Table 2 label "Forward, S=448 — FlashInfer/TRT"
     # implies forward; the source (and the paper's Table 3) say reverse, which we follow.
+    # B = 192 at d = 128 (single-request prefill, TILES_BY_HEAD_DIM).
     "flashinfer_sm90": KernelConfig(
-        order="reverse", scale=448.0, scale_mode="multiply", block_kv=128, name="flashinfer_sm90"
+        order="reverse", scale=448.0, scale_mode="multiply", block_kv=192, name="flashinfer_sm90"
     ),
     # TensorRT-LLM XQA (SM90): cpp/kernels/xqa/mha_sm90.cu iterates idxIter = 0 .. nbIters
-    # (forward) and scales acc by kE4M3_MAX = 448 after the row sum; output × 1/448.
+    # (forward) and scales acc by kE4M3_MAX = 448 after the row sum; output × 1/448. Tile:
+    # gemm0CtaTileNbTokens = gemm0WarpGrpTileNbTokens (64) × gemm0NbGmmaGrps (1) = 64 keys.
+    # One CTA per (request, KV head): multi-block mode off (see trtllm_xqa_multiblock).
     "trtllm_xqa": KernelConfig(order="forward", scale=448.0, scale_mode="multiply", block_kv=64, name="trtllm_xqa"),
+    # TensorRT-LLM XQA in multi-block mode (its decode default, ALLOW_MULTI_BLOCK_MODE): the launcher
+    # runs nbSubSeqPerSeq = min(max(1, multiProcessorCount / (batchSize · nbKHeads)),
+    # divUp(maxSeqLen, ctaTile.x)) CTAs per (request, KV head); CTA idxSubSeq takes tiles
+    # idxKTile = idxKTileInit + idxIter · nbSubSeq (strided, each CTA forward with its own max), and
+    # the last CTA merges the partial results (mha_sm90.cu). nbSubSeq depends on the launch: 8 is an
+    # assumption (e.g. 132 SMs over batch · KV heads = 16), not a constant of the source.
+    "trtllm_xqa_multiblock": KernelConfig(
+        order="forward", scale=448.0, scale_mode="multiply", block_kv=64, kv_splits=8, split_layout="strided",
+        name="trtllm_xqa_multiblock",
+    ),
+    # FlashAttention-3 split-KV decode (flash_attn_interface num_splits > 1): each split takes a
+    # contiguous range of ⌈n_blocks / num_splits⌉ KV blocks (hopper/block.h, n_block_min/max per
+    # split), reverse within it, merged by hopper/flash_fwd_combine_kernel.h from per-split LSE.
+    # num_splits = 8 is an assumption (the heuristic num_splits_heuristic picks it from the launch).
+    "fa3_splitkv": KernelConfig(
+        order="reverse", scale=256.0, scale_mode="exponent", block_kv=224, kv_splits=8, name="fa3_splitkv",
+    ),
     # SageAttention2: csrc/qattn/attn_utils.cuh folds S_FP8_OFFSET = 8.807 (2^8.807 ≈ 448) into the
     # exponent; forward order. Its INT8 per-block Q/K quantization is not modelled (P-cast isolated).
     "sageattn2": KernelConfig(
         order="forward", scale=2.0**8.807, scale_mode="exponent", block_kv=64, name="sageattn2"
     ),
     # SageAttention2++ (pv_accum_dtype="fp32+fp16"): sageattention/core.py keeps P at 448 and cuts
-    # the V range to 2.25 (quant_v_scale_max) so the FP16 PV accumulator cannot overflow. The paper's
-    # "S = 112" is not in the released code; we follow the code: S = 2^8.807 with an f16 accumulator.
+    # the V range to 2.25 (quant_v_scale_max): V is quantized per channel with scale amax/2.25 and
+    # the scale multiplied back after the accumulation, so the FP16 PV accumulator cannot overflow.
+    # The FP8 mma.sync shape is m16n8k32, so the f16 accumulator is rounded after every 32 keys, twice
+    # per 64-key block (f16_round_keys = 32: the MMA K of FP8 PTX mma, not read from sageattention's
+    # source here). The paper's "S = 112" is not in the released code; we follow the code.
     "sageattn2pp": KernelConfig(
         order="forward", scale=2.0**8.807, scale_mode="exponent", block_kv=64, accumulator="f16",
-        name="sageattn2pp",
+        f16_round_keys=32, v_channel_max=2.25, name="sageattn2pp",
     ),
     # Tencent hpc-ops prefill FP8, before the paper: src/attention/prefill/kernels.cuh walks
-    # itile_seq_kv forward with no P scale (S = 1); gSum from unscaled P.
+    # itile_seq_kv forward with no P scale (S = 1); gSum from unscaled P. B = 64 is kept from the
+    # earlier preset: the tile was not re-read from source (reported as 128 elsewhere, unverified).
     "hpc_ops_prior": KernelConfig(order="forward", scale=1.0, scale_mode="multiply", block_kv=64, name="hpc_ops_prior"),
     # Tencent hpc-ops prefill FP8, updated: kFp8PrefillPScale = 256.0f multiplies P after exp;
-    # epilogue × vscale / 256; forward order.
+    # epilogue × vscale / 256; forward order. B: as hpc_ops_prior (unverified).
     "hpc_ops": KernelConfig(order="forward", scale=256.0, scale_mode="multiply", block_kv=64, name="hpc_ops"),
     # The paper's future work (§7.4): per-block power-of-two scale chosen from the block's max P.
     "dynamic_pow2": KernelConfig(order="forward", scale_mode="dynamic", block_kv=64, name="dynamic_pow2"),
@@ -247,6 +442,21 @@ def get_preset(name: str) -> KernelConfig:
     """Look up a preset by name (see :data:`PRESETS`)."""
     check_choice("preset", name, tuple(PRESETS))
     return PRESETS[name]
+
+
+def preset_for(name: str, head_dim: int) -> KernelConfig:
+    """A preset with its KV tile resolved for ``head_dim`` (:data:`TILES_BY_HEAD_DIM`).
+
+    Presets without a head-dim table, or head dims the table lacks, keep their tile; the name
+    gains ``_d{head_dim}`` when the tile changes.
+    """
+    cfg = get_preset(name)
+    check_int("head_dim", head_dim, min_value=1)
+    tiles = TILES_BY_HEAD_DIM.get(name, {})
+    dims = sorted(d for d in tiles if d >= head_dim)
+    if not dims or tiles[dims[0]] == cfg.block_kv:
+        return cfg
+    return dataclasses.replace(cfg, block_kv=tiles[dims[0]], name=f"{name}_d{head_dim}")
 
 
 def resolve(config: str | KernelConfig) -> KernelConfig:

@@ -166,11 +166,34 @@ def _order(x, cfg: KernelConfig):
 # --------------------------------------------------------------------------------------------
 
 
+def _f16_barrier(h):
+    """Keeps XLA from folding the f32 → f16 → f32 round trip of an f16 accumulator."""
+    return jax.lax.optimization_barrier(h)
+
+
+def _split_order(x, cfg: KernelConfig, axis: int, fill):
+    """Blocks (steps, splits, ...) in each split's visiting order (:func:`block.split_schedule`).
+
+    One extra block filled with ``fill`` (masked) stands in for the idle steps of a short split.
+    """
+    xb = _blocks(x, cfg.block_kv, axis)  # (nb, ...)
+    nb = xb.shape[0]
+    xb = jnp.concatenate([xb, jnp.full((1,) + xb.shape[1:], fill, xb.dtype)], axis=0)
+    return xb[block.split_schedule(nb, cfg).T]
+
+
+def _channel_scale(v, cfg: KernelConfig):
+    """V / c per channel for an f16 accumulator with ``v_channel_max`` (V and c=None otherwise)."""
+    c = block.v_channel_scale(v, cfg)
+    return (v, None) if c is None else (v / c[..., None, :], c)
+
+
 def _scan_engine(scores, v, counted, cfg: KernelConfig) -> AttentionResult:
-    zb = _order(_blocks(scores, cfg.block_kv, -1), cfg)  # (nb, ..., q, B)
-    vb = _order(_blocks(v, cfg.block_kv, -2), cfg)  # (nb, ..., B, d)
-    cb = _order(_blocks(counted, cfg.block_kv, -1), cfg)
-    batch_q = scores.shape[:-1]
+    v, c = _channel_scale(v, cfg)
+    zb = _split_order(scores, cfg, -1, -jnp.inf)  # (steps, splits, ..., q, B)
+    vb = _split_order(v, cfg, -2, 0.0)  # (steps, splits, ..., B, d)
+    cb = _split_order(counted, cfg, -1, False)
+    batch_q = (cfg.kv_splits,) + scores.shape[:-1]
     d = v.shape[-1]
 
     def step(carry, xs):
@@ -178,7 +201,8 @@ def _scan_engine(scores, v, counted, cfg: KernelConfig) -> AttentionResult:
         z, vj, cj = xs
         st = block.online_softmax(m, ell, z, cfg)  # lines 4-8
         p8 = _cast(st.ps, cfg)  # line 9
-        o = block.accumulate(o, st.alpha, _pv(p8, vj), st.unscale, cfg)  # line 10
+        pv = block.block_pv(lambda lo, hi: _pv(p8[..., lo:hi], vj[..., lo:hi, :]), cfg, barrier=_f16_barrier)
+        o = block.accumulate(o, st.alpha, pv, st.unscale, cfg)  # line 10
         zero = cj & block.zeroed(st.ps, cfg)
         nz = nz + jnp.sum(zero, axis=-1, dtype=jnp.int32)
         lz = st.alpha * lz + jnp.sum(jnp.where(zero, st.p, 0.0), axis=-1)
@@ -192,8 +216,14 @@ def _scan_engine(scores, v, counted, cfg: KernelConfig) -> AttentionResult:
         jnp.zeros(batch_q, jnp.float32),
     )
     (m, ell, o, nz, lz), _ = jax.lax.scan(step, init, (zb, vb, cb))
-    out = block.finalize(o, ell, cfg)  # line 12
-    return AttentionResult(out, ell, nz, jnp.sum(counted, axis=-1, dtype=jnp.int32), lz / ell)
+    if cfg.kv_splits == 1:
+        out = block.finalize(o[0], ell[0], cfg)  # line 12
+        ell, lz = ell[0], lz[0]
+    else:
+        out, ell, (lz,) = block.merge_splits(m, ell, o, cfg, extra=(lz,))  # line 12 per split, merged
+    if c is not None:
+        out = out * c[..., None, :]
+    return AttentionResult(out, ell, jnp.sum(nz, axis=0), jnp.sum(counted, axis=-1, dtype=jnp.int32), lz / ell)
 
 
 def _fast_parts(scores, counted, cfg: KernelConfig, cast_fn=None):
@@ -222,18 +252,79 @@ def _fast_parts(scores, counted, cfg: KernelConfig, cast_fn=None):
     return p8, w, ell, nz, lz
 
 
+def _fast_split_parts(scores, counted, cfg: KernelConfig, cast_fn=None):
+    """:func:`_fast_parts` for split-KV: per split a cumulative max in its visiting order.
+
+    Returns P8 (..., q, splits, steps, B), the factor per block that multiplies it into the
+    output (the α chain of its split, 2^-k, and the split's merge weight over its divisor), ℓ,
+    the zeroed count and mass, and the schedule (:func:`block.split_schedule`).
+    """
+    b = cfg.block_kv
+    nb = scores.shape[-1] // b
+    sched = block.split_schedule(nb, cfg)  # (splits, steps)
+
+    def gather(x, fill):
+        xb = x.reshape(x.shape[:-1] + (nb, b))
+        xb = jnp.concatenate([xb, jnp.full(xb.shape[:-2] + (1, b), fill, xb.dtype)], axis=-2)
+        return xb[..., sched, :]  # (..., q, splits, steps, B)
+
+    z = gather(scores, -jnp.inf)
+    block_max = jnp.max(z, axis=-1)  # (..., q, splits, steps)
+    m_run = jax.lax.cummax(block_max, axis=block_max.ndim - 1)
+    p, ps, unscale = block.block_probs(z, m_run, cfg)
+    p8 = _cast(ps, cfg) if cast_fn is None else cast_fn(ps)
+    m_s = m_run[..., -1]  # (..., q, splits)
+    decay = block.alpha(m_run, m_s[..., None], cfg)  # (..., q, splits, steps)
+    ell_s = jnp.sum(decay * jnp.sum(p, axis=-1), axis=-1)
+    zero = gather(counted, False) & block.zeroed(ps, cfg)
+    lz_s = jnp.sum(decay * jnp.sum(jnp.where(zero, p, 0.0), axis=-1), axis=-1)
+    nz = jnp.sum(zero, axis=(-3, -2, -1), dtype=jnp.int32)
+    w = decay if unscale is None else decay * unscale
+    return p8, w, (m_s, ell_s, lz_s), nz, sched
+
+
+def _merge_fast(m_s, ell_s, o_s, lz_s, cfg):
+    """block.merge_splits on the fast engine's (..., q, splits[, d]) layout."""
+    out, ell, (lz,) = block.merge_splits(
+        jnp.moveaxis(m_s, -1, 0), jnp.moveaxis(ell_s, -1, 0), jnp.moveaxis(o_s, -2, 0), cfg,
+        extra=(jnp.moveaxis(lz_s, -1, 0),))
+    return out, ell, lz
+
+
 def _fast_engine(scores, v, counted, cfg: KernelConfig) -> AttentionResult:
-    p8, w, ell, nz, lz = _fast_parts(scores, counted, cfg)
-    if cfg.accumulator == "f32":  # one (q, N) x (N, d) product in key order
-        weighted = (p8 * w[..., None]).reshape(scores.shape)
-        o = jnp.einsum("...qn,...nd->...qd", weighted, v, precision=jax.lax.Precision.HIGHEST)
-    else:  # each block's product is rounded to f16 before the FP32 accumulation
-        vb = v.reshape(v.shape[:-2] + p8.shape[-2:] + v.shape[-1:])  # (..., nb, B, d)
-        y = jnp.einsum("...qnb,...nbd->...qnd", p8, vb, precision=jax.lax.Precision.HIGHEST)
-        y = block.round_product(y, cfg)
-        o = jnp.sum(w[..., None] * y, axis=-2)
-    out = block.finalize(o, ell, cfg)
-    return AttentionResult(out, ell, nz, jnp.sum(counted, axis=-1, dtype=jnp.int32), lz / ell)
+    v, c = _channel_scale(v, cfg)
+    if cfg.kv_splits > 1:
+        out, ell, nz, lz = _fast_split_engine(scores, v, counted, cfg)
+    else:
+        p8, w, ell, nz, lz = _fast_parts(scores, counted, cfg)
+        if cfg.accumulator == "f32":  # one (q, N) x (N, d) product in key order
+            weighted = (p8 * w[..., None]).reshape(scores.shape)
+            o = jnp.einsum("...qn,...nd->...qd", weighted, v, precision=jax.lax.Precision.HIGHEST)
+        else:  # each block's product is rounded to f16 before the FP32 accumulation
+            vb = v.reshape(v.shape[:-2] + p8.shape[-2:] + v.shape[-1:])  # (..., nb, B, d)
+            y = block.block_pv(lambda lo, hi: jnp.einsum(
+                "...qnb,...nbd->...qnd", p8[..., lo:hi], vb[..., lo:hi, :], precision=jax.lax.Precision.HIGHEST),
+                cfg, barrier=_f16_barrier)
+            o = jnp.sum(w[..., None] * y, axis=-2)
+        out = block.finalize(o, ell, cfg)
+        lz = lz / ell
+    if c is not None:
+        out = out * c[..., None, :]
+    return AttentionResult(out, ell, nz, jnp.sum(counted, axis=-1, dtype=jnp.int32), lz)
+
+
+def _fast_split_engine(scores, v, counted, cfg: KernelConfig):
+    p8, w, (m_s, ell_s, lz_s), nz, sched = _fast_split_parts(scores, counted, cfg)
+    b = cfg.block_kv
+    vb = v.reshape(v.shape[:-2] + (-1, b) + v.shape[-1:])  # (..., nb, B, d)
+    vb = jnp.concatenate([vb, jnp.zeros(vb.shape[:-3] + (1,) + vb.shape[-2:], vb.dtype)], axis=-3)
+    vb = vb[..., sched, :, :]  # (..., splits, steps, B, d)
+    y = block.block_pv(lambda lo, hi: jnp.einsum(
+        "...qstb,...stbd->...qstd", p8[..., lo:hi], vb[..., lo:hi, :], precision=jax.lax.Precision.HIGHEST),
+        cfg, barrier=_f16_barrier)
+    o_s = jnp.sum(w[..., None] * y, axis=-2)  # (..., q, splits, d)
+    out, ell, lz = _merge_fast(m_s, ell_s, o_s, lz_s, cfg)
+    return out, ell, nz, lz / ell
 
 
 class WeightsResult(NamedTuple):
@@ -262,10 +353,24 @@ def weights_and_stats(scores, config, *, count_mask=None, q_offset: int | None =
     cfg = resolve(config)
     n = jnp.shape(scores)[-1]
     scores, _, counted = _prepare(scores, jnp.zeros((n, 1)), cfg, count_mask, q_offset)
-    p8, w, ell, nz, lz = _fast_parts(scores, counted, cfg, cast_fn)
-    wk = p8 * w[..., None] / block.epilogue_divisor(ell, cfg)[..., None, None]  # (..., q, nb, B)
+    if cfg.kv_splits > 1:
+        p8, w, (m_s, ell_s, lz_s), nz, sched = _fast_split_parts(scores, counted, cfg, cast_fn)
+        # the merge is linear in each split's O_s: merging per-key one-hot "outputs" gives the weights
+        eye = jnp.eye(cfg.kv_splits, dtype=jnp.float32)
+        f, ell, lz = _merge_fast(m_s, ell_s, jnp.broadcast_to(eye, m_s.shape + eye.shape[-1:]), lz_s, cfg)
+        wk = p8 * (w * f[..., :, None])[..., None]  # (..., q, splits, steps, B)
+        nb = scores.shape[-1] // cfg.block_kv
+        pos = np.zeros(nb, np.int32)  # where block b sits in the flattened (splits, steps) schedule
+        flat = sched.reshape(-1)
+        pos[flat[flat < nb]] = np.nonzero(flat < nb)[0]
+        wk = wk.reshape(wk.shape[:-3] + (-1, cfg.block_kv))[..., pos, :]
+        lz = lz / ell
+    else:
+        p8, w, ell, nz, lz = _fast_parts(scores, counted, cfg, cast_fn)
+        wk = p8 * w[..., None] / block.epilogue_divisor(ell, cfg)[..., None, None]  # (..., q, nb, B)
+        lz = lz / ell
     weights = wk.reshape(wk.shape[:-2] + (-1,))[..., :n]
-    return WeightsResult(weights, ell, nz, jnp.sum(counted, axis=-1, dtype=jnp.int32), lz / ell)
+    return WeightsResult(weights, ell, nz, jnp.sum(counted, axis=-1, dtype=jnp.int32), lz)
 
 
 def effective_weights(scores, config, *, q_offset: int | None = None, cast_fn=None):

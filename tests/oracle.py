@@ -99,7 +99,8 @@ class OracleResult:
 
 def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", block_kv=64,
               p_format="e4m3", overflow="satfinite", accumulator="f32", causal=False,
-              count_mask=None) -> OracleResult:
+              count_mask=None, kv_splits=1, split_layout="contiguous", f16_round_keys=0,
+              v_channel_max=0.0) -> OracleResult:
     """Algorithm 1 for every query row of ``scores`` (q, N) against ``v`` (N, d), in float64.
 
     ``scale_mode``: ``"multiply"`` casts P·S and divides by S·ℓ (ℓ of unscaled P);
@@ -107,6 +108,15 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
     each row of each block by the largest 2^k with rowmax(P)·2^k ≤ max, divides that block's
     product by 2^k, and divides by ℓ. ``accumulator="f16"`` rounds each block's P8·V to float16.
     Causal masks are bottom-right aligned (query i sits at position N − q + i).
+
+    Split-KV (``kv_splits`` > 1): the blocks are dealt to the splits, ``"contiguous"`` (split s takes
+    blocks s·c … s·c + c − 1, c = ceil(n_blocks / kv_splits)) or ``"strided"`` (split s takes blocks
+    s, s + kv_splits, …); each split runs the loop below on its blocks in ``order`` and ends with its
+    own O_s / (S ℓ_s); the splits are then combined with weights exp(m_s − max m)·ℓ_s normalised to 1.
+    ``f16_round_keys`` > 0: inside a block the f16 accumulator adds that many keys' exact product at a
+    time and rounds the running block sum to float16 after each. ``v_channel_max`` > 0 (f16 only):
+    V is divided per column by max|V[:, c]| / v_channel_max before the products and the output
+    multiplied back by it.
     """
     line = LINES[p_format]
     s = np.asarray(scores, np.float64)
@@ -123,8 +133,50 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
     v = np.pad(v, ((0, pad), (0, 0)))
     counted = np.pad(counted, ((0, 0), (0, pad)))
     n_blocks = s.shape[1] // block_kv
-    blocks = range(n_blocks - 1, -1, -1) if order == "reverse" else range(n_blocks)
+    colscale = np.ones(d)
+    if accumulator == "f16" and v_channel_max:
+        amax = np.abs(v).max(axis=0)
+        colscale = np.where(amax > 0, amax / v_channel_max, 1.0)
+        v = v / colscale
+    if kv_splits == 1:
+        members = [list(range(n_blocks))]
+    elif split_layout == "contiguous":
+        c = -(-n_blocks // kv_splits)
+        members = [list(range(i * c, min(i * c + c, n_blocks))) for i in range(kv_splits)]
+    else:
+        members = [list(range(i, n_blocks, kv_splits)) for i in range(kv_splits)]
+    group = f16_round_keys or block_kv
+    runs = [_one_split(s, v, counted, blks[::-1] if order == "reverse" else blks, line, block_kv, group,
+                       scale, scale_mode, overflow, accumulator) for blks in members]
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        m_all = np.max([r[0] for r in runs], axis=0)
+        m_ok = np.where(m_all == -np.inf, 0.0, m_all)
+        out = np.zeros((q, d))
+        out_slack = np.zeros((q, d))
+        ell = np.zeros(q)
+        lz = np.zeros(q)
+        wsum = []
+        for m, ell_s, o, _nz, lz_s, slack, _zs in runs:
+            w = np.where(ell_s > 0, np.exp(m - m_ok) * ell_s, 0.0)
+            div = scale * ell_s if scale_mode == "multiply" else ell_s
+            div = np.where(div > 0, div, 1.0)
+            wsum.append((w, o / div[:, None], slack / div[:, None]))
+            ell += np.where(ell_s > 0, np.exp(m - m_ok), 0.0) * ell_s
+            lz += np.where(ell_s > 0, np.exp(m - m_ok), 0.0) * lz_s
+        for w, o_s, sl in wsum:
+            out += (w / ell)[:, None] * o_s
+            out_slack += (w / ell)[:, None] * sl
+        nz = sum(r[3] for r in runs)
+        zslack = sum(r[6] for r in runs)
+        if len(runs) > 1:  # the merge's own FP32 rounding, a few ulps of the output
+            out_slack = out_slack + 4 * 2.0**-24 * np.abs(out)
+        return OracleResult(out * colscale, ell, nz, lz / ell, out_slack * colscale, zslack)
 
+
+def _one_split(s, v, counted, blocks, line, block_kv, group, scale, scale_mode, overflow, accumulator):
+    """Algorithm 1 over ``blocks`` (in visiting order): (m, ℓ, O, zeroed, zeroed mass, slack, zeroed slack)."""
+    q = s.shape[0]
+    d = v.shape[1]
     m = np.full(q, -np.inf)
     ell = np.zeros(q)
     o = np.zeros((q, d))
@@ -156,20 +208,24 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
             ell = a * ell + p.sum(axis=1)
             m = m_new
             p8, near = round_fp8(ps, line, overflow)
-            y = p8 @ vj
             y_slack = (near * _step(ps, line)) @ np.abs(vj)
-            if accumulator == "f16":
-                y16 = y.astype(np.float16).astype(np.float64)
-                y_slack = y_slack + np.abs(y) * 2.0**-10  # one f16 ulp: f32 and f64 may round apart
-                y = y16
+            if accumulator == "f16":  # one f16 MMA per group of keys, chained in f16
+                y = np.zeros((q, d))
+                for g in range(0, block_kv, group):
+                    part = y + p8[:, g:g + group] @ vj[g:g + group]
+                    y = part.astype(np.float16).astype(np.float64)
+                    y_slack = y_slack + np.abs(part) * 2.0**-10  # one f16 ulp: f32 and f64 may round apart
+            else:
+                y = p8 @ vj
             o = a[:, None] * o + y * unscale[:, None]
             slack = a[:, None] * slack + y_slack * unscale[:, None]
             zero = counted[:, cols] & (ps > 0) & (p8 == 0)
             nz += zero.sum(axis=1)
             lz = a * lz + np.where(zero, p, 0.0).sum(axis=1)
             zslack += (counted[:, cols] & (np.abs(ps - rtz) <= NEAR * rtz)).sum(axis=1)
-        divisor = scale * ell if scale_mode == "multiply" else ell
-        return OracleResult(o / divisor[:, None], ell, nz, lz / ell, slack / divisor[:, None], zslack)
+    return m, ell, o, nz, lz, slack, zslack
+
+
 
 
 def _step(x, line: Fp8Line):
@@ -183,7 +239,8 @@ def config_kwargs(cfg) -> dict:
     """The oracle's keyword arguments for a config-like object with the usual field names."""
     return {"order": cfg.order, "scale": cfg.scale, "scale_mode": cfg.scale_mode, "block_kv": cfg.block_kv,
             "p_format": cfg.p_format, "overflow": cfg.overflow, "accumulator": cfg.accumulator,
-            "causal": cfg.causal}
+            "causal": cfg.causal, "kv_splits": cfg.kv_splits, "split_layout": cfg.split_layout,
+            "f16_round_keys": cfg.f16_round_keys, "v_channel_max": cfg.v_channel_max}
 
 
 def sink_scores(rng: np.random.Generator, *, q: int, n: int, d: int, delta: float, k_sink: int = 4):

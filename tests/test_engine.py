@@ -278,10 +278,12 @@ def test_fully_masked_causal_blocks_in_reverse_order_stay_finite(name):
 
 
 def test_f16_accumulator_differs_from_f32_by_f16_rounding_only():
-    """sageattn2pp = sageattn2 with each block's P8·V rounded to float16: per block the error is
+    """sageattn2 with each block's P8·V rounded to float16 once: per block the error is
     ≤ 2^-11 |P8_b·V_b|, so |O16 − O32| ≤ 2^-11 Σ_j W_j |v_j| (W the effective weights, ≥ 0)."""
-    f32, f16 = PRESETS["sageattn2"], PRESETS["sageattn2pp"]
-    assert f32.replace(accumulator="f16", name=f16.name) == f16
+    f32 = PRESETS["sageattn2"]
+    # one f16 rounding per block at V's own scale (the preset rounds per 32 keys with V scaled)
+    f16 = PRESETS["sageattn2pp"].replace(f16_round_keys=0, v_channel_max=0.0)
+    assert f32.replace(accumulator="f16") == f16
     scores, v, mask = _batch()
     v = jnp.clip(v, -2.25, 2.25)  # SageAttention2++ bounds V so the f16 accumulator cannot overflow
     bound = F16_REL * _mix(_weights(f32, scores), jnp.abs(v))

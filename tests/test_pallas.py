@@ -19,6 +19,7 @@ fractional output tolerance (``_GPU_TOL``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -62,9 +63,10 @@ def _distinct_presets() -> list[str]:
     E.g. trtllm_xqa is forward S=448 multiply with B=64, i.e. the paper's fwd_s448, and fa4 is fa3;
     running those again would test nothing new.
     """
-    seen = set(PAPER_CONFIGS.values())  # configs are equal when their semantics are
+    seen = {_adapt(c, "mosaic") for c in PAPER_CONFIGS.values()}  # configs are equal when their semantics are
     names = []
     for name, cfg in KERNEL_PRESETS.items():
+        cfg = _adapt(cfg, "mosaic")  # as the kernels run it (tiles and simulator-only fields adapted)
         if cfg not in seen:
             seen.add(cfg)
             names.append(name)
@@ -72,7 +74,14 @@ def _distinct_presets() -> list[str]:
 
 
 def _adapt(cfg: KernelConfig, backend: str) -> KernelConfig:
-    """The config with block_kv raised to a size the backend supports (64 → 128 for mosaic)."""
+    """The config as the kernels can run it.
+
+    block_kv outside the backend's sizes (64 for mosaic, FA3's 224, FlashInfer's 192) becomes 128;
+    the simulator-only fields (split-KV, f16_round_keys, v_channel_max) are dropped, so e.g.
+    sageattn2pp runs with one f16 rounding per block at V's own scale (``_kernel`` in the name).
+    """
+    if cfg.kv_splits > 1 or cfg.f16_round_keys or cfg.v_channel_max:
+        cfg = dataclasses.replace(cfg, kv_splits=1, f16_round_keys=0, v_channel_max=0.0, name=f"{cfg.name}_kernel")
     if cfg.block_kv in pk.supported_block_kv(backend):
         return cfg
     return cfg.replace(block_kv=128, name=f"{cfg.name}_b128")
@@ -200,6 +209,18 @@ class TestMosaicKernel:
         out_rep, _ = self.run_kernel(rep, cfg)
         np.testing.assert_array_equal(np.asarray(out), np.asarray(out_rep))
 
+    def test_gqa_distinct_kv_heads(self):
+        """4 query heads over 2 different KV heads: query head h must read KV head h // 2."""
+        w = _workload(deltas=(7.0,), heads=4, kv_heads=2)
+        assert not np.array_equal(np.asarray(w.v[:, 0], np.float32), np.asarray(w.v[:, 1], np.float32))
+        cfg = _adapt(get_preset("fwd_s256"), self.BACKEND)
+        out, stats = self.run_kernel(w, cfg)
+        ref = self.simulate(w, cfg)  # repeats KV head j for query heads 2j, 2j + 1
+        v_max = DESCALES["v_descale"] * float(jnp.max(jnp.abs(w.v.astype(jnp.float32))))
+        self.assert_matches(out, stats, ref, v_max)
+        # the heads that share a KV head differ from those that do not
+        assert float(jnp.max(jnp.abs(out[:, 0] - out[:, 2]))) > 1e-2 * v_max
+
     def test_v_transposed_input(self):
         w = _workload(deltas=(7.0,))
         cfg = _adapt(get_preset("fwd_s1"), self.BACKEND)
@@ -217,7 +238,7 @@ class TestMosaicKernelInterpret(TestMosaicKernel):
     def test_ring_of_three_slots(self):
         """More TMA slots change the schedule, not the numbers."""
         w = _workload(128, 512, deltas=(7.0,))  # two compute warpgroups, 4 KV steps, ring wraps
-        cfg = get_preset("fa3")
+        cfg = get_preset("fa3").replace(block_kv=128)
         out2, s2 = self.run_kernel(w, cfg)
         out3, s3 = self.run_kernel(w, cfg, num_slots=3)
         np.testing.assert_array_equal(np.asarray(out2), np.asarray(out3))
@@ -300,7 +321,7 @@ def _triton_module_text(lowered) -> str:
 
 @pytest.mark.parametrize("name,causal", [("fwd_s1", False), ("fa3", True), ("dynamic_pow2", False)])
 def test_triton_lowers_for_hopper(name, causal):
-    cfg = get_preset(name).replace(causal=causal)
+    cfg = _adapt(get_preset(name), "triton").replace(causal=causal)
     lowered = _lower_for_hopper("triton", cfg)
     assert "custom_call @__gpu$xla.gpu.triton" in lowered.as_text()
     ir_text = _triton_module_text(lowered)
@@ -319,7 +340,9 @@ def _arrays(q_shape=(1, 2, 64, 128), kv_shape=(1, 1, 256, 128), dtype=_F8):
     return jnp.zeros(q_shape, dtype), jnp.zeros(kv_shape, dtype), jnp.zeros(kv_shape, dtype)
 
 
-def _call(q, k, v, config="fa3", **kwargs):
+def _call(q, k, v, config=None, **kwargs):
+    """fp8_attention in interpret mode; the default config is fa3 at a tile both backends run."""
+    config = get_preset("fa3").replace(block_kv=128) if config is None else config
     kwargs.setdefault("interpret", True)
     return pk.fp8_attention(q, k, v, config=config, **kwargs)
 
@@ -366,7 +389,8 @@ def test_bad_arguments(kwargs, match):
         (_arrays(q_shape=(1, 2, 64, 256), kv_shape=(1, 1, 256, 256)), {}, r"head_dim=256 not supported by the mosaic"),
         (_arrays(q_shape=(1, 2, 24, 128)), {"backend": "triton"}, r"q_len=24 not supported by the triton backend"),
         (_arrays(kv_shape=(1, 1, 320, 128)), {}, r"N=320 \(keys\) must be a multiple of block_kv=128"),
-        (_arrays(q_shape=(1, 2, 512, 128)), {"config": get_preset("fa3").replace(causal=True)}, r"q_len=512 must be"),
+        (_arrays(q_shape=(1, 2, 512, 128)), {"config": get_preset("fa3").replace(block_kv=128, causal=True)},
+         r"q_len=512 must be"),
         (_arrays(), {"v_transposed": True}, r"v\.shape=\(1, 1, 256, 128\) must equal \(1, 1, 128, 256\)"),
         (
             _arrays(q_shape=(1, 2, 128, 128), kv_shape=(1, 1, 1024, 128)),
@@ -480,7 +504,7 @@ def test_mosaic_ring_has_no_races():
 
     w = _workload(128, 512, deltas=(7.0,))
     params = jnp.array([w.softmax_scale, 1.0, 0.0, 0.0], jnp.float32)
-    for cfg in (get_preset("fa3"), get_preset("fwd_s1").replace(block_kv=128, causal=True)):
+    for cfg in (get_preset("fa3").replace(block_kv=128), get_preset("fwd_s1").replace(block_kv=128, causal=True)):
         out = mosaic_gpu.mosaic_attention(
             w.q, w.k, jnp.swapaxes(w.v, -1, -2), params, config=cfg,
             interpret=plgpu.InterpretGPUParams(detect_races=True),

@@ -15,6 +15,8 @@ import pytest
 from pallas_kernels import sass
 from pcast_jax.config import get_preset
 
+#: FA3's P-cast at the 128-key tile both backends run (the preset's own tile at d = 128 is 224).
+FA3_128 = get_preset("fa3").replace(block_kv=128, name="fa3")
 SHAPE = sass.KernelShape(batch=1, heads=2, kv_heads=1, q_len=128, n=512, head_dim=128)
 QK, PV = sass.PRODUCTS
 
@@ -80,7 +82,7 @@ def test_parse_ptx_attributes_mma_to_their_dot_line():
 
 
 def test_mosaic_kernel_issues_fp8_wgmma_for_both_products():
-    products = sass.mosaic_wgmma(sass.lower_for_hopper("mosaic", get_preset("fa3"), SHAPE))
+    products = sass.mosaic_wgmma(sass.lower_for_hopper("mosaic", FA3_128, SHAPE))
     assert [p.product for p in products] == [QK, PV]
     for p in products:
         # per compute warpgroup: K / 32 wgmma of 64 rows; d = block_kv = 128
@@ -115,7 +117,7 @@ def wheel_builds(triton_wheel):
 
     def build(name):
         if name not in cache:
-            cache[name] = sass.triton_report(get_preset(name), SHAPE)
+            cache[name] = sass.triton_report(FA3_128 if name == "fa3" else get_preset(name), SHAPE)
         return cache[name]
 
     return build
@@ -156,7 +158,7 @@ def test_triton_uses_fp8_tensor_cores_for_both_products(shipped):
 
 def test_plain_dot_general_falls_back_to_mma_sync(triton_wheel):
     """Why the kernel sets the attribute: the same IR with Pallas' default maxNumImpreciseAcc = 0."""
-    report, build = sass.triton_report(get_preset("fa3"), SHAPE, max_num_imprecise_acc=0)
+    report, build = sass.triton_report(FA3_128, SHAPE, max_num_imprecise_acc=0)
     assert build.mma_versions == (2, 2)
     assert {p.kind for p in report.products} == {"mma.sync"}
     assert report.sass_fp8_mma == 0 and report.e4m3_unpacks > 0
@@ -166,7 +168,7 @@ def test_plain_dot_general_falls_back_to_mma_sync(triton_wheel):
 def test_triton_reaches_fp8_wgmma_without_spills_with_tl_dot_accumulation(triton_wheel):
     """The same IR with maxNumImpreciseAcc = 2^30 (what tl.dot sets on sm_90): FP8 QGMMA, no spills."""
     report, build = sass.triton_report(
-        get_preset("fa3"), SHAPE, max_num_imprecise_acc=sass.TL_DOT_SM90_MAX_NUM_IMPRECISE_ACC
+        FA3_128, SHAPE, max_num_imprecise_acc=sass.TL_DOT_SM90_MAX_NUM_IMPRECISE_ACC
     )
     assert build.mma_versions == (3, 3)
     for p in report.products:
@@ -191,12 +193,12 @@ def xla_plugin(triton_wheel):
 
 @pytest.fixture(scope="module")
 def xla_mosaic(xla_plugin):
-    return sass.xla_report("mosaic", get_preset("fa3"), SHAPE)
+    return sass.xla_report("mosaic", FA3_128, SHAPE)
 
 
 @pytest.fixture(scope="module")
 def xla_triton(xla_plugin):
-    return sass.xla_report("triton", get_preset("fa3"), SHAPE)
+    return sass.xla_report("triton", FA3_128, SHAPE)
 
 
 def test_mosaic_compiles_with_xla_to_fp8_wgmma_without_spills(xla_mosaic):

@@ -55,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
 
     import jax
 
+    import pallas_kernels as pk
     from pallas_kernels import sass
 
     if sass.xla_available() and not os.environ.get("JAX_PLATFORMS"):
@@ -69,23 +70,23 @@ def run(args: argparse.Namespace) -> int:
         if args.causal:
             cfg = cfg.replace(causal=True, name=f"{cfg.name}_causal")
         for backend in args.backends:
+            if cfg.block_kv not in pk.supported_block_kv(backend):  # run at 128, named so (as the tests do)
+                cfg_b = cfg.replace(block_kv=128, name=f"{cfg.name}_b128")
+            else:
+                cfg_b = cfg
             if backend == "mosaic":
-                if cfg.block_kv % 128:  # the Mosaic kernel's smallest block (as the tests adapt it)
-                    cfg_m = cfg.replace(block_kv=128, name=f"{cfg.name}_b128")
-                else:
-                    cfg_m = cfg
                 if args.xla:
-                    reports.append(sass.xla_report("mosaic", cfg_m, shape)[0])
+                    reports.append(sass.xla_report("mosaic", cfg_b, shape)[0])
                 else:
-                    reports.append(sass.mosaic_report(cfg_m, shape))
+                    reports.append(sass.mosaic_report(cfg_b, shape))
                 continue
             if args.xla:
-                reports.append(sass.xla_report("triton", cfg, shape)[0])
+                reports.append(sass.xla_report("triton", cfg_b, shape)[0])
             for warps, stages in itertools.product(args.num_warps, args.num_stages):
                 keep = None
                 if args.keep is not None:
-                    keep = args.keep / f"{cfg.name}_w{warps or 'def'}_s{stages or 'def'}"
-                report, _ = sass.triton_report(cfg, shape, num_warps=warps, num_stages=stages,
+                    keep = args.keep / f"{cfg_b.name}_w{warps or 'def'}_s{stages or 'def'}"
+                report, _ = sass.triton_report(cfg_b, shape, num_warps=warps, num_stages=stages,
                                                max_num_imprecise_acc=args.max_num_imprecise_acc, workdir=keep)
                 reports.append(report)
     if args.json:
