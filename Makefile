@@ -30,8 +30,10 @@ reproduce: venv
 quick: venv
 	$(VENV)/bin/pcast reproduce --out results-quick --quick
 
+# sweep throughput vs the matmul bound, compile and first-result times, time to 2 % error bars
+BENCH_ARGS ?=
 benchmark: venv
-	$(PY) benchmarks/engine_bench.py
+	$(PY) benchmarks/sweep_bench.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) results results-quick .pytest_cache

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared GPU check for the Pallas FP8 kernels (Hopper: H100/H200); every step has a
-# timeout, 7.5 minutes in all at most.
+# timeout, 9.5 minutes in all at most.
 # Needs jax 0.11.2 with CUDA plus chex, numpy, scipy, pytest already installed; no network.
 # Run from anywhere; it works in the repository root:
 #   bash benchmarks/gpu_check.sh                 # everything
@@ -9,7 +9,8 @@
 #   bash benchmarks/gpu_check.sh --cpu-smoke     # CPU: tiny sizes, kernels in interpret mode
 # Prints everything to stdout: (a) the kernel tests on the GPU (non-interpret), (b) forward
 # timings against jax.nn.dot_product_attention (cudnn, xla), (c) the paper's Table 2 MSEs from the
-# kernels and from the simulator.
+# kernels and from the simulator, (d) a paper-size sweep (256 seeds, micro-batches of 32): instances/s
+# and the fraction of the GPU's FP32 matmul rate on the same P·V products.
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
@@ -40,6 +41,16 @@ timeout 150 "$PY" benchmarks/gpu_bench.py --part timing $SMOKE || status=1
 echo
 echo "== (c) Table 2 =="
 timeout 120 "$PY" benchmarks/gpu_bench.py --part table2 $SMOKE || status=1
+
+echo
+echo "== (d) paper-size sweep: instances/s and fraction of the FP32 matmul rate =="
+if [ -n "$SMOKE" ]; then
+  timeout 120 "$PY" benchmarks/sweep_bench.py --steady-only --seeds 2 --repeats 1 --micro-batch 2 \
+    --out /dev/null || status=1
+else
+  timeout 120 "$PY" benchmarks/sweep_bench.py --steady-only --seeds 256 --repeats 3 --micro-batch 32 \
+    --out results/benchmark-gpu.json || status=1
+fi
 
 echo
 echo "gpu_check exit status: $status"

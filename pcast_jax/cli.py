@@ -21,13 +21,16 @@ import os
 import sys
 from importlib import metadata
 
+from pcast_jax.cache import setup_compilation_cache
+
 #: Built-in sub-commands and their one-line help.
 COMMANDS: dict[str, str] = {
     "theory": "Closed forms of the paper for one (Δ, S): δk, F(Δ,S), Δc, underflow threshold, dp(S).",
     "sweep": "Run a seed × Δ × N × config sweep with the simulator; results land on disk as chunks finish.",
     "whatif": "Differentiable what-if analyses: worst Δ, optimal S, Prop. 3 calibration, dynamic scale.",
     "model-report": "Real-model (SmolLM2-135M) sink statistics, per-head P-cast error and perplexity.",
-    "presets": "List the kernel presets and their P-cast configuration.",
+    "presets": "List the kernel presets and their P-cast configuration (--show NAME: one as key=value).",
+    "plot": "Plot a finished sweep's metric against Δ or N (PNG, in the reproduction figures' style).",
     "kernels": "Compile the Pallas FP8 kernels for Hopper without a GPU: registers, spills, FP8 wgmma use.",
 }
 #: Entry-point group through which other packages add sub-commands.
@@ -78,6 +81,17 @@ def _help(name: str, added) -> str:
         return f"unavailable: {exc}"
 
 
+def _version() -> str:
+    """``pcast X (jax Y, jaxlib Z)``, read from the installed metadata (nothing is imported)."""
+    def v(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return f"pcast {v('pcast_jax')} (jax {v('jax')}, jaxlib {v('jaxlib')})"
+
+
 def build_parser(argv: list[str] | None = None, added: dict | None = None) -> argparse.ArgumentParser:
     """The ``pcast`` parser; only the sub-command named in ``argv`` gets its options.
 
@@ -86,6 +100,9 @@ def build_parser(argv: list[str] | None = None, added: dict | None = None) -> ar
     """
     added = added_commands() if added is None else added
     parser = _Parser(prog="pcast", description="FP8 attention P-cast precision toolkit (pcast_jax).")
+    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--no-compile-cache", action="store_true",
+                        help="do not use the persistent compilation cache (also: PCAST_JAX_COMPILATION_CACHE=0)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     names = list(COMMANDS) + list(added) + [n for n in PROVIDED_ELSEWHERE if n not in added]
     wanted = next((a for a in argv if a in names), None) if argv else None
@@ -108,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pcast: error: {exc}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
+    setup_compilation_cache(enabled=False if args.no_compile_cache else None)
     if not args.command:
         parser.print_help()
         return 0

@@ -1,13 +1,23 @@
-"""The compiled chunk: every (seed, Δ) instance of a chunk through one loop body, sharded by seed.
+"""The compiled chunk: every (seed, Δ) instance of a chunk through one compiled body, sharded by seed.
 
 An instance's scores and V are drawn from :func:`~pcast_jax.sweep.spec.instance_key` once per seed
-and shared by every Δ and config. Instances run one after another through the same compiled loop
-body (:func:`_loop_map`); only the per-device shard axis is vmapped, so results do not depend on the
-chunk size, the Δ grouping or the device count.
+and shared by every Δ and config. What is compiled depends on the shapes only (:class:`ChunkShape`:
+configs, workload, engine, N, micro-batch); the seed indices, the base seed and the Δ values are
+traced arguments, so another seed range, base seed or set of Δ values of the same shapes reuses
+the compiled program (and JAX's persistent cache, :mod:`pcast_jax.cache`, keeps it across processes).
+
+Seeds go through the body in groups of ``spec.micro_batch``: with 1 (the default) one seed at a
+time through a loop (:func:`_loop_map`), with M > 1 in vmapped groups of exactly M (the chunk padded
+with discarded seeds). Either way every instance runs through one compiled body of fixed shape and
+only the per-device shard axis is vmapped on top, so results do not depend on the chunk size, the
+Δ grouping, the device count or the process count. They do depend on M: XLA:CPU compiles the
+reductions of a batch of M differently from those of one instance, so the low-order bits of
+M > 1 differ from M = 1 (M is part of the fingerprint).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache, partial
 
 import jax
@@ -18,9 +28,30 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pcast_jax import metrics
 from pcast_jax.sweep.plan import seed_indices
 from pcast_jax.sweep.spec import SweepSpec, instance_key
-from pcast_jax.workloads import make_instance
+from pcast_jax.workloads import SinkWorkload, make_instance
 
-__all__ = ["chunk_metrics", "compute_chunk", "global_mesh", "start_global_call", "local_rows"]
+__all__ = ["ChunkShape", "chunk_shape", "chunk_metrics", "compute_chunk", "chunk_args", "global_mesh",
+           "start_global_call", "local_rows"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkShape:
+    """The static part of a compiled chunk: everything that sets its shapes or its program.
+
+    Seeds, seed offset, base seed and Δ values are not here: they are traced arguments.
+    """
+
+    configs: tuple
+    workload: SinkWorkload
+    engine: str
+    expected_mse: bool
+    micro_batch: int = 1
+
+
+def chunk_shape(spec: SweepSpec, n: int) -> ChunkShape:
+    """The :class:`ChunkShape` of ``spec``'s chunks at KV length ``n``."""
+    return ChunkShape(configs=tuple(spec.configs), workload=spec.workload(n), engine=spec.engine,
+                      expected_mse=spec.expected_mse, micro_batch=spec.micro_batch)
 
 
 def _loop_map(fn, xs):
@@ -47,33 +78,58 @@ def _loop_map(fn, xs):
     return out
 
 
-@partial(jax.jit, static_argnames=("spec", "n", "n_shards"))
-def chunk_metrics(seed_idx, deltas, *, spec: SweepSpec, n: int, n_shards: int = 1):
-    """(C,) seeds × (D,) deltas → metric → (C, D, n_configs). One draw per seed, shared by every Δ.
-
-    Every (seed, Δ) instance is computed by the same compiled loop body: a loop over Δ inside a
-    loop over seeds (:func:`_loop_map`), not a vmap. XLA:CPU's code for reductions, divisions and
-    exponentials depends on array shapes and on what gets fused, so a vmap over a batch whose size
-    follows the chunk size or the device count changes low-order bits; the loops make the results
-    bit-identical whatever the chunking, Δ grouping or device count (and are faster on CPU). The
-    seed axis is split into ``n_shards`` rows (one per device of a sharded ``seed_idx``; C must be
-    a multiple) and only that axis is vmapped, so each device loops over its own seeds.
-    """
-    workload = spec.workload(n)
+def _per_seed(shape: ChunkShape, base_seed, deltas):
+    """seed → metric → (D, n_configs): one draw, every Δ through the same loop body."""
+    w = shape.workload
 
     def per_seed(seed):
-        base = make_instance(instance_key(spec.base_seed, n, seed), workload, 0.0)
+        base = make_instance(instance_key(base_seed, w.n, seed), w, 0.0)
 
         def per_delta(delta):
             inst = base._replace(scores=base.scores + jnp.where(base.is_sink, delta, 0.0))
-            return metrics.evaluate(inst, spec.configs, engine=spec.engine, sigma_v=spec.sigma_v,
-                                    expected=spec.expected_mse)
+            return metrics.evaluate(inst, shape.configs, engine=shape.engine, sigma_v=w.sigma_v,
+                                    expected=shape.expected_mse)
 
         return _loop_map(per_delta, deltas)
 
-    rows = seed_idx.reshape(n_shards, -1)  # (shards, C / shards)
-    out = jax.vmap(lambda row: _loop_map(per_seed, row))(rows)
-    return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), out)
+    return per_seed
+
+
+@partial(jax.jit, static_argnames=("shape", "n_shards"))
+def chunk_metrics(seed_idx, deltas, base_seed, *, shape: ChunkShape, n_shards: int = 1):
+    """(C,) seeds × (D,) deltas → metric → (C, D, n_configs). One draw per seed, shared by every Δ.
+
+    Args:
+      seed_idx: (C,) uint32 seed indices (``seed_offset`` already added); C a multiple of
+        ``n_shards · shape.micro_batch`` (:func:`chunk_args` pads it).
+      deltas: (D,) float32 Δ values.
+      base_seed: int32 scalar, the sweep's root seed.
+      shape: the static part (:func:`chunk_shape`).
+      n_shards: rows the seed axis is split into (one per device of a sharded ``seed_idx``).
+
+    With ``micro_batch`` = 1 every (seed, Δ) instance is computed by the same compiled loop body:
+    a loop over Δ inside a loop over seeds (:func:`_loop_map`). XLA:CPU's code for reductions,
+    divisions and exponentials depends on array shapes and on what gets fused, so a vmap over a
+    batch whose size follows the chunk size or the device count would change low-order bits. With
+    ``micro_batch`` = M > 1 the loop over seeds steps through vmapped groups of exactly M seeds,
+    so the batched body has one shape whatever the chunking and the trip count drops M-fold. Only
+    the shard axis is vmapped on top, so each device loops over its own seeds.
+    """
+    per_seed = _per_seed(shape, base_seed, deltas)
+    m = shape.micro_batch
+    if m == 1:  # one seed per trip
+        out = jax.vmap(lambda row: _loop_map(per_seed, row))(seed_idx.reshape(n_shards, -1))
+        return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), out)
+    rows = seed_idx.reshape(n_shards, -1, m)  # (shards, groups, M): one group of M seeds per trip
+    out = jax.vmap(lambda row: _loop_map(jax.vmap(per_seed), row))(rows)
+    return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[3:]), out)
+
+
+def chunk_args(spec: SweepSpec, seed_start: int, seed_stop: int, n_shards: int) -> np.ndarray:
+    """Seed indices of seeds [seed_start, seed_stop), padded to a multiple of ``n_shards · micro_batch``."""
+    count = seed_stop - seed_start
+    step = n_shards * spec.micro_batch
+    return seed_indices(spec, seed_start, seed_stop, -(-count // step) * step)
 
 
 def compute_chunk(spec: SweepSpec, n: int, seed_start: int, seed_stop: int, delta_idx=None,
@@ -81,21 +137,23 @@ def compute_chunk(spec: SweepSpec, n: int, seed_start: int, seed_stop: int, delt
     """Metrics for seeds [seed_start, seed_stop) × the deltas ``delta_idx`` (default all) of N = n.
 
     The seed axis is sharded over ``devices`` (default all ``jax.devices()``), padded to a multiple
-    of their count.
+    of their count times ``spec.micro_batch``.
 
     Returns:
       metric → array of shape (seed_stop − seed_start, len(delta_idx), len(configs)).
     """
     devices = list(devices or jax.devices())
     count = seed_stop - seed_start
-    seeds = seed_indices(spec, seed_start, seed_stop, -(-count // len(devices)) * len(devices))
+    seeds = chunk_args(spec, seed_start, seed_stop, len(devices))
     didx = np.arange(len(spec.deltas)) if delta_idx is None else np.asarray(delta_idx)
     deltas = np.asarray(spec.deltas, np.float32)[didx]
+    base_seed = np.int32(spec.base_seed)
     if len(devices) > 1:
         mesh = Mesh(np.asarray(devices), ("i",))
         seeds = jax.device_put(seeds, NamedSharding(mesh, PartitionSpec("i")))
         deltas = jax.device_put(deltas, NamedSharding(mesh, PartitionSpec()))
-    out = chunk_metrics(seeds, deltas, spec=spec, n=n, n_shards=len(devices))
+        base_seed = jax.device_put(base_seed, NamedSharding(mesh, PartitionSpec()))
+    out = chunk_metrics(seeds, deltas, base_seed, shape=chunk_shape(spec, n), n_shards=len(devices))
     return {k: np.asarray(v)[:count] for k, v in out.items()}
 
 
@@ -117,7 +175,7 @@ def global_mesh() -> Mesh:
 def _sharded_chunk_fn(mesh: Mesh):
     """:func:`chunk_metrics` with its output rows kept where the input seeds live."""
     rows = NamedSharding(mesh, PartitionSpec("i"))
-    return jax.jit(chunk_metrics, static_argnames=("spec", "n", "n_shards"), out_shardings=rows)
+    return jax.jit(chunk_metrics, static_argnames=("shape", "n_shards"), out_shardings=rows)
 
 
 def start_global_call(spec: SweepSpec, n: int, seeds: np.ndarray, deltas: np.ndarray, mesh: Mesh) -> dict:
@@ -126,7 +184,8 @@ def start_global_call(spec: SweepSpec, n: int, seeds: np.ndarray, deltas: np.nda
     Args:
       spec: the sweep.
       n: KV length.
-      seeds: the global seed-index vector (length a multiple of the mesh size), sharded by rows.
+      seeds: the global seed-index vector (length a multiple of the mesh size times
+        ``spec.micro_batch``), sharded by rows.
       deltas: the Δ values, replicated.
       mesh: :func:`global_mesh`.
 
@@ -138,7 +197,9 @@ def start_global_call(spec: SweepSpec, n: int, seeds: np.ndarray, deltas: np.nda
     replicated = NamedSharding(mesh, PartitionSpec())
     seeds_g = jax.make_array_from_callback(seeds.shape, rows, lambda idx: seeds[idx])
     deltas_g = jax.make_array_from_callback(deltas.shape, replicated, lambda idx: deltas[idx])
-    return _sharded_chunk_fn(mesh)(seeds_g, deltas_g, spec=spec, n=n, n_shards=mesh.size)
+    base = np.int32(spec.base_seed)
+    base_g = jax.make_array_from_callback((), replicated, lambda idx: base)
+    return _sharded_chunk_fn(mesh)(seeds_g, deltas_g, base_g, shape=chunk_shape(spec, n), n_shards=mesh.size)
 
 
 def local_rows(arr: jax.Array, start: int, stop: int) -> np.ndarray:

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from pcast_jax.cache import setup_compilation_cache
 from pcast_jax.errors import PcastError, check_int, check_positive
 from pcast_jax.sweep.compute import global_mesh, local_rows, start_global_call
 from pcast_jax.sweep.plan import call_seeds, plan_calls, plan_process_layout, units
@@ -47,7 +48,8 @@ from pcast_jax.sweep.store import (
     write_probe,
 )
 
-__all__ = ["DEFAULT_TIMEOUT_S", "MAX_TIMEOUT_S", "ProcessInfo", "init_distributed", "process_info", "run_sweep_distributed"]
+__all__ = ["DEFAULT_TIMEOUT_S", "MAX_TIMEOUT_S", "ProcessInfo", "init_distributed", "process_info",
+           "run_sweep_distributed"]
 
 #: Default seconds to wait for the coordinator and for every process to join.
 DEFAULT_TIMEOUT_S = 300.0
@@ -319,6 +321,7 @@ def run_sweep_distributed(spec: SweepSpec, out_dir: str | os.PathLike | None = N
         folder holds another sweep or is not shared by every process, or one process failed.
     """
     check_spec(spec)
+    setup_compilation_cache()
     pid, nproc = jax.process_index(), jax.process_count()
     _check_identity(spec)
     fp = spec.fingerprint()

@@ -85,11 +85,13 @@ def plan_layout(spec: SweepSpec, *, n_devices: int, chunk_size: int | None = Non
     else:
         budget = int(check_positive("memory_budget", memory_budget))
     worst = max(estimate_instance_bytes(spec, n) for n in spec.ns)
-    if worst * n_devices > budget:
+    step = worst * spec.micro_batch  # one step of the compiled chunk holds micro_batch seeds' instances
+    if step * n_devices > budget:
+        times = f" x micro_batch={spec.micro_batch}" if spec.micro_batch > 1 else ""
         raise PcastError(
-            f"one instance at N={max(spec.ns)} needs ~{worst / 2**30:.2f} GiB per device but the memory "
+            f"one instance at N={max(spec.ns)} needs ~{worst / 2**30:.2f} GiB per device{times} but the memory "
             f"budget is {budget / 2**30:.2f} GiB; lower n, q_len or the number of configs, or raise memory_budget")
-    group = _balanced(len(spec.deltas), max(1, min(len(spec.deltas), budget // (worst * n_devices))))
+    group = _balanced(len(spec.deltas), max(1, min(len(spec.deltas), budget // (step * n_devices))))
     per_seed = worst * group
     fit = max(1, budget // per_seed)  # seeds per chunk that fit
     if chunk_size is None:
@@ -168,11 +170,11 @@ def seed_indices(spec: SweepSpec, start: int, stop: int, length: int) -> np.ndar
 def call_seeds(spec: SweepSpec, call: list[Unit], *, num_processes: int, local_devices: int) -> tuple[np.ndarray, int]:
     """The global seed vector of one multi-process call and its slot length (rows per process).
 
-    Slot p holds process p's chunk, padded to a multiple of ``local_devices`` exactly as a
-    single-process run pads it; slots past the end of ``call`` repeat the first chunk.
+    Slot p holds process p's chunk, padded to a multiple of ``local_devices · spec.micro_batch``
+    exactly as a single-process run pads it; slots past the end of ``call`` repeat the first chunk.
     """
     s0, s1 = call[0].bounds[:2]
-    slot = _round_up(s1 - s0, local_devices)
+    slot = _round_up(s1 - s0, local_devices * spec.micro_batch)
     parts = []
     for p in range(num_processes):
         u0, u1 = (call[p] if p < len(call) else call[0]).bounds[:2]

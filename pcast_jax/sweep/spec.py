@@ -50,6 +50,11 @@ class SweepSpec:
       q_len, d, k_sink, sink_positions, sigma, sigma_v: the synthetic workload (:class:`SinkWorkload`).
       engine: ``"fast"`` or ``"scan"``.
       expected_mse: also compute ``mse_expected`` (cheap; NaN when off).
+      micro_batch: seeds per step of the compiled chunk. 1 (the default): one seed at a time
+        through a loop. M > 1: vmapped groups of exactly M seeds (fewer, larger steps for a GPU or
+        TPU); results are bit-identical for every chunking and device count at a given M, but
+        their low-order bits differ from M = 1 (XLA compiles a batch's reductions differently).
+        Left out of :meth:`to_dict` at 1, so the fingerprints of earlier sweeps do not change.
     """
 
     configs: tuple = ("fwd_s1", "rev_s1", "fwd_s448", "fwd_s256", "rev_s256")
@@ -66,6 +71,7 @@ class SweepSpec:
     sigma_v: float = 1.0
     engine: str = "fast"
     expected_mse: bool = True
+    micro_batch: int = 1
 
     def __post_init__(self):
         cfgs = tuple(resolve(c) for c in _as_tuple(self.configs, "configs"))
@@ -105,6 +111,8 @@ class SweepSpec:
         check_choice("engine", self.engine, ENGINES)
         if not isinstance(self.expected_mse, bool):
             raise PcastError(f"expected_mse={self.expected_mse!r} must be True or False")
+        object.__setattr__(self, "micro_batch", check_int("micro_batch", self.micro_batch, min_value=1,
+                                                          max_value=4096))
         for n in ns:  # validates k_sink / sink_positions / sigma against every N
             self.workload(n)
 
@@ -124,6 +132,8 @@ class SweepSpec:
         d["deltas"] = list(self.deltas)
         d["ns"] = list(self.ns)
         d["sink_positions"] = None if self.sink_positions is None else list(self.sink_positions)
+        if d["micro_batch"] == 1:  # the default keeps the fingerprint of sweeps made before it existed
+            del d["micro_batch"]
         return d
 
     @classmethod
@@ -141,6 +151,17 @@ class SweepSpec:
         ident = {"spec": self.to_dict(), "format": FORMAT_VERSION, "simulator": SIMULATOR_VERSION}
         blob = json.dumps(ident, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _optional(module: str):
+    """Import an optional dependency of the ``data`` extra, or say which extra to install."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise PcastError(f"{module} is not installed; it comes with the data extra: "
+                         "pip install 'pcast_jax[data]'") from None
 
 
 def _as_tuple(x, name):
@@ -203,14 +224,61 @@ class SweepResult:
         """Mean over seeds of :meth:`get`."""
         return np.mean(self.get(metric, **kw), axis=-1)
 
+    def coordinates(self) -> dict[str, np.ndarray]:
+        """The labels of the four axes of every metric array: N, config name, Δ and seed index."""
+        s = self.spec
+        return {"n": np.asarray(s.ns, np.int64), "config": np.asarray(s.config_names, np.str_),
+                "delta": np.asarray(s.deltas, np.float64),
+                "seed": np.arange(s.seed_offset, s.seed_offset + s.seeds, dtype=np.int64)}
+
+    def workload_columns(self) -> dict:
+        """The workload fields of the spec as flat columns (sink positions as ``"0 1 2 3"``, or empty)."""
+        s = self.spec
+        return {"q_len": s.q_len, "d": s.d, "k_sink": s.k_sink,
+                "sink_positions": "" if s.sink_positions is None else " ".join(map(str, s.sink_positions)),
+                "sigma": s.sigma, "sigma_v": s.sigma_v, "base_seed": s.base_seed, "engine": s.engine}
+
+    def to_dataframe(self):
+        """Long format: one row per (N, config, Δ, seed) with every metric and the workload fields as columns.
+
+        Needs pandas (``pip install 'pcast_jax[data]'``).
+        """
+        pd = _optional("pandas")
+        c = self.coordinates()
+        grid = np.meshgrid(*c.values(), indexing="ij")
+        cols = {k: g.ravel() for k, g in zip(c, grid)}
+        for m, arr in self.data.items():
+            cols[m] = np.asarray(arr).ravel()
+        for k, v in self.workload_columns().items():
+            cols[k] = v
+        frame = pd.DataFrame(cols)
+        frame["config"] = pd.Categorical(frame["config"], categories=list(c["config"]))
+        return frame
+
+    def to_xarray(self):
+        """An ``xarray.Dataset``: one variable per metric over the labelled dims (n, config, delta, seed).
+
+        The workload fields and the fingerprint are attributes; ``config_spec`` (along ``config``) holds
+        each kernel in :meth:`~pcast_jax.config.KernelConfig.to_string` form. Needs xarray
+        (``pip install 'pcast_jax[data]'``).
+        """
+        xr = _optional("xarray")
+        dims = ("n", "config", "delta", "seed")
+        coords = dict(self.coordinates())
+        coords["config_spec"] = ("config", [k.to_string() for k in self.spec.configs])
+        attrs = {**self.workload_columns(), "fingerprint": self.spec.fingerprint(),
+                 "expected_mse": int(self.spec.expected_mse)}
+        return xr.Dataset({m: (dims, np.asarray(v)) for m, v in self.data.items()}, coords=coords, attrs=attrs)
+
     def summary_rows(self) -> list[dict]:
-        """One row per (N, config, Δ): the seed count and every metric's mean and standard error."""
+        """One row per (N, config, Δ): the seed count, every metric's mean and standard error, the workload."""
         rows = []
         s = self.spec
+        work = self.workload_columns()
         for ni, n in enumerate(s.ns):
             for ci, c in enumerate(s.config_names):
                 for di, dlt in enumerate(s.deltas):
-                    row = {"n": n, "config": c, "delta": dlt, "seeds": s.seeds}
+                    row = {"n": n, "config": c, "delta": dlt, "seeds": s.seeds, **work}
                     for m, arr in self.data.items():
                         row[f"{m}_mean"], row[f"{m}_sem"] = mean_sem(arr[ni, ci, di])
                     rows.append(row)

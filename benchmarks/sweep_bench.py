@@ -1,0 +1,196 @@
+"""Sweep benchmark (``make benchmark``): how close the sweep runs to the machine, and what a user waits for.
+
+All on the same shapes, in one run (Table 2's operating point: the paper's five configs, N = 4096,
+Δ = 7, q_len = 32, d = 128):
+
+* ``instances_per_s`` — steady-state throughput of ``sweep.compute_chunk`` with the fast engine
+  (an instance is one (seed, Δ): the draws plus every config's metrics), median of ``--repeats``.
+* ``matmul_gflops`` — a plain batched FP32 matmul (precision highest) of the sweep's P·V products:
+  per instance one (q, N) × (N, d) product for every config plus the reference.
+* ``flop_bound_fraction`` — the time those products take in the plain matmul over the time the
+  chunk takes: 1.0 would mean the sweep runs at the matmul rate of its P·V products.
+* ``compile_s_cold`` / ``compile_s_warm`` — compilation of the chunk in a fresh process with an empty
+  persistent cache, and again in another fresh process with the cache filled (first call minus a
+  steady-state call). ``first_result_s_cold`` / ``first_result_s`` (warm) — from process start to a
+  finished 8-seed sweep.
+* ``seconds_to_2pct`` — seconds until every Table 2 cell (config) reaches 2 % relative standard error
+  with ``mse`` and with ``mse_expected``, from the per-seed spread of a pilot sweep and the measured
+  throughput.
+* ``prng`` — per-seed draw time of JAX's PRNG implementations (threefry2x32, the default and the
+  simulator's, vs rbg and unsafe_rbg).
+
+Writes ``results/benchmark.json`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+T_START = time.perf_counter()
+
+CONFIGS = ("fwd_s1", "rev_s1", "fwd_s448", "fwd_s256", "rev_s256")
+SHAPE = dict(configs=CONFIGS, deltas=(7.0,), ns=(4096,), q_len=32, d=128)
+
+
+def _child(seeds: int) -> None:
+    """One fresh process: time to first result and compile time (first call minus a steady call)."""
+    import jax
+
+    from pcast_jax.sweep import SweepSpec, compute_chunk, run_sweep
+
+    spec = SweepSpec(**SHAPE, seeds=seeds)
+    t0 = time.perf_counter()
+    run_sweep(spec, progress=False)
+    first_call = time.perf_counter() - t0
+    first_result = time.perf_counter() - T_START
+    other = SweepSpec(**SHAPE, seeds=seeds, seed_offset=seeds)  # same shapes: no compilation
+    t0 = time.perf_counter()
+    jax.block_until_ready(compute_chunk(other, 4096, 0, seeds))
+    steady = time.perf_counter() - t0
+    print(json.dumps({"first_result_s": first_result, "compile_s": max(first_call - steady, 0.0)}))
+
+
+def _fresh_process(cache_home: str, seeds: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PCAST_JAX_COMPILATION_CACHE", "JAX_COMPILATION_CACHE_DIR")}
+    env["XDG_CACHE_HOME"] = cache_home
+    proc = subprocess.run([sys.executable, __file__, "--child", str(seeds)], env=env, capture_output=True, text=True,
+                          timeout=900)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-3000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _median_time(fn, repeats: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _prng(seeds: int, repeats: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    q, n, d = SHAPE["q_len"], SHAPE["ns"][0], SHAPE["d"]
+    out = {}
+    for impl in ("threefry2x32", "rbg", "unsafe_rbg"):
+        @jax.jit
+        def draws(keys):
+            def one(k):
+                ks, kv = jax.random.split(k)
+                return jnp.sum(jax.random.normal(ks, (q, n))) + jnp.sum(jax.random.normal(kv, (n, d)))
+            return jax.lax.map(one, keys)
+
+        keys = jax.random.split(jax.random.key(0, impl=impl), seeds)
+        out[impl] = _median_time(lambda keys=keys, draws=draws: draws(keys), repeats) / seeds
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, default=32, help="seeds per steady-state chunk (default 32)")
+    ap.add_argument("--pilot-seeds", type=int, default=64, help="seeds of the pilot sweep for the error bars")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default="results/benchmark.json")
+    ap.add_argument("--micro-batch", type=int, default=1, help="SweepSpec.micro_batch (GPU/TPU: e.g. 32)")
+    ap.add_argument("--steady-only", action="store_true",
+                    help="only the steady-state throughput and the matmul rate (no compile, error-bar or PRNG runs)")
+    ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child is not None:
+        _child(args.child)
+        return 0
+
+    if not args.steady_only:
+        with tempfile.TemporaryDirectory() as home:  # cold and warm, each in a fresh process
+            cold = _fresh_process(home, 8)
+            warm = _fresh_process(home, 8)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pcast_jax.sweep import SweepSpec, compute_chunk, run_sweep
+
+    seeds, n, q, d = args.seeds, SHAPE["ns"][0], SHAPE["q_len"], SHAPE["d"]
+    spec = SweepSpec(**SHAPE, seeds=seeds, micro_batch=args.micro_batch)
+    products = len(CONFIGS) + 1
+    a = jax.random.normal(jax.random.PRNGKey(1), (seeds, products * q, n), jnp.float32)
+    b = jax.random.normal(jax.random.PRNGKey(2), (seeds, n, d), jnp.float32)
+    matmul = jax.jit(lambda a, b: jnp.einsum("sqn,snd->sqd", a, b, precision="highest"))
+    chunk_s, matmul_s = [], []
+    _median_time(lambda: compute_chunk(spec, n, 0, seeds), 1)
+    _median_time(lambda: matmul(a, b), 1)
+    for _ in range(args.repeats):  # interleaved, so that both see the same machine load
+        chunk_s.append(_median_time(lambda: compute_chunk(spec, n, 0, seeds), 1))
+        matmul_s.append(_median_time(lambda: matmul(a, b), 1))
+    chunk, mm = statistics.median(chunk_s), statistics.median(matmul_s)
+    flops = 2.0 * q * n * d * products * seeds
+    if args.steady_only:
+        print(f"sweep steady state, {jax.devices()[0].platform} x{jax.device_count()}: {len(CONFIGS)} configs, "
+              f"N={n}, q={q}, d={d}, {seeds} seeds, micro_batch={args.micro_batch}: {seeds / chunk:.1f} instances/s, "
+              f"P·V {flops / chunk / 1e9:.1f} GFLOP/s = {mm / chunk:.2f} of the FP32 matmul rate "
+              f"({flops / mm / 1e9:.1f} GFLOP/s on the same products)")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"instances_per_s": seeds / chunk, "flop_bound_fraction": mm / chunk,
+                                              "matmul_gflops": flops / mm / 1e9, "micro_batch": args.micro_batch,
+                                              "platform": jax.devices()[0].platform}, indent=2) + "\n")
+        return 0
+
+    pilot = run_sweep(SweepSpec(**SHAPE, seeds=args.pilot_seeds), progress=False)
+    ips = seeds / chunk
+    to_2pct = {}
+    for metric in ("mse", "mse_expected"):
+        need = 0.0
+        for c in CONFIGS:
+            x = pilot.get(metric, config=c, n=n, delta=7.0).astype(np.float64)
+            rse1 = np.std(x, ddof=1) / abs(np.mean(x))  # relative standard error of one seed
+            need = max(need, (rse1 / 0.02) ** 2)
+        to_2pct[metric] = {"seeds": int(np.ceil(need)), "seconds": float(np.ceil(need) / ips)}
+
+    report = {
+        "shape": {**{k: list(v) if isinstance(v, tuple) else v for k, v in SHAPE.items()}, "seeds": seeds},
+        "platform": jax.devices()[0].platform, "device_count": jax.device_count(),
+        "instances_per_s": ips, "chunk_s": chunk, "pv_gflops": flops / chunk / 1e9,
+        "matmul_gflops": flops / mm / 1e9, "flop_bound_fraction": mm / chunk,
+        "compile_s_cold": cold["compile_s"], "compile_s_warm": warm["compile_s"],
+        "first_result_s_cold": cold["first_result_s"], "first_result_s": warm["first_result_s"],
+        "seconds_to_2pct": to_2pct, "prng_s_per_seed": _prng(seeds, args.repeats),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"sweep benchmark, {report['platform']} x{report['device_count']}: {len(CONFIGS)} configs, N={n}, "
+          f"q={q}, d={d}, {seeds} seeds per chunk (medians of {args.repeats})")
+    rows = [("instances/s (fast engine, steady state)", f"{ips:.1f}"),
+            ("P·V GFLOP/s in the sweep", f"{report['pv_gflops']:.1f}"),
+            ("plain matmul GFLOP/s, same products", f"{report['matmul_gflops']:.1f}"),
+            ("fraction of the FLOP bound", f"{report['flop_bound_fraction']:.2f}"),
+            ("compile s, cold / warm cache", f"{cold['compile_s']:.2f} / {warm['compile_s']:.2f}"),
+            ("first result s, cold / warm cache", f"{cold['first_result_s']:.2f} / {warm['first_result_s']:.2f}")]
+    for metric, v in to_2pct.items():
+        rows.append((f"s to 2 % RSE, every cell, {metric}", f"{v['seconds']:.1f} ({v['seeds']} seeds)"))
+    for impl, s in report["prng_s_per_seed"].items():
+        rows.append((f"draws per seed, {impl} (ms)", f"{1e3 * s:.2f}"))
+    width = max(len(r[0]) for r in rows)
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Compile once per shape, the persistent compilation cache, and the vmapped micro-batch."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from pcast_jax import cache, metrics, workloads
+from pcast_jax.errors import PcastError
+from pcast_jax.sweep import SweepSpec, estimate_instance_bytes, instance_key, plan_layout, run_sweep
+from pcast_jax.sweep.compute import chunk_metrics
+
+SPEC_KW = dict(configs=("rev_s256", "dynamic_pow2"), deltas=(5.0, 9.0), ns=(200,), seeds=4, q_len=4, d=8)
+
+
+def _same_bits(a, b, label=""):
+    for m in metrics.METRICS:
+        np.testing.assert_array_equal(np.asarray(a[m]).view(np.uint32), np.asarray(b[m]).view(np.uint32),
+                                      err_msg=f"{label} {m}")
+
+
+def test_fingerprint_of_the_default_spec_is_unchanged():
+    assert SweepSpec(deltas=(7.0,), ns=(4096,), seeds=4).fingerprint() == "1bdd2a9069c5cfea"
+    assert "micro_batch" not in SweepSpec().to_dict()
+    batched = SweepSpec(micro_batch=4)
+    assert batched.fingerprint() != SweepSpec().fingerprint()
+    assert SweepSpec.from_dict(batched.to_dict()) == batched
+    with pytest.raises(PcastError, match="micro_batch"):
+        SweepSpec(micro_batch=0)
+
+
+def test_same_shapes_with_other_seeds_base_seed_and_deltas_do_not_recompile():
+    first = run_sweep(SweepSpec(**SPEC_KW), chunk_size=4, progress=False)
+    compiled = chunk_metrics._cache_size()
+    other = SweepSpec(**{**SPEC_KW, "seed_offset": 11, "base_seed": 123, "deltas": (3.0, 12.5)})
+    second = run_sweep(other, chunk_size=4, progress=False)
+    assert chunk_metrics._cache_size() == compiled, "a traced value was compiled in"
+    assert not np.array_equal(first.data["mse"], second.data["mse"])
+    # the traced base seed, seed and Δ give the instance a standalone evaluation gives
+    for si, di in ((0, 0), (3, 1)):
+        key = instance_key(other.base_seed, 200, other.seed_offset + si)
+        inst = workloads.make_instance(key, other.workload(200), other.deltas[di])
+        alone = jax.jit(lambda i: metrics.evaluate(i, other.configs))(inst)
+        for m in metrics.METRICS:
+            np.testing.assert_array_equal(second.data[m][0, :, di, si].view(np.uint32),
+                                          np.asarray(alone[m]).view(np.uint32), err_msg=m)
+
+
+@pytest.fixture(scope="module")
+def batched():
+    spec = SweepSpec(**{**SPEC_KW, "seeds": 7, "micro_batch": 3})
+    return spec, run_sweep(spec, chunk_size=7, progress=False)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 4])
+def test_micro_batch_is_bit_identical_for_any_chunk_size(batched, chunk_size):
+    spec, reference = batched
+    _same_bits(run_sweep(spec, chunk_size=chunk_size, progress=False).data, reference.data, f"chunk {chunk_size}")
+
+
+def test_micro_batch_is_bit_identical_with_delta_groups_and_seed_offset(batched):
+    spec, reference = batched
+    budget = 3 * max(estimate_instance_bytes(spec, n) for n in spec.ns)  # one micro-batch, one Δ
+    assert plan_layout(spec, n_devices=1, memory_budget=budget)["delta_group"] == 1
+    _same_bits(run_sweep(spec, memory_budget=budget, progress=False).data, reference.data, "Δ groups")
+    shifted = run_sweep(SweepSpec(**{**SPEC_KW, "seeds": 4, "seed_offset": 3, "micro_batch": 3}), progress=False)
+    _same_bits(shifted.data, {m: v[..., 3:] for m, v in reference.data.items()}, "seed_offset")
+
+
+def test_micro_batch_needs_its_memory_up_front():
+    spec = SweepSpec(**{**SPEC_KW, "micro_batch": 8})
+    with pytest.raises(PcastError, match="micro_batch=8"):
+        plan_layout(spec, n_devices=1, memory_budget=4 * estimate_instance_bytes(spec, 200))
+
+
+# --------------------------------------------------------------------------------------------
+# The persistent compilation cache
+# --------------------------------------------------------------------------------------------
+
+
+def test_cache_folder_and_switches(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache.default_cache_dir() == tmp_path / "pcast_jax" / "jax-cache"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert not cache._writable(blocker / "sub")  # a folder that cannot be made: no cache, no error
+    assert cache._writable(tmp_path / "ok")
+    monkeypatch.setattr(cache, "_state", {})
+    monkeypatch.setenv(cache.ENV_VAR, "0")
+    assert cache.setup_compilation_cache() is None
+    assert cache.setup_compilation_cache(enabled=False) is None
+
+
+_CACHED_RUN = """
+import json, sys
+import jax
+from pcast_jax import cache
+hits = []
+jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name))
+from pcast_jax.sweep import SweepSpec, run_sweep
+from pcast_jax.sweep.compute import chunk_metrics
+run_sweep(SweepSpec(**json.loads(sys.argv[1])), progress=False)
+folder = cache.setup_compilation_cache()
+print(json.dumps({"dir": None if folder is None else str(folder), "config": jax.config.jax_compilation_cache_dir,
+                  "hits": hits.count("/jax/compilation_cache/cache_hits")}))
+"""
+
+
+def _cached_run(env, spec_kw):
+    kw = {k: list(v) if isinstance(v, tuple) else v for k, v in spec_kw.items()}
+    proc = subprocess.run([sys.executable, "-c", _CACHED_RUN, json.dumps(kw)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_second_process_loads_the_chunk_from_the_cache_and_unwritable_folder_is_ignored(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in (cache.ENV_VAR, "JAX_COMPILATION_CACHE_DIR")}
+    env.update(XDG_CACHE_HOME=str(tmp_path / "xdg"), JAX_PLATFORMS="cpu")
+    kw = {**SPEC_KW, "configs": ("fwd_s1", "rev_s256", "fa3")}
+    cold = _cached_run(env, kw)
+    assert cold["dir"] == str(tmp_path / "xdg" / "pcast_jax" / "jax-cache")
+    assert any((tmp_path / "xdg" / "pcast_jax" / "jax-cache").iterdir())
+    warm = _cached_run(env, {**kw, "seed_offset": 5, "base_seed": 3, "deltas": (1.0, 2.0)})
+    assert warm["hits"] >= 1 and warm["hits"] > cold["hits"]
+    (tmp_path / "blocker").write_text("")
+    off = _cached_run({**env, cache.ENV_VAR: str(tmp_path / "blocker" / "cache")}, SPEC_KW)
+    assert off["dir"] is None and not off["config"]
+    assert _cached_run({**env, cache.ENV_VAR: "0"}, SPEC_KW)["dir"] is None
