@@ -55,7 +55,7 @@ def run(ctx: Context) -> Section:
         rows.append({"delta": delta, "n": n, "instances": len(diff), "mse_fwd_s256": float(fwd.mean()),
                      "mse_rev_s256": float(rev.mean()), "mean_diff": float(diff.mean()),
                      "sem_diff": sem(diff),
-                     "relative_diff": float(diff.mean() / fwd.mean()), "t": float(t.statistic),
+                     "relative_diff_frac": float(diff.mean() / fwd.mean()), "t": float(t.statistic),
                      "p": float(t.pvalue), "significant": bool(t.pvalue < ALPHA),
                      "paper_mean_diff": p_mean, "paper_t": p_t, "paper_significant": p_sig,
                      "paper_point": (delta, n) in PAPER})
@@ -64,14 +64,14 @@ def run(ctx: Context) -> Section:
             Column("mse_fwd_s256", "MSE fwd", report.fmt_sci), Column("mse_rev_s256", "MSE rev", report.fmt_sci),
             Column("mean_diff", "mean diff ours", lambda x: f"{x:+.1e}"),
             Column("paper_mean_diff", "paper", lambda x: f"{x:+.0e}"),
-            Column("relative_diff", "diff / MSE", lambda x: f"{100 * x:+.2f}%"),
+            Column("relative_diff_frac", "diff / MSE", lambda x: f"{100 * x:+.2f}%"),
             Column("t", "t ours", lambda x: f"{x:+.2f}"), Column("paper_t", "paper", lambda x: f"{x:+.1f}"),
             Column("p", "p", lambda x: f"{x:.2g}"),
             Column("significant", "sig.? ours", lambda x: "Yes" if x else "No"),
             Column("paper_significant", "paper", lambda x: "Yes" if x else "No")]
     on_paper = [r for r in rows if r["paper_point"]]
     same_sig = sum(r["significant"] == r["paper_significant"] for r in on_paper)
-    worst_rel = max(abs(r["relative_diff"]) for r in rows)
+    worst_rel = max(abs(r["relative_diff_frac"]) for r in rows)
     rev_better = all(r["mean_diff"] < 0 for r in rows if r["significant"])
     missing = [f"({d:g}, {n})" for (d, n) in PAPER if (d, n) not in s.ttest_points]
     pattern = ", ".join(f"({r['delta']:g}, {r['n']}): {'Yes' if r['significant'] else 'No'}" for r in rows)

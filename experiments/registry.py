@@ -51,7 +51,8 @@ FILE_DESCRIPTIONS: dict[str, str] = {
     "report.md": "this report",
     "findings.csv": "the summary table: each checked claim, the paper's value, ours, verdict",
     "table1.csv": "Table 1 per Δ: frac. zeroed S=1/S=256, non-sink mass, info loss (ours, paper, "
-                  "difference in pp), Eq. (7) and its spread-integrated form, exact zeroed mass",
+                  "difference), Eq. (7) and its spread-integrated form, exact zeroed mass; all fractions in "
+                  "[0, 1] (columns *_frac)",
     "table2.csv": "Table 2 per (config, N): empirical MSE and mse_expected with standard errors, the paper's "
                   "MSE, ours/paper ratios, ±15% flags; plus the Fwd S=1 / best ratio rows",
     "figure1_dp.csv": "dp(S) on Figure 1's grid (S, dp, power of two?, overflow?)",
@@ -63,8 +64,8 @@ FILE_DESCRIPTIONS: dict[str, str] = {
                      "Fwd S=1 / Fwd S=256 improvement, the paper's Table 2 MSE where it has one",
     "figure3_n.png": "Figure 3, MSE vs N (log-log)",
     "appendix_a.csv": "Appendix A: dp(S) for 2^k and the paper's examples, ours vs paper; normal coverage 2^-6/S",
-    "appendix_b.csv": "Appendix B per (Δ, N): MSE of Fwd/Rev S=256, mean paired difference, t, p, "
-                      "significance, the paper's values",
+    "appendix_b.csv": "Appendix B per (Δ, N): MSE of Fwd/Rev S=256, mean paired difference (and as a "
+                      "fraction of the MSE, relative_diff_frac), t, p, significance, the paper's values",
     "table3_kernels.csv": "Table 3 per kernel preset: design choices, the paper's entry, MSE ± s.e. and "
                           "ratio to the best at each N, fraction zeroed, where the preset follows the source",
     "run.json": "exact configuration: sizes, every SweepSpec (as a dict) with its fingerprint and folder, "

@@ -91,7 +91,8 @@ def run(ctx: Context) -> Section:
     intro = (
         f"Forward order, N = {s.n_main}, k_sink = {s.k_sink}, B = 64, q_len = {s.q_len}, "
         f"seeds 0–{k - 1} of the Figure 2 sweep (the same draws as a {k}-seed run). All numbers in "
-        "percent. \"Frac. zeroed\" counts non-sink P values that were > 0 and cast to 0 "
+        "percent here (table1.csv holds them as fractions, in columns ending in `_frac`). "
+        "\"Frac. zeroed\" counts non-sink P values that were > 0 and cast to 0 "
         "(S = 1 and S = 256, from the same simulation); non-sink mass is the exact FP32 softmax "
         "mass on non-sink keys (per-row mean); info loss = non-sink mass × frac. zeroed (S = 1), as "
         "the paper defines it. Eq. (7) is F = Φ(Δ + δk − 10 ln 2 − ln S) with δ4 = "
@@ -134,7 +135,7 @@ def run(ctx: Context) -> Section:
              f"{TOL_MASS_PP:g} pp for mass).",
              "With the paper's 12 seeds the fractions carry about 1.3 pp of seed noise (Δ = 6); at 240 seeds "
              "(tests/test_engine.py) every fraction is within 2 pp of the paper.",
-             "`zeroed_mass_s1_ours` in table1.csv is the exact probability mass of the zeroed P values "
+             "`zeroed_mass_s1_ours_frac` in table1.csv is the exact probability mass of the zeroed P values "
              "(what the product \"info loss\" approximates)."]
     for r in off:
         notes.append(f"Non-sink mass at Δ = {r['delta']:g}: the paper's {r['mass_paper']:.1f}% is "
@@ -142,7 +143,25 @@ def run(ctx: Context) -> Section:
                      f"{r['mass_paper'] - r['mass_theory']:+.1f} pp from the closed-form per-row mean "
                      f"(`theory.non_sink_mass`: {r['mass_theory']:.1f}%), while the other rows agree "
                      "to within a point; the paper does not say what makes this row differ.")
-    return Section(NAME, TITLE, intro, tables=[Table("table1", rows, cols)], findings=findings, notes=notes)
+    return Section(NAME, TITLE, intro, tables=[Table("table1", csv_rows(rows), cols, md_rows=rows)],
+                   findings=findings, notes=notes)
+
+
+def csv_rows(rows: list[dict]) -> list[dict]:
+    """``table1.csv``'s rows: every percentage as a fraction in [0, 1], its column name ending in ``_frac``.
+
+    (The markdown table shows percent; percentage-point differences ``*_diff_pp`` become ``*_diff_frac``.)
+    """
+    out = []
+    for r in rows:
+        row = {"delta": r["delta"], "seeds": r["seeds"]}
+        for key, value in r.items():
+            if key in row:
+                continue
+            name = key.removesuffix("_pp") + "_frac"
+            row[name] = None if value is None else value / 100.0
+        out.append(row)
+    return out
 
 
 def _row(rows, delta):

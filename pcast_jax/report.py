@@ -30,9 +30,11 @@ __all__ = [
     "write_text",
     "write_csv",
     "write_json",
+    "json_value",
     "new_figure",
     "label_log_axis",
     "save_figure",
+    "sweep_figure",
     "library_versions",
 ]
 
@@ -174,26 +176,27 @@ def write_csv(path, rows: Iterable[dict], columns: Sequence[str] | None = None) 
     return write_text(path, buf.getvalue())
 
 
+def json_value(x):
+    """``x`` as plain JSON data: non-finite floats → None, NumPy scalars → Python, paths → str."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {str(k): json_value(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_value(v) for v in x]
+    if hasattr(x, "item") and callable(x.item):  # numpy scalar
+        try:
+            return json_value(x.item())
+        except (TypeError, ValueError):
+            pass
+    if isinstance(x, Path):
+        return str(x)
+    return x
+
+
 def write_json(path, obj) -> Path:
     """Write JSON (indented, UTF-8) atomically; non-finite floats become null."""
-
-    def clean(x):
-        if isinstance(x, float) and not math.isfinite(x):
-            return None
-        if isinstance(x, dict):
-            return {str(k): clean(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [clean(v) for v in x]
-        if hasattr(x, "item") and callable(x.item):  # numpy scalar
-            try:
-                return clean(x.item())
-            except (TypeError, ValueError):
-                pass
-        if isinstance(x, Path):
-            return str(x)
-        return x
-
-    return write_text(path, json.dumps(clean(obj), indent=1, ensure_ascii=False) + "\n")
+    return write_text(path, json.dumps(json_value(obj), indent=1, ensure_ascii=False) + "\n")
 
 
 # --------------------------------------------------------------------------------------------
@@ -261,3 +264,93 @@ def library_versions(packages: Sequence[str] = _PACKAGES) -> dict[str, str | Non
     out["platform"] = f"{platform.system()} {platform.machine()}"
     out["python_implementation"] = sys.implementation.name
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Sweep figures (``pcast plot``)
+# --------------------------------------------------------------------------------------------
+
+#: The colour of each paper configuration, as in the reproduction figures; other configs take the
+#: tab10 colours in order.
+CONFIG_COLORS: dict[str, str] = {
+    "fwd_s1": "#d62728",
+    "rev_s1": "#ff7f0e",
+    "fwd_s448": "#9467bd",
+    "fwd_s256": "#2ca02c",
+    "rev_s256": "#1f77b4",
+}
+_OTHER_COLORS = ("#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#1f77b4", "#ff7f0e", "#2ca02c",
+                 "#d62728", "#9467bd")
+_LINESTYLES = ("-", "--", ":", "-.")
+#: Axis labels of the sweep metrics and coordinates.
+SWEEP_LABELS = {
+    "delta": "sink strength Δ",
+    "n": "KV length N",
+    "mse": "MSE vs FP32 reference",
+    "mse_expected": "expected MSE (V averaged)",
+    "frac_zeroed": "fraction of non-sink P cast to zero",
+    "zeroed_mass": "probability mass cast to zero (fraction)",
+    "nonsink_mass": "non-sink probability mass (fraction)",
+}
+
+
+def sweep_figure(result, *, x: str = "delta", y: str = "mse", configs: Sequence[str] | None = None,
+                 log_y: bool | None = None):
+    """A figure of one sweep metric against Δ or N, one line per config (± one standard error, shaded).
+
+    The other axis (N when ``x`` is Δ and the reverse) gives one line style per value. ``log_y``
+    defaults to a log axis for the MSE metrics (where every value is > 0). Returns the Figure.
+    """
+    import numpy as np
+
+    from pcast_jax.errors import PcastError, check_choice
+    from pcast_jax.stats import mean_sem
+
+    spec = result.spec
+    check_choice("x", x, ("delta", "n"))
+    check_choice("y", y, tuple(result.data))
+    names = list(spec.config_names) if configs is None else list(configs)
+    for c in names:
+        check_choice("config", c, spec.config_names)
+    xs = np.asarray(spec.deltas if x == "delta" else spec.ns, np.float64)
+    others = spec.ns if x == "delta" else spec.deltas
+    if log_y is None:
+        log_y = y.startswith("mse")
+    fig, ax = new_figure(figsize=(7.5, 4.8))
+    colors = iter(_OTHER_COLORS)
+    color = {c: CONFIG_COLORS.get(c) or next(colors, "#333333") for c in names}
+    plotted = 0
+    for j, other in enumerate(others):
+        for c in names:
+            stats = []
+            for v in xs:
+                key = {"n": other, "delta": float(v)} if x == "delta" else {"n": int(v), "delta": other}
+                stats.append(mean_sem(result.get(y, config=c, **key).astype(np.float64)))
+            m, se = (np.array(t) for t in zip(*stats))
+            if not np.isfinite(m).any():
+                continue
+            label = c if len(others) == 1 else f"{c}, {'N' if x == 'delta' else 'Δ'} = {other:g}"
+            ax.plot(xs, m, "o" + _LINESTYLES[j % len(_LINESTYLES)], color=color[c], label=label, ms=4, lw=1.5)
+            lo = np.maximum(m - se, m * 1e-3) if log_y else m - se
+            ax.fill_between(xs, lo, m + se, color=color[c], alpha=0.15, lw=0)
+            plotted += 1
+    if not plotted:
+        raise PcastError(f"y={y!r} has no finite values in this sweep (was it run with --no-expected-mse?)")
+    if log_y:
+        ax.set_yscale("log")
+        label_log_axis(ax.yaxis)
+    if x == "n" and len(xs) > 1:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [f"{int(v)}" for v in xs])
+    elif len(xs) <= 16:
+        ax.set_xticks(xs, [f"{v:g}" for v in xs])
+    ax.set_xlabel(SWEEP_LABELS.get(x, x))
+    ax.set_ylabel(SWEEP_LABELS.get(y, y))
+    fixed = (f"N = {spec.ns[0]}" if x == "delta" and len(spec.ns) == 1 else
+             f"Δ = {spec.deltas[0]:g}" if x == "n" and len(spec.deltas) == 1 else "")
+    parts = [p for p in (fixed, f"q_len = {spec.q_len}", f"d = {spec.d}", f"k_sink = {spec.k_sink}",
+                         f"{spec.seeds} seeds") if p]
+    ax.set_title(f"{y} vs {x} ({', '.join(parts)}; bands: ± one standard error)", fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, ncol=2 if len(names) * len(others) > 4 else 1)
+    return fig

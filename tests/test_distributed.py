@@ -107,9 +107,16 @@ def _assert_ok(runs):
 
 
 def _bits_equal(a: dict, b) -> bool:
-    """Same metrics, bit for bit (a results.npz's fingerprint tag is not a metric)."""
-    a = {k: a[k] for k in a if k != "fingerprint"}
-    b = {k: b[k] for k in (b.files if hasattr(b, "files") else b) if k != "fingerprint"}
+    """Same metrics, bit for bit; same coordinates where both carry them (a results.npz's
+    fingerprint tag and coordinate labels are not metrics; an in-memory result has neither)."""
+    def split(d):
+        keys = [k for k in (d.files if hasattr(d, "files") else d) if k != "fingerprint"]
+        return ({k: d[k] for k in keys if not k.startswith("coord_")},
+                {k: d[k] for k in keys if k.startswith("coord_")})
+
+    (a, ca), (b, cb) = split(a), split(b)
+    if ca and cb and (set(ca) != set(cb) or not all(np.array_equal(ca[k], cb[k]) for k in ca)):
+        return False
     return set(a) == set(b) and all(
         np.asarray(a[k]).shape == np.asarray(b[k]).shape
         and np.array_equal(np.asarray(a[k]).view(np.uint32), np.asarray(b[k]).view(np.uint32)) for k in a)

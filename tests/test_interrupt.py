@@ -107,6 +107,8 @@ def test_killed_sweep_resumes_to_the_uninterrupted_result(tmp_path):
     got, want = _load(interrupted / "results.npz"), _load(reference / "results.npz")
     assert sorted(got) == sorted(want)
     assert str(got.pop("fingerprint")) == str(want.pop("fingerprint"))  # results.npz names its sweep
+    coords = [k for k in want if k.startswith("coord_")]  # the N, config, delta and seed labels
+    assert coords and all(np.array_equal(got.pop(k), want.pop(k)) for k in coords)
     for metric in want:
         assert got[metric].shape == (1, 2, 3, 64)
         assert np.array_equal(got[metric], want[metric], equal_nan=True), metric

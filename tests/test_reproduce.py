@@ -34,6 +34,7 @@ def test_quick_reproduce(tmp_path, capsys):
     _check_report_embeds_figures_and_summary(out)
     _check_forward_s1_is_worst_at_delta7(out)
     _check_s256_fixes_collapse(out)
+    _check_csv_units_are_fractions(out)
     _check_appendix_a_matches_paper(out)
     _check_rerun_resumes(out)
 
@@ -83,11 +84,24 @@ def _check_forward_s1_is_worst_at_delta7(quick_report):
 
 def _check_s256_fixes_collapse(quick_report):
     rows = {float(r["delta"]): r for r in _rows(quick_report / "table1.csv")}
-    assert float(rows[7.0]["s256_ours"]) < 1.0  # percent of non-sink P zeroed at S = 256
-    assert float(rows[7.0]["s1_ours"]) > 50.0
+    assert float(rows[7.0]["s256_ours_frac"]) < 0.01  # fraction of non-sink P zeroed at S = 256
+    assert float(rows[7.0]["s1_ours_frac"]) > 0.5
     # collapse grows with Δ at both scales
-    s1 = [float(rows[d]["s1_ours"]) for d in sorted(rows)]
-    assert all(b >= a - 0.5 for a, b in zip(s1, s1[1:]))
+    s1 = [float(rows[d]["s1_ours_frac"]) for d in sorted(rows)]
+    assert all(b >= a - 0.005 for a, b in zip(s1, s1[1:]))
+
+
+def _check_csv_units_are_fractions(quick_report):
+    """One unit convention in every CSV: proportions are fractions in [0, 1], never percent."""
+    for path in sorted(quick_report.glob("*.csv")):
+        rows = _rows(path)
+        for col in rows[0]:
+            assert "pct" not in col or col.endswith("15pct"), (path.name, col)  # 15pct: a yes/no flag
+            if col.endswith("_frac") or col in ("frac_zeroed", "nonsink_mass", "zeroed_mass"):
+                vals = [float(r[col]) for r in rows if r[col] not in ("", None)]
+                bound = 1.0 + 1e-9 if "diff" not in col else 1.0
+                assert all(-bound <= v <= bound for v in vals), (path.name, col, vals[:5])
+    assert "s1_ours_frac" in _rows(quick_report / "table1.csv")[0]
 
 
 def _check_appendix_a_matches_paper(quick_report):

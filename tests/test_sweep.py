@@ -145,8 +145,12 @@ def test_files_written_and_loadable(tmp_path, spec, reference):
     assert_same_bits(load_result(out), reference)
     assert load_result(out).spec == spec
     with np.load(out / "results.npz") as z:
-        assert set(z.files) == set(metrics.METRICS) | {"fingerprint"}
+        coords = {"coord_n", "coord_config", "coord_delta", "coord_seed"}
+        assert set(z.files) == set(metrics.METRICS) | {"fingerprint"} | coords
         assert str(z["fingerprint"]) == spec.fingerprint()
+        assert z["coord_config"].tolist() == list(spec.config_names) and z["coord_n"].tolist() == list(spec.ns)
+        assert z["coord_delta"].tolist() == list(spec.deltas)
+        assert z["coord_seed"].tolist() == list(range(spec.seed_offset, spec.seed_offset + spec.seeds))
     with open(out / "summary.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == len(spec.ns) * len(spec.configs) * len(spec.deltas)

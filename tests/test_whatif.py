@@ -232,8 +232,13 @@ def test_cli_worst_delta_and_errors(capsys, tmp_path):
     text = capsys.readouterr().out
     assert "fwd_s1" in text and "exact_local_peak" in text
     assert out.read_text().startswith("config,")
-    assert cli.main(["whatif", "worst-delta", "--range", "5"]) == 2
-    assert "--range" in capsys.readouterr().err
+    assert cli.main(["whatif", "worst-delta", "--delta-range", "5"]) == 2
+    assert "--delta-range" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="2"):  # the old spelling: refused with a hint to the new one
+        cli.main(["whatif", "worst-delta", "--range", "4,13"])
+    assert "use --delta-range" in capsys.readouterr().err
+    assert cli.main(["whatif", "worst-delta", "--config", "fwd_s1,fwd_s256"]) == 2
+    assert "use --configs" in capsys.readouterr().err
     assert cli.main(["whatif", "validate", "--points", "a,b"]) == 2
     assert "--points" in capsys.readouterr().err
     assert cli.main(["whatif"]) == 2

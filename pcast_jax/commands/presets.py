@@ -8,7 +8,8 @@ from pcast_jax.config import KERNEL_PRESETS, PAPER_CONFIGS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    del parser  # no options
+    parser.add_argument("--show", default=None, metavar="NAME",
+                        help="print one preset as key=value,... (the form --config takes) and its fields")
 
 
 def rows() -> list[tuple[str, ...]]:
@@ -31,8 +32,26 @@ def rows() -> list[tuple[str, ...]]:
     return out
 
 
+def show(name: str) -> list[str]:
+    """``NAME``'s ``--config`` string, then every field with its value (one per line)."""
+    import dataclasses
+
+    from pcast_jax.config import get_preset
+
+    cfg = get_preset(name)
+    lines = [cfg.to_string(), ""]
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        mark = "" if f.name == "name" or value != f.default else "  (default)"
+        lines.append(f"{f.name:<16} {value!r}{mark}")
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
-    del args
+    if args.show is not None:
+        for line in show(args.show.strip()):
+            print(line)
+        return 0
     head = ("group", "name", "order", "S", "scale mode", "block_kv", "pow2 S", "PV acc", "description")
     table = rows()
     widths = [max(len(r[i]) for r in (head, *table)) for i in range(len(head))]
@@ -40,4 +59,6 @@ def run(args: argparse.Namespace) -> int:
         print("  ".join(f"{cell:<{w}}" for cell, w in zip(r, widths)).rstrip())
     print("Q, K, V stay FP32 in every preset (the P-cast in isolation); ℓ sums pre-cast P except in the "
           "exponent mode, where it sums the scaled values.")
+    print("`pcast presets --show NAME` prints a preset as key=value,...: edit it and pass it to "
+          "`pcast sweep --config`.")
     return 0

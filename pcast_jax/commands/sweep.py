@@ -8,7 +8,9 @@ again.
 from __future__ import annotations
 
 import argparse
-import math
+import csv
+import io
+import json
 import os
 import sys
 import time
@@ -16,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
+from pcast_jax.commands import _options
 from pcast_jax.commands._distributed import MAX_INIT_TIMEOUT_S, add_distributed_arguments, init_from_args
-from pcast_jax.config import PRESETS
 from pcast_jax.engine import ENGINES
-from pcast_jax.errors import PcastError, check_f32
+from pcast_jax.errors import PcastError
 from pcast_jax.stats import mean_sem
 
 DEFAULT_CONFIGS = "fwd_s1,rev_s1,fwd_s448,fwd_s256,rev_s256"
@@ -29,15 +31,14 @@ COLUMNS = (
     ("frac_zeroed", "frac. zeroed %", 100.0, "{:.2f} ± {:.2f}"),
     ("nonsink_mass", "non-sink mass %", 100.0, "{:.2f} ± {:.2f}"),
 )
+#: --format choices.
+FORMATS = ("table", "csv", "json", "md")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--configs", default=DEFAULT_CONFIGS,
-                        help=f"comma-separated preset names (default {DEFAULT_CONFIGS}; see `pcast presets`)")
-    parser.add_argument("--delta", default="7",
-                        help="sink strengths Δ: one value, a list 5,7,9, or start:stop:step with stop "
-                             "included (4:13:1 is 4, 5, …, 13) (default 7)")
-    parser.add_argument("--n", default="4096", help="KV lengths N, comma-separated (default 4096)")
+    _options.add_kernel_arguments(parser, default_configs=DEFAULT_CONFIGS)
+    parser.add_argument("--delta", default="7", help=f"sink strengths Δ: {_options.RANGE_HELP} (default 7)")
+    parser.add_argument("--n", default="4096", help=f"KV lengths N: {_options.RANGE_HELP} (default 4096)")
     parser.add_argument("--seeds", default="20", help="seeds per (N, Δ) (default 20)")
     parser.add_argument("--seed-offset", default="0", help="index of the first seed (default 0)")
     parser.add_argument("--base-seed", default="0", help="root PRNG seed (default 0)")
@@ -53,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seeds per compiled call (default: as many as the memory budget allows)")
     parser.add_argument("--no-expected-mse", action="store_true",
                         help="skip the V-averaged mse_expected metric")
+    parser.add_argument("--metrics", default=None,
+                        help=f"comma-separated metrics to print (default {','.join(m for m, *_ in COLUMNS)}; "
+                             "any of the sweep's metrics)")
+    parser.add_argument("--format", default="table", choices=FORMATS,
+                        help="printed output: an aligned table, csv, json or a markdown table (default table); "
+                             "with csv/json/md only the data goes to stdout")
     parser.add_argument("--out", default=None,
                         help="output folder (default sweeps/<fingerprint> under the current directory); "
                              "rerunning into the same folder resumes")
@@ -61,60 +68,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Option parsing: every error names the option.
+# Option parsing: every error names the option (shared with the other commands: _options).
 # --------------------------------------------------------------------------------------------
 
-
-def _int(option: str, text: str, *, min_value: int | None = None) -> int:
-    try:
-        value = int(str(text).strip())
-    except ValueError:
-        raise PcastError(f"{option}={text!r} must be an integer") from None
-    if min_value is not None and value < min_value:
-        raise PcastError(f"{option}={text!r} must be >= {min_value}")
-    return value
-
-
-def _float(option: str, text: str, *, positive: bool = False, max_abs: float | None = None) -> float:
-    """A number that is finite in float32 (the simulator's type), > 0 with ``positive``, |x| ≤ ``max_abs``."""
-    try:
-        value = float(str(text).strip())
-    except ValueError:
-        raise PcastError(f"{option}={text!r} must be a number") from None
-    if not math.isfinite(value):
-        raise PcastError(f"{option}={text!r} must be finite")
-    param = option.lstrip("-").replace("-", "_")
-    try:
-        check_f32(param, value, positive=positive, max_abs=max_abs)
-    except PcastError as exc:
-        raise PcastError(f"{option}={text!r}: {exc}") from None
-    return value
-
-
-def _items(option: str, text: str) -> list[str]:
-    items = [t.strip() for t in str(text).split(",")]
-    if not items or any(not t for t in items):
-        raise PcastError(f"{option}={text!r} must be a comma-separated list without empty items")
-    return items
+_int = _options.integer
+_float = _options.number
+_items = _options.items
 
 
 def parse_deltas(text: str, option: str = "--delta") -> tuple[float, ...]:
     """``"7"``, ``"5,7,9"`` or ``"start:stop:step"`` (stop included) → Δ values."""
-    text = str(text).strip()
-    if ":" not in text:
-        return tuple(_float(option, t) for t in _items(option, text))
-    parts = text.split(":")
-    if len(parts) != 3:
-        raise PcastError(f"{option}={text!r} must be start:stop:step (e.g. 4:13:1)")
-    start, stop, step = (_float(option, p) for p in parts)
-    if step <= 0:
-        raise PcastError(f"{option}={text!r}: step must be > 0")
-    if stop < start:
-        raise PcastError(f"{option}={text!r}: stop must be >= start")
-    count = math.floor((stop - start) / step + 1e-9) + 1
-    if count > 10_000:
-        raise PcastError(f"{option}={text!r} gives {count} values; at most 10000")
-    return tuple(round(start + i * step, 12) for i in range(count))
+    return _options.floats(option, text)
 
 
 def spec_from_args(args: argparse.Namespace):
@@ -122,14 +86,11 @@ def spec_from_args(args: argparse.Namespace):
     from pcast_jax.sweep import SweepSpec
     from pcast_jax.workloads import SIGMA_MAX, SIGMA_V_MAX
 
-    configs = tuple(_items("--configs", args.configs))
-    for c in configs:
-        if c not in PRESETS:
-            raise PcastError(f"--configs: {c!r} is not a preset; choose from {', '.join(PRESETS)}")
+    configs = tuple(_options.kernels_from_args(args, default_configs=DEFAULT_CONFIGS))
     engine = str(args.engine).strip()
     if engine not in ENGINES:
         raise PcastError(f"--engine={args.engine!r} must be one of {', '.join(ENGINES)}")
-    ns = tuple(_int("--n", t, min_value=1) for t in _items("--n", args.n))
+    ns = _options.ints("--n", args.n, min_value=1)
     sink_positions = None
     if args.sink_positions is not None:
         sink_positions = tuple(_int("--sink-positions", t, min_value=0)
@@ -164,26 +125,85 @@ def spec_from_args(args: argparse.Namespace):
 # --------------------------------------------------------------------------------------------
 
 
-def format_table(result) -> list[str]:
-    """One line per (N, config, Δ): mean ± standard error of MSE, frac. zeroed, non-sink mass."""
+def parse_metrics(text: str | None) -> tuple[str, ...]:
+    """``--metrics``: the sweep metrics to print (default: those of :data:`COLUMNS`)."""
+    from pcast_jax.metrics import METRICS
+
+    if text is None:
+        return tuple(m for m, *_ in COLUMNS)
+    chosen = tuple(_items("--metrics", text))
+    for m in chosen:
+        if m not in METRICS:
+            raise PcastError(f"--metrics: {m!r} is not a sweep metric; choose from {', '.join(METRICS)}")
+    return chosen
+
+
+def _column(metric: str):
+    return next((c for c in COLUMNS if c[0] == metric), (metric, metric, 1.0, "{:.3e} ± {:.1e}"))
+
+
+def summary_rows(result, metrics: tuple[str, ...] | None = None) -> list[dict]:
+    """One dict per (N, config, Δ): the seed count and ``{metric}_mean`` / ``{metric}_sem`` (fractions as such)."""
+    metrics = parse_metrics(None) if metrics is None else metrics
     spec = result.spec
-    head = ["N", "config", "delta"] + [title for _, title, _, _ in COLUMNS]
     rows = []
     for n in spec.ns:
         for c in spec.config_names:
             for delta in spec.deltas:
-                cells = [str(n), c, f"{delta:g}"]
-                for metric, _, mult, fmt in COLUMNS:
-                    x = result.get(metric, config=c, n=n, delta=delta).astype(np.float64) * mult
-                    cells.append(fmt.format(*mean_sem(x)))
-                rows.append(cells)
+                row = {"n": n, "config": c, "delta": delta, "seeds": spec.seeds}
+                for m in metrics:
+                    row[f"{m}_mean"], row[f"{m}_sem"] = mean_sem(
+                        result.get(m, config=c, n=n, delta=delta).astype(np.float64))
+                rows.append(row)
+    return rows
+
+
+def format_table(result, metrics: tuple[str, ...] | None = None) -> list[str]:
+    """One line per (N, config, Δ): mean ± standard error of each metric (default MSE, frac. zeroed, non-sink mass)."""
+    cols = [_column(m) for m in (parse_metrics(None) if metrics is None else metrics)]
+    head = ["N", "config", "delta"] + [title for _, title, _, _ in cols]
+    rows = []
+    for r in summary_rows(result, tuple(c[0] for c in cols)):
+        cells = [str(r["n"]), r["config"], f"{r['delta']:g}"]
+        for metric, _, mult, fmt in cols:
+            cells.append(fmt.format(r[f"{metric}_mean"] * mult, r[f"{metric}_sem"] * mult))
+        rows.append(cells)
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
-    align = [">", "<", ">"] + [">"] * len(COLUMNS)
+    align = [">", "<", ">"] + [">"] * len(cols)
 
     def line(cells):
         return "  ".join(f"{cell:{a}{w}}" for cell, a, w in zip(cells, align, widths)).rstrip()
 
     return [line(head)] + [line(r) for r in rows]
+
+
+def format_rows(result, metrics: tuple[str, ...], fmt: str) -> list[str]:
+    """The summary as ``fmt`` (``table``, ``csv``, ``json`` or ``md``), one string per output line.
+
+    CSV and JSON hold the raw numbers (fractions stay fractions); the markdown table shows them
+    like the aligned table.
+    """
+    if fmt == "table":
+        return format_table(result, metrics)
+    rows = summary_rows(result, metrics)
+    if fmt == "json":
+        from pcast_jax import report
+
+        return [json.dumps([{k: report.json_value(v) for k, v in r.items()} for r in rows], indent=1)]
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+        w.writeheader()
+        w.writerows(rows)
+        return buf.getvalue().splitlines()
+    from pcast_jax import report
+
+    cols = [("n", "N"), ("config", "config"), ("delta", "Δ", lambda x: f"{x:g}")]
+    for metric, title, mult, f in (_column(m) for m in metrics):
+        cols.append((metric, title, lambda r, _m=metric, _k=mult, _f=f: _f.format(r[f"{_m}_mean"] * _k,
+                                                                                   r[f"{_m}_sem"] * _k)))
+    md_rows = [{**r, **{m: r for m in metrics}} for r in rows]
+    return report.markdown_table(md_rows, cols, align="rlr" + "r" * len(metrics)).splitlines()
 
 
 class _Printer:
@@ -212,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
     from pcast_jax.sweep import run_sweep
 
     spec = spec_from_args(args)  # every option is checked before any work starts
+    metrics = parse_metrics(args.metrics)
+    fmt = args.format
     chunk_size = None if args.chunk_size is None else _int("--chunk-size", args.chunk_size, min_value=1)
     if args.out is not None and not str(args.out).strip():
         raise PcastError(f"--out={args.out!r} must name a folder (it would write into the current one)")
@@ -220,22 +242,23 @@ def run(args: argparse.Namespace) -> int:
         _float("--init-timeout", init_timeout, positive=True, max_abs=MAX_INIT_TIMEOUT_S)
     out = Path(args.out) if args.out is not None else Path("sweeps") / spec.fingerprint()
     say = _Printer()
+    note = say if fmt == "table" else (lambda line="", **kw: print(line, file=sys.stderr, **kw))
     resuming = (out / "spec.json").exists()
     info = init_from_args(args)  # None unless a multi-process run was asked for
     if info is not None and info.process_id != 0:  # every process computes; process 0 reports
         run_sweep(spec, out, chunk_size=chunk_size, progress=False)
         return 0
     where = "" if info is None else f" on {info.num_processes} processes ({info.global_devices} devices)"
-    say(f"pcast sweep: {len(spec.configs)} configs x {len(spec.deltas)} delta x {len(spec.ns)} N x "
+    note(f"pcast sweep: {len(spec.configs)} configs x {len(spec.deltas)} delta x {len(spec.ns)} N x "
           f"{spec.seeds} seeds (q_len={spec.q_len}, d={spec.d}, k_sink={spec.k_sink}, sigma={spec.sigma:g}, "
           f"engine={spec.engine}){where}{' - resuming' if resuming else ''}", flush=True)
     start = time.perf_counter()
     result = run_sweep(spec, out, chunk_size=chunk_size, progress=False if args.no_progress else None)
     elapsed = time.perf_counter() - start
-    for line in format_table(result):
+    for line in format_rows(result, metrics, fmt):
         say(line)
     instances = len(spec.ns) * spec.seeds
-    say(f"{instances} instances x {len(spec.deltas)} delta x {len(spec.configs)} configs in {elapsed:.1f} s; "
+    note(f"{instances} instances x {len(spec.deltas)} delta x {len(spec.configs)} configs in {elapsed:.1f} s; "
           f"mean ± standard error over {spec.seeds} seeds")
-    say(f"results: {out / 'results.npz'}, {out / 'summary.csv'} (spec.json and chunks/ beside them)")
+    note(f"results: {out / 'results.npz'}, {out / 'summary.csv'} (spec.json and chunks/ beside them)")
     return 0

@@ -110,11 +110,14 @@ def _fig_mse_ratio(study: ModelStudy, layer_rows, path):
 
 
 def _fig_theory(theory_rows, path):
-    fig, axes = report.new_figure(ncols=2, figsize=(10.0, 4.8))
-    for ax, scale in zip(axes, SCALES):
+    """One panel per scale that the run measured (Forward S=1 and/or S=256); none → no figure."""
+    scales = [scale for scale in SCALES if theory_rows and f"measured_fwd_s{scale}" in theory_rows[0]]
+    if not scales:
+        return None
+    fig, axes = report.new_figure(ncols=len(scales), figsize=(5.0 * len(scales) + 0.6, 4.8))
+    axes = np.atleast_1d(axes)
+    for ax, scale in zip(axes, scales):
         key = f"measured_fwd_s{scale}"
-        if key not in theory_rows[0]:
-            continue
         y = np.array([r[key] for r in theory_rows])
         x_sigma = np.array([r[f"eq7_sigma_s{scale}"] for r in theory_rows])
         x_one = np.array([r[f"eq7_sigma1_s{scale}"] for r in theory_rows])
@@ -131,8 +134,23 @@ def _fig_theory(theory_rows, path):
         ax.set_ylabel(f"measured, Forward S={scale}")
         ax.set_title(f"S = {scale}: theory vs simulator, one point per head", fontsize=10)
         ax.legend(fontsize=7, loc="upper left")
-    fig.colorbar(sc, ax=axes, label="layer")
-    report.save_figure(fig, path)
+    fig.colorbar(sc, ax=list(axes), label="layer")
+    return report.save_figure(fig, path)
+
+
+def _log_bars(ax, y, values, *, color, xlabel, zero_text):
+    """Horizontal bars on a log axis; a value of exactly 0 gets no bar but a label (a log axis has no 0)."""
+    values = np.asarray(values, np.float64)
+    pos = values[np.isfinite(values) & (values > 0)]
+    lo = float(pos.min()) / 3.0 if pos.size else 1e-6
+    hi = float(pos.max()) * 3.0 if pos.size else 1.0
+    ax.barh(y, np.where(values > 0, values, np.nan), color=color)
+    ax.set_xscale("log")
+    ax.set_xlim(lo, hi)
+    for yi, v in zip(y, values):
+        if v == 0:
+            ax.text(lo * 1.15, yi, zero_text, va="center", ha="left", fontsize=7, color="0.3")
+    ax.set_xlabel(xlabel)
 
 
 def _fig_e2e(e2e_rows, path):
@@ -140,20 +158,18 @@ def _fig_e2e(e2e_rows, path):
     fig, axes = report.new_figure(ncols=2, figsize=(11.0, 0.32 * len(rows) + 1.6))
     names = [r["config"] for r in rows]
     y = np.arange(len(rows))
-    axes[0].barh(y, [max(r["kl"], 1e-12) for r in rows], color="#1f77b4")
-    axes[0].set_xscale("log")
-    axes[0].set_xlabel("mean KL(FP32 ‖ FP8) per token (nats)")
-    axes[1].barh(y, [max(1.0 - r["top1_agree"], 1e-6) for r in rows], color="#ff7f0e")
-    axes[1].set_xscale("log")
-    axes[1].set_xlabel("top-1 disagreement with FP32")
+    _log_bars(axes[0], y, [r["kl"] for r in rows], color="#1f77b4",
+              xlabel="mean KL(FP32 ‖ FP8) per token (nats)", zero_text="0 (identical to FP32)")
+    _log_bars(axes[1], y, [1.0 - r["top1_agree"] for r in rows], color="#ff7f0e",
+              xlabel="top-1 disagreement with FP32", zero_text="0 (same top-1 on every token)")
     from matplotlib.ticker import NullFormatter
 
     for ax in axes:
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_yticks(y)
         ax.set_yticklabels(names, fontsize=8)
-        ax.invert_yaxis()
-    report.save_figure(fig, path)
+        ax.set_ylim(len(rows) - 0.5, -0.5)  # first config on top; every row in view, bar or not
+    return report.save_figure(fig, path)
 
 
 # --------------------------------------------------------------------------------------------

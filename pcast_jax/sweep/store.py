@@ -6,8 +6,8 @@ started into one new folder at the same moment exactly one claims it; the others
 ``spec.json`` and resume (same sweep) or are refused (another sweep). Each finished chunk is one
 ``.npz`` written atomically, holding the fingerprint, its place in the grid and its bounds; a file
 that does not match the spec exactly (every axis length, dtype, metric set, coordinate) is removed
-and recomputed, never read. ``results.npz`` carries the fingerprint too, and :func:`load_result`
-refuses one that does not match ``spec.json``. Nothing here runs a computation.
+and recomputed, never read. ``results.npz`` carries the fingerprint and the axis coordinates too
+(``coord_*``), and :func:`load_result` refuses one that does not match ``spec.json``. Nothing here runs a computation.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pcast_jax.sweep.spec import FORMAT_VERSION, SweepResult, SweepSpec
 
 __all__ = ["claim_dir", "read_manifest", "check_layout", "chunk_path", "save_chunk", "load_chunk",
            "empty_results", "fill", "scan", "merge", "write_results", "load_result", "write_probe",
-           "check_probes", "probe_path"]
+           "check_probes", "probe_path", "COORD_PREFIX"]
 
 #: What reading a damaged ``.npz`` can raise.
 _NPZ_ERRORS = (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile, zlib.error, struct.error)
@@ -205,6 +205,11 @@ def load_chunk(path: Path, spec: SweepSpec, unit: Unit) -> dict[str, np.ndarray]
 # --------------------------------------------------------------------------------------------
 
 
+#: Prefix of the coordinate entries of ``results.npz`` (``coord_n``, ``coord_config``, ``coord_delta``,
+#: ``coord_seed``): the labels of the (N, config, Δ, seed) axes of every metric array.
+COORD_PREFIX = "coord_"
+
+
 def _result_shape(spec: SweepSpec) -> tuple[int, int, int, int]:
     return (len(spec.ns), len(spec.configs), len(spec.deltas), spec.seeds)
 
@@ -254,7 +259,8 @@ def write_results(out: Path, spec: SweepSpec, data: dict) -> SweepResult:
         raise PcastError(f"out_dir={str(out)!r} was claimed by another sweep while this one ran; "
                          "its results are not written there")
     result = SweepResult(spec, data)
-    _save_npz(out / "results.npz", {**data, "fingerprint": np.array(spec.fingerprint())})
+    coords = {f"{COORD_PREFIX}{k}": v for k, v in result.coordinates().items()}
+    _save_npz(out / "results.npz", {**data, **coords, "fingerprint": np.array(spec.fingerprint())})
     result.write_csv(out / "summary.csv")
     return result
 
@@ -297,6 +303,12 @@ def load_result(out_dir: str | os.PathLike) -> SweepResult:
     if tag is not None and str(tag) != spec.fingerprint():
         raise PcastError(f"{str(path)!r} belongs to another sweep (fingerprint {str(tag)!r}) than its "
                          f"spec.json ({spec.fingerprint()}); refusing to mix results")
+    want = {f"{COORD_PREFIX}{k}": v for k, v in SweepResult(spec, {}).coordinates().items()}
+    for key in [k for k in data if k.startswith(COORD_PREFIX)]:  # absent in files written before they had them
+        got, ref = data.pop(key), want.get(key)
+        if ref is None or got.shape != ref.shape or got.dtype.kind != ref.dtype.kind or not np.array_equal(got, ref):
+            raise PcastError(f"{str(path)!r}: coordinate {key[len(COORD_PREFIX):]!r} = {got.tolist()!r} is not "
+                             f"spec.json's {None if ref is None else ref.tolist()!r}; refusing to mix results")
     if set(data) != set(metrics.METRICS):
         raise PcastError(f"{str(path)!r} holds {sorted(data)}, not the sweep's metrics {sorted(metrics.METRICS)}")
     shape = _result_shape(spec)

@@ -22,6 +22,7 @@ from pcast_jax import theory
 from pcast_jax.config import resolve
 from pcast_jax.errors import PcastError, check_choice, check_int, check_positive
 from pcast_jax.sweep import SweepSpec, instance_key, run_sweep
+from pcast_jax.whatif import progress
 from pcast_jax.whatif.objective import Scenario, _grid, _static_config, _thetas
 from pcast_jax.whatif.surrogates import Surrogate
 from pcast_jax.workloads import make_instance
@@ -216,7 +217,10 @@ def calibrate_prop3(config="fwd_s1", n: int = 4096, *, deltas=None, seeds: int =
     spec = SweepSpec(configs=(cfg,), deltas=tuple(float(x) for x in deltas), ns=(n,), seeds=seeds, q_len=q_len,
                      d=d, k_sink=k_sink, sigma=sigma, sigma_v=sigma_v, base_seed=base_seed,
                      expected_mse=(target == "mse_expected"))
+    progress.plan(3 + len(models))
+    progress.stage(f"calibrate {cfg.name}: simulation sweep ({deltas.size} Δ x {seeds} seeds)")
     res = run_sweep(spec, progress=False)
+    progress.stage(f"calibrate {cfg.name}: exact collapse / noise split")
     tgt = np.asarray(res.get(target, config=cfg.name, n=n), np.float64).T  # (seeds, D)
     frac = np.asarray(res.get("frac_zeroed", config=cfg.name, n=n), np.float64).T
     if not np.all(tgt > 0):
@@ -240,6 +244,7 @@ def calibrate_prop3(config="fwd_s1", n: int = 4096, *, deltas=None, seeds: int =
     per_seed, summary, curves, paper = {}, {}, {}, None
     shift_name = {"actual": None, "row": "epsilon (row threshold shift)", "mean": "delta (Eq. 6 shift)"}
     for m in models:
+        progress.stage(f"calibrate {cfg.name}: fit Prop. 3 (Z = {m})")
         p, rms, curve, paper_c = (np.asarray(x, np.float64) for x in
                                   _fit_prop3(*args, scenario=sc, sigma=float(sigma), steps=int(steps), model=m))
         vals = {"c": np.exp(p[:, 0]), "kappa (floor factor)": np.exp(p[:, 1])}
@@ -248,6 +253,7 @@ def calibrate_prop3(config="fwd_s1", n: int = 4096, *, deltas=None, seeds: int =
         vals["rms_log_residual"] = rms
         per_seed[m], summary[m], curves[m] = vals, summarize(vals), curve.mean(axis=0)
         paper = paper_c.mean(axis=0)
+    progress.stage(f"calibrate {cfg.name}: fit δ of Eq. (7)")
     d_f, f_rms = (np.asarray(x, np.float64) for x in
                   _fit_delta_f(args[0], jnp.asarray(frac, jnp.float32), scenario=sc, sigma=float(sigma),
                                steps=int(steps)))

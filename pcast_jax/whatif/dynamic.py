@@ -15,6 +15,7 @@ from pcast_jax.config import KernelConfig, resolve
 from pcast_jax.errors import PcastError, check_choice, check_int
 from pcast_jax.stats import mean_sem
 from pcast_jax.sweep import SweepSpec, run_sweep
+from pcast_jax.whatif import progress
 
 __all__ = ["DynamicComparison", "dynamic_vs_static"]
 
@@ -66,7 +67,11 @@ def dynamic_vs_static(*, dynamic="dynamic_pow2", statics=("fwd_s256", "fwd_s448"
     t0 = time.perf_counter()
     spec = SweepSpec(configs=(dyn,) + statics, deltas=deltas, ns=ns, seeds=seeds, q_len=q_len, d=d,
                      k_sink=k_sink, base_seed=base_seed, expected_mse=True)
+    progress.plan(2)
+    progress.stage(f"dynamic: sweep of {len(spec.configs)} configs x {len(deltas)} Δ x {len(ns)} N "
+                   f"x {seeds} seeds")
     res = run_sweep(spec, out_dir=out_dir, progress=False)
+    progress.stage("dynamic: paired ratios")
     table = []
     for n in ns:
         for dl in deltas:

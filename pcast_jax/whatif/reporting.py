@@ -19,6 +19,7 @@ import numpy as np
 
 from pcast_jax import formats, theory
 from pcast_jax import report as _report
+from pcast_jax.whatif import progress
 from pcast_jax.whatif.calibration import calibrate_prop3
 from pcast_jax.whatif.dynamic import dynamic_vs_static
 from pcast_jax.whatif.objective import Scenario
@@ -192,6 +193,8 @@ def report(*, quick: bool = False, out_dir=None, base_seed: int = 0) -> WhatIfRe
 
     figures = []
     if out_dir is not None:
+        progress.plan(1)
+        progress.stage("report: figures")
         figures = _figures(Path(out_dir), val_delta, worst, opt_mean, cal)
     return WhatIfReport(markdown="\n".join(md), tables=tables, figures=figures, seconds=times)
 
@@ -206,15 +209,24 @@ def _figures(out: Path, val_delta, worst, opt, cal) -> list[Path]:
     fig, ax = _report.new_figure(figsize=(6.0, 4.0))
     pts = sorted({r["point"] for r in val_delta})
     ex = [next(r for r in val_delta if r["point"] == p) for p in pts]
-    ax.errorbar(pts, [r["exact_fd"] for r in ex], yerr=[2 * r["exact_fd_sem"] for r in ex], fmt="ko",
-                label="exact simulator, central difference ±2 SEM")
-    for label in dict.fromkeys(r["surrogate"] for r in val_delta):
+    # the values are ~1e-5: scale them into the axis label (matplotlib's offset text would sit on the title)
+    peak = max([abs(r["exact_fd"]) for r in ex] + [abs(r["surrogate_grad"]) for r in val_delta
+                                                    if math.isfinite(r["surrogate_grad"])] + [1e-300])
+    exp10 = math.floor(math.log10(peak))
+    unit = 10.0**exp10
+    ax.errorbar(pts, [r["exact_fd"] / unit for r in ex], yerr=[2 * r["exact_fd_sem"] / unit for r in ex],
+                fmt="ko", ms=4, zorder=5, label="exact simulator, central difference ±2 SEM")
+    # distinct styles: where two surrogates agree, the later (dashed, thinner) one leaves the first visible
+    styles = [dict(ls="-", lw=3.0, alpha=0.55), dict(ls="--", lw=1.4, marker=".", ms=5),
+              dict(ls=":", lw=1.6), dict(ls="-.", lw=1.2)]
+    for i, label in enumerate(dict.fromkeys(r["surrogate"] for r in val_delta)):
         rows = [r for r in val_delta if r["surrogate"] == label]
-        ax.plot([r["point"] for r in rows], [r["surrogate_grad"] for r in rows], "-", label=label)
+        ax.plot([r["point"] for r in rows], [r["surrogate_grad"] / unit for r in rows], label=label,
+                zorder=3 + i, **styles[i % len(styles)])
     ax.axhline(0, color="0.7", lw=0.8)
     ax.set_xlabel("sink strength Δ")
-    ax.set_ylabel("dMSE/dΔ")
-    ax.set_title("fwd_s1: surrogate gradient vs exact finite difference")
+    ax.set_ylabel(f"dMSE/dΔ (×10$^{{{exp10}}}$)" if exp10 else "dMSE/dΔ")
+    ax.set_title("fwd_s1: surrogate gradient vs exact finite difference", fontsize=10)
     ax.legend(fontsize=7)
     paths.append(_report.save_figure(fig, out / "whatif_gradients.png", dpi=_DPI))
 

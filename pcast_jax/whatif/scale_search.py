@@ -20,6 +20,7 @@ import optax
 from pcast_jax import formats, theory
 from pcast_jax.config import KernelConfig, resolve
 from pcast_jax.errors import PcastError, check_finite, check_int, check_positive
+from pcast_jax.whatif import progress
 from pcast_jax.whatif.objective import Scenario, _check_scores, _scores_mses, _seed_mses, _static_config
 from pcast_jax.whatif.surrogates import Surrogate, as_surrogate
 from pcast_jax.workloads import SinkWorkload
@@ -171,6 +172,8 @@ def optimal_scale(workload: SinkWorkload | None = None, *, scores=None, config="
         return _Evaluator(sc_, cfg, surr, part, float(delta), float(sigma))
 
     exact_sur = Surrogate(kind="exact")
+    progress.plan(3)
+    progress.stage(f"optimal-scale {cfg.name}: Adam over log2 S ({sur.label})")
     l2, val, _ = _descend_scale(jnp.float32(start_log2_scale), jnp.float32(lo), jnp.float32(hi), arr,
                                 evaluate=evaluator(sur), steps=int(steps), lr=float(learning_rate))
     l2 = float(l2)
@@ -179,12 +182,14 @@ def optimal_scale(workload: SinkWorkload | None = None, *, scores=None, config="
         xs = jnp.asarray(np.asarray(log2s, np.float32))
         return np.asarray(_evaluate_many(xs, arr, evaluate=evaluator(exact_sur, part)), np.float64)
 
+    progress.stage(f"optimal-scale {cfg.name}: exact MSE at powers of two")
     ks = sorted(set(powers) | {math.floor(l2), math.ceil(l2)})
     pw = {2.0**k: float(v) for k, v in zip(ks, ex(ks))}
     nb = {2.0 ** math.floor(l2): pw[2.0 ** math.floor(l2)], 2.0 ** math.ceil(l2): pw[2.0 ** math.ceil(l2)]}
     extra = ex([8.0, math.log2(448.0), l2])
     sur_vals = np.asarray(_evaluate_many(jnp.asarray([8.0, math.log2(448.0)], jnp.float32), arr,
                                          evaluate=evaluator(sur)), np.float64)
+    progress.stage(f"optimal-scale {cfg.name}: exact MSE curve ({curve_points} points)")
     curve_l2 = np.linspace(7.0, 9.2, curve_points) if curve_points else np.zeros(0)
     if curve_points:  # every E4M3 value in the range: the exact MSE dips there (P = 1 atoms)
         reps = formats.positive_values(cfg.p_format).astype(np.float64)

@@ -12,6 +12,7 @@ import numpy as np
 
 from pcast_jax.errors import PcastError, check_choice, check_positive
 from pcast_jax.stats import mean_sem, sem
+from pcast_jax.whatif import progress
 from pcast_jax.whatif.objective import PARAMS, Scenario, _check_param_value, _grid
 from pcast_jax.whatif.surrogates import Surrogate, as_surrogate
 
@@ -67,12 +68,15 @@ def validate_gradients(scenario: Scenario, *, param: str = "delta", points=None,
             _check_param_value(name, float(v))
     shifted_j = jnp.asarray(shifted, jnp.float32)
     exact = Surrogate(kind="exact")
+    progress.plan(1 + len(surrogates))
+    progress.stage(f"validate d/d{param}: exact finite differences at {len(points)} points")
     ev = np.asarray(_grid(shifted_j, scenario=scenario, surrogate=exact, part="total"), np.float64)
     lo, hi, mid = np.split(ev, 3)
     fd_seed = (hi - lo) / (2 * step)  # (P, seeds)
     fd, fd_sem = mean_sem(fd_seed, axis=1)
     rows = []
     for sur in surrogates:
+        progress.stage(f"validate d/d{param}: surrogate {sur.label}")
         vals, grads = _grid(jnp.asarray(pts, jnp.float32), scenario=scenario, surrogate=sur, part="total",
                             with_grad=True)
         vals, grads = np.asarray(vals, np.float64), np.asarray(grads, np.float64)[..., idx]

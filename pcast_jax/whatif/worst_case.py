@@ -20,6 +20,7 @@ import optax
 from pcast_jax import theory
 from pcast_jax.config import resolve
 from pcast_jax.errors import PcastError, check_choice, check_finite, check_int, check_positive
+from pcast_jax.whatif import progress
 from pcast_jax.whatif.objective import Scenario, _grid, _seed_mses, _thetas
 from pcast_jax.whatif.surrogates import Surrogate, as_surrogate
 
@@ -141,6 +142,8 @@ def worst_case_delta(config="fwd_s1", n: int = 4096, *, objective: str = "total"
                   base_seed=base_seed)
     check_positive("sigma", sigma)
     t0 = time.perf_counter()
+    progress.plan(2)
+    progress.stage(f"worst-delta {cfg.name} ({objective}): Adam ascent from {starts.size} starts")
     finals, values, _ = _ascend(jnp.asarray(starts), jnp.float32(lo), jnp.float32(hi), jnp.float32(sigma),
                                 jnp.float32(sc.log2_scale), scenario=sc, surrogate=sur, part=part,
                                 steps=int(steps), lr=float(learning_rate))
@@ -155,6 +158,7 @@ def worst_case_delta(config="fwd_s1", n: int = 4096, *, objective: str = "total"
         return np.asarray(_grid(th, scenario=sc, surrogate=Surrogate(kind="exact"), part=part),
                           np.float64).mean(axis=1)
 
+    progress.stage(f"worst-delta {cfg.name} ({objective}): exact MSE on the Δ grid")
     if math.isfinite(local):
         fine = np.arange(max(lo, local - 0.5), min(hi, local + 0.5) + 1e-9, refine_step)
         fine_vals = exact(fine)

@@ -1,0 +1,221 @@
+"""The flag vocabulary every ``pcast`` command shares, and its parsers.
+
+* ``--configs a,b`` — preset names; ``--config SPEC`` — one kernel as ``key=value,...``
+  (:meth:`~pcast_jax.config.KernelConfig.from_string`), repeatable; ``--config-file FILE.toml`` —
+  kernels as ``[[kernel]]`` tables with the same keys.
+* ``--delta`` and ``--n`` take one value, a list ``5,7,9`` or a range ``start:stop:step`` (stop
+  included); an interval is ``lo:hi``.
+* A renamed flag is refused with a one-line hint to its new spelling (exit status 2).
+
+Every error names the option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from pcast_jax.config import PRESETS, KernelConfig
+from pcast_jax.errors import PcastError, check_f32
+
+RANGE_HELP = "one value, a list 5,7,9, or start:stop:step with stop included (4:13:1 is 4, 5, …, 13)"
+CONFIG_HELP = ("one kernel as key=value pairs, e.g. 'name=mine,order=reverse,scale=64,block_kv=128,"
+               "accumulator=f16' (every KernelConfig field; `pcast presets --show NAME` prints a preset "
+               "in this form); repeatable")
+CONFIG_FILE_HELP = "TOML file of kernels: [[kernel]] tables with the same keys as --config; repeatable"
+
+
+def integer(option: str, text, *, min_value: int | None = None) -> int:
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise PcastError(f"{option}={text!r} must be an integer") from None
+    if min_value is not None and value < min_value:
+        raise PcastError(f"{option}={text!r} must be >= {min_value}")
+    return value
+
+
+def number(option: str, text, *, positive: bool = False, max_abs: float | None = None) -> float:
+    """A number that is finite in float32 (the simulator's type), > 0 with ``positive``, |x| ≤ ``max_abs``."""
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise PcastError(f"{option}={text!r} must be a number") from None
+    if not math.isfinite(value):
+        raise PcastError(f"{option}={text!r} must be finite")
+    param = option.lstrip("-").replace("-", "_")
+    try:
+        check_f32(param, value, positive=positive, max_abs=max_abs)
+    except PcastError as exc:
+        raise PcastError(f"{option}={text!r}: {exc}") from None
+    return value
+
+
+def items(option: str, text) -> list[str]:
+    """``"a,b,c"`` → ``["a", "b", "c"]``; an empty item is an error."""
+    parts = [t.strip() for t in str(text).split(",")]
+    if not parts or any(not t for t in parts):
+        raise PcastError(f"{option}={text!r} must be a comma-separated list without empty items")
+    return parts
+
+
+def floats(option: str, text, *, max_count: int = 10_000) -> tuple[float, ...]:
+    """``"7"``, ``"5,7,9"`` or ``"start:stop:step"`` (stop included) → floats."""
+    text = str(text).strip()
+    if ":" not in text:
+        return tuple(number(option, t) for t in items(option, text))
+    parts = text.split(":")
+    if len(parts) != 3:
+        raise PcastError(f"{option}={text!r} must be start:stop:step (e.g. 4:13:1) or a list 5,7,9")
+    start, stop, step = (number(option, p) for p in parts)
+    if step <= 0:
+        raise PcastError(f"{option}={text!r}: step must be > 0")
+    if stop < start:
+        raise PcastError(f"{option}={text!r}: stop must be >= start")
+    count = math.floor((stop - start) / step + 1e-9) + 1
+    if count > max_count:
+        raise PcastError(f"{option}={text!r} gives {count} values; at most {max_count}")
+    return tuple(round(start + i * step, 12) for i in range(count))
+
+
+def ints(option: str, text, *, min_value: int | None = None) -> tuple[int, ...]:
+    """Like :func:`floats`, for integers (``1024,4096`` or ``1024:4096:1024``)."""
+    text = str(text).strip()
+    if ":" not in text:
+        return tuple(integer(option, t, min_value=min_value) for t in items(option, text))
+    parts = text.split(":")
+    if len(parts) != 3:
+        raise PcastError(f"{option}={text!r} must be start:stop:step (e.g. 1024:4096:1024) or a list")
+    start, stop, step = (integer(option, p) for p in parts)
+    if step <= 0 or stop < start:
+        raise PcastError(f"{option}={text!r}: step must be > 0 and stop >= start")
+    if (stop - start) // step + 1 > 10_000:
+        raise PcastError(f"{option}={text!r} gives more than 10000 values")
+    vals = tuple(range(start, stop + 1, step))
+    if min_value is not None and vals[0] < min_value:
+        raise PcastError(f"{option}={text!r} must be >= {min_value}")
+    return vals
+
+
+def interval(option: str, text) -> tuple[float, float]:
+    """``"lo:hi"`` → (lo, hi) with lo < hi."""
+    parts = str(text).strip().split(":")
+    if len(parts) != 2:
+        raise PcastError(f"{option}={text!r} must be lo:hi (e.g. 4:13)")
+    lo, hi = (number(option, p) for p in parts)
+    if not lo < hi:
+        raise PcastError(f"{option}={text!r}: lo must be < hi")
+    return lo, hi
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels: --configs, --config, --config-file
+# --------------------------------------------------------------------------------------------
+
+
+def preset_names(option: str, text) -> list[KernelConfig]:
+    out = []
+    for name in items(option, text):
+        if name not in PRESETS:
+            raise PcastError(f"{option}: {name!r} is not a preset; choose from {', '.join(PRESETS)} "
+                             "(a kernel of your own goes in --config key=value,...)")
+        out.append(PRESETS[name])
+    return out
+
+
+def kernel(option: str, text) -> KernelConfig:
+    """One ``--config`` value: ``key=value,...``, or a single preset name."""
+    text = str(text).strip()
+    if "=" not in text:
+        if text in PRESETS:
+            return PRESETS[text]
+        if "," in text:
+            raise PcastError(f"{option}={text!r}: --config takes one kernel as key=value,...; "
+                             "for a list of presets use --configs")
+        raise PcastError(f"{option}={text!r} is neither a preset nor key=value,... "
+                         f"(presets: {', '.join(PRESETS)})")
+    try:
+        return KernelConfig.from_string(text)
+    except PcastError as exc:
+        raise PcastError(f"{option}: {exc}") from None
+
+
+def config_file(path) -> list[KernelConfig]:
+    """Kernels of a TOML file: a list of ``[[kernel]]`` tables with :class:`KernelConfig`'s fields as keys."""
+    import tomllib
+
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except FileNotFoundError:
+        raise PcastError(f"--config-file={str(path)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise PcastError(f"--config-file={str(path)!r} is not valid TOML: {exc}") from None
+    tables = doc.get("kernel")
+    extra = sorted(set(doc) - {"kernel"})
+    if extra:
+        raise PcastError(f"--config-file={str(path)!r}: unknown top-level key(s) {extra}; "
+                         "write each kernel as a [[kernel]] table")
+    if not isinstance(tables, list) or not tables or not all(isinstance(t, dict) for t in tables):
+        raise PcastError(f"--config-file={str(path)!r} must hold at least one [[kernel]] table")
+    out = []
+    for i, table in enumerate(tables, 1):
+        try:
+            out.append(KernelConfig.from_dict(dict(table)))
+        except (PcastError, TypeError) as exc:
+            raise PcastError(f"--config-file={str(path)!r}, kernel {i}: {exc}") from None
+    return out
+
+
+def add_kernel_arguments(parser: argparse.ArgumentParser, *, default_configs: str | None) -> None:
+    """``--configs``, ``--config`` (repeatable) and ``--config-file`` (repeatable)."""
+    tail = f" (default {default_configs} when no kernel is given)" if default_configs else ""
+    parser.add_argument("--configs", default=None,
+                        help=f"comma-separated preset names (see `pcast presets`){tail}")
+    parser.add_argument("--config", action="append", default=None, metavar="SPEC", help=CONFIG_HELP)
+    parser.add_argument("--config-file", action="append", default=None, metavar="FILE", help=CONFIG_FILE_HELP)
+
+
+def kernels_from_args(args: argparse.Namespace, *, default_configs: str | None) -> list[KernelConfig]:
+    """The kernels ``--configs``, ``--config`` and ``--config-file`` name, in that order.
+
+    With none of them, ``default_configs``. Names must be unique.
+    """
+    out: list[KernelConfig] = []
+    if args.configs is not None:
+        out += preset_names("--configs", args.configs)
+    for text in args.config or ():
+        out.append(kernel("--config", text))
+    for path in args.config_file or ():
+        out += config_file(path)
+    if not out and default_configs:
+        out = preset_names("--configs", default_configs)
+    names = [c.name for c in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise PcastError(f"kernel name(s) {', '.join(map(repr, dup))} given more than once; "
+                         "give each --config its own name=...")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Renamed flags
+# --------------------------------------------------------------------------------------------
+
+
+class _Renamed(argparse.Action):
+    def __init__(self, option_strings, dest, new: str = "", nargs=None, **kw):
+        self.new = new
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        sys.stderr.write(f"pcast: error: {option_string} was renamed: use {self.new}\n")
+        raise SystemExit(2)
+
+
+def renamed(parser: argparse.ArgumentParser, old: str, new: str) -> None:
+    """Refuse the old spelling ``old`` with a one-line hint to ``new`` (exit status 2)."""
+    parser.add_argument(old, action=_Renamed, new=new, dest=f"_renamed_{old.strip('-').replace('-', '_')}")
