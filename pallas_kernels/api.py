@@ -176,7 +176,8 @@ def _validate(q, k, v, cfg: KernelConfig, backend: str, softmax_scale, num_slots
 
     # P-cast semantics the kernels implement
     if cfg.p_format not in ("e4m3", "e4m3fn", "float8_e4m3fn"):
-        raise PcastError(f"p_format={cfg.p_format!r} not supported by the kernels: must be 'e4m3'")
+        raise PcastError(f"p_format={cfg.p_format!r} not supported by the kernels: must be 'e4m3' (E5M2, E2M1 and "
+                         "the block-scaled MXFP8/MXFP4/NVFP4 P formats are simulator-only)")
     if cfg.overflow == "nan" and cfg.scale_mode != "dynamic" and cfg.scale > cfg.fmt.max:
         raise PcastError(
             f"overflow='nan' with scale={cfg.scale:g} > 448 not supported: the kernels saturate "

@@ -44,6 +44,7 @@ __all__ = [
     "block_probs",
     "online_softmax",
     "cast_p",
+    "dequantize",
     "zeroed",
     "round_product",
     "block_pv",
@@ -131,12 +132,37 @@ def cast_p(ps, cfg: KernelConfig):
 
     ``"satfinite"`` clamps to ±max first, as Hopper's ``cvt.rn.satfinite`` does (and as both
     Pallas backends do on the GPU); ``"nan"`` casts directly (XLA: NaN past the format's range).
+
+    Block-scaled formats (MXFP8, MXFP4, NVFP4) return ``(elements, scales)`` instead, both float32:
+    the elements of P·S (``(..., B)``, values of E4M3/E2M1) and one scale per ``block`` keys
+    (``(..., B / block)``), from :func:`pcast_jax.formats.block_quantize` with second level 1 (the
+    row normalisation of the two-level NVFP4 scheme is S: 448·6 brings P = 1 to the top of
+    E2M1 × E4M3). The scales are multiplied back after the P·V product (:func:`block_pv`).
     """
+    bf = cfg.block_format
+    if bf is not None:
+        return formats.block_quantize(ps, bf, overflow=cfg.overflow)
     return formats.to_fp8(ps, cfg.fmt, overflow=cfg.overflow)
 
 
+def dequantize(p8, scales, cfg: KernelConfig):
+    """The P value line 10 effectively multiplies: elements × their block scale (P8 itself if None)."""
+    if scales is None:
+        return p8
+    bs = cfg.block_format.block
+    shape = p8.shape[:-1] + (p8.shape[-1] // bs, bs)
+    return (p8.reshape(shape) * scales[..., None]).reshape(p8.shape)
+
+
 def zeroed(ps, cfg: KernelConfig):
-    """Line 9's loss: P·S > 0 that the cast sends to 0, i.e. 0 < P·S ≤ half the smallest subnormal."""
+    """Line 9's loss: P·S > 0 that the cast sends to 0.
+
+    Element formats: 0 < P·S ≤ half the smallest subnormal. Block-scaled formats: P·S > 0 whose
+    element rounds to 0 under its block's scale, or whose block scale itself rounds to 0.
+    """
+    if cfg.block_format is not None:
+        q, scales = cast_p(ps, cfg)
+        return (ps > 0.0) & (dequantize(q, scales, cfg) == 0.0)
     return (ps > 0.0) & (ps <= cfg.fmt.round_to_zero)
 
 
@@ -159,14 +185,25 @@ def round_product(pv, cfg: KernelConfig, *, carry=None, barrier=None):
     return pv
 
 
-def block_pv(product, cfg: KernelConfig, *, barrier=None):
+def block_pv(product, cfg: KernelConfig, *, barrier=None, scales=None):
     """Line 10's P8·V_j as the accumulator produces it, from ``product(lo, hi)`` = P8[:, lo:hi]·V[lo:hi].
 
     FP32 accumulator: one exact product. f16 accumulator: one f16 MMA per ``f16_round_keys`` keys
     (all B keys when 0), each adding its exact product to the f16 partial sum of the block and
     rounding to float16 (:func:`round_product`); the block's f16 sum is what is added to FP32 O.
+
+    Block-scaled formats (``scales`` ``(..., B / block)`` from :func:`cast_p`): the block-scaled
+    MMA multiplies each scale back after its product, P·V = Σ_b scale_b · (P8_b · V_b), in FP32.
     """
     b = cfg.block_kv
+    if scales is not None:
+        bs = cfg.block_format.block
+        acc = None
+        for g in range(b // bs):
+            pv = product(g * bs, (g + 1) * bs)
+            pv = expand_rows(scales[..., g], pv.shape) * pv
+            acc = pv if acc is None else acc + pv
+        return acc
     if cfg.accumulator != "f16":
         return product(0, b)
     r = cfg.f16_round_keys or b

@@ -30,7 +30,7 @@ from pcast_jax import formats
 from pcast_jax.errors import F32_MAX, PcastError, check_choice, check_int, check_positive
 
 __all__ = ["KernelConfig", "QKV_GRANULARITIES", "PRESETS", "TILES_BY_HEAD_DIM", "preset_for", "PAPER_CONFIGS",
-           "KERNEL_PRESETS", "get_preset", "resolve"]
+           "KERNEL_PRESETS", "BLOCK_SCALED_PRESETS", "get_preset", "resolve"]
 
 ORDERS = ("forward", "reverse")
 SCALE_MODES = ("multiply", "exponent", "dynamic")
@@ -54,7 +54,11 @@ class KernelConfig:
       scale: the static P scale S, in [2^-100, 2^100]. ``"dynamic"`` mode ignores it.
       scale_mode: ``"multiply"``, ``"exponent"`` or ``"dynamic"`` (module docstring).
       block_kv: KV block size B. N that is not a multiple is padded with masked keys.
-      p_format: format of the P-cast (``"e4m3"`` or ``"e5m2"``).
+      p_format: format of the P-cast: an element format (``"e4m3"``, ``"e5m2"``, ``"e2m1"``) with the
+        one scale S, or a block-scaled format (``"mxfp8"``, ``"mxfp4"``: 32 keys per E8M0 scale;
+        ``"nvfp4"``: 16 keys per UE4M3 scale) applied to P·S along the key axis, each block's scale
+        multiplied back after its P·V product. Block-scaled formats need blocks that tile
+        ``block_kv``, the multiply or exponent scale mode and the FP32 accumulator.
       overflow: ``"satfinite"`` (Hopper cvt.rn.satfinite; what kernels do) or ``"nan"``.
       accumulator: ``"f32"``, or ``"f16"``: each block's P8·V product is rounded to float16 before
         it is added to the FP32 output (SageAttention2++'s ``fp32+fp16`` PV accumulation).
@@ -107,7 +111,8 @@ class KernelConfig:
         object.__setattr__(self, "scale", scale)
         check_choice("scale_mode", self.scale_mode, SCALE_MODES)
         object.__setattr__(self, "block_kv", check_int("block_kv", self.block_kv, min_value=1, max_value=1 << 16))
-        formats.get_format(self.p_format, param="p_format")
+        check_choice("p_format", self.p_format.lower() if isinstance(self.p_format, str) else self.p_format,
+                     formats.P_FORMATS)
         check_choice("overflow", self.overflow, formats.OVERFLOW_MODES)
         check_choice("accumulator", self.accumulator, ACCUMULATORS)
         check_choice("qkv", self.qkv, QKV_PRECISIONS)
@@ -137,6 +142,17 @@ class KernelConfig:
             object.__setattr__(self, "f16_round_keys", 0)
         if self.accumulator == "f32":
             object.__setattr__(self, "v_channel_max", 0.0)
+        bf = self.block_format
+        if bf is not None:
+            if self.block_kv % bf.block:
+                raise PcastError(f"p_format={self.p_format!r} scales blocks of {bf.block} keys, which must tile "
+                                 f"block_kv={self.block_kv}")
+            if self.scale_mode == "dynamic":
+                raise PcastError(f"p_format={self.p_format!r} carries its own block scales: scale_mode='dynamic' "
+                                 "is not supported with it")
+            if self.accumulator != "f32":
+                raise PcastError(f"p_format={self.p_format!r} needs accumulator='f32' (the block scale is "
+                                 "multiplied back into the FP32 accumulator)")
         if not isinstance(self.name, str):
             raise PcastError(f"name={self.name!r} must be a string")
         if not self.name:
@@ -254,7 +270,14 @@ class KernelConfig:
 
     @property
     def fmt(self) -> formats.FP8Format:
-        return formats.get_format(self.p_format)
+        """The element format of the P-cast (E2M1/E4M3 for the block-scaled formats)."""
+        bf = self.block_format
+        return bf.element if bf is not None else formats.get_format(self.p_format)
+
+    @property
+    def block_format(self) -> formats.BlockFormat | None:
+        """The block-scaled P format, or None for a plain element format with the one scale S."""
+        return formats.BLOCK_FORMATS.get(self.p_format.lower())
 
     @property
     def log2_scale(self) -> float:
@@ -278,6 +301,8 @@ class KernelConfig:
     def describe(self) -> str:
         s = "dynamic 2^k" if self.scale_mode == "dynamic" else f"S={self.scale:g} ({self.scale_mode})"
         extra = []
+        if self.p_format != "e4m3":
+            extra.append(f"P in {self.p_format}")
         if self.accumulator != "f32":
             extra.append(f"{self.accumulator} PV accumulator")
         if self.qkv != "f32":
@@ -435,7 +460,37 @@ KERNEL_PRESETS: dict[str, KernelConfig] = {
     "dynamic_pow2": KernelConfig(order="forward", scale_mode="dynamic", block_kv=64, name="dynamic_pow2"),
 }
 
-PRESETS: dict[str, KernelConfig] = {**PAPER_CONFIGS, **KERNEL_PRESETS}
+#: Presets with a block-scaled P (simulator only: the Pallas kernels run E4M3 P alone), each citing
+#: the source it follows.
+BLOCK_SCALED_PRESETS: dict[str, KernelConfig] = {
+    # SageAttention3 (thu-ml/SageAttention, sageattention3_blackwell/sageattn3/blackwell/softmax_fused.h):
+    # P̃ = exp2(Z·log2e·scale − (m·log2e·scale + log2(1/(448·6)))), i.e. the row maximum brought to
+    # 448·6 = 2688 in the exponent (fp8_scalexfp4_scale), the row sum accumulating P̃ (exponent mode,
+    # epilogue O/ℓ); per 16 keys the scale AbsMaxP = exp2(max_b·log2e·scale − max_scaled + log2(1/6))
+    # = block max of P̃ / 6 (≤ 448, UE4M3 in the block-scaled MMA), P̃ divided by it and cast to E2M1.
+    # Forward order (the mainloop walks n_block upward: assumption, mainloop_tma_ws.h not re-read);
+    # B = 128 is an assumption (kBlockN of kernel_traits.h not re-read). The kernel divides P̃ by the
+    # FP32 scale and multiplies by its E4M3 rounding in the MMA; we divide by the E4M3 value
+    # (Model Optimizer's order), a difference below one E2M1 step. Q/K/V stay FP32 (P-cast isolated).
+    "sageattn3": KernelConfig(order="forward", scale=448.0 * 6.0, scale_mode="exponent", block_kv=128,
+                              p_format="nvfp4", name="sageattn3"),
+    # NVFP4 fake-quant of P as NVIDIA Model Optimizer does it (modelopt/torch/quantization/qtensor/
+    # nvfp4_tensor.py): second level g = amax / (6·448), per-block UE4M3 scale amax_b / (6·g), zero
+    # scale → 1, elements cast to E2M1. Model Optimizer quantizes the normalized softmax output; with
+    # its amax taken over the row, x/g = P/max(P)·2688, which is Algorithm 1's P = exp(Z − m) times
+    # S = 2688 whenever the running max m is the row's final max (forward order with the sink first).
+    # Assumption: the per-tensor amax is taken per row (max P = 1 in every row of unnormalized P);
+    # multiply mode, forward order, B = 64 (a fake-quant has no tile; 64 = the paper's B).
+    "nvfp4_fakequant": KernelConfig(order="forward", scale=448.0 * 6.0, scale_mode="multiply", block_kv=64,
+                                    p_format="nvfp4", name="nvfp4_fakequant"),
+    # MXFP8 P (OCP Microscaling Formats v1.0, §5–6: 32 E4M3 elements per E8M0 scale
+    # 2^(⌊log2 amax⌋ − 8)). No released attention kernel with an MXFP8 P was found: this is the OCP
+    # rule applied to P with S = 1, forward order, B = 64 (the MX scale makes S nearly irrelevant).
+    "mxfp8_p": KernelConfig(order="forward", scale=1.0, scale_mode="multiply", block_kv=64, p_format="mxfp8",
+                            name="mxfp8_p"),
+}
+
+PRESETS: dict[str, KernelConfig] = {**PAPER_CONFIGS, **KERNEL_PRESETS, **BLOCK_SCALED_PRESETS}
 
 
 def get_preset(name: str) -> KernelConfig:

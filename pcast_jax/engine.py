@@ -64,8 +64,14 @@ class AttentionResult(NamedTuple):
 
 
 def _cast(ps, cfg: KernelConfig):
-    """Line 9 as the simulator sees it: the FP8 values widened to FP32, behind a barrier."""
-    return jax.lax.optimization_barrier(block.cast_p(ps, cfg)).astype(jnp.float32)
+    """Line 9 as the simulator sees it: the FP8 values widened to FP32, behind a barrier.
+
+    Returns ``(p8, scales)``: ``scales`` is None for an element format, else the per-block scales
+    of a block-scaled format (:func:`block.cast_p`), multiplied back after P8·V.
+    """
+    if cfg.block_format is not None:
+        return jax.lax.optimization_barrier(block.cast_p(ps, cfg))
+    return jax.lax.optimization_barrier(block.cast_p(ps, cfg)).astype(jnp.float32), None
 
 
 def _pv(p8, v):
@@ -200,8 +206,9 @@ def _scan_engine(scores, v, counted, cfg: KernelConfig) -> AttentionResult:
         m, ell, o, nz, lz = carry
         z, vj, cj = xs
         st = block.online_softmax(m, ell, z, cfg)  # lines 4-8
-        p8 = _cast(st.ps, cfg)  # line 9
-        pv = block.block_pv(lambda lo, hi: _pv(p8[..., lo:hi], vj[..., lo:hi, :]), cfg, barrier=_f16_barrier)
+        p8, sc = _cast(st.ps, cfg)  # line 9
+        pv = block.block_pv(lambda lo, hi: _pv(p8[..., lo:hi], vj[..., lo:hi, :]), cfg, barrier=_f16_barrier,
+                            scales=sc)
         o = block.accumulate(o, st.alpha, pv, st.unscale, cfg)  # line 10
         zero = cj & block.zeroed(st.ps, cfg)
         nz = nz + jnp.sum(zero, axis=-1, dtype=jnp.int32)
@@ -233,15 +240,17 @@ def _fast_parts(scores, counted, cfg: KernelConfig, cast_fn=None):
     running max after each block in the kernel's order is a cumulative max of the block maxima
     (from the right in reverse order), and block b's contribution ends up multiplied by
     exp(m_b − m_final). Returns P8 (..., q, nb, B), the per-block factor w (..., q, nb) that
-    multiplies it, ℓ, the zeroed count and the zeroed mass. ``cast_fn`` replaces line 9's cast
-    (default: the config's exact FP8 cast); the zeroed count is that of the exact cast either way.
+    multiplies it, ℓ, the zeroed count, the zeroed mass and the block scales of a block-scaled
+    format (None otherwise, and with ``cast_fn``). ``cast_fn`` replaces line 9's cast (default:
+    the config's exact cast; a replacement returns the dequantized P); the zeroed count is that of
+    the exact cast either way.
     """
     shape = scores.shape[:-1] + (scores.shape[-1] // cfg.block_kv, cfg.block_kv)
     z = scores.reshape(shape)
     block_max = jnp.max(z, axis=-1)  # (..., q, nb)
     m_run = jax.lax.cummax(block_max, axis=block_max.ndim - 1, reverse=cfg.order == "reverse")
     p, ps, unscale = block.block_probs(z, m_run, cfg)
-    p8 = _cast(ps, cfg) if cast_fn is None else cast_fn(ps)
+    p8, sc = _cast(ps, cfg) if cast_fn is None else (cast_fn(ps), None)
     # α chain: block b's contribution is multiplied by exp(m_b − m_final) by the end
     decay = block.alpha(m_run, jnp.max(block_max, axis=-1, keepdims=True), cfg)  # (..., q, nb)
     ell = jnp.sum(decay * jnp.sum(p, axis=-1), axis=-1)
@@ -249,7 +258,7 @@ def _fast_parts(scores, counted, cfg: KernelConfig, cast_fn=None):
     lz = jnp.sum(decay * jnp.sum(jnp.where(zero, p, 0.0), axis=-1), axis=-1)
     nz = jnp.sum(zero, axis=(-2, -1), dtype=jnp.int32)
     w = decay if unscale is None else decay * unscale  # per block and row, multiplies P8
-    return p8, w, ell, nz, lz
+    return p8, w, ell, nz, lz, sc
 
 
 def _fast_split_parts(scores, counted, cfg: KernelConfig, cast_fn=None):
@@ -272,7 +281,7 @@ def _fast_split_parts(scores, counted, cfg: KernelConfig, cast_fn=None):
     block_max = jnp.max(z, axis=-1)  # (..., q, splits, steps)
     m_run = jax.lax.cummax(block_max, axis=block_max.ndim - 1)
     p, ps, unscale = block.block_probs(z, m_run, cfg)
-    p8 = _cast(ps, cfg) if cast_fn is None else cast_fn(ps)
+    p8, sc = _cast(ps, cfg) if cast_fn is None else (cast_fn(ps), None)
     m_s = m_run[..., -1]  # (..., q, splits)
     decay = block.alpha(m_run, m_s[..., None], cfg)  # (..., q, splits, steps)
     ell_s = jnp.sum(decay * jnp.sum(p, axis=-1), axis=-1)
@@ -280,7 +289,7 @@ def _fast_split_parts(scores, counted, cfg: KernelConfig, cast_fn=None):
     lz_s = jnp.sum(decay * jnp.sum(jnp.where(zero, p, 0.0), axis=-1), axis=-1)
     nz = jnp.sum(zero, axis=(-3, -2, -1), dtype=jnp.int32)
     w = decay if unscale is None else decay * unscale
-    return p8, w, (m_s, ell_s, lz_s), nz, sched
+    return p8, w, (m_s, ell_s, lz_s), nz, sched, sc
 
 
 def _merge_fast(m_s, ell_s, o_s, lz_s, cfg):
@@ -296,15 +305,15 @@ def _fast_engine(scores, v, counted, cfg: KernelConfig) -> AttentionResult:
     if cfg.kv_splits > 1:
         out, ell, nz, lz = _fast_split_engine(scores, v, counted, cfg)
     else:
-        p8, w, ell, nz, lz = _fast_parts(scores, counted, cfg)
-        if cfg.accumulator == "f32":  # one (q, N) x (N, d) product in key order
+        p8, w, ell, nz, lz, sc = _fast_parts(scores, counted, cfg)
+        if cfg.accumulator == "f32" and sc is None:  # one (q, N) x (N, d) product in key order
             weighted = (p8 * w[..., None]).reshape(scores.shape)
             o = jnp.einsum("...qn,...nd->...qd", weighted, v, precision=jax.lax.Precision.HIGHEST)
-        else:  # each block's product is rounded to f16 before the FP32 accumulation
+        else:  # per block: rounded to f16, or block scales multiplied back, before the FP32 accumulation
             vb = v.reshape(v.shape[:-2] + p8.shape[-2:] + v.shape[-1:])  # (..., nb, B, d)
             y = block.block_pv(lambda lo, hi: jnp.einsum(
                 "...qnb,...nbd->...qnd", p8[..., lo:hi], vb[..., lo:hi, :], precision=jax.lax.Precision.HIGHEST),
-                cfg, barrier=_f16_barrier)
+                cfg, barrier=_f16_barrier, scales=sc)
             o = jnp.sum(w[..., None] * y, axis=-2)
         out = block.finalize(o, ell, cfg)
         lz = lz / ell
@@ -314,14 +323,14 @@ def _fast_engine(scores, v, counted, cfg: KernelConfig) -> AttentionResult:
 
 
 def _fast_split_engine(scores, v, counted, cfg: KernelConfig):
-    p8, w, (m_s, ell_s, lz_s), nz, sched = _fast_split_parts(scores, counted, cfg)
+    p8, w, (m_s, ell_s, lz_s), nz, sched, sc = _fast_split_parts(scores, counted, cfg)
     b = cfg.block_kv
     vb = v.reshape(v.shape[:-2] + (-1, b) + v.shape[-1:])  # (..., nb, B, d)
     vb = jnp.concatenate([vb, jnp.zeros(vb.shape[:-3] + (1,) + vb.shape[-2:], vb.dtype)], axis=-3)
     vb = vb[..., sched, :, :]  # (..., splits, steps, B, d)
     y = block.block_pv(lambda lo, hi: jnp.einsum(
         "...qstb,...stbd->...qstd", p8[..., lo:hi], vb[..., lo:hi, :], precision=jax.lax.Precision.HIGHEST),
-        cfg, barrier=_f16_barrier)
+        cfg, barrier=_f16_barrier, scales=sc)
     o_s = jnp.sum(w[..., None] * y, axis=-2)  # (..., q, splits, d)
     out, ell, lz = _merge_fast(m_s, ell_s, o_s, lz_s, cfg)
     return out, ell, nz, lz / ell
@@ -354,7 +363,8 @@ def weights_and_stats(scores, config, *, count_mask=None, q_offset: int | None =
     n = jnp.shape(scores)[-1]
     scores, _, counted = _prepare(scores, jnp.zeros((n, 1)), cfg, count_mask, q_offset)
     if cfg.kv_splits > 1:
-        p8, w, (m_s, ell_s, lz_s), nz, sched = _fast_split_parts(scores, counted, cfg, cast_fn)
+        p8, w, (m_s, ell_s, lz_s), nz, sched, sc = _fast_split_parts(scores, counted, cfg, cast_fn)
+        p8 = block.dequantize(p8, sc, cfg)
         # the merge is linear in each split's O_s: merging per-key one-hot "outputs" gives the weights
         eye = jnp.eye(cfg.kv_splits, dtype=jnp.float32)
         f, ell, lz = _merge_fast(m_s, ell_s, jnp.broadcast_to(eye, m_s.shape + eye.shape[-1:]), lz_s, cfg)
@@ -366,7 +376,8 @@ def weights_and_stats(scores, config, *, count_mask=None, q_offset: int | None =
         wk = wk.reshape(wk.shape[:-3] + (-1, cfg.block_kv))[..., pos, :]
         lz = lz / ell
     else:
-        p8, w, ell, nz, lz = _fast_parts(scores, counted, cfg, cast_fn)
+        p8, w, ell, nz, lz, sc = _fast_parts(scores, counted, cfg, cast_fn)
+        p8 = block.dequantize(p8, sc, cfg)
         wk = p8 * w[..., None] / block.epilogue_divisor(ell, cfg)[..., None, None]  # (..., q, nb, B)
         lz = lz / ell
     weights = wk.reshape(wk.shape[:-2] + (-1,))[..., :n]

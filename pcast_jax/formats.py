@@ -1,4 +1,4 @@
-"""FP8 number formats: facts read from ``ml_dtypes.finfo``, the cast, the LSB, every code.
+"""Low-precision number formats: facts read from ``ml_dtypes.finfo``, the cast, the LSB, every code.
 
 The paper's number line (§2.1, Eq. (1)–(2)): E4M3FN has 126 positive finite values, max 448,
 smallest normal 2^-6, smallest subnormal 2^-9; values with |x| <= 2^-10 round to zero (the tie at
@@ -9,7 +9,25 @@ Two overflow behaviours exist in practice:
 * ``"satfinite"`` — Hopper's ``cvt.rn.satfinite`` (what the Pallas Mosaic GPU and Triton kernels
   emit): out-of-range and infinite inputs saturate to ±max; NaN stays NaN.
 * ``"nan"`` — ``ml_dtypes`` / XLA's ``convert``: E4M3FN has no infinity, so anything that rounds
-  past max (|x| > 464 for E4M3FN) becomes NaN. E5M2 keeps ±inf.
+  past max (|x| > 464 for E4M3FN) becomes NaN. E5M2 keeps ±inf. E2M1 (FP4) has neither NaN nor
+  infinity: ml_dtypes saturates, so both modes give ±6 past the range.
+
+Beyond the element formats (E4M3, E5M2, E2M1) there are two scale formats, E8M0 (``float8_e8m0fnu``:
+powers of two 2^-127 … 2^127, no zero, no sign) and UE4M3 (the non-negative half of E4M3), and the
+block-scaled formats (:class:`BlockFormat`) that pair them along the last axis:
+
+* MX (OCP Microscaling Formats v1.0, §6.3): blocks of 32 share one E8M0 scale
+  X = 2^(⌊log2 amax⌋ − emax_elem), emax_elem the exponent of the element format's largest normal
+  (8 for E4M3, 2 for E2M1); elements P_i = cast(V_i / X) saturating to the element max.
+  MXFP8 = E4M3 elements, MXFP4 = E2M1 elements. The exponent is clamped to [−126, 127]: E8M0 reaches
+  2^-127, but that is a float32 subnormal which XLA flushes to zero, so the simulator stops one
+  binade short (it matters only for block maxima below 2^-118); an all-zero block gets X = 1
+  (assumption: the specification leaves amax = 0 to the implementation; any X gives the same zeros).
+* NVFP4 (NVIDIA Model Optimizer, ``modelopt/torch/quantization/qtensor/nvfp4_tensor.py``): blocks
+  of 16 E2M1 elements with a UE4M3 scale s_b = cast_E4M3(amax_b / (6 · g)) under an FP32 second
+  level g (per tensor there: g = amax / (6 · 448)); elements cast_E2M1(V_i / (s_b · g)). A block
+  scale that rounds to 0 zeroes its block (Model Optimizer would divide by it; here the block is 0,
+  never NaN); an all-zero block gets s_b = 1 (Model Optimizer's ``per_block_scale == 0 → 1``).
 """
 
 from __future__ import annotations
@@ -26,9 +44,22 @@ from pcast_jax.errors import check_choice
 
 __all__ = [
     "FP8Format",
+    "BlockFormat",
     "E4M3",
     "E5M2",
+    "E2M1",
+    "E8M0",
+    "UE4M3",
+    "MXFP8",
+    "MXFP4",
+    "NVFP4",
     "FORMATS",
+    "SCALE_FORMATS",
+    "BLOCK_FORMATS",
+    "P_FORMATS",
+    "get_block_format",
+    "block_quantize",
+    "block_cast",
     "OVERFLOW_MODES",
     "get_format",
     "cast",
@@ -43,7 +74,7 @@ OVERFLOW_MODES = ("satfinite", "nan")
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class FP8Format:
-    """An 8-bit float format; every number is taken from ``ml_dtypes.finfo``."""
+    """A small float format (8 or 4 bits); every number is taken from ``ml_dtypes.finfo``."""
 
     name: str
     dtype: np.dtype
@@ -60,6 +91,16 @@ class FP8Format:
     @property
     def smallest_subnormal(self) -> float:
         return float(ml_dtypes.finfo(self.dtype).smallest_subnormal)
+
+    @property
+    def bits(self) -> int:
+        """Storage bits of one code (8, or 4 for E2M1)."""
+        return int(ml_dtypes.finfo(self.dtype).bits)
+
+    @property
+    def emax(self) -> int:
+        """Exponent of the largest normal: ⌊log2 max⌋ (8 for E4M3, 15 for E5M2, 2 for E2M1)."""
+        return int(math.floor(math.log2(self.max)))
 
     @property
     def mantissa_bits(self) -> int:
@@ -94,15 +135,60 @@ class FP8Format:
 
 E4M3 = FP8Format("e4m3", np.dtype(ml_dtypes.float8_e4m3fn))
 E5M2 = FP8Format("e5m2", np.dtype(ml_dtypes.float8_e5m2))
-FORMATS = {"e4m3": E4M3, "e4m3fn": E4M3, "float8_e4m3fn": E4M3, "e5m2": E5M2, "float8_e5m2": E5M2}
+E2M1 = FP8Format("e2m1", np.dtype(ml_dtypes.float4_e2m1fn))
+#: Scale formats: E8M0 (MX) and UE4M3 (NVFP4: the E4M3 codes with the sign bit clear).
+E8M0 = FP8Format("e8m0", np.dtype(ml_dtypes.float8_e8m0fnu))
+UE4M3 = FP8Format("ue4m3", np.dtype(ml_dtypes.float8_e4m3fn))
+FORMATS = {"e4m3": E4M3, "e4m3fn": E4M3, "float8_e4m3fn": E4M3, "e5m2": E5M2, "float8_e5m2": E5M2,
+           "e2m1": E2M1, "float4_e2m1fn": E2M1}
+SCALE_FORMATS = {"e8m0": E8M0, "float8_e8m0fnu": E8M0, "ue4m3": UE4M3}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockFormat:
+    """A block-scaled format: ``block`` consecutive elements along the last axis share one scale.
+
+    ``scale_fmt`` is E8M0 (MX: power-of-two scale from the block maximum's exponent) or UE4M3
+    (NVFP4: block maximum / element max, rounded to E4M3). See the module docstring for the rules.
+    """
+
+    name: str
+    element: FP8Format
+    block: int
+    scale_fmt: FP8Format
+
+    @property
+    def is_mx(self) -> bool:
+        return self.scale_fmt is E8M0
+
+    def __repr__(self) -> str:
+        return f"BlockFormat({self.name!r})"
+
+
+MXFP8 = BlockFormat("mxfp8", E4M3, 32, E8M0)
+MXFP4 = BlockFormat("mxfp4", E2M1, 32, E8M0)
+NVFP4 = BlockFormat("nvfp4", E2M1, 16, UE4M3)
+BLOCK_FORMATS = {"mxfp8": MXFP8, "mxfp4": MXFP4, "nvfp4": NVFP4}
+#: Every name ``KernelConfig.p_format`` accepts.
+P_FORMATS = tuple(FORMATS) + tuple(BLOCK_FORMATS)
 
 
 def get_format(fmt: str | FP8Format, *, param: str = "fmt") -> FP8Format:
     """Return the format for a name (``"e4m3"``, ``"e5m2"`` …) or pass a format through."""
     if isinstance(fmt, FP8Format):
         return fmt
+    if isinstance(fmt, str) and fmt.lower() in SCALE_FORMATS:
+        return SCALE_FORMATS[fmt.lower()]
     check_choice(param, str(fmt).lower() if isinstance(fmt, str) else fmt, tuple(FORMATS))
     return FORMATS[fmt.lower()]
+
+
+def get_block_format(fmt: str | BlockFormat, *, param: str = "fmt") -> BlockFormat:
+    """Return the block-scaled format for a name (``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"``)."""
+    if isinstance(fmt, BlockFormat):
+        return fmt
+    check_choice(param, str(fmt).lower() if isinstance(fmt, str) else fmt, tuple(BLOCK_FORMATS))
+    return BLOCK_FORMATS[fmt.lower()]
 
 
 def to_fp8(x, fmt: str | FP8Format = "e4m3", *, overflow: str = "satfinite"):
@@ -155,9 +241,9 @@ def lsb(x, fmt: str | FP8Format = "e4m3"):
 
 
 def all_codes(fmt: str | FP8Format = "e4m3") -> np.ndarray:
-    """All 256 bit patterns decoded to float32 (NaN where the code is NaN)."""
+    """All 2^bits bit patterns decoded to float32 (256, or 16 for E2M1; NaN where the code is NaN)."""
     f = get_format(fmt)
-    return np.arange(256, dtype=np.uint8).view(f.dtype).astype(np.float32)
+    return np.arange(1 << f.bits, dtype=np.uint8).view(f.dtype).astype(np.float32)
 
 
 def positive_values(fmt: str | FP8Format = "e4m3") -> np.ndarray:
@@ -165,3 +251,61 @@ def positive_values(fmt: str | FP8Format = "e4m3") -> np.ndarray:
     v = all_codes(fmt)
     v = v[np.isfinite(v) & (v > 0)]
     return np.unique(v)
+
+
+def _split_blocks(x, block: int):
+    n = x.shape[-1]
+    if n % block:
+        from pcast_jax.errors import PcastError
+
+        raise PcastError(f"the last axis ({n}) must be a multiple of the block size {block}")
+    return x.reshape(x.shape[:-1] + (n // block, block))
+
+
+def block_quantize(x, fmt: str | BlockFormat, *, overflow: str = "satfinite", second_level=None):
+    """Block-scaled cast along the last axis: ``(elements, scales)`` with x ≈ elements · scale.
+
+    Returns float32 ``elements`` of x's shape (values of the element format) and float32 ``scales``
+    ``(..., n / block)`` (values of the scale format, times ``second_level`` for NVFP4).
+
+    * MX: e = clamp(⌊log2 amax_b⌋ − emax_elem, −126, 127) (exact: from ``frexp``), X_b = 2^e
+      (X_b = 1 for an all-zero block); elements = cast(x / X_b) saturating to the element max
+      (OCP MX v1.0 §6.3 clamps to the max normal, whatever ``overflow`` says).
+    * NVFP4: g = ``second_level`` (FP32, broadcast over the rows ``x.shape[:-1]``; 1 if None);
+      s_b = cast_E4M3(amax_b / (6 g)), saturating at 448 (1 for an all-zero block);
+      elements = cast_E2M1(x / (s_b g)); scale = s_b · g; s_b = 0 zeroes the block's elements.
+
+    Rank-generic; the division is by an exact power of two for MX, so MX elements are exact
+    roundings of x / X_b.
+    """
+    bf = get_block_format(fmt)
+    check_choice("overflow", overflow, OVERFLOW_MODES)
+    x = jnp.asarray(x, jnp.float32)
+    xb = _split_blocks(x, bf.block)
+    amax = jnp.max(jnp.abs(xb), axis=-1)
+    el = bf.element
+    if bf.is_mx:
+        _, e = jnp.frexp(amax)  # amax = m 2^e, m in [0.5, 1) -> floor(log2 amax) = e - 1
+        k = jnp.clip(e - 1 - el.emax, -126, 127)  # 2^-127 is a float32 subnormal (flushed by XLA)
+        scale = jnp.where(amax > 0.0, jnp.ldexp(jnp.float32(1.0), k), 1.0)
+        q = to_fp8(xb / scale[..., None], el, overflow="satfinite").astype(jnp.float32)
+    else:
+        g = jnp.float32(1.0) if second_level is None else jnp.asarray(second_level, jnp.float32)
+        g = jnp.broadcast_to(g, x.shape[:-1])[..., None]
+        s_b = to_fp8(amax / (el.max * g), UE4M3, overflow="satfinite").astype(jnp.float32)
+        s_b = jnp.where(amax > 0.0, s_b, 1.0)
+        scale = s_b * g
+        safe = jnp.where(scale > 0.0, scale, 1.0)
+        q = to_fp8(xb / safe[..., None], el, overflow=overflow).astype(jnp.float32)
+        q = jnp.where((scale > 0.0)[..., None], q, 0.0)
+    return q.reshape(x.shape), scale
+
+
+def block_cast(x, fmt: str | BlockFormat, *, overflow: str = "satfinite", second_level=None, barrier: bool = True):
+    """The dequantized value of :func:`block_quantize`: elements × their block's scale, float32."""
+    bf = get_block_format(fmt)
+    q, scale = block_quantize(x, bf, overflow=overflow, second_level=second_level)
+    if barrier:
+        q, scale = jax.lax.optimization_barrier((q, scale))
+    y = _split_blocks(q, bf.block) * scale[..., None]
+    return y.reshape(q.shape)

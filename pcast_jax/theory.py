@@ -57,6 +57,12 @@ __all__ = [
     "Characterization",
     "characterize_s256",
     "table1_closed_form",
+    "block_element_threshold",
+    "block_scale_underflow",
+    "block_critical_delta",
+    "block_collapse_fraction",
+    "block_step",
+    "block_dp",
 ]
 
 LN2 = math.log(2.0)
@@ -614,3 +620,183 @@ def table1_closed_form(deltas, *, k_sink=4, n=4096, sigma=1.0) -> dict[str, np.n
     out["info_loss"] = out["non_sink_mass"] * out["frac_zeroed_s1_spread"]
     return out
 
+
+
+# --------------------------------------------------------------------------------------------
+# Block-scaled P (MXFP8, MXFP4, NVFP4): the project's own derivations, not the paper's.
+# --------------------------------------------------------------------------------------------
+#
+# Setting (forward order, sinks first, the paper's §3.1 scores): x = P·S with P = exp(s − m) and
+# m = Δ + σ M_s the sink max (M_s = max of k_sink standard normals). Keys are cast in blocks of K
+# (32 for MX, 16 for NVFP4) with a = max of x over the block. The element format has largest
+# normal E = 2^emax·(…), round-to-zero boundary r_e (half its smallest subnormal: 2^-10 for E4M3,
+# 1/4 for E2M1) and emax = ⌊log2 E⌋; the NVFP4 scale format (UE4M3) rounds to zero at r_s = 2^-10.
+
+
+def _block_parts(fmt):
+    bf = formats.get_block_format(fmt)
+    el = bf.element
+    return bf, float(el.max), float(el.round_to_zero), int(el.emax), int(el.mantissa_bits)
+
+
+def block_element_threshold(block_max, *, fmt="nvfp4", exact=True):
+    """Largest x in a block with maximum ``block_max`` = a that the block-scaled cast sends to 0.
+
+    MX (OCP MX v1.0): X = 2^(⌊log2 a⌋ − emax) and an element is zero iff x/X ≤ r_e, so the threshold
+    is r_e·X, between r_e·a·2^(−emax−1) and r_e·a·2^(−emax): 2^-18·a … 2^-19·a for MXFP8 (E4M3),
+    a/16 … a/32 for MXFP4 (E2M1). NVFP4: s = E4M3(a/6) and x is zero iff x/s ≤ 1/4, i.e. x ≤ s/4 ≈
+    a/24 (exactly s/4; 0 if s itself rounds to 0: then every x ≤ a is zero and a is returned).
+
+    ``exact=False`` drops the rounding of the scale (MX: ⌊log2 a⌋ → log2 a, the upper end; NVFP4:
+    s → a/6), which makes the threshold linear in a and so useful under ``jax.grad``; the exact
+    version is jit-able and piecewise constant (MX) or piecewise linear in a through the rounding.
+    """
+    bf, emax_val, r_e, emax, _ = _block_parts(fmt)
+    a = jnp.asarray(block_max, _float_dtype())
+    if bf.is_mx:
+        if not exact:
+            return r_e * a * 2.0**-emax
+        _, e = jnp.frexp(a)
+        return r_e * jnp.ldexp(jnp.ones_like(a), jnp.clip(e - 1 - emax, -126, 127))
+    if not exact:
+        return r_e * a / emax_val
+    sb = formats.to_fp8(a.astype(jnp.float32) / emax_val, formats.UE4M3).astype(a.dtype)
+    return jnp.where(sb > 0, r_e * sb, a)
+
+
+def block_scale_underflow(scale, *, fmt="nvfp4"):
+    """Largest block-max P (relative to the row max P = 1) whose whole block the cast zeroes.
+
+    NVFP4: the UE4M3 scale a/6 rounds to zero iff a/6 ≤ 2^-10 (the tie goes to the even 0), with
+    a = S·max_b P, so the block is lost iff max_b P ≤ 6·2^-10/S. With SageAttention3's row
+    normalisation S = 448·6 this is 2^-10/448 ≈ 2.18e-6: ln(max_b P) ≤ −(10 ln 2 + ln 448) ≈ −13.04,
+    a block whose largest score sits 13.04 below the row max vanishes.
+    MX: E8M0 has no zero; the exponent is clamped (at −127 by the format, −126 in the float32
+    simulator), after which elements are zeroed at r_e·2^-126: the whole block goes when
+    max_b P ≤ r_e·2^-126/S (≈ e^-94 for E4M3 at S = 1), never in practice.
+    Smooth in S (jit- and grad-able).
+    """
+    bf, emax_val, r_e, _, _ = _block_parts(fmt)
+    check_values("scale", scale, lo=0.0, strict=True, float32=True)
+    (s,) = _arrays(scale)
+    if bf.is_mx:
+        return r_e * 2.0**-126 / s
+    return emax_val * float(formats.UE4M3.round_to_zero) / s
+
+
+def block_critical_delta(scale, *, fmt="nvfp4", k_sink=4, sigma=1.0):
+    """Δc of a block-scaled P: the sink strength at which the typical block's scale underflows.
+
+    A non-sink block's max score is σ·M_b with M_b the max of K normals, mean δ_K; the block is
+    lost when S·exp(σM_b − m) ≤ 6·2^-10 (NVFP4, :func:`block_scale_underflow`) with m = Δ + σδk.
+    Setting M_b = δ_K gives Δc = ln(S / (6·2^-10)) + σ(δ_K − δk): the analogue of Eq. (7)'s
+    Δc = 10 ln 2 + ln S − σδk, with the element boundary replaced by the scale boundary and the
+    block max δ_K in place of the median non-sink score 0. NVFP4, S = 2688, k = 4: Δc ≈ 13.77
+    (E4M3 per-tensor: 5.90 at S = 1, 11.45 at S = 256). For MX the scale cannot underflow before
+    e^-94: Δc = ln(S/(r_e 2^-126)) + σ(δ_K − δk) is returned for completeness.
+    """
+    bf, _, _, _, _ = _block_parts(fmt)
+    check_values("k_sink", k_sink, lo=1.0, float32=True)
+    check_values("sigma", sigma, lo=0.0, strict=True, float32=True, max_abs=_SIGMA_MAX)
+    k, sg = _arrays(k_sink, sigma)
+    thr = block_scale_underflow(scale, fmt=fmt)
+    return -jnp.log(thr) + sg * (_delta_k_core(jnp.asarray(float(bf.block), _float_dtype())) - _delta_k_core(k))
+
+
+def block_collapse_fraction(delta, scale, *, fmt="nvfp4", n=4096, k_sink=4, sigma=1.0):
+    """Expected fraction of non-sink P the block-scaled cast zeroes, forward order (cf. Eq. (7)).
+
+    Derivation. Take a non-sink key j in a block of K keys without sinks; z_j and the other K − 1
+    standardized scores are iid N(0, 1), M' = max of the others, m = Δ + σM_s, c = ln S − m.
+
+    NVFP4: the block scale is zero iff σ max(z_j, M') + c ≤ ln(6 r_s), i.e. max(z_j, M') ≤ t with
+    t = (ln(6 r_s) − c)/σ; otherwise x_j is zero iff x_j ≤ a/24 (element threshold with s → a/6),
+    i.e. z_j ≤ M' − L/σ with L = ln(6/r_e) = ln 24 (z_j cannot be the block max then). Hence
+      Pr[zero | M', M_s] = Φ(t) if M' ≤ t, else Φ(M' − L/σ),
+    F_block = E_{M_s} E_{M'}[·] with M' ~ max of K − 1 and M_s ~ max of k_sink normals (the spread
+    of the sink max integrated as in the proof of Corollary 2).
+    MX: the scale never underflows in practice; x_j is zero iff x_j ≤ r_e·X with
+    X = 2^(⌊log2 a⌋ − emax): z_j ≤ M' − L_u/σ, L_u = (emax + u) ln 2 − ln r_e, u = frac(log2 a),
+    averaged over u uniform on [0, 1) (assumption: a's mantissa is spread over a binade). MX's F
+    does not depend on Δ or S: the per-block scale removes the sink's influence entirely.
+    The K − k_sink non-sink keys sharing the sinks' scale block have a = S (the sink max is the
+    row max, P = 1): zero iff σz_j ≤ m − L (NVFP4; r_e·X with u = frac(log2 S) for MX).
+    F = [(n − K)·F_block + (K − k_sink)·F_sink] / (n − k_sink), assuming the sinks lead the row and
+    no non-sink score exceeds the sink max (Δ ≳ 4, as Eq. (7) assumes).
+
+    ``delta``, ``scale`` may be traced (jit, grad in both); ``n``, ``k_sink``, ``sigma`` numbers.
+    """
+    bf, emax_val, r_e, emax, _ = _block_parts(fmt)
+    check_values("delta", delta, float32=True)
+    check_values("scale", scale, lo=0.0, strict=True, float32=True)
+    k_sink_i = int(k_sink)
+    kb = bf.block
+    if not 1 <= k_sink_i <= kb or int(n) < 2 * kb:
+        raise PcastError(f"block_collapse_fraction needs 1 <= k_sink <= {kb} (one scale block holds the sinks) "
+                         f"and n >= {2 * kb}; got k_sink={k_sink!r}, n={n!r}")
+    check_values("sigma", sigma, lo=0.0, strict=True, float32=True, max_abs=_SIGMA_MAX)
+    d, s = _arrays(delta, scale)
+    sg = float(sigma)
+    u = (jnp.arange(16, dtype=_float_dtype()) + 0.5) / 16.0  # midpoints of the fractional part
+    if bf.is_mx:
+        lu = ((emax + u) * LN2 - math.log(r_e)) / sg  # (16,)
+        f_block = _expect_over_max(lambda x: jnp.mean(norm.cdf(x[..., None] - lu), axis=-1), float(kb - 1))
+        f_block = jnp.broadcast_to(f_block, jnp.broadcast_shapes(d.shape, s.shape))
+        frac = jnp.log2(s) - jnp.floor(jnp.log2(s))
+        l_sink = ((emax + frac) * LN2 - math.log(r_e)) / sg
+        f_sink = _expect_over_max(lambda x: norm.cdf((d[..., None] + sg * x) / sg - l_sink[..., None]), float(k_sink_i))
+    else:
+        ln_rs = math.log(emax_val * float(formats.UE4M3.round_to_zero))
+        big_l = math.log(emax_val / r_e) / sg
+
+        # ∫_t^∞ Φ(m − L) f_{K−1}(m) dm on a grid anchored at t (y = m − t ≥ 0), so that the moving
+        # boundary is differentiated too (below the grid's −12 the density is nil: anchored there);
+        # trapezoid rule over the grid's span, the density decays like a Gaussian.
+        y = jnp.asarray(np.arange(0.0, _GRID_HI - _GRID_LO + 1e-9, 0.01), _float_dtype())
+        wy = jnp.full(y.shape, 0.01, _float_dtype()).at[0].set(0.005).at[-1].set(0.005)
+
+        def given_sink(ms):  # ms: (..., G) sink max values -> Pr[zero | M_s], (..., G)
+            t = (ln_rs - jnp.log(s)[..., None] + d[..., None] + sg * ms) / sg
+            mo = jnp.maximum(t, _GRID_LO)[..., None] + y
+            tail = jnp.sum(wy * norm.cdf(mo - big_l) * _max_density(mo, float(kb - 1)), axis=-1)
+            return jnp.exp(kb * _log_cdf(t)) + tail
+
+        d, s = jnp.broadcast_arrays(d, s)
+        f_block = _expect_over_max(given_sink, jnp.full(d.shape, float(k_sink_i), _float_dtype()))
+        f_sink = _expect_over_max(lambda x: norm.cdf((d[..., None] + sg * x) / sg - big_l), float(k_sink_i))
+    n_f = float(n)
+    return _prob(((n_f - kb) * f_block + (kb - k_sink_i) * f_sink) / (n_f - k_sink_i))
+
+
+def block_step(block_max, *, fmt="nvfp4"):
+    """Spacing of the element grid at the top of a block with maximum a, in x's units (cf. dp(S)).
+
+    The largest rounding step any value of the block sees is the spacing of the element format's
+    top binade times the block scale: 2^(emax − mant)·X for MX (X = 2^(⌊log2 a⌋ − emax): 2^(⌊log2 a⌋
+    − mant)), 2·s for NVFP4 (E2M1's top binade [4, 6] has spacing 2; s = E4M3(a/6)). Jit-able;
+    piecewise smooth in a. Divide by a for the relative step (:func:`block_dp`).
+    """
+    bf, emax_val, _, emax, mant = _block_parts(fmt)
+    a = jnp.asarray(block_max, _float_dtype())
+    top = 2.0 ** (emax - mant)
+    if bf.is_mx:
+        _, e = jnp.frexp(a)
+        return top * jnp.ldexp(jnp.ones_like(a), jnp.clip(e - 1 - emax, -126, 127))
+    sb = formats.to_fp8(a.astype(jnp.float32) / emax_val, formats.UE4M3).astype(a.dtype)
+    return top * sb
+
+
+def block_dp(fmt="nvfp4"):
+    """sup over a of block_step(a)/a, the block-scaled analogue of dp(S) (Definition 1).
+
+    dp(S) is the top-binade LSB relative to S; here the block max plays S's part and the scale
+    is re-chosen per block, so the bound holds whatever S and Δ are. MX: 2^(⌊log2 a⌋ − mant)/a ≤
+    2^-mant, reached at a = 2^k: 1/8 for MXFP8 (E4M3; dp(2^k) = 1/16 for a per-tensor S = 2^k,
+    since MX puts a in the top binade [2^emax X, 2^(emax+1) X) that E4M3 saturates at 448 < 512),
+    1/2 for MXFP4. NVFP4: 2·E4M3(a/6)/a ≤ (2/6)(1 + 2^-4) = 0.3542 while a/6 is an E4M3 normal
+    (a ≥ 6·2^-6); below, the subnormal scale step makes it larger.
+    """
+    bf, emax_val, _, _, mant = _block_parts(fmt)
+    if bf.is_mx:
+        return 2.0**-mant
+    return 2.0 ** (bf.element.emax - mant) / emax_val * (1.0 + 2.0 ** -(formats.E4M3.mantissa_bits + 1))

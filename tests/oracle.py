@@ -31,19 +31,23 @@ class Fp8Line:
     mantissa_bits: int
     bias: int
     values: np.ndarray  # non-negative finite values in code order: 0, subnormals, normals
+    special: float = np.nan  # what "nan" overflow gives past the range (None: saturates, no such code)
 
     @property
     def max(self) -> float:
         return float(self.values[-1])
 
 
-def _line(exponent_bits: int, mantissa_bits: int, bias: int, *, fn: bool) -> Fp8Line:
-    """Eq. (1): subnormals 2^(1−b)·M/2^m, normals 2^(E−b)·(1 + M/2^m); ``fn``: only all-ones is NaN."""
+def _line(exponent_bits: int, mantissa_bits: int, bias: int, *, fn: bool, finite: bool = False) -> Fp8Line:
+    """Eq. (1): subnormals 2^(1−b)·M/2^m, normals 2^(E−b)·(1 + M/2^m); ``fn``: only all-ones is NaN;
+    ``finite``: every code is a number (E2M1: no NaN, no infinity)."""
     vals = []
     top = 2**exponent_bits - 1
     for e in range(0, top + 1):
         for mant in range(2**mantissa_bits):
-            if fn and e == top and mant == 2**mantissa_bits - 1:
+            if finite:
+                pass
+            elif fn and e == top and mant == 2**mantissa_bits - 1:
                 continue  # E4M3FN: S.1111.111 is NaN, no infinities
             if not fn and e == top:
                 continue  # IEEE-like E5M2: the top exponent holds inf and NaN
@@ -51,12 +55,17 @@ def _line(exponent_bits: int, mantissa_bits: int, bias: int, *, fn: bool) -> Fp8
                 vals.append(2.0 ** (1 - bias) * mant / 2**mantissa_bits)
             else:
                 vals.append(2.0 ** (e - bias) * (1 + mant / 2**mantissa_bits))
-    return Fp8Line(exponent_bits, mantissa_bits, bias, np.array(vals, np.float64))
+    special = None if finite else (np.nan if fn else np.inf)
+    return Fp8Line(exponent_bits, mantissa_bits, bias, np.array(vals, np.float64), special)
 
 
 E4M3 = _line(4, 3, 7, fn=True)  # max 448 = 1.75 · 2^8, smallest subnormal 2^-9
 E5M2 = _line(5, 2, 15, fn=False)  # max 57344
-LINES = {"e4m3": E4M3, "e5m2": E5M2}
+E2M1 = _line(2, 1, 1, fn=True, finite=True)  # 0, 0.5, 1, 1.5, 2, 3, 4, 6
+LINES = {"e4m3": E4M3, "e5m2": E5M2, "e2m1": E2M1}
+#: Block-scaled P formats: (element line, keys per scale, scale kind). MX: OCP Microscaling v1.0
+#: (E8M0 power of two); NVFP4: UE4M3 scale of block amax / 6 (NVIDIA Model Optimizer).
+BLOCKED = {"mxfp8": (E4M3, 32, "e8m0"), "mxfp4": (E2M1, 32, "e8m0"), "nvfp4": (E2M1, 16, "ue4m3")}
 
 
 def round_fp8(x, line: Fp8Line, overflow: str = "satfinite"):
@@ -81,10 +90,56 @@ def round_fp8(x, line: Fp8Line, overflow: str = "satfinite"):
         r = np.where(over, line.max, r)
     else:
         past = (a > line.max + top_lsb / 2) | ((a == line.max + top_lsb / 2) & ((len(vals) - 1) % 2 == 1))
-        special = np.nan if line is E4M3 else np.inf
-        r = np.where(past, special, np.where(over, line.max, r))
+        if line.special is None:  # no NaN or infinity to give: saturates either way
+            past = np.zeros_like(past)
+        r = np.where(past, line.special if line.special is not None else 0.0, np.where(over, line.max, r))
         near |= np.abs(a - (line.max + top_lsb / 2)) <= NEAR * a
     return np.sign(x) * r, near
+
+
+def _emax(line: Fp8Line) -> int:
+    """Exponent of the line's largest normal (8 for E4M3, 2 for E2M1), from its bit layout."""
+    return int(np.floor(np.log2(line.max)))
+
+
+def block_cast(x, p_format: str, overflow: str = "satfinite"):
+    """A block-scaled cast of float64 ``x`` (..., n) along the last axis, from the specifications.
+
+    MX (OCP Microscaling v1.0 §6.3): per 32 values X = 2^(floor(log2 amax) − emax_elem), the exponent
+    held in [−126, 127] (E8M0 reaches −127, a float32 subnormal the package's XLA flushes; X = 1 for an
+    all-zero block); elements rounded to the element
+    line, clamped to its max normal. NVFP4 (Model Optimizer): per 16 values s = E4M3(amax / 6)
+    (saturating, 1 for an all-zero block), elements E2M1(x / s); s = 0 zeroes the block.
+
+    Returns (dequantized values, their rounding step there, mask of values within ``NEAR`` of a
+    rounding decision of element or scale, mask of values whose zero/non-zero decision is near).
+    """
+    line, bs, kind = BLOCKED[p_format]
+    x = np.asarray(x, np.float64)
+    xb = x.reshape(x.shape[:-1] + (x.shape[-1] // bs, bs))
+    amax = np.abs(xb).max(axis=-1)
+    rtz = line.values[1] / 2
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if kind == "e8m0":
+            _, e = np.frexp(amax)  # amax = f 2^e, f in [0.5, 1): floor(log2 amax) = e − 1
+            scale = np.where(amax > 0, 2.0 ** np.clip(e - 1 - _emax(line), -126, 127), 1.0)
+            near_s = np.zeros(amax.shape, bool)
+            over = "satfinite"
+        else:
+            scale, near_s = round_fp8(amax / line.max, E4M3, "satfinite")
+            near_s |= np.abs(amax / line.max - E4M3.values[1] / 2) <= NEAR * E4M3.values[1]
+            scale = np.where(amax > 0, scale, 1.0)
+            over = overflow
+        y = xb / np.where(scale > 0, scale, 1.0)[..., None]
+        q, near = round_fp8(y, line, over)
+        q = np.where((scale > 0)[..., None], q, 0.0)
+        step = _step(y, line) * scale[..., None]
+        near_zero = (np.abs(np.abs(y) - rtz) <= NEAR * rtz) | near_s[..., None]
+        near = near | near_s[..., None]
+        step = np.where(near_s[..., None], np.abs(xb) / 4 + step, step)  # a scale one E4M3 step away
+        deq = q * scale[..., None]
+    shape = x.shape
+    return deq.reshape(shape), step.reshape(shape), near.reshape(shape), near_zero.reshape(shape)
 
 
 @dataclasses.dataclass
@@ -118,7 +173,7 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
     V is divided per column by max|V[:, c]| / v_channel_max before the products and the output
     multiplied back by it.
     """
-    line = LINES[p_format]
+    line = BLOCKED[p_format][0] if p_format in BLOCKED else LINES[p_format]
     s = np.asarray(scores, np.float64)
     v = np.asarray(v, np.float64)
     q, n = s.shape
@@ -147,7 +202,7 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
         members = [list(range(i, n_blocks, kv_splits)) for i in range(kv_splits)]
     group = f16_round_keys or block_kv
     runs = [_one_split(s, v, counted, blks[::-1] if order == "reverse" else blks, line, block_kv, group,
-                       scale, scale_mode, overflow, accumulator) for blks in members]
+                       scale, scale_mode, overflow, accumulator, p_format) for blks in members]
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         m_all = np.max([r[0] for r in runs], axis=0)
         m_ok = np.where(m_all == -np.inf, 0.0, m_all)
@@ -173,7 +228,7 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
         return OracleResult(out * colscale, ell, nz, lz / ell, out_slack * colscale, zslack)
 
 
-def _one_split(s, v, counted, blocks, line, block_kv, group, scale, scale_mode, overflow, accumulator):
+def _one_split(s, v, counted, blocks, line, block_kv, group, scale, scale_mode, overflow, accumulator, p_format):
     """Algorithm 1 over ``blocks`` (in visiting order): (m, ℓ, O, zeroed, zeroed mass, slack, zeroed slack)."""
     q = s.shape[0]
     d = v.shape[1]
@@ -207,8 +262,13 @@ def _one_split(s, v, counted, blocks, line, block_kv, group, scale, scale_mode, 
                 unscale = 1.0 / sc
             ell = a * ell + p.sum(axis=1)
             m = m_new
-            p8, near = round_fp8(ps, line, overflow)
-            y_slack = (near * _step(ps, line)) @ np.abs(vj)
+            if p_format in BLOCKED:  # the block scales are multiplied back after the product: same sum
+                p8, step, near, near_zero = block_cast(ps, p_format, overflow)
+                y_slack = (near * step) @ np.abs(vj)
+            else:
+                p8, near = round_fp8(ps, line, overflow)
+                y_slack = (near * _step(ps, line)) @ np.abs(vj)
+                near_zero = np.abs(ps - rtz) <= NEAR * rtz
             if accumulator == "f16":  # one f16 MMA per group of keys, chained in f16
                 y = np.zeros((q, d))
                 for g in range(0, block_kv, group):
@@ -222,7 +282,7 @@ def _one_split(s, v, counted, blocks, line, block_kv, group, scale, scale_mode, 
             zero = counted[:, cols] & (ps > 0) & (p8 == 0)
             nz += zero.sum(axis=1)
             lz = a * lz + np.where(zero, p, 0.0).sum(axis=1)
-            zslack += (counted[:, cols] & (np.abs(ps - rtz) <= NEAR * rtz)).sum(axis=1)
+            zslack += (counted[:, cols] & (ps > 0) & near_zero).sum(axis=1)
     return m, ell, o, nz, lz, slack, zslack
 
 
@@ -256,4 +316,5 @@ def sink_scores(rng: np.random.Generator, *, q: int, n: int, d: int, delta: floa
     return s.astype(np.float32), v.astype(np.float32), mask
 
 
-__all__ = ["E4M3", "E5M2", "Fp8Line", "OracleResult", "attention", "config_kwargs", "round_fp8", "sink_scores"]
+__all__ = ["E2M1", "E4M3", "E5M2", "BLOCKED", "block_cast", "Fp8Line", "OracleResult", "attention", "config_kwargs",
+           "round_fp8", "sink_scores"]

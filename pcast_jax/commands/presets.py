@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pcast_jax.config import KERNEL_PRESETS, PAPER_CONFIGS
+from pcast_jax.config import BLOCK_SCALED_PRESETS, KERNEL_PRESETS, PAPER_CONFIGS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,7 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def rows() -> list[tuple[str, ...]]:
     """(group, name, order, S, scale mode, block_kv, power of two, accumulator, description)."""
     out = []
-    for group, presets in (("paper", PAPER_CONFIGS), ("kernel", KERNEL_PRESETS)):
+    groups = (("paper", PAPER_CONFIGS), ("kernel", KERNEL_PRESETS), ("block-scaled", BLOCK_SCALED_PRESETS))
+    for group, presets in groups:
         for name, cfg in presets.items():
             dynamic = cfg.scale_mode == "dynamic"
             out.append((
