@@ -50,7 +50,7 @@ from pcast_jax import block, engine
 from pcast_jax.config import KernelConfig, resolve
 from pcast_jax.errors import PcastError, check_choice, check_positive
 
-__all__ = ["IMPLEMENTATIONS", "GRADIENTS", "attention_fn", "dot_product_attention"]
+__all__ = ["IMPLEMENTATIONS", "GRADIENTS", "attention_fn", "dot_product_attention", "kernel_inputs"]
 
 IMPLEMENTATIONS = ("xla", "scan", "mosaic", "triton")
 GRADIENTS = ("ste", "smooth")
@@ -106,8 +106,12 @@ def _repeat_kv(x, n_heads: int):
     return jnp.repeat(x, n_heads // x.shape[1], axis=1)
 
 
-def _kernel_inputs(q, k, v, cfg: KernelConfig | None, scale: float):
-    """Logits (B, N, T, S) and V (B, N, S, H) as the kernel sees them (E4M3 Q/K/V when configured)."""
+def kernel_inputs(q, k, v, cfg: KernelConfig | None, scale: float):
+    """Logits (B, N, T, S) and V (B, N, S, H) as the kernel sees them, for Q (B, N, T, H) and K, V (B, K, S, H).
+
+    E4M3 Q/K/V when ``cfg.qkv == "e4m3"`` (one scale per tensor or per (batch, head)); KV heads are
+    repeated for grouped-query attention.
+    """
     n_heads = q.shape[1]
     if cfg is not None and cfg.qkv == "e4m3":
         (q, dq), (k, dk), (v, dv) = (_quantize(x, cfg.qkv_granularity) for x in (q, k, v))
@@ -132,13 +136,13 @@ def _masked(logits, bias, mask, causal: bool):
 
 def _exact(q, k, v, bias, mask, scale, causal):
     """Exact FP32 attention (B, N, T, H): the reference, and the straight-through backward."""
-    logits, vv = _kernel_inputs(q, k, v, None, scale)
+    logits, vv = kernel_inputs(q, k, v, None, scale)
     probs = jax.nn.softmax(_masked(logits, bias, mask, causal), axis=-1)
     return jnp.einsum("bnts,bnsh->bnth", probs, vv, precision="highest")
 
 
 def _simulated(q, k, v, bias, mask, cfg: KernelConfig, scale, engine_name: str):
-    logits, vv = _kernel_inputs(q, k, v, cfg, scale)
+    logits, vv = kernel_inputs(q, k, v, cfg, scale)
     logits = _masked(logits, bias, mask, cfg.causal)
     return engine.attention(logits, vv, cfg.replace(causal=False), engine=engine_name).out
 
@@ -158,7 +162,7 @@ def _soft_gate_cast(scale: float, threshold: float, temperature: float):
 
 def _smooth(q, k, v, bias, mask, cfg: KernelConfig, scale, temperature: float):
     """The smooth surrogate's output (B, N, T, H): effective weights with the gated cast, times V."""
-    logits, vv = _kernel_inputs(q, k, v, None, scale)  # Q/K/V casts straight-through
+    logits, vv = kernel_inputs(q, k, v, None, scale)  # Q/K/V casts straight-through
     logits = _masked(logits, bias, mask, cfg.causal)
     gate = _soft_gate_cast(cfg.scale, cfg.fmt.round_to_zero, temperature)
     static = cfg.replace(scale=1.0, scale_mode="multiply", causal=False, qkv="f32", accumulator="f32")

@@ -48,7 +48,7 @@ from pcast_jax.config import QKV_GRANULARITIES, KernelConfig, resolve
 from pcast_jax.errors import PcastError, check_choice, check_int
 from pcast_jax.models.gguf_loader import LlamaConfig
 from pcast_jax.models.llama import _validate, expand_kv, forward
-from pcast_jax.nn import dot_product_attention
+from pcast_jax.nn import dot_product_attention, kernel_inputs
 
 __all__ = [
     "QKV_GRANULARITIES",
@@ -68,46 +68,15 @@ HEAD_METRICS = ("mse", "ref_sq", "rel_mse", "frac_zeroed", "frac_zeroed_pooled",
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _quantize(x, granularity: str):
-    """E4M3 round trip of ``x [T, H, D]`` with one scale per tensor or per head: (x8, descale).
-
-    ``descale`` is a scalar (tensor) or ``[H]`` (head); x ≈ x8 · descale.
-    """
-    if granularity == "tensor":
-        return _engine.quantize_per_tensor(x)
-    x8, d = jax.vmap(_engine.quantize_per_tensor, in_axes=1, out_axes=(1, 0))(x)
-    return x8, d
-
-
 def _scores_and_values(q, k, v, cfg: KernelConfig):
     """Per-head logits ``[Hq, T, T]`` (1/√D applied, no mask) and values ``[Hq, T, D]``.
 
-    FP32 Q/K/V: ``q·k / √D``. E4M3 Q/K/V: the FP8×FP8 products accumulated in FP32 times
-    ``q_descale · k_descale / √D``, and V dequantized (as :func:`pcast_jax.engine.prepare_qkv`),
-    with the scales of ``cfg.qkv_granularity``.
+    Exactly what :func:`pcast_jax.nn.dot_product_attention` feeds the kernel (FP32 Q/K/V, or E4M3
+    with the scales of ``cfg.qkv_granularity``), for one sequence in the model's ``[T, H, D]`` layout.
     """
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    softmax_scale = 1.0 / math.sqrt(head_dim)
-    if cfg.qkv == "e4m3":
-        granularity = cfg.qkv_granularity
-        q8, dq = _quantize(q, granularity)
-        k8, dk = _quantize(k, granularity)
-        v8, dv = _quantize(v, granularity)
-        if granularity == "head":
-            dk = jnp.repeat(dk, num_heads // k.shape[1])
-            dv = jnp.repeat(dv, num_heads // v.shape[1])
-            mult = (dq * dk * softmax_scale)[:, None, None]
-            v_seen = expand_kv(v8, num_heads) * dv[None, :, None]
-        else:
-            mult = dq * dk * softmax_scale
-            v_seen = expand_kv(v8 * dv, num_heads)
-        q, k = q8, k8
-    else:
-        mult = softmax_scale
-        v_seen = expand_kv(v, num_heads)
-    k = expand_kv(k, num_heads)
-    scores = jnp.einsum("thd,shd->hts", q, k, precision=_HIGHEST) * mult
-    return scores, jnp.swapaxes(v_seen, 0, 1)
+    logits, v_seen = kernel_inputs(*(jnp.swapaxes(x, 0, 1)[None] for x in (q, k, v)), cfg,
+                                   1.0 / math.sqrt(q.shape[2]))
+    return logits[0], v_seen[0]
 
 
 def heads_attention(q, k, v, config: str | KernelConfig, *, count_mask=None,
