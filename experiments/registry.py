@@ -132,6 +132,9 @@ def reproduce(out_dir, *, quick: bool = False, only: Sequence[str] | None = None
     import jax
 
     names = _select(only)
+    for name in extras or ():
+        if name not in EXTRA_SECTIONS:
+            raise PcastError(f"extras={name!r} is not one of {', '.join(EXTRA_SECTIONS)}")
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -159,9 +162,6 @@ def reproduce(out_dir, *, quick: bool = False, only: Sequence[str] | None = None
                          "sweeps_computed": sorted(set(ctx.sweep_log) - before)}
         log(f"[{i}/{len(names)}] {section.title:<66} {wall:6.1f} s")
     extra_md = []
-    for name in extras or ():
-        if name not in EXTRA_SECTIONS:
-            raise PcastError(f"extras={name!r} is not one of {', '.join(EXTRA_SECTIONS)}")
     if extras and not only and not quick:
         for name in extras:
             module, func = EXTRA_SECTIONS[name]

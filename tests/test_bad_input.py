@@ -63,6 +63,14 @@ def _theory():
     return importlib.import_module("pcast_jax.theory")
 
 
+def _whatif():
+    return importlib.import_module("pcast_jax.whatif")
+
+
+def _reproduce():
+    return importlib.import_module("pcast_experiments.registry").reproduce
+
+
 # (id, call, substrings the message must contain: the parameter, then the allowed range/choices)
 CASES = [
     # KernelConfig: the static scale S and every named choice
@@ -175,6 +183,13 @@ CASES = [
     ("theory_k_below_one", lambda: _theory().delta_k(0.5), ["k=0.5", ">= 1"]),
     ("theory_max_model_unknown", lambda: _theory().reverse_underflow_prob(100, 256.0, max_model="gumbel"),
      ["max_model='gumbel'", "'eq11'"]),
+    # every loop a user can size has a bound; options are checked before any work
+    ("worst_delta_range_unbounded", lambda: _whatif().worst_case_delta("fwd_s1", 64, delta_range=(0.0, 1e6)),
+     ["delta_range=(0.0, 1000000.0)", "at most 4096"]),
+    ("worst_delta_refine_step_tiny", lambda: _whatif().worst_case_delta("fwd_s1", 64, refine_step=1e-9),
+     ["refine_step=1e-09", "at most 4096"]),
+    ("reproduce_extras_unknown", lambda: _reproduce()("/nonexistent/never-created", extras=("bogus",)),
+     ["extras='bogus'", "real_model"]),
     # Pallas FP8 kernels: what the kernels cannot take (validated before anything is compiled)
     ("kernel_block_kv_triton", lambda: _fp8_attention(config=KernelConfig(block_kv=48), backend="triton"),
      ["block_kv=48", "(32, 64, 128, 256)"]),

@@ -102,6 +102,10 @@ def _ascend(starts, lo, hi, sigma, log2_scale, *, scenario, surrogate, part, ste
     return jax.vmap(run)(starts)
 
 
+#: Largest exact Δ scan :func:`worst_case_delta` runs (points), so that no range a user passes runs unbounded.
+MAX_SCAN_POINTS = 4096
+
+
 def worst_case_delta(config="fwd_s1", n: int = 4096, *, objective: str = "total",
                      delta_range=(4.0, 13.0), starts=None, steps: int = 60, learning_rate: float = 0.3,
                      seeds: int = 4, q_len: int = 32, k_sink: int = 4, sigma: float = 1.0,
@@ -129,6 +133,14 @@ def worst_case_delta(config="fwd_s1", n: int = 4096, *, objective: str = "total"
     check_positive("learning_rate", learning_rate)
     check_positive("grid_step", grid_step)
     check_positive("refine_step", refine_step)
+    # every loop a user can size has a bound: the two exact scans are at most MAX_SCAN_POINTS long
+    if (hi - lo) / grid_step + 1 > MAX_SCAN_POINTS:
+        raise PcastError(f"delta_range={delta_range!r} with grid_step={grid_step!r} is "
+                         f"{(hi - lo) / grid_step + 1:.3g} points; at most {MAX_SCAN_POINTS} are scanned "
+                         "(narrow delta_range or raise grid_step)")
+    if 1.0 / refine_step + 1 > MAX_SCAN_POINTS:
+        raise PcastError(f"refine_step={refine_step!r} gives {1.0 / refine_step + 1:.3g} points; at most "
+                         f"{MAX_SCAN_POINTS} are scanned")
     sur = as_surrogate(surrogate if surrogate is not None else Surrogate())
     if sur.kind == "exact":
         raise PcastError("surrogate='exact' has no useful gradient; use 'smooth' (or 'ste')")
