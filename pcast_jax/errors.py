@@ -22,6 +22,9 @@ __all__ = [
     "F32_MAX",
     "host_values",
     "shown_value",
+    "EXIT_ERROR",
+    "EXIT_PEER_FAILED",
+    "EXIT_INTERRUPTED",
 ]
 
 
@@ -142,3 +145,12 @@ def check_values(param: str, value, *, lo: float | None = None, strict: bool = F
             op = ">" if strict else ">="
             raise PcastError(f"{shown_value(param, value, arr[bad] if arr.ndim else arr)} must be "
                              f"{op} {lo_text or format(lo, 'g')}")
+
+
+#: Exit status of ``pcast``: bad input or an error this process reports (the CLI's usual failure).
+EXIT_ERROR = 2
+#: Exit status of a multi-process run's processes when another process of the run failed, was
+#: interrupted or killed, or the coordinator was lost: this process stops because the run cannot go on.
+EXIT_PEER_FAILED = 3
+#: Exit status after Ctrl-C (SIGINT), as shells report it (128 + 2); SIGTERM gives 128 + 15 = 143.
+EXIT_INTERRUPTED = 130

@@ -540,7 +540,7 @@ def test_run_sweep_arguments_are_checked_before_any_work(tmp_path, monkeypatch, 
 
 @pytest.mark.parametrize("option, value, named", [
     ("--out", "", "--out"), ("--sigma-v", "1e30", "sigma_v"), ("--sigma", "1e300", "sigma"),
-    ("--delta", "1e39", "delta"), ("--init-timeout", "1e12", "init_timeout"),
+    ("--delta", "1e39", "delta"), ("--init-timeout", "1e12", "init_timeout"), ("--heartbeat-timeout", "1e12", "heartbeat_timeout"),
 ])
 def test_cli_sweep_refuses_before_any_work(tmp_path, monkeypatch, capsys, option, value, named):
     from pcast_jax import cli

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -229,6 +230,10 @@ def test_missing_peer_times_out_clearly(tmp_path):
     (dict(coordinator="h:1", num_processes=0, process_id=0), "num_processes=0 must be >= 1"),
     (dict(coordinator="h:1", num_processes=2, process_id=2), "process_id=2 must be <= 1"),
     (dict(coordinator="h:1", num_processes=2, process_id=1, timeout_s=0), "timeout_s=0 must be > 0"),
+    (dict(coordinator="h:1", num_processes=2, process_id=1, heartbeat_timeout_s=-1),
+     "heartbeat_timeout_s=-1 must be > 0"),
+    (dict(coordinator="h:1", num_processes=2, process_id=1, heartbeat_timeout_s=1e9),
+     "heartbeat_timeout_s=1000000000.0 must be <= 604800 in magnitude"),
 ])
 def test_bad_arguments_are_refused(kwargs, match):
     with pytest.raises(PcastError, match=match):
@@ -247,6 +252,11 @@ def test_cli_arguments():
                                           "--process-id", "9"]))
     with pytest.raises(PcastError, match="coordinator, num_processes must be given too"):
         init_from_args(parser.parse_args(["--process-id", "1"]))
+    with pytest.raises(PcastError, match="heartbeat_timeout_s=0.0 must be > 0"):
+        init_from_args(parser.parse_args(["--coordinator", "h:1", "--num-processes", "2", "--process-id", "1",
+                                          "--heartbeat-timeout", "0"]))
+    # Refused arguments change nothing in the calling process: no signal handlers taken over.
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_single_process_call_matches_run_sweep(tmp_path, reference):

@@ -1,19 +1,52 @@
-"""The ``pcast sweep`` options that start the multi-process runtime (see "Scale-out" in the README)."""
+"""The ``pcast sweep`` options that start the multi-process runtime (see "Scale-out" in the README).
+
+A multi-process run fails like one program: whatever ends one process (an error, Ctrl-C, a kill,
+a lost coordinator) ends every process within ``--heartbeat-timeout`` seconds (``--init-timeout``
+while starting), each with one ``pcast: error:`` line and a documented exit status
+(:data:`~pcast_jax.errors.EXIT_ERROR`, :data:`~pcast_jax.errors.EXIT_PEER_FAILED`,
+:data:`~pcast_jax.errors.EXIT_INTERRUPTED`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import os
+import re
+import signal
+import sys
+import tempfile
 
-from pcast_jax.sweep.multihost import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, ProcessInfo, init_distributed
+from pcast_jax.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_PEER_FAILED, PcastError
+from pcast_jax.sweep.multihost import (
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    DEFAULT_TIMEOUT_S,
+    MAX_TIMEOUT_S,
+    ProcessInfo,
+    check_start_arguments,
+    exit_run,
+    init_distributed,
+    is_agreed,
+    peer_notice,
+    watch_run,
+)
 
-__all__ = ["add_distributed_arguments", "init_from_args", "MAX_INIT_TIMEOUT_S"]
+__all__ = ["add_distributed_arguments", "init_from_args", "failing_together", "supervise", "wants_distributed",
+           "MAX_INIT_TIMEOUT_S"]
 
-#: Largest ``--init-timeout`` (seconds).
+#: Largest ``--init-timeout`` and ``--heartbeat-timeout`` (seconds).
 MAX_INIT_TIMEOUT_S = MAX_TIMEOUT_S
+#: A native log line of JAX's runtime, e.g. ``F1201 09:27:36.863147   6646 client.h:86] ...``.
+_NATIVE_LINE = re.compile(rb"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\] ")
+#: A line the command itself writes (its messages, Python's logging, a progress bar).
+_OWN_LINE = re.compile(rb"^(pcast|Traceback|WARNING|INFO|ERROR|DEBUG|CRITICAL)|\r")
+#: Exit statuses the command itself chooses; any other status of the child is a native end.
+_OWN_CODES = (0, EXIT_ERROR, EXIT_PEER_FAILED, EXIT_INTERRUPTED, 128 + signal.SIGTERM)
 
 
 def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--distributed``, ``--coordinator``, ``--num-processes``, ``--process-id``, ``--init-timeout``."""
+    """Add ``--distributed``, ``--coordinator``, ``--num-processes``, ``--process-id`` and the two timeouts."""
     group = parser.add_argument_group(
         "scale-out", "one sweep over several processes/hosts (jax.distributed); run the same command "
         "once per process, each with its own --process-id")
@@ -29,11 +62,182 @@ def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--init-timeout", dest="init_timeout", metavar="SECONDS", type=float,
                        default=DEFAULT_TIMEOUT_S,
                        help=f"seconds to wait for the coordinator and every process (default {DEFAULT_TIMEOUT_S:g})")
+    group.add_argument("--heartbeat-timeout", dest="heartbeat_timeout", metavar="SECONDS", type=float,
+                       default=DEFAULT_HEARTBEAT_TIMEOUT_S,
+                       help="once running, a process silent this long counts as lost and every process "
+                            "stops; also the longest the processes wait for each other at exit "
+                            f"(default {DEFAULT_HEARTBEAT_TIMEOUT_S:g})")
 
 
-def init_from_args(args: argparse.Namespace) -> ProcessInfo | None:
-    """Start the runtime when the parsed ``args`` ask for it; None for a single-process run."""
+def wants_distributed(args: argparse.Namespace) -> bool:
+    """Whether the parsed ``args`` ask for a multi-process run."""
     explicit = [getattr(args, k, None) for k in ("coordinator", "num_processes", "process_id")]
-    if not getattr(args, "distributed", False) and all(v is None for v in explicit):
+    return bool(getattr(args, "distributed", False)) or any(v is not None for v in explicit)
+
+
+def init_from_args(args: argparse.Namespace, *, supervisor: int | None = None) -> ProcessInfo | None:
+    """Start the runtime when the parsed ``args`` ask for it; None for a single-process run.
+
+    A multi-process run also gets :func:`~pcast_jax.sweep.multihost.watch_run`: Ctrl-C, SIGTERM,
+    another process's failure and the end of the process ``supervisor`` (see :func:`supervise`)
+    end this process at once with one line.
+    """
+    if not wants_distributed(args):
         return None
-    return init_distributed(*explicit, timeout_s=getattr(args, "init_timeout", DEFAULT_TIMEOUT_S))
+    explicit = [getattr(args, k, None) for k in ("coordinator", "num_processes", "process_id")]
+    timeouts = dict(timeout_s=getattr(args, "init_timeout", DEFAULT_TIMEOUT_S),
+                    heartbeat_timeout_s=getattr(args, "heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT_S))
+    check_start_arguments(*explicit, **timeouts)  # bad arguments change nothing in this process
+    watch_run(supervisor)
+    return init_distributed(*explicit, **timeouts)
+
+
+@contextlib.contextmanager
+def failing_together(info: ProcessInfo | None):
+    """Run the body of a command; in a multi-process run, an error only this process has ends it at once.
+
+    An error every process raised alike (agreed through the run's collectives) propagates as
+    usual: every process reports it and they exit together. Any other error would leave the
+    other processes waiting, so it is printed and this process ends now
+    (:func:`~pcast_jax.sweep.multihost.exit_run`, which tells the others): exit status
+    :data:`~pcast_jax.errors.EXIT_ERROR` for bad input or a file error; otherwise a collective
+    failed because another process is gone, :data:`~pcast_jax.errors.EXIT_PEER_FAILED`, naming
+    that process's own failure when it left a notice.
+    """
+    if info is None or info.num_processes == 1:
+        yield
+        return
+    try:
+        yield
+    except Exception as exc:
+        if is_agreed(exc):
+            raise
+        who = f"process {info.process_id} of {info.num_processes}"
+        text = (str(exc).strip().splitlines() or [""])[0][:500]
+        if isinstance(exc, (PcastError, OSError)):
+            exit_run(EXIT_ERROR, f"{who} failed: {text}")
+        notice = peer_notice()
+        if notice is not None:
+            exit_run(EXIT_PEER_FAILED, f"{who} stops because {notice}", notify=False)
+        exit_run(EXIT_PEER_FAILED, f"{who} lost contact with another process of the run ({type(exc).__name__}: "
+                                   f"{text}); the run stops (finished chunks are kept)")
+
+
+def supervise(args: argparse.Namespace) -> int | None:
+    """Run the rest of a multi-process command in a child process, so that it always ends with one line.
+
+    JAX's runtime ends a process natively (an abort with a stack trace, or a crash) when it loses
+    the coordinator, misses another process's heartbeat or fails its exit barrier; nothing in the
+    process can catch that. So this process forks: the child returns from here (with this
+    process's id, for :func:`init_from_args`) and does the work; this process forwards Ctrl-C and
+    SIGTERM to it, relays its stderr without JAX's native log lines, and exits with its status —
+    or, when the child ended natively, prints one ``pcast: error:`` line naming what happened and
+    exits with :data:`~pcast_jax.errors.EXIT_PEER_FAILED`. The child's whole stderr is then kept
+    in a log file the line names. Where processes cannot fork, returns None and does nothing.
+    """
+    if not hasattr(os, "fork"):
+        return None
+    parent = os.getpid()
+    read_fd, write_fd = os.pipe()
+    sys.stderr.flush()
+    child = os.fork()
+    if child == 0:
+        os.close(read_fd)
+        os.dup2(write_fd, 2)
+        os.close(write_fd)
+        return parent
+    os.close(write_fd)
+
+    def forward(signum, _frame):
+        try:
+            os.kill(child, signum)
+        except ProcessLookupError:  # it has just ended; its status follows
+            pass
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, forward)
+    transcript = collections.deque(maxlen=2000)
+    saw_error = _relay(read_fd, transcript)
+    _, status = os.waitpid(child, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code in _OWN_CODES:
+        sys.exit(code)
+    if saw_error:  # the child reported its error, then ended natively at the exit barrier
+        sys.exit(EXIT_ERROR)
+    who = "this process" if getattr(args, "process_id", None) is None else \
+        f"process {args.process_id} of {args.num_processes}"
+    if code < 0 and -code not in (signal.SIGABRT, signal.SIGSEGV):  # killed from outside (kill, OOM)
+        print(f"pcast: error: {who}: its worker was killed by {signal.Signals(-code).name}; the run stops "
+              "(finished chunks are kept)", file=sys.stderr, flush=True)
+        sys.exit(128 - code)
+    log = _save_transcript(transcript)
+    cause = _native_cause(b"".join(transcript).decode(errors="replace"), args)
+    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+    print(f"pcast: error: {who}: {cause}; the run stops (finished chunks are kept; the runtime ended "
+          f"it with {how}{'' if log is None else ', details in ' + log})", file=sys.stderr, flush=True)
+    sys.exit(EXIT_PEER_FAILED)
+
+
+def _relay(read_fd: int, transcript) -> bool:
+    """Copy the child's stderr to ours until it closes, leaving out JAX's native log lines.
+
+    A native line is dropped with the lines that continue it (up to the next line the command
+    writes itself). Returns whether the child printed a ``pcast: error:`` line.
+    """
+    saw_error, native = False, False
+
+    def relay(line: bytes) -> None:
+        nonlocal saw_error, native
+        transcript.append(line)
+        if _NATIVE_LINE.match(line):
+            native = True
+        elif _OWN_LINE.search(line):
+            native = False
+        if not native:
+            saw_error |= line.startswith(b"pcast: error:")
+            sys.stderr.buffer.write(line)
+            sys.stderr.flush()
+
+    with os.fdopen(read_fd, "rb", buffering=0) as pipe:
+        pending = b""
+        while chunk := pipe.read(65536):
+            *lines, pending = re.split(rb"(?<=[\n\r])", pending + chunk)
+            for line in lines:
+                relay(line)
+        if pending:  # a last line without its newline
+            relay(pending)
+    return saw_error
+
+
+def _native_cause(text: str, args: argparse.Namespace) -> str:
+    """What the runtime's last words (its fatal log line) say happened, in one phrase."""
+    fatal = [line.split("] ", 1)[-1] for line in text.splitlines() if re.match(r"^F\d{4} ", line)]
+    reason = (fatal[-1] if fatal else text).split("absl::Status:", 1)[-1].strip()
+    low = reason.lower()
+    heartbeat = getattr(args, "heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT_S)
+    twice = re.search(r"(\d+) unexpectedly tried to connect with a different incarnation", reason)
+    if twice:
+        return (f"process {twice.group(1)} connected twice: two processes were started with "
+                f"--process-id {twice.group(1)} (each id must be given to exactly one process), or it restarted")
+    if "heartbeat" in low:
+        # The runtime lists the silent processes on the next line: "1", or "/job:…/task:1".
+        listed = (re.findall(r"stopped sending heartbeats\):[ \t]*\n?([^\n]*)", text, re.I) or [""])[-1]
+        tasks = re.findall(r"task:(\d+)", listed) or re.findall(r"\d+", listed)
+        who = f"process {', '.join(tasks)}" if tasks else "another process of the run"
+        return (f"lost {who}: it sent no heartbeat for --heartbeat-timeout={heartbeat:g} s "
+                "(killed, crashed, hung or unreachable)")
+    if "leader" in low or "coordination service" in low or "unavailable" in low:
+        return "lost the coordinator (process 0): it stopped or was killed, or the network failed"
+    if "barrier" in low:
+        return f"not every process reached the end of the run within --heartbeat-timeout={heartbeat:g} s"
+    return f"the distributed runtime failed ({(reason if fatal else 'no message')[:300]})"
+
+
+def _save_transcript(transcript) -> str | None:
+    try:
+        fd, path = tempfile.mkstemp(prefix="pcast-process-", suffix=".log")
+        with os.fdopen(fd, "wb") as f:
+            f.writelines(transcript)
+        return path
+    except OSError:
+        return None

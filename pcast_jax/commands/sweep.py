@@ -19,7 +19,14 @@ from pathlib import Path
 import numpy as np
 
 from pcast_jax.commands import _options
-from pcast_jax.commands._distributed import MAX_INIT_TIMEOUT_S, add_distributed_arguments, init_from_args
+from pcast_jax.commands._distributed import (
+    MAX_INIT_TIMEOUT_S,
+    add_distributed_arguments,
+    failing_together,
+    init_from_args,
+    supervise,
+    wants_distributed,
+)
 from pcast_jax.engine import ENGINES
 from pcast_jax.errors import PcastError
 from pcast_jax.stats import mean_sem
@@ -237,28 +244,35 @@ def run(args: argparse.Namespace) -> int:
     chunk_size = None if args.chunk_size is None else _int("--chunk-size", args.chunk_size, min_value=1)
     if args.out is not None and not str(args.out).strip():
         raise PcastError(f"--out={args.out!r} must name a folder (it would write into the current one)")
-    init_timeout = getattr(args, "init_timeout", None)
-    if init_timeout is not None:
-        _float("--init-timeout", init_timeout, positive=True, max_abs=MAX_INIT_TIMEOUT_S)
+    for option in ("init_timeout", "heartbeat_timeout"):
+        if getattr(args, option, None) is not None:
+            _float(f"--{option.replace('_', '-')}", getattr(args, option), positive=True,
+                   max_abs=MAX_INIT_TIMEOUT_S)
     out = Path(args.out) if args.out is not None else Path("sweeps") / spec.fingerprint()
     say = _Printer()
     note = say if fmt == "table" else (lambda line="", **kw: print(line, file=sys.stderr, **kw))
     resuming = (out / "spec.json").exists()
-    info = init_from_args(args)  # None unless a multi-process run was asked for
-    if info is not None and info.process_id != 0:  # every process computes; process 0 reports
-        run_sweep(spec, out, chunk_size=chunk_size, progress=False)
+    tty = sys.stderr.isatty()
+    # A multi-process run works in a child process, so that a native end of JAX's runtime (a lost
+    # process or coordinator) still ends with one line; this process relays it and exits.
+    supervisor = supervise(args) if wants_distributed(args) else None
+    info = init_from_args(args, supervisor=supervisor)  # None unless a multi-process run was asked for
+    with failing_together(info):  # an error only this process has ends it at once, and so the others
+        if info is not None and info.process_id != 0:  # every process computes; process 0 reports
+            run_sweep(spec, out, chunk_size=chunk_size, progress=False)
+            return 0
+        where = "" if info is None else f" on {info.num_processes} processes ({info.global_devices} devices)"
+        note(f"pcast sweep: {len(spec.configs)} configs x {len(spec.deltas)} delta x {len(spec.ns)} N x "
+              f"{spec.seeds} seeds (q_len={spec.q_len}, d={spec.d}, k_sink={spec.k_sink}, sigma={spec.sigma:g}, "
+              f"engine={spec.engine}){where}{' - resuming' if resuming else ''}", flush=True)
+        start = time.perf_counter()
+        progress = False if args.no_progress else (tty if info is not None else None)  # stderr is a pipe now
+        result = run_sweep(spec, out, chunk_size=chunk_size, progress=progress)
+        elapsed = time.perf_counter() - start
+        for line in format_rows(result, metrics, fmt):
+            say(line)
+        instances = len(spec.ns) * spec.seeds
+        note(f"{instances} instances x {len(spec.deltas)} delta x {len(spec.configs)} configs in {elapsed:.1f} s; "
+              f"mean ± standard error over {spec.seeds} seeds")
+        note(f"results: {out / 'results.npz'}, {out / 'summary.csv'} (spec.json and chunks/ beside them)")
         return 0
-    where = "" if info is None else f" on {info.num_processes} processes ({info.global_devices} devices)"
-    note(f"pcast sweep: {len(spec.configs)} configs x {len(spec.deltas)} delta x {len(spec.ns)} N x "
-          f"{spec.seeds} seeds (q_len={spec.q_len}, d={spec.d}, k_sink={spec.k_sink}, sigma={spec.sigma:g}, "
-          f"engine={spec.engine}){where}{' - resuming' if resuming else ''}", flush=True)
-    start = time.perf_counter()
-    result = run_sweep(spec, out, chunk_size=chunk_size, progress=False if args.no_progress else None)
-    elapsed = time.perf_counter() - start
-    for line in format_rows(result, metrics, fmt):
-        say(line)
-    instances = len(spec.ns) * spec.seeds
-    note(f"{instances} instances x {len(spec.deltas)} delta x {len(spec.configs)} configs in {elapsed:.1f} s; "
-          f"mean ± standard error over {spec.seeds} seeds")
-    note(f"results: {out / 'results.npz'}, {out / 'summary.csv'} (spec.json and chunks/ beside them)")
-    return 0

@@ -8,28 +8,35 @@ such host lays it out, so results are bit-identical to a single-process run with
 size. Each process writes its own chunk files; process 0 reads what exists, tells every process
 which chunks are missing, and merges the results. Every check that can fail on one process is
 agreed through a small collective, so a refusal is raised on every process instead of leaving the
-others waiting.
+others waiting. Whatever else ends one process (Ctrl-C, SIGTERM, an error of its own) leaves a
+notice that stops the others at once (:func:`watch_run`, :func:`exit_run`); a process that
+vanishes without one is found by JAX's heartbeat (``heartbeat_timeout_s``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import math
 import os
 import secrets
+import signal
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import jax
 import numpy as np
+from jax._src import distributed as _jax_distributed
 from jax.experimental import multihost_utils
 
 from pcast_jax.cache import setup_compilation_cache
-from pcast_jax.errors import PcastError, check_int, check_positive
+from pcast_jax.errors import EXIT_INTERRUPTED, EXIT_PEER_FAILED, PcastError, check_int, check_positive
 from pcast_jax.sweep.compute import global_mesh, local_rows, start_global_call
 from pcast_jax.sweep.plan import call_seeds, plan_calls, plan_process_layout, units
 from pcast_jax.sweep.progress import progress_bar
@@ -48,13 +55,19 @@ from pcast_jax.sweep.store import (
     write_probe,
 )
 
-__all__ = ["DEFAULT_TIMEOUT_S", "MAX_TIMEOUT_S", "ProcessInfo", "init_distributed", "process_info",
-           "run_sweep_distributed"]
+__all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT_HEARTBEAT_TIMEOUT_S", "MAX_TIMEOUT_S", "ProcessInfo",
+           "check_start_arguments", "exit_run", "init_distributed", "is_agreed", "peer_notice", "process_info",
+           "run_sweep_distributed", "watch_run"]
 
 #: Default seconds to wait for the coordinator and for every process to join.
 DEFAULT_TIMEOUT_S = 300.0
 #: Largest timeout accepted (one week): JAX's own deadline is a 32-bit count of seconds.
 MAX_TIMEOUT_S = 7 * 86400.0
+#: Default seconds after which a silent process counts as lost (JAX's heartbeat timeout) and the
+#: longest the processes wait for each other when they exit.
+DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
+_WATCH_INTERVAL_S = 0.25  # how often a process looks for another process's failure notice
+_NOTICE_DIR = "pcast_failed/"  # key-value directory where a failing process leaves its one line
 _RUNTIME_GRACE_S = 60  # JAX's own start-up deadline sits this far past ours, so ours fires first
 _EXCHANGE_BYTES = 4096
 _MESSAGE_CHARS = 1500
@@ -123,8 +136,26 @@ def _wait_for_coordinator(host: str, port: int, deadline: float, *, coordinator:
         time.sleep(min(0.2, max(deadline - time.monotonic(), 0)))
 
 
+def check_start_arguments(coordinator=None, num_processes=None, process_id=None, *,
+                          timeout_s: float = DEFAULT_TIMEOUT_S,
+                          heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S) -> None:
+    """Raise :class:`PcastError` unless :func:`init_distributed` accepts these arguments."""
+    given = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
+    if any(v is not None for v in given.values()):
+        missing = [k for k, v in given.items() if v is None]
+        if missing:
+            raise PcastError(f"{', '.join(missing)} must be given too: pass coordinator, num_processes and "
+                             "process_id together, or none of them to let JAX detect the cluster")
+        _parse_coordinator(coordinator)
+        check_int("num_processes", num_processes, min_value=1)
+        check_int("process_id", process_id, min_value=0, max_value=num_processes - 1)
+    check_positive("timeout_s", timeout_s, max_abs=MAX_TIMEOUT_S)
+    check_positive("heartbeat_timeout_s", heartbeat_timeout_s, max_abs=MAX_TIMEOUT_S)
+
+
 def init_distributed(coordinator: str | None = None, num_processes: int | None = None,
                      process_id: int | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                     heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
                      local_device_ids=None) -> ProcessInfo:
     """Join the multi-process JAX runtime (:func:`jax.distributed.initialize`); call before any JAX work.
 
@@ -141,26 +172,26 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
       timeout_s: seconds to wait for the coordinator and for every process to join. Past it a
         :class:`PcastError` is raised; the runtime cannot be restarted in the same process, so the
         process should then exit.
+      heartbeat_timeout_s: once running, a process silent this long counts as lost, and exiting
+        processes wait at most this long for each other. JAX then ends every other process
+        natively (an abort, which ``pcast sweep`` turns into one line: see
+        :mod:`pcast_jax.commands._distributed`).
       local_device_ids: restrict this process to these local devices (JAX's default otherwise).
 
     Returns:
       This process's :class:`ProcessInfo`.
 
     Raises:
-      PcastError: bad arguments, no cluster detected, the coordinator's port is taken, or the
+      PcastError: bad arguments, no cluster detected, the coordinator's port is taken (process 0
+        checks it first: JAX's coordinator crashes the process when it cannot bind), or the
         timeout passed.
     """
-    given = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
-    explicit = any(v is not None for v in given.values())
+    check_start_arguments(coordinator, num_processes, process_id, timeout_s=timeout_s,
+                          heartbeat_timeout_s=heartbeat_timeout_s)
+    explicit = any(v is not None for v in (coordinator, num_processes, process_id))
     if explicit:
-        missing = [k for k, v in given.items() if v is None]
-        if missing:
-            raise PcastError(f"{', '.join(missing)} must be given too: pass coordinator, num_processes and "
-                             "process_id together, or none of them to let JAX detect the cluster")
         host, port = _parse_coordinator(coordinator)
-        check_int("num_processes", num_processes, min_value=1)
-        check_int("process_id", process_id, min_value=0, max_value=num_processes - 1)
-    timeout_s = check_positive("timeout_s", timeout_s, max_abs=MAX_TIMEOUT_S)
+    heartbeat_s = int(math.ceil(heartbeat_timeout_s))
 
     if jax.distributed.is_initialized():
         info = process_info(coordinator)
@@ -172,11 +203,15 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     deadline = time.monotonic() + timeout_s
+    if explicit and process_id == 0:
+        _check_port_free(port, coordinator)
     if explicit and process_id != 0:
         _wait_for_coordinator(host, port, deadline, coordinator=coordinator, process_id=process_id,
                               num_processes=num_processes, timeout_s=timeout_s)
     left = max(deadline - time.monotonic(), 0.5)
-    kwargs = dict(initialization_timeout=int(math.ceil(left)) + _RUNTIME_GRACE_S)
+    kwargs = dict(initialization_timeout=int(math.ceil(left)) + _RUNTIME_GRACE_S,
+                  heartbeat_timeout_seconds=heartbeat_s, shutdown_timeout_seconds=heartbeat_s)
+    _RUN.update(process_id=process_id, num_processes=num_processes)
     if explicit:
         kwargs.update(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
     if local_device_ids is not None:
@@ -205,7 +240,57 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
     exc = outcome.get("error")
     if exc is not None:
         raise _start_error(exc, explicit=explicit, coordinator=coordinator) from exc
-    return process_info(coordinator)
+    info = process_info(coordinator)
+    _RUN.update(process_id=info.process_id, num_processes=info.num_processes, running=True)
+    _check_device_counts(info, max(deadline - time.monotonic(), 1.0))
+    return info
+
+
+def _check_device_counts(info: ProcessInfo, timeout_s: float) -> None:
+    """Refuse, on every process alike, processes with different numbers of local devices.
+
+    The sweep's collectives need the same count everywhere (they fail with a bare shape error
+    otherwise), so the counts are compared through the runtime's key-value store first.
+    """
+    if info.num_processes == 1:
+        return
+    client = _jax_distributed.global_state.client
+    client.key_value_set(f"pcast_devices/{info.process_id}", str(info.local_devices))
+    try:
+        counts = [int(client.blocking_key_value_get(f"pcast_devices/{p}", int(timeout_s * 1000)))
+                  for p in range(info.num_processes)]
+    except Exception as exc:  # noqa: BLE001 - a process vanished while starting
+        raise PcastError(f"not every process reported its devices within the start-up timeout ({exc})") from None
+    if len(set(counts)) > 1:
+        raise _agreed(PcastError(
+            "the processes have different numbers of local devices ("
+            + ", ".join(f"process {p}: {c}" for p, c in enumerate(counts))
+            + "); start every process with the same number of devices"))
+
+
+def _check_port_free(port: int, coordinator: str) -> None:
+    """Process 0: refuse a coordinator port that something already holds on this host.
+
+    JAX's coordinator binds every address ([::]:PORT) and ends the process natively (a
+    segmentation fault) when it cannot, so the bind is tried here first. A second process started
+    as process 0 is refused here too: the first one holds the port.
+    """
+    for family, address in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 on this host
+            continue
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the coordinator binds
+            try:
+                sock.bind((address, port))
+            except OSError as exc:
+                if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
+                    continue  # the address family cannot bind here at all
+                raise PcastError(
+                    f"coordinator={coordinator!r}: port {port} is already in use on this host "
+                    f"({exc.strerror}): another program holds it, or another process was started with "
+                    "process_id=0 (each id must be given to exactly one process); choose a free port") from None
 
 
 def _start_error(exc: BaseException, *, explicit: bool, coordinator) -> PcastError:
@@ -221,6 +306,123 @@ def _start_error(exc: BaseException, *, explicit: bool, coordinator) -> PcastErr
         return PcastError(f"coordinator={coordinator!r}: process 0 could not serve on that port ({text}); "
                           "choose a free port")
     return PcastError(f"jax.distributed.initialize failed: {text}")
+
+
+# --------------------------------------------------------------------------------------------
+# Failing together: every way one process ends, the others end too, each with one line
+# --------------------------------------------------------------------------------------------
+
+_RUN: dict = {"process_id": None, "num_processes": None, "running": False}  # running: connected
+_EXIT_LOCK = threading.Lock()
+
+
+def _who() -> str:
+    pid, n = _RUN["process_id"], _RUN["num_processes"]
+    return "this process" if pid is None else f"process {pid} of {n}"
+
+
+def exit_run(code: int, message: str, *, notify: bool = True) -> NoReturn:
+    """Print ``pcast: error: <message>`` and end this process now with exit status ``code``.
+
+    Used wherever a multi-process run cannot go on. ``os._exit`` skips JAX's exit barrier, which
+    would wait for processes that are gone and then abort natively. With ``notify`` the line is
+    first left in the runtime's key-value store (for at most a second), so the other processes stop
+    at once and name this process's failure (see :func:`watch_run`). Any thread may call it; the
+    first call wins and later ones wait for the end.
+    """
+    if not _EXIT_LOCK.acquire(blocking=False):
+        while True:
+            time.sleep(3600)
+    if notify and _RUN["running"]:
+        notice = threading.Thread(target=_leave_notice, args=(message,), daemon=True)
+        notice.start()
+        notice.join(1.0)
+        if _RUN["process_id"] == 0:  # the coordinator ends with this process: let the others read it first
+            time.sleep(2 * _WATCH_INTERVAL_S)
+    try:
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    os.write(2, f"pcast: error: {message}\n".encode(errors="replace"))
+    os._exit(code)
+
+
+def _leave_notice(message: str) -> None:
+    try:
+        _jax_distributed.global_state.client.key_value_set(f"{_NOTICE_DIR}{_RUN['process_id']}", message)
+    except Exception:  # noqa: BLE001 - the coordinator may be gone; the others then see that instead
+        pass
+
+
+def watch_run(supervisor: int | None = None) -> None:
+    """Make this process of a multi-process run stop at once, cleanly, when it or another one fails.
+
+    Call it from the main thread before :func:`init_distributed` (the command line does); it turns
+    off JAX's preemption service, which would otherwise take SIGTERM. Ctrl-C
+    (SIGINT) and SIGTERM end this process through :func:`exit_run` (exit status 130 or 143) even
+    while it waits in native code, and leave a notice for the other processes; a watcher thread
+    ends this process with :data:`~pcast_jax.errors.EXIT_PEER_FAILED` as soon as another process
+    leaves such a notice, or when the process ``supervisor`` (the one that started this one) is
+    gone. Processes that end without a notice (killed, crashed, hung) are found by JAX's heartbeat
+    (``heartbeat_timeout_s`` of :func:`init_distributed`), which aborts the others natively.
+    """
+    # JAX's preemption service would take SIGTERM over natively (as a notice to checkpoint, the run
+    # going on); a sweep has no use for it: every finished chunk is already on disk.
+    jax.config.update("jax_enable_preemption_service", False)
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _on_signal)
+    # The C-level handler writes each signal here at once; the main thread may be inside a native
+    # call for minutes before Python's handler would run.
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    threading.Thread(target=_watch_signals, args=(read_fd,), name="pcast-signals", daemon=True).start()
+    threading.Thread(target=_watch_others, args=(supervisor,), name="pcast-peers", daemon=True).start()
+
+
+def _on_signal(signum, _frame=None) -> None:
+    if _EXIT_LOCK.locked():  # this thread may be the one already exiting
+        return
+    if signum == signal.SIGINT:
+        exit_run(EXIT_INTERRUPTED, f"{_who()} was interrupted (Ctrl-C, SIGINT); the run stops "
+                                   "(finished chunks are kept)")
+    exit_run(128 + signum, f"{_who()} was stopped by {signal.Signals(signum).name}; the run stops "
+                           "(finished chunks are kept)")
+
+
+def _watch_signals(read_fd: int) -> None:
+    while True:
+        for signum in os.read(read_fd, 64):
+            if signum in (signal.SIGINT, signal.SIGTERM):
+                _on_signal(signum)
+
+
+def _watch_others(supervisor: int | None) -> None:
+    while True:
+        if supervisor is not None and os.getppid() != supervisor:
+            exit_run(EXIT_PEER_FAILED, f"{_who()} was killed (its pcast process ended)")
+        notice = peer_notice(wait_s=0)
+        if notice is not None:
+            exit_run(EXIT_PEER_FAILED, f"{_who()} stops because {notice}", notify=False)
+        time.sleep(_WATCH_INTERVAL_S)
+
+
+def peer_notice(wait_s: float = 1.0) -> str | None:
+    """The line another process left when it failed (see :func:`exit_run`), waiting up to ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        # Only a connected client may ask: a request during connect() ends the process natively.
+        client = _jax_distributed.global_state.client if _RUN["running"] else None
+        try:
+            notices = [] if client is None else client.key_value_dir_get(_NOTICE_DIR)
+        except Exception:  # noqa: BLE001 - coordinator gone: nothing to read
+            notices = []
+        for key, message in notices:
+            if key.rsplit("/", 1)[-1] != str(_RUN["process_id"]):
+                return message
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(_WATCH_INTERVAL_S)
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,11 +449,21 @@ def _agree(error: BaseException | None, **data) -> list[dict]:
     msg = "" if error is None else (str(error) or type(error).__name__)[:_MESSAGE_CHARS]
     rows = _allgather_json({"error": msg, "failed": error is not None, "data": data})
     if error is not None:
-        raise error
+        raise _agreed(error)
     for i, row in enumerate(rows):
         if row["failed"]:
-            raise PcastError(f"process {i} of {len(rows)} failed: {row['error']}")
+            raise _agreed(PcastError(f"process {i} of {len(rows)} failed: {row['error']}"))
     return [r["data"] for r in rows]
+
+
+def _agreed(exc: BaseException) -> BaseException:
+    exc.pcast_agreed = True
+    return exc
+
+
+def is_agreed(exc: BaseException) -> bool:
+    """Whether ``exc`` is raised on every process alike (decided through a collective check-point)."""
+    return getattr(exc, "pcast_agreed", False)
 
 
 def _guard(fn, *a, **kw):
@@ -270,10 +482,10 @@ def _check_identity(spec: SweepSpec) -> None:
         for key in ("fingerprint", "pcast_jax", "jax", "jaxlib", "local_devices"):
             if row[key] != ref[key]:
                 what = "sweep spec" if key == "fingerprint" else key
-                raise PcastError(
+                raise _agreed(PcastError(
                     f"process {i} runs a different {what} than process 0 ({key} {row[key]!r} vs {ref[key]!r}); "
                     "every process must be started with the same sweep arguments and software"
-                    + (" and the same number of local devices" if key == "local_devices" else ""))
+                    + (" and the same number of local devices" if key == "local_devices" else "")))
 
 
 def _claim(out: Path | None, spec: SweepSpec, chunk_size, memory_budget) -> dict:
