@@ -66,8 +66,10 @@ FILE_DESCRIPTIONS: dict[str, str] = {
     "appendix_a.csv": "Appendix A: dp(S) for 2^k and the paper's examples, ours vs paper; normal coverage 2^-6/S",
     "appendix_b.csv": "Appendix B per (Δ, N): MSE of Fwd/Rev S=256, mean paired difference (and as a "
                       "fraction of the MSE, relative_diff_frac), t, p, significance, the paper's values",
-    "table3_kernels.csv": "Table 3 per kernel preset: design choices, the paper's entry, MSE ± s.e. and "
-                          "ratio to the best at each N, fraction zeroed, where the preset follows the source",
+    "table3_kernels.csv": "Table 3 per (kernel, phase, N): the prefill preset and the decode (split-KV) preset "
+                          "or why there is none, order, S, tile B and its source, splits; fraction zeroed "
+                          "(*_frac) and MSE ± s.e. at Δ = 7 and 10, zeroed vs one forward pass, MSE / best; "
+                          "the paper's verdict, ours, and the finding where they differ",
     "run.json": "exact configuration: sizes, every SweepSpec (as a dict) with its fingerprint and folder, "
                 "seeds, library versions, devices, wall and CPU time per experiment and per sweep",
     "sweeps/": "the sweep engine's folders (spec.json, chunks/, results.npz, summary.csv): a rerun "

@@ -227,3 +227,84 @@ def test_bad_path_raises_pcast_error(tmp_path):
     with pytest.raises(PcastError, match="gguf_path"):
         load_model(tmp_path / "missing.gguf")
 
+
+
+# ---- the decode view: last-position queries against the whole KV cache ----------------------------
+
+def test_decode_view_equals_the_last_rows_of_full_causal_attention(model):
+    """Each query row of Algorithm 1 is independent, so the decode view of the last positions equals
+    the last rows of the full causal per-head simulation (same N, same KV blocks, same splits), and
+    a split keeps the running max of most blocks off the sink: it zeroes less."""
+    from pcast_jax.errors import PcastError
+    from pcast_jax.models.fp8 import heads_attention
+    from pcast_jax.models.fp8_study import DECODE_METRICS, DECODE_PAIRS, decode_pair_configs, decode_view
+
+    cfg, params, tokenizer = model
+    T, rows = 256, 8
+    trace = extract_qkv(params, cfg, stdlib_text_tokens(tokenizer, T, offset=3000))
+    sinks = sink_statistics(*trace, cfg)["sink_positions"]
+    pairs = decode_pair_configs(DECODE_PAIRS, cfg.head_dim)
+    assert [p.block_kv for _, p, _ in pairs] == [d.block_kv for _, _, d in pairs]
+    assert all(d.kv_splits > 1 and p.kv_splits == 1 for _, p, d in pairs)
+    configs = [c for _, p, d in pairs for c in (p, d)]
+    view = decode_view(trace, configs, sinks, rows=rows)
+    assert set(view) == set(DECODE_METRICS)
+    for m in DECODE_METRICS:
+        assert view[m].shape == (len(configs), 30, 9) and np.all(np.isfinite(view[m])), m
+    assert np.all((view["frac_zeroed"] >= 0) & (view["frac_zeroed"] <= 1)) and np.all(view["mse"] >= 0)
+
+    layer = 20
+    q, k, v = (np.asarray(x[layer]) for x in trace)
+    counted = ~np.any(np.arange(T)[None, :, None] == sinks[layer][:, None, :], axis=-1)
+    # exact attention of the last rows in float64, from the trace directly
+    kx, vx = np.repeat(k, 9 // 3, axis=1).astype(np.float64), np.repeat(v, 9 // 3, axis=1).astype(np.float64)
+    s = np.einsum("thd,shd->hts", q[T - rows:].astype(np.float64), kx) / np.sqrt(64)
+    s = np.where(np.arange(T)[None, None, :] <= np.arange(T - rows, T)[None, :, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    ref = np.einsum("hts,shd->htd", p / p.sum(-1, keepdims=True), vx)
+    for i, c in enumerate(configs):
+        full = heads_attention(q, k, v, c, count_mask=counted)
+        zeroed = np.asarray(full.n_zeroed)[:, T - rows:] / np.maximum(np.asarray(full.n_counted)[:, T - rows:], 1)
+        np.testing.assert_allclose(view["frac_zeroed"][i, layer], zeroed.mean(-1), atol=1e-6, err_msg=c.name)
+        out = np.asarray(full.out)[:, T - rows:]
+        np.testing.assert_allclose(view["mse"][i, layer], np.mean((out - ref) ** 2, axis=(1, 2)),
+                                   rtol=1e-3, atol=1e-12, err_msg=c.name)
+    assert float(np.max(view["mse"])) > 0  # the cast does lose something: the check has teeth
+    # the hypothetical multi-block S = 1 kernel against its one pass, over the second half of the network
+    late = slice(15, None)
+    one, split = (view["frac_zeroed"][configs.index(c)][late].mean() for c in pairs[-1][1:])
+    assert split < 0.8 * one, (split, one)
+    with pytest.raises(PcastError, match="rows"):
+        decode_view(trace, configs[:1], sinks, rows=0)
+    with pytest.raises(PcastError, match="qkv"):
+        decode_view(trace, [configs[0].replace(qkv="e4m3")], sinks, rows=rows)
+
+
+def test_decode_rows_and_summary_pair_each_phase_with_its_config():
+    """The decode view's CSV rows and summary: one row per (kernel, phase, layer, head), ratios decode / prefill."""
+    from pcast_jax.config import get_preset
+    from pcast_jax.models.fp8_study import QUICK, ModelStudy
+
+    rng = np.random.default_rng(0)
+    layers, heads = 3, 4
+    pre, dec = get_preset("trtllm_xqa"), get_preset("trtllm_xqa_multiblock")
+    decode = {c.name: {"mse": rng.uniform(1, 2, (layers, heads)) * scale, "ref_sq": np.ones((layers, heads)),
+                       "frac_zeroed": rng.uniform(0, 1, (layers, heads)) * scale,
+                       "zeroed_mass": rng.uniform(0, 1e-3, (layers, heads))}
+              for c, scale in ((pre, 1.0), (dec, 0.5))}
+    stats = {"sink_positions": np.zeros((layers, heads, 1), np.int32), "delta": np.full((layers, heads), 9.0)}
+    study = ModelStudy(sizes=QUICK, model=None, stats=stats, hooks={}, heads={}, head_alias={}, fp32=None, e2e={},
+                       e2e_alias={}, theory={}, clock=None, decode_pairs=[("XQA", pre, dec)], decode=decode)
+    rows = study.decode_rows()
+    assert len(rows) == 2 * layers * heads
+    for r in rows:
+        m = decode[r["config"]]
+        assert r["config"] == (pre if r["phase"] == "prefill" else dec).name
+        assert r["mse"] == m["mse"][r["layer"], r["head"]] and r["rel_mse"] == pytest.approx(r["mse"])
+        assert r["kv_splits"] == (8 if r["phase"] == "decode" else 1)
+    summary = {r["phase"]: r for r in study.decode_summary()}
+    p, d = decode[pre.name], decode[dec.name]
+    assert summary["decode"]["mse_ratio_to_prefill"] == pytest.approx(d["mse"].sum() / p["mse"].sum())
+    assert summary["decode"]["heads_less_zeroed_frac"] == pytest.approx(np.mean(d["frac_zeroed"] < p["frac_zeroed"]))
+    assert summary["prefill"]["median_frac_zeroed"] == pytest.approx(np.median(p["frac_zeroed"]))
+    assert "mse_ratio_to_prefill" not in summary["prefill"]

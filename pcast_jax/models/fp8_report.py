@@ -47,6 +47,9 @@ FILES: dict[str, str] = {
                         "zeroed fractions",
     "model_e2e.csv": "per configuration: perplexity, mean and max KL(FP32 ‖ FP8), top-1 agreement "
                      "on the held-out text",
+    "model_decode.csv": "decode view per (kernel, phase, layer, head): the last positions' queries against "
+                        "the whole KV cache under the prefill preset and the split-KV decode preset: MSE, "
+                        "relative MSE, fraction of non-sink P zeroed, zeroed mass, the head's sink",
     "model_sink_gap.png": "heatmaps of the sink gap Δ and of σ per layer × head",
     "model_mse_ratio.png": "heatmap of the Fwd S=1 / Rev S=256 MSE ratio per layer × head, and "
                            "per-layer ratios",
@@ -431,6 +434,9 @@ def _markdown(study: ModelStudy, layer_rows, theory_rows, e2e_rows, level: int, 
     lines += [report.markdown_table(trows, cols), ""]
     lines += ["![Theory vs measured zeroed fraction per head](model_theory.png)", ""]
 
+    if study.decode_pairs:
+        lines += _decode_markdown(study, h)
+
     wall, cpu = study.clock.total()
     stages = "; ".join(f"{k} {w:.0f} s wall / {c:.0f} s CPU" for k, (w, c) in study.clock.stages.items())
     lines += [f"{h}# Runtime", "",
@@ -438,6 +444,40 @@ def _markdown(study: ModelStudy, layer_rows, theory_rows, e2e_rows, level: int, 
               f"on {env}. Stages: {stages}.", ""]
     lines += [f"{h}# Files", ""] + [f"- `{k}` — {v}" for k, v in FILES.items()] + [""]
     return "\n".join(lines)
+
+
+def _decode_markdown(study: ModelStudy, h: str) -> list[str]:
+    """The decode view: a paragraph from the numbers and the per (kernel, phase) summary table."""
+    sizes, cfg = study.sizes, study.model
+    summary = study.decode_summary()
+    lines = [f"{h}# Decode phase: last-position queries, split-KV presets (`model_decode.csv`)", "",
+             f"A decode step's view of the same traces: the last {sizes.decode_rows} positions of the "
+             f"{sizes.tokens}-token analysis text, each query against the whole KV cache before it, per "
+             f"layer and head (Q/K/V FP32: the P-cast alone), under each kernel's prefill preset (one "
+             f"Algorithm-1 pass per row) and its split-KV decode preset, both with the kernel's tile at "
+             f"head dim {cfg.head_dim}. With {sizes.tokens} keys a tile of B keys gives "
+             f"⌈{sizes.tokens}/B⌉ KV blocks to deal over the splits; splits left without a block do nothing.", ""]
+    sentences = []
+    for row in summary:
+        if row["phase"] != "decode":
+            continue
+        pre = next(r for r in summary if r["kernel"] == row["kernel"] and r["phase"] == "prefill")
+        sentences.append(
+            f"{row['kernel']}: `{row['config']}` ({row['kv_splits']} {row['split_layout']} splits, "
+            f"B = {row['block_kv']}) zeroes on average {_pct(row['mean_frac_zeroed'])} of a row's non-sink P "
+            f"against {_pct(pre['mean_frac_zeroed'])} for `{pre['config']}` in one pass "
+            f"({_x(row['zeroed_ratio_to_prefill'])}; fewer in {_pct(row['heads_less_zeroed_frac'])} of the "
+            f"heads, more in {_pct(row['heads_more_zeroed_frac'])}), and its MSE over all heads is "
+            f"{_x(row['mse_ratio_to_prefill'])} the one-pass MSE.")
+    lines += [" ".join(sentences), ""]
+    cols = [("kernel", "Kernel"), ("phase", "phase"), ("config", "preset"), ("block_kv", "B"),
+            ("kv_splits", "splits"), ("rel_mse", "rel. MSE (all heads)", _sci),
+            ("median_frac_zeroed", "median non-sink P zeroed", _pct),
+            ("mean_frac_zeroed", "mean non-sink P zeroed", _pct), ("mean_zeroed_mass", "mean zeroed mass", _sci),
+            ("mse_ratio_to_prefill", "MSE / prefill", _x),
+            ("heads_less_zeroed_frac", "heads zeroing less", _pct)]
+    lines += [report.markdown_table(summary, cols, align="lllrrrrrrrr"), ""]
+    return lines
 
 
 # --------------------------------------------------------------------------------------------
@@ -485,6 +525,7 @@ def build_report(out_dir, *, tokens: int | None = None, quick: bool = False, lev
     report.write_csv(out / "model_layers.csv", layer_rows)
     report.write_csv(out / "model_theory.csv", theory_rows)
     report.write_csv(out / "model_e2e.csv", e2e_rows)
+    report.write_csv(out / "model_decode.csv", study.decode_rows())
     _fig_sink_gap(study, out / "model_sink_gap.png")
     if "fwd_s1" in study.heads and "rev_s256" in study.heads:
         _fig_mse_ratio(study, layer_rows, out / "model_mse_ratio.png")

@@ -14,6 +14,12 @@ Texts (both Python standard-library source, identical on every machine with the 
 * held-out text — :data:`HELDOUT_FILES` (not among :data:`pcast_jax.models.STDLIB_FILES`), used
   only for the end-to-end metrics.
 
+The decode view (:func:`decode_view`): the same traces read as a decode step does — the last
+``decode_rows`` query positions, each against the whole KV cache before it (causal, bottom-right
+aligned), per layer and head — under each kernel's prefill preset (one Algorithm-1 pass per row)
+and its split-KV decode preset (:data:`DECODE_PAIRS`, tiles at the model's head dim). Q/K/V stay
+FP32 there: the P-cast alone, as in the per-head analysis.
+
 Each configuration is an :class:`~pcast_jax.models.fp8.FP8Attention` hook; its semantics are its
 fields (the config's ``qkv`` and ``qkv_granularity``, ``p_cast``), its name only labels the rows.
 Hooks that compute the same thing (equal hooks) are run once; the others point to it
@@ -23,18 +29,22 @@ Hooks that compute the same thing (equal hooks) are run once; the others point t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from typing import Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from pcast_jax.config import KERNEL_PRESETS, PAPER_CONFIGS, KernelConfig
+from pcast_jax.config import KERNEL_PRESETS, PAPER_CONFIGS, KernelConfig, get_preset, preset_for, resolve
 from pcast_jax.errors import PcastError, check_int
 from pcast_jax.models.fp8 import E2EMetrics, FP8Attention
 
-__all__ = ["HELDOUT_FILES", "MAX_TOKENS", "SCALES", "ReportSizes", "FULL", "QUICK", "Stopwatch",
-           "ModelStudy", "run_study", "heldout_tokens", "describe", "safe_ratio"]
+__all__ = ["HELDOUT_FILES", "MAX_TOKENS", "SCALES", "DECODE_PAIRS", "DECODE_METRICS", "ReportSizes", "FULL",
+           "QUICK", "Stopwatch", "ModelStudy", "run_study", "heldout_tokens", "describe", "safe_ratio",
+           "decode_pair_configs", "decode_view"]
 
 #: End-to-end text: standard-library files that the analysis text never reaches.
 HELDOUT_FILES = ("textwrap.py", "heapq.py", "fractions.py")
@@ -57,6 +67,20 @@ def _exact_p(granularity: str, label: str) -> FP8Attention:
                         p_cast=False)
 
 
+#: The decode view's kernels: (label, prefill preset, decode preset). The decode preset is a preset
+#: name or a :class:`KernelConfig`; both take the prefill preset's tile at the model's head dim.
+#: The last pair is hypothetical (a forward S = 1 kernel run multi-block): it shows what the
+#: split does where the forward collapse is large.
+DECODE_PAIRS: tuple[tuple[str, str, str | KernelConfig], ...] = (
+    ("TensorRT-LLM XQA", "trtllm_xqa", "trtllm_xqa_multiblock"),
+    ("FlashAttention-3", "fa3", "fa3_splitkv"),
+    ("Fwd S=1 (hpc-ops prior), 8 strided splits: hypothetical", "hpc_ops_prior",
+     get_preset("hpc_ops_prior").replace(kv_splits=8, split_layout="strided", name="hpc_ops_prior_split8s")),
+)
+#: What :func:`decode_view` returns per config, layer and head.
+DECODE_METRICS = ("mse", "ref_sq", "frac_zeroed", "zeroed_mass")
+
+
 # the paper's configurations and the E4M3 kernels (block-scaled P formats are not in this study yet)
 _PRESET_HOOKS = tuple(FP8Attention.from_preset(name) for name in {**PAPER_CONFIGS, **KERNEL_PRESETS})
 
@@ -72,6 +96,8 @@ class ReportSizes:
       e2e_configs: hooks of the end-to-end run: also E4M3 Q/K/V with one scale per head
         (``+qkv8h``) and FP8 Q/K/V with an exact FP32 softmax, no P-cast (``qkv8_exact_p`` /
         ``qkv8h_exact_p``): the Q/K/V floor.
+      decode_rows: decode query rows of the decode view (the last positions of the analysis text).
+      decode_pairs: the decode view's (label, prefill preset, decode preset) triples.
     """
 
     tokens: int = 1024
@@ -80,14 +106,18 @@ class ReportSizes:
     e2e_configs: tuple[FP8Attention, ...] = _PRESET_HOOKS + (
         _exact_p("tensor", "qkv8_exact_p"), _qkv8("fwd_s1", "tensor"), _qkv8("rev_s256", "tensor"),
         _exact_p("head", "qkv8h_exact_p"), _qkv8("fwd_s1", "head"), _qkv8("rev_s256", "head"))
+    decode_rows: int = 32
+    decode_pairs: tuple = DECODE_PAIRS
 
 
 FULL = ReportSizes()
-#: ``--quick``: 128 tokens, the two configurations the paper contrasts (and FP8 Q/K/V end to end).
+#: ``--quick``: 128 tokens, the two configurations the paper contrasts (and FP8 Q/K/V end to end);
+#: the decode view of XQA alone, on the last 8 positions.
 QUICK = ReportSizes(tokens=128,
                     head_configs=(FP8Attention.from_preset("fwd_s1"), FP8Attention.from_preset("rev_s256")),
                     e2e_configs=(FP8Attention.from_preset("fwd_s1"), FP8Attention.from_preset("rev_s256"),
-                                 _qkv8("fwd_s1", "tensor")))
+                                 _qkv8("fwd_s1", "tensor")),
+                    decode_rows=8, decode_pairs=DECODE_PAIRS[:1])
 
 
 def _dedupe(hooks) -> dict[str, str]:
@@ -146,6 +176,84 @@ def safe_ratio(a, b) -> float:
     return a / b if b > 0 and math.isfinite(a) and math.isfinite(b) else float("nan")
 
 
+def decode_pair_configs(pairs, head_dim: int) -> list[tuple[str, KernelConfig, KernelConfig]]:
+    """(label, prefill config, decode config) per pair, both with the prefill preset's tile at ``head_dim``.
+
+    A split-KV launch runs the kernel's own tile (:func:`pcast_jax.config.preset_for`).
+    """
+    out = []
+    for label, prefill, decode in pairs:
+        block_kv = preset_for(prefill, head_dim).block_kv
+        cfgs = []
+        for c in (prefill, decode):
+            cfg = resolve(c)
+            if cfg.block_kv != block_kv:
+                cfg = cfg.replace(block_kv=block_kv, name=f"{cfg.name}_d{head_dim}")
+            cfgs.append(cfg)
+        out.append((label, *cfgs))
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("config", "rows"))
+def _decode_layer(q, k, v, sink_positions, *, config: KernelConfig, rows: int):
+    """One layer's decode view: the last ``rows`` queries of ``q [T, Hq, D]`` against ``k, v [T, Hkv, D]``."""
+    from pcast_jax import engine
+    from pcast_jax.nn import kernel_inputs
+
+    num_tokens, head_dim = q.shape[0], q.shape[2]
+    q_offset = num_tokens - rows
+    heads_first = lambda x: jnp.swapaxes(x, 0, 1)[None]  # noqa: E731  [1, H, T, D]
+    scores, v_seen = kernel_inputs(heads_first(q[q_offset:]), heads_first(k), heads_first(v), config,
+                                   1.0 / math.sqrt(head_dim))
+    scores, v_seen = scores[0], v_seen[0]  # [Hq, rows, T], [Hq, T, D]
+    positions = jnp.arange(num_tokens)
+    counted = ~jnp.any(positions[None, :, None] == sink_positions[:, None, :], axis=-1)  # [Hq, T]
+    cfg = config.replace(causal=True)
+    res = jax.vmap(lambda s, vh, cm: engine.attention(s, vh, cfg, count_mask=cm, q_offset=q_offset))(
+        scores, v_seen, counted)
+    ref = engine.reference_attention(scores, v_seen, causal=True, q_offset=q_offset)
+    frac = res.n_zeroed / jnp.maximum(res.n_counted, 1).astype(jnp.float32)
+    return {"mse": jnp.mean(jnp.square(res.out - ref), axis=(1, 2)), "ref_sq": jnp.mean(jnp.square(ref), axis=(1, 2)),
+            "frac_zeroed": jnp.mean(frac, axis=-1), "zeroed_mass": jnp.mean(res.zeroed_mass, axis=-1)}
+
+
+def decode_view(trace, configs, sink_positions, *, rows: int, progress=None) -> dict[str, np.ndarray]:
+    """The decode-phase P-cast metrics of a trace: last-position queries against the whole KV cache.
+
+    Args:
+      trace: :class:`pcast_jax.models.QKVTrace` of one sequence (``q [L, T, Hq, D]``).
+      configs: preset names or :class:`KernelConfig` objects (FP32 Q/K/V: the P-cast alone).
+      sink_positions: ``[L, Hq, k]`` from :func:`pcast_jax.models.sink_statistics`; those keys are
+        not counted in ``frac_zeroed`` / ``zeroed_mass``.
+      rows: decode query rows: positions ``T − rows .. T − 1``, each seeing keys ``0 ..`` itself.
+      progress: optional callable ``(config_name) -> None`` called before each configuration.
+
+    Returns:
+      dict metric → ``[n_configs, L, Hq]`` (keys :data:`DECODE_METRICS`): MSE against exact FP32
+      attention and its reference mean square, the fraction of non-sink P zeroed (mean over rows),
+      the FP32 probability mass of the zeroed positions (mean over rows).
+    """
+    q, k, v = (np.asarray(x, np.float32) for x in trace)
+    if q.ndim != 4:
+        raise PcastError(f"trace.q must be [L, T, Hq, D] (one sequence); got shape {q.shape}")
+    rows = check_int("rows", rows, min_value=1, max_value=q.shape[1])
+    sink_positions = np.asarray(sink_positions, np.int32)
+    if sink_positions.ndim != 3 or sink_positions.shape[:2] != (q.shape[0], q.shape[2]):
+        raise PcastError(f"sink_positions.shape={sink_positions.shape} must be [L, Hq, k] = "
+                         f"[{q.shape[0]}, {q.shape[2]}, k]")
+    per_config = []
+    for config in configs:
+        cfg = resolve(config)
+        if cfg.qkv != "f32":
+            raise PcastError(f"decode_view keeps Q/K/V in FP32; config {cfg.name!r} has qkv={cfg.qkv!r}")
+        if progress is not None:
+            progress(cfg.name)
+        layers = [_decode_layer(q[i], k[i], v[i], sink_positions[i], config=cfg, rows=rows)
+                  for i in range(q.shape[0])]
+        per_config.append({m: np.stack([np.asarray(x[m]) for x in layers]) for m in DECODE_METRICS})
+    return {m: np.stack([pc[m] for pc in per_config]) for m in DECODE_METRICS}
+
+
 def _theory_columns(stats, tokens: int) -> dict[str, np.ndarray]:
     """Eq. (7) with σ = 1 and with the measured σ, and Thm. 4 at the measured σ, per head."""
     from pcast_jax import theory
@@ -188,6 +296,8 @@ class ModelStudy:
       e2e_alias: as ``head_alias``, for the end-to-end run.
       theory: Eq. (7) and Thm. 4 columns per head (``[L, Hq]`` arrays).
       clock: stage timings.
+      decode: the decode view: (label, prefill config, decode config) triples and, per config name,
+        metric → ``[L, Hq]`` (:func:`decode_view`).
     """
 
     sizes: ReportSizes
@@ -201,6 +311,8 @@ class ModelStudy:
     e2e_alias: dict[str, str]
     theory: dict[str, np.ndarray]
     clock: Stopwatch
+    decode_pairs: list = dataclasses.field(default_factory=list)
+    decode: dict[str, dict[str, np.ndarray]] = dataclasses.field(default_factory=dict)
 
     def is_p_cast_only(self, label: str) -> bool:
         """Whether the configuration keeps Q/K/V in FP32 and simulates the P-cast."""
@@ -281,6 +393,51 @@ class ModelStudy:
                 rows.append(row)
         return rows
 
+    def decode_rows(self) -> list[dict]:
+        """The decode view, one row per (kernel, phase, layer, head): its metrics and the head's sink."""
+        stats, rows = self.stats, []
+        for label, prefill, decode in self.decode_pairs:
+            for phase, cfg in (("prefill", prefill), ("decode", decode)):
+                m = self.decode[cfg.name]
+                layers, heads = m["mse"].shape
+                for layer in range(layers):
+                    for head in range(heads):
+                        rows.append({
+                            "kernel": label, "phase": phase, "config": cfg.name, "order": cfg.order,
+                            "scale": cfg.scale, "block_kv": cfg.block_kv, "kv_splits": cfg.kv_splits,
+                            "split_layout": cfg.split_layout if cfg.kv_splits > 1 else "",
+                            "layer": layer, "head": head, "decode_rows": self.sizes.decode_rows,
+                            "sink_position": int(stats["sink_positions"][layer, head, 0]),
+                            "delta": float(stats["delta"][layer, head]),
+                            "mse": float(m["mse"][layer, head]), "ref_sq": float(m["ref_sq"][layer, head]),
+                            "rel_mse": safe_ratio(m["mse"][layer, head], m["ref_sq"][layer, head]),
+                            "frac_zeroed": float(m["frac_zeroed"][layer, head]),
+                            "zeroed_mass": float(m["zeroed_mass"][layer, head]),
+                        })
+        return rows
+
+    def decode_summary(self) -> list[dict]:
+        """Per (kernel, phase): relative MSE over all heads, median and mean fraction of non-sink P
+        zeroed, and for the decode phase its ratios to the prefill phase and the share of heads
+        where the split zeroes less."""
+        out = []
+        for label, prefill, decode in self.decode_pairs:
+            p, d = self.decode[prefill.name], self.decode[decode.name]
+            for phase, cfg, m in (("prefill", prefill, p), ("decode", decode, d)):
+                row = {"kernel": label, "phase": phase, "config": cfg.name, "block_kv": cfg.block_kv,
+                       "kv_splits": cfg.kv_splits, "split_layout": cfg.split_layout if cfg.kv_splits > 1 else "",
+                       "rel_mse": safe_ratio(np.sum(m["mse"]), np.sum(m["ref_sq"])),
+                       "median_frac_zeroed": float(np.median(m["frac_zeroed"])),
+                       "mean_frac_zeroed": float(np.mean(m["frac_zeroed"])),
+                       "mean_zeroed_mass": float(np.mean(m["zeroed_mass"]))}
+                if phase == "decode":
+                    row["mse_ratio_to_prefill"] = safe_ratio(np.sum(d["mse"]), np.sum(p["mse"]))
+                    row["zeroed_ratio_to_prefill"] = safe_ratio(np.mean(d["frac_zeroed"]), np.mean(p["frac_zeroed"]))
+                    row["heads_less_zeroed_frac"] = float(np.mean(d["frac_zeroed"] < p["frac_zeroed"]))
+                    row["heads_more_zeroed_frac"] = float(np.mean(d["frac_zeroed"] > p["frac_zeroed"]))
+                out.append(row)
+        return out
+
     def e2e_rows(self) -> list[dict]:
         """One row for FP32, then one per end-to-end configuration."""
         fp32 = self.fp32
@@ -340,6 +497,16 @@ def run_study(sizes: ReportSizes = FULL, *, log: Callable[[str], None] | None = 
         heldout, e2e_unique, progress=lambda n: log(f"model-report:   end-to-end {n}"))
     e2e = {h.name: e2e_raw[e2e_alias[h.name]] for h in e2e_hooks}
     hooks = {h.name: h for h in head_hooks + e2e_hooks}
+
+    pairs = decode_pair_configs(sizes.decode_pairs, cfg.head_dim)
+    decode_cfgs = list({c.name: c for _, *cs in pairs for c in cs}.values())
+    decode = {}
+    if decode_cfgs:
+        raw = clock.stage(
+            f"decode view ({len(decode_cfgs)} configurations, last {sizes.decode_rows} positions)",
+            decode_view, trace, decode_cfgs, stats["sink_positions"], rows=sizes.decode_rows,
+            progress=lambda n: log(f"model-report:   decode {n}"))
+        decode = {c.name: {m: raw[m][i] for m in raw} for i, c in enumerate(decode_cfgs)}
     return ModelStudy(sizes=sizes, model=cfg, stats=stats, hooks=hooks, heads=heads, head_alias=head_alias,
                       fp32=fp32, e2e=e2e, e2e_alias=e2e_alias, theory=_theory_columns(stats, sizes.tokens),
-                      clock=clock)
+                      clock=clock, decode_pairs=pairs, decode=decode)
