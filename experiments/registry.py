@@ -43,6 +43,7 @@ EXPERIMENTS: dict[str, str] = {
 EXTRA_SECTIONS: dict[str, tuple[str, str]] = {
     "real_model": (".model_report", "model_section"),
     "whatif": (".whatif_report", "whatif_section"),
+    "formats": (".formats_report", "formats_section"),
 }
 DEFAULT_EXTRAS = ("real_model",)
 
@@ -70,6 +71,20 @@ FILE_DESCRIPTIONS: dict[str, str] = {
                           "or why there is none, order, S, tile B and its source, splits; fraction zeroed "
                           "(*_frac) and MSE ± s.e. at Δ = 7 and 10, zeroed vs one forward pass, MSE / best; "
                           "the paper's verdict, ours, and the finding where they differ",
+    "formats_delta.csv": "P formats beyond E4M3, per (config, Δ): simulated fraction of non-sink P zeroed "
+                         "(frac_zeroed, ± s.e.) beside its closed form (frac_zeroed_theory), non-sink mass "
+                         "lost (zeroed_mass, and as a fraction of the non-sink mass, mass_lost_frac), "
+                         "non-sink mass, MSE ± s.e. and expected MSE; fractions in [0, 1], not percent "
+                         "(this project's analysis, not the paper's; with --extras formats)",
+    "formats_thresholds.csv": "P formats beyond E4M3, per config: the Δ where the zeroed fraction crosses "
+                              "1/2 in the simulation and in the closed form, the closed form's Δc, the "
+                              "fraction at the lowest and highest Δ (fractions in [0, 1])",
+    "formats_delta.png": "P formats beyond E4M3: zeroed fraction (simulation and closed form), non-sink mass "
+                         "lost and MSE vs Δ",
+    "formats_heads.csv": "P formats beyond E4M3 on SmolLM2-135M, per (config, layer, head): measured Δ and σ, "
+                         "fraction of non-sink P zeroed, zeroed mass, MSE and relative MSE vs FP32",
+    "formats_e2e.csv": "P formats beyond E4M3 on SmolLM2-135M end to end: perplexity, its change, "
+                       "KL(FP32 ‖ run) (nats, mean and max), top-1 agreement with the FP32 model",
     "run.json": "exact configuration: sizes, every SweepSpec (as a dict) with its fingerprint and folder, "
                 "seeds, library versions, devices, wall and CPU time per experiment and per sweep",
     "sweeps/": "the sweep engine's folders (spec.json, chunks/, results.npz, summary.csv): a rerun "
@@ -163,11 +178,12 @@ def reproduce(out_dir, *, quick: bool = False, only: Sequence[str] | None = None
                          "sweeps_used": sorted(ctx.uses.get(name, ())),
                          "sweeps_computed": sorted(set(ctx.sweep_log) - before)}
         log(f"[{i}/{len(names)}] {section.title:<66} {wall:6.1f} s")
-    extra_md = []
+    extra_md, extra_files = [], []
     if extras and not only and not quick:
         for name in extras:
             module, func = EXTRA_SECTIONS[name]
             t0, c0 = time.perf_counter(), time.process_time()
+            before = _file_stamps(out)
             try:
                 fn = getattr(importlib.import_module(module, __package__), func)
                 md = fn(out, quick=True, log=log)
@@ -177,10 +193,11 @@ def reproduce(out_dir, *, quick: bool = False, only: Sequence[str] | None = None
             extra_md.append(md)
             timings[name] = {"title": md.splitlines()[0].lstrip("# ").strip(), "wall_s": round(wall, 3),
                              "cpu_s": round(time.process_time() - c0, 3), "sweeps_used": [],
-                             "sweeps_computed": []}
+                             "sweeps_computed": [], "files": _changed_files(out, before)}
+            extra_files += [f for f in timings[name]["files"] if f not in extra_files]
             log(f"[extra] {timings[name]['title']:<64} {wall:6.1f} s")
     t_write = time.perf_counter()
-    files = _write_outputs(out, ctx, sections)
+    files = _write_outputs(out, ctx, sections) + extra_files
     write_s = time.perf_counter() - t_write
     total = time.perf_counter() - t_all
     meta = {
@@ -203,6 +220,15 @@ def reproduce(out_dir, *, quick: bool = False, only: Sequence[str] | None = None
     _write_markdown(out, ctx, sections, meta, extra_md)
     log(f"done in {total:.1f} s. Report: {out / 'report.md'}")
     return out / "report.md"
+
+
+def _file_stamps(out: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.is_file()}
+
+
+def _changed_files(out: Path, before: dict[str, int]) -> list[str]:
+    """Files of ``out`` written since ``before`` (an extra section's CSV and PNG files)."""
+    return sorted(name for name, stamp in _file_stamps(out).items() if before.get(name) != stamp)
 
 
 def _write_outputs(out: Path, ctx: Context, sections: list[Section]) -> list[str]:

@@ -32,6 +32,9 @@ the forward value is always the kernel's, and the backward pass is one of:
   and scale S kept, each cast replaced by the soft underflow gate P·σ((ln(P·S) − ln r)/τ), r the
   format's round-to-zero boundary (2^-10 for E4M3, Prop. 1) and τ = ``smooth_temperature``. It sees
   P-collapse: a logit whose P the kernel zeroes gets (almost) no gradient through the values.
+  A block-scaled P (MXFP8, MXFP4, NVFP4) is gated per scale block instead: at the element boundary
+  under the block's scale (its largest P·S over the element format's max) and, for NVFP4, at the
+  block scale's own underflow (UE4M3), which zeroes the whole block.
   Needs a static scale (not ``"dynamic"``); Q/K/V casts are straight-through.
 
 jit, vmap and grad compose with it; the implementation and gradient choices are static.
@@ -160,11 +163,44 @@ def _soft_gate_cast(scale: float, threshold: float, temperature: float):
     return cast_fn
 
 
+def _soft_block_gate_cast(scale: float, bf, temperature: float):
+    """P → P·g per scale block of a block-scaled format (rounding as identity).
+
+    x = P·S; a = the largest x of its block of ``bf.block`` keys, the block scale taken as
+    a / max_e without its rounding (max_e the element format's largest value). The element gate
+    σ((ln x − ln(r_e·a/max_e))/τ) sits at the element's round-to-zero boundary r_e under that scale
+    (x ≤ a/24 for NVFP4; for MX the power-of-two scale puts it within a factor 2 of r_e·a/max_e),
+    and for NVFP4 the block-scale gate σ((ln(a/6) − ln r_s)/τ) at UE4M3's round-to-zero boundary
+    r_s = 2^-10 zeroes a whole block (an E8M0 scale has no zero).
+    """
+    el = bf.element
+    log_elem = math.log(el.round_to_zero / el.max)
+    log_scale_zero = None if bf.is_mx else math.log(float(bf.scale_fmt.round_to_zero))
+
+    def cast_fn(p):
+        x = p * scale
+        xb = x.reshape(x.shape[:-1] + (x.shape[-1] // bf.block, bf.block))
+        a = jnp.max(xb, axis=-1, keepdims=True)
+        pos = xb > 0
+        safe = jnp.where(pos, xb, 1.0)
+        log_a = jnp.log(jnp.where(a > 0, a, 1.0))
+        gate = jax.nn.sigmoid((jnp.log(safe) - log_a - log_elem) / temperature)
+        if log_scale_zero is not None:
+            gate = gate * jax.nn.sigmoid((log_a - math.log(el.max) - log_scale_zero) / temperature)
+        return jnp.where(pos, xb / scale * gate, 0.0).reshape(p.shape)
+
+    return cast_fn
+
+
 def _smooth(q, k, v, bias, mask, cfg: KernelConfig, scale, temperature: float):
     """The smooth surrogate's output (B, N, T, H): effective weights with the gated cast, times V."""
     logits, vv = kernel_inputs(q, k, v, None, scale)  # Q/K/V casts straight-through
     logits = _masked(logits, bias, mask, cfg.causal)
-    gate = _soft_gate_cast(cfg.scale, cfg.fmt.round_to_zero, temperature)
+    bf = cfg.block_format
+    if bf is not None:
+        gate = _soft_block_gate_cast(cfg.scale, bf, temperature)
+    else:
+        gate = _soft_gate_cast(cfg.scale, cfg.fmt.round_to_zero, temperature)
     static = cfg.replace(scale=1.0, scale_mode="multiply", causal=False, qkv="f32", accumulator="f32")
     w = engine.effective_weights(logits, static, cast_fn=gate)
     return jnp.einsum("bnts,bnsh->bnth", w, vv, precision="highest")

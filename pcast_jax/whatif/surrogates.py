@@ -112,6 +112,37 @@ def _fmt_consts(fmt):
     return f, emin, top, kappa
 
 
+def _block_format(fmt):
+    """The block-scaled format ``fmt`` names (MXFP8, MXFP4, NVFP4), or None for an element format."""
+    if isinstance(fmt, formats.BlockFormat):
+        return fmt
+    return formats.BLOCK_FORMATS.get(fmt.lower()) if isinstance(fmt, str) else None
+
+
+def _blocks(x, bf):
+    n = x.shape[-1]
+    if n % bf.block:
+        raise PcastError(f"the last axis ({n}) must be a multiple of {bf.name}'s block of {bf.block} keys")
+    return x.reshape(x.shape[:-1] + (n // bf.block, bf.block))
+
+
+def _block_squared_error(x, sur: Surrogate, bf):
+    """(collapse, noise) of a block-scaled cast along the last axis (see :func:`expected_squared_error`)."""
+    el = bf.element
+    xb = _blocks(x, bf)
+    a = jnp.max(xb, axis=-1, keepdims=True)
+    sb = jnp.where(a > 0, a, 1.0) / el.max  # the block scale without its rounding
+    u = xb / sb
+    c_u, n_u = expected_squared_error(u, surrogate=sur, fmt=el)
+    if bf.is_mx:
+        h = jnp.ones_like(sb)  # an E8M0 scale has no zero
+    else:  # the UE4M3 scale rounds to zero below its round-to-zero boundary: the whole block is lost
+        h = jax.nn.sigmoid((jnp.log(sb) - math.log(float(bf.scale_fmt.round_to_zero))) / sur.gate_temperature)
+    collapse = sb * sb * (c_u + (1.0 - h) * (u * u - c_u))
+    noise = h * sb * sb * n_u
+    return collapse.reshape(x.shape), noise.reshape(x.shape)
+
+
 def expected_squared_error(x, *, surrogate: Surrogate | str = "smooth", fmt="e4m3"):
     """(collapse, noise) parts of the smooth surrogate's E[(cast(x) − x)²] for x = P·S ≥ 0.
 
@@ -119,8 +150,18 @@ def expected_squared_error(x, *, surrogate: Surrogate | str = "smooth", fmt="e4m
     g·(LSB(x)²/12 + relu(x − max)²) (round-to-nearest noise of a value uniform in its cell, and
     the satfinite clip above max). Elementwise; differentiable in x. Atoms (P = 1) are handled by
     :func:`make_cast_fn`, not here.
+
+    A block-scaled ``fmt`` (``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"``) works along the last axis, in
+    blocks of its block size: with a the block's largest x and its scale taken as s = a / max_e
+    (without the scale's own rounding; the MX power of two lies within a factor 2 of it), the
+    element's parts at u = x/s times s², and for NVFP4 a second gate h = sigmoid((ln s − ln 2^-10)/τ)
+    at the UE4M3 scale's round-to-zero boundary: collapse = s²((1 − g)u² + (1 − h)g u²),
+    noise = h s² g·LSB(u)²/12.
     """
     sur = as_surrogate(surrogate)
+    bf = _block_format(fmt)
+    if bf is not None:
+        return _block_squared_error(jnp.asarray(x), sur, bf)
     f, emin, top, kappa = _fmt_consts(fmt)
     x = jnp.asarray(x)
     pos = x > 0
@@ -148,13 +189,22 @@ def make_cast_fn(surrogate: Surrogate | str, scale, *, fmt="e4m3", overflow="sat
 
     ``part`` restricts the error to the collapse (underflowed values) or the noise (everything else)
     so that Σ(W − P)² splits as Prop. 3's term plus the quantization floor (exact and smooth kinds).
+
+    A block-scaled ``fmt`` (``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"``: P's last axis in blocks of the
+    format's block size) is cast by :func:`pcast_jax.formats.block_cast` (NVFP4's second level is
+    S, as the kernels' row normalization); the straight-through backward is the identity (the
+    block scales follow the values, so there is no clip), and the smooth atoms are the entries
+    equal to their block's maximum (exact rounding error, either ``atoms`` setting).
     """
     sur = as_surrogate(surrogate)
     check_choice("part", part, PARTS)
     if sur.kind == "ste" and part != "total":
         raise PcastError(f"part={part!r} needs kind 'exact' or 'smooth' (the STE has no split)")
-    f = formats.get_format(fmt)
     check_choice("overflow", overflow, formats.OVERFLOW_MODES)
+    bf = _block_format(fmt)
+    if bf is not None:
+        return _block_cast_fn(sur, scale, bf, overflow, part)
+    f = formats.get_format(fmt)
 
     def exact(x):
         return formats.cast(x, f, overflow=overflow)
@@ -185,6 +235,36 @@ def make_cast_fn(surrogate: Surrogate | str, scale, *, fmt="e4m3", overflow="sat
             over = jnp.maximum(x - f.max, 0.0)
             atom = over * over if part != "collapse" else jnp.zeros_like(x)
         err = jnp.where(p == 1.0, atom, err)
+        return (x - jnp.sqrt(err + _TINY)) / s
+
+    return fn
+
+
+def _block_cast_fn(sur: Surrogate, scale, bf, overflow: str, part: str):
+    """:func:`make_cast_fn` for a block-scaled format (arguments already checked)."""
+
+    def exact(x):
+        return formats.block_cast(x, bf, overflow=overflow)
+
+    def fn(p):
+        s = jnp.asarray(scale, jnp.float32)
+        x = p * s
+        c = exact(x)
+        if sur.kind == "exact":
+            if part != "total":
+                lost = (c == 0) & (x > 0)
+                c = jnp.where(lost, 0.0, x) if part == "collapse" else jnp.where(lost, x, c)
+            return c / s
+        if sur.kind == "ste":
+            return (x + jax.lax.stop_gradient(c - x)) / s
+        collapse, noise = expected_squared_error(x, surrogate=sur, fmt=bf)
+        err = {"total": collapse + noise, "collapse": collapse, "noise": noise}[part]
+        c = jax.lax.stop_gradient(c)
+        d = c - x
+        lost = (c == 0) & (x > 0)
+        atom = {"total": d * d, "collapse": jnp.where(lost, x * x, 0.0), "noise": jnp.where(lost, 0.0, d * d)}[part]
+        is_max = (x == jnp.repeat(jnp.max(_blocks(x, bf), axis=-1), bf.block, axis=-1)) & (x > 0)
+        err = jnp.where(is_max, atom, err)
         return (x - jnp.sqrt(err + _TINY)) / s
 
     return fn
