@@ -1,8 +1,10 @@
 """The public entry point :func:`fp8_attention`, its validation, and the matching simulator run.
 
 ``fp8_attention`` checks every input (a :class:`~pcast_jax.errors.PcastError` names the bad
-parameter), folds the per-tensor descales into two FP32 scalars and dispatches to the Mosaic GPU
-kernel (Hopper) or the Triton kernel. :func:`simulate_fp8_attention` runs
+parameter), folds q_descale·k_descale·softmax_scale into one FP32 scalar and v_descale into the
+per-channel V factors (:func:`v_channel_factors`, computed here, outside the attention loop),
+dispatches to the Mosaic GPU kernel (Hopper) or the Triton kernel, and merges split-KV partial
+results. :func:`simulate_fp8_attention` runs
 ``pcast_jax.engine.attention`` on exactly the scores and V the kernel sees, so the two can be
 compared value for value.
 """
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import mosaic_gpu, triton_gpu
+from pcast_jax import block
 from pcast_jax import engine as _engine
 from pcast_jax.config import KernelConfig, resolve
 from pcast_jax.errors import PcastError, check_choice, check_int, check_positive
@@ -30,10 +33,14 @@ __all__ = [
     "quantize_qkv",
     "simulate_fp8_attention",
     "supported_block_kv",
+    "v_channel_factors",
 ]
 
 BACKENDS = ("mosaic", "triton")
 _F8 = jnp.dtype(jnp.float8_e4m3fn)
+#: Keys one FP8 MMA instruction covers (the K of wgmma/mma for 8-bit operands): the finest
+#: ``f16_round_keys`` a kernel can run.
+_MMA_K = 32
 #: Shared memory one Hopper CTA may use (227 KiB).
 _HOPPER_SMEM_BYTES = 232448
 
@@ -42,8 +49,9 @@ class KernelStats(NamedTuple):
     """Per-row statistics a kernel returns next to its output (shapes (batch, heads, q_len)).
 
     Attributes:
-      row_sum: ℓ at the end of the KV loop (holds S in the exponent mode, like the simulator's).
-      n_zeroed: how many P were > 0 before the E4M3 cast and 0 after it (unmasked keys).
+      row_sum: ℓ at the end of the KV loop (holds S in the exponent mode, like the simulator's);
+        with split-KV the merged Σ_s exp(m_s − m)·ℓ_s of :func:`pcast_jax.block.merge_splits`.
+      n_zeroed: how many P were > 0 before the E4M3 cast and 0 after it (unmasked keys, all splits).
     """
 
     row_sum: jax.Array
@@ -102,7 +110,8 @@ def _mosaic_smem_bytes(q_len: int, head_dim: int, block_kv: int, num_slots: int,
         + 2 * slots * block_kv * head_dim  # K and Vᵀ ring (fp8)
         + rows * block_kv  # P8 tiles
         + 4 * rows * head_dim  # output staging (f32)
-        + 2 * 4 * rows  # ℓ and zero counts
+        + 3 * 4 * rows  # m, ℓ and zero counts
+        + wgs * 2 * 4 * head_dim  # V channel factors (f32)
         + 4096  # barriers and alignment (measured overhead ≈ 2.2 KB)
     )
 
@@ -183,16 +192,14 @@ def _validate(q, k, v, cfg: KernelConfig, backend: str, softmax_scale, num_slots
             f"overflow='nan' with scale={cfg.scale:g} > 448 not supported: the kernels saturate "
             "(cvt.rn.satfinite); use overflow='satfinite'"
         )
-    # kernel semantics the simulator models but the kernels do not run (yet): refused, never ignored
-    if cfg.kv_splits > 1:
-        raise PcastError(f"kv_splits={cfg.kv_splits} not supported by the kernels: they run one Algorithm-1 "
-                         "pass per row (kv_splits=1); simulate split-KV with pcast_jax.engine.attention")
-    if cfg.f16_round_keys:
-        raise PcastError(f"f16_round_keys={cfg.f16_round_keys} not supported by the kernels: their f16 "
-                         "accumulator rounds once per KV block (f16_round_keys=0)")
-    if cfg.v_channel_max:
-        raise PcastError(f"v_channel_max={cfg.v_channel_max:g} not supported by the kernels: they accumulate "
-                         "P8·V8 at V8's own scale (v_channel_max=0)")
+    # kernel semantics the simulator models but the kernels do not run: refused, never ignored
+    if cfg.f16_round_keys % _MMA_K:
+        raise PcastError(f"f16_round_keys={cfg.f16_round_keys} not supported by the kernels: one FP8 MMA "
+                         f"covers a multiple of {_MMA_K} keys (use 0, {_MMA_K}, {2 * _MMA_K}, ...)")
+    if cfg.mma_acc_bits:
+        raise PcastError(f"mma_acc_bits={cfg.mma_acc_bits} is a simulator model of the tensor core's accumulator: "
+                         "the kernels run the hardware's own (use mma_acc_bits=0 and compare the kernel with "
+                         "simulate_fp8_attention under the model)")
     if cfg.causal and q_len > n_kv:
         raise PcastError(f"q_len={q_len} must be <= N={n_kv} with causal=True (bottom-right aligned)")
 
@@ -234,6 +241,33 @@ def _validate(q, k, v, cfg: KernelConfig, backend: str, softmax_scale, num_slots
 # --------------------------------------------------------------------------------------------
 
 
+def v_channel_factors(v_t, v_descale, cfg: KernelConfig):
+    """Per-channel V factors, ``(batch, kv_heads, 2, d)`` float32, that both kernels read.
+
+    Row 0 multiplies each FP8 product P8·V8 before the accumulator takes it, row 1 the output:
+
+    * FP32 accumulator: 1 and v_descale (the descale applied after the epilogue, as before);
+    * f16 accumulator: the f16 rounding acts on P8·V as the simulator sees V (V8·v_descale), and with
+      ``v_channel_max`` on P8·(V/c), c = :func:`pcast_jax.block.v_channel_scale` of V8·v_descale:
+      row 0 is v_descale / c and row 1 is c (v_descale and 1 without a channel scale).
+
+    c needs the maximum of each channel over the whole KV length, which one KV block does not see:
+    it is computed here, from the V the kernel is given, before the attention loop (SageAttention2++
+    likewise quantizes V per channel outside its attention kernel, ``quant_v_scale_max = 2.25`` in
+    ``sageattention/core.py``). The kernel applies the factor to the FP8 product rather than to V
+    (V/c is not an FP8 value); this equals P8·(V/c) up to FP32 rounding before the f16 rounding.
+    """
+    f32 = jnp.float32
+    vd = jnp.asarray(v_descale, f32)
+    ones = jnp.ones(v_t.shape[:2] + v_t.shape[2:3], f32)  # (batch, kv_heads, d)
+    if cfg.accumulator != "f16":
+        return jnp.stack([ones, ones * vd], axis=-2)
+    c = block.v_channel_scale(jnp.swapaxes(v_t, -1, -2).astype(f32) * vd, cfg)
+    if c is None:
+        return jnp.stack([ones * vd, ones], axis=-2)
+    return jnp.stack([vd / c, c], axis=-2)
+
+
 @functools.partial(
     jax.jit, static_argnames=("config", "backend", "interpret", "softmax_scale", "num_slots", "v_transposed")
 )
@@ -241,15 +275,25 @@ def _run(q, k, v, q_descale, k_descale, v_descale, *, config, backend, interpret
          v_transposed):
     f32 = jnp.float32
     score_scale = jnp.asarray(q_descale, f32) * jnp.asarray(k_descale, f32) * softmax_scale
-    params = jnp.stack([score_scale, jnp.asarray(v_descale, f32), f32(0), f32(0)])
+    params = jnp.stack([score_scale, f32(0), f32(0), f32(0)])
     v_t = v if v_transposed else jnp.swapaxes(v, -1, -2)
+    v_factors = v_channel_factors(v_t, v_descale, config)
+    schedule = jnp.asarray(block.split_schedule(v_t.shape[-1] // config.block_kv, config))
     if backend == "mosaic":
-        out, row_sum, n_zeroed = mosaic_gpu.mosaic_attention(
-            q, k, v_t, params, config=config, num_slots=num_slots, interpret=interpret
+        o, m, row_sum, n_zeroed = mosaic_gpu.mosaic_attention(
+            q, k, v_t, v_factors, schedule, params, config=config, num_slots=num_slots, interpret=interpret
         )
     else:
-        out, row_sum, n_zeroed = triton_gpu.triton_attention(q, k, v_t, params, config=config, interpret=interpret)
-    return out, KernelStats(row_sum, n_zeroed.astype(jnp.int32))
+        o, m, row_sum, n_zeroed = triton_gpu.triton_attention(
+            q, k, v_t, v_factors, schedule, params, config=config, interpret=interpret
+        )
+    n_zeroed = jnp.sum(n_zeroed, axis=0).astype(jnp.int32)
+    if config.kv_splits == 1:  # the kernel finalised its one run
+        return o[0], KernelStats(row_sum[0], n_zeroed)
+    # split-KV: line 12 per split and the FP32 log-sum-exp merge, then the V descale per channel
+    out, row_sum, _ = block.merge_splits(m, row_sum, o, config)
+    out_factor = jnp.repeat(v_factors[:, :, 1], q.shape[1] // k.shape[1], axis=1)[:, :, None, :]
+    return out * out_factor, KernelStats(row_sum, n_zeroed)
 
 
 def fp8_attention(
@@ -280,9 +324,12 @@ def fp8_attention(
       v: like k, or (batch, kv_heads, d, N) with ``v_transposed=True`` (the layout both kernels
         read; otherwise it is transposed here).
       config: preset name or :class:`~pcast_jax.config.KernelConfig`. ``block_kv`` must suit the
-        backend (:func:`supported_block_kv`); N must be a multiple of it. The kernels refuse
-        split-KV (``kv_splits > 1``), ``f16_round_keys`` and ``v_channel_max`` with a
-        :class:`~pcast_jax.errors.PcastError` naming the field: those are simulator-only.
+        backend (:func:`supported_block_kv`); N must be a multiple of it. An f16 accumulator
+        rounds every ``f16_round_keys`` keys (0 or a multiple of 32) and scales V per channel with
+        ``v_channel_max`` (:func:`v_channel_factors`). Split-KV (``kv_splits > 1``, either
+        ``split_layout``) runs one program per split over the blocks of
+        :func:`pcast_jax.block.split_schedule`; the per-split O, m and ℓ are merged here by
+        :func:`pcast_jax.block.merge_splits` (the combine step of flash-decoding).
       backend: ``"mosaic"`` (Pallas Mosaic GPU, Hopper wgmma + TMA) or ``"triton"``.
       interpret: run the kernel in Pallas interpret mode (works on CPU).
       softmax_scale: defaults to 1/√d.

@@ -12,10 +12,16 @@ engine does (every line of it from :mod:`pcast_jax.block`):
 * running max, α, P and the row sum ℓ in FP32 (exp, or exp2 with log2 S folded in);
 * P8 = cast_E4M3(clamp(P·S, ±448)) written to shared memory, fenced with ``commit_smem``;
 * P8 · V8 in a fresh FP32 accumulator (FP8 ``wgmma`` needs a K-major B operand, so V is stored
-  transposed in HBM and the (d, block_kv) tile is passed transposed), then O = α·O + P8·V8;
+  transposed in HBM and the (d, block_kv) tile is passed transposed), then O = α·O + P8·V8; with an
+  f16 accumulator one wgmma per ``f16_round_keys`` keys (slices of the P8 and Vᵀ tiles, whose
+  swizzle is narrowed to the slice), each scaled per V channel and rounded to f16
+  (:func:`pcast_jax.block.block_pv`);
 * the number of P that were > 0 before the cast and 0 after it.
 
-The epilogue writes O / (S·ℓ) (or O / ℓ) × v_descale, ℓ and the zero counts.
+The epilogue writes O / (S·ℓ) (or O / ℓ) × the per-channel V factor, m, ℓ and the zero counts.
+Split-KV (``kv_splits > 1``) adds the split to the query-tile grid axis: each CTA walks its split's
+row of :func:`pcast_jax.block.split_schedule` (an idle step loads a block and masks it) and writes
+its unnormalised O; ``pallas_kernels.api`` merges the splits.
 """
 
 from __future__ import annotations
@@ -39,8 +45,12 @@ _F8 = jnp.float8_e4m3fn
 
 
 def _smem_transforms(minor_bytes: int):
-    """Tiling + swizzle for an FP8 tile whose minor dimension spans ``minor_bytes`` bytes."""
-    swizzle = 128 if minor_bytes % 128 == 0 else 64
+    """Tiling + swizzle for an FP8 tile whose minor dimension spans ``minor_bytes`` bytes.
+
+    The largest of 128, 64, 32 that divides it: a wgmma over a slice of the minor dimension (one
+    f16 rounding group of keys) must start on a swizzle tile.
+    """
+    swizzle = next(sw for sw in (128, 64, 32) if minor_bytes % sw == 0)
     return (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
 
 
@@ -54,6 +64,8 @@ def mosaic_attention(
     q,
     k,
     v_t,
+    v_factors,
+    schedule,
     params,
     *,
     config: KernelConfig,
@@ -66,15 +78,21 @@ def mosaic_attention(
       q: (batch, heads, q_len, d) float8_e4m3fn.
       k: (batch, kv_heads, N, d) float8_e4m3fn.
       v_t: (batch, kv_heads, d, N) float8_e4m3fn — V transposed.
-      params: (4,) float32: [q_descale·k_descale·softmax_scale, v_descale, 0, 0].
+      v_factors: (batch, kv_heads, 2, d) float32 per V channel: row 0 multiplies each FP8 product
+        P8·V8 before the accumulator takes it, row 1 the output
+        (:func:`pallas_kernels.api.v_channel_factors`).
+      schedule: (kv_splits, steps) int32, the KV block each split visits at each step
+        (:func:`pcast_jax.block.split_schedule`; read only with ``kv_splits > 1``).
+      params: (4,) float32: [q_descale·k_descale·softmax_scale, 0, 0, 0].
       config: the P-cast semantics (multiply/exponent, order, block_kv, causal).
       num_slots: K/V shared-memory slots in the TMA ring (≥ 2).
       interpret: run under Mosaic GPU interpret mode (CPU); ``True`` or the interpreter's
         parameters (e.g. ``plgpu.InterpretGPUParams(detect_races=True)``).
 
     Returns:
-      (out (batch, heads, q_len, d) f32, row_sum (batch, heads, q_len) f32,
-      n_zeroed (batch, heads, q_len) f32 — integer-valued).
+      Per KV split, leading axis (kv_splits,): out (..., batch, heads, q_len, d) f32 — the output
+      with one split, else the split's unnormalised O —, the running max m, ℓ and the count of
+      zeroed P (float, integer-valued), each (..., batch, heads, q_len) f32.
     """
     batch, heads, q_len, head_dim = q.shape
     _, kv_heads, _, n_kv = v_t.shape
@@ -85,25 +103,45 @@ def mosaic_attention(
     n_blocks = n_kv // block_kv
     slots = max(1, min(num_slots, n_blocks))
     causal = config.causal
+    splits = config.kv_splits
+    f16_acc = config.accumulator == "f16"
+    group_keys = config.f16_round_keys or block_kv  # keys per P8·V wgmma (f16: per rounding)
+    col_layout = plgpu.Layout.WGMMA.reduce(0)  # a (d,) vector over the accumulator's columns
+
+    def per_column(vec):
+        """(d,) per-channel factors over a (BLOCK_Q, d) accumulator tile."""
+        return lax.broadcast_in_dim(vec, (BLOCK_Q, head_dim), (1,))
 
     def kv_steps_for(q_tile):
-        """KV blocks this CTA visits: all of them, or (causal) those left of its last row."""
+        """KV blocks this CTA visits: all of them, or (causal) those left of its last row; with
+        split-KV every step of the split's schedule (the causal mask does the rest)."""
+        if splits > 1:
+            return schedule.shape[1]
         if not causal:
             return n_blocks
         return block.causal_kv_steps(n_kv - q_len + (q_tile + 1) * tile_q - 1, block_kv, n_blocks)
 
-    def block_of(step, kv_steps):
-        return block.kv_block(step, kv_steps, config)
-
-    def body(q_ref, k_ref, vt_ref, params_ref, out_ref, rowsum_ref, nzero_ref, scoped):
-        (q_smem, k_smem, vt_smem, p_smem, o_smem, l_smem, z_smem), barriers = scoped
-        q_bar, k_bar, v_bar, k_free, v_free = barriers
+    def body(q_ref, k_ref, vt_ref, vf_ref, sched_ref, params_ref, out_ref, m_ref, rowsum_ref, nzero_ref, scoped):
+        (q_smem, k_smem, vt_smem, p_smem, o_smem, m_smem, l_smem, z_smem, vf_smem), barriers = scoped
+        q_bar, k_bar, v_bar, k_free, v_free, vf_bar = barriers
         b = lax.axis_index("batch")
         h = lax.axis_index("heads")
-        q_tile = lax.axis_index("q_tile")
+        tile = lax.axis_index("q_tile")  # query tile tile // splits, KV split tile % splits
+        q_tile = lax.div(tile, jnp.array(splits, tile.dtype))
+        split = lax.rem(tile, jnp.array(splits, tile.dtype))
         wg = lax.axis_index("wg")
         kv_h = lax.div(h, jnp.array(group, h.dtype))
         kv_steps = kv_steps_for(q_tile)
+
+        def block_of(step):
+            """The KV block visited at ``step``; an idle split step gives n_blocks (all masked)."""
+            if splits > 1:
+                return sched_ref[split, step]
+            return block.kv_block(step, kv_steps, config)
+
+        def cols_of(blk):
+            """Keys of the block loaded for ``blk`` (an idle step loads the last block, masked)."""
+            return pl.ds(jnp.minimum(blk, n_blocks - 1) * block_kv, block_kv)
 
         @pl.when(wg < compute_wgs)
         def _compute():
@@ -111,19 +149,20 @@ def mosaic_attention(
                 plgpu.set_max_registers(232, action="increase")
             q0 = q_tile * tile_q + wg * BLOCK_Q
             plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(q0, BLOCK_Q)], q_smem.at[wg], q_bar.at[wg])
+            plgpu.copy_gmem_to_smem(vf_ref.at[b, kv_h], vf_smem.at[wg], vf_bar.at[wg])
             score_scale = params_ref[0]
-            v_descale = params_ref[1]
             row_layout = plgpu.Layout.WGMMA.reduce(1)
             m = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), row_layout)
             ell = plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), row_layout)
             nz = plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), row_layout)
             o = plgpu.layout_cast(jnp.zeros((BLOCK_Q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
             plgpu.barrier_wait(q_bar.at[wg])
+            plgpu.barrier_wait(vf_bar.at[wg])
 
             def step(s, carry):
                 m, ell, o, nz = carry
                 slot = lax.rem(s, jnp.array(slots, s.dtype))
-                blk = block_of(s, kv_steps)
+                blk = block_of(s)
 
                 plgpu.barrier_wait(k_bar.at[slot])
 
@@ -134,15 +173,17 @@ def mosaic_attention(
                 acc = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
                 z = acc * score_scale  # line 3
-                if causal:
+                if causal or splits > 1:
                     rows = plgpu.broadcasted_iota(
                         jnp.int32, (BLOCK_Q, block_kv), 0, layout=plgpu.Layout.WGMMA
                     )
-                    cols = plgpu.broadcasted_iota(
+                    keys = plgpu.broadcasted_iota(
                         jnp.int32, (BLOCK_Q, block_kv), 1, layout=plgpu.Layout.WGMMA
-                    )
-                    visible = block.visible(rows + (n_kv - q_len + q0), cols + blk * block_kv)
-                    z = jnp.where(visible, z, -jnp.inf)
+                    ) + blk * block_kv
+                    mask = keys < n_kv
+                    if causal:
+                        mask = mask & block.visible(rows + (n_kv - q_len + q0), keys)
+                    z = jnp.where(mask, z, -jnp.inf)
                 st = block.online_softmax(m, ell, z, config)  # lines 4-8
                 p_smem.at[wg][...] = block.cast_p(st.ps, config)  # line 9
                 plgpu.commit_smem()
@@ -150,24 +191,37 @@ def mosaic_attention(
 
                 plgpu.barrier_wait(v_bar.at[slot])
 
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p_smem.at[wg], vt_smem.at[slot].transpose((1, 0)))
-                    return acc_ref[...]
+                def product(lo, hi):  # P8[:, lo:hi] · V[lo:hi], one FP8 wgmma
+                    keys = pl.ds(lo, hi - lo)
 
-                pv_block = pl.run_scoped(pv, plgpu.ACC((BLOCK_Q, head_dim), jnp.float32))
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p_smem.at[wg, :, keys], vt_smem.at[slot, :, keys].transpose((1, 0)))
+                        return acc_ref[...]
+
+                    pv = pl.run_scoped(pv, plgpu.ACC((BLOCK_Q, head_dim), jnp.float32))
+                    if not f16_acc:
+                        return pv
+                    return pv * per_column(plgpu.load(vf_smem.at[wg, 0], layout=col_layout))
+
+                pv_block = block.block_pv(product, config)
                 plgpu.barrier_arrive(v_free.at[slot])
                 o = block.accumulate(o, st.alpha, pv_block, st.unscale, config)  # line 10
                 return st.m, st.row_sum, o, nz
 
             m, ell, o, nz = lax.fori_loop(0, kv_steps, step, (m, ell, o, nz))
-            o_smem.at[wg][...] = block.finalize(o, ell, config) * v_descale  # line 12
+            if splits == 1:  # line 12; split-KV leaves it to the merge (pallas_kernels.api)
+                out_factor = per_column(plgpu.load(vf_smem.at[wg, 1], layout=col_layout))
+                o = block.finalize(o, ell, config) * out_factor
+            o_smem.at[wg][...] = o
+            m_smem.at[wg][...] = m
             l_smem.at[wg][...] = ell
             z_smem.at[wg][...] = nz
             plgpu.commit_smem()
             rows = pl.ds(q0, BLOCK_Q)
-            plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[b, h, rows], commit_group=False)
-            plgpu.copy_smem_to_gmem(l_smem.at[wg], rowsum_ref.at[b, h, rows], commit_group=False)
-            plgpu.copy_smem_to_gmem(z_smem.at[wg], nzero_ref.at[b, h, rows], commit_group=False)
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[split, b, h, rows], commit_group=False)
+            plgpu.copy_smem_to_gmem(m_smem.at[wg], m_ref.at[split, b, h, rows], commit_group=False)
+            plgpu.copy_smem_to_gmem(l_smem.at[wg], rowsum_ref.at[split, b, h, rows], commit_group=False)
+            plgpu.copy_smem_to_gmem(z_smem.at[wg], nzero_ref.at[split, b, h, rows], commit_group=False)
             plgpu.commit_smem_to_gmem_group()
             plgpu.wait_smem_to_gmem(0)
 
@@ -177,7 +231,7 @@ def mosaic_attention(
                 plgpu.set_max_registers(40, action="decrease")
 
             def load(step, slot):
-                cols = pl.ds(block_of(step, kv_steps) * block_kv, block_kv)
+                cols = cols_of(block_of(step))
                 plgpu.copy_gmem_to_smem(k_ref.at[b, kv_h, cols], k_smem.at[slot], k_bar.at[slot])
                 plgpu.copy_gmem_to_smem(
                     vt_ref.at[b, kv_h, :, cols], vt_smem.at[slot], v_bar.at[slot]
@@ -198,15 +252,17 @@ def mosaic_attention(
                 def _():
                     load(s + slots, slot)
 
-    def entry(q_ref, k_ref, vt_ref, params_ref, out_ref, rowsum_ref, nzero_ref):
+    def entry(q_ref, k_ref, vt_ref, vf_ref, sched_ref, params_ref, out_ref, m_ref, rowsum_ref, nzero_ref):
         scratch = (
             plgpu.SMEM((compute_wgs, BLOCK_Q, head_dim), _F8, transforms=_smem_transforms(head_dim)),
             plgpu.SMEM((slots, block_kv, head_dim), _F8, transforms=_smem_transforms(head_dim)),
-            plgpu.SMEM((slots, head_dim, block_kv), _F8, transforms=_smem_transforms(block_kv)),
-            plgpu.SMEM((compute_wgs, BLOCK_Q, block_kv), _F8, transforms=_smem_transforms(block_kv)),
+            plgpu.SMEM((slots, head_dim, block_kv), _F8, transforms=_smem_transforms(group_keys)),
+            plgpu.SMEM((compute_wgs, BLOCK_Q, block_kv), _F8, transforms=_smem_transforms(group_keys)),
             plgpu.SMEM((compute_wgs, BLOCK_Q, head_dim), jnp.float32),
             plgpu.SMEM((compute_wgs, BLOCK_Q), jnp.float32),
             plgpu.SMEM((compute_wgs, BLOCK_Q), jnp.float32),
+            plgpu.SMEM((compute_wgs, BLOCK_Q), jnp.float32),
+            plgpu.SMEM((compute_wgs, 2, head_dim), jnp.float32),
         )
         barriers = (
             plgpu.Barrier(num_barriers=compute_wgs),
@@ -214,19 +270,22 @@ def mosaic_attention(
             plgpu.Barrier(num_barriers=slots),
             plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=slots),
             plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=slots),
+            plgpu.Barrier(num_barriers=compute_wgs),
         )
         pl.run_scoped(
-            lambda *scoped: body(q_ref, k_ref, vt_ref, params_ref, out_ref, rowsum_ref, nzero_ref, scoped),
+            lambda *scoped: body(
+                q_ref, k_ref, vt_ref, vf_ref, sched_ref, params_ref, out_ref, m_ref, rowsum_ref, nzero_ref, scoped
+            ),
             scratch,
             barriers,
             collective_axes="wg",
         )
 
-    stats = jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)
+    stats = jax.ShapeDtypeStruct((splits, batch, heads, q_len), jnp.float32)
     kernel = plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct((batch, heads, q_len, head_dim), jnp.float32), stats, stats),
-        grid=(batch, heads, q_len // tile_q),
+        out_type=(jax.ShapeDtypeStruct((splits, batch, heads, q_len, head_dim), jnp.float32), stats, stats, stats),
+        grid=(batch, heads, q_len // tile_q * splits),
         grid_names=("batch", "heads", "q_tile"),
         num_threads=compute_wgs + 1,
         thread_name="wg",
@@ -234,4 +293,4 @@ def mosaic_attention(
         interpret=_interpret_params(interpret),
         kernel_name=f"pcast_fp8_attention_{config.scale_mode}_{config.order}",
     )
-    return kernel(q, k, v_t, params)
+    return kernel(q, k, v_t, v_factors, schedule, params)

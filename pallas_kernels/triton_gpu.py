@@ -1,8 +1,11 @@
 """FP8 attention forward on the Pallas Triton backend (the simpler, portable path).
 
-One program per (batch, head, query block); it walks the KV blocks in the kernel's order with a
+One program per (batch, head, query block, KV split); it walks its KV blocks in the kernel's order
+(one split: all of them; split-KV: its row of :func:`pcast_jax.block.split_schedule`) with a
 ``fori_loop`` and does Algorithm 1 per block exactly as ``pcast_jax.engine``'s scan engine does
-(every line of it from :mod:`pcast_jax.block`). Both matmuls are FP8 × FP8 → FP32 ``tt.dot``s
+(every line of it from :mod:`pcast_jax.block`). With an f16 accumulator P8·V is one FP8 dot per
+``f16_round_keys`` keys (``jnp.split`` of the P8 tile), scaled per V channel and rounded to f16
+(:func:`pcast_jax.block.block_pv`). Both matmuls are FP8 × FP8 → FP32 ``tt.dot``s
 with ``maxNumImpreciseAcc = 2^30``, so Triton emits FP8 wgmma on Hopper (below); V arrives
 transposed, like the Mosaic GPU kernel, so the P·V operand is K-major. Triton schedules its own
 pipelining (``num_stages``).
@@ -88,6 +91,8 @@ def triton_attention(
     q,
     k,
     v_t,
+    v_factors,
+    schedule,
     params,
     *,
     config: KernelConfig,
@@ -111,30 +116,47 @@ def triton_attention(
     causal = config.causal
     dot_nt = _dot_nt if interpret else _dot_nt_wgmma
 
-    def kernel(q_ref, k_ref, vt_ref, params_ref, out_ref, rowsum_ref, nzero_ref):
-        q0 = pl.program_id(2) * block_q
+    f16_acc = config.accumulator == "f16"
+    group_keys = config.f16_round_keys or block_kv  # keys per P8·V product (f16: per rounding)
+    splits = config.kv_splits
+
+    def kernel(q_ref, k_ref, vt_ref, vf_ref, sched_ref, params_ref, out_ref, m_ref, rowsum_ref, nzero_ref):
+        q0 = lax.div(pl.program_id(2), splits) * block_q
         q_start = n_kv - q_len + q0  # position of this program's first query row
-        if causal:
+        if splits > 1:  # this split's blocks in its order; an idle step holds n_blocks (all masked)
+            kv_steps = schedule.shape[1]
+        elif causal:
             kv_steps = block.causal_kv_steps(q_start + block_q - 1, block_kv, n_blocks)
         else:
             kv_steps = n_blocks
         score_scale = params_ref[0]
-        v_descale = params_ref[1]
+        pv_factor = vf_ref[0, :][None, :]  # per V channel, see pallas_kernels.api.v_channel_factors
+        out_factor = vf_ref[1, :][None, :]
         q8 = q_ref[...]
 
         def step(s, carry):
             m, ell, o, nz = carry
-            blk = block.kv_block(s, kv_steps, config)
-            cols = pl.ds(blk * block_kv, block_kv)
+            blk = sched_ref[s] if splits > 1 else block.kv_block(s, kv_steps, config)
+            blk_in = jnp.minimum(blk, n_blocks - 1)  # the block loaded (an idle step's is masked)
+            cols = pl.ds(blk_in * block_kv, block_kv)
             z = dot_nt(q8, k_ref[cols, :]) * score_scale  # line 3
-            if causal:
+            if causal or splits > 1:
                 rows = lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 0)
-                keys = lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 1)
-                z = jnp.where(block.visible(rows + q_start, keys + blk * block_kv), z, -jnp.inf)
+                keys = lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 1) + blk * block_kv
+                mask = keys < n_kv
+                if causal:
+                    mask = mask & block.visible(rows + q_start, keys)
+                z = jnp.where(mask, z, -jnp.inf)
             st = block.online_softmax(m, ell, z, config)  # lines 4-8
             p8 = block.cast_p(st.ps, config)  # line 9
             nz = nz + jnp.sum(jnp.where(block.zeroed(st.ps, config), 1.0, 0.0), axis=1)
-            o = block.accumulate(o, st.alpha, dot_nt(p8, vt_ref[:, cols]), st.unscale, config)  # line 10
+            p8_groups = jnp.split(p8, block_kv // group_keys, axis=1) if group_keys < block_kv else [p8]
+
+            def product(lo, hi):  # P8[:, lo:hi] · V[lo:hi], one FP8 MMA
+                pv = dot_nt(p8_groups[lo // group_keys], vt_ref[:, pl.ds(blk_in * block_kv + lo, hi - lo)])
+                return pv * pv_factor if f16_acc else pv
+
+            o = block.accumulate(o, st.alpha, block.block_pv(product, config), st.unscale, config)  # line 10
             return st.m, st.row_sum, o, nz
 
         init = (
@@ -144,28 +166,34 @@ def triton_attention(
             jnp.zeros((block_q,), jnp.float32),
         )
         m, ell, o, nz = lax.fori_loop(0, kv_steps, step, init)
-        out_ref[...] = block.finalize(o, ell, config) * v_descale  # line 12
+        # line 12 here with one split; split-KV leaves it to the merge (pallas_kernels.api)
+        out_ref[...] = block.finalize(o, ell, config) * out_factor if splits == 1 else o
+        m_ref[...] = m
         rowsum_ref[...] = ell
         nzero_ref[...] = nz
 
-    row_spec = pl.BlockSpec((None, None, block_q), lambda b, h, i: (b, h, i))
-    stats = jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)
+    # program i of the last grid axis: query block i // splits, KV split i % splits
+    row_spec = pl.BlockSpec((None, None, None, block_q), lambda b, h, i: (i % splits, b, h, i // splits))
+    stats = jax.ShapeDtypeStruct((splits, batch, heads, q_len), jnp.float32)
     return pl.pallas_call(
         kernel,
-        grid=(batch, heads, q_len // block_q),
+        grid=(batch, heads, q_len // block_q * splits),
         in_specs=[
-            pl.BlockSpec((None, None, block_q, head_dim), lambda b, h, i: (b, h, i, 0)),
+            pl.BlockSpec((None, None, block_q, head_dim), lambda b, h, i: (b, h, i // splits, 0)),
             pl.BlockSpec((None, None, n_kv, head_dim), lambda b, h, i: (b, h // group, 0, 0)),
             pl.BlockSpec((None, None, head_dim, n_kv), lambda b, h, i: (b, h // group, 0, 0)),
+            pl.BlockSpec((None, None, 2, head_dim), lambda b, h, i: (b, h // group, 0, 0)),
+            pl.BlockSpec((None, schedule.shape[1]), lambda b, h, i: (i % splits, 0)),
             pl.BlockSpec((4,), lambda b, h, i: (0,)),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, block_q, head_dim), lambda b, h, i: (b, h, i, 0)),
+            pl.BlockSpec((None, None, None, block_q, head_dim), lambda b, h, i: (i % splits, b, h, i // splits, 0)),
+            row_spec,
             row_spec,
             row_spec,
         ],
-        out_shape=[jax.ShapeDtypeStruct((batch, heads, q_len, head_dim), jnp.float32), stats, stats],
+        out_shape=[jax.ShapeDtypeStruct((splits, batch, heads, q_len, head_dim), jnp.float32), stats, stats, stats],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"pcast_fp8_attention_triton_{config.scale_mode}_{config.order}",
-    )(q, k, v_t, params)
+    )(q, k, v_t, v_factors, schedule, params)

@@ -180,13 +180,11 @@ def test_f16_round_trip_survives_gpu_lowering(engine_name):
 def test_kernels_refuse_what_they_do_not_run():
     q = jnp.zeros((1, 1, 64, 128), jnp.float8_e4m3fn)
     kv = jnp.zeros((1, 1, 256, 128), jnp.float8_e4m3fn)
-    for name, field in (("trtllm_xqa_multiblock", "kv_splits"), ("sageattn2pp", "f16_round_keys")):
-        cfg = get_preset(name)
-        cfg = cfg.replace(block_kv=128, **({"f16_round_keys": 0} if field != "f16_round_keys" else {}))
-        with pytest.raises(PcastError, match=field):
-            pk.fp8_attention(q, kv, kv, config=cfg, backend="triton", interpret=True)
-    cfg = get_preset("sageattn2pp").replace(block_kv=128, f16_round_keys=0)
-    with pytest.raises(PcastError, match="v_channel_max"):
+    cfg = get_preset("sageattn2pp").replace(block_kv=128, f16_round_keys=16)
+    with pytest.raises(PcastError, match="f16_round_keys=16"):
+        pk.fp8_attention(q, kv, kv, config=cfg, backend="triton", interpret=True)
+    cfg = get_preset("fa3").replace(mma_acc_bits=14)
+    with pytest.raises(PcastError, match="mma_acc_bits=14"):
         pk.fp8_attention(q, kv, kv, config=cfg, backend="triton", interpret=True)
 
 

@@ -19,7 +19,6 @@ fractional output tolerance (``_GPU_TOL``).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import re
@@ -46,6 +45,24 @@ _INTERPRET_RTOL = 2e-6
 _INTERPRET_ATOL_PER_V = 2e-6
 _GPU_TOL = {"rtol": 1e-3, "atol_per_v": 1e-3, "fraction": 0.999, "loose_atol_per_v": 5e-2, "flips": 8}
 _F8 = jnp.float8_e4m3fn
+#: f16 accumulator: at least this fraction of outputs equal to FP32 rounding; the rest (f16 rounding
+#: midpoints decided apart, see assert_matches) within one f16 step of every rounding.
+_F16_TOL = {"fraction": 0.98}
+#: v_descale values for the f16 accumulator tests (V8 spans E4M3, so |V| reaches 448·v_descale).
+F16_V_DESCALES = (0.05, 0.3, 2.0, 30.0)
+
+
+def _assert_f16_close(out, ref, v_max, cfg, *, interpret=True):
+    """Outputs of an f16 accumulator: ``_F16_TOL["fraction"]`` equal to FP32 rounding (the GPU's
+    tolerance on a GPU), all within one f16 step (2^-10 relative) at each f16 rounding of a block:
+    (B / keys per rounding) · 2^-10 · max|V| (each block's weights sum to at most 1)."""
+    out, ref = np.asarray(out), np.asarray(ref)
+    err = np.abs(out - ref)
+    atol, rtol = (_INTERPRET_ATOL_PER_V, _INTERPRET_RTOL) if interpret else (_GPU_TOL["atol_per_v"], _GPU_TOL["rtol"])
+    tight = atol * v_max + rtol * np.abs(ref)
+    roundings = cfg.block_kv // (cfg.f16_round_keys or cfg.block_kv)
+    assert np.mean(err <= tight) >= _F16_TOL["fraction"], f"{np.mean(err > tight):.2%} outputs differ"
+    assert err.max() <= roundings * 2.0**-10 * v_max + tight.max(), f"max error {err.max() / v_max:.3g}·max|V|"
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,14 +91,8 @@ def _distinct_presets() -> list[str]:
 
 
 def _adapt(cfg: KernelConfig, backend: str) -> KernelConfig:
-    """The config as the kernels can run it.
-
-    block_kv outside the backend's sizes (64 for mosaic, FA3's 224, FlashInfer's 192) becomes 128;
-    the simulator-only fields (split-KV, f16_round_keys, v_channel_max) are dropped, so e.g.
-    sageattn2pp runs with one f16 rounding per block at V's own scale (``_kernel`` in the name).
-    """
-    if cfg.kv_splits > 1 or cfg.f16_round_keys or cfg.v_channel_max:
-        cfg = dataclasses.replace(cfg, kv_splits=1, f16_round_keys=0, v_channel_max=0.0, name=f"{cfg.name}_kernel")
+    """The config as the kernels can run it: block_kv outside the backend's sizes (64 for mosaic,
+    FA3's 224, FlashInfer's 192) becomes 128."""
     if cfg.block_kv in pk.supported_block_kv(backend):
         return cfg
     return cfg.replace(block_kv=128, name=f"{cfg.name}_b128")
@@ -111,31 +122,41 @@ class TestMosaicKernel:
         kwargs = {"softmax_scale": SCALE_FACTOR * w.softmax_scale, **DESCALES, **kwargs}
         return pk.simulate_fp8_attention(w.q, w.k, w.v, config=cfg, **kwargs)
 
-    def assert_matches(self, out, stats, ref, v_max):
-        """Kernel ≡ simulator: zero counts identical, outputs equal to FP32 rounding."""
+    def assert_matches(self, out, stats, ref, v_max, cfg=None):
+        """Kernel ≡ simulator: zero counts identical, outputs equal to FP32 rounding.
+
+        With an f16 accumulator and a V descale or channel scale that is not a power of two, the
+        kernel scales its exact FP8 product where the simulator scales V, so the value rounded to
+        f16 differs by FP32 rounding and lands on the other side of an f16 rounding midpoint now and
+        then: ``_F16_TOL`` (most outputs equal to FP32 rounding, all within one f16 step per rounding).
+        """
         assert out.shape == ref.out.shape and out.dtype == jnp.float32
         assert bool(jnp.all(jnp.isfinite(out)))
         if self.INTERPRET:
             np.testing.assert_array_equal(np.asarray(stats.n_zeroed), np.asarray(ref.n_zeroed))
-            chex.assert_trees_all_close(
-                out, ref.out, rtol=_INTERPRET_RTOL, atol=_INTERPRET_ATOL_PER_V * v_max
-            )
             chex.assert_trees_all_close(stats.row_sum, ref.row_sum, rtol=_INTERPRET_RTOL, atol=0.0)
         else:
             flips = np.abs(np.asarray(stats.n_zeroed) - np.asarray(ref.n_zeroed))
             assert flips.max() <= _GPU_TOL["flips"], f"zero counts differ by up to {flips.max()}"
+            chex.assert_trees_all_close(stats.row_sum, ref.row_sum, rtol=1e-5, atol=0.0)
+        if cfg is not None and cfg.accumulator == "f16":
+            _assert_f16_close(out, ref.out, v_max, cfg, interpret=self.INTERPRET)
+        elif self.INTERPRET:
+            chex.assert_trees_all_close(
+                out, ref.out, rtol=_INTERPRET_RTOL, atol=_INTERPRET_ATOL_PER_V * v_max
+            )
+        else:
             err = np.abs(np.asarray(out) - np.asarray(ref.out))
             bound = _GPU_TOL["atol_per_v"] * v_max + _GPU_TOL["rtol"] * np.abs(np.asarray(ref.out))
             assert np.mean(err <= bound) >= _GPU_TOL["fraction"], f"max error {err.max()}"
             assert err.max() <= _GPU_TOL["loose_atol_per_v"] * v_max, f"max error {err.max()}"
-            chex.assert_trees_all_close(stats.row_sum, ref.row_sum, rtol=1e-5, atol=0.0)
 
     def check_config(self, cfg, *, q_len=64, n=256, **workload):
         w = _workload(q_len, n, **workload)
         out, stats = self.run_kernel(w, cfg)
         ref = self.simulate(w, cfg)
         v_max = DESCALES["v_descale"] * float(jnp.max(jnp.abs(w.v.astype(jnp.float32))))
-        self.assert_matches(out, stats, ref, v_max)
+        self.assert_matches(out, stats, ref, v_max, cfg)
         return w, out, stats
 
     # -- kernel ≡ simulator ------------------------------------------------------------------
@@ -170,23 +191,44 @@ class TestMosaicKernel:
         np.testing.assert_allclose(np.asarray(out[..., -1, :]), np.asarray(out_full[..., -1, :]), rtol=0, atol=tol)
         assert np.max(np.abs(np.asarray(out[..., 0, :]) - np.asarray(out_full[..., 0, :]))) > 100 * tol
 
+    def assert_matches_oracle(self, w, cfg, out, stats, v_descale=DESCALES["v_descale"]):
+        """Kernel ≡ tests/oracle.py on batch element and head 0, within the oracle's slack for
+        values at a rounding midpoint; returns the oracle's result."""
+        q = np.asarray(w.q.astype(jnp.float32), np.float64)[0, 0]
+        k = np.asarray(w.k.astype(jnp.float32), np.float64)[0, 0]
+        v = np.asarray(w.v.astype(jnp.float32), np.float64)[0, 0] * v_descale
+        scores = (q @ k.T) * DESCALES["q_descale"] * DESCALES["k_descale"] * SCALE_FACTOR * w.softmax_scale
+        ref = oracle.attention(scores, v, **oracle.config_kwargs(cfg))
+        gpu = 0.0 if self.INTERPRET else _GPU_TOL["atol_per_v"] * float(np.max(np.abs(v)))
+        tol = 2e-6 * np.max(np.abs(ref.out)) + ref.out_slack + gpu
+        err = np.abs(np.asarray(out)[0, 0] - ref.out)
+        assert np.all(err <= tol), f"max excess {np.max(err - tol):.3g}"
+        flips = np.abs(np.asarray(stats.n_zeroed)[0, 0] - ref.n_zeroed)
+        assert np.all(flips <= ref.zeroed_slack + (0 if self.INTERPRET else _GPU_TOL["flips"]))
+        return ref
+
     @pytest.mark.parametrize("name,causal", [("fwd_s1", False), ("fa3", True)])
     def test_matches_the_independent_oracle(self, name, causal):
         """Kernel ≡ tests/oracle.py (float64 Algorithm 1 sharing no code with the kernel)."""
         cfg = _adapt(get_preset(name), self.BACKEND).replace(causal=causal)
         w = _workload(deltas=(7.0,))
         out, stats = self.run_kernel(w, cfg)
-        q = np.asarray(w.q.astype(jnp.float32), np.float64)[0, 0]
-        k = np.asarray(w.k.astype(jnp.float32), np.float64)[0, 0]
-        v = np.asarray(w.v.astype(jnp.float32), np.float64)[0, 0] * DESCALES["v_descale"]
-        scores = (q @ k.T) * DESCALES["q_descale"] * DESCALES["k_descale"] * SCALE_FACTOR * w.softmax_scale
-        ref = oracle.attention(scores, v, **oracle.config_kwargs(cfg))
-        gpu = 0.0 if self.INTERPRET else _GPU_TOL["atol_per_v"] * float(np.max(np.abs(v)))
-        tol = 2e-6 * np.max(np.abs(ref.out)) + ref.out_slack + gpu
-        assert np.all(np.abs(np.asarray(out)[0, 0] - ref.out) <= tol)
-        flips = np.abs(np.asarray(stats.n_zeroed)[0, 0] - ref.n_zeroed)
-        assert np.all(flips <= ref.zeroed_slack + (0 if self.INTERPRET else _GPU_TOL["flips"]))
+        ref = self.assert_matches_oracle(w, cfg, out, stats)
         assert ref.n_zeroed.sum() > 0
+
+    @pytest.mark.parametrize("layout,causal", [("contiguous", False), ("strided", True)])
+    def test_split_kv_matches_simulator_and_oracle(self, layout, causal):
+        """Split-KV: 3 splits over 4 KV blocks (contiguous: one split has none; strided: two idle a
+        step), each its own Algorithm-1 run with its own running max, merged in FP32 by log-sum-exp.
+        Only the split holding the sink runs under the sink's max: fewer P are zeroed than in one run."""
+        cfg = _adapt(get_preset("fwd_s1"), self.BACKEND).replace(
+            block_kv=128, kv_splits=3, split_layout=layout, causal=causal
+        )
+        w, out, stats = self.check_config(cfg, n=512, deltas=(7.0,))
+        ref = self.assert_matches_oracle(w, cfg, out, stats)
+        assert ref.n_zeroed.sum() > 0
+        _, one_run = self.run_kernel(w, cfg.replace(kv_splits=1))
+        assert int(jnp.sum(stats.n_zeroed)) < int(jnp.sum(one_run.n_zeroed))
 
     def test_non_power_of_two_descales(self):
         """Descales from per-tensor quantization (amax/448): the scores still match exactly."""
@@ -200,6 +242,28 @@ class TestMosaicKernel:
         ref = self.simulate(w, cfg, **kwargs)
         v_max = float(v_descale) * float(jnp.max(jnp.abs(v8.astype(jnp.float32))))
         self.assert_matches(out, stats, ref, v_max)
+
+    @pytest.mark.parametrize("v_descale", F16_V_DESCALES)
+    def test_sageattn2pp_matches_simulator_and_oracle(self, v_descale):
+        """SageAttention2++ as the kernel runs it: V scaled per channel to |V/c| <= 2.25 before the
+        f16 accumulator, rounded to f16 after every 32 keys; on V8 that spans E4M3 (quantize_fp8),
+        where an f16 accumulator at V's own scale overflows for large v_descale."""
+        cfg = _adapt(get_preset("sageattn2pp"), self.BACKEND)
+        assert cfg.f16_round_keys == 32 and cfg.v_channel_max == 2.25
+        w = _workload(deltas=(7.0,))
+        v8, _ = pk.quantize_fp8(jax.random.normal(jax.random.key(7), w.v.shape, jnp.float32))
+        w = w._replace(v=v8)
+        out, stats = self.run_kernel(w, cfg, v_descale=v_descale)
+        ref = self.simulate(w, cfg, v_descale=v_descale)
+        v_max = v_descale * float(jnp.max(jnp.abs(v8.astype(jnp.float32))))
+        self.assert_matches(out, stats, ref, v_max, cfg)
+        self.assert_matches_oracle(w, cfg, out, stats, v_descale=v_descale)  # within its f16 slack
+        # the comparison tells the semantics apart: the simulator without the channel scale, or
+        # rounding once per block, differs from the kernel in far more outputs than _F16_TOL allows
+        for field in ({"v_channel_max": 0.0}, {"f16_round_keys": 0}):
+            other = self.simulate(w, cfg.replace(**field), v_descale=v_descale)
+            with pytest.raises(AssertionError, match="outputs differ|max error"):
+                _assert_f16_close(out, other.out, v_max, cfg, interpret=self.INTERPRET)
 
     def test_gqa_equals_repeated_heads(self):
         w = _workload(deltas=(7.0,), heads=2, kv_heads=1)
@@ -220,6 +284,16 @@ class TestMosaicKernel:
         self.assert_matches(out, stats, ref, v_max)
         # the heads that share a KV head differ from those that do not
         assert float(jnp.max(jnp.abs(out[:, 0] - out[:, 2]))) > 1e-2 * v_max
+
+    def test_gqa_split_kv_with_channel_scale(self):
+        """4 query heads over 2 KV heads with per-channel V factors of their own, and 2 KV splits:
+        the merge multiplies each query head's output by its KV head's channel scale."""
+        w = _workload(deltas=(7.0,), heads=4, kv_heads=2)
+        cfg = _adapt(get_preset("sageattn2pp"), self.BACKEND).replace(kv_splits=2)
+        v_t = jnp.swapaxes(w.v, -1, -2)
+        factors = np.asarray(pk.api.v_channel_factors(v_t, DESCALES["v_descale"], cfg))
+        assert not np.array_equal(factors[:, 0], factors[:, 1])  # the two KV heads scale apart
+        self.check_config(cfg, deltas=(7.0,), heads=4, kv_heads=2)
 
     def test_v_transposed_input(self):
         w = _workload(deltas=(7.0,))
@@ -282,7 +356,10 @@ def _lower_for_hopper(backend, cfg, *, q_len=128, n=512, head_dim=128, heads=4, 
         ("rev_s1", True, 128, 64),
         ("fa3", True, 128, 128),
         ("sageattn2pp", False, 128, 128),
+        ("sageattn2pp", True, 64, 64),
         ("dynamic_pow2", True, 64, 128),
+        ("trtllm_xqa_multiblock", False, 64, 128),
+        ("fa3_splitkv", True, 128, 128),
     ],
 )
 def test_mosaic_lowers_for_hopper(name, causal, q_len, head_dim):
@@ -319,7 +396,16 @@ def _triton_module_text(lowered) -> str:
         return str(ir.Module.parse(payload))
 
 
-@pytest.mark.parametrize("name,causal", [("fwd_s1", False), ("fa3", True), ("dynamic_pow2", False)])
+@pytest.mark.parametrize(
+    "name,causal",
+    [
+        ("fwd_s1", False),
+        ("fa3", True),
+        ("dynamic_pow2", False),
+        ("trtllm_xqa_multiblock", False),
+        ("fa3_splitkv", True),
+    ],
+)
 def test_triton_lowers_for_hopper(name, causal):
     cfg = _adapt(get_preset(name), "triton").replace(causal=causal)
     lowered = _lower_for_hopper("triton", cfg)
@@ -329,6 +415,28 @@ def test_triton_lowers_for_hopper(name, causal):
     dots = re.findall(fp8_dot, ir_text)
     assert len(dots) == 2, "expected Q·Kᵀ and P8·V as FP8 × FP8 → FP32 dots"
     assert re.search(r"tt\.fp_to_fp .*rounding = rtne.*-> tensor<\d+x\d+xf8E4M3FN>", ir_text)
+
+
+@pytest.mark.parametrize("backend", pk.BACKENDS)
+def test_split_kv_lowers_for_hopper_with_an_odd_step_count(backend):
+    """6 KV blocks over 2 contiguous splits: 3 steps each, read from the schedule inside the kernel."""
+    cfg = get_preset("fa3").replace(block_kv=128, kv_splits=2)
+    text = _lower_for_hopper(backend, cfg, n=768).as_text()
+    assert ("custom_call @mosaic_gpu" if backend == "mosaic" else "custom_call @__gpu$xla.gpu.triton") in text
+
+
+@pytest.mark.parametrize("block_kv,round_keys", [(64, 32), (128, 64), (128, 0)])
+def test_triton_f16_accumulator_lowers_for_hopper(block_kv, round_keys):
+    """SageAttention2++'s P·V: one FP8 dot per f16 rounding group, each rounded to f16 and back."""
+    cfg = get_preset("sageattn2pp").replace(block_kv=block_kv, f16_round_keys=round_keys)
+    ir_text = _triton_module_text(_lower_for_hopper("triton", cfg))
+    groups = block_kv // (round_keys or block_kv)
+    fp8_dot = r"tt\.dot .*: tensor<\d+x(\d+)xf8E4M3FN> \* tensor<(\d+)x\d+xf8E4M3FN> -> tensor<\d+x\d+xf32>"
+    dots = re.findall(fp8_dot, ir_text)
+    assert len(dots) == 1 + groups, "expected Q·Kᵀ and one P8·V dot per f16 rounding group"
+    assert [int(k) for k, _ in dots[1:]] == [block_kv // groups] * groups  # each P8·V covers its keys
+    to_f16 = re.findall(r"arith\.truncf .*to tensor<\d+x\d+xf16>", ir_text)
+    assert len(to_f16) >= groups
 
 
 # ----------------------------------------------------------------------------------------------
@@ -367,6 +475,10 @@ def _call(q, k, v, config=None, **kwargs):
         ({"q_descale": -1.0}, r"q_descale=-1.0 must be > 0"),
         ({"v_descale": jnp.ones(3)}, r"v_descale=.* must be a positive scalar"),
         ({"num_slots": 1}, r"num_slots=1 must be >= 2"),
+        (
+            {"config": get_preset("sageattn2pp").replace(block_kv=128, f16_round_keys=16)},
+            r"f16_round_keys=16 not supported by the kernels: one FP8 MMA covers a multiple of 32 keys",
+        ),
         ({"interpret": "yes"}, r"interpret='yes' must be True or False"),
     ],
 )
@@ -493,21 +605,28 @@ def test_gpu_bench_table2_smoke(capsys):
 def test_mosaic_ring_has_no_races():
     """The interpreter's race detector sees no unsynchronized SMEM access in the TMA ring.
 
-    Two compute warpgroups and the memory warpgroup share 2 K/Vᵀ slots over 4 KV steps; the
+    Two compute warpgroups and the memory warpgroup share 2 K/Vᵀ slots over 4 KV steps (and over
+    the 1–2 steps of each of 3 strided KV splits with f16 rounding groups of 32 keys); the
     interpreter also checks that every barrier phase is observed (it rejects the kernel if the
     producer skips a wait on a "slot free" barrier).
     """
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # the detector's state
 
-    from pallas_kernels import mosaic_gpu
+    from pallas_kernels import api, mosaic_gpu
+    from pcast_jax import block
 
     w = _workload(128, 512, deltas=(7.0,))
-    params = jnp.array([w.softmax_scale, 1.0, 0.0, 0.0], jnp.float32)
-    for cfg in (get_preset("fa3").replace(block_kv=128), get_preset("fwd_s1").replace(block_kv=128, causal=True)):
+    params = jnp.array([w.softmax_scale, 0.0, 0.0, 0.0], jnp.float32)
+    v_t = jnp.swapaxes(w.v, -1, -2)
+    for cfg in (
+        get_preset("fa3").replace(block_kv=128),
+        get_preset("fwd_s1").replace(block_kv=128, causal=True),
+        get_preset("sageattn2pp").replace(block_kv=128, kv_splits=3, split_layout="strided"),
+    ):
         out = mosaic_gpu.mosaic_attention(
-            w.q, w.k, jnp.swapaxes(w.v, -1, -2), params, config=cfg,
-            interpret=plgpu.InterpretGPUParams(detect_races=True),
+            w.q, w.k, v_t, api.v_channel_factors(v_t, 1.0, cfg), jnp.asarray(block.split_schedule(4, cfg)), params,
+            config=cfg, interpret=plgpu.InterpretGPUParams(detect_races=True),
         )
         jax.block_until_ready(out)
         assert not gpu_callbacks.get_races().races_found
