@@ -8,6 +8,13 @@ Parts:
 * ``table2`` — the paper's Table 2 configurations (Δ = 7, N = 4096, d = 128, k_sink = 4) through
   each kernel and through the scan-engine simulator on the same FP8 inputs; prints both MSEs
   against the exact FP32 softmax of the same scores.
+* ``mma`` — fits the FP8 MMA accumulator model (``KernelConfig.mma_acc_bits``) to the Mosaic GPU
+  kernel: flat scores (Δ = 0), S = 448, forward, B = 128, so each KV block's P8·V partial sums are
+  large and the accumulator's truncation shows. The kernel adds a fresh wgmma accumulator per KV
+  block to FP32 O (promotion per tile), so the simulator runs ``mma_promote_keys = block_kv`` with
+  ``mma_acc_bits`` over 10..23 and exact FP32 (0); the fitted value is the one whose output is
+  closest (mean squared difference) to the kernel's. Until this has run on Hopper the 14 bits used
+  elsewhere are an assumption (DeepSeek-V3 technical report §3.3.2).
 
 ``--cpu-smoke`` runs both parts at a tiny size with the kernels in interpret mode (no GPU
 needed; the timings are then meaningless and cuDNN is skipped). Usage (repo root)::
@@ -25,19 +32,22 @@ import traceback
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import pallas_kernels as pk
 from pallas_kernels.workloads import sink_qkv
 from pcast_jax import engine
-from pcast_jax.config import PAPER_CONFIGS, get_preset
+from pcast_jax.config import PAPER_CONFIGS, KernelConfig, get_preset
 
 #: The paper's Table 2, N = 4096 column (MSE × 1e-5; Q, K, V in FP32, B = 64, q_len = 32).
 PAPER_TABLE2_N4096 = {"fwd_s1": 5.65, "rev_s1": 1.70, "fwd_s448": 1.81, "fwd_s256": 1.64, "rev_s256": 1.64}
+#: Accumulator mantissa bits the ``mma`` part tries (0 = exact FP32 accumulation).
+MMA_FIT_BITS = (0,) + tuple(range(10, 24))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("timing", "table2", "all"), default="all")
+    parser.add_argument("--part", choices=("timing", "table2", "mma", "all"), default="all")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny sizes, interpret mode, no GPU")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384], help="N = Lq for timing")
     parser.add_argument("--tokens", type=int, default=131072, help="batch·heads·N for timing (fills the chip)")
@@ -159,11 +169,69 @@ def run_table2(args) -> list[dict]:
     return rows
 
 
+#: Relative mean squared mismatch below which a model counts as a perfect fit: (2^-20)², about the
+#: FP32 rounding of a kernel's and the simulator's sums taken in different orders.
+FIT_RESOLUTION = 2.0**-40
+
+
+def fit_accumulator_bits(kernel_out, simulated: dict, *, resolution: float = FIT_RESOLUTION) -> tuple[int, dict]:
+    """The accumulator model closest to a kernel's output.
+
+    ``simulated`` maps mantissa bits (0 = exact FP32) to the simulator's output on the same inputs.
+    Returns ``(best bits, {bits: mean squared difference from kernel_out})``: the smallest
+    difference, except that every model within ``resolution`` × mean(kernel_out²) counts as a
+    perfect fit, and among those exact FP32 wins, then the most bits (the simplest model).
+    """
+    if not simulated:
+        raise ValueError("simulated must hold at least one model output")
+    k = np.asarray(kernel_out, np.float64)
+    err = {}
+    for bits, out in simulated.items():
+        o = np.asarray(out, np.float64)
+        if o.shape != k.shape:
+            raise ValueError(f"simulated[{bits}] has shape {o.shape}, kernel_out {k.shape}")
+        err[bits] = float(np.mean((o - k) ** 2))
+    floor = resolution * float(np.mean(k**2))
+    best = min(err, key=lambda b: (max(err[b], floor), b != 0, -b))
+    return best, err
+
+
+def mma_fit_config(bits: int, block_kv: int = 128) -> KernelConfig:
+    """The ``mma`` part's workload config: forward, S = 448 (multiply), per-tile promotion."""
+    base = KernelConfig(order="forward", scale=448.0, scale_mode="multiply", block_kv=block_kv)
+    return base if not bits else base.replace(mma_acc_bits=bits, mma_promote_keys=block_kv)
+
+
+def run_mma(args) -> tuple[int, dict]:
+    """Fits the accumulator bits to the Mosaic kernel; prints every candidate's mismatch."""
+    interpret = args.cpu_smoke
+    n, heads = (256, 1) if args.cpu_smoke else (4096, 8)
+    q_len = 64 if args.cpu_smoke else 128
+    w = sink_qkv(jax.random.key(7), deltas=[0.0], heads=heads, kv_heads=heads, q_len=q_len, n=n)
+    base = mma_fit_config(0)
+    out = pk.fp8_attention(w.q, w.k, w.v, config=base, backend="mosaic", interpret=interpret,
+                           softmax_scale=w.softmax_scale)
+    grid = (0, 12, 14, 23) if args.cpu_smoke else MMA_FIT_BITS
+    sims = {b: pk.simulate_fp8_attention(w.q, w.k, w.v, config=mma_fit_config(b), softmax_scale=w.softmax_scale,
+                                         engine="fast").out for b in grid}
+    best, err = fit_accumulator_bits(out, sims)
+    scale = float(jnp.mean(jnp.asarray(out, jnp.float32) ** 2))
+    print(f"\n== mma: accumulator fit, mosaic kernel, Δ=0, N={n}, heads={heads}, q_len={q_len}, d=128, "
+          f"forward S=448, B=128 (fresh accumulator per block), interpret={interpret} ==")
+    print(f"{'bits':>5} {'mean sq. diff':>14} {'rel. to mean sq. out':>21}")
+    for b in grid:
+        print(f"{'exact' if b == 0 else b:>5} {err[b]:>14.4e} {err[b] / scale:>21.3e}")
+    tied = [b for b in grid if err[b] <= FIT_RESOLUTION * scale]
+    print(f"fitted accumulator: {'exact FP32' if best == 0 else f'{best} mantissa bits (truncation)'}"
+          + (f" (within FP32 rounding: {', '.join('exact' if b == 0 else str(b) for b in tied)})" if tied else ""))
+    return best, err
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
     status = 0
-    for part, fn in (("timing", run_timing), ("table2", run_table2)):
+    for part, fn in (("timing", run_timing), ("table2", run_table2), ("mma", run_mma)):
         if args.part in (part, "all"):
             try:
                 fn(args)

@@ -30,8 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "figure3_n, appendix_a, appendix_b, table3_kernels); report.md then holds "
                              "only them")
     parser.add_argument("--extras", default="real_model", metavar="NAME[,NAME]",
-                        help="studies beyond the paper to append to a full run: real_model, whatif, or "
-                             "none (default: real_model; whatif adds about two minutes)")
+                        help="studies beyond the paper to append to a full run: real_model, whatif, formats, "
+                             "mma_accumulation, or none (default: real_model; whatif adds about two minutes, "
+                             "formats and mma_accumulation about one each)")
     parser.add_argument("--fresh", action="store_true",
                         help="recompute every sweep instead of resuming from DIR/sweeps")
     bar = parser.add_mutually_exclusive_group()

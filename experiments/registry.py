@@ -44,6 +44,7 @@ EXTRA_SECTIONS: dict[str, tuple[str, str]] = {
     "real_model": (".model_report", "model_section"),
     "whatif": (".whatif_report", "whatif_section"),
     "formats": (".formats_report", "formats_section"),
+    "mma_accumulation": (".mma_accumulation", "mma_section"),
 }
 DEFAULT_EXTRAS = ("real_model",)
 
@@ -85,6 +86,9 @@ FILE_DESCRIPTIONS: dict[str, str] = {
                          "fraction of non-sink P zeroed, zeroed mass, MSE and relative MSE vs FP32",
     "formats_e2e.csv": "P formats beyond E4M3 on SmolLM2-135M end to end: perplexity, its change, "
                        "KL(FP32 ‖ run) (nats, mean and max), top-1 agreement with the FP32 model",
+    "mma_accumulation.csv": "FP8 MMA accumulation (a model until a GPU fits it; with --extras mma_accumulation), "
+                            "per (config, Δ, N): MSE with exact FP32 accumulation, with a 14-bit accumulator "
+                            "never promoted (FA3/XQA path) and promoted per tile, their ratios",
     "run.json": "exact configuration: sizes, every SweepSpec (as a dict) with its fingerprint and folder, "
                 "seeds, library versions, devices, wall and CPU time per experiment and per sweep",
     "sweeps/": "the sweep engine's folders (spec.json, chunks/, results.npz, summary.csv): a rerun "

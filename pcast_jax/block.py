@@ -33,7 +33,8 @@ import numpy as np
 from jax import lax
 
 from pcast_jax import formats
-from pcast_jax.config import KernelConfig
+from pcast_jax.config import MMA_K, KernelConfig
+from pcast_jax.errors import PcastError
 
 __all__ = [
     "LOG2E",
@@ -50,6 +51,9 @@ __all__ = [
     "block_pv",
     "block_product",
     "accumulate",
+    "truncate_mantissa",
+    "mma_chain",
+    "accumulate_pv",
     "epilogue_divisor",
     "finalize",
     "kv_block",
@@ -188,7 +192,9 @@ def round_product(pv, cfg: KernelConfig, *, carry=None, barrier=None):
 def block_pv(product, cfg: KernelConfig, *, barrier=None, scales=None):
     """Line 10's P8·V_j as the accumulator produces it, from ``product(lo, hi)`` = P8[:, lo:hi]·V[lo:hi].
 
-    FP32 accumulator: one exact product. f16 accumulator: one f16 MMA per ``f16_round_keys`` keys
+    FP32 accumulator: one exact product; with the MMA accumulator model (``mma_acc_bits``, promoted
+    every ``mma_promote_keys`` keys) one :func:`mma_chain` per promotion group from a fresh (zero)
+    accumulator, the groups added in FP32. f16 accumulator: one f16 MMA per ``f16_round_keys`` keys
     (all B keys when 0), each adding its exact product to the f16 partial sum of the block and
     rounding to float16 (:func:`round_product`); the block's f16 sum is what is added to FP32 O.
 
@@ -203,6 +209,15 @@ def block_pv(product, cfg: KernelConfig, *, barrier=None, scales=None):
             pv = product(g * bs, (g + 1) * bs)
             pv = expand_rows(scales[..., g], pv.shape) * pv
             acc = pv if acc is None else acc + pv
+        return acc
+    if cfg.mma_acc_bits:
+        if not cfg.mma_promote_keys:
+            raise PcastError("mma_promote_keys=0 (never promoted): the MMA adds the block to α·O itself, "
+                             "so line 10 is accumulate_pv, not block_pv")
+        acc = None
+        for lo in range(0, b, cfg.mma_promote_keys):  # each group a fresh MMA accumulator, summed in FP32
+            y = mma_chain(None, product, lo, lo + cfg.mma_promote_keys, cfg)
+            acc = y if acc is None else acc + y
         return acc
     if cfg.accumulator != "f16":
         return product(0, b)
@@ -241,6 +256,47 @@ def block_product(pv, unscale, cfg: KernelConfig):
 def accumulate(o, a, pv, unscale, cfg: KernelConfig):
     """Line 10: O = α O + P8·V_j, with ``pv`` the FP32 product of the block."""
     return expand_rows(a, o.shape) * o + block_product(pv, unscale, cfg)
+
+
+def truncate_mantissa(x, bits: int):
+    """float32 ``x`` with its mantissa cut to ``bits`` explicit bits, toward zero (bits ≥ 23: ``x``).
+
+    The low ``23 − bits`` bits of the float32 encoding are cleared, so normal and subnormal
+    values alike lose their trailing bits (the magnitude never grows). Used by the simulator's MMA
+    accumulator model only; the kernels' tensor cores do this themselves.
+    """
+    drop = 23 - bits
+    if drop <= 0:
+        return x
+    mask = jnp.uint32((0xFFFFFFFF << drop) & 0xFFFFFFFF)
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.uint32) & mask, jnp.float32)
+
+
+def mma_chain(acc, product, lo: int, hi: int, cfg: KernelConfig):
+    """Line 10's P8·V for keys [lo, hi) as the FP8 MMA accumulator adds it, one K-step at a time.
+
+    ``acc``: what the accumulator holds before (None: a fresh, zero accumulator); ``product(a, b)``
+    = P8[:, a:b]·V[a:b] exact in FP32. Every MMA K-step (:data:`pcast_jax.config.MMA_K` = 32 keys)
+    adds its product to the running sum and the sum keeps ``cfg.mma_acc_bits`` mantissa bits,
+    truncated (:func:`truncate_mantissa`). A model: the bit count and the truncation are assumptions
+    (DeepSeek-V3 technical report §3.3.2), not read from a kernel's source.
+    """
+    for k in range(lo, hi, MMA_K):
+        part = product(k, k + MMA_K)
+        acc = truncate_mantissa(part if acc is None else acc + part, cfg.mma_acc_bits)
+    return acc
+
+
+def accumulate_pv(o, a, product, unscale, cfg: KernelConfig, *, barrier=None, scales=None):
+    """Line 10 from ``product(lo, hi)``: O = α O + P8·V_j, with the block's product as the MMA makes it.
+
+    Never-promoted MMA accumulator model (``mma_acc_bits`` > 0, ``mma_promote_keys`` = 0): O lives
+    in the MMA accumulator, so α·O (an FP32 multiply of the accumulator registers) is where the
+    block's :func:`mma_chain` starts. Otherwise :func:`accumulate` of :func:`block_pv`.
+    """
+    if cfg.mma_acc_bits and not cfg.mma_promote_keys:
+        return mma_chain(expand_rows(a, o.shape) * o, product, 0, cfg.block_kv, cfg)
+    return accumulate(o, a, block_pv(product, cfg, barrier=barrier, scales=scales), unscale, cfg)
 
 
 def epilogue_divisor(row_sum, cfg: KernelConfig):

@@ -29,8 +29,9 @@ import numpy as np
 from pcast_jax import formats
 from pcast_jax.errors import F32_MAX, PcastError, check_choice, check_int, check_positive
 
-__all__ = ["KernelConfig", "QKV_GRANULARITIES", "PRESETS", "TILES_BY_HEAD_DIM", "preset_for", "PAPER_CONFIGS",
-           "KERNEL_PRESETS", "BLOCK_SCALED_PRESETS", "get_preset", "resolve"]
+__all__ = ["KernelConfig", "MMA_K", "MMA_PROMOTION", "MMA_ACC_BITS_HOPPER", "mma_model", "QKV_GRANULARITIES",
+           "PRESETS", "TILES_BY_HEAD_DIM", "preset_for", "PAPER_CONFIGS", "KERNEL_PRESETS", "BLOCK_SCALED_PRESETS",
+           "get_preset", "resolve"]
 
 ORDERS = ("forward", "reverse")
 SCALE_MODES = ("multiply", "exponent", "dynamic")
@@ -40,6 +41,12 @@ SCALE_MIN, SCALE_MAX = 2.0**-100, 2.0**100
 QKV_PRECISIONS = ("f32", "e4m3")
 QKV_GRANULARITIES = ("tensor", "head")
 SPLIT_LAYOUTS = ("contiguous", "strided")
+#: Keys one FP8 tensor-core MMA instruction covers (its K): Hopper ``wgmma`` with 8-bit operands
+#: has K × sizeof(e4m3) = 32 bytes (PTX ISA, wgmma shapes m64nNk32 for .e4m3/.e5m2); the
+#: ``mma.sync`` FP8 shape is m16n8k32. The MMA accumulator model rounds after every MMA_K keys.
+MMA_K = 32
+#: Largest mantissa width of the MMA accumulator model (23 = FP32's, truncated instead of rounded).
+MMA_ACC_BITS_MAX = 23
 
 
 _DEFAULT_BLOCK_KV = 64
@@ -79,6 +86,21 @@ class KernelConfig:
       v_channel_max: with the f16 accumulator, V is scaled per channel (over the KV length) so that
         max|V| = this value before the f16 accumulation, and the scale is multiplied back after it
         (SageAttention2++ ``quant_v_scale_max``). 0 = V as it is.
+      mma_acc_bits: a *model* (not yet measured on a GPU) of the FP8 tensor core's "FP32" P·V
+        accumulator: 0 = exact FP32 (the paper's simulator). b in 1..23: the MMA's running P·V
+        partial sum keeps b explicit mantissa bits, truncated toward zero after every MMA K-step of
+        :data:`MMA_K` = 32 keys (assumption from the DeepSeek-V3 technical report §3.3.2: Hopper's
+        FP8 GEMM accumulation "retains around 14 bits"; SageAttention's ``sageattention/core.py``
+        calls it "FP32 (actually FP22)", i.e. 13 bits). Needs the FP32 accumulator, an element P
+        format and a ``block_kv`` that is a multiple of 32.
+      mma_promote_keys: with ``mma_acc_bits``, after how many keys the kernel promotes the MMA's
+        partial sum into exact FP32 registers (a fresh MMA accumulator then starts at 0). 0 = never:
+        O itself lives in the MMA accumulator across all KV blocks, α·O rescaled in place and every
+        block's products added by the MMA (FlashAttention-3, TensorRT-LLM XQA). k > 0: a multiple
+        of 32 that divides ``block_kv``; ``block_kv`` = one fresh accumulator per KV tile added to
+        FP32 O (hpc-ops, SageAttention2 on SM90 with ``pv_accum_dtype="fp32+fp32"``, this package's
+        Pallas kernels); smaller k as DeepGEMM promotes every 128 keys. The 0 (never) form cannot
+        take the dynamic scale mode (its 2^-k multiplies a block's product outside the MMA).
       name: a label for reports, not part of the identity: two configs are equal (and hash alike)
         when their semantics are, whatever their names. Empty → :meth:`default_name`.
 
@@ -100,6 +122,8 @@ class KernelConfig:
     split_layout: str = "contiguous"
     f16_round_keys: int = 0
     v_channel_max: float = 0.0
+    mma_acc_bits: int = 0
+    mma_promote_keys: int = 0
     name: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self):
@@ -142,6 +166,7 @@ class KernelConfig:
             object.__setattr__(self, "f16_round_keys", 0)
         if self.accumulator == "f32":
             object.__setattr__(self, "v_channel_max", 0.0)
+        self._check_mma()
         bf = self.block_format
         if bf is not None:
             if self.block_kv % bf.block:
@@ -158,14 +183,40 @@ class KernelConfig:
         if not self.name:
             object.__setattr__(self, "name", self.default_name())
 
+    def _check_mma(self) -> None:
+        """Validates and normalises ``mma_acc_bits`` / ``mma_promote_keys`` (PcastError naming them)."""
+        bits = check_int("mma_acc_bits", self.mma_acc_bits, min_value=0, max_value=MMA_ACC_BITS_MAX)
+        object.__setattr__(self, "mma_acc_bits", bits)
+        keys = check_int("mma_promote_keys", self.mma_promote_keys, min_value=0, max_value=1 << 16)
+        if not bits:  # exact FP32: where the MMA would promote does not act
+            object.__setattr__(self, "mma_promote_keys", 0)
+            return
+        if self.accumulator != "f32":
+            raise PcastError(f"mma_acc_bits={bits} needs accumulator='f32' (the f16 accumulator is its own "
+                             "model: f16_round_keys)")
+        if self.block_format is not None:
+            raise PcastError(f"mma_acc_bits={bits} is not modelled with the block-scaled p_format="
+                             f"{self.p_format!r}: use an element format")
+        if self.block_kv % MMA_K:
+            raise PcastError(f"block_kv={self.block_kv} must be a multiple of the MMA K = {MMA_K} keys with "
+                             f"mma_acc_bits={bits}")
+        if keys and (keys % MMA_K or self.block_kv % keys):
+            raise PcastError(f"mma_promote_keys={keys} must be a multiple of {MMA_K} that divides "
+                             f"block_kv={self.block_kv} (or 0: never promoted)")
+        if not keys and self.scale_mode == "dynamic":
+            raise PcastError("scale_mode='dynamic' needs mma_promote_keys > 0 with mma_acc_bits: its per-block "
+                             "2^-k multiplies the block's product outside the MMA accumulator")
+        object.__setattr__(self, "mma_promote_keys", keys)
+
     def default_name(self) -> str:
         """``fwd_s1``-style label naming every field that differs from its default.
 
         Order and scale always appear; then ``_exp`` (exponent mode), ``_b128`` (block_kv),
         ``_e5m2`` (P format), ``_nan`` (overflow), ``_f16acc`` (with ``_r32`` for f16_round_keys and
         ``_v2.25`` for v_channel_max), ``_qkv8`` / ``_qkv8h`` (E4M3 Q/K/V per tensor / per head),
-        ``_causal`` and ``_split8`` / ``_split8s`` (kv_splits, contiguous / strided). Two configs with
-        different semantics never share a default name.
+        ``_causal``, ``_split8`` / ``_split8s`` (kv_splits, contiguous / strided) and ``_acc14`` (the
+        MMA accumulator model, never promoted) / ``_acc14p128`` (promoted every 128 keys). Two configs
+        with different semantics never share a default name.
         """
         parts = [self.order[:3], "sdyn" if self.scale_mode == "dynamic" else "s" + repr(self.scale).removesuffix(".0")]
         if self.scale_mode == "exponent":
@@ -188,6 +239,8 @@ class KernelConfig:
             parts.append("causal")
         if self.kv_splits > 1:
             parts.append(f"split{self.kv_splits}" + ("s" if self.split_layout == "strided" else ""))
+        if self.mma_acc_bits:
+            parts.append(f"acc{self.mma_acc_bits}" + (f"p{self.mma_promote_keys}" if self.mma_promote_keys else ""))
         return "_".join(parts)
 
     def to_dict(self) -> dict:
@@ -195,12 +248,14 @@ class KernelConfig:
 
         ``qkv_granularity`` is written only where it acts (E4M3 Q/K/V), so sweeps recorded before
         the field existed keep their fingerprints. Likewise ``kv_splits``, ``split_layout``,
-        ``f16_round_keys`` and ``v_channel_max`` are written only when they differ from their defaults.
+        ``f16_round_keys``, ``v_channel_max``, ``mma_acc_bits`` and ``mma_promote_keys`` are written only
+        when they differ from their defaults.
         """
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if self.qkv == "f32":
             del d["qkv_granularity"]
-        for key in ("kv_splits", "split_layout", "f16_round_keys", "v_channel_max"):
+        for key in ("kv_splits", "split_layout", "f16_round_keys", "v_channel_max", "mma_acc_bits",
+                    "mma_promote_keys"):
             if d[key] == _DEFAULTS[key]:
                 del d[key]
         return d
@@ -311,6 +366,10 @@ class KernelConfig:
             extra.append("causal")
         if self.kv_splits > 1:
             extra.append(f"{self.kv_splits} {self.split_layout} KV splits")
+        if self.mma_acc_bits:
+            where = (f"promoted to FP32 every {self.mma_promote_keys} keys" if self.mma_promote_keys
+                     else "never promoted")
+            extra.append(f"{self.mma_acc_bits}-bit MMA accumulator model, {where}")
         tail = (", " + ", ".join(extra)) if extra else ""
         return f"{self.order}, {s}, B={self.block_kv}{tail}"
 
@@ -491,6 +550,57 @@ BLOCK_SCALED_PRESETS: dict[str, KernelConfig] = {
 }
 
 PRESETS: dict[str, KernelConfig] = {**PAPER_CONFIGS, **KERNEL_PRESETS, **BLOCK_SCALED_PRESETS}
+
+#: Where each kernel adds its FP8 P·V MMA results into exact FP32 registers, i.e. the
+#: ``mma_promote_keys`` its accumulator model takes: ``"never"`` (0: O lives in the wgmma accumulator
+#: across KV blocks) or ``"tile"`` (``block_kv``: a fresh accumulator per KV tile, added to FP32 O).
+#: Read from source; kernels missing here were not read (FlashInfer SM90: its mainloop's PV
+#: accumulation not re-read; FlashAttention-4: Blackwell tcgen05, outside the Hopper model;
+#: SageAttention2++: its f16 accumulator is its own model).
+MMA_PROMOTION: dict[str, str] = {
+    # FlashAttention-3, hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp (commit 0251105a): clear(tOrO) once
+    # (line 1166), then every n_block's P·V is flash::gemm</*zero_init=*/false>(tiled_mma_pv, ..., tOrO)
+    # into the same accumulator (line 1182), rescaled in place by softmax.rescale_o (1178 / 1205).
+    "fa3": "never",
+    "fa3_splitkv": "never",  # the same mainloop per split
+    # TensorRT-LLM XQA, cpp/kernels/xqa/mha_sm90.cu: rescaleGemm1AccForNewRowMax_sync(..., acc, ...)
+    # rescales the gemm1 accumulator `acc` before each tile's X·V wgmma accumulates into it (its own
+    # comment: "if first tile, no need to rescale acc"); line numbers not read.
+    "trtllm_xqa": "never",
+    "trtllm_xqa_multiblock": "never",  # per CTA
+    # SageAttention2 on SM90: sageattention/core.py line 151 picks pv_accum_dtype="fp32+fp32" ("PV
+    # accumulation is done in FP32 (actually FP22), but added to a FP32 buffer", line 688);
+    # csrc/qattn/qk_int_sv_f8_cuda_sm90.cu (commit d1a57a5): a fresh RO_temp per KV tile (line 328,
+    # first wgmma with scale-d 0 at 333, one wgmma per 32 keys at 337), RO += RO_temp in FP32 at 353.
+    "sageattn2": "tile",
+    # hpc-ops prefill FP8, src/attention/prefill/kernels.cuh: per-tile fresh accumulator added in FP32
+    # (line numbers not read).
+    "hpc_ops": "tile",
+    "hpc_ops_prior": "tile",
+}
+#: Other promotion intervals in the wild: DeepGEMM's SM90 FP8 GEMM promotes the wgmma accumulator into
+#: FP32 registers every BLOCK_K = 128 (deep_gemm/include/deep_gemm/impls/sm90_fp8_gemm_1d1d.cuh lines
+#: 249 and 303, "Promote with scales", commit 54e2261); this package's Pallas Mosaic kernel uses a fresh
+#: accumulator per KV block (pallas_kernels/mosaic_gpu.py, ``plgpu.ACC`` per block, then
+#: ``block.accumulate``): ``"tile"``.
+#: Mantissa bits of the default accumulator model: "around 14 bits" (DeepSeek-V3 technical report
+#: §3.3.2, measured on H800; an assumption until ``benchmarks/gpu_check.sh`` fits it on Hopper).
+MMA_ACC_BITS_HOPPER = 14
+
+
+def mma_model(name: str, bits: int = MMA_ACC_BITS_HOPPER) -> KernelConfig:
+    """A MODEL variant of preset ``name`` with the FP8 MMA accumulator of ``bits`` mantissa bits.
+
+    The promotion interval follows :data:`MMA_PROMOTION` (``"never"`` → 0, ``"tile"`` → the preset's
+    ``block_kv``); the name gains ``_mma{bits}``. Not part of :data:`PRESETS`: the bit count is an
+    assumption until a GPU measures it. Presets whose path was not read raise :class:`PcastError`.
+    """
+    cfg = get_preset(name)
+    if name not in MMA_PROMOTION:
+        raise PcastError(f"preset={name!r}: its MMA accumulation path was not read from source; presets with "
+                         f"one: {', '.join(MMA_PROMOTION)}")
+    promote = 0 if MMA_PROMOTION[name] == "never" else cfg.block_kv
+    return dataclasses.replace(cfg, mma_acc_bits=bits, mma_promote_keys=promote, name=f"{name}_mma{bits}")
 
 
 def get_preset(name: str) -> KernelConfig:

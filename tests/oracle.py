@@ -155,7 +155,7 @@ class OracleResult:
 def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", block_kv=64,
               p_format="e4m3", overflow="satfinite", accumulator="f32", causal=False,
               count_mask=None, kv_splits=1, split_layout="contiguous", f16_round_keys=0,
-              v_channel_max=0.0) -> OracleResult:
+              v_channel_max=0.0, mma_acc_bits=0, mma_promote_keys=0) -> OracleResult:
     """Algorithm 1 for every query row of ``scores`` (q, N) against ``v`` (N, d), in float64.
 
     ``scale_mode``: ``"multiply"`` casts P·S and divides by S·ℓ (ℓ of unscaled P);
@@ -172,6 +172,12 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
     time and rounds the running block sum to float16 after each. ``v_channel_max`` > 0 (f16 only):
     V is divided per column by max|V[:, c]| / v_channel_max before the products and the output
     multiplied back by it.
+
+    FP8 MMA accumulator model (``mma_acc_bits`` = b > 0, FP32 accumulator only): the MMA adds
+    32 keys' exact products at a time to its running sum and keeps b mantissa bits of it, cut
+    toward zero (:func:`truncate`). ``mma_promote_keys`` = 0: that running sum is O itself, across
+    blocks (it starts each block as α·O); k > 0: every k keys a fresh running sum starts at 0 and
+    its final value is added to O exactly.
     """
     line = BLOCKED[p_format][0] if p_format in BLOCKED else LINES[p_format]
     s = np.asarray(scores, np.float64)
@@ -201,8 +207,9 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
     else:
         members = [list(range(i, n_blocks, kv_splits)) for i in range(kv_splits)]
     group = f16_round_keys or block_kv
+    mma = (mma_acc_bits, mma_promote_keys)
     runs = [_one_split(s, v, counted, blks[::-1] if order == "reverse" else blks, line, block_kv, group,
-                       scale, scale_mode, overflow, accumulator, p_format) for blks in members]
+                       scale, scale_mode, overflow, accumulator, p_format, mma) for blks in members]
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         m_all = np.max([r[0] for r in runs], axis=0)
         m_ok = np.where(m_all == -np.inf, 0.0, m_all)
@@ -228,7 +235,8 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
         return OracleResult(out * colscale, ell, nz, lz / ell, out_slack * colscale, zslack)
 
 
-def _one_split(s, v, counted, blocks, line, block_kv, group, scale, scale_mode, overflow, accumulator, p_format):
+def _one_split(s, v, counted, blocks, line, block_kv, group, scale, scale_mode, overflow, accumulator, p_format,
+               mma=(0, 0)):
     """Algorithm 1 over ``blocks`` (in visiting order): (m, ℓ, O, zeroed, zeroed mass, slack, zeroed slack)."""
     q = s.shape[0]
     d = v.shape[1]
@@ -267,9 +275,26 @@ def _one_split(s, v, counted, blocks, line, block_kv, group, scale, scale_mode, 
                 y_slack = (near * step) @ np.abs(vj)
             else:
                 p8, near = round_fp8(ps, line, overflow)
-                y_slack = (near * _step(ps, line)) @ np.abs(vj)
+                key_slack = near * _step(ps, line)
+                y_slack = key_slack @ np.abs(vj)
                 near_zero = np.abs(ps - rtz) <= NEAR * rtz
-            if accumulator == "f16":  # one f16 MMA per group of keys, chained in f16
+            bits, promote = mma
+            if bits:  # the FP8 MMA accumulator model
+                groups = [(g, g + (promote or block_kv)) for g in range(0, block_kv, promote or block_kv)]
+                start, start_slack = (a[:, None] * o, a[:, None] * slack) if not promote else (0.0, 0.0)
+                y, y_slack = np.zeros((q, d)), np.zeros((q, d))
+                for lo, hi in groups:
+                    acc, acc_slack = start, start_slack
+                    for k in range(lo, hi, MMA_K):
+                        keys = slice(k, k + MMA_K)
+                        acc, acc_slack = _mma_step(acc, acc_slack, p8[:, keys], vj[keys], key_slack[:, keys], bits)
+                    y, y_slack = y + acc, y_slack + acc_slack
+                if not promote:  # the chain already holds α·O
+                    o, slack = y, y_slack
+                else:
+                    o = a[:, None] * o + y * unscale[:, None]
+                    slack = a[:, None] * slack + y_slack * unscale[:, None]
+            elif accumulator == "f16":  # one f16 MMA per group of keys, chained in f16
                 y = np.zeros((q, d))
                 for g in range(0, block_kv, group):
                     part = y + p8[:, g:g + group] @ vj[g:g + group]
@@ -277,8 +302,9 @@ def _one_split(s, v, counted, blocks, line, block_kv, group, scale, scale_mode, 
                     y_slack = y_slack + np.abs(part) * 2.0**-10  # one f16 ulp: f32 and f64 may round apart
             else:
                 y = p8 @ vj
-            o = a[:, None] * o + y * unscale[:, None]
-            slack = a[:, None] * slack + y_slack * unscale[:, None]
+            if not bits:
+                o = a[:, None] * o + y * unscale[:, None]
+                slack = a[:, None] * slack + y_slack * unscale[:, None]
             zero = counted[:, cols] & (ps > 0) & (p8 == 0)
             nz += zero.sum(axis=1)
             lz = a * lz + np.where(zero, p, 0.0).sum(axis=1)
@@ -286,6 +312,35 @@ def _one_split(s, v, counted, blocks, line, block_kv, group, scale, scale_mode, 
     return m, ell, o, nz, lz, slack, zslack
 
 
+
+
+#: Keys per FP8 MMA instruction (Hopper wgmma / mma.sync with 8-bit operands: K = 32).
+MMA_K = 32
+
+
+def truncate(x, bits: int):
+    """float64 ``x`` cut toward zero to ``bits`` mantissa bits after the leading one (frexp form)."""
+    m, e = np.frexp(x)  # x = m 2^e, 0.5 <= |m| < 1
+    return np.ldexp(np.trunc(np.ldexp(m, bits + 1)), e - bits - 1)
+
+
+def _mma_step(acc, acc_slack, p8, v, key_slack, bits):
+    """One MMA K-step: acc + P8·V (exact here), truncated to ``bits``; returns (acc, slack).
+
+    The slack bounds |acc − the float32 simulator's acc|. Before truncating, the two sums differ by
+    at most δ = (slack carried in) + (FP8 near-ties of these keys) + 2^-20·(|acc| + Σ|P8||V|)
+    (float32 rounding of α·O and of the 32-term sum). Truncation snaps both to multiples of one
+    unit u; they then differ by ⌊δ/u⌋ units, plus one more if a multiple of u lies within δ mod u of
+    the exact sum.
+    """
+    x = acc + p8 @ v
+    delta = acc_slack + key_slack @ np.abs(v) + NEAR * (np.abs(acc) + np.abs(p8) @ np.abs(v))
+    _, e = np.frexp(np.abs(x) + delta)
+    unit = np.ldexp(1.0, e - bits - 1)
+    r = np.mod(np.abs(x), unit)
+    whole = np.floor(delta / unit)
+    crossing = np.minimum(r, unit - r) <= delta - whole * unit
+    return truncate(x, bits), (whole + crossing) * unit
 
 
 def _step(x, line: Fp8Line):
@@ -300,7 +355,8 @@ def config_kwargs(cfg) -> dict:
     return {"order": cfg.order, "scale": cfg.scale, "scale_mode": cfg.scale_mode, "block_kv": cfg.block_kv,
             "p_format": cfg.p_format, "overflow": cfg.overflow, "accumulator": cfg.accumulator,
             "causal": cfg.causal, "kv_splits": cfg.kv_splits, "split_layout": cfg.split_layout,
-            "f16_round_keys": cfg.f16_round_keys, "v_channel_max": cfg.v_channel_max}
+            "f16_round_keys": cfg.f16_round_keys, "v_channel_max": cfg.v_channel_max,
+            "mma_acc_bits": cfg.mma_acc_bits, "mma_promote_keys": cfg.mma_promote_keys}
 
 
 def sink_scores(rng: np.random.Generator, *, q: int, n: int, d: int, delta: float, k_sink: int = 4):
@@ -316,5 +372,5 @@ def sink_scores(rng: np.random.Generator, *, q: int, n: int, d: int, delta: floa
     return s.astype(np.float32), v.astype(np.float32), mask
 
 
-__all__ = ["E2M1", "E4M3", "E5M2", "BLOCKED", "block_cast", "Fp8Line", "OracleResult", "attention", "config_kwargs",
-           "round_fp8", "sink_scores"]
+__all__ = ["E2M1", "E4M3", "E5M2", "BLOCKED", "MMA_K", "block_cast", "Fp8Line", "OracleResult", "attention",
+           "config_kwargs", "round_fp8", "sink_scores", "truncate"]

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from pcast_jax import engine
-from pcast_jax.config import PRESETS, KernelConfig
+from pcast_jax.config import PRESETS, KernelConfig, mma_model
 
 import oracle
 from cases import distinct_configs
@@ -53,6 +53,9 @@ CASES = distinct_configs({
     "rev_s64_b128_f16": KernelConfig(order="reverse", scale=64.0, block_kv=128, accumulator="f16"),
     "fwd_s512_nan": KernelConfig(scale=512.0, overflow="nan"),
     "fwd_s256_e5m2": KernelConfig(scale=256.0, p_format="e5m2"),
+    # the FP8 MMA accumulator model (a model until a GPU fits it): never promoted and per tile
+    "fa3_mma14": mma_model("fa3"),
+    "hpc_ops_mma14": mma_model("hpc_ops"),
 })
 
 

@@ -37,9 +37,10 @@ def _static_config(config) -> KernelConfig:
     if cfg.scale_mode == "dynamic":
         raise PcastError(f"config={cfg.name!r} has scale_mode='dynamic': the what-if path needs a "
                          "static scale (compare dynamic scales with dynamic_vs_static)")
-    if cfg.accumulator != "f32" or cfg.qkv != "f32":
+    if cfg.accumulator != "f32" or cfg.qkv != "f32" or cfg.mma_acc_bits:
         raise PcastError(f"config={cfg.name!r}: the expected MSE covers the P-cast only; accumulator "
-                         f"must be 'f32' (got {cfg.accumulator!r}) and qkv 'f32' (got {cfg.qkv!r})")
+                         f"must be 'f32' (got {cfg.accumulator!r}), qkv 'f32' (got {cfg.qkv!r}) and "
+                         f"mma_acc_bits 0 (got {cfg.mma_acc_bits})")
     return cfg.replace(scale=1.0, scale_mode="multiply", name=cfg.name)
 
 
