@@ -8,7 +8,8 @@ All on the same shapes, in one run (Table 2's operating point: the paper's five 
 * ``matmul_gflops`` — a plain batched FP32 matmul (precision highest) of the sweep's P·V products:
   per instance one (q, N) × (N, d) product for every config plus the reference.
 * ``flop_bound_fraction`` — the time those products take in the plain matmul over the time the
-  chunk takes: 1.0 would mean the sweep runs at the matmul rate of its P·V products.
+  chunk takes: 1.0 would mean the sweep runs at the matmul rate of its P·V products
+  (``flop_bound_fraction_cpu_time``: the same with process CPU time, steadier on a shared machine).
 * ``compile_s_cold`` / ``compile_s_warm`` — compilation of the chunk in a fresh process with an empty
   persistent cache, and again in another fresh process with the cache filled (first call minus a
   steady-state call). ``first_result_s_cold`` / ``first_result_s`` (warm) — from process start to a
@@ -16,8 +17,22 @@ All on the same shapes, in one run (Table 2's operating point: the paper's five 
 * ``seconds_to_2pct`` — seconds until every Table 2 cell (config) reaches 2 % relative standard error
   with ``mse`` and with ``mse_expected``, from the per-seed spread of a pilot sweep and the measured
   throughput.
-* ``prng`` — per-seed draw time of JAX's PRNG implementations (threefry2x32, the default and the
-  simulator's, vs rbg and unsafe_rbg).
+* ``prng_s_per_seed`` — per-seed draw time (the scores and V normals of one seed) of JAX's PRNG
+  implementations: threefry2x32 as JAX lowers it on CPU (a loop over its round groups), the same
+  bits with the hash unrolled (``threefry2x32_unrolled``, what the sweep draws), and philox4x32,
+  rbg and unsafe_rbg (other bits: they would change every result).
+* ``breakdown`` — where one chunk's time goes: each part of the fast engine's chunk as a jitted
+  function of its own on the same shapes, one instance at a time (as the sweep's loop runs them),
+  timed interleaved with the whole chunk in the same run; ms per instance and fraction of the
+  chunk. ``draws`` (scores and V normals; ``draws_bits`` their threefry bits alone),
+  ``reference_softmax``, ``exp`` (every config's P = exp(Z − m)), ``cast`` (every config's P·S
+  to E4M3 values in float32, as the engine casts; ``cast_fp8_type`` the same through XLA's
+  float32 → FP8 → float32 conversion, which the engine no longer uses), ``weights`` (every
+  config's weights and statistics, exp and cast included), ``matmul`` (the configs' (W − P)·V
+  product), ``cast_and_matmul`` (``cast`` fused into that product), ``evaluate`` (every metric of
+  an instance: everything but the draws) and ``rest`` (chunk − draws − evaluate: the loop, Δ, the
+  output). Fused in the chunk, parts can cost less than alone; they need not add up to 1. Wall
+  and process CPU time (``cpu_...``: the steadier figure on a shared machine).
 
 Writes ``results/benchmark.json`` and prints a table.
 """
@@ -84,18 +99,109 @@ def _prng(seeds: int, repeats: int) -> dict:
     import jax
     import jax.numpy as jnp
 
+    from pcast_jax.workloads import threefry_unrolled
+
     q, n, d = SHAPE["q_len"], SHAPE["ns"][0], SHAPE["d"]
-    out = {}
-    for impl in ("threefry2x32", "rbg", "unsafe_rbg"):
+    fns = {}
+    for name, impl, wrap in (("threefry2x32", "threefry2x32", None),
+                             ("threefry2x32_unrolled", "threefry2x32", threefry_unrolled),
+                             ("philox4x32", "philox4x32", None), ("rbg", "rbg", None),
+                             ("unsafe_rbg", "unsafe_rbg", None)):
         @jax.jit
-        def draws(keys):
+        def draws(keys, wrap=wrap):
             def one(k):
                 ks, kv = jax.random.split(k)
+                if wrap is not None:
+                    ks, kv = wrap(ks), wrap(kv)
                 return jnp.sum(jax.random.normal(ks, (q, n))) + jnp.sum(jax.random.normal(kv, (n, d)))
             return jax.lax.map(one, keys)
 
-        keys = jax.random.split(jax.random.key(0, impl=impl), seeds)
-        out[impl] = _median_time(lambda keys=keys, draws=draws: draws(keys), repeats) / seeds
+        fns[name] = (draws, jax.random.split(jax.random.key(0, impl=impl), seeds))
+    times = {name: [] for name in fns}
+    for _ in range(repeats + 1):  # interleaved; the first round compiles
+        for name, (draws, keys) in fns.items():
+            times[name].append(_median_time(lambda draws=draws, keys=keys: draws(keys), 1))
+    return {name: statistics.median(t[1:]) / seeds for name, t in times.items()}
+
+
+def _breakdown(seeds: int, repeats: int) -> dict:
+    """ms per instance and fraction of the chunk of each part of the fast engine's chunk (see above)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pcast_jax import block, engine, formats, metrics
+    from pcast_jax.config import resolve
+    from pcast_jax.sweep import SweepSpec, compute_chunk, instance_key
+    from pcast_jax.workloads import make_instance, threefry_unrolled
+
+    n = SHAPE["ns"][0]
+    spec = SweepSpec(**SHAPE, seeds=seeds)
+    cfgs = tuple(resolve(c) for c in CONFIGS)
+    w = spec.workload(n)
+    keys = jnp.arange(seeds, dtype=jnp.uint32)
+    inst = jax.jit(jax.vmap(lambda k: make_instance(instance_key(0, n, k), w, 7.0)))(keys)
+    is_sink = np.asarray(inst.is_sink[0])
+
+    def probs(z, cfg):  # P and P·S of the fast engine: exp(Z − running max), in key order
+        zb = z.reshape(z.shape[:-1] + (-1, cfg.block_kv))
+        m_run = jax.lax.cummax(jnp.max(zb, axis=-1), axis=1, reverse=cfg.order == "reverse")
+        return block.block_probs(zb, m_run, cfg)[:2]
+
+    ps = {c.name: jax.jit(jax.vmap(lambda z, c=c: probs(z, c)[1]))(inst.scores) for c in cfgs}
+    diffs = jax.jit(jax.vmap(lambda z: jnp.stack([
+        engine.weights_and_stats(z, c, count_mask=~is_sink).weights - engine.reference_probs(z) for c in cfgs])))(
+        inst.scores)
+
+    def bits(k):
+        ks, kv = (threefry_unrolled(x) for x in jax.random.split(instance_key(0, n, k)))
+        return jax.random.bits(ks, (w.q_len, n)), jax.random.bits(kv, (n, w.d))
+
+    def cast_all(i):  # as the engine casts (float32 arithmetic for a saturating E4M3 / E5M2 cast)
+        return [engine._cast(ps[c.name][i], c)[0] for c in cfgs]
+
+    def cast_fp8_type(i):  # through the FP8 type, as XLA converts it
+        return [formats.cast(ps[c.name][i], c.fmt, overflow=c.overflow) for c in cfgs]
+
+    parts = {
+        "draws": (lambda k: make_instance(instance_key(0, n, k), w, 7.0)[:2], keys),
+        "draws_bits": (bits, keys),
+        "reference_softmax": (lambda i: engine.reference_probs(inst.scores[i]), keys),
+        "exp": (lambda i: [probs(inst.scores[i], c)[0] for c in cfgs], keys),
+        "cast": (cast_all, keys),
+        "cast_fp8_type": (cast_fp8_type, keys),
+        "weights": (lambda i: [engine.weights_and_stats(inst.scores[i], c, count_mask=~is_sink)[:3] for c in cfgs],
+                    keys),
+        "matmul": (lambda i: jnp.einsum("cqn,nd->cqd", diffs[i], inst.v[i], precision="highest"), keys),
+        "cast_and_matmul": (lambda i: jnp.einsum("cqn,nd->cqd", jnp.stack(cast_all(i)).reshape(diffs.shape[1:]),
+                                                 inst.v[i], precision="highest"), keys),
+        "evaluate": (lambda i: metrics.evaluate(inst._replace(scores=inst.scores[i], v=inst.v[i], is_sink=is_sink),
+                                                cfgs), keys),
+    }
+
+    def summed(fn):  # one instance at a time; every output summed, so that nothing is left out
+        return jax.jit(lambda xs: jax.lax.map(
+            lambda x: sum(jnp.sum(y.astype(jnp.float32)) for y in jax.tree.leaves(fn(x))), xs))
+
+    fns = {name: (summed(fn), xs) for name, (fn, xs) in parts.items()}
+    fns["chunk"] = (lambda _: compute_chunk(spec, n, 0, seeds), None)
+    walls = {name: [] for name in fns}
+    cpus = {name: [] for name in fns}
+    for fn, xs in fns.values():
+        jax.block_until_ready(fn(xs))
+    for _ in range(repeats):  # interleaved: every part sees the same machine load
+        for name, (fn, xs) in fns.items():
+            c0, t0 = time.process_time(), time.perf_counter()
+            jax.block_until_ready(fn(xs))
+            walls[name].append(time.perf_counter() - t0)
+            cpus[name].append(time.process_time() - c0)
+    out = {}
+    for key, times in (("", walls), ("cpu_", cpus)):
+        med = {name: statistics.median(t) for name, t in times.items()}
+        med["rest"] = max(med["chunk"] - med["draws"] - med["evaluate"], 0.0)
+        for name, t in med.items():
+            out.setdefault(name, {}).update({f"{key}ms_per_instance": 1e3 * t / seeds,
+                                             f"{key}fraction_of_chunk": t / med["chunk"]})
     return out
 
 
@@ -108,12 +214,20 @@ def main() -> int:
     ap.add_argument("--micro-batch", type=int, default=1, help="SweepSpec.micro_batch (GPU/TPU: e.g. 32)")
     ap.add_argument("--steady-only", action="store_true",
                     help="only the steady-state throughput and the matmul rate (no compile, error-bar or PRNG runs)")
+    ap.add_argument("--breakdown-only", action="store_true", help="only the chunk's time breakdown and the PRNGs")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
         _child(args.child)
         return 0
 
+    if args.breakdown_only:
+        import jax
+
+        report = {"breakdown": _breakdown(min(args.seeds, 16), args.repeats),
+                  "prng_s_per_seed": _prng(args.seeds, args.repeats), "platform": jax.devices()[0].platform}
+        print(json.dumps(report, indent=2))
+        return 0
     if not args.steady_only:
         with tempfile.TemporaryDirectory() as home:  # cold and warm, each in a fresh process
             cold = _fresh_process(home, 8)
@@ -134,18 +248,26 @@ def main() -> int:
     chunk_s, matmul_s = [], []
     _median_time(lambda: compute_chunk(spec, n, 0, seeds), 1)
     _median_time(lambda: matmul(a, b), 1)
+    chunk_cpu, matmul_cpu = [], []
     for _ in range(args.repeats):  # interleaved, so that both see the same machine load
+        c0 = time.process_time()
         chunk_s.append(_median_time(lambda: compute_chunk(spec, n, 0, seeds), 1))
+        c1 = time.process_time()
         matmul_s.append(_median_time(lambda: matmul(a, b), 1))
+        chunk_cpu.append(c1 - c0)  # CPU time includes _median_time's warm-up call: two calls each
+        matmul_cpu.append(time.process_time() - c1)
     chunk, mm = statistics.median(chunk_s), statistics.median(matmul_s)
+    cpu_fraction = statistics.median(matmul_cpu) / statistics.median(chunk_cpu)
     flops = 2.0 * q * n * d * products * seeds
     if args.steady_only:
         print(f"sweep steady state, {jax.devices()[0].platform} x{jax.device_count()}: {len(CONFIGS)} configs, "
               f"N={n}, q={q}, d={d}, {seeds} seeds, micro_batch={args.micro_batch}: {seeds / chunk:.1f} instances/s, "
               f"P·V {flops / chunk / 1e9:.1f} GFLOP/s = {mm / chunk:.2f} of the FP32 matmul rate "
+              f"({cpu_fraction:.2f} in CPU time) "
               f"({flops / mm / 1e9:.1f} GFLOP/s on the same products)")
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"instances_per_s": seeds / chunk, "flop_bound_fraction": mm / chunk,
+                                              "flop_bound_fraction_cpu_time": cpu_fraction,
                                               "matmul_gflops": flops / mm / 1e9, "micro_batch": args.micro_batch,
                                               "platform": jax.devices()[0].platform}, indent=2) + "\n")
         return 0
@@ -166,9 +288,11 @@ def main() -> int:
         "platform": jax.devices()[0].platform, "device_count": jax.device_count(),
         "instances_per_s": ips, "chunk_s": chunk, "pv_gflops": flops / chunk / 1e9,
         "matmul_gflops": flops / mm / 1e9, "flop_bound_fraction": mm / chunk,
+        "flop_bound_fraction_cpu_time": cpu_fraction,
         "compile_s_cold": cold["compile_s"], "compile_s_warm": warm["compile_s"],
         "first_result_s_cold": cold["first_result_s"], "first_result_s": warm["first_result_s"],
         "seconds_to_2pct": to_2pct, "prng_s_per_seed": _prng(seeds, args.repeats),
+        "breakdown": _breakdown(min(seeds, 16), args.repeats),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -179,12 +303,17 @@ def main() -> int:
             ("P·V GFLOP/s in the sweep", f"{report['pv_gflops']:.1f}"),
             ("plain matmul GFLOP/s, same products", f"{report['matmul_gflops']:.1f}"),
             ("fraction of the FLOP bound", f"{report['flop_bound_fraction']:.2f}"),
+            ("fraction of the FLOP bound, CPU time", f"{cpu_fraction:.2f}"),
             ("compile s, cold / warm cache", f"{cold['compile_s']:.2f} / {warm['compile_s']:.2f}"),
             ("first result s, cold / warm cache", f"{cold['first_result_s']:.2f} / {warm['first_result_s']:.2f}")]
     for metric, v in to_2pct.items():
         rows.append((f"s to 2 % RSE, every cell, {metric}", f"{v['seconds']:.1f} ({v['seeds']} seeds)"))
     for impl, s in report["prng_s_per_seed"].items():
         rows.append((f"draws per seed, {impl} (ms)", f"{1e3 * s:.2f}"))
+    for part, v in report["breakdown"].items():
+        rows.append((f"chunk breakdown: {part}", f"{v['ms_per_instance']:.2f} ms/instance, "
+                                                  f"{v['fraction_of_chunk']:.2f} of the chunk (CPU time: "
+                                                  f"{v['cpu_fraction_of_chunk']:.2f})"))
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")

@@ -64,13 +64,17 @@ class AttentionResult(NamedTuple):
 
 
 def _cast(ps, cfg: KernelConfig):
-    """Line 9 as the simulator sees it: the FP8 values widened to FP32, behind a barrier.
+    """Line 9 as the simulator sees it: the FP8 values widened to FP32.
 
     Returns ``(p8, scales)``: ``scales`` is None for an element format, else the per-block scales
-    of a block-scaled format (:func:`block.cast_p`), multiplied back after P8·V.
+    of a block-scaled format (:func:`block.cast_p`), multiplied back after P8·V. A saturating
+    element cast is computed in float32 (:func:`formats.cast_arithmetic`, the same bits); any other goes
+    through the FP8 type behind a barrier.
     """
     if cfg.block_format is not None:
         return jax.lax.optimization_barrier(block.cast_p(ps, cfg))
+    if cfg.overflow == "satfinite" and cfg.fmt.name in formats.ARITHMETIC_CAST_FORMATS:
+        return formats.cast_arithmetic(ps, cfg.fmt), None
     return jax.lax.optimization_barrier(block.cast_p(ps, cfg)).astype(jnp.float32), None
 
 
@@ -207,9 +211,8 @@ def _scan_engine(scores, v, counted, cfg: KernelConfig) -> AttentionResult:
         z, vj, cj = xs
         st = block.online_softmax(m, ell, z, cfg)  # lines 4-8
         p8, sc = _cast(st.ps, cfg)  # line 9
-        pv = block.block_pv(lambda lo, hi: _pv(p8[..., lo:hi], vj[..., lo:hi, :]), cfg, barrier=_f16_barrier,
-                            scales=sc)
-        o = block.accumulate(o, st.alpha, pv, st.unscale, cfg)  # line 10
+        o = block.accumulate_pv(o, st.alpha, lambda lo, hi: _pv(p8[..., lo:hi], vj[..., lo:hi, :]), st.unscale,
+                                cfg, barrier=_f16_barrier, scales=sc)  # line 10
         zero = cj & block.zeroed(st.ps, cfg)
         nz = nz + jnp.sum(zero, axis=-1, dtype=jnp.int32)
         lz = st.alpha * lz + jnp.sum(jnp.where(zero, st.p, 0.0), axis=-1)
@@ -306,10 +309,10 @@ def _fast_engine(scores, v, counted, cfg: KernelConfig) -> AttentionResult:
         out, ell, nz, lz = _fast_split_engine(scores, v, counted, cfg)
     else:
         p8, w, ell, nz, lz, sc = _fast_parts(scores, counted, cfg)
-        if cfg.accumulator == "f32" and sc is None:  # one (q, N) x (N, d) product in key order
+        if cfg.accumulator == "f32" and sc is None and not cfg.mma_acc_bits:  # one (q, N) x (N, d) product
             weighted = (p8 * w[..., None]).reshape(scores.shape)
             o = jnp.einsum("...qn,...nd->...qd", weighted, v, precision=jax.lax.Precision.HIGHEST)
-        else:  # per block: rounded to f16, or block scales multiplied back, before the FP32 accumulation
+        else:  # per block: rounded to f16, block scales multiplied back, or the promoted MMA model, then FP32
             vb = v.reshape(v.shape[:-2] + p8.shape[-2:] + v.shape[-1:])  # (..., nb, B, d)
             y = block.block_pv(lambda lo, hi: jnp.einsum(
                 "...qnb,...nbd->...qnd", p8[..., lo:hi], vb[..., lo:hi, :], precision=jax.lax.Precision.HIGHEST),
@@ -378,7 +381,10 @@ def weights_and_stats(scores, config, *, count_mask=None, q_offset: int | None =
     else:
         p8, w, ell, nz, lz, sc = _fast_parts(scores, counted, cfg, cast_fn)
         p8 = block.dequantize(p8, sc, cfg)
-        wk = p8 * w[..., None] / block.epilogue_divisor(ell, cfg)[..., None, None]  # (..., q, nb, B)
+        # times 1/(S ℓ), not divided by it: XLA rewrites x / broadcast(d) into x · broadcast(1/d) in
+        # some programs and not in others (a sharded one), which differ in the last bit; written as
+        # the multiply it is one program everywhere, with the bits of the rewritten one
+        wk = p8 * w[..., None] * (1.0 / block.epilogue_divisor(ell, cfg))[..., None, None]  # (..., q, nb, B)
         lz = lz / ell
     weights = wk.reshape(wk.shape[:-2] + (-1,))[..., :n]
     return WeightsResult(weights, ell, nz, jnp.sum(counted, axis=-1, dtype=jnp.int32), lz)
@@ -418,7 +424,10 @@ def attention(
     cfg = resolve(config)
     check_choice("engine", engine, ENGINES)
     scores, v, counted = _prepare(scores, v, cfg, count_mask, q_offset)
-    fn = _scan_engine if engine == "scan" else _fast_engine
+    # The never-promoted MMA accumulator model truncates O itself after every 32 keys, a chain through
+    # every block that the fast engine's one weighted sum cannot express: both engines run the scan.
+    chained = cfg.mma_acc_bits and not cfg.mma_promote_keys
+    fn = _scan_engine if engine == "scan" or chained else _fast_engine
     return fn(scores, v, counted, cfg)
 
 

@@ -53,7 +53,7 @@ def evaluate(instance, configs: tuple[KernelConfig | str, ...], *, engine: str =
     for i, cfg in enumerate(configs):
         cfg = resolve(cfg)
         p_ref = reference(cfg.causal)
-        if engine == "fast" and cfg.accumulator == "f32":
+        if engine == "fast" and cfg.accumulator == "f32" and not cfg.mma_acc_bits:  # output = W·V exactly
             r = _engine.weights_and_stats(scores, cfg, count_mask=count_mask)
             diff = r.weights - p_ref
             shared.append((i, diff))

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from pcast_jax import cache, metrics, workloads
+from pcast_jax import cache, formats, metrics, workloads
 from pcast_jax.errors import PcastError
 from pcast_jax.sweep import SweepSpec, estimate_instance_bytes, instance_key, plan_layout, run_sweep
 from pcast_jax.sweep.compute import chunk_metrics
@@ -75,6 +75,63 @@ def test_micro_batch_needs_its_memory_up_front():
     spec = SweepSpec(**{**SPEC_KW, "micro_batch": 8})
     with pytest.raises(PcastError, match="micro_batch=8"):
         plan_layout(spec, n_devices=1, memory_budget=4 * estimate_instance_bytes(spec, 200))
+
+
+# --------------------------------------------------------------------------------------------
+# The draws: JAX's threefry bits, unrolled
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(3,), (7, 33, 5)])
+def test_unrolled_threefry_draws_jax_bits(shape):
+    raw = jax.random.fold_in(jax.random.PRNGKey(7), 3)
+    for key in (raw, jax.random.wrap_key_data(raw)):
+        fast = workloads.threefry_unrolled(key)
+        assert fast is not key
+        np.testing.assert_array_equal(jax.random.bits(fast, shape), jax.random.bits(key, shape))
+        for dtype in ("float32", "float16"):  # 32 bits unrolled; other widths are JAX's own
+            a = jax.jit(lambda k, dtype=dtype: jax.random.normal(k, shape, dtype))
+            np.testing.assert_array_equal(np.asarray(a(fast)).view(np.uint8), np.asarray(a(key)).view(np.uint8))
+    keys = jax.random.split(raw, 5)  # under vmap, as a micro-batch draws them
+    draw = jax.vmap(lambda k: jax.random.normal(workloads.threefry_unrolled(k), shape))
+    np.testing.assert_array_equal(draw(keys), jax.vmap(lambda k: jax.random.normal(k, shape))(keys))
+    rbg = jax.random.key(0, impl="rbg")
+    assert workloads.threefry_unrolled(rbg) is rbg
+
+
+def _rounding_codes(fmt) -> np.ndarray:
+    """float32 codes that exercise every rounding decision of ``fmt``, and the special values.
+
+    For every binade from below the smallest subnormal to above max: every kept mantissa, with
+    the dropped bits 0, 1, just under half, half (ties, even and odd), just over half and all ones
+    (the subnormal range drops more bits: the same patterns at its own half); both signs; zeros,
+    float32 subnormals, max and its neighbours, ±inf, NaNs; and a random sample of all codes.
+    """
+    drop = 23 - fmt.mantissa_bits
+    emin = int(np.log2(fmt.smallest_subnormal)) - 2
+    emax = int(np.log2(fmt.max)) + 2
+    codes = []
+    for e in range(emin, emax + 1):
+        d = drop if e >= int(np.log2(fmt.smallest_normal)) else min(23, drop + int(np.log2(fmt.smallest_normal)) - e)
+        kept = np.arange(1 << (23 - d), dtype=np.uint32) << d
+        low = np.array([0, 1, (1 << (d - 1)) - 1, 1 << (d - 1), (1 << (d - 1)) + 1, (1 << d) - 1], np.uint32)
+        codes.append(((e + 127) << 23) | (kept[:, None] | low[None, :]).ravel())
+    special = np.array([0, 1, 0x7FFFFF, 0x7F800000, 0x7F800001, 0x7FC00000, 0x7FFFFFFF], np.uint32)
+    near = np.float32(fmt.max).view(np.uint32) + np.arange(-3, 4, dtype=np.int64)
+    rng = np.random.default_rng(0).integers(0, 2**32, 1 << 20, dtype=np.uint64)
+    codes = np.concatenate(codes + [special, near.astype(np.uint32), rng.astype(np.uint32)])
+    return np.concatenate([codes, codes | np.uint32(0x80000000)])
+
+
+@pytest.mark.parametrize("name", ["e4m3", "e5m2"])
+def test_arithmetic_cast_is_the_fp8_cast_bit_for_bit(name):
+    fmt = formats.get_format(name)
+    x = _rounding_codes(fmt).view(np.float32)
+    want = np.asarray(jax.jit(lambda x: formats.cast(x, fmt))(x)).view(np.uint32)
+    got = np.asarray(jax.jit(lambda x: formats.cast_arithmetic(x, fmt))(x)).view(np.uint32)
+    bad = np.nonzero(want != got)[0]
+    assert bad.size == 0, (x[bad[:5]], want[bad[:5]].view(np.float32), got[bad[:5]].view(np.float32))
+    assert name in formats.ARITHMETIC_CAST_FORMATS
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,7 +12,14 @@ with discarded seeds). Either way every instance runs through one compiled body 
 only the per-device shard axis is vmapped on top, so results do not depend on the chunk size, the
 Δ grouping, the device count or the process count. They do depend on M: XLA:CPU compiles the
 reductions of a batch of M differently from those of one instance, so the low-order bits of
-M > 1 differ from M = 1 (M is part of the fingerprint).
+M > 1 differ from M = 1 (M is part of the fingerprint). The cause, measured (a sum alone, jitted
+and vmapped, shows it): XLA:CPU picks a reduction's summation order by the size of its input,
+switching between 3584 and 4096 elements; the sums over the KV blocks of a row (ℓ and the zeroed
+mass, q × N/B elements: 32 × 64 = 2048 at Table 2's shapes) lie below the switch for one instance
+and above it for a micro-batch of two or more, so ℓ, and through it the weights and every MSE,
+differ in the last bits (the sums within a block, q × N = 131072 elements there, lie above it
+either way and agree; at small shapes they too can straddle it). Summing in a fixed order of its
+own would change the M = 1 results.
 """
 
 from __future__ import annotations
