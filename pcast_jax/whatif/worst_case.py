@@ -180,7 +180,10 @@ def worst_case_delta(config="fwd_s1", n: int = 4096, *, objective: str = "total"
         exact_peak = exact_val = float("nan")
     grid = np.arange(lo, hi + 1e-9, grid_step)
     grid_vals = exact(grid)
-    dc = float(theory.critical_delta(cfg.scale, k_sink=k_sink, sigma=sigma, fmt=cfg.p_format))
+    if cfg.block_format is not None:  # the block scale's Δc (the analogue of Eq. 7's for block-scaled P)
+        dc = float(theory.block_critical_delta(cfg.scale, fmt=cfg.p_format, k_sink=k_sink, sigma=sigma))
+    else:
+        dc = float(theory.critical_delta(cfg.scale, k_sink=k_sink, sigma=sigma, fmt=cfg.p_format))
     return WorstDeltaResult(
         config=cfg.name, n=n, objective=objective, surrogate=sur.label, delta_range=(lo, hi),
         starts=starts.astype(np.float64), finals=finals, final_values=values, worst_delta=best,
