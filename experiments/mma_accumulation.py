@@ -28,9 +28,13 @@ from pcast_jax import engine, report
 from pcast_jax.config import MMA_ACC_BITS_HOPPER, get_preset
 from pcast_jax.workloads import SinkWorkload, make_instance
 
-__all__ = ["NAME", "TITLE", "DELTAS", "NS", "CONFIGS", "measure", "mma_section"]
+__all__ = ["NAME", "FILES", "TITLE", "DELTAS", "NS", "CONFIGS", "measure", "mma_section"]
 
 NAME = "mma_accumulation"
+#: What the section writes (listed in the report's files).
+FILES = {f"{NAME}.csv": "FP8 MMA accumulation (a model until a GPU fits it), per (config, Δ, N): MSE with exact "
+                        "FP32 accumulation, with a 14-bit accumulator never promoted (the FA3/XQA path) and "
+                        "promoted per tile, their ratios"}
 TITLE = "FP8 MMA accumulation (model) next to the E4M3 P floor"
 DELTAS = (3.0, 5.0, 7.0, 10.0, 12.0)
 NS = (1024, 4096, 16384)

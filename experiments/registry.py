@@ -38,7 +38,7 @@ EXPERIMENTS: dict[str, str] = {
 #: Studies beyond the paper, appended after its tables and figures on a full run (not with --only).
 #: Each entry: name → (module relative to this package, function); the function takes
 #: (out_dir, quick=..., log=...) and returns the section's markdown (a ``##`` heading first),
-#: writing its own CSV/PNG files.
+#: writing its own CSV/PNG files, which the module describes in its ``FILES`` dict (file → what it holds).
 #: An ImportError (an optional extra missing) skips the section with a note saying how to install it.
 EXTRA_SECTIONS: dict[str, tuple[str, str]] = {
     "real_model": (".model_report", "model_section"),
@@ -72,23 +72,6 @@ FILE_DESCRIPTIONS: dict[str, str] = {
                           "or why there is none, order, S, tile B and its source, splits; fraction zeroed "
                           "(*_frac) and MSE ± s.e. at Δ = 7 and 10, zeroed vs one forward pass, MSE / best; "
                           "the paper's verdict, ours, and the finding where they differ",
-    "formats_delta.csv": "P formats beyond E4M3, per (config, Δ): simulated fraction of non-sink P zeroed "
-                         "(frac_zeroed, ± s.e.) beside its closed form (frac_zeroed_theory), non-sink mass "
-                         "lost (zeroed_mass, and as a fraction of the non-sink mass, mass_lost_frac), "
-                         "non-sink mass, MSE ± s.e. and expected MSE; fractions in [0, 1], not percent "
-                         "(this project's analysis, not the paper's; with --extras formats)",
-    "formats_thresholds.csv": "P formats beyond E4M3, per config: the Δ where the zeroed fraction crosses "
-                              "1/2 in the simulation and in the closed form, the closed form's Δc, the "
-                              "fraction at the lowest and highest Δ (fractions in [0, 1])",
-    "formats_delta.png": "P formats beyond E4M3: zeroed fraction (simulation and closed form), non-sink mass "
-                         "lost and MSE vs Δ",
-    "formats_heads.csv": "P formats beyond E4M3 on SmolLM2-135M, per (config, layer, head): measured Δ and σ, "
-                         "fraction of non-sink P zeroed, zeroed mass, MSE and relative MSE vs FP32",
-    "formats_e2e.csv": "P formats beyond E4M3 on SmolLM2-135M end to end: perplexity, its change, "
-                       "KL(FP32 ‖ run) (nats, mean and max), top-1 agreement with the FP32 model",
-    "mma_accumulation.csv": "FP8 MMA accumulation (a model until a GPU fits it; with --extras mma_accumulation), "
-                            "per (config, Δ, N): MSE with exact FP32 accumulation, with a 14-bit accumulator "
-                            "never promoted (FA3/XQA path) and promoted per tile, their ratios",
     "run.json": "exact configuration: sizes, every SweepSpec (as a dict) with its fingerprint and folder, "
                 "seeds, library versions, devices, wall and CPU time per experiment and per sweep",
     "sweeps/": "the sweep engine's folders (spec.json, chunks/, results.npz, summary.csv): a rerun "
@@ -182,15 +165,16 @@ def reproduce(out_dir, *, quick: bool = False, only: Sequence[str] | None = None
                          "sweeps_used": sorted(ctx.uses.get(name, ())),
                          "sweeps_computed": sorted(set(ctx.sweep_log) - before)}
         log(f"[{i}/{len(names)}] {section.title:<66} {wall:6.1f} s")
-    extra_md, extra_files = [], []
+    extra_md, extra_files, descriptions = [], [], dict(FILE_DESCRIPTIONS)
     if extras and not only and not quick:
         for name in extras:
             module, func = EXTRA_SECTIONS[name]
             t0, c0 = time.perf_counter(), time.process_time()
             before = _file_stamps(out)
             try:
-                fn = getattr(importlib.import_module(module, __package__), func)
-                md = fn(out, quick=True, log=log)
+                mod = importlib.import_module(module, __package__)
+                md = getattr(mod, func)(out, quick=True, log=log)
+                descriptions.update(getattr(mod, "FILES", {}))
             except ImportError as exc:
                 md = f"## {name.replace('_', ' ').capitalize()}\n\nSkipped: {exc}\n"
             wall = time.perf_counter() - t0
@@ -221,7 +205,7 @@ def reproduce(out_dir, *, quick: bool = False, only: Sequence[str] | None = None
         "files": files,
     }
     report.write_json(out / "run.json", meta)
-    _write_markdown(out, ctx, sections, meta, extra_md)
+    _write_markdown(out, ctx, sections, meta, extra_md, descriptions)
     log(f"done in {total:.1f} s. Report: {out / 'report.md'}")
     return out / "report.md"
 
@@ -252,7 +236,7 @@ def _write_outputs(out: Path, ctx: Context, sections: list[Section]) -> list[str
 
 
 def _write_markdown(out: Path, ctx: Context, sections: list[Section], meta: dict,
-                    extra_md: Sequence[str] = ()) -> None:
+                    extra_md: Sequence[str] = (), descriptions: dict[str, str] = FILE_DESCRIPTIONS) -> None:
     v = meta["versions"]
     lines = [f"# Reproduction: {PAPER_TITLE}", ""]
     if ctx.quick:
@@ -298,7 +282,7 @@ def _write_markdown(out: Path, ctx: Context, sections: list[Section], meta: dict
         lines += ["---", "", "*Studies beyond the paper: what it could not do.*", ""]
         lines += [md.strip() + "\n" for md in extra_md]
     lines += ["## Files", ""]
-    lines += [f"- `{name}` — {desc}" for name, desc in FILE_DESCRIPTIONS.items()
+    lines += [f"- `{name}` — {desc}" for name, desc in descriptions.items()
               if name in ("report.md", "run.json", "sweeps/", "findings.csv") or name in meta["files"]]
     lines.append("")
     report.write_text(out / "report.md", "\n".join(lines))

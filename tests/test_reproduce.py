@@ -269,3 +269,35 @@ def test_library_versions_names_the_stack():
     v = report.library_versions()
     for key in ("python", "jax", "jaxlib", "numpy", "ml_dtypes"):
         assert v[key], key
+
+
+def test_extra_sections_run_after_the_paper_and_their_files_are_listed(tmp_path, monkeypatch):
+    """The extras loop of ``reproduce``: each extra's files reach run.json and report.md with the
+    module's own descriptions; an extra whose optional dependency is missing is skipped with a note."""
+    import json
+    import sys
+    import types
+
+    from pcast_experiments import registry
+
+    def section(out_dir, quick=False, log=None):
+        (out_dir / "fake_table.csv").write_text("a,b\n1,2\n")
+        return "## A fake study\n\nbody\n"
+
+    def missing(out_dir, quick=False, log=None):
+        raise ImportError("the fake extra needs `pip install nothing`")
+
+    mod = types.ModuleType("fake_extra_module")
+    mod.section, mod.missing = section, missing
+    mod.FILES = {"fake_table.csv": "a table the fake study wrote"}
+    monkeypatch.setitem(sys.modules, "fake_extra_module", mod)
+    monkeypatch.setattr(registry, "EXPERIMENTS", {})
+    monkeypatch.setitem(registry.EXTRA_SECTIONS, "fake", ("fake_extra_module", "section"))
+    monkeypatch.setitem(registry.EXTRA_SECTIONS, "fake_missing", ("fake_extra_module", "missing"))
+    report_md = registry.reproduce(tmp_path, extras=("fake", "fake_missing"), log=lambda line: None)
+    meta = json.loads((tmp_path / "run.json").read_text())
+    assert "fake_table.csv" in meta["files"]
+    assert meta["experiments"]["fake"]["files"] == ["fake_table.csv"]
+    text = report_md.read_text()
+    assert "## A fake study" in text and "`fake_table.csv` — a table the fake study wrote" in text
+    assert "Skipped: the fake extra needs `pip install nothing`" in text
