@@ -103,10 +103,10 @@ def test_ste_gradient_is_the_exact_attention_gradient():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
-def test_smooth_gradient_matches_finite_differences_of_the_surrogate():
-    """The backward pass is the true derivative of the smooth surrogate (directional derivatives)."""
-    q, k, v = _qkv(t=4, s=128, sink=5.0)
-    cfg = pj.get_preset("fwd_s1")
+def _check_smooth_gradient_against_finite_differences(cfg, sink: float, seed: int):
+    """The backward pass of ``gradient="smooth"`` is the true derivative of the smooth surrogate
+    (directional derivatives along random directions, central differences)."""
+    q, k, v = _qkv(t=4, s=128, sink=sink)
 
     def surrogate(q, k, v):  # the forward the smooth gradient differentiates, on (B, N, T, H) inputs
         out = jnp.swapaxes(nn._smooth(q, k, v, None, None, cfg, 1 / np.sqrt(H), 0.2), 1, 2)
@@ -114,7 +114,7 @@ def test_smooth_gradient_matches_finite_differences_of_the_surrogate():
         return jnp.sum(w * out)
 
     grads = jax.grad(_loss(cfg, "smooth"), argnums=(0, 1, 2))(q, k, v)
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng(seed)
     for i, (x, g) in enumerate(zip((q, k, v), grads)):
         u = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
         eps = 1e-2
@@ -126,6 +126,10 @@ def test_smooth_gradient_matches_finite_differences_of_the_surrogate():
 
         fd = (float(shifted(1.0)) - float(shifted(-1.0))) / (2 * eps)
         assert abs(float(jnp.vdot(g, u)) - fd) <= 2e-2 * abs(fd) + 1e-3, (i, float(jnp.vdot(g, u)), fd)
+
+
+def test_smooth_gradient_matches_finite_differences_of_the_surrogate():
+    _check_smooth_gradient_against_finite_differences(pj.get_preset("fwd_s1"), sink=5.0, seed=1)
 
 
 def test_smooth_gradient_sees_p_collapse_where_ste_does_not():
@@ -210,27 +214,8 @@ def test_block_scaled_gradients_are_finite_and_ste_is_exact_attention(config):
 
 def test_block_scaled_smooth_gradient_matches_finite_differences_of_the_surrogate():
     """NVFP4 (both gates: element and block scale; MX runs the same code without the scale gate)."""
-    q, k, v = _qkv(t=4, s=128, sink=9.0)
     cfg = pj.get_preset("nvfp4_fakequant").replace(scale=64.0)  # some block scales near underflow
-
-    def surrogate(q, k, v):
-        out = jnp.swapaxes(nn._smooth(q, k, v, None, None, cfg, 1 / np.sqrt(H), 0.2), 1, 2)
-        w = jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
-        return jnp.sum(w * out)
-
-    grads = jax.grad(_loss(cfg, "smooth"), argnums=(0, 1, 2))(q, k, v)
-    rng = np.random.default_rng(2)
-    for i, (x, g) in enumerate(zip((q, k, v), grads)):
-        u = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
-        eps = 1e-2
-
-        def shifted(sign, i=i, u=u, eps=eps):
-            xs = [q, k, v]
-            xs[i] = xs[i] + sign * eps * u
-            return surrogate(*(nn._as_bnth(z) for z in xs))
-
-        fd = (float(shifted(1.0)) - float(shifted(-1.0))) / (2 * eps)
-        assert abs(float(jnp.vdot(g, u)) - fd) <= 2e-2 * abs(fd) + 1e-3, (i, float(jnp.vdot(g, u)), fd)
+    _check_smooth_gradient_against_finite_differences(cfg, sink=9.0, seed=2)
 
 
 def test_block_scaled_smooth_gradient_sees_the_block_scale_collapse():
