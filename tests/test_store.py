@@ -466,3 +466,16 @@ def test_model_cache_keeps_one_copy_per_model_not_per_install(fake_model, tmp_pa
     names = {p.name for p in _cache_entries(tmp_path)}
     assert stale.name not in names and other_model.name in names
     assert loader._cache_path(changed).name in names
+
+
+def test_a_sweep_is_resumed_only_under_the_jax_that_started_it(finished, spec, tmp_path, monkeypatch):
+    """Chunks of two jax versions are never mixed (their MSEs differ in low-order bits); the
+    finished folder still loads under any version."""
+    out = _copy(finished[0], tmp_path / "run")
+    manifest = out / "spec.json"
+    manifest.write_text(_edit(manifest.read_text(), lambda d: d.update(jax="0.10.0")))
+    calls = count_chunks(monkeypatch)
+    with pytest.raises(PcastError, match=r"started under jax 0\.10\.0.*resume under jax 0\.10\.0") as info:
+        run_sweep(spec, out, progress=False)
+    assert "\n" not in str(info.value) and calls == []
+    assert load_result(out).spec == spec

@@ -132,6 +132,13 @@ def claim_dir(out: Path, spec: SweepSpec, layout: dict) -> dict:
         raise PcastError(
             f"out_dir={str(out)!r} holds a different sweep (fields that differ: {differ}); "
             "refusing to mix results — use another output folder or delete this one")
+    started = saved.get("jax")
+    if started is not None and started != jax.__version__:
+        raise PcastError(
+            f"out_dir={str(out)!r} holds a sweep started under jax {started}, and this is jax {jax.__version__}: "
+            "results are bit-identical within one jax version only, so chunks of two versions are never "
+            f"mixed — resume under jax {started}, or use another output folder (load_result reads a "
+            "finished folder under any version)")
     for folder in (out, out / "chunks"):
         clean_stale_temps(folder)
     return saved["layout"]
