@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from pcast_jax.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_PEER_FAILED
+from pcast_jax.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_PEER_FAILED, PcastError
 
 HEARTBEAT_S = 5
 INIT_S = 30
@@ -296,3 +296,22 @@ def test_native_end_is_named_from_the_fatal_line(status, says):
     text = NATIVE_END.replace(b"UNAVAILABLE: Failed to send RPC to coordination service. "
                               b"Either the leader task was preempted/died/restarted unexpectedly", status)
     assert says in _native_cause(text.decode(), Namespace(heartbeat_timeout=7.0))
+
+
+def test_a_process_that_already_ran_jax_is_never_forked(monkeypatch):
+    """Called from Python after JAX work (a notebook, a test), the multi-process command runs
+    unsupervised in the calling process: a forked copy of a threaded process can deadlock."""
+    import argparse
+
+    import jax.numpy as jnp
+
+    from pcast_jax.commands import _distributed
+
+    jnp.zeros(2).block_until_ready()  # the backend (and its threads) started
+    monkeypatch.setattr(os, "fork", lambda: pytest.fail("forked a process whose JAX runtime runs"))
+    args = argparse.Namespace(coordinator="127.0.0.1:1", num_processes=2, process_id=1, distributed=False,
+                              init_timeout=5.0, heartbeat_timeout=5.0)
+    assert _distributed.supervise(args) is None
+    bad = argparse.Namespace(**{**vars(args), "process_id": 2})
+    with pytest.raises(PcastError, match="process_id=2 must be <= 1"):  # checked before anything else
+        _distributed.supervise(bad)

@@ -84,12 +84,34 @@ def init_from_args(args: argparse.Namespace, *, supervisor: int | None = None) -
     """
     if not wants_distributed(args):
         return None
-    explicit = [getattr(args, k, None) for k in ("coordinator", "num_processes", "process_id")]
-    timeouts = dict(timeout_s=getattr(args, "init_timeout", DEFAULT_TIMEOUT_S),
-                    heartbeat_timeout_s=getattr(args, "heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT_S))
+    explicit, timeouts = _start_arguments(args)
     check_start_arguments(*explicit, **timeouts)  # bad arguments change nothing in this process
     watch_run(supervisor)
     return init_distributed(*explicit, **timeouts)
+
+
+def _start_arguments(args: argparse.Namespace) -> tuple[list, dict]:
+    explicit = [getattr(args, k, None) for k in ("coordinator", "num_processes", "process_id")]
+    timeouts = dict(timeout_s=getattr(args, "init_timeout", DEFAULT_TIMEOUT_S),
+                    heartbeat_timeout_s=getattr(args, "heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT_S))
+    return explicit, timeouts
+
+
+def _unsafe_to_fork() -> bool:
+    """Whether this process already runs threads a fork would copy mid-work: Python threads, or
+    JAX's runtime (its backend threads start with the first computation). Checked through
+    ``jax._src.xla_bridge.backends_are_initialized`` (present in jax 0.11 and 0.12); where that
+    is missing, Python's thread count alone decides."""
+    import threading
+
+    if threading.active_count() > 1:
+        return True
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):
+        return False
 
 
 @contextlib.contextmanager
@@ -133,9 +155,14 @@ def supervise(args: argparse.Namespace) -> int | None:
     SIGTERM to it, relays its stderr without JAX's native log lines, and exits with its status —
     or, when the child ended natively, prints one ``pcast: error:`` line naming what happened and
     exits with :data:`~pcast_jax.errors.EXIT_PEER_FAILED`. The child's whole stderr is then kept
-    in a log file the line names. Where processes cannot fork, returns None and does nothing.
+    in a log file the line names. Where processes cannot fork, or this process already runs
+    threads (JAX's runtime started earlier, as when a command is called from Python after other
+    JAX work: a forked copy of a threaded process can deadlock), returns None and does nothing:
+    the command then runs unsupervised in this process. Bad arguments are refused before any fork.
     """
-    if not hasattr(os, "fork"):
+    explicit, timeouts = _start_arguments(args)
+    check_start_arguments(*explicit, **timeouts)
+    if not hasattr(os, "fork") or _unsafe_to_fork():
         return None
     parent = os.getpid()
     read_fd, write_fd = os.pipe()
