@@ -15,6 +15,7 @@ vanishes without one is found by JAX's heartbeat (``heartbeat_timeout_s``).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import errno
 import json
@@ -242,6 +243,9 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
         raise _start_error(exc, explicit=explicit, coordinator=coordinator) from exc
     info = process_info(coordinator)
     _RUN.update(process_id=info.process_id, num_processes=info.num_processes, running=True)
+    # Registered after jax.distributed's own shutdown handler, so it runs first (atexit is LIFO): the
+    # watcher stops asking the key-value store before the client is torn down under it.
+    atexit.register(_stop_watching)
     _check_device_counts(info, max(deadline - time.monotonic(), 1.0))
     return info
 
@@ -314,6 +318,16 @@ def _start_error(exc: BaseException, *, explicit: bool, coordinator) -> PcastErr
 
 _RUN: dict = {"process_id": None, "num_processes": None, "running": False}  # running: connected
 _EXIT_LOCK = threading.Lock()
+_POLL_LOCK = threading.Lock()  # held while a thread asks the key-value store
+
+
+def _stop_watching() -> None:
+    """At a normal exit: no more key-value requests (one in flight is waited for, up to 5 s)."""
+    if _POLL_LOCK.acquire(timeout=5.0):
+        _RUN["running"] = False
+        _POLL_LOCK.release()
+    else:
+        _RUN["running"] = False
 
 
 def _who() -> str:
@@ -412,11 +426,12 @@ def peer_notice(wait_s: float = 1.0) -> str | None:
     deadline = time.monotonic() + wait_s
     while True:
         # Only a connected client may ask: a request during connect() ends the process natively.
-        client = _jax_distributed.global_state.client if _RUN["running"] else None
-        try:
-            notices = [] if client is None else client.key_value_dir_get(_NOTICE_DIR)
-        except Exception:  # noqa: BLE001 - coordinator gone: nothing to read
-            notices = []
+        with _POLL_LOCK:
+            client = _jax_distributed.global_state.client if _RUN["running"] else None
+            try:
+                notices = [] if client is None else client.key_value_dir_get(_NOTICE_DIR)
+            except Exception:  # noqa: BLE001 - coordinator gone: nothing to read
+                notices = []
         for key, message in notices:
             if key.rsplit("/", 1)[-1] != str(_RUN["process_id"]):
                 return message
