@@ -10,13 +10,20 @@ All on the same shapes, in one run (Table 2's operating point: the paper's five 
 * ``flop_bound_fraction`` — the time those products take in the plain matmul over the time the
   chunk takes: 1.0 would mean the sweep runs at the matmul rate of its P·V products
   (``flop_bound_fraction_cpu_time``: the same with process CPU time, steadier on a shared machine).
+* ``flop_bound_fraction_without_draws`` — ``flop_bound_fraction`` over (1 − the draws' share of the
+  chunk in ``breakdown``): the fraction a sampler that cost nothing would reach.
+* ``delta_sweep`` — the same for Figure 2's Δ grid (Δ = 4 … 13, Table 1 and Table 2's N = 4096
+  column come from it): the chunk draws each seed once and runs its ten Δ on the same draws, as
+  ``pcast reproduce`` does; instances/s and fraction of the bound per (seed, Δ) instance.
+* ``without_sampled_v`` — instances/s of ``SweepSpec(sampled_mse=False)`` at the operating point:
+  no V drawn, no P·V product, ``mse`` not computed (every other metric bit-identical).
 * ``compile_s_cold`` / ``compile_s_warm`` — compilation of the chunk in a fresh process with an empty
   persistent cache, and again in another fresh process with the cache filled (first call minus a
   steady-state call). ``first_result_s_cold`` / ``first_result_s`` (warm) — from process start to a
   finished 8-seed sweep.
 * ``seconds_to_2pct`` — seconds until every Table 2 cell (config) reaches 2 % relative standard error
   with ``mse`` and with ``mse_expected``, from the per-seed spread of a pilot sweep and the measured
-  throughput.
+  throughput; ``mse_expected_without_v`` the same with the throughput of a sweep that samples no V.
 * ``prng_s_per_seed`` — per-seed draw time (the scores and V normals of one seed) of JAX's PRNG
   implementations: threefry2x32 as JAX lowers it on CPU (a loop over its round groups), the same
   bits with the hash unrolled (``threefry2x32_unrolled``, what the sweep draws), and philox4x32,
@@ -53,6 +60,7 @@ T_START = time.perf_counter()
 
 CONFIGS = ("fwd_s1", "rev_s1", "fwd_s448", "fwd_s256", "rev_s256")
 SHAPE = dict(configs=CONFIGS, deltas=(7.0,), ns=(4096,), q_len=32, d=128)
+DELTA_GRID = tuple(float(d) for d in range(4, 14))  # Figure 2's grid
 
 
 def _child(seeds: int) -> None:
@@ -249,13 +257,24 @@ def main() -> int:
     _median_time(lambda: compute_chunk(spec, n, 0, seeds), 1)
     _median_time(lambda: matmul(a, b), 1)
     chunk_cpu, matmul_cpu = [], []
-    for _ in range(args.repeats):  # interleaved, so that both see the same machine load
+    others = {}  # the same seeds through other chunks, timed in the same rounds
+    if not args.steady_only:
+        grid = SweepSpec(**{**SHAPE, "deltas": DELTA_GRID}, seeds=seeds, micro_batch=args.micro_batch)
+        no_v = SweepSpec(**SHAPE, seeds=seeds, micro_batch=args.micro_batch, sampled_mse=False)
+        others = {"delta_sweep": lambda: compute_chunk(grid, n, 0, seeds),
+                  "without_sampled_v": lambda: compute_chunk(no_v, n, 0, seeds)}
+        for fn in others.values():
+            _median_time(fn, 1)
+    other_s = {name: [] for name in others}
+    for _ in range(args.repeats):  # interleaved, so that all see the same machine load
         c0 = time.process_time()
         chunk_s.append(_median_time(lambda: compute_chunk(spec, n, 0, seeds), 1))
         c1 = time.process_time()
         matmul_s.append(_median_time(lambda: matmul(a, b), 1))
         chunk_cpu.append(c1 - c0)  # CPU time includes _median_time's warm-up call: two calls each
         matmul_cpu.append(time.process_time() - c1)
+        for name, fn in others.items():
+            other_s[name].append(_median_time(fn, 1))
     chunk, mm = statistics.median(chunk_s), statistics.median(matmul_s)
     cpu_fraction = statistics.median(matmul_cpu) / statistics.median(chunk_cpu)
     flops = 2.0 * q * n * d * products * seeds
@@ -282,18 +301,28 @@ def main() -> int:
             rse1 = np.std(x, ddof=1) / abs(np.mean(x))  # relative standard error of one seed
             need = max(need, (rse1 / 0.02) ** 2)
         to_2pct[metric] = {"seeds": int(np.ceil(need)), "seconds": float(np.ceil(need) / ips)}
+    ips_no_v = seeds / statistics.median(other_s["without_sampled_v"])
+    need = to_2pct["mse_expected"]["seeds"]
+    to_2pct["mse_expected_without_v"] = {"seeds": need, "seconds": float(need / ips_no_v)}
+    grid_s = statistics.median(other_s["delta_sweep"])
+    delta_sweep = {"deltas": list(DELTA_GRID), "instances_per_s": seeds * len(DELTA_GRID) / grid_s,
+                   "flop_bound_fraction": mm * len(DELTA_GRID) / grid_s}
 
     report = {
         "shape": {**{k: list(v) if isinstance(v, tuple) else v for k, v in SHAPE.items()}, "seeds": seeds},
         "platform": jax.devices()[0].platform, "device_count": jax.device_count(),
         "instances_per_s": ips, "chunk_s": chunk, "pv_gflops": flops / chunk / 1e9,
         "matmul_gflops": flops / mm / 1e9, "flop_bound_fraction": mm / chunk,
-        "flop_bound_fraction_cpu_time": cpu_fraction,
+        "flop_bound_fraction_cpu_time": cpu_fraction, "delta_sweep": delta_sweep,
+        "without_sampled_v": {"instances_per_s": ips_no_v},
         "compile_s_cold": cold["compile_s"], "compile_s_warm": warm["compile_s"],
         "first_result_s_cold": cold["first_result_s"], "first_result_s": warm["first_result_s"],
         "seconds_to_2pct": to_2pct, "prng_s_per_seed": _prng(seeds, args.repeats),
         "breakdown": _breakdown(min(seeds, 16), args.repeats),
     }
+    # what the draws leave: the fraction if they cost nothing (the chunk less their share)
+    report["flop_bound_fraction_without_draws"] = report["flop_bound_fraction"] / max(
+        1.0 - report["breakdown"]["draws"]["fraction_of_chunk"], 1e-9)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
@@ -304,10 +333,15 @@ def main() -> int:
             ("plain matmul GFLOP/s, same products", f"{report['matmul_gflops']:.1f}"),
             ("fraction of the FLOP bound", f"{report['flop_bound_fraction']:.2f}"),
             ("fraction of the FLOP bound, CPU time", f"{cpu_fraction:.2f}"),
+            ("fraction of the FLOP bound if the draws cost nothing",
+             f"{report['flop_bound_fraction_without_draws']:.2f}"),
+            ("Figure 2's Δ grid (10 Δ per draw): instances/s", f"{delta_sweep['instances_per_s']:.1f}"),
+            ("Figure 2's Δ grid: fraction of the FLOP bound", f"{delta_sweep['flop_bound_fraction']:.2f}"),
+            ("instances/s without sampled V (sampled_mse=False)", f"{ips_no_v:.1f}"),
             ("compile s, cold / warm cache", f"{cold['compile_s']:.2f} / {warm['compile_s']:.2f}"),
             ("first result s, cold / warm cache", f"{cold['first_result_s']:.2f} / {warm['first_result_s']:.2f}")]
     for metric, v in to_2pct.items():
-        rows.append((f"s to 2 % RSE, every cell, {metric}", f"{v['seconds']:.1f} ({v['seeds']} seeds)"))
+        rows.append((f"s to 2 % RSE, every cell, {metric}", f"{v['seconds']:.2f} ({v['seeds']} seeds)"))
     for impl, s in report["prng_s_per_seed"].items():
         rows.append((f"draws per seed, {impl} (ms)", f"{1e3 * s:.2f}"))
     for part, v in report["breakdown"].items():

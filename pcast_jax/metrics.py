@@ -2,7 +2,8 @@
 
 Every metric is a mean over the instance's query rows:
 
-* ``mse`` — mean over rows and dimensions of (O_kernel − O_ref)² (Table 2, Figures 2–3).
+* ``mse`` — mean over rows and dimensions of (O_kernel − O_ref)² (Table 2, Figures 2–3); NaN when
+  the sweep does not sample V (``SweepSpec(sampled_mse=False)``).
 * ``mse_expected`` — σ_V² Σ_j (W_j − P_j)², the expected per-dimension squared error given the
   scores, averaged over V (:func:`pcast_jax.engine.effective_weights`). Same mean as ``mse``, much
   lower variance, no V draw needed; it covers the P-cast only (not an f16 accumulator or FP8 V).
@@ -13,10 +14,12 @@ Every metric is a mean over the instance's query rows:
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from pcast_jax import engine as _engine
 from pcast_jax.config import KernelConfig, resolve
+from pcast_jax.errors import PcastError
 
 __all__ = ["METRICS", "CONFIG_METRICS", "evaluate"]
 
@@ -25,7 +28,7 @@ METRICS = CONFIG_METRICS + ("nonsink_mass",)
 
 
 def evaluate(instance, configs: tuple[KernelConfig | str, ...], *, engine: str = "fast", sigma_v: float = 1.0,
-             expected: bool = True) -> dict[str, jnp.ndarray]:
+             expected: bool = True, sampled: bool = True) -> dict[str, jnp.ndarray]:
     """All metrics of one instance for every config; values shaped (len(configs),).
 
     ``instance`` has ``scores`` (q_len, N), ``v`` (N, d) and ``is_sink`` (N,). ``nonsink_mass`` is
@@ -37,8 +40,20 @@ def evaluate(instance, configs: tuple[KernelConfig | str, ...], *, engine: str =
     (:func:`pcast_jax.engine.weights_and_stats`), so its error is (W − P)·V: the weights are
     computed once for ``mse`` and ``mse_expected``, and all such configs share one matrix product
     with V (no separate reference product, no cancellation between two outputs).
+
+    ``sampled=False`` skips ``mse`` (NaN) and never touches V (``instance.v`` may be None): every
+    config's statistics then come from :func:`pcast_jax.engine.weights_and_stats`, which needs
+    the fast engine. The other metrics equal the sampled evaluation's: the zeroed fraction and the
+    masses bit for bit, ``mse_expected`` to float32 rounding (XLA may fuse its sums differently
+    without the product; most values, and at Table 2's shapes all of the paper's configs', agree
+    bit for bit).
     """
     scores, v, is_sink = instance.scores, instance.v, instance.is_sink
+    if not sampled and engine != "fast":
+        raise PcastError(f"sampled=False takes every metric from the fast engine's weights; engine={engine!r} "
+                         "needs V (use engine='fast', or sample V)")
+    if sampled and v is None:
+        raise PcastError("instance.v is None: mse needs V (draw it, or pass sampled=False)")
     count_mask = ~is_sink
     probs = {}
 
@@ -53,7 +68,14 @@ def evaluate(instance, configs: tuple[KernelConfig | str, ...], *, engine: str =
     for i, cfg in enumerate(configs):
         cfg = resolve(cfg)
         p_ref = reference(cfg.causal)
-        if engine == "fast" and cfg.accumulator == "f32" and not cfg.mma_acc_bits:  # output = W·V exactly
+        shares_product = engine == "fast" and cfg.accumulator == "f32" and not cfg.mma_acc_bits
+        if not sampled:  # no V: what the weights say
+            r = _engine.weights_and_stats(scores, cfg, count_mask=count_mask)
+            diff = r.weights - p_ref
+            if shares_product:  # materialized, as the product with V makes it: the sums fuse alike
+                diff = jax.lax.optimization_barrier(diff)
+            rows["mse"][i] = jnp.float32(jnp.nan)
+        elif shares_product:  # output = W·V exactly
             r = _engine.weights_and_stats(scores, cfg, count_mask=count_mask)
             diff = r.weights - p_ref
             shared.append((i, diff))

@@ -91,7 +91,7 @@ def sink_mask(workload: SinkWorkload) -> np.ndarray:
 
 
 class Instance(NamedTuple):
-    """One attention instance: scores (q_len, N), V (N, d), and which keys are sinks (N,)."""
+    """One attention instance: scores (q_len, N), V (N, d) (None when not drawn), and which keys are sinks (N,)."""
 
     scores: jax.Array
     v: jax.Array
@@ -149,10 +149,12 @@ def threefry_unrolled(key):
     return jax.random.wrap_key_data(key, impl=_UNROLLED)
 
 
-def make_instance(key, workload: SinkWorkload, delta) -> Instance:
+def make_instance(key, workload: SinkWorkload, delta, *, draw_v: bool = True) -> Instance:
     """Draw one synthetic sink instance. ``delta`` may be a traced scalar (vmap over Δ).
 
     A concrete ``delta`` must be finite in float32 (NaN or ±inf would silently poison every row).
+    ``draw_v=False`` leaves V out (``v`` is None; the scores are the same draws either way): for
+    the metrics that average over V instead of sampling it.
     """
     w = workload
     if not isinstance(w, SinkWorkload):
@@ -169,5 +171,5 @@ def make_instance(key, workload: SinkWorkload, delta) -> Instance:
     scores = w.sigma * jax.random.normal(ks, (w.q_len, w.n), jnp.float32)
     is_sink = jnp.asarray(sink_mask(w))
     scores = scores + jnp.where(is_sink, jnp.asarray(delta, jnp.float32), 0.0)
-    v = w.sigma_v * jax.random.normal(kv, (w.n, w.d), jnp.float32)
+    v = w.sigma_v * jax.random.normal(kv, (w.n, w.d), jnp.float32) if draw_v else None
     return Instance(scores, v, is_sink)

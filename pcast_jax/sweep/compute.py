@@ -53,12 +53,13 @@ class ChunkShape:
     engine: str
     expected_mse: bool
     micro_batch: int = 1
+    sampled_mse: bool = True
 
 
 def chunk_shape(spec: SweepSpec, n: int) -> ChunkShape:
     """The :class:`ChunkShape` of ``spec``'s chunks at KV length ``n``."""
     return ChunkShape(configs=tuple(spec.configs), workload=spec.workload(n), engine=spec.engine,
-                      expected_mse=spec.expected_mse, micro_batch=spec.micro_batch)
+                      expected_mse=spec.expected_mse, micro_batch=spec.micro_batch, sampled_mse=spec.sampled_mse)
 
 
 def _loop_map(fn, xs):
@@ -90,12 +91,12 @@ def _per_seed(shape: ChunkShape, base_seed, deltas):
     w = shape.workload
 
     def per_seed(seed):
-        base = make_instance(instance_key(base_seed, w.n, seed), w, 0.0)
+        base = make_instance(instance_key(base_seed, w.n, seed), w, 0.0, draw_v=shape.sampled_mse)
 
         def per_delta(delta):
             inst = base._replace(scores=base.scores + jnp.where(base.is_sink, delta, 0.0))
             return metrics.evaluate(inst, shape.configs, engine=shape.engine, sigma_v=w.sigma_v,
-                                    expected=shape.expected_mse)
+                                    expected=shape.expected_mse, sampled=shape.sampled_mse)
 
         return _loop_map(per_delta, deltas)
 

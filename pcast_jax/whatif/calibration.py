@@ -216,7 +216,7 @@ def calibrate_prop3(config="fwd_s1", n: int = 4096, *, deltas=None, seeds: int =
     t0 = time.perf_counter()
     spec = SweepSpec(configs=(cfg,), deltas=tuple(float(x) for x in deltas), ns=(n,), seeds=seeds, q_len=q_len,
                      d=d, k_sink=k_sink, sigma=sigma, sigma_v=sigma_v, base_seed=base_seed,
-                     expected_mse=(target == "mse_expected"))
+                     expected_mse=(target == "mse_expected"), sampled_mse=(target == "mse"))
     progress.plan(3 + len(models))
     progress.stage(f"calibrate {cfg.name}: simulation sweep ({deltas.size} Δ x {seeds} seeds)")
     res = run_sweep(spec, progress=False)

@@ -66,7 +66,7 @@ def dynamic_vs_static(*, dynamic="dynamic_pow2", statics=("fwd_s256", "fwd_s448"
     check_int("seeds", seeds, min_value=2, max_value=1 << 20)
     t0 = time.perf_counter()
     spec = SweepSpec(configs=(dyn,) + statics, deltas=deltas, ns=ns, seeds=seeds, q_len=q_len, d=d,
-                     k_sink=k_sink, base_seed=base_seed, expected_mse=True)
+                     k_sink=k_sink, base_seed=base_seed, expected_mse=True, sampled_mse=(metric == "mse"))
     progress.plan(2)
     progress.stage(f"dynamic: sweep of {len(spec.configs)} configs x {len(deltas)} Δ x {len(ns)} N "
                    f"x {seeds} seeds")
