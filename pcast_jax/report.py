@@ -335,7 +335,9 @@ def sweep_figure(result, *, x: str = "delta", y: str = "mse", configs: Sequence[
             ax.fill_between(xs, lo, m + se, color=color[c], alpha=0.15, lw=0)
             plotted += 1
     if not plotted:
-        raise PcastError(f"y={y!r} has no finite values in this sweep (was it run with --no-expected-mse?)")
+        why = {"mse": "--no-sampled-mse", "mse_expected": "--no-expected-mse"}.get(y)
+        raise PcastError(f"y={y!r} has no finite values in this sweep"
+                         + (f" (was it run with {why}?)" if why else ""))
     if log_y:
         ax.set_yscale("log")
         label_log_axis(ax.yaxis)

@@ -112,6 +112,10 @@ def test_cli_without_sampled_v_prints_the_v_averaged_mse(tmp_path, capsys):
     assert cli.main(["sweep", *TINY, "--no-sampled-mse", "--format", "csv", "--out", str(out)]) == 0
     header = capsys.readouterr().out.splitlines()[0]
     assert "mse_expected_mean" in header and "mse_mean" not in header.split(",")
+    assert cli.main(["plot", str(out), "--y", "mse", "--out", str(tmp_path / "mse.png")]) == 2
+    assert "(was it run with --no-sampled-mse?)" in capsys.readouterr().err
+    assert cli.main(["plot", str(out), "--x", "delta", "--y", "mse_expected", "--out", str(tmp_path / "e.png")]) == 0
+    assert (tmp_path / "e.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("extra, words", [
