@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pcast_jax import block, formats
-from pcast_jax.config import KernelConfig, resolve
+from pcast_jax.config import QKV_GRANULARITIES, KernelConfig, resolve
 from pcast_jax.errors import PcastError, check_choice, check_int, check_positive
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "reference_attention",
     "reference_probs",
     "quantize_per_tensor",
+    "quantize_qkv",
     "prepare_qkv",
     "ENGINES",
 ]
@@ -463,10 +464,28 @@ def quantize_per_tensor(x, fmt="e4m3"):
     return formats.cast(x / descale, f, overflow="satfinite"), descale
 
 
+def quantize_qkv(x, granularity: str = "tensor"):
+    """E4M3 round trip of Q, K or V (..., len, d): one scale per tensor, or per leading index.
+
+    ``granularity`` is ``KernelConfig.qkv_granularity``: ``"tensor"`` (:func:`quantize_per_tensor`)
+    or ``"head"`` (one scale per index of the leading dims, i.e. per (batch, head) of a
+    (batch, heads, len, d) array). Returns ``(x8, descale)``, descale shaped to broadcast against
+    x: (1, …, 1) or (..., 1, 1).
+    """
+    check_choice("granularity", granularity, QKV_GRANULARITIES)
+    if granularity == "tensor":
+        x8, d = quantize_per_tensor(x)
+        return x8, jnp.reshape(d, (1,) * x.ndim)
+    lead = x.shape[:-2]
+    x8, d = jax.vmap(quantize_per_tensor)(x.reshape((-1,) + x.shape[-2:]))
+    return x8.reshape(x.shape), d.reshape(lead + (1, 1))
+
+
 def prepare_qkv(q, k, v, config, *, softmax_scale: float | None = None):
     """Scores and V as the kernel sees them for Q (..., q_len, d), K and V (..., N, d).
 
-    With ``config.qkv == "e4m3"`` Q, K, V are quantized per tensor; the scores are the FP8×FP8
+    With ``config.qkv == "e4m3"`` Q, K, V are quantized to E4M3 (:func:`quantize_qkv`, one scale
+    per tensor, or per leading index with ``qkv_granularity="head"``); the scores are the FP8×FP8
     products accumulated in FP32 times q_descale·k_descale·softmax_scale, and V is the dequantized
     FP8 value (its descale applied to the values, which equals applying it to the output).
     """
@@ -490,9 +509,7 @@ def prepare_qkv(q, k, v, config, *, softmax_scale: float | None = None):
         raise PcastError(f"k and v lengths differ: k.shape={k.shape}, v.shape={v.shape}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     if cfg.qkv == "e4m3":
-        q8, dq = quantize_per_tensor(q)
-        k8, dk = quantize_per_tensor(k)
-        v8, dv = quantize_per_tensor(v)
+        (q8, dq), (k8, dk), (v8, dv) = (quantize_qkv(x, cfg.qkv_granularity) for x in (q, k, v))
         s = jnp.einsum("...qd,...nd->...qn", q8, k8, precision=jax.lax.Precision.HIGHEST)
         return s * (dq * dk * scale), v8 * dv
     s = jnp.einsum("...qd,...nd->...qn", q, k, precision=jax.lax.Precision.HIGHEST)

@@ -95,16 +95,6 @@ def _broadcast_4d(name: str, x, shape, dtype):
         raise PcastError(f"{name}.shape={x.shape} does not broadcast to (B, N, T, S) = {shape}") from None
 
 
-def _quantize(x, granularity: str):
-    """E4M3 round trip of x (B, H, L, D), one scale per tensor or per head: (x8, descale (1|B,H,1,1))."""
-    if granularity == "tensor":
-        x8, d = engine.quantize_per_tensor(x)
-        return x8, jnp.reshape(d, (1, 1, 1, 1))
-    per_head = jax.vmap(jax.vmap(engine.quantize_per_tensor))  # over batch, then heads
-    x8, d = per_head(x)
-    return x8, d[:, :, None, None]
-
-
 def _repeat_kv(x, n_heads: int):
     return jnp.repeat(x, n_heads // x.shape[1], axis=1)
 
@@ -117,7 +107,7 @@ def kernel_inputs(q, k, v, cfg: KernelConfig | None, scale: float):
     """
     n_heads = q.shape[1]
     if cfg is not None and cfg.qkv == "e4m3":
-        (q, dq), (k, dk), (v, dv) = (_quantize(x, cfg.qkv_granularity) for x in (q, k, v))
+        (q, dq), (k, dk), (v, dv) = (engine.quantize_qkv(x, cfg.qkv_granularity) for x in (q, k, v))
         dk, dv = (_repeat_kv(jnp.broadcast_to(d, (d.shape[0], x.shape[1], 1, 1)), n_heads) for d, x in
                   ((dk, k), (dv, v)))
         logits = jnp.einsum("bnth,bnsh->bnts", q, _repeat_kv(k, n_heads), precision="highest")

@@ -149,6 +149,35 @@ def test_fast_equals_scan_fp8_qkv(name):
     assert float(jnp.max(jnp.abs(exact_qkv.out - outs[0]))) > 0  # Q/K/V were quantized
 
 
+def test_attention_qkv_honours_per_head_scales():
+    """qkv_granularity="head": one E4M3 scale per (batch, head), as the model hook quantizes."""
+    from pcast_jax import nn
+
+    b, h, t, n, d = 2, 3, 5, 256, 16
+    kq, kk, kv = jax.random.split(jax.random.PRNGKey(3), 3)
+    spread = jnp.array([1e-4, 1.0, 40.0])[None, :, None, None]  # heads of very different ranges
+    q = jax.random.normal(kq, (b, h, t, d)) * spread
+    k = jax.random.normal(kk, (b, h, n, d)).at[:, :, :2].add(4.0) * spread
+    v = jax.random.normal(kv, (b, h, n, d)) * spread
+    head = PRESETS["rev_s256"].replace(qkv="e4m3", qkv_granularity="head")
+    tensor = head.replace(qkv_granularity="tensor")
+    x8, dx = engine.quantize_qkv(v, "head")
+    assert dx.shape == (b, h, 1, 1)
+    np.testing.assert_allclose(dx[1, 2, 0, 0], engine.quantize_per_tensor(v[1, 2])[1], rtol=2e-7)
+    per_head = engine.attention_qkv(q, k, v, head).out
+    per_tensor = engine.attention_qkv(q, k, v, tensor).out
+    # the same numbers as the jax.nn-style entry point, whose per-head path the model hook uses
+    hook = nn.dot_product_attention(*(jnp.swapaxes(x, 1, 2) for x in (q, k, v)), config=head)
+    np.testing.assert_allclose(per_head, jnp.swapaxes(hook, 1, 2), rtol=2e-5, atol=1e-6 * float(jnp.max(jnp.abs(v))))
+    # and not the per-tensor numbers: the quiet head loses its resolution under one shared scale
+    exact = engine.attention_qkv(q, k, v, PRESETS["rev_s256"]).out[:, 0]  # FP32 Q/K/V
+
+    def err(o):
+        return float(jnp.max(jnp.abs(o[:, 0] - exact)))
+
+    assert err(per_head) < 0.1 * err(per_tensor)
+
+
 # --------------------------------------------------------------------------------------------
 # effective weights
 # --------------------------------------------------------------------------------------------
