@@ -289,6 +289,9 @@ def _kernel(q, k, v, bias, mask, cfg: KernelConfig, scale: float, backend: str):
     if bias is not None or mask is not None:
         raise PcastError(f"implementation={backend!r}: the Pallas kernels take neither bias nor mask "
                          "(use implementation='xla' or 'scan')")
+    if cfg.qkv == "e4m3" and cfg.qkv_granularity == "head":
+        raise PcastError(f"implementation={backend!r}: the Pallas kernels take one E4M3 descale per tensor; "
+                         f"config={cfg.name!r} has qkv_granularity='head' (use implementation='xla' or 'scan')")
     q8, k8, v8, descales = pk.quantize_qkv(q, k, v)
     interpret = jax.default_backend() != "gpu"
     return pk.fp8_attention(q8, k8, v8, config=cfg, backend=backend, softmax_scale=scale,

@@ -9,6 +9,7 @@ import pytest
 
 import pcast_jax as pj
 from pcast_jax import engine, nn
+from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError
 
 B, T, S, N, K, H = 2, 8, 200, 4, 2, 16  # GQA: 4 query heads over 2 KV heads; S not a block multiple
@@ -168,6 +169,8 @@ def test_triton_kernel_implementation_equals_the_simulator_on_fp8_inputs():
     ({"config": "dynamic_pow2", "gradient": "smooth"}, "static scale"),
     ({"implementation": "triton"}, "needs a config"),
     ({"implementation": "triton", "config": "fwd_s1", "mask": jnp.ones((1, 1, 1, 1), bool)}, "neither bias nor mask"),
+    ({"implementation": "mosaic", "config": KernelConfig(qkv="e4m3", qkv_granularity="head")},
+     "one E4M3 descale per tensor"),
     ({"scale": -1.0}, "scale"),
 ])
 def test_bad_input_names_the_parameter(kwargs, needle):
