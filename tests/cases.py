@@ -32,3 +32,15 @@ def count_chunks(monkeypatch) -> list:
 
     monkeypatch.setattr(local, "compute_chunk", counting)
     return calls
+
+
+def gpu_bench():
+    """``benchmarks/gpu_bench.py`` (a script, not a package module) loaded as a module."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_bench.py"
+    spec = importlib.util.spec_from_file_location("gpu_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

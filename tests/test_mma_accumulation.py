@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +23,7 @@ from pcast_jax.errors import PcastError
 from pcast_jax.sweep.spec import SweepSpec
 
 import oracle
+from cases import gpu_bench
 
 Q, N, D = 8, 1000, 32
 
@@ -174,16 +173,8 @@ def test_the_model_moves_the_output_the_expected_way():
 # --------------------------------------------------------------------------------------------
 
 
-def _gpu_bench():
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_bench.py"
-    spec = importlib.util.spec_from_file_location("gpu_bench_mma", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_gpu_fit_recovers_the_bits_of_a_simulated_kernel():
-    bench = _gpu_bench()
+    bench = gpu_bench()
     assert bench.parse_args(["--part", "mma"]).part == "mma"
     assert bench.MMA_FIT_BITS[0] == 0 and set(bench.MMA_FIT_BITS[1:]) == set(range(10, 24))
     rng = np.random.default_rng(3)
@@ -208,7 +199,7 @@ def test_gpu_fit_recovers_the_bits_of_a_simulated_kernel():
 @pytest.mark.slow
 def test_gpu_fit_smoke_on_the_interpreted_kernel(capsys):
     """The GPU step end to end in interpret mode: the interpreter sums in FP32, so the fit is exact."""
-    bench = _gpu_bench()
+    bench = gpu_bench()
     best, err = bench.run_mma(bench.parse_args(["--cpu-smoke", "--part", "mma"]))
     assert best == 0 and err[12] > 1e3 * err[0] and err[12] > err[14]
     assert "fitted accumulator: exact FP32" in capsys.readouterr().out

@@ -35,6 +35,7 @@ from pcast_jax.config import KERNEL_PRESETS, PAPER_CONFIGS, KernelConfig, get_pr
 from pcast_jax.errors import PcastError
 
 import oracle
+from cases import gpu_bench
 
 HAS_GPU = jax.default_backend() == "gpu"
 DELTAS = (5.0, 7.0, 10.0)
@@ -566,19 +567,8 @@ def test_sink_workload_scores_are_sink_shaped():
 # ----------------------------------------------------------------------------------------------
 
 
-def _gpu_bench():
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_bench.py"
-    spec = importlib.util.spec_from_file_location("gpu_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_gpu_bench_arguments():
-    bench = _gpu_bench()
+    bench = gpu_bench()
     args = bench.parse_args([])
     assert args.seq_lens == [4096, 16384] and args.part == "all" and args.backends == ["mosaic", "triton"]
     smoke = bench.parse_args(["--cpu-smoke", "--part", "table2"])
@@ -591,7 +581,7 @@ def test_gpu_bench_arguments():
 @pytest.mark.slow
 def test_gpu_bench_table2_smoke(capsys):
     """Table 2 at a tiny size in interpret mode: kernel MSE = simulator MSE, same zero counts."""
-    bench = _gpu_bench()
+    bench = gpu_bench()
     rows = bench.run_table2(bench.parse_args(["--cpu-smoke", "--part", "table2", "--backends", "triton"]))
     assert [r["config"] for r in rows] == list(PAPER_CONFIGS)
     for r in rows:
