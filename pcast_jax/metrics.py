@@ -69,16 +69,15 @@ def evaluate(instance, configs: tuple[KernelConfig | str, ...], *, engine: str =
         cfg = resolve(cfg)
         p_ref = reference(cfg.causal)
         shares_product = engine == "fast" and cfg.accumulator == "f32" and not cfg.mma_acc_bits
-        if not sampled:  # no V: what the weights say
+        if shares_product or not sampled:  # output = W·V exactly, or no V: what the weights say
             r = _engine.weights_and_stats(scores, cfg, count_mask=count_mask)
             diff = r.weights - p_ref
-            if shares_product:  # materialized, as the product with V makes it: the sums fuse alike
-                diff = jax.lax.optimization_barrier(diff)
-            rows["mse"][i] = jnp.float32(jnp.nan)
-        elif shares_product:  # output = W·V exactly
-            r = _engine.weights_and_stats(scores, cfg, count_mask=count_mask)
-            diff = r.weights - p_ref
-            shared.append((i, diff))
+            if sampled:
+                shared.append((i, diff))
+            else:
+                rows["mse"][i] = jnp.float32(jnp.nan)
+                if shares_product:  # materialized, as the product with V makes it: the sums fuse alike
+                    diff = jax.lax.optimization_barrier(diff)
         else:
             r = _engine.attention(scores, v, cfg, engine=engine, count_mask=count_mask)
             o_ref = jnp.einsum("qn,nd->qd", p_ref, v, precision="highest")
