@@ -59,7 +59,7 @@ from pcast_jax import engine as _engine
 from pcast_jax.config import QKV_GRANULARITIES, KernelConfig, resolve
 from pcast_jax.errors import PcastError, check_choice, check_int
 from pcast_jax.models.gguf_loader import LlamaConfig
-from pcast_jax.models.llama import _validate, _validate_lengths, expand_kv, forward, scored_positions
+from pcast_jax.models.llama import _check_scored, _validate, _validate_lengths, expand_kv, forward, scored_positions
 from pcast_jax.nn import dot_product_attention, kernel_inputs
 
 __all__ = [
@@ -370,11 +370,9 @@ def compare_logits(ref_logits, logits, tokens, *, lengths=None) -> E2EMetrics:
     if tokens.shape[-1] < 2:
         raise PcastError("tokens must hold at least 2 tokens (one predicted position)")
     lengths = _validate_lengths(lengths, tokens)
+    _check_scored(lengths)
     if lengths is None:
         lengths = jnp.full(tokens.shape[:-1], tokens.shape[-1], jnp.int32)
-    elif int(jnp.max(lengths)) < 2:
-        raise PcastError(f"lengths={np.asarray(lengths).tolist()}: no sequence has 2 real tokens, "
-                         "nothing to score")
     scored = scored_positions(lengths, tokens.shape[-1])
     nll, kl, kl_max, agree = (float(x) for x in _compare(ref_logits, logits, tokens, scored))
     return E2EMetrics(nll=nll, perplexity=math.exp(nll), kl=kl, kl_max=kl_max, top1_agree=agree)
