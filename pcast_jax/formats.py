@@ -293,11 +293,14 @@ def positive_values(fmt: str | FP8Format = "e4m3") -> np.ndarray:
     return np.unique(v)
 
 
-def _split_blocks(x, block: int):
+def _split_blocks(x, block: int, fmt_name: str | None = None):
+    """x (..., n) → (..., n / block, block); ``fmt_name`` names the format in the error."""
     n = x.shape[-1]
     if n % block:
         from pcast_jax.errors import PcastError
 
+        if fmt_name is not None:
+            raise PcastError(f"the last axis ({n}) must be a multiple of {fmt_name}'s block of {block} keys")
         raise PcastError(f"the last axis ({n}) must be a multiple of the block size {block}")
     return x.reshape(x.shape[:-1] + (n // block, block))
 

@@ -120,10 +120,7 @@ def _block_format(fmt):
 
 
 def _blocks(x, bf):
-    n = x.shape[-1]
-    if n % bf.block:
-        raise PcastError(f"the last axis ({n}) must be a multiple of {bf.name}'s block of {bf.block} keys")
-    return x.reshape(x.shape[:-1] + (n // bf.block, bf.block))
+    return formats._split_blocks(x, bf.block, bf.name)
 
 
 def _block_squared_error(x, sur: Surrogate, bf):
