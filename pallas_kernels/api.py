@@ -22,7 +22,7 @@ import numpy as np
 from pallas_kernels import mosaic_gpu, triton_gpu
 from pcast_jax import block
 from pcast_jax import engine as _engine
-from pcast_jax.config import KernelConfig, resolve
+from pcast_jax.config import MMA_K, KernelConfig, resolve
 from pcast_jax.errors import PcastError, check_choice, check_int, check_positive
 
 __all__ = [
@@ -38,9 +38,6 @@ __all__ = [
 
 BACKENDS = ("mosaic", "triton")
 _F8 = jnp.dtype(jnp.float8_e4m3fn)
-#: Keys one FP8 MMA instruction covers (the K of wgmma/mma for 8-bit operands): the finest
-#: ``f16_round_keys`` a kernel can run.
-_MMA_K = 32
 #: Shared memory one Hopper CTA may use (227 KiB).
 _HOPPER_SMEM_BYTES = 232448
 
@@ -193,9 +190,9 @@ def _validate(q, k, v, cfg: KernelConfig, backend: str, softmax_scale, num_slots
             "(cvt.rn.satfinite); use overflow='satfinite'"
         )
     # kernel semantics the simulator models but the kernels do not run: refused, never ignored
-    if cfg.f16_round_keys % _MMA_K:
+    if cfg.f16_round_keys % MMA_K:
         raise PcastError(f"f16_round_keys={cfg.f16_round_keys} not supported by the kernels: one FP8 MMA "
-                         f"covers a multiple of {_MMA_K} keys (use 0, {_MMA_K}, {2 * _MMA_K}, ...)")
+                         f"covers a multiple of {MMA_K} keys (use 0, {MMA_K}, {2 * MMA_K}, ...)")
     if cfg.mma_acc_bits:
         raise PcastError(f"mma_acc_bits={cfg.mma_acc_bits} is a simulator model of the tensor core's accumulator: "
                          "the kernels run the hardware's own (use mma_acc_bits=0 and compare the kernel with "
