@@ -294,7 +294,7 @@ def _md_row(r: dict) -> dict:
     x = r[f"zeroed_vs_one_forward_pass_{_dtag(DELTAS[1])}"]
     md["vs_forward"] = "—" if not np.isfinite(x) else f"{x:.2f}×"
     md["ratio"] = f"{r[f'mse_ratio_to_best_{_dtag(DELTAS[0])}']:.2f}×"
-    if md["verdict"] != r["paper_status"] and r["in_table3"]:
+    if r["verdict_changes"]:
         md["verdict"] = f"**{md['verdict']}**"
     return md
 
