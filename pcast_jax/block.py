@@ -38,6 +38,7 @@ from pcast_jax.errors import PcastError
 
 __all__ = [
     "LOG2E",
+    "MASKED_BELOW",
     "BlockStep",
     "expand_rows",
     "safe_max",
@@ -56,6 +57,7 @@ __all__ = [
     "accumulate_pv",
     "epilogue_divisor",
     "finalize",
+    "row_share",
     "kv_block",
     "visible",
     "causal_mask",
@@ -68,6 +70,15 @@ __all__ = [
 #: log2(e): the exponent mode computes exp(x) as exp2(x · log2 e), like the kernels.
 LOG2E = math.log2(math.e)
 
+#: Logits at or below −2^127 are masked keys, on every path: −inf, ``finfo(float32).min`` (what flax
+#: puts in masked logits) and ``−0.7·finfo(float32).max`` (jax.nn's) alike. A masked key contributes
+#: nothing (P = 0, as the kernels' −inf does), a running max that has seen only masked keys counts as
+#: −inf (:func:`safe_max`), and a row with no visible key outputs 0 (:func:`finalize`), as
+#: FlashAttention's epilogue does (``hopper/softmax.h``: ``inv_sum = sum == 0 ? 1 : 1 / sum``). Such a
+#: value times log2 e overflows float32, which is why the bound sits here: a finite logit above it
+#: is a real score.
+MASKED_BELOW = -(2.0**127)
+
 
 def expand_rows(row, shape):
     """Per-row values ``(...)`` broadcast over the last axis of ``shape`` ``(..., cols)``."""
@@ -75,8 +86,12 @@ def expand_rows(row, shape):
 
 
 def safe_max(m):
-    """m with −inf replaced by 0, so rows with nothing visible yet give exp(−inf) = 0, not NaN."""
-    return jnp.where(m == -jnp.inf, 0.0, m)
+    """m with masked values (≤ :data:`MASKED_BELOW`, −inf included) replaced by 0.
+
+    A row that has seen only masked keys then gives P = exp(masked − 0) = 0 and α = 0, never
+    exp(−inf + inf) = NaN (the exponent mode's Z·log2 e − m·log2 e overflows for such values).
+    """
+    return jnp.where(m <= MASKED_BELOW, 0.0, m)
 
 
 def alpha(m_old, m_new, cfg: KernelConfig):
@@ -300,15 +315,23 @@ def accumulate_pv(o, a, product, unscale, cfg: KernelConfig, *, barrier=None, sc
 
 
 def epilogue_divisor(row_sum, cfg: KernelConfig):
-    """Line 12's divisor: S·ℓ in the multiply mode; ℓ where ℓ holds S or S was undone per block."""
-    if cfg.scale_mode == "multiply":
-        return jnp.float32(cfg.scale) * row_sum
-    return row_sum
+    """Line 12's divisor: S·ℓ in the multiply mode; ℓ where ℓ holds S or S was undone per block.
+
+    A row with no visible key has ℓ = 0 (and O = 0): its divisor is 1, so its output is 0, as
+    FlashAttention's epilogue gives (``inv_sum = sum == 0 ? 1 : 1 / sum``), never 0/0.
+    """
+    div = jnp.float32(cfg.scale) * row_sum if cfg.scale_mode == "multiply" else row_sum
+    return jnp.where(div > 0.0, div, 1.0)
 
 
 def finalize(o, row_sum, cfg: KernelConfig):
-    """Line 12: O / (S ℓ) (O / ℓ in the exponent and dynamic modes)."""
+    """Line 12: O / (S ℓ) (O / ℓ in the exponent and dynamic modes); 0 for a row with nothing visible."""
     return o / expand_rows(epilogue_divisor(row_sum, cfg), o.shape)
+
+
+def row_share(x, row_sum):
+    """x / ℓ per row, 0 where ℓ = 0 (a row with no visible key): e.g. the zeroed share of the mass."""
+    return x / jnp.where(row_sum > 0.0, row_sum, 1.0)
 
 
 def kv_block(step, n_steps, cfg: KernelConfig):
@@ -377,7 +400,6 @@ def merge_splits(m, row_sum, o, cfg: KernelConfig, extra=()):
     a = alpha(m, jnp.max(m, axis=0), cfg)  # exp(m_s − m); 0 for a split with m_s = −inf
     w = a * row_sum
     ell = jnp.sum(w, axis=0)
-    div = epilogue_divisor(row_sum, cfg)
-    o_s = o / expand_rows(jnp.where(div > 0.0, div, 1.0), o.shape)
-    out = jnp.sum(expand_rows(w / ell, o.shape) * o_s, axis=0)
+    o_s = o / expand_rows(epilogue_divisor(row_sum, cfg), o.shape)
+    out = jnp.sum(expand_rows(row_share(w, ell), o.shape) * o_s, axis=0)
     return out, ell, tuple(jnp.sum(a * x, axis=0) for x in extra)

@@ -12,7 +12,10 @@ Two engines compute the same thing:
   products are rounded in a different order); the cast inputs, and so every zeroed P, are identical.
 
 Scores are logits with the softmax scale already applied, shape ``(..., q_len, N)``; V is
-``(..., N, d)``. Leading dimensions broadcast (vmap is the usual way to batch).
+``(..., N, d)``. Leading dimensions broadcast (vmap is the usual way to batch). A score of −inf, or
+any value ≤ −2^127 (``finfo(float32).min`` included, :data:`pcast_jax.block.MASKED_BELOW`), is a
+masked key: it contributes nothing, and a row with every key masked outputs 0 with ℓ = 0 and a
+zeroed mass of 0, as the kernels do.
 """
 
 from __future__ import annotations
@@ -145,9 +148,6 @@ def _prepare(scores, v, cfg: KernelConfig, count_mask, q_offset):
             raise PcastError("scores contain NaN or +inf: logits must be finite (-inf marks a masked key)")
         if not bool(jnp.all(jnp.isfinite(v))):
             raise PcastError("v contains NaN or inf: values must be finite")
-        if not bool(jnp.all(jnp.any(scores > -jnp.inf, axis=-1))):
-            raise PcastError("a query row has every key masked (-inf scores or the causal mask with "
-                             "q_offset): each row needs at least one key")
     pad = (-n) % cfg.block_kv
     if pad:
         widths = [(0, 0)] * (scores.ndim - 1) + [(0, pad)]
@@ -234,7 +234,8 @@ def _scan_engine(scores, v, counted, cfg: KernelConfig) -> AttentionResult:
         out, ell, (lz,) = block.merge_splits(m, ell, o, cfg, extra=(lz,))  # line 12 per split, merged
     if c is not None:
         out = out * c[..., None, :]
-    return AttentionResult(out, ell, jnp.sum(nz, axis=0), jnp.sum(counted, axis=-1, dtype=jnp.int32), lz / ell)
+    return AttentionResult(out, ell, jnp.sum(nz, axis=0), jnp.sum(counted, axis=-1, dtype=jnp.int32),
+                           block.row_share(lz, ell))
 
 
 def _fast_parts(scores, counted, cfg: KernelConfig, cast_fn=None):
@@ -320,7 +321,7 @@ def _fast_engine(scores, v, counted, cfg: KernelConfig) -> AttentionResult:
                 cfg, barrier=_f16_barrier, scales=sc)
             o = jnp.sum(w[..., None] * y, axis=-2)
         out = block.finalize(o, ell, cfg)
-        lz = lz / ell
+        lz = block.row_share(lz, ell)
     if c is not None:
         out = out * c[..., None, :]
     return AttentionResult(out, ell, nz, jnp.sum(counted, axis=-1, dtype=jnp.int32), lz)
@@ -337,7 +338,7 @@ def _fast_split_engine(scores, v, counted, cfg: KernelConfig):
         cfg, barrier=_f16_barrier, scales=sc)
     o_s = jnp.sum(w[..., None] * y, axis=-2)  # (..., q, splits, d)
     out, ell, lz = _merge_fast(m_s, ell_s, o_s, lz_s, cfg)
-    return out, ell, nz, lz / ell
+    return out, ell, nz, block.row_share(lz, ell)
 
 
 class WeightsResult(NamedTuple):
@@ -378,7 +379,7 @@ def weights_and_stats(scores, config, *, count_mask=None, q_offset: int | None =
         flat = sched.reshape(-1)
         pos[flat[flat < nb]] = np.nonzero(flat < nb)[0]
         wk = wk.reshape(wk.shape[:-3] + (-1, cfg.block_kv))[..., pos, :]
-        lz = lz / ell
+        lz = block.row_share(lz, ell)
     else:
         p8, w, ell, nz, lz, sc = _fast_parts(scores, counted, cfg, cast_fn)
         p8 = block.dequantize(p8, sc, cfg)
@@ -386,7 +387,7 @@ def weights_and_stats(scores, config, *, count_mask=None, q_offset: int | None =
         # some programs and not in others (a sharded one), which differ in the last bit; written as
         # the multiply it is one program everywhere, with the bits of the rewritten one
         wk = p8 * w[..., None] * (1.0 / block.epilogue_divisor(ell, cfg))[..., None, None]  # (..., q, nb, B)
-        lz = lz / ell
+        lz = block.row_share(lz, ell)
     weights = wk.reshape(wk.shape[:-2] + (-1,))[..., :n]
     return WeightsResult(weights, ell, nz, jnp.sum(counted, axis=-1, dtype=jnp.int32), lz)
 

@@ -8,20 +8,28 @@ tokamax's ``implementation=`` selector), plus ``config``, the FP8 kernel whose P
 * Layouts: ``query`` ``(B, T, N, H)`` or ``(T, N, H)``; ``key`` and ``value`` ``(B, S, K, H)`` or
   ``(S, K, H)`` with ``N`` a multiple of ``K`` (grouped-query attention: query head ``n`` reads
   KV head ``n // (N / K)``). The output has the query's shape and dtype.
-* ``bias`` is added to the logits and ``mask`` (boolean, True = attend) removes keys; both
-  broadcast to ``(B, N, T, S)``. Masked logits become the most negative float32, as in
-  ``jax.nn``: a row with every key masked averages V uniformly instead of producing NaN.
-* ``is_causal``: query ``i`` sees keys ``≤ S − T + i`` (bottom-right aligned, as FlashAttention
-  and the simulated kernels do; for ``T == S`` this is ``jax.nn``'s mask). A config with
-  ``causal=True`` is causal too.
+* ``bias`` is added to the logits and ``mask`` (boolean, True = attend; a float mask is refused,
+  as jax.nn refuses it) removes keys; both broadcast to ``(B, N, T, S)``. ``query_seq_lengths``,
+  ``key_value_seq_lengths`` and ``local_window_size`` mean what they mean in jax.nn.
+* ``is_causal``: query ``i`` sees keys ``≤ i`` (top-left aligned, jax.nn's mask);
+  ``causal_alignment="bottom_right"`` gives keys ``≤ S − T + i`` (FlashAttention's and the
+  simulated kernels' alignment). The two agree for ``T == S``. A config with ``causal=True`` is
+  causal as ``is_causal=True`` is.
+* Masked keys. ``config=None`` is ``jax.nn``'s function: masked logits become a very negative
+  float32, so a row with every key masked averages V. Under a config a masked key contributes
+  nothing to the kernel — whether it is hidden by ``mask``, by the causal, window or length
+  arguments, or by a ``bias`` of −inf or ``finfo(float32).min`` (any logit ≤ −2^127,
+  :data:`pcast_jax.block.MASKED_BELOW`) — and a row with every key masked outputs 0, as the kernels'
+  epilogue gives; nothing ever becomes NaN.
 * ``config=None`` is exact FP32 attention (equal to ``jax.nn.dot_product_attention`` to FP32
   rounding); a preset name or :class:`~pcast_jax.config.KernelConfig` runs the simulated kernel
   per head: its KV order, block size, scale S and mode, cast, accumulator, and (``qkv="e4m3"``) E4M3
-  Q/K/V with one scale per tensor or per head.
+  Q/K/V with one scale per tensor or per head. A preset name takes the KV tile of the input's head
+  dim (:func:`pcast_jax.config.preset_for`: ``"fa3"`` runs B = 160 at H = 64, 224 at H = 128).
 * ``implementation``: ``"xla"`` (default: the fast engine, vectorized), ``"scan"`` (the
   block-by-block reference engine), or a Pallas FP8 kernel, ``"mosaic"`` (Hopper) or ``"triton"``
   (run in interpret mode when no GPU is present). The kernels take E4M3 Q/K/V (quantized here per
-  tensor) and accept neither ``bias`` nor ``mask``.
+  tensor) and accept no ``bias``, ``mask``, lengths or window (refused with a PcastError).
 
 Gradients (``gradient=``). The cast of P is piecewise constant, so its own derivative is useless;
 the forward value is always the kernel's, and the backward pass is one of:
@@ -50,12 +58,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from pcast_jax import block, engine
-from pcast_jax.config import KernelConfig, resolve
-from pcast_jax.errors import PcastError, check_choice, check_positive
+from pcast_jax.config import KernelConfig, get_preset, preset_for, resolve
+from pcast_jax.errors import PcastError, check_choice, check_int, check_positive
 
-__all__ = ["IMPLEMENTATIONS", "GRADIENTS", "attention_fn", "dot_product_attention", "kernel_inputs"]
+__all__ = ["IMPLEMENTATIONS", "GRADIENTS", "CAUSAL_ALIGNMENTS", "attention_fn", "attention_weights",
+           "dot_product_attention", "kernel_inputs"]
 
 IMPLEMENTATIONS = ("xla", "scan", "mosaic", "triton")
+CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 GRADIENTS = ("ste", "smooth")
 _KERNELS = ("mosaic", "triton")
 _MASKED = float(np.finfo(np.float32).min)  # what jax.nn puts in masked logits
@@ -116,27 +126,58 @@ def kernel_inputs(q, k, v, cfg: KernelConfig | None, scale: float):
     return logits * scale, _repeat_kv(v, n_heads)
 
 
-def _masked(logits, bias, mask, causal: bool):
+def _visibility(shape, mask, causal: bool, alignment: str, q_lens, kv_lens, window):
+    """(B, N, T, S) bool: True where a query sees a key (None when every key is visible).
+
+    ``mask`` (B, N, T, S) bool or None; causal and the local window are measured from query
+    position ``i`` (top-left, as ``jax.nn``) or ``i + S − T`` (bottom-right, as the kernels);
+    ``q_lens`` / ``kv_lens`` (B,) hide padded query rows and keys.
+    """
+    b, _, t, s = shape
+    parts = [] if mask is None else [mask]
+    q_pos = jnp.arange(t)[:, None] + (s - t if alignment == "bottom_right" else 0)
+    k_pos = jnp.arange(s)[None, :]
+    if causal:
+        parts.append(block.visible(q_pos, k_pos)[None, None])
+    if window is not None:
+        left, right = window
+        parts.append(((q_pos <= k_pos + left) & (q_pos >= k_pos - right))[None, None])
+    if q_lens is not None:
+        parts.append((jnp.arange(t)[None, :, None] < q_lens[:, None, None])[:, None])
+    if kv_lens is not None:
+        parts.append((jnp.arange(s)[None, None, :] < kv_lens[:, None, None])[:, None])
+    if not parts:
+        return None
+    vis = parts[0]
+    for x in parts[1:]:
+        vis = vis & x
+    return jnp.broadcast_to(vis, shape)
+
+
+def _masked(logits, bias, visible, fill):
+    """Logits + bias with hidden keys set to ``fill`` (−inf for a kernel; jax.nn's value for the exact path)."""
     if bias is not None:
         logits = logits + bias
-    t, s = logits.shape[-2:]
-    valid = mask
-    if causal:
-        c = block.causal_mask(t, s)
-        valid = c if valid is None else valid & c
-    return logits if valid is None else jnp.where(valid, logits, _MASKED)
+    return logits if visible is None else jnp.where(visible, logits, fill)
 
 
-def _exact(q, k, v, bias, mask, scale, causal):
-    """Exact FP32 attention (B, N, T, H): the reference, and the straight-through backward."""
+def _exact(q, k, v, bias, visible, scale, empty_rows_zero: bool):
+    """Exact FP32 attention (B, N, T, H): the reference, and the straight-through backward.
+
+    As ``jax.nn.dot_product_attention`` computes it: hidden logits get the most negative float32,
+    so a row with nothing visible averages V. ``empty_rows_zero``: such rows give 0 instead (what a
+    kernel gives, so the straight-through gradient is that of the function the forward computes).
+    """
     logits, vv = kernel_inputs(q, k, v, None, scale)
-    probs = jax.nn.softmax(_masked(logits, bias, mask, causal), axis=-1)
+    probs = jax.nn.softmax(_masked(logits, bias, visible, _MASKED), axis=-1)
+    if empty_rows_zero and visible is not None:
+        probs = probs * jnp.any(visible, axis=-1, keepdims=True)
     return jnp.einsum("bnts,bnsh->bnth", probs, vv, precision="highest")
 
 
-def _simulated(q, k, v, bias, mask, cfg: KernelConfig, scale, engine_name: str):
+def _simulated(q, k, v, bias, visible, cfg: KernelConfig, scale, engine_name: str):
     logits, vv = kernel_inputs(q, k, v, cfg, scale)
-    logits = _masked(logits, bias, mask, cfg.causal)
+    logits = _masked(logits, bias, visible, -jnp.inf)
     return engine.attention(logits, vv, cfg.replace(causal=False), engine=engine_name).out
 
 
@@ -182,10 +223,10 @@ def _soft_block_gate_cast(scale: float, bf, temperature: float):
     return cast_fn
 
 
-def _smooth(q, k, v, bias, mask, cfg: KernelConfig, scale, temperature: float):
+def _smooth(q, k, v, bias, visible, cfg: KernelConfig, scale, temperature: float):
     """The smooth surrogate's output (B, N, T, H): effective weights with the gated cast, times V."""
     logits, vv = kernel_inputs(q, k, v, None, scale)  # Q/K/V casts straight-through
-    logits = _masked(logits, bias, mask, cfg.causal)
+    logits = _masked(logits, bias, visible, -jnp.inf)
     bf = cfg.block_format
     if bf is not None:
         gate = _soft_block_gate_cast(cfg.scale, bf, temperature)
@@ -196,105 +237,200 @@ def _smooth(q, k, v, bias, mask, cfg: KernelConfig, scale, temperature: float):
     return jnp.einsum("bnts,bnsh->bnth", w, vv, precision="highest")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _attend(q, k, v, bias, mask, cfg, scale, engine_name, gradient, temperature):
-    return _simulated(q, k, v, bias, mask, cfg, scale, engine_name)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _attend(q, k, v, bias, scale, visible, cfg, engine_name, gradient, temperature):
+    return _simulated(q, k, v, bias, visible, cfg, scale, engine_name)
 
 
-def _attend_fwd(q, k, v, bias, mask, cfg, scale, engine_name, gradient, temperature):
-    return _simulated(q, k, v, bias, mask, cfg, scale, engine_name), (q, k, v, bias, mask)
+def _attend_fwd(q, k, v, bias, scale, visible, cfg, engine_name, gradient, temperature):
+    return _simulated(q, k, v, bias, visible, cfg, scale, engine_name), (q, k, v, bias, scale, visible)
 
 
-def _attend_bwd(cfg, scale, engine_name, gradient, temperature, res, g):
-    q, k, v, bias, mask = res
+def _attend_bwd(cfg, engine_name, gradient, temperature, res, g):
+    q, k, v, bias, scale, visible = res
     if gradient == "ste":
-        def surrogate(q, k, v, bias):
-            return _exact(q, k, v, bias, mask, scale, cfg.causal)
+        def surrogate(q, k, v, bias, scale):
+            return _exact(q, k, v, bias, visible, scale, True)
     else:
-        def surrogate(q, k, v, bias):
-            return _smooth(q, k, v, bias, mask, cfg, scale, temperature)
-    _, vjp = jax.vjp(surrogate, q, k, v, bias)
-    return (*vjp(g), None)  # the mask is not differentiable
+        def surrogate(q, k, v, bias, scale):
+            return _smooth(q, k, v, bias, visible, cfg, scale, temperature)
+    _, vjp = jax.vjp(surrogate, q, k, v, bias, scale)
+    return (*vjp(g), None)  # the visibility mask is not differentiable
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
+def _resolve_config(config, head_dim: int) -> KernelConfig | None:
+    """None, a preset name (its KV tile resolved for ``head_dim``, :func:`preset_for`) or a KernelConfig."""
+    if config is None:
+        return None
+    if isinstance(config, str):
+        get_preset(config)  # a PcastError naming the presets for an unknown name
+        return preset_for(config, head_dim)
+    return resolve(config)
+
+
+def _lengths(name: str, x, batch: int):
+    """``query_seq_lengths`` / ``key_value_seq_lengths``: an integer (B,) array (jax.nn's int32)."""
+    if x is None:
+        return None
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer) or x.shape != (batch,):
+        raise PcastError(f"{name} must be an integer array of shape (B,) = ({batch},), got {x.dtype} {x.shape}")
+    return x.astype(jnp.int32)
+
+
+def _window(local_window_size):
+    if local_window_size is None:
+        return None
+    w = (local_window_size, local_window_size) if isinstance(local_window_size, int) else local_window_size
+    try:
+        left, right = (check_int("local_window_size", x, min_value=0) for x in w)
+    except (TypeError, ValueError):
+        raise PcastError(f"local_window_size={local_window_size!r} must be an int or a (left, right) pair "
+                         "of ints >= 0") from None
+    return left, right
+
+
+def _check_scale(scale, head_dim: int):
+    """1/√H by default; a number > 0, or a traced scalar (checked only when concrete)."""
+    if scale is None:
+        return jnp.float32(1.0 / math.sqrt(head_dim))
+    if isinstance(scale, jax.core.Tracer):
+        if jnp.shape(scale) != ():
+            raise PcastError(f"scale must be a scalar, got shape {jnp.shape(scale)}")
+        return jnp.asarray(scale, jnp.float32)
+    if jnp.ndim(scale) != 0:
+        raise PcastError(f"scale must be a scalar, got shape {jnp.shape(scale)}")
+    return jnp.float32(check_positive("scale", float(scale)))
+
+
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: float | None = None,
-                          is_causal: bool = False, config: str | KernelConfig | None = None,
-                          implementation: str | None = None, gradient: str = "ste",
-                          smooth_temperature: float = 0.2):
+                          is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
+                          local_window_size: int | tuple[int, int] | None = None,
+                          implementation: str | None = None, return_residual: bool = False,
+                          config: str | KernelConfig | None = None, gradient: str = "ste",
+                          smooth_temperature: float = 0.2, causal_alignment: str = "top_left"):
     """Scaled dot-product attention as an FP8 kernel computes it (module docstring for details).
+
+    Every argument of ``jax.nn.dot_product_attention`` means what it means there; the last four
+    are this package's.
 
     Args:
       query: ``(B, T, N, H)`` or ``(T, N, H)``.
       key, value: ``(B, S, K, H)`` or ``(S, K, H)``, ``N`` a multiple of ``K``.
       bias: optional, added to the logits; broadcastable to ``(B, N, T, S)``.
-      mask: optional boolean, True where a query may attend; broadcastable to ``(B, N, T, S)``.
-      scale: logit scale (default ``1/√H``).
-      is_causal: bottom-right aligned causal mask.
-      config: ``None`` (exact FP32), a preset name or a :class:`KernelConfig`.
+      mask: optional boolean, True where a query may attend; broadcastable to ``(B, N, T, S)``
+        (an additive mask goes to ``bias``, as in jax.nn).
+      scale: logit scale (default ``1/√H``); a traced scalar works under jit (and gets a gradient).
+      is_causal: causal mask, aligned as ``causal_alignment`` says (top-left, as jax.nn, by default).
+      query_seq_lengths, key_value_seq_lengths: optional ``(B,)`` integers: query rows and keys at
+        or past the length are padding (padded query rows output 0, as in jax.nn).
+      local_window_size: ``(left, right)`` (or one int for both): query ``i`` sees keys
+        ``i − left … i + right``, as in jax.nn.
       implementation: ``"xla"`` (default), ``"scan"``, ``"mosaic"`` or ``"triton"``.
+      return_residual: also return the log-sum-exp of the logits the kernel sees, ``(B, T, N)``
+        (``(T, N)`` unbatched); −inf for a row with nothing visible under a config.
+      config: ``None`` (exact FP32), a preset name (its KV tile resolved for the head dim ``H``,
+        :func:`pcast_jax.config.preset_for`) or a :class:`KernelConfig` (used as it is).
       gradient: ``"ste"`` (straight-through, default) or ``"smooth"``.
       smooth_temperature: τ of the smooth gradient's underflow gate, in units of the logits.
+      causal_alignment: ``"top_left"`` (query ``i`` sees keys ``≤ i``: jax.nn's mask) or
+        ``"bottom_right"`` (keys ``≤ S − T + i``: FlashAttention's and the simulated kernels'
+        alignment, what a decode step against a KV cache wants). The two agree when ``T == S``.
 
     Returns:
-      The attention output, shaped and typed like ``query``.
+      The attention output, shaped and typed like ``query`` (and the residual with
+      ``return_residual=True``).
     """
     _check_inputs(query, key, value)
     impl = "xla" if implementation is None else implementation
     check_choice("implementation", impl, IMPLEMENTATIONS)
     check_choice("gradient", gradient, GRADIENTS)
+    check_choice("causal_alignment", causal_alignment, CAUSAL_ALIGNMENTS)
     if not isinstance(is_causal, bool):
         raise PcastError(f"is_causal={is_causal!r} must be True or False")
+    if not isinstance(return_residual, bool):
+        raise PcastError(f"return_residual={return_residual!r} must be True or False")
     head_dim = query.shape[-1]
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else check_positive("scale", scale)
+    scale = _check_scale(scale, head_dim)
     temperature = check_positive("smooth_temperature", smooth_temperature)
-    cfg = None if config is None else resolve(config)
-    if cfg is not None and (is_causal or cfg.causal):
+    cfg = _resolve_config(config, head_dim)
+    causal = is_causal or (cfg is not None and cfg.causal)
+    if cfg is not None and causal:
         cfg = cfg.replace(causal=True, name=cfg.name)
     if cfg is not None and gradient == "smooth" and cfg.scale_mode == "dynamic":
         raise PcastError(f"gradient='smooth' needs a static scale; config={cfg.name!r} is dynamic "
                          "(use gradient='ste')")
     if cfg is None and impl in _KERNELS:
         raise PcastError(f"implementation={impl!r} is an FP8 kernel: it needs a config (config=None is exact FP32)")
+    if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
+        raise PcastError(f"mask must be boolean (True = attend), got dtype {jnp.asarray(mask).dtype}; an additive "
+                         "mask (0 / -inf) goes to bias=, as in jax.nn.dot_product_attention")
 
     unbatched = query.ndim == 3
     if unbatched:
         query, key, value = (x[None] for x in (query, key, value))
-        bias = None if bias is None else jnp.asarray(bias)[None] if jnp.ndim(bias) == 4 else bias
-        mask = None if mask is None else jnp.asarray(mask)[None] if jnp.ndim(mask) == 4 else mask
     q, k, v = _as_bnth(query), _as_bnth(key), _as_bnth(value)
     b, n, t, _ = q.shape
     s = k.shape[2]
     shape = (b, n, t, s)
     bias4 = None if bias is None else _broadcast_4d("bias", bias, shape, jnp.float32)
     mask4 = None if mask is None else _broadcast_4d("mask", mask, shape, bool)
+    q_lens = _lengths("query_seq_lengths", query_seq_lengths, b)
+    kv_lens = _lengths("key_value_seq_lengths", key_value_seq_lengths, b)
+    window = _window(local_window_size)
 
     if impl in _KERNELS:
-        out = _kernel(q, k, v, bias4, mask4, cfg, scale, impl)
-    elif cfg is None:
-        out = _exact(q, k, v, bias4, mask4, scale, is_causal)
+        if return_residual:
+            raise PcastError(f"implementation={impl!r}: the Pallas kernels return no residual "
+                             "(use implementation='xla' or 'scan')")
+        others = {"bias": bias4, "mask": mask4, "query_seq_lengths": q_lens, "key_value_seq_lengths": kv_lens,
+                  "local_window_size": window}
+        given = [name for name, x in others.items() if x is not None]
+        if given:
+            raise PcastError(f"implementation={impl!r}: the Pallas kernels take no {', '.join(given)} "
+                             "(use implementation='xla' or 'scan')")
+        if causal and t != s and causal_alignment == "top_left":
+            raise PcastError(f"implementation={impl!r} with is_causal=True and T={t} != S={s}: the kernels "
+                             "align the causal mask bottom-right; pass causal_alignment='bottom_right' "
+                             "(or use implementation='xla' or 'scan')")
+        out = _kernel(q, k, v, cfg, scale, impl)
+        out = jnp.swapaxes(out, 1, 2).astype(query.dtype)
+        return out[0] if unbatched else out
+
+    visible = _visibility(shape, mask4, causal, causal_alignment, q_lens, kv_lens, window)
+    if cfg is None:
+        out = _exact(q, k, v, bias4, visible, scale, False)
+        if q_lens is not None:  # jax.nn zeroes the padded query rows
+            out = out * (jnp.arange(t)[None, None, :, None] < q_lens[:, None, None, None])
     else:
-        out = _attend(q, k, v, jnp.zeros((), jnp.float32) if bias4 is None else bias4, mask4, cfg, scale,
+        out = _attend(q, k, v, jnp.zeros((), jnp.float32) if bias4 is None else bias4, scale, visible, cfg,
                       "fast" if impl == "xla" else "scan", gradient, temperature)
     out = jnp.swapaxes(out, 1, 2).astype(query.dtype)
-    return out[0] if unbatched else out
+    out = out[0] if unbatched else out
+    if not return_residual:
+        return out
+    logits, _ = kernel_inputs(q, k, v, cfg, scale)
+    lse = jax.nn.logsumexp(_masked(logits, bias4, visible, _MASKED if cfg is None else -jnp.inf), axis=-1)
+    lse = jax.lax.stop_gradient(jnp.swapaxes(lse, 1, 2)).astype(query.dtype)  # (B, T, N)
+    return out, (lse[0] if unbatched else lse)
 
 
-def _kernel(q, k, v, bias, mask, cfg: KernelConfig, scale: float, backend: str):
+def _kernel(q, k, v, cfg: KernelConfig, scale, backend: str):
     """A Pallas FP8 kernel on per-tensor E4M3 Q/K/V (interpret mode without a GPU)."""
     import pallas_kernels as pk
 
-    if bias is not None or mask is not None:
-        raise PcastError(f"implementation={backend!r}: the Pallas kernels take neither bias nor mask "
-                         "(use implementation='xla' or 'scan')")
     if cfg.qkv == "e4m3" and cfg.qkv_granularity == "head":
         raise PcastError(f"implementation={backend!r}: the Pallas kernels take one E4M3 descale per tensor; "
                          f"config={cfg.name!r} has qkv_granularity='head' (use implementation='xla' or 'scan')")
+    if isinstance(scale, jax.core.Tracer):
+        raise PcastError(f"implementation={backend!r}: the Pallas kernels take a concrete scale (a number), "
+                         "not a traced one (use implementation='xla' or 'scan')")
     q8, k8, v8, descales = pk.quantize_qkv(q, k, v)
     interpret = jax.default_backend() != "gpu"
-    return pk.fp8_attention(q8, k8, v8, config=cfg, backend=backend, softmax_scale=scale,
+    return pk.fp8_attention(q8, k8, v8, config=cfg, backend=backend, softmax_scale=float(scale),
                             interpret=interpret, **descales)
 
 
@@ -302,17 +438,75 @@ _FLAX_KWARGS = {"broadcast_dropout", "dropout_rng", "dropout_rate", "determinist
                 "module", "is_causal"}
 
 
+def attention_weights(query, key, bias=None, mask=None, *, scale: float | None = None, is_causal: bool = False,
+                      config: str | KernelConfig | None = None, causal_alignment: str = "top_left"):
+    """The attention weights ``(B, N, T, S)`` before and after the kernel's P-cast.
+
+    Returns ``(probs, kernel)``: ``probs`` the exact FP32 softmax (what ``flax`` sows as
+    ``attention_weights``); ``kernel`` the simulated kernel's effective weights W — P8 times its
+    block's α chain over S·ℓ, so that the output is W · V for an FP32 accumulator
+    (:func:`pcast_jax.engine.effective_weights`) — or None with ``config=None``. Arguments as in
+    :func:`dot_product_attention` (``query`` and ``key`` batched or not alike).
+    """
+    unbatched = jnp.ndim(query) == 3
+    _check_inputs(query, key, key)
+    check_choice("causal_alignment", causal_alignment, CAUSAL_ALIGNMENTS)
+    if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
+        raise PcastError(f"mask must be boolean (True = attend), got dtype {jnp.asarray(mask).dtype}")
+    if unbatched:
+        query, key = query[None], key[None]
+    head_dim = query.shape[-1]
+    scale = _check_scale(scale, head_dim)
+    cfg = _resolve_config(config, head_dim)
+    causal = is_causal or (cfg is not None and cfg.causal)
+    q, k = _as_bnth(query), _as_bnth(key)
+    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    bias4 = None if bias is None else _broadcast_4d("bias", bias, shape, jnp.float32)
+    mask4 = None if mask is None else _broadcast_4d("mask", mask, shape, bool)
+    visible = _visibility(shape, mask4, causal, causal_alignment, None, None, None)
+    logits, _ = kernel_inputs(q, k, k, None, scale)
+    probs = jax.nn.softmax(_masked(logits, bias4, visible, _MASKED), axis=-1)
+    kernel = None
+    if cfg is not None:
+        klogits, _ = kernel_inputs(q, k, k, cfg, scale)
+        kernel = engine.effective_weights(_masked(klogits, bias4, visible, -jnp.inf), cfg.replace(causal=False))
+    if unbatched:
+        probs = probs[0]
+        kernel = None if kernel is None else kernel[0]
+    return probs, kernel
+
+
+def _sow(module, name: str, value) -> None:
+    """``module.sow`` into flax's intermediates collection (nnx.Intermediate, or linen's 'intermediates')."""
+    try:
+        from flax import nnx
+    except ImportError:  # pragma: no cover - a module was passed, so flax is there
+        nnx = None
+    if nnx is not None and isinstance(module, nnx.Module):
+        module.sow(nnx.Intermediate, name, value)
+    else:
+        module.sow("intermediates", name, value)
+
+
 def attention_fn(config: str | KernelConfig | None = None, *, implementation: str | None = None,
-                 gradient: str = "ste", smooth_temperature: float = 0.2):
+                 gradient: str = "ste", smooth_temperature: float = 0.2, causal_alignment: str = "top_left"):
     """An ``attention_fn`` for ``flax.nnx.MultiHeadAttention`` (and ``flax.linen``) through ``config``.
 
     ``nnx.MultiHeadAttention(..., attention_fn=pcast_jax.nn.attention_fn("fa3"))`` makes the
     layer's attention the simulated kernel (:func:`dot_product_attention`); ``config=None`` is exact
-    FP32. Dropout is refused (a kernel simulation is deterministic), and so are keyword arguments
-    this function does not know, rather than being ignored.
+    FP32. A preset name gets the tile of the layer's head dim at each call. The mask means what flax
+    means by it (nonzero = attend: flax's masks are float 0/1), also in ``decode=True`` mode. With
+    ``sow_weights=True`` the layer sows ``attention_weights`` (the exact softmax, as flax does) and,
+    under a config, ``attention_weights_kernel`` (the kernel's weights after the P-cast,
+    :func:`attention_weights`). Dropout is refused (a kernel simulation is deterministic), and so are
+    keyword arguments this function does not know, rather than being ignored.
     """
-    cfg = None if config is None else resolve(config)
+    if config is not None and not isinstance(config, str):
+        config = resolve(config)
+    elif config is not None:
+        get_preset(config)
     check_choice("gradient", gradient, GRADIENTS)
+    check_choice("causal_alignment", causal_alignment, CAUSAL_ALIGNMENTS)
 
     def fn(query, key, value, bias=None, mask=None, **kwargs):
         unknown = sorted(set(kwargs) - _FLAX_KWARGS)
@@ -321,9 +515,19 @@ def attention_fn(config: str | KernelConfig | None = None, *, implementation: st
         if kwargs.get("dropout_rate", 0.0) > 0.0 and not kwargs.get("deterministic", True):
             raise PcastError("attention_fn: attention dropout is not simulated (set dropout_rate=0 or "
                              "deterministic=True)")
-        out = dot_product_attention(query, key, value, bias, mask, is_causal=bool(kwargs.get("is_causal", False)),
-                                    config=cfg, implementation=implementation, gradient=gradient,
-                                    smooth_temperature=smooth_temperature)
+        if mask is not None:
+            mask = jnp.asarray(mask).astype(jnp.bool_)  # flax: nonzero = attend
+        is_causal = bool(kwargs.get("is_causal", False))
+        out = dot_product_attention(query, key, value, bias, mask, is_causal=is_causal, config=config,
+                                    implementation=implementation, gradient=gradient,
+                                    smooth_temperature=smooth_temperature, causal_alignment=causal_alignment)
+        module = kwargs.get("module")
+        if module is not None:
+            probs, kernel = attention_weights(query, key, bias, mask, is_causal=is_causal, config=config,
+                                              causal_alignment=causal_alignment)
+            _sow(module, "attention_weights", probs)
+            if kernel is not None:
+                _sow(module, "attention_weights_kernel", kernel)
         dtype = kwargs.get("dtype")
         return out if dtype is None else out.astype(dtype)
 

@@ -47,34 +47,48 @@ def test_preset_equals_the_engine_head_by_head(config, implementation):
     out = pj.dot_product_attention(q, k, v, config=config, implementation=implementation)
     assert out.shape == q.shape and out.dtype == q.dtype
     name = "fast" if implementation == "xla" else "scan"
+    tiled = pj.preset_for(config, H)  # a preset name runs the tile of the input's head dim
     for b in range(B):
         for n in range(N):
             logits = q[b, :, n] @ k[b, :, n // (N // K)].T / np.sqrt(H)
-            ref = engine.attention(logits, v[b, :, n // (N // K)], config, engine=name).out
+            ref = engine.attention(logits, v[b, :, n // (N // K)], tiled, engine=name).out
             np.testing.assert_allclose(np.asarray(out[b, :, n]), np.asarray(ref), rtol=1e-5, atol=1e-6)
 
 
-def test_causal_is_bottom_right_aligned_and_config_causal_counts():
-    q, k, v = _qkv()
-    out = pj.dot_product_attention(q, k, v, is_causal=True, config="rev_s256")
-    via_config = pj.dot_product_attention(q, k, v, config=pj.get_preset("rev_s256").replace(causal=True))
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(via_config))
+def test_causal_alignment_top_left_by_default_bottom_right_on_request_and_config_causal_counts():
+    q, k, v = _qkv()  # T = 8 < S = 200
+    # the default is jax.nn's top-left mask, with or without a config
+    np.testing.assert_allclose(np.asarray(pj.dot_product_attention(q, k, v, is_causal=True)),
+                               np.asarray(jax.nn.dot_product_attention(q, k, v, is_causal=True)), rtol=2e-5, atol=2e-6)
+    top = pj.dot_product_attention(q, k, v, is_causal=True, config="rev_s256")
     logits = q[0, :, 0] @ k[0, :, 0].T / np.sqrt(H)
+    ref_top = engine.attention(logits, v[0, :, 0], pj.get_preset("rev_s256").replace(causal=True), q_offset=0).out
+    np.testing.assert_allclose(np.asarray(top[0, :, 0]), np.asarray(ref_top), rtol=1e-5, atol=1e-6)
+    # bottom-right: the kernels' alignment (query i at position S - T + i), also through a causal config
+    out = pj.dot_product_attention(q, k, v, is_causal=True, config="rev_s256", causal_alignment="bottom_right")
+    via_config = pj.dot_product_attention(q, k, v, config=pj.get_preset("rev_s256").replace(causal=True),
+                                          causal_alignment="bottom_right")
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(via_config))
     ref = engine.attention(logits, v[0, :, 0], pj.get_preset("rev_s256").replace(causal=True)).out
     np.testing.assert_allclose(np.asarray(out[0, :, 0]), np.asarray(ref), rtol=1e-5, atol=1e-6)
     # the last query row sees every key: equal to the non-causal output there
     full = pj.dot_product_attention(q, k, v, config="rev_s256")
     np.testing.assert_allclose(np.asarray(out[:, -1]), np.asarray(full[:, -1]), rtol=1e-5, atol=1e-6)
     assert not np.allclose(np.asarray(out[:, 0]), np.asarray(full[:, 0]), atol=1e-3)
+    assert not np.allclose(np.asarray(top[:, -1]), np.asarray(out[:, -1]), atol=1e-3)
 
 
-def test_fully_masked_row_averages_values_like_jax_nn():
+@pytest.mark.parametrize("config", ["fwd_s1", "fa3", "sageattn2pp", "fa3_splitkv", "dynamic_pow2"])
+def test_fully_masked_row_outputs_zero_under_a_config_and_averages_like_jax_nn_without(config):
     q, k, v = _qkv()
     mask = jnp.ones((B, 1, T, S), bool).at[:, :, 0].set(False)
-    out = pj.dot_product_attention(q, k, v, mask=mask, config="fwd_s1")
+    out = pj.dot_product_attention(q, k, v, mask=mask, config=config)
     assert bool(jnp.all(jnp.isfinite(out)))
+    np.testing.assert_array_equal(np.asarray(out[:, 0]), 0.0)  # the kernel's epilogue: nothing visible -> 0
+    exact = pj.dot_product_attention(q, k, v, mask=mask)
     ref = jax.nn.dot_product_attention(q, k, v, mask=mask)
-    np.testing.assert_allclose(np.asarray(out[:, 0]), np.asarray(ref[:, 0]), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(exact), np.asarray(ref), rtol=2e-5, atol=2e-6)
+    assert float(jnp.max(jnp.abs(exact[:, 0]))) > 1e-3  # jax.nn averages V there
 
 
 def test_jit_and_vmap():
@@ -168,7 +182,17 @@ def test_triton_kernel_implementation_equals_the_simulator_on_fp8_inputs():
     ({"gradient": "exact"}, "gradient"),
     ({"config": "dynamic_pow2", "gradient": "smooth"}, "static scale"),
     ({"implementation": "triton"}, "needs a config"),
-    ({"implementation": "triton", "config": "fwd_s1", "mask": jnp.ones((1, 1, 1, 1), bool)}, "neither bias nor mask"),
+    ({"implementation": "triton", "config": "fwd_s1", "mask": jnp.ones((1, 1, 1, 1), bool)}, "take no mask"),
+    ({"implementation": "triton", "config": "fwd_s1", "key_value_seq_lengths": jnp.array([9])},
+     "take no key_value_seq_lengths"),
+    ({"implementation": "triton", "config": "fwd_s1", "is_causal": True}, "causal_alignment='bottom_right'"),
+    ({"mask": jnp.zeros((1, 1, 16, 128))}, "mask must be boolean.*bias="),
+    ({"query_seq_lengths": jnp.array([1.5])}, "query_seq_lengths must be an integer array"),
+    ({"key_value_seq_lengths": jnp.array([3, 4])}, r"key_value_seq_lengths must be .*\(1,\)"),
+    ({"local_window_size": (2, -1)}, "local_window_size"),
+    ({"local_window_size": "wide"}, "local_window_size"),
+    ({"causal_alignment": "left"}, "causal_alignment"),
+    ({"config": "fa9"}, "preset='fa9'"),
     ({"implementation": "mosaic", "config": KernelConfig(qkv="e4m3", qkv_granularity="head")},
      "one E4M3 descale per tensor"),
     ({"scale": -1.0}, "scale"),

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pcast_jax import engine as _engine
-from pcast_jax.config import QKV_GRANULARITIES, KernelConfig, resolve
+from pcast_jax.config import QKV_GRANULARITIES, KernelConfig, get_preset, preset_for, resolve
 from pcast_jax.errors import PcastError, check_choice, check_int
 from pcast_jax.models.gguf_loader import LlamaConfig
 from pcast_jax.models.llama import _check_scored, _validate, _validate_lengths, expand_kv, forward, scored_positions
@@ -142,8 +142,15 @@ class FP8Attention:
     config: KernelConfig
     engine: str = "fast"
     p_cast: bool = True
+    #: the preset the config came from (set when ``config`` is a preset name): its KV tile is then
+    #: resolved for the head dim at each call (:func:`pcast_jax.config.preset_for`)
+    preset: str = ""
 
     def __post_init__(self):
+        if isinstance(self.config, str) and not self.preset:
+            object.__setattr__(self, "preset", self.config)
+        if self.preset:
+            get_preset(self.preset)
         object.__setattr__(self, "config", dataclasses.replace(resolve(self.config), causal=True))
         check_choice("engine", self.engine, _engine.ENGINES)
         if not isinstance(self.p_cast, bool):
@@ -164,7 +171,19 @@ class FP8Attention:
         if fp8_qkv:
             suffix = "+qkv8h" if qkv_granularity == "head" else "+qkv8"
             cfg = cfg.replace(qkv="e4m3", qkv_granularity=qkv_granularity, name=cfg.name + suffix)
+        if isinstance(name, str):
+            kwargs.setdefault("preset", name)
         return cls(config=cfg, **kwargs)
+
+    def config_for(self, head_dim: int) -> KernelConfig:
+        """The config this hook runs at ``head_dim``: a preset's KV tile for that head dim (the name
+        gains ``_d{head_dim}`` when the tile changes), everything else as :attr:`config`."""
+        if not self.preset:
+            return self.config
+        tiled = preset_for(self.preset, head_dim)
+        if tiled.block_kv == self.config.block_kv:
+            return self.config
+        return dataclasses.replace(self.config, block_kv=tiled.block_kv, name=f"{self.config.name}_d{head_dim}")
 
     @property
     def name(self) -> str:
@@ -201,9 +220,10 @@ class FP8Attention:
         if valid is not None:
             q, k, v = (jnp.where(valid[:, None, None], x, 0.0) for x in (q, k, v))
             mask = valid[None, None, :]  # (1, 1, S): keys at padded positions removed
+        cfg = self.config_for(q.shape[-1])
         if not self.p_cast:
-            return _exact_on_kernel_inputs(q, k, v, self.config, mask)
-        return dot_product_attention(q, k, v, mask=mask, is_causal=True, config=self.config,
+            return _exact_on_kernel_inputs(q, k, v, cfg, mask)
+        return dot_product_attention(q, k, v, mask=mask, is_causal=True, config=cfg,
                                      implementation="scan" if self.engine == "scan" else "xla")
 
 

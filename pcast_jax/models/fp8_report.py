@@ -374,7 +374,7 @@ def _markdown(study: ModelStudy, layer_rows, theory_rows, e2e_rows, level: int, 
     for name, m in heads.items():
         alias = study.head_alias[name]
         row = {"config": name if alias == name else f"{name} (= {alias})",
-               "desc": describe(study.hooks[name]),
+               "desc": describe(study.hooks[name], study.model.head_dim),
                "rel": float(np.sum(m["mse"]) / np.sum(m["ref_sq"])),
                "med_rel": _med(m["rel_mse"]),
                "frac": _med(m["frac_zeroed"]), "mass": _med(m["zeroed_mass"])}

@@ -126,9 +126,9 @@ def _dedupe(hooks) -> dict[str, str]:
     return {h.name: first.setdefault(h, h.name) for h in hooks}
 
 
-def describe(hook: FP8Attention) -> str:
-    """What a hook computes, in words, from its fields (the kernel, then the Q/K/V precision)."""
-    cfg = hook.config
+def describe(hook: FP8Attention, head_dim: int | None = None) -> str:
+    """What a hook computes, in words, from its fields (the kernel at ``head_dim``, then the Q/K/V precision)."""
+    cfg = hook.config if head_dim is None else hook.config_for(head_dim)
     qkv = f"E4M3 Q/K/V ({_GRANULARITY_TEXT[cfg.qkv_granularity]})"
     if not hook.p_cast:
         return f"{qkv}, exact FP32 softmax: no P-cast" if cfg.qkv == "e4m3" else "exact FP32 attention"
@@ -443,7 +443,7 @@ class ModelStudy:
                  "top1_agree": 1.0, "ppl_change": 0.0}]
         for name, m in self.e2e.items():
             rows.append({"config": name, "same_as": self.e2e_alias[name],
-                         "description": describe(self.hooks[name]), "perplexity": m.perplexity,
+                         "description": describe(self.hooks[name], self.model.head_dim), "perplexity": m.perplexity,
                          "nll": m.nll, "kl": m.kl, "kl_max": m.kl_max,
                          "top1_agree": m.top1_agree, "ppl_change": m.perplexity / fp32.perplexity - 1.0})
         return rows
@@ -481,7 +481,7 @@ def run_study(sizes: ReportSizes = FULL, *, log: Callable[[str], None] | None = 
     unique = [h for h in head_hooks if head_alias[h.name] == h.name]
     per_head = clock.stage(
         f"per-head P-cast metrics ({len(unique)} configurations × {cfg.num_layers} layers)",
-        analyze_trace, trace, [h.config for h in unique], stats["sink_positions"],
+        analyze_trace, trace, [h.config_for(cfg.head_dim) for h in unique], stats["sink_positions"],
         progress=lambda n: log(f"model-report:   per-head {n}"))
     index = {h.name: i for i, h in enumerate(unique)}
     heads = {h.name: {m: per_head[m][index[head_alias[h.name]]] for m in per_head} for h in head_hooks}
