@@ -43,6 +43,7 @@ __all__ = [
     "quantize_per_tensor",
     "quantize_qkv",
     "prepare_qkv",
+    "round_scores",
     "ENGINES",
 ]
 
@@ -482,6 +483,17 @@ def quantize_qkv(x, granularity: str = "tensor"):
     return x8.reshape(x.shape), d.reshape(lead + (1, 1))
 
 
+def round_scores(scores):
+    """The scaled logits rounded to float32 once, behind a barrier, as the kernel's registers hold them.
+
+    Without it XLA:CPU may contract the scale multiply into a consumer's subtraction (one FMA), so
+    within one jitted program Z − m is not 0 for a row's maximum and its P not exactly exp(0) = 1:
+    the result then depends on what else the program holds (an MXFP8 block whose maximum P becomes
+    1 − 2^-21 takes half the scale and saturates at 448·2^-9 = 0.875).
+    """
+    return jax.lax.optimization_barrier(scores)
+
+
 def prepare_qkv(q, k, v, config, *, softmax_scale: float | None = None):
     """Scores and V as the kernel sees them for Q (..., q_len, d), K and V (..., N, d).
 
@@ -512,9 +524,9 @@ def prepare_qkv(q, k, v, config, *, softmax_scale: float | None = None):
     if cfg.qkv == "e4m3":
         (q8, dq), (k8, dk), (v8, dv) = (quantize_qkv(x, cfg.qkv_granularity) for x in (q, k, v))
         s = jnp.einsum("...qd,...nd->...qn", q8, k8, precision=jax.lax.Precision.HIGHEST)
-        return s * (dq * dk * scale), v8 * dv
+        return round_scores(s * (dq * dk * scale)), v8 * dv
     s = jnp.einsum("...qd,...nd->...qn", q, k, precision=jax.lax.Precision.HIGHEST)
-    return s * scale, v
+    return round_scores(s * scale), v
 
 
 def attention_qkv(q, k, v, config, *, softmax_scale=None, engine: str = "fast", count_mask=None,

@@ -121,9 +121,9 @@ def kernel_inputs(q, k, v, cfg: KernelConfig | None, scale: float):
         dk, dv = (_repeat_kv(jnp.broadcast_to(d, (d.shape[0], x.shape[1], 1, 1)), n_heads) for d, x in
                   ((dk, k), (dv, v)))
         logits = jnp.einsum("bnth,bnsh->bnts", q, _repeat_kv(k, n_heads), precision="highest")
-        return logits * (dq * dk * scale), _repeat_kv(v, n_heads) * dv
+        return engine.round_scores(logits * (dq * dk * scale)), _repeat_kv(v, n_heads) * dv
     logits = jnp.einsum("bnth,bnsh->bnts", q, _repeat_kv(k, n_heads), precision="highest")
-    return logits * scale, _repeat_kv(v, n_heads)
+    return engine.round_scores(logits * scale), _repeat_kv(v, n_heads)
 
 
 def _visibility(shape, mask, causal: bool, alignment: str, q_lens, kv_lens, window):

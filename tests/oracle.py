@@ -155,14 +155,16 @@ class OracleResult:
 def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", block_kv=64,
               p_format="e4m3", overflow="satfinite", accumulator="f32", causal=False,
               count_mask=None, kv_splits=1, split_layout="contiguous", f16_round_keys=0,
-              v_channel_max=0.0, mma_acc_bits=0, mma_promote_keys=0) -> OracleResult:
+              v_channel_max=0.0, mma_acc_bits=0, mma_promote_keys=0, visible=None) -> OracleResult:
     """Algorithm 1 for every query row of ``scores`` (q, N) against ``v`` (N, d), in float64.
 
     ``scale_mode``: ``"multiply"`` casts P·S and divides by S·ℓ (ℓ of unscaled P);
     ``"exponent"`` scales P itself by S (so ℓ holds S) and divides by ℓ; ``"dynamic"`` scales
     each row of each block by the largest 2^k with rowmax(P)·2^k ≤ max, divides that block's
     product by 2^k, and divides by ℓ. ``accumulator="f16"`` rounds each block's P8·V to float16.
-    Causal masks are bottom-right aligned (query i sits at position N − q + i).
+    Causal masks are bottom-right aligned (query i sits at position N − q + i). ``visible`` (q, N)
+    bool hides keys besides (False = masked: its score is −inf). A row that sees no key outputs 0
+    with ℓ = 0 and zeroed mass 0, as a FlashAttention epilogue gives (1/ℓ taken as 1 for ℓ = 0).
 
     Split-KV (``kv_splits`` > 1): the blocks are dealt to the splits, ``"contiguous"`` (split s takes
     blocks s·c … s·c + c − 1, c = ceil(n_blocks / kv_splits)) or ``"strided"`` (split s takes blocks
@@ -185,6 +187,8 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
     q, n = s.shape
     d = v.shape[1]
     counted = np.ones((q, n), bool) if count_mask is None else np.broadcast_to(count_mask, (q, n)).copy()
+    if visible is not None:
+        s = np.where(visible, s, -np.inf)
     if causal:
         visible = np.arange(n)[None, :] <= np.arange(q)[:, None] + (n - q)
         s = np.where(visible, s, -np.inf)
@@ -225,14 +229,15 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
             wsum.append((w, o / div[:, None], slack / div[:, None]))
             ell += np.where(ell_s > 0, np.exp(m - m_ok), 0.0) * ell_s
             lz += np.where(ell_s > 0, np.exp(m - m_ok), 0.0) * lz_s
+        share = np.where(ell > 0, ell, 1.0)  # a row with nothing visible: every w is 0, the output 0
         for w, o_s, sl in wsum:
-            out += (w / ell)[:, None] * o_s
-            out_slack += (w / ell)[:, None] * sl
+            out += (w / share)[:, None] * o_s
+            out_slack += (w / share)[:, None] * sl
         nz = sum(r[3] for r in runs)
         zslack = sum(r[6] for r in runs)
         if len(runs) > 1:  # the merge's own FP32 rounding, a few ulps of the output
             out_slack = out_slack + 4 * 2.0**-24 * np.abs(out)
-        return OracleResult(out * colscale, ell, nz, lz / ell, out_slack * colscale, zslack)
+        return OracleResult(out * colscale, ell, nz, lz / share, out_slack * colscale, zslack)
 
 
 def _one_split(s, v, counted, blocks, line, block_kv, group, scale, scale_mode, overflow, accumulator, p_format,
