@@ -68,7 +68,8 @@ IMPLEMENTATIONS = ("xla", "scan", "mosaic", "triton")
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 GRADIENTS = ("ste", "smooth")
 _KERNELS = ("mosaic", "triton")
-_MASKED = float(np.finfo(np.float32).min)  # what jax.nn puts in masked logits
+#: what jax.nn puts in masked float32 logits (``_get_large_negative``: −0.7 · finfo(float32).max)
+_MASKED = float(np.float32(-0.7 * float(np.finfo(np.float32).max)))
 
 
 def _check_inputs(query, key, value):
@@ -164,7 +165,7 @@ def _masked(logits, bias, visible, fill):
 def _exact(q, k, v, bias, visible, scale, empty_rows_zero: bool):
     """Exact FP32 attention (B, N, T, H): the reference, and the straight-through backward.
 
-    As ``jax.nn.dot_product_attention`` computes it: hidden logits get the most negative float32,
+    As ``jax.nn.dot_product_attention`` computes it: hidden logits get jax.nn's large negative value,
     so a row with nothing visible averages V. ``empty_rows_zero``: such rows give 0 instead (what a
     kernel gives, so the straight-through gradient is that of the function the forward computes).
     """

@@ -263,3 +263,47 @@ def test_block_scaled_smooth_gradient_sees_the_block_scale_collapse():
     assert float(jnp.mean(res.n_zeroed / res.n_counted)) > 0.5
     assert nonsink_mass(s1, "smooth") < 0.3 * nonsink_mass(s1, "ste")
     assert nonsink_mass("nvfp4_fakequant", "smooth") > 0.85 * nonsink_mass("nvfp4_fakequant", "ste")
+
+
+def _jax_nn_cases():
+    """Inputs both jax.nn.dot_product_attention and ours accept: every argument of jax.nn's."""
+    b, t, s = 2, 24, 40
+    mask = np.array(jax.random.bernoulli(jax.random.PRNGKey(7), 0.7, (b, 1, t, s)))
+    mask[0, 0, 5] = False  # one row with every key masked
+    bias = np.asarray(0.5 * jax.random.normal(jax.random.PRNGKey(8), (1, N, t, s)), np.float32)
+    lens_q, lens_kv = np.array([20, 24], np.int32), np.array([31, 40], np.int32)
+    return {
+        "plain": {}, "bias": {"bias": bias}, "mask": {"mask": mask}, "causal_T<S": {"is_causal": True},
+        "causal_mask_bias": {"is_causal": True, "mask": mask, "bias": bias},
+        "kv_lengths": {"key_value_seq_lengths": lens_kv},
+        "q_and_kv_lengths": {"query_seq_lengths": lens_q, "key_value_seq_lengths": lens_kv, "is_causal": True},
+        "window_int": {"local_window_size": 3}, "window_pair": {"local_window_size": (4, 1), "is_causal": True},
+        "scale": {"scale": 0.37},
+    }
+
+
+@pytest.mark.parametrize("name", ["plain", "bias", "mask", "causal_T<S", "causal_mask_bias", "kv_lengths",
+                                  "q_and_kv_lengths", "window_int", "window_pair", "scale"])
+def test_config_none_equals_jax_nn_on_every_argument(name):
+    kw = _jax_nn_cases()[name]
+    q, k, v = _qkv(t=24, s=40)
+    ours = pj.dot_product_attention(q, k, v, **kw)
+    ref = jax.nn.dot_product_attention(q, k, v, **kw)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=2e-5, atol=2e-6)
+    out, lse = pj.dot_product_attention(q, k, v, return_residual=True, **kw)
+    ref_out, ref_lse = jax.nn.dot_product_attention(q, k, v, return_residual=True, **kw)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=2e-5, atol=2e-6)
+    assert lse.shape == ref_lse.shape
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=2e-5, atol=2e-5)
+    # under a config the same arguments run the kernel: finite, and the FP32-Q/K/V kernel is near
+    fp8 = pj.dot_product_attention(q, k, v, config="fa3", **kw)
+    assert bool(jnp.all(jnp.isfinite(fp8)))
+
+
+def test_traced_scale_under_jit_works_and_gets_a_gradient():
+    q, k, v = _qkv()
+    f = jax.jit(lambda s: jnp.sum(pj.dot_product_attention(q, k, v, scale=s, config="fa3") ** 2))
+    direct = jnp.sum(pj.dot_product_attention(q, k, v, scale=0.2, config="fa3") ** 2)
+    np.testing.assert_allclose(float(f(jnp.float32(0.2))), float(direct), rtol=1e-6)
+    g = jax.grad(f)(jnp.float32(0.2))
+    assert bool(jnp.isfinite(g)) and float(g) != 0.0
