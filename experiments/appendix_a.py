@@ -38,7 +38,7 @@ def run(ctx: Context) -> Section:
                      "dp_paper": paper, "diff": float(d) - paper,
                      "matches_printed_digits": bool(round(float(d), decimals) == paper),
                      "overflow": s > 448, "normal_coverage": float(cv),
-                     "normal_coverage_paper": PAPER_COVERAGE.get(s)})
+                     "normal_coverage_paper": PAPER_COVERAGE.get(s, report.NOT_IN_PAPER)})
     cols = [Column("scale", "S", lambda x: f"{x:g}"),
             Column("power_of_two", "2^k? (Prop. 5)", lambda x: "✓" if x else "×"),
             Column("top_lsb", "max LSB on [0,S]", lambda x: f"{x:g}"),

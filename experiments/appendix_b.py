@@ -51,7 +51,7 @@ def run(ctx: Context) -> Section:
         rev = np.asarray(res.get("mse", config="rev_s256", n=n, delta=delta), np.float64)[:s.seeds_ttest]
         t = stats.ttest_rel(rev, fwd)
         diff = rev - fwd
-        p_mean, p_t, p_sig = PAPER.get((delta, n), (None, None, None))
+        p_mean, p_t, p_sig = PAPER.get((delta, n), (report.NOT_IN_PAPER,) * 3)
         rows.append({"delta": delta, "n": n, "instances": len(diff), "mse_fwd_s256": float(fwd.mean()),
                      "mse_rev_s256": float(rev.mean()), "mean_diff": float(diff.mean()),
                      "sem_diff": sem(diff),
@@ -63,12 +63,13 @@ def run(ctx: Context) -> Section:
             Column("instances", "instances"),
             Column("mse_fwd_s256", "MSE fwd", report.fmt_sci), Column("mse_rev_s256", "MSE rev", report.fmt_sci),
             Column("mean_diff", "mean diff ours", lambda x: f"{x:+.1e}"),
-            Column("paper_mean_diff", "paper", lambda x: f"{x:+.0e}"),
+            Column("paper_mean_diff", "paper", report.words_or(lambda x: f"{x:+.0e}")),
             Column("relative_diff_frac", "diff / MSE", lambda x: f"{100 * x:+.2f}%"),
-            Column("t", "t ours", lambda x: f"{x:+.2f}"), Column("paper_t", "paper", lambda x: f"{x:+.1f}"),
+            Column("t", "t ours", lambda x: f"{x:+.2f}"),
+            Column("paper_t", "paper", report.words_or(lambda x: f"{x:+.1f}")),
             Column("p", "p", lambda x: f"{x:.2g}"),
             Column("significant", "sig.? ours", lambda x: "Yes" if x else "No"),
-            Column("paper_significant", "paper", lambda x: "Yes" if x else "No")]
+            Column("paper_significant", "paper", report.words_or(lambda x: "Yes" if x else "No"))]
     on_paper = [r for r in rows if r["paper_point"]]
     same_sig = sum(r["significant"] == r["paper_significant"] for r in on_paper)
     worst_rel = max(abs(r["relative_diff_frac"]) for r in rows)

@@ -31,7 +31,8 @@ import numpy as np
 from pcast_jax import formats, report, theory
 from pcast_jax.config import BLOCK_SCALED_PRESETS, PAPER_CONFIGS, KernelConfig
 from pcast_jax.errors import PcastError
-from pcast_jax.stats import mean_sem
+from pcast_jax.metrics import expected_is_exact
+from pcast_jax.stats import fmt_pm, mean_sem, paired_ratio
 from pcast_jax.sweep import SweepResult, SweepSpec, run_sweep
 
 __all__ = ["FormatCase", "CASES", "FormatsSizes", "FULL", "QUICK", "FILES", "THEORY_KINDS",
@@ -104,6 +105,8 @@ def _cases() -> tuple[FormatCase, ...]:
 
 #: The formats of the study, in the report's order.
 CASES: tuple[FormatCase, ...] = _cases()
+#: The case every format's MSE is compared with (paired, on the same seeds): E4M3 forward S = 256.
+REFERENCE = next(c for c in CASES if c.name == "fwd_s256")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -282,6 +285,12 @@ def _synthetic(sizes: FormatsSizes, res: SweepResult) -> tuple[list[dict], list[
             "frac_theory_at_max_delta": float(th[-1]), "max_abs_sim_minus_theory": float(np.max(np.abs(sim - th))),
             "mse_at_min_delta": mse_curves[case.name][0], "mse_at_max_delta": mse_curves[case.name][-1],
         })
+        for end, dl in (("min", sizes.deltas[0]), ("max", sizes.deltas[-1])):  # paired, on the same seeds
+            metric = "mse_expected" if expected_is_exact(case.config) and expected_is_exact(REFERENCE.config) else "mse"
+            r, se = paired_ratio(res.get(metric, config=case.name, n=n, delta=dl),
+                                 res.get(metric, config=REFERENCE.name, n=n, delta=dl))
+            thresholds[-1].update({f"mse_ratio_to_fwd_s256_at_{end}_delta": r,
+                                   f"mse_ratio_to_fwd_s256_sem_at_{end}_delta": se})
     return rows, thresholds, curves
 
 
@@ -375,7 +384,26 @@ def _head_summary(heads: list[dict]) -> list[dict]:
 # --------------------------------------------------------------------------------------------
 
 
+def _vs256(thr: dict, name: str, end: str) -> str:
+    """A format's paired MSE ratio to E4M3 S=256 at the grid's ``end`` Δ, ± its s.e."""
+    t = thr[name]
+    return fmt_pm(t[f"mse_ratio_to_fwd_s256_at_{end}_delta"], t[f"mse_ratio_to_fwd_s256_sem_at_{end}_delta"], 2, "×")
+
+
+def _in_words(t: dict, lo: float, hi: float) -> dict:
+    """A thresholds row as published: a Δ that does not exist says why in words (never NaN)."""
+    out = dict(t)
+    for key in ("delta_half_sim", "delta_half_theory"):
+        if not math.isfinite(t[key]):
+            out[key] = f"n/a: F stays below ½ for every Δ in [{lo:g}, {hi:g}]"
+    if not math.isfinite(t["delta_c_closed_form"]):
+        out["delta_c_closed_form"] = "n/a: no critical Δ (reverse order, or an MX scale that cannot underflow)"
+    return out
+
+
 def _fmt_delta(x: float, lo: float, hi: float) -> str:
+    if isinstance(x, str):
+        return x
     if not math.isfinite(x):
         return f"none in [{lo:g}, {hi:g}]"
     return f"≤ {lo:g}" if x <= lo else f"{x:.2f}"
@@ -434,11 +462,10 @@ def _findings(sizes: FormatsSizes, thr: dict[str, dict], curves: dict[str, np.nd
         "second-level normalization to 448·6 is what keeps the block scales above UE4M3's underflow "
         "(compare NVFP4 at S = 1 above).",
         f"**MSE.** Even where nothing collapses, the element format sets the error: at Δ = {lo:g} NVFP4's MSE "
-        f"is {thr['nvfp4_fakequant']['mse_at_min_delta'] / thr['fwd_s256']['mse_at_min_delta']:.0f}× E4M3 "
-        f"S=256's and MXFP8's {thr['mxfp8_p']['mse_at_min_delta'] / thr['fwd_s256']['mse_at_min_delta']:.1f}×; "
+        f"is {_vs256(thr, 'nvfp4_fakequant', 'min')} E4M3 S=256's and MXFP8's {_vs256(thr, 'mxfp8_p', 'min')}; "
         f"at Δ = {hi:g}, where the sinks carry almost all the mass and their own rounding dominates, NVFP4's "
-        f"is {thr['nvfp4_fakequant']['mse_at_max_delta'] / thr['fwd_s256']['mse_at_max_delta']:.0f}× and "
-        f"MXFP8's {thr['mxfp8_p']['mse_at_max_delta'] / thr['fwd_s256']['mse_at_max_delta']:.1f}× E4M3 S=256's.",
+        f"is {_vs256(thr, 'nvfp4_fakequant', 'max')} and MXFP8's {_vs256(thr, 'mxfp8_p', 'max')} E4M3 S=256's "
+        f"(paired ratios on the same {sizes.seeds} seeds, ± s.e.).",
     ]
 
 
@@ -461,7 +488,7 @@ def _real_md(heads, e2e_rows, ctx) -> list[str]:
              f"σ = {ctx['sigma_median']:.2f} (the synthetic study has σ = 1): NVFP4's element boundary "
              f"a/24 is only ln 24/σ ≈ {math.log(24.0) / ctx['sigma_median']:.2f} standard deviations below "
              "its block's maximum score, so its element floor is much higher on these heads than at σ = 1.", "",
-             report.markdown_table(rows, cols), ""]
+             report.markdown_table(rows, cols, name="formats (real model)"), ""]
     notes = []
     if "nvfp4_fakequant" in by and "fwd_s256" in by:
         notes.append(f"NVFP4 zeroes a median {by['nvfp4_fakequant']['frac_zeroed_median']:.3f} of a head's "
@@ -500,12 +527,13 @@ def formats_section(out_dir, quick: bool = False, log: Callable[[str], None] | N
     log(f"formats: sweep done ({time.perf_counter() - t0:.0f} s); closed forms …")
     rows, thresholds, curves = _synthetic(sizes, res)
     log(f"formats: closed forms done ({time.perf_counter() - t0:.0f} s)")
+    thr = {t["config"]: t for t in thresholds}
+    lo, hi = sizes.deltas[0], sizes.deltas[-1]
+    thresholds = [_in_words(t, lo, hi) for t in thresholds]
     report.write_csv(out / "formats_delta.csv", rows)
     report.write_csv(out / "formats_thresholds.csv", thresholds)
     _figure(sizes, rows, out / "formats_delta.png")
     files = ["formats_delta.csv", "formats_thresholds.csv", "formats_delta.png"]
-    thr = {t["config"]: t for t in thresholds}
-    lo, hi = sizes.deltas[0], sizes.deltas[-1]
 
     md = [f"## {TITLE}", "",
           "> **This project's own analysis, not the paper's.** The paper studies one P format, E4M3 with "
@@ -529,7 +557,8 @@ def formats_section(out_dir, quick: bool = False, log: Callable[[str], None] | N
              ("delta_c_closed_form", "closed-form Δc", report.fmt_num),
              ("frac_at_max_delta", f"F at Δ={hi:g}", report.fmt_num),
              ("max_abs_sim_minus_theory", "max |sim − theory|", report.fmt_num)]
-    md += [report.markdown_table(thresholds, tcols), "", "Findings (this project's, per format):", ""]
+    md += [report.markdown_table(thresholds, tcols, name="formats_thresholds"), "",
+           "Findings (this project's, per format):", ""]
     md += [f"- {f}" for f in _findings(sizes, thr, curves)] + [""]
 
     md += ["### On SmolLM2's real heads", ""]

@@ -70,8 +70,11 @@ FILE_DESCRIPTIONS: dict[str, str] = {
                       "fraction of the MSE, relative_diff_frac), t, p, significance, the paper's values",
     "table3_kernels.csv": "Table 3 per (kernel, phase, N): the prefill preset and the decode (split-KV) preset "
                           "or why there is none, order, S, tile B and its source, splits; fraction zeroed "
-                          "(*_frac) and MSE ± s.e. at Δ = 7 and 10, zeroed vs one forward pass, MSE / best; "
-                          "the paper's verdict, ours, and the finding where they differ",
+                          "(*_frac) and MSE ± s.e. at Δ = 7 and 10, zeroed vs one forward pass and MSE / best "
+                          "(paired ratios ± s.e.), the scale-penalty decision; the paper's verdict, ours (or "
+                          "\"within noise at n seeds\"), and the finding where they differ",
+    "table3_xqa_subseq.csv": "Table 3's XQA decode row at each nbSubSeq (CTAs per request and KV head): the "
+                             "launches that give it on 132 SMs, zeroed fractions, paired ratios ± s.e., verdict",
     "run.json": "exact configuration: sizes, every SweepSpec (as a dict) with its fingerprint and folder, "
                 "seeds, library versions, devices, wall and CPU time per experiment and per sweep",
     "sweeps/": "the sweep engine's folders (spec.json, chunks/, results.npz, summary.csv): a rerun "
@@ -260,7 +263,7 @@ def _write_markdown(out: Path, ctx: Context, sections: list[Section], meta: dict
     rows = [{"v": _VERDICT_MARK[f.verdict], "claim": f"{f.claim} ([§](#{_anchor(sec.title)}))",
              "paper": f.paper, "ours": f.ours} for sec, f in findings]
     lines += [report.markdown_table(rows, [("v", "verdict"), ("claim", "claim"), ("paper", "paper"),
-                                           ("ours", "ours")], align="llll"), ""]
+                                           ("ours", "ours")], align="llll", name="findings"), ""]
     for sec in sections:
         lines += [f"## {sec.title}", "", sec.intro, ""]
         for fig in sec.figures:
@@ -270,7 +273,7 @@ def _write_markdown(out: Path, ctx: Context, sections: list[Section], meta: dict
                 if tab.caption:
                     lines += [tab.caption, ""]
                 lines += [report.markdown_table(tab.md_rows if tab.md_rows is not None else tab.rows,
-                                                tab.columns), ""]
+                                                tab.columns, name=tab.csv), ""]
             lines += [f"Data: [`{tab.csv}.csv`]({tab.csv}.csv)", ""]
         if sec.notes:
             lines += [f"- {n}" for n in sec.notes] + [""]

@@ -63,15 +63,15 @@ def run(ctx: Context) -> Section:
         row = {"delta": delta, "seeds": k}
         for key in ("s1", "s256", "mass", "loss"):
             row[f"{key}_ours"] = ours[key]
-            row[f"{key}_paper"] = paper.get(key)
-            row[f"{key}_diff_pp"] = ours[key] - paper[key] if key in paper else None
+            row[f"{key}_paper"] = paper.get(key, report.NOT_IN_PAPER)
+            row[f"{key}_diff_pp"] = ours[key] - paper[key] if key in paper else report.NOT_IN_PAPER
         row["s1_eq7"] = 100 * float(closed["frac_zeroed_s1"][i])
         row["s1_eq7_spread"] = 100 * float(closed["frac_zeroed_s1_spread"][i])
         row["s256_eq7"] = 100 * float(closed["frac_zeroed_s256"][i])
         row["s256_eq7_spread"] = 100 * float(closed["frac_zeroed_s256_spread"][i])
         row["mass_theory"] = 100 * float(closed["non_sink_mass"][i])
         row["zeroed_mass_s1_ours"] = 100 * float(np.mean(zmass))
-        row["s1_sem"] = 100 * sem(fz1) if k > 1 else None
+        row["s1_sem"] = 100 * sem(fz1) if k > 1 else "n/a: one seed"
         rows.append(row)
 
     cols = [
@@ -159,7 +159,7 @@ def csv_rows(rows: list[dict]) -> list[dict]:
             if key in row:
                 continue
             name = key.removesuffix("_pp") + "_frac"
-            row[name] = None if value is None else value / 100.0
+            row[name] = value if isinstance(value, str) else value / 100.0
         out.append(row)
     return out
 

@@ -60,7 +60,7 @@ def run(ctx: Context) -> Section:
                 outside.append(f"{PAPER_LABELS[c]} N={n} ({r:.2f}, expected {re:.2f})")
             md[f"ours_{n}"] = f"{m * 1e5:.2f} ± {se * 1e5:.2f}"
             md[f"exp_{n}"] = f"{me * 1e5:.2f} ± {see * 1e5:.2f}"
-            md[f"paper_{n}"] = "—" if paper is None else f"{paper:.2f}"
+            md[f"paper_{n}"] = "not in the paper" if paper is None else f"{paper:.2f}"
             md[f"ratio_{n}"] = (f"{report.fmt_num(r, 2)}{_flag(r)} / {report.fmt_num(re, 2)}{_flag(re)}")
         md_rows.append(md)
     # ratio row: forward S=1 over the best of the other four
@@ -82,7 +82,7 @@ def run(ctx: Context) -> Section:
                      "best_config_expected": best_e})
         ratio_md[f"ours_{n}"] = f"{rr:.1f}× (vs {best})"
         ratio_md[f"exp_{n}"] = f"{rre:.1f}×"
-        ratio_md[f"paper_{n}"] = "—" if paper is None else f"{paper:.1f}×"
+        ratio_md[f"paper_{n}"] = "not in the paper" if paper is None else f"{paper:.1f}×"
         ratio_md[f"ratio_{n}"] = report.fmt_num(report.ratio(rr, paper), 2)
     md_rows.append(ratio_md)
 

@@ -21,10 +21,21 @@ from pcast_jax import engine as _engine
 from pcast_jax.config import KernelConfig, resolve
 from pcast_jax.errors import PcastError
 
-__all__ = ["METRICS", "CONFIG_METRICS", "evaluate"]
+__all__ = ["METRICS", "CONFIG_METRICS", "evaluate", "expected_is_exact"]
 
 CONFIG_METRICS = ("mse", "mse_expected", "frac_zeroed", "zeroed_mass")
 METRICS = CONFIG_METRICS + ("nonsink_mass",)
+
+
+def expected_is_exact(config: KernelConfig | str) -> bool:
+    """Whether ``mse_expected`` has the same mean as ``mse`` for ``config``.
+
+    True when the output is W·V exactly (FP32 accumulator, no MMA accumulator model): then the
+    V-averaged error σ_V² Σ(W − P)² is the expectation of the sampled one given the scores. An f16
+    accumulator or the MMA model adds an error that ``mse_expected`` does not see.
+    """
+    cfg = resolve(config)
+    return cfg.accumulator == "f32" and not cfg.mma_acc_bits
 
 
 def evaluate(instance, configs: tuple[KernelConfig | str, ...], *, engine: str = "fast", sigma_v: float = 1.0,
@@ -68,7 +79,7 @@ def evaluate(instance, configs: tuple[KernelConfig | str, ...], *, engine: str =
     for i, cfg in enumerate(configs):
         cfg = resolve(cfg)
         p_ref = reference(cfg.causal)
-        shares_product = engine == "fast" and cfg.accumulator == "f32" and not cfg.mma_acc_bits
+        shares_product = engine == "fast" and expected_is_exact(cfg)
         if shares_product or not sampled:  # output = W·V exactly, or no V: what the weights say
             r = _engine.weights_and_stats(scores, cfg, count_mask=count_mask)
             diff = r.weights - p_ref

@@ -1,5 +1,12 @@
 """Writing reports: number formatting, markdown tables, CSV, PNG (matplotlib, Agg) and JSON files.
 
+No published number hides: :func:`check_published` (called by :func:`write_csv`,
+:func:`markdown_table` and :func:`save_figure`) turns a non-finite value, a missing cell, a bare
+"—" or a number rendered as ``nan``/``inf`` into a :class:`~pcast_jax.errors.PcastError` naming
+the table and the row's config. A value that is legitimately not applicable must say why in words
+(e.g. ``"n/a: one forward pass zeroes nothing"``). The number formatters render a non-finite
+value as ``nan``/``inf`` (never a dash), so a bad number in a sentence is caught the same way.
+
 Files are written atomically (temporary file in the same folder, then rename), so an interrupted
 run never leaves a half-written report. Figures use matplotlib's object API with the Agg canvas:
 no pyplot global state, no display needed.
@@ -12,11 +19,13 @@ import io
 import json
 import math
 import platform
+import re
 import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from pcast_jax.errors import PcastError
 from pcast_jax.fileio import atomic_write
 
 __all__ = [
@@ -27,6 +36,7 @@ __all__ = [
     "fmt_signed",
     "ratio",
     "markdown_table",
+    "check_published",
     "write_text",
     "write_csv",
     "write_json",
@@ -48,43 +58,116 @@ def _bad(x) -> bool:
     return x is None or (isinstance(x, float) and not math.isfinite(x))
 
 
+#: The cell of a value the paper does not give.
+NOT_IN_PAPER = "n/a: not in the paper"
+
+
+def _num(x) -> float:
+    """``x`` as a float; None (a missing value) as NaN, which :func:`check_published` rejects."""
+    return float("nan") if x is None else float(x)
+
+
+def words_or(fmt):
+    """``fmt`` for numbers; a string (a not-applicable value said in words) shown as it is."""
+    def shown(x, *args, **kw):
+        return x if isinstance(x, str) else fmt(x, *args, **kw)
+
+    shown.__doc__ = fmt.__doc__
+    shown.__name__ = fmt.__name__
+    return shown
+
+
+@words_or
 def fmt_num(x, digits: int = 3) -> str:
-    """``x`` with ``digits`` decimals; ``—`` for missing or non-finite values."""
-    if _bad(x):
-        return "—"
-    return f"{float(x):.{digits}f}"
+    """``x`` with ``digits`` decimals (a non-finite or missing value shows as ``nan``/``inf``)."""
+    return f"{_num(x):.{digits}f}"
 
 
+@words_or
 def fmt_sci(x, digits: int = 2) -> str:
-    """Scientific notation (``5.65e-05``); ``—`` for missing values."""
-    if _bad(x):
-        return "—"
-    return f"{float(x):.{digits}e}"
+    """Scientific notation (``5.65e-05``)."""
+    return f"{_num(x):.{digits}e}"
 
 
+@words_or
 def fmt_pct(x, digits: int = 1) -> str:
     """A fraction in [0, 1] as a percentage (``0.223`` → ``22.3%``)."""
-    if _bad(x):
-        return "—"
-    return f"{100.0 * float(x):.{digits}f}%"
+    return f"{100.0 * _num(x):.{digits}f}%"
 
 
+@words_or
 def fmt_ratio(x, digits: int = 2) -> str:
     """A ratio with a multiplication sign (``3.4×``)."""
-    if _bad(x):
-        return "—"
-    return f"{float(x):.{digits}f}×"
+    return f"{_num(x):.{digits}f}×"
 
 
+@words_or
 def fmt_signed(x, digits: int = 1, unit: str = "") -> str:
     """A difference with its sign (``+1.2 pp``)."""
-    if _bad(x):
-        return "—"
-    return f"{float(x):+.{digits}f}{(' ' + unit) if unit else ''}"
+    return f"{_num(x):+.{digits}f}{(' ' + unit) if unit else ''}"
+
+
+# --------------------------------------------------------------------------------------------
+# The check at every writer: no published number hides
+# --------------------------------------------------------------------------------------------
+
+#: A number rendered non-finite by Python's formatting (``nan``, ``-inf``, ``nan%``, ``inf×``).
+_NONFINITE_TEXT = re.compile(r"(?<![A-Za-z_])[-+−]?(?:nan|inf)(?![A-Za-z_])")
+#: Row keys that identify a row's config in an error message, in this order.
+_IDENTITY = ("experiment", "config", "preset", "implementation", "label", "model", "format", "phase", "layer",
+             "head", "n", "delta", "nb_sub_seq", "claim")
+
+
+def _row_name(row: dict, index: int) -> str:
+    ident = [f"{k}={row[k]}" for k in _IDENTITY if k in row and not _bad(row[k])]
+    return f"row {index}" + (f" ({', '.join(ident[:4])})" if ident else "")
+
+
+def _problem(v) -> str | None:
+    """Why a cell value may not be published, or None when it may."""
+    if v is None:
+        return "is missing"
+    try:
+        import numpy as np
+
+        if isinstance(v, np.generic):
+            v = v.item()
+        if isinstance(v, np.ndarray):
+            return None if np.all(np.isfinite(v)) else "holds a non-finite value"
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(v, float) and not math.isfinite(v):
+        return f"is {v!r}"
+    if isinstance(v, str):
+        if v.strip() in ("—", "-", "–"):
+            return "is a bare dash (say in words why it is not applicable)"
+        if _NONFINITE_TEXT.search(v):
+            return f"shows a non-finite number ({v!r})"
+    return None
+
+
+#: What a CSV cell says for a column that a row does not have (a table mixing kinds of rows).
+NO_SUCH_COLUMN = "n/a: not a column of this row"
+
+
+def check_published(table: str, rows: Sequence[dict], columns: Sequence[str] | None = None, *,
+                    absent_ok: bool = False) -> None:
+    """Raise a PcastError naming ``table``, the row's config and the column for the first cell of
+    ``rows`` (in ``columns``, default each row's own keys) that is missing (a key present with
+    value None, or absent unless ``absent_ok``), non-finite, a bare dash or text showing a
+    non-finite number. A not-applicable value must say why in words."""
+    for i, row in enumerate(rows):
+        for key in (columns if columns is not None else row):
+            if absent_ok and key not in row:
+                continue
+            why = _problem(row.get(key))
+            if why:
+                raise PcastError(f"table {table}: {_row_name(row, i)}: column {key!r} {why}; a published "
+                                 "number must be finite, or say in words why it is not applicable")
 
 
 def ratio(a, b) -> float:
-    """a / b, NaN when either is missing or b is zero."""
+    """a / b, NaN when either is missing or b is zero (a NaN no writer publishes)."""
     if _bad(a) or _bad(b) or float(b) == 0.0:
         return float("nan")
     return float(a) / float(b)
@@ -95,14 +178,16 @@ def ratio(a, b) -> float:
 # --------------------------------------------------------------------------------------------
 
 
-def markdown_table(rows: Sequence[dict], columns: Sequence, *, align: str | None = None) -> str:
-    """A GitHub markdown table.
+def markdown_table(rows: Sequence[dict], columns: Sequence, *, align: str | None = None,
+                   name: str = "(markdown)") -> str:
+    """A GitHub markdown table; every cell is checked by :func:`check_published` (table ``name``).
 
     Args:
       rows: one dict per row.
       columns: objects with ``key``, ``header`` and ``fmt`` (a callable value → str), or
         ``(key, header)`` / ``(key, header, fmt)`` tuples.
       align: one character per column, ``l`` or ``r`` (default: first column left, rest right).
+      name: the table's name in an error message.
     """
     cols = []
     for c in columns:
@@ -116,12 +201,12 @@ def markdown_table(rows: Sequence[dict], columns: Sequence, *, align: str | None
     head = "| " + " | ".join(h for _, h, _ in cols) + " |"
     rule = "|" + "|".join(":---" if a == "l" else "---:" for a in align) + "|"
     lines = [head, rule]
+    keys = [key for key, _, _ in cols]
+    check_published(name, rows, keys)
     for r in rows:
-        cells = []
-        for key, _, fmt in cols:
-            v = r.get(key)
-            cells.append("—" if v is None else str(fmt(v)).replace("|", "\\|"))
-        lines.append("| " + " | ".join(cells) + " |")
+        shown = {key: str(fmt(r.get(key))) for key, _, fmt in cols}
+        check_published(name, [{**r, **shown}], keys)
+        lines.append("| " + " | ".join(shown[k].replace("|", "\\|") for k in keys) + " |")
     return "\n".join(lines)
 
 
@@ -143,9 +228,7 @@ def _csv_value(v):
     if isinstance(v, bool):
         return "yes" if v else "no"
     if isinstance(v, float):
-        return "" if not math.isfinite(v) else repr(v)
-    if v is None:
-        return ""
+        return repr(v)
     if isinstance(v, (list, tuple)):
         return " ".join(str(x) for x in v)
     try:  # numpy scalars
@@ -159,20 +242,24 @@ def _csv_value(v):
 
 
 def write_csv(path, rows: Iterable[dict], columns: Sequence[str] | None = None) -> Path:
-    """Write rows (dicts) as CSV with full float precision; missing values are empty cells.
+    """Write rows (dicts) as CSV with full float precision.
 
-    ``columns`` fixes the column order; by default every key in first-seen order.
+    ``columns`` fixes the column order; by default every key in first-seen order. Every cell is
+    checked first (:func:`check_published`, the table named by the file's stem): a None,
+    non-finite or dashed value is an error, never an empty cell; a column a row does not have at
+    all (a table of two kinds of rows) reads :data:`NO_SUCH_COLUMN`.
     """
     rows = list(rows)
     if columns is None:
         columns = []
         for r in rows:
             columns.extend(k for k in r if k not in columns)
+    check_published(Path(path).stem, rows, columns, absent_ok=True)
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(columns)
     for r in rows:
-        w.writerow([_csv_value(r.get(k)) for k in columns])
+        w.writerow([_csv_value(r[k]) if k in r else NO_SUCH_COLUMN for k in columns])
     return write_text(path, buf.getvalue())
 
 
@@ -240,7 +327,18 @@ def label_log_axis(axis, subs=(1.0, 2.0, 5.0)) -> None:
 
 
 def save_figure(fig, path, *, dpi: int = 150) -> Path:
-    """Save a figure as PNG atomically."""
+    """Save a figure as PNG atomically, after checking that every plotted line is finite (a
+    non-finite point would silently break the line: a PcastError naming the figure and line)."""
+    import numpy as np
+
+    for ax in fig.axes:
+        for line in ax.get_lines():
+            data = np.concatenate([np.asarray(line.get_xdata(), np.float64).ravel(),
+                                   np.asarray(line.get_ydata(), np.float64).ravel()])
+            if not np.all(np.isfinite(data)):
+                raise PcastError(f"figure {Path(path).stem}: line {line.get_label()!r} of panel "
+                                 f"{ax.get_title() or ax.get_ylabel()!r} has a non-finite point; a published "
+                                 "number must be finite")
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
     return _atomic(Path(path), buf.getvalue())

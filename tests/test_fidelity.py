@@ -34,7 +34,7 @@ def test_new_fields_keep_old_fingerprints_and_names():
     assert KernelConfig(kv_splits=8).name == "for_s1_split8"
     assert KernelConfig(kv_splits=8, split_layout="strided").name == "for_s1_split8s"
     cfg = get_preset("trtllm_xqa_multiblock")
-    assert KernelConfig.from_dict(cfg.to_dict()) == cfg and cfg.to_dict()["kv_splits"] == 8
+    assert KernelConfig.from_dict(cfg.to_dict()) == cfg and cfg.to_dict()["kv_splits"] == 6  # XQA_DECODE_LAUNCH
 
 
 def test_fields_normalise_where_they_do_not_act():
@@ -192,3 +192,19 @@ def test_every_kernel_preset_cites_a_tile():
     assert {c.block_kv for c in KERNEL_PRESETS.values()} >= {64, 128, 192, 224}
     assert PRESETS["trtllm_xqa_multiblock"].split_layout == "strided"
     assert PRESETS["fa3_splitkv"].split_layout == "contiguous"
+
+
+def test_xqa_nb_sub_seq_follows_the_sm90_launcher():
+    """nbSubSeq = min(max(1, round(⌊3·SMs / (batch·KV heads)⌋ · 0.25)), ⌈N / 64⌉), XQA_NB_SUB_SEQ first."""
+    from pcast_jax.config import XQA_DECODE_LAUNCH, xqa_nb_sub_seq
+
+    def f(batch, heads=8, sms=132, n=4096, env=None):
+        return xqa_nb_sub_seq(batch=batch, nb_k_heads=heads, sms=sms, max_seq_len=n, env=env)
+
+    assert [f(b) for b in (1, 2, 3, 4, 8, 16)] == [12, 6, 4, 3, 2, 1]  # 396 // 8 = 49 → 12.25 → 12, …
+    assert f(1, heads=22) == 5  # 396 // 22 = 18 → 4.5 rounds away from zero (banker's rounding would give 4)
+    assert f(1, heads=1, n=1 << 20) == 99 and f(1, heads=1) == 64 and f(1, heads=1, n=200) == 4  # ⌈N / 64⌉ caps it
+    assert f(16, env=7) == 7 and f(16, env=0) == 1  # the override, unless ≤ 0
+    assert get_preset("trtllm_xqa_multiblock").kv_splits == xqa_nb_sub_seq(**XQA_DECODE_LAUNCH) == 6
+    with pytest.raises(PcastError, match="batch"):
+        f(0)

@@ -245,9 +245,11 @@ def test_cli_worst_delta_and_errors(capsys, tmp_path):
 
 
 def test_markdown_table_formats_rows():
-    text = whatif.markdown_table([{"a": 1, "b": 2.5e-6, "c": True, "d": math.nan}])
+    text = whatif.markdown_table([{"a": 1, "b": 2.5e-6, "c": True, "d": "n/a: a closed form"}])
     assert text.splitlines()[0] == "| a | b | c | d |"
-    assert "2.500e-06" in text and "yes" in text and "–" in text
+    assert "2.500e-06" in text and "yes" in text and "n/a: a closed form" in text
+    with pytest.raises(PcastError, match="table dynamic: row 0: column 'd' is nan"):  # never a dash
+        whatif.markdown_table([{"a": 1, "d": math.nan}], name="dynamic")
 
 
 def test_worst_case_delta_accepts_block_scaled_p_and_reports_the_block_scale_threshold():

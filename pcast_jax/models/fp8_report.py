@@ -364,7 +364,7 @@ def _markdown(study: ModelStudy, layer_rows, theory_rows, e2e_rows, level: int, 
             ("top1_agree", "top-1 agree", lambda v: report.fmt_pct(v, 2))]
     md_rows = [dict(r, config=(r["config"] if r["same_as"] == r["config"]
                                else f"{r['config']} (= {r['same_as']})")) for r in e2e_rows]
-    lines += [report.markdown_table(md_rows, cols, align="llrrrrr"), ""]
+    lines += [report.markdown_table(md_rows, cols, align="llrrrrr", name="model_e2e"), ""]
     lines += ["![KL and top-1 disagreement per configuration](model_e2e.png)", ""]
 
     # Per preset summary of the per-head analysis
@@ -384,7 +384,7 @@ def _markdown(study: ModelStudy, layer_rows, theory_rows, e2e_rows, level: int, 
     cols = [("config", "Configuration"), ("desc", "What it does"), ("rel", "rel. MSE (all heads)", _sci),
             ("med_rel", "median head rel. MSE", _sci), ("ratio", "MSE / Rev S=256", _x),
             ("frac", "median non-sink P zeroed", _pct), ("mass", "median zeroed mass", _sci)]
-    lines += [report.markdown_table(prow, cols, align="llrrrrr"), ""]
+    lines += [report.markdown_table(prow, cols, align="llrrrrr", name="model_heads (per config)"), ""]
 
     # Per layer
     lines += [f"{h}# Per layer: sink gap, MSE ratio, zeroed fraction (`model_layers.csv`)", ""]
@@ -403,7 +403,7 @@ def _markdown(study: ModelStudy, layer_rows, theory_rows, e2e_rows, level: int, 
                        ("rev_s256", "zeroed Rev S=256")):
         if name in heads:
             cols.append((f"frac_zeroed_{name}", head, _pct))
-    lines += [report.markdown_table(layer_rows, cols), ""]
+    lines += [report.markdown_table(layer_rows, cols, name="model_layers"), ""]
     lines += ["![Sink gap Δ and σ per layer × head](model_sink_gap.png)", "",
               "![Fwd S=1 / Rev S=256 MSE ratio](model_mse_ratio.png)", ""]
 
@@ -431,7 +431,7 @@ def _markdown(study: ModelStudy, layer_rows, theory_rows, e2e_rows, level: int, 
     if "measured_rev_s256" in theory_rows[0]:
         cols += [("thm4_sigma_s256", "Rev S=256: Thm.4 σ", _pct),
                  ("measured_rev_s256", "Rev S=256: measured", _pct)]
-    lines += [report.markdown_table(trows, cols), ""]
+    lines += [report.markdown_table(trows, cols, name="model_theory"), ""]
     lines += ["![Theory vs measured zeroed fraction per head](model_theory.png)", ""]
 
     if study.decode_pairs:
@@ -476,7 +476,9 @@ def _decode_markdown(study: ModelStudy, h: str) -> list[str]:
             ("mean_frac_zeroed", "mean non-sink P zeroed", _pct), ("mean_zeroed_mass", "mean zeroed mass", _sci),
             ("mse_ratio_to_prefill", "MSE / prefill", _x),
             ("heads_less_zeroed_frac", "heads zeroing less", _pct)]
-    lines += [report.markdown_table(summary, cols, align="lllrrrrrrrr"), ""]
+    reference = {k: "n/a: the one-pass reference" for k in ("mse_ratio_to_prefill", "heads_less_zeroed_frac")}
+    shown = [r if r["phase"] == "decode" else {**reference, **r} for r in summary]
+    lines += [report.markdown_table(shown, cols, align="lllrrrrrrrr", name="model_decode (summary)"), ""]
     return lines
 
 

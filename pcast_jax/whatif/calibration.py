@@ -73,7 +73,8 @@ class Prop3Calibration:
                 out.append({"model": model, "parameter": name, "mean": st["mean"], "sd_over_seeds": st["sd"],
                             "boot95_lo": st["lo95"], "boot95_hi": st["hi95"]})
         out.append({"model": "theory", "parameter": "delta_k (Eq. 3)", "mean": self.delta_k_theory,
-                    "sd_over_seeds": 0.0, "boot95_lo": float("nan"), "boot95_hi": float("nan")})
+                    "sd_over_seeds": 0.0, "boot95_lo": "n/a: a closed form (no seeds to resample)",
+                    "boot95_hi": "n/a: a closed form (no seeds to resample)"})
         return out
 
 

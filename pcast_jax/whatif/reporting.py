@@ -66,16 +66,17 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
+def markdown_table(rows: list[dict], columns: list[str] | None = None, name: str = "whatif") -> str:
     """A GitHub markdown table of ``rows`` (dicts) restricted to ``columns``, one line per row.
 
     Keys are the headers; numbers get four significant digits (scientific below 1e-3 and from
-    1e5), booleans yes/no, non-finite values "–". Ends with a newline.
+    1e5), booleans yes/no; a non-finite value is an error naming the row
+    (:func:`pcast_jax.report.check_published`). Ends with a newline.
     """
     if not rows:
         return "(no rows)\n"
     columns = columns or list(rows[0])
-    return _report.markdown_table(rows, [(c, c, _fmt) for c in columns]) + "\n"
+    return _report.markdown_table(rows, [(c, c, _fmt) for c in columns], name=name) + "\n"
 
 
 def _sizes(quick: bool) -> dict:
@@ -145,7 +146,7 @@ def report(*, quick: bool = False, out_dir=None, base_seed: int = 0) -> WhatIfRe
     md.append("### Surrogate gradients vs exact finite differences (fwd_s1)\n")
     cols = ["param", "point", "surrogate", "exact_mse", "value_rel_err", "exact_fd", "exact_fd_sem",
             "surrogate_grad", "grad_rel_err", "trustworthy"]
-    md.append(markdown_table(tables["validate"], cols))
+    md.append(markdown_table(tables["validate"], name="validate", columns=cols))
     md.append("\nFor log2 S the exact slope is the octave secant between powers of two (the exact MSE is jagged "
               "between E4M3-representable S, where the P = 1 atom rounds); exact_mse at those half-integer "
               "points includes that atom error, so value_rel_err is not meaningful there.\n")
@@ -155,9 +156,9 @@ def report(*, quick: bool = False, out_dir=None, base_seed: int = 0) -> WhatIfRe
         md.append(f"- {label}: dMSE/dΔ trustworthy (sign right, within 25 %) at {ok} of {len(rows)} resolved "
                   f"points.\n")
     md.append("\n### Worst-case sink strength (Adam ascent on Δ, smooth surrogate)\n")
-    md.append(markdown_table(tables["worst_delta"], ["config", "objective", "worst_delta", "local_peak",
-                                                     "exact_local_peak", "exact_mse_at_peak", "exact_global_argmax",
-                                                     "delta_c", "peak_in_6_9", "seconds"]))
+    md.append(markdown_table(tables["worst_delta"], name="worst_delta", columns=[
+        "config", "objective", "worst_delta", "local_peak", "exact_local_peak", "exact_mse_at_peak",
+        "exact_global_argmax", "delta_c", "peak_in_6_9", "seconds"]))
     md.append("\n### Optimal static scale (Δ = 7)\n")
     md.append(f"Adam over log2 S from S = 1: mean-LSB surrogate stops at log2 S = "
               f"{opt_mean.continuous_log2_scale:.2f} (flat beyond the collapse); the staircase surrogate, "
@@ -171,10 +172,11 @@ def report(*, quick: bool = False, out_dir=None, base_seed: int = 0) -> WhatIfRe
               f"The surrogates' own MSE(448)/MSE(256) − 1: mean-LSB "
               f"{opt_mean.surrogate_at_448 / opt_mean.surrogate_at_256 - 1:+.1%}, staircase "
               f"{opt_stair.surrogate_at_448 / opt_stair.surrogate_at_256 - 1:+.1%}.\n")
-    md.append(markdown_table(tables["optimal_scale"], ["scale", "exact_mse", "rel_to_256", "dp", "normal_coverage"]))
+    md.append(markdown_table(tables["optimal_scale"], name="optimal_scale",
+                             columns=["scale", "exact_mse", "rel_to_256", "dp", "normal_coverage"]))
     md.append("\n### Prop. 3 calibration (fwd_s1, target = simulated MSE)\n")
-    md.append(markdown_table(tables["calibrate_prop3"], ["model", "parameter", "mean", "sd_over_seeds",
-                                                         "boot95_lo", "boot95_hi"]))
+    md.append(markdown_table(tables["calibrate_prop3"], name="calibrate_prop3", columns=[
+        "model", "parameter", "mean", "sd_over_seeds", "boot95_lo", "boot95_hi"]))
     curve_rows = []
     for i, dl in enumerate(cal.deltas):
         row = {"delta": float(dl), "simulated": float(cal.sim_mean[i])}
@@ -188,7 +190,7 @@ def report(*, quick: bool = False, out_dir=None, base_seed: int = 0) -> WhatIfRe
     md.append("\n### Dynamic per-block 2^k scale vs static\n")
     dcols = ["n", "delta", "dynamic_pow2", "ratio_vs_fwd_s256", "ratio_vs_fwd_s256_sem", "ratio_vs_fwd_s448",
              "ratio_vs_fwd_s448_sem", "frac_zeroed_dynamic_pow2", "frac_zeroed_fwd_s256"]
-    md.append(markdown_table(tables["dynamic"], dcols))
+    md.append(markdown_table(tables["dynamic"], name="dynamic", columns=dcols))
     md.append("\nRun times (s): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()) + "\n")
 
     figures = []
