@@ -305,6 +305,19 @@ def _split_blocks(x, block: int, fmt_name: str | None = None):
     return x.reshape(x.shape[:-1] + (n // block, block))
 
 
+def _divide(x, d):
+    """``x / d`` correctly rounded (one IEEE division), ``d`` broadcast to ``x``'s shape.
+
+    XLA's algebraic simplifier rewrites a division by a broadcast or a constant, ``x / broadcast(d)``,
+    as ``x · broadcast(1/d)``: two roundings, which move values that lie exactly on a rounding tie of
+    the target format (x/d = 1.25 for E2M1 comes out as 1.2500001 and rounds up to 1.5 instead of to
+    the even 1.0). The divisor materialized at ``x``'s shape behind an optimization barrier is an
+    operand XLA cannot see through, so the division stays one.
+    """
+    d = jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(d, jnp.float32), jnp.shape(x)))
+    return x / d
+
+
 def block_quantize(x, fmt: str | BlockFormat, *, overflow: str = "satfinite", second_level=None):
     """Block-scaled cast along the last axis: ``(elements, scales)`` with x ≈ elements · scale.
 
@@ -318,8 +331,10 @@ def block_quantize(x, fmt: str | BlockFormat, *, overflow: str = "satfinite", se
       s_b = cast_E4M3(amax_b / (6 g)), saturating at 448 (1 for an all-zero block);
       elements = cast_E2M1(x / (s_b g)); scale = s_b · g; s_b = 0 zeroes the block's elements.
 
-    Rank-generic; the division is by an exact power of two for MX, so MX elements are exact
-    roundings of x / X_b.
+    Rank-generic. Every division is one correctly rounded IEEE division (:func:`_divide`; XLA would
+    otherwise multiply by a rounded reciprocal), so elements and NVFP4 block scales are exact
+    roundings of x / (s_b g) and amax_b / (6 g), ties to even included; for MX the divisor is an exact
+    power of two anyway.
     """
     bf = get_block_format(fmt)
     check_choice("overflow", overflow, OVERFLOW_MODES)
@@ -331,15 +346,15 @@ def block_quantize(x, fmt: str | BlockFormat, *, overflow: str = "satfinite", se
         _, e = jnp.frexp(amax)  # amax = m 2^e, m in [0.5, 1) -> floor(log2 amax) = e - 1
         k = jnp.clip(e - 1 - el.emax, -126, 127)  # 2^-127 is a float32 subnormal (flushed by XLA)
         scale = jnp.where(amax > 0.0, jnp.ldexp(jnp.float32(1.0), k), 1.0)
-        q = to_fp8(xb / scale[..., None], el, overflow="satfinite").astype(jnp.float32)
+        q = to_fp8(_divide(xb, scale[..., None]), el, overflow="satfinite").astype(jnp.float32)
     else:
         g = jnp.float32(1.0) if second_level is None else jnp.asarray(second_level, jnp.float32)
         g = jnp.broadcast_to(g, x.shape[:-1])[..., None]
-        s_b = to_fp8(amax / (el.max * g), UE4M3, overflow="satfinite").astype(jnp.float32)
+        s_b = to_fp8(_divide(amax, el.max * g), UE4M3, overflow="satfinite").astype(jnp.float32)
         s_b = jnp.where(amax > 0.0, s_b, 1.0)
         scale = s_b * g
         safe = jnp.where(scale > 0.0, scale, 1.0)
-        q = to_fp8(xb / safe[..., None], el, overflow=overflow).astype(jnp.float32)
+        q = to_fp8(_divide(xb, safe[..., None]), el, overflow=overflow).astype(jnp.float32)
         q = jnp.where((scale > 0.0)[..., None], q, 0.0)
     return q.reshape(x.shape), scale
 
