@@ -125,7 +125,8 @@ def finding(rows: list[dict]) -> str:
             "with O's size relative to one MMA's products (the sink's block already in O in forward order with "
             "S > 1, or many keys at large N); per-tile promotion restarts the accumulator at zero for every "
             "tile. Of the kernels, those that never promote (`MMA_PROMOTION`: FlashAttention-3 in reverse "
-            "order, TensorRT-LLM XQA forward with S = 448) take this path."
+            "order, TensorRT-LLM XQA forward with S = 448, hpc-ops before its double-O accumulator forward with "
+            "S = 1) take this path."
         )
     else:
         text.append(f"Nowhere does the change exceed {report.fmt_pct(MATTERS, 0)}: on this workload the "

@@ -294,8 +294,12 @@ def test_pallas_kernels_refuse_other_p_formats(fmt):
 
 def test_presets_cite_and_follow_sources():
     s3, fq, mx = PRESETS["sageattn3"], PRESETS["nvfp4_fakequant"], PRESETS["mxfp8_p"]
-    assert (s3.p_format, s3.scale, s3.scale_mode) == ("nvfp4", 2688.0, "exponent")
-    assert (fq.p_format, fq.scale, fq.scale_mode) == ("nvfp4", 2688.0, "multiply")
+    # SageAttention3: mainloop_tma_ws.h walks n_block from n_block_max - 1 down; kBlockN 128 (launch.h)
+    assert (s3.p_format, s3.scale, s3.scale_mode, s3.order, s3.block_kv) == ("nvfp4", 2688.0, "exponent",
+                                                                             "reverse", 128)
+    # Model Optimizer's Triton flash attention: forward kv_start loop, BLOCK_N 32, ℓ from unquantized P
+    assert (fq.p_format, fq.scale, fq.scale_mode, fq.order, fq.block_kv) == ("nvfp4", 2688.0, "multiply",
+                                                                             "forward", 32)
     assert (mx.p_format, mx.block_format.block, mx.fmt.name) == ("mxfp8", 32, "e4m3")
 
 

@@ -192,3 +192,27 @@ def test_every_kernel_preset_cites_a_tile():
     assert {c.block_kv for c in KERNEL_PRESETS.values()} >= {64, 128, 192, 224}
     assert PRESETS["trtllm_xqa_multiblock"].split_layout == "strided"
     assert PRESETS["fa3_splitkv"].split_layout == "contiguous"
+
+
+#: KV tiles as the kernels' sources give them at head dim 128 (cited in pcast_jax/config.py):
+#: hpc-ops kTileN (prefill/warp_spec_with_kvcache_fp8_dim128.cu), SageAttention2 SM90 CTA_K
+#: (qk_int_sv_f8_cuda_sm90.cu), SageAttention2++'s SM89 f16 kernel CTA_K, FA4's FwdConfig(128, 128).
+SOURCE_TILES = {"hpc_ops": 128, "hpc_ops_prior": 128, "sageattn2": 128, "sageattn2pp": 64, "fa4": 128,
+                "fa3": 224, "flashinfer_sm90": 192, "trtllm_xqa": 64}
+
+
+@pytest.mark.parametrize("name", list(SOURCE_TILES))
+def test_preset_tiles_are_the_sources(name):
+    assert get_preset(name).block_kv == SOURCE_TILES[name]
+
+
+def test_forward_kernels_do_not_depend_on_their_tile_when_the_sinks_come_first():
+    """Forward order with the sinks in the first block: every block after it sees the sinks' max, so
+    the P-cast (and the zeroed count) does not depend on B: hpc_ops at its 128-key tile and at the 64
+    the presets used to assume agree."""
+    inst = make_instance(jax.random.key(3), SinkWorkload(n=1024, q_len=4, d=8), 10.0)
+    cfg = get_preset("hpc_ops")
+    a = engine.attention(inst.scores, inst.v, cfg, count_mask=~inst.is_sink)
+    b = engine.attention(inst.scores, inst.v, cfg.replace(block_kv=64), count_mask=~inst.is_sink)
+    np.testing.assert_array_equal(np.asarray(a.n_zeroed), np.asarray(b.n_zeroed))
+    np.testing.assert_allclose(np.asarray(a.out), np.asarray(b.out), rtol=1e-5, atol=1e-7)

@@ -86,7 +86,9 @@ def test_presets_keep_their_semantics_and_model_variants_follow_the_source():
     assert dataclasses.replace(fa3, mma_acc_bits=0) == get_preset("fa3")
     hpc = mma_model("hpc_ops", bits=12)
     assert hpc.mma_promote_keys == hpc.block_kv and hpc.mma_acc_bits == 12
-    assert {MMA_PROMOTION[k] for k in ("fa3", "trtllm_xqa")} == {"never"}
+    # hpc-ops before its double-O accumulator commit accumulated every tile into O itself
+    assert {MMA_PROMOTION[k] for k in ("fa3", "trtllm_xqa", "hpc_ops_prior")} == {"never"}
+    assert mma_model("hpc_ops_prior").mma_promote_keys == 0
     assert {MMA_PROMOTION[k] for k in ("sageattn2", "hpc_ops")} == {"tile"}
     with pytest.raises(PcastError, match="preset='flashinfer_sm90'"):
         mma_model("flashinfer_sm90")
