@@ -26,7 +26,7 @@ import typing
 
 import numpy as np
 
-from pcast_jax import formats
+from pcast_jax import numberline
 from pcast_jax.errors import F32_MAX, PcastError, check_choice, check_int, check_positive
 
 __all__ = ["KernelConfig", "MMA_K", "MMA_PROMOTION", "MMA_ACC_BITS_HOPPER", "mma_model", "QKV_GRANULARITIES",
@@ -137,8 +137,8 @@ class KernelConfig:
         check_choice("scale_mode", self.scale_mode, SCALE_MODES)
         object.__setattr__(self, "block_kv", check_int("block_kv", self.block_kv, min_value=1, max_value=1 << 16))
         check_choice("p_format", self.p_format.lower() if isinstance(self.p_format, str) else self.p_format,
-                     formats.P_FORMATS)
-        check_choice("overflow", self.overflow, formats.OVERFLOW_MODES)
+                     numberline.P_FORMATS)
+        check_choice("overflow", self.overflow, numberline.OVERFLOW_MODES)
         check_choice("accumulator", self.accumulator, ACCUMULATORS)
         check_choice("qkv", self.qkv, QKV_PRECISIONS)
         check_choice("qkv_granularity", self.qkv_granularity, QKV_GRANULARITIES)
@@ -325,15 +325,15 @@ class KernelConfig:
         return ",".join(parts)
 
     @property
-    def fmt(self) -> formats.FP8Format:
+    def fmt(self) -> numberline.FP8Format:
         """The element format of the P-cast (E2M1/E4M3 for the block-scaled formats)."""
         bf = self.block_format
-        return bf.element if bf is not None else formats.get_format(self.p_format)
+        return bf.element if bf is not None else numberline.get_format(self.p_format)
 
     @property
-    def block_format(self) -> formats.BlockFormat | None:
+    def block_format(self) -> numberline.BlockFormat | None:
         """The block-scaled P format, or None for a plain element format with the one scale S."""
-        return formats.BLOCK_FORMATS.get(self.p_format.lower())
+        return numberline.BLOCK_FORMATS.get(self.p_format.lower())
 
     @property
     def log2_scale(self) -> float:
