@@ -8,8 +8,8 @@ softmax of three of the paper's configurations (forward S = 1, forward S = 256, 
 * with exact FP32 accumulation of P8·V (the paper's simulator: the E4M3 P floor), and
 * with the accumulator model of :class:`pcast_jax.config.KernelConfig` (``mma_acc_bits`` = 14,
   truncated after every 32-key MMA), either never promoted (O lives in the MMA accumulator, as in
-  FlashAttention-3 and TensorRT-LLM XQA) or promoted to FP32 after every KV tile (hpc-ops,
-  SageAttention2 on SM90, this package's Pallas kernels),
+  FlashAttention-3, TensorRT-LLM XQA and hpc-ops before its double-O accumulator) or promoted to FP32
+  after every KV tile (hpc-ops now, SageAttention2 on SM90, this package's Pallas kernels),
 
 across Δ ∈ {3, 5, 7, 10, 12} and N ∈ {1024, 4096, 16384}. It also reports the accumulation error
 alone: the mean squared difference between the model's output and the exact-accumulation output.
