@@ -446,8 +446,8 @@ PAPER_CONFIGS: dict[str, KernelConfig] = {
 #: the element_size == 1 branch, lines 42-52: d ≤ 64 → 160 (line 43), d ≤ 96 → 128 (45), d ≤ 128 → 224
 #: (47; 160 with paged non-TMA KV, 192 with V col-major or softcap with a local window), d ≤ 192 → 160
 #: (49), d = 256 → 128 (51; 64 with a local window); causal does not change the FP8 tile. (vLLM's fork,
-#: vllm-project/flash-attention commit 07602ad, has the same prefill table; its decode heuristic
-#: hopper/heuristics.h lines 10-13 picks 64 × 96 FP8 tiles at d = 128, which these presets do not model.)
+#: vllm-project/flash-attention commit 07602ad, which this table cited before, gives the same values
+#: at lines 58-71; its decode path was not read.)
 #: FlashInfer SM90 FP8: include/flashinfer/attention/hopper/quantization/prefill_sm90.cuh,
 #: SingleFP8PrefillWithKVCacheDispatched (commit 1211b4c): CTA_KV = 128 at d = 64, 192 at d = 128, 128
 #: at d = 256 (the paged-KV batch path, BatchFP8PrefillWithPagedKVCacheDispatched, uses 128 everywhere).
