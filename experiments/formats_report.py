@@ -3,9 +3,10 @@
 This project's own study, not the paper's: the paper casts P to E4M3 with one static scale. Here
 the same synthetic sink workload (§3.1) runs through the sweep engine for E4M3 (forward S = 1,
 forward S = 256, reverse S = 256), a per-tensor E2M1 P with a static scale, MXFP8 (OCP MX: 32 keys
-per E8M0 scale), NVFP4 as NVIDIA Model Optimizer fake-quantizes it (16 keys per UE4M3 scale, the row
-brought to 448·6), the same NVFP4 without that row normalization (S = 1) and in reverse order, and
-SageAttention3's two-level scheme; the closed forms of :mod:`pcast_jax.theory` are drawn beside the
+per E8M0 scale), NVFP4 as NVIDIA Model Optimizer's Triton flash attention fake-quantizes P (16 keys per
+UE4M3 scale, forward 32-key tiles, P under the running max brought to 448·6), the same NVFP4 without
+that normalization (S = 1) and in reverse order, and SageAttention3's two-level scheme (reverse order,
+as its Blackwell mainloop walks KV); the closed forms of :mod:`pcast_jax.theory` are drawn beside the
 simulation. Then the same formats on SmolLM2-135M's real heads (per-head zeroed fraction and MSE
 through :func:`pcast_jax.models.fp8.analyze_trace`) and end to end (KL, perplexity through
 :func:`pcast_jax.models.fp8.end_to_end`); without the model extra that part is skipped with a note.
@@ -98,8 +99,8 @@ def _cases() -> tuple[FormatCase, ...]:
                    "block_rev", "#17becf", "D"),
         FormatCase(nv.replace(scale=1.0, name="nvfp4_s1"), "NVFP4, forward, S=1 (no row normalization)",
                    "NVFP4", "block", "#7f7f7f", "D"),
-        FormatCase(b["sageattn3"], "SageAttention3 (NVFP4, two-level), forward", "NVFP4", "block", "#bcbd22",
-                   "^"),
+        FormatCase(b["sageattn3"], "SageAttention3 (NVFP4, two-level), reverse", "NVFP4", "block_rev",
+                   "#bcbd22", "^"),
     )
 
 
@@ -427,7 +428,7 @@ def _findings(sizes: FormatsSizes, thr: dict[str, dict], curves: dict[str, np.nd
     n, k = sizes.n, sizes.k_sink
     mx = BLOCK_SCALED_PRESETS["mxfp8_p"].block_format.block
     nv_floor = element_floor("nvfp4", float(BLOCK_SCALED_PRESETS["nvfp4_fakequant"].scale), k)
-    sa3_diff = float(np.max(np.abs(curves["sageattn3"] - curves["nvfp4_fakequant"])))
+    sa3_bkv = BLOCK_SCALED_PRESETS["sageattn3"].block_kv
     e2m1_rz, e4m3_rz = float(formats.E2M1.round_to_zero), float(formats.E4M3.round_to_zero)
     shift = thr["nvfp4_fakequant"]["delta_c_closed_form"] - thr["fwd_s256"]["delta_c_closed_form"]
     mx_order = float(np.max(np.abs(curves["mxfp8_p"] - curves["mxfp8_p_rev"])))
@@ -456,11 +457,12 @@ def _findings(sizes: FormatsSizes, thr: dict[str, dict], curves: dict[str, np.nd
         f"(S = 1) it comes much earlier: {half('nvfp4_s1')} "
         f"(Δc = {thr['nvfp4_s1']['delta_c_closed_form']:.2f}). Reverse order removes it: at most "
         f"{peak('nvfp4_fakequant_rev'):.3f} (the element floor plus the sink's own KV block).",
-        f"**SageAttention3** (NVFP4 P, the row maximum brought to 448·6 in the exponent, B = 128): the same "
-        f"numbers as the Model Optimizer fake-quant in forward order (largest |ΔF| {sa3_diff:.2g}): "
-        f"{half('sageattn3')}. Its exponent-mode scale and tile size do not move the threshold; the "
-        "second-level normalization to 448·6 is what keeps the block scales above UE4M3's underflow "
-        "(compare NVFP4 at S = 1 above).",
+        f"**SageAttention3** (NVFP4 P, the row maximum brought to 448·6 in the exponent, B = {sa3_bkv}) walks "
+        f"KV in reverse, so the block-scale collapse never comes: at most {peak('sageattn3'):.3f} of non-sink "
+        f"P is zeroed ({half('sageattn3')}): the element floor, plus the non-sink keys of the "
+        f"{sa3_bkv}-key block that holds the sinks, which are cast under the sinks' max. Run forward, the "
+        "same two-level scheme would collapse with the Model Optimizer recipe above; the normalization to "
+        "448·6 is what keeps the block scales above UE4M3's underflow (compare NVFP4 at S = 1).",
         f"**MSE.** Even where nothing collapses, the element format sets the error: at Δ = {lo:g} NVFP4's MSE "
         f"is {_vs256(thr, 'nvfp4_fakequant', 'min')} E4M3 S=256's and MXFP8's {_vs256(thr, 'mxfp8_p', 'min')}; "
         f"at Δ = {hi:g}, where the sinks carry almost all the mass and their own rounding dominates, NVFP4's "

@@ -8,8 +8,8 @@ softmax of three of the paper's configurations (forward S = 1, forward S = 256, 
 * with exact FP32 accumulation of P8·V (the paper's simulator: the E4M3 P floor), and
 * with the accumulator model of :class:`pcast_jax.config.KernelConfig` (``mma_acc_bits`` = 14,
   truncated after every 32-key MMA), either never promoted (O lives in the MMA accumulator, as in
-  FlashAttention-3 and TensorRT-LLM XQA) or promoted to FP32 after every KV tile (hpc-ops,
-  SageAttention2 on SM90, this package's Pallas kernels),
+  FlashAttention-3, TensorRT-LLM XQA and hpc-ops before its double-O accumulator) or promoted to FP32
+  after every KV tile (hpc-ops now, SageAttention2 on SM90, this package's Pallas kernels),
 
 across Δ ∈ {3, 5, 7, 10, 12} and N ∈ {1024, 4096, 16384}. It also reports the accumulation error
 alone: the mean squared difference between the model's output and the exact-accumulation output.
@@ -125,7 +125,8 @@ def finding(rows: list[dict]) -> str:
             "with O's size relative to one MMA's products (the sink's block already in O in forward order with "
             "S > 1, or many keys at large N); per-tile promotion restarts the accumulator at zero for every "
             "tile. Of the kernels, those that never promote (`MMA_PROMOTION`: FlashAttention-3 in reverse "
-            "order, TensorRT-LLM XQA forward with S = 448) take this path."
+            "order, TensorRT-LLM XQA forward with S = 448, hpc-ops before its double-O accumulator forward with "
+            "S = 1) take this path."
         )
     else:
         text.append(f"Nowhere does the change exceed {report.fmt_pct(MATTERS, 0)}: on this workload the "

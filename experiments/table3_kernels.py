@@ -109,17 +109,18 @@ KERNELS: tuple[Kernel, ...] = (
 
 #: preset → where its KV tile B (at head dim d = 128) comes from (see pcast_jax/config.py).
 TILE_SOURCE = {
-    "fa3": "hopper/tile_size.h tile_size_fwd_sm90, FP8 branch, d ≤ 128 (160 at d = 64)",
-    "fa4": "assumption (not read from source)",
+    "fa3": "hopper/tile_size.h tile_size_fwd_sm90, FP8 branch (lines 42-52), d ≤ 128 (160 at d = 64)",
+    "fa4": "flash_attn/cute/interface.py line 318, FwdConfig(128, 128) kept on SM100",
     "flashinfer_sm90": "hopper/quantization/prefill_sm90.cuh CTA_KV, d = 128 (128 at d = 64/256)",
     "trtllm_xqa": "xqa/mha_sm90.cu gemm0CtaTileNbTokens = 64",
     "trtllm_xqa_multiblock": "xqa/mha_sm90.cu gemm0CtaTileNbTokens = 64; strided sub-sequences: "
                              "launchHopperF8MHA's nbSubSeq for an assumed launch (config.XQA_DECODE_LAUNCH)",
     "fa3_splitkv": "as fa3; 8 contiguous splits (assumed num_splits)",
-    "sageattn2": "assumption (not re-read from source)",
-    "sageattn2pp": "assumption (not re-read from source); f16 rounded per 32 keys",
-    "hpc_ops": "assumption (not re-read from source)",
-    "hpc_ops_prior": "assumption (not re-read from source)",
+    "sageattn2": "csrc/qattn/qk_int_sv_f8_cuda_sm90.cu CTA_K = 128 (lines 687, 863)",
+    "sageattn2pp": ("csrc/qattn/sm89_qk_int8_sv_f8_accum_f16_fuse_v_scale_attn_inst_buf.cu CTA_K = 64; f16 "
+                    "rounded per 32 keys (attn_utils.cuh, one m16n8k32 f16 MMA per 32 keys)"),
+    "hpc_ops": "prefill/warp_spec_with_kvcache_fp8_dim128.cu kTileN = 128",
+    "hpc_ops_prior": "prefill/warp_spec_with_kvcache_fp8_dim128.cu kTileN = 128 (commit e363e86)",
     "dynamic_pow2": "the paper's B = 64",
 }
 

@@ -18,8 +18,6 @@ import os
 import tempfile
 from pathlib import Path
 
-import jax
-
 __all__ = ["ENV_VAR", "default_cache_dir", "setup_compilation_cache"]
 
 #: Environment variable that turns the cache off (0) or names its folder.
@@ -63,6 +61,8 @@ def setup_compilation_cache(enabled: bool | None = None, path: str | os.PathLike
         return _state["dir"]
     if _state.get("off") and enabled is None:
         return None
+    import jax  # here, not at import: the command line imports this module for its help
+
     try:
         configured = jax.config.jax_compilation_cache_dir
     except AttributeError:  # a JAX without the option: no cache

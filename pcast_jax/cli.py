@@ -6,7 +6,8 @@ installed packages add sub-commands through the entry-point group ``pcast_jax.co
 entry point's name is the sub-command and its value a module with ``HELP`` (one line),
 ``add_arguments`` and ``run``. The project's experiments package adds ``pcast reproduce`` that
 way, so the library never imports it. Modules are imported only when their sub-command runs (or
-when ``pcast --help`` lists the added ones), so ``pcast --help`` stays fast.
+when ``pcast --help`` lists the added ones), so ``pcast --help`` stays fast: neither it nor any
+sub-command's ``--help`` imports JAX (``tests/test_cli.py`` checks each in a fresh process).
 
 Errors a user can cause (:class:`ValueError`, including :class:`pcast_jax.errors.PcastError`,
 and :class:`OSError`) are printed as one line ``pcast: error: …`` with exit status 2, no traceback;

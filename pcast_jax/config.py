@@ -26,7 +26,7 @@ import typing
 
 import numpy as np
 
-from pcast_jax import formats
+from pcast_jax import numberline
 from pcast_jax.errors import F32_MAX, PcastError, check_choice, check_int, check_positive
 
 __all__ = ["KernelConfig", "MMA_K", "MMA_PROMOTION", "MMA_ACC_BITS_HOPPER", "mma_model", "QKV_GRANULARITIES",
@@ -96,9 +96,10 @@ class KernelConfig:
       mma_promote_keys: with ``mma_acc_bits``, after how many keys the kernel promotes the MMA's
         partial sum into exact FP32 registers (a fresh MMA accumulator then starts at 0). 0 = never:
         O itself lives in the MMA accumulator across all KV blocks, α·O rescaled in place and every
-        block's products added by the MMA (FlashAttention-3, TensorRT-LLM XQA). k > 0: a multiple
-        of 32 that divides ``block_kv``; ``block_kv`` = one fresh accumulator per KV tile added to
-        FP32 O (hpc-ops, SageAttention2 on SM90 with ``pv_accum_dtype="fp32+fp32"``, this package's
+        block's products added by the MMA (FlashAttention-3, TensorRT-LLM XQA, hpc-ops before its
+        double-O accumulator). k > 0: a multiple of 32 that divides ``block_kv``; ``block_kv`` = one
+        fresh accumulator per KV tile added to FP32 O (hpc-ops now, SageAttention2 on SM90 with
+        ``pv_accum_dtype="fp32+fp32"``, this package's
         Pallas kernels); smaller k as DeepGEMM promotes every 128 keys. The 0 (never) form cannot
         take the dynamic scale mode (its 2^-k multiplies a block's product outside the MMA).
       name: a label for reports, not part of the identity: two configs are equal (and hash alike)
@@ -136,8 +137,8 @@ class KernelConfig:
         check_choice("scale_mode", self.scale_mode, SCALE_MODES)
         object.__setattr__(self, "block_kv", check_int("block_kv", self.block_kv, min_value=1, max_value=1 << 16))
         check_choice("p_format", self.p_format.lower() if isinstance(self.p_format, str) else self.p_format,
-                     formats.P_FORMATS)
-        check_choice("overflow", self.overflow, formats.OVERFLOW_MODES)
+                     numberline.P_FORMATS)
+        check_choice("overflow", self.overflow, numberline.OVERFLOW_MODES)
         check_choice("accumulator", self.accumulator, ACCUMULATORS)
         check_choice("qkv", self.qkv, QKV_PRECISIONS)
         check_choice("qkv_granularity", self.qkv_granularity, QKV_GRANULARITIES)
@@ -324,15 +325,15 @@ class KernelConfig:
         return ",".join(parts)
 
     @property
-    def fmt(self) -> formats.FP8Format:
+    def fmt(self) -> numberline.FP8Format:
         """The element format of the P-cast (E2M1/E4M3 for the block-scaled formats)."""
         bf = self.block_format
-        return bf.element if bf is not None else formats.get_format(self.p_format)
+        return bf.element if bf is not None else numberline.get_format(self.p_format)
 
     @property
-    def block_format(self) -> formats.BlockFormat | None:
+    def block_format(self) -> numberline.BlockFormat | None:
         """The block-scaled P format, or None for a plain element format with the one scale S."""
-        return formats.BLOCK_FORMATS.get(self.p_format.lower())
+        return numberline.BLOCK_FORMATS.get(self.p_format.lower())
 
     @property
     def log2_scale(self) -> float:
@@ -441,9 +442,12 @@ PAPER_CONFIGS: dict[str, KernelConfig] = {
 }
 
 #: KV tile B by head dim, read from each kernel's source (the FP8 forward path at that head dim).
-#: FlashAttention-3: hopper/tile_size.h, tile_size_fwd_sm90(), element_size == 1 branch (commit 07602ad):
-#: d ≤ 64 → 160 (line 58), d ≤ 96 → 128 (61), d ≤ 128 → 224 (66; 160 with paged non-TMA KV, 192 with
-#: V col-major), d ≤ 192 → 160 (69), d = 256 → 128 (71); causal does not change the FP8 tile.
+#: FlashAttention-3 (Dao-AILab/flash-attention, commit 0251105a): hopper/tile_size.h, tile_size_fwd_sm90(),
+#: the element_size == 1 branch, lines 42-52: d ≤ 64 → 160 (line 43), d ≤ 96 → 128 (45), d ≤ 128 → 224
+#: (47; 160 with paged non-TMA KV, 192 with V col-major or softcap with a local window), d ≤ 192 → 160
+#: (49), d = 256 → 128 (51; 64 with a local window); causal does not change the FP8 tile. (vLLM's fork,
+#: vllm-project/flash-attention commit 07602ad, which this table cited before, gives the same values
+#: at lines 58-71; its decode path was not read.)
 #: FlashInfer SM90 FP8: include/flashinfer/attention/hopper/quantization/prefill_sm90.cuh,
 #: SingleFP8PrefillWithKVCacheDispatched (commit 1211b4c): CTA_KV = 128 at d = 64, 192 at d = 128, 128
 #: at d = 256 (the paged-KV batch path, BatchFP8PrefillWithPagedKVCacheDispatched, uses 128 everywhere).
@@ -490,7 +494,8 @@ KERNEL_PRESETS: dict[str, KernelConfig] = {
     "fa3": KernelConfig(order="reverse", scale=256.0, scale_mode="exponent", block_kv=224, name="fa3"),
     # FlashAttention-4 (Blackwell, CuTe DSL): flash_attn/cute/flash_fwd_sm100.py iterates
     # n_block = n_block_max - 1 - n_tile (reverse); softmax.py uses max_offset = 8 for 8-bit P.
-    # B = 128 is not read from source (assumption: the SM100 forward's default n_block_size).
+    # B = 128: flash_attn/cute/interface.py line 318 (commit 0251105a), cfg = FwdConfig(128, 128, ...),
+    # the base tile the SM100 path keeps (only SM80 / SM90 / SM120 replace it below that line).
     "fa4": KernelConfig(order="reverse", scale=256.0, scale_mode="exponent", block_kv=128, name="fa4"),
     # FlashInfer SM90 FP8 prefill: include/flashinfer/attention/hopper/variants.cuh multiplies P by
     # p_scale = max_E4M3 = 448 after exp; mainloop_mma.cuh walks kv_tile_idx downward (reverse) and
@@ -522,28 +527,37 @@ KERNEL_PRESETS: dict[str, KernelConfig] = {
     "fa3_splitkv": KernelConfig(
         order="reverse", scale=256.0, scale_mode="exponent", block_kv=224, kv_splits=8, name="fa3_splitkv",
     ),
-    # SageAttention2: csrc/qattn/attn_utils.cuh folds S_FP8_OFFSET = 8.807 (2^8.807 ≈ 448) into the
-    # exponent; forward order. Its INT8 per-block Q/K quantization is not modelled (P-cast isolated).
+    # SageAttention2 (thu-ml/SageAttention, commit d1a57a5) as sageattention/core.py line 151 runs it on
+    # SM90: csrc/qattn/attn_utils.cuh folds S_FP8_OFFSET = 8.807 (2^8.807 ≈ 448) into the exponent;
+    # forward order. B = 128: CTA_K = 128 in csrc/qattn/qk_int_sv_f8_cuda_sm90.cu lines 687 and 863 (both
+    # SM90 FP8 entry points). Its INT8 per-block Q/K quantization is not modelled (P-cast isolated).
     "sageattn2": KernelConfig(
-        order="forward", scale=2.0**8.807, scale_mode="exponent", block_kv=64, name="sageattn2"
+        order="forward", scale=2.0**8.807, scale_mode="exponent", block_kv=128, name="sageattn2"
     ),
-    # SageAttention2++ (pv_accum_dtype="fp32+fp16"): sageattention/core.py keeps P at 448 and cuts
-    # the V range to 2.25 (quant_v_scale_max): V is quantized per channel with scale amax/2.25 and
-    # the scale multiplied back after the accumulation, so the FP16 PV accumulator cannot overflow.
-    # The FP8 mma.sync shape is m16n8k32, so the f16 accumulator is rounded after every 32 keys, twice
-    # per 64-key block (f16_round_keys = 32: the MMA K of FP8 PTX mma, not read from sageattention's
-    # source here). The paper's "S = 112" is not in the released code; we follow the code.
+    # SageAttention2++ (pv_accum_dtype="fp32+fp16", what sageattention/core.py line 149 picks on SM89):
+    # core.py keeps P at 448 and cuts the V range to 2.25 (quant_v_scale_max, lines 805-807): V is
+    # quantized per channel with scale amax/2.25 and the scale multiplied back after the accumulation,
+    # so the FP16 PV accumulator cannot overflow. B = 64: CTA_K = 64 in
+    # csrc/qattn/sm89_qk_int8_sv_f8_accum_f16_fuse_v_scale_attn_inst_buf.cu line 125 (the kernel core.py
+    # line 819 calls). f16_round_keys = 32: csrc/qattn/attn_utils.cuh lines 908-970 chain one
+    # mma_sync_m16n16k32_row_col_f8f8f16 per 32 keys of the block into the f16 accumulator (kInit for the
+    # first, kInplaceUpdate after), which is mma.sync m16n8k32 ... .f16.e4m3.e4m3.f16 (csrc/mma.cuh line
+    # 577), and add the block's f16 result to the FP32 output (lines 969-971). The paper's "S = 112" is
+    # not in the released code; we follow the code.
     "sageattn2pp": KernelConfig(
         order="forward", scale=2.0**8.807, scale_mode="exponent", block_kv=64, accumulator="f16",
         f16_round_keys=32, v_channel_max=2.25, name="sageattn2pp",
     ),
-    # Tencent hpc-ops prefill FP8, before the paper: src/attention/prefill/kernels.cuh walks
-    # itile_seq_kv forward with no P scale (S = 1); gSum from unscaled P. B = 64 is kept from the
-    # earlier preset: the tile was not re-read from source (reported as 128 elsewhere, unverified).
-    "hpc_ops_prior": KernelConfig(order="forward", scale=1.0, scale_mode="multiply", block_kv=64, name="hpc_ops_prior"),
-    # Tencent hpc-ops prefill FP8, updated: kFp8PrefillPScale = 256.0f multiplies P after exp;
-    # epilogue × vscale / 256; forward order. B: as hpc_ops_prior (unverified).
-    "hpc_ops": KernelConfig(order="forward", scale=256.0, scale_mode="multiply", block_kv=64, name="hpc_ops"),
+    # Tencent hpc-ops prefill FP8, before the paper (commit e363e86): src/attention/prefill/kernels.cuh
+    # walks itile_seq_kv forward with no P scale (S = 1); gSum from unscaled P. B = 128: the kTileN
+    # template argument of AttentionKVCachePrefillFp8Config in
+    # src/attention/prefill/warp_spec_with_kvcache_fp8_dim128.cu lines 55-56 (head dim 128).
+    "hpc_ops_prior": KernelConfig(order="forward", scale=1.0, scale_mode="multiply", block_kv=128,
+                                  name="hpc_ops_prior"),
+    # Tencent hpc-ops prefill FP8, updated (commit 6e2eced): kernels.cuh line 1347,
+    # tAttr(i) *= kFp8PrefillPScale (256.0f, line 20), after exp; epilogue × vscale / 256; forward order.
+    # B = 128: kTileN = 128 in src/attention/prefill/warp_spec_with_kvcache_fp8_dim128.cu line 119.
+    "hpc_ops": KernelConfig(order="forward", scale=256.0, scale_mode="multiply", block_kv=128, name="hpc_ops"),
     # The paper's future work (§7.4): per-block power-of-two scale chosen from the block's max P.
     "dynamic_pow2": KernelConfig(order="forward", scale_mode="dynamic", block_kv=64, name="dynamic_pow2"),
 }
@@ -551,25 +565,36 @@ KERNEL_PRESETS: dict[str, KernelConfig] = {
 #: Presets with a block-scaled P (simulator only: the Pallas kernels run E4M3 P alone), each citing
 #: the source it follows.
 BLOCK_SCALED_PRESETS: dict[str, KernelConfig] = {
-    # SageAttention3 (thu-ml/SageAttention, sageattention3_blackwell/sageattn3/blackwell/softmax_fused.h):
-    # P̃ = exp2(Z·log2e·scale − (m·log2e·scale + log2(1/(448·6)))), i.e. the row maximum brought to
-    # 448·6 = 2688 in the exponent (fp8_scalexfp4_scale), the row sum accumulating P̃ (exponent mode,
-    # epilogue O/ℓ); per 16 keys the scale AbsMaxP = exp2(max_b·log2e·scale − max_scaled + log2(1/6))
-    # = block max of P̃ / 6 (≤ 448, UE4M3 in the block-scaled MMA), P̃ divided by it and cast to E2M1.
-    # Forward order (the mainloop walks n_block upward: assumption, mainloop_tma_ws.h not re-read);
-    # B = 128 is an assumption (kBlockN of kernel_traits.h not re-read). The kernel divides P̃ by the
-    # FP32 scale and multiplies by its E4M3 rounding in the MMA; we divide by the E4M3 value
-    # (Model Optimizer's order), a difference below one E2M1 step. Q/K/V stay FP32 (P-cast isolated).
-    "sageattn3": KernelConfig(order="forward", scale=448.0 * 6.0, scale_mode="exponent", block_kv=128,
+    # SageAttention3 (thu-ml/SageAttention, commit d1a57a5, sageattention3_blackwell/sageattn3/blackwell/):
+    # softmax_fused.h computes P̃ = exp2(Z·log2e·scale − (m·log2e·scale + log2(1/(448·6)))) (lines 32,
+    # 71-75), i.e. the row maximum brought to 448·6 = 2688 in the exponent (fp8_scalexfp4_scale), the
+    # row sum accumulating P̃ (exponent mode, epilogue O/ℓ); per 16 keys the scale AbsMaxP =
+    # exp2(max_b·log2e·scale − max_scaled + log2(1/6)) (line 79) = block max of P̃ / 6 (≤ 448, UE4M3 in
+    # the block-scaled MMA), P̃ divided by it (line 135) and cast to E2M1. Reverse order:
+    # mainloop_tma_ws.h starts at n_block = n_block_max - 1 (line 509) and walks down,
+    # for (; n_block >= 0; --n_block), in the producer (line 536) and the consumer (lines 670, 817, 865).
+    # B = 128: launch.h line 105 instantiates Flash_fwd_kernel_traits<Headdim, 128, 128, ...>, whose third
+    # argument is kBlockN (kernel_traits.h lines 71, 80). The kernel divides P̃ by the FP32 scale and
+    # multiplies by its E4M3 rounding in the MMA; we divide by the E4M3 value (Model Optimizer's order),
+    # a difference below one E2M1 step. Q/K/V stay FP32 (P-cast isolated).
+    "sageattn3": KernelConfig(order="reverse", scale=448.0 * 6.0, scale_mode="exponent", block_kv=128,
                               p_format="nvfp4", name="sageattn3"),
-    # NVFP4 fake-quant of P as NVIDIA Model Optimizer does it (modelopt/torch/quantization/qtensor/
-    # nvfp4_tensor.py): second level g = amax / (6·448), per-block UE4M3 scale amax_b / (6·g), zero
-    # scale → 1, elements cast to E2M1. Model Optimizer quantizes the normalized softmax output; with
-    # its amax taken over the row, x/g = P/max(P)·2688, which is Algorithm 1's P = exp(Z − m) times
-    # S = 2688 whenever the running max m is the row's final max (forward order with the sink first).
-    # Assumption: the per-tensor amax is taken per row (max P = 1 in every row of unnormalized P);
-    # multiply mode, forward order, B = 64 (a fake-quant has no tile; 64 = the paper's B).
-    "nvfp4_fakequant": KernelConfig(order="forward", scale=448.0 * 6.0, scale_mode="multiply", block_kv=64,
+    # NVFP4 fake-quant of P inside NVIDIA Model Optimizer's Triton flash attention (NVIDIA/Model-Optimizer,
+    # commit a2fbac7b): modelopt/torch/kernels/common/attention/triton_fa.py walks kv_start = 0, BLOCK_N,
+    # ... (forward, line 359), takes P = exp2(S − m_new) with the running max (line 433, unnormalized),
+    # sums the row from the unquantized P (lines 434-436: ℓ unscaled, multiply mode) and, with
+    # p_qdq="nvfp4", fake-quantizes P before P·V (lines 440-451) through _p_qdq_nvfp4
+    # (modelopt/torch/kernels/quantization/attention/bmm2_qdq.py lines 38-61: 16 keys per block along the
+    # key axis) → nvfp4_scalar_qdq (kernels/quantization/common/nvfp4_quant.py): block scale
+    # E4M3(min(amax_b / (6 g), 448)) · g (lines 122-125, saturating at 448), elements rounded to E2M1 at
+    # x / scale, a zero scale zeroing the block (line 101). g = p_qdq_amax / (6·448) with p_qdq_amax = 1
+    # by default (triton_fa.py lines 1241, 1345), so E4M3(amax_b / (6 g)) = E4M3(amax_b · 448): exactly
+    # the block scale of P·S with S = 6·448 and second level 1 here. B = 32: every autotuned forward
+    # config has BLOCK_N = 32 (triton_fa.py lines 84-87). Not modelled: the kernel first rounds P to V's
+    # dtype (bf16/fp16, lines 447-450) before the fake-quant; P here stays FP32 up to the NVFP4 cast.
+    # (The offline quantizer modelopt/torch/quantization/qtensor/nvfp4_tensor.py clamps block scales to
+    # [2^-9, 448] and so never zeroes a block; it is not what runs on P.)
+    "nvfp4_fakequant": KernelConfig(order="forward", scale=448.0 * 6.0, scale_mode="multiply", block_kv=32,
                                     p_format="nvfp4", name="nvfp4_fakequant"),
     # MXFP8 P (OCP Microscaling Formats v1.0, §5–6: 32 E4M3 elements per E8M0 scale
     # 2^(⌊log2 amax⌋ − 8)). No released attention kernel with an MXFP8 P was found: this is the OCP
@@ -602,10 +627,13 @@ MMA_PROMOTION: dict[str, str] = {
     # csrc/qattn/qk_int_sv_f8_cuda_sm90.cu (commit d1a57a5): a fresh RO_temp per KV tile (line 328,
     # first wgmma with scale-d 0 at 333, one wgmma per 32 keys at 337), RO += RO_temp in FP32 at 353.
     "sageattn2": "tile",
-    # hpc-ops prefill FP8, src/attention/prefill/kernels.cuh: per-tile fresh accumulator added in FP32
-    # (line numbers not read).
+    # hpc-ops prefill FP8 (commit 6e2eced, since 82d80e8 "SM90 fp8 double-O accumulator"):
+    # src/attention/prefill/kernels.cuh lines 1376-1403: each KV tile's P·V wgmma starts a fresh tOr
+    # (ScaleOut::Zero, line 1378) and tYr(i) += tOr(i) adds it to the FP32 output (line 1403).
     "hpc_ops": "tile",
-    "hpc_ops_prior": "tile",
+    # Before that commit (e363e86, the S = 1 kernel): kernels.cuh clear(tYr) once (line 1297), then every
+    # tile's wgmma accumulates into tYr itself with ScaleOut::One (lines 1266, 1400-1401).
+    "hpc_ops_prior": "never",
 }
 #: Other promotion intervals in the wild: DeepGEMM's SM90 FP8 GEMM promotes the wgmma accumulator into
 #: FP32 registers every BLOCK_K = 128 (deep_gemm/include/deep_gemm/impls/sm90_fp8_gemm_1d1d.cuh lines

@@ -25,6 +25,9 @@ __all__ = [
     "EXIT_ERROR",
     "EXIT_PEER_FAILED",
     "EXIT_INTERRUPTED",
+    "DEFAULT_TIMEOUT_S",
+    "MAX_TIMEOUT_S",
+    "DEFAULT_HEARTBEAT_TIMEOUT_S",
 ]
 
 
@@ -154,3 +157,10 @@ EXIT_ERROR = 2
 EXIT_PEER_FAILED = 3
 #: Exit status after Ctrl-C (SIGINT), as shells report it (128 + 2); SIGTERM gives 128 + 15 = 143.
 EXIT_INTERRUPTED = 130
+#: Default seconds a multi-process run waits for the coordinator and for every process to join.
+DEFAULT_TIMEOUT_S = 300.0
+#: Largest timeout accepted (one week): JAX's own deadline is a 32-bit count of seconds.
+MAX_TIMEOUT_S = 7 * 86400.0
+#: Default seconds after which a silent process counts as lost (JAX's heartbeat timeout) and the
+#: longest the processes wait for each other when they exit.
+DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0

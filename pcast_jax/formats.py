@@ -1,5 +1,8 @@
 """Low-precision number formats: facts read from ``ml_dtypes.finfo``, the cast, the LSB, every code.
 
+The formats themselves (:class:`FP8Format`, :class:`BlockFormat` and the names) live in the
+JAX-free :mod:`pcast_jax.numberline` and are re-exported here.
+
 The paper's number line (§2.1, Eq. (1)–(2)): E4M3FN has 126 positive finite values, max 448,
 smallest normal 2^-6, smallest subnormal 2^-9; values with |x| <= 2^-10 round to zero (the tie at
 exactly 2^-10 goes to the even neighbour, 0).
@@ -23,24 +26,43 @@ block-scaled formats (:class:`BlockFormat`) that pair them along the last axis:
   2^-127, but that is a float32 subnormal which XLA flushes to zero, so the simulator stops one
   binade short (it matters only for block maxima below 2^-118); an all-zero block gets X = 1
   (assumption: the specification leaves amax = 0 to the implementation; any X gives the same zeros).
-* NVFP4 (NVIDIA Model Optimizer, ``modelopt/torch/quantization/qtensor/nvfp4_tensor.py``): blocks
-  of 16 E2M1 elements with a UE4M3 scale s_b = cast_E4M3(amax_b / (6 · g)) under an FP32 second
-  level g (per tensor there: g = amax / (6 · 448)); elements cast_E2M1(V_i / (s_b · g)). A block
-  scale that rounds to 0 zeroes its block (Model Optimizer would divide by it; here the block is 0,
-  never NaN); an all-zero block gets s_b = 1 (Model Optimizer's ``per_block_scale == 0 → 1``).
+* NVFP4 (NVIDIA Model Optimizer's in-kernel fake-quant,
+  ``modelopt/torch/kernels/quantization/common/nvfp4_quant.py``): blocks of 16 E2M1 elements with a
+  UE4M3 scale s_b = cast_E4M3(min(amax_b / (6 · g), 448)) under an FP32 second level g (there
+  g = amax / (6 · 448), amax = 1 for softmax P by default); elements cast_E2M1(V_i / (s_b · g)). A
+  block scale that rounds to 0 zeroes its block (the kernel's ``zero_scale`` branch; never NaN); an
+  all-zero block gets s_b = 1 (its elements are 0 whatever the scale). (The offline quantizer
+  ``qtensor/nvfp4_tensor.py`` clamps s_b to [2^-9, 448] instead and never zeroes a block.)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from pcast_jax.errors import PcastError, check_choice
+from pcast_jax.numberline import (
+    BLOCK_FORMATS,
+    E2M1,
+    E4M3,
+    E5M2,
+    E8M0,
+    FORMATS,
+    MXFP4,
+    MXFP8,
+    NVFP4,
+    OVERFLOW_MODES,
+    P_FORMATS,
+    SCALE_FORMATS,
+    UE4M3,
+    BlockFormat,
+    FP8Format,
+    get_block_format,
+    get_format,
+)
 
 __all__ = [
     "ARITHMETIC_CAST_FORMATS",
@@ -70,127 +92,6 @@ __all__ = [
     "positive_values",
     "all_codes",
 ]
-
-OVERFLOW_MODES = ("satfinite", "nan")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class FP8Format:
-    """A small float format (8 or 4 bits); every number is taken from ``ml_dtypes.finfo``."""
-
-    name: str
-    dtype: np.dtype
-
-    @property
-    def max(self) -> float:
-        """Largest finite value (448 for E4M3FN, 57344 for E5M2)."""
-        return float(ml_dtypes.finfo(self.dtype).max)
-
-    @property
-    def smallest_normal(self) -> float:
-        return float(ml_dtypes.finfo(self.dtype).smallest_normal)
-
-    @property
-    def smallest_subnormal(self) -> float:
-        return float(ml_dtypes.finfo(self.dtype).smallest_subnormal)
-
-    @property
-    def bits(self) -> int:
-        """Storage bits of one code (8, or 4 for E2M1)."""
-        return int(ml_dtypes.finfo(self.dtype).bits)
-
-    @property
-    def emax(self) -> int:
-        """Exponent of the largest normal: ⌊log2 max⌋ (8 for E4M3, 15 for E5M2, 2 for E2M1)."""
-        return int(math.floor(math.log2(self.max)))
-
-    @property
-    def mantissa_bits(self) -> int:
-        return int(ml_dtypes.finfo(self.dtype).nmant)
-
-    @property
-    def round_to_zero(self) -> float:
-        """Largest magnitude that casts to 0: half the smallest subnormal (2^-10 for E4M3)."""
-        return self.smallest_subnormal / 2.0
-
-    @property
-    def nan_threshold(self) -> float:
-        """Smallest magnitude that no longer rounds to max under round-to-nearest-even.
-
-        Exactly this value is a tie: it rounds to max when max has an even mantissa (E4M3FN:
-        464 → 448, so overflow starts strictly above 464) and overflows otherwise (E5M2: 61440 → inf).
-        """
-        return self.max + self.max_lsb / 2.0
-
-    @property
-    def max_lsb(self) -> float:
-        """Spacing of the top binade (32 for E4M3FN)."""
-        return 2.0 ** (math.floor(math.log2(self.max)) - self.mantissa_bits)
-
-    @property
-    def has_inf(self) -> bool:
-        return bool(np.isinf(np.array(np.inf, np.float32).astype(self.dtype)))
-
-    def __repr__(self) -> str:
-        return f"FP8Format({self.name!r})"
-
-
-E4M3 = FP8Format("e4m3", np.dtype(ml_dtypes.float8_e4m3fn))
-E5M2 = FP8Format("e5m2", np.dtype(ml_dtypes.float8_e5m2))
-E2M1 = FP8Format("e2m1", np.dtype(ml_dtypes.float4_e2m1fn))
-#: Scale formats: E8M0 (MX) and UE4M3 (NVFP4: the E4M3 codes with the sign bit clear).
-E8M0 = FP8Format("e8m0", np.dtype(ml_dtypes.float8_e8m0fnu))
-UE4M3 = FP8Format("ue4m3", np.dtype(ml_dtypes.float8_e4m3fn))
-FORMATS = {"e4m3": E4M3, "e4m3fn": E4M3, "float8_e4m3fn": E4M3, "e5m2": E5M2, "float8_e5m2": E5M2,
-           "e2m1": E2M1, "float4_e2m1fn": E2M1}
-SCALE_FORMATS = {"e8m0": E8M0, "float8_e8m0fnu": E8M0, "ue4m3": UE4M3}
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class BlockFormat:
-    """A block-scaled format: ``block`` consecutive elements along the last axis share one scale.
-
-    ``scale_fmt`` is E8M0 (MX: power-of-two scale from the block maximum's exponent) or UE4M3
-    (NVFP4: block maximum / element max, rounded to E4M3). See the module docstring for the rules.
-    """
-
-    name: str
-    element: FP8Format
-    block: int
-    scale_fmt: FP8Format
-
-    @property
-    def is_mx(self) -> bool:
-        return self.scale_fmt is E8M0
-
-    def __repr__(self) -> str:
-        return f"BlockFormat({self.name!r})"
-
-
-MXFP8 = BlockFormat("mxfp8", E4M3, 32, E8M0)
-MXFP4 = BlockFormat("mxfp4", E2M1, 32, E8M0)
-NVFP4 = BlockFormat("nvfp4", E2M1, 16, UE4M3)
-BLOCK_FORMATS = {"mxfp8": MXFP8, "mxfp4": MXFP4, "nvfp4": NVFP4}
-#: Every name ``KernelConfig.p_format`` accepts.
-P_FORMATS = tuple(FORMATS) + tuple(BLOCK_FORMATS)
-
-
-def get_format(fmt: str | FP8Format, *, param: str = "fmt") -> FP8Format:
-    """Return the format for a name (``"e4m3"``, ``"e5m2"`` …) or pass a format through."""
-    if isinstance(fmt, FP8Format):
-        return fmt
-    if isinstance(fmt, str) and fmt.lower() in SCALE_FORMATS:
-        return SCALE_FORMATS[fmt.lower()]
-    check_choice(param, str(fmt).lower() if isinstance(fmt, str) else fmt, tuple(FORMATS))
-    return FORMATS[fmt.lower()]
-
-
-def get_block_format(fmt: str | BlockFormat, *, param: str = "fmt") -> BlockFormat:
-    """Return the block-scaled format for a name (``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"``)."""
-    if isinstance(fmt, BlockFormat):
-        return fmt
-    check_choice(param, str(fmt).lower() if isinstance(fmt, str) else fmt, tuple(BLOCK_FORMATS))
-    return BLOCK_FORMATS[fmt.lower()]
 
 
 def to_fp8(x, fmt: str | FP8Format = "e4m3", *, overflow: str = "satfinite"):
@@ -305,6 +206,19 @@ def _split_blocks(x, block: int, fmt_name: str | None = None):
     return x.reshape(x.shape[:-1] + (n // block, block))
 
 
+def _divide(x, d):
+    """``x / d`` correctly rounded (one IEEE division), ``d`` broadcast to ``x``'s shape.
+
+    XLA's algebraic simplifier rewrites a division by a broadcast or a constant, ``x / broadcast(d)``,
+    as ``x · broadcast(1/d)``: two roundings, which move values that lie exactly on a rounding tie of
+    the target format (x/d = 1.25 for E2M1 comes out as 1.2500001 and rounds up to 1.5 instead of to
+    the even 1.0). The divisor materialized at ``x``'s shape behind an optimization barrier is an
+    operand XLA cannot see through, so the division stays one.
+    """
+    d = jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(d, jnp.float32), jnp.shape(x)))
+    return x / d
+
+
 def block_quantize(x, fmt: str | BlockFormat, *, overflow: str = "satfinite", second_level=None):
     """Block-scaled cast along the last axis: ``(elements, scales)`` with x ≈ elements · scale.
 
@@ -318,8 +232,10 @@ def block_quantize(x, fmt: str | BlockFormat, *, overflow: str = "satfinite", se
       s_b = cast_E4M3(amax_b / (6 g)), saturating at 448 (1 for an all-zero block);
       elements = cast_E2M1(x / (s_b g)); scale = s_b · g; s_b = 0 zeroes the block's elements.
 
-    Rank-generic; the division is by an exact power of two for MX, so MX elements are exact
-    roundings of x / X_b.
+    Rank-generic. Every division is one correctly rounded IEEE division (:func:`_divide`; XLA would
+    otherwise multiply by a rounded reciprocal), so elements and NVFP4 block scales are exact
+    roundings of x / (s_b g) and amax_b / (6 g), ties to even included; for MX the divisor is an exact
+    power of two anyway.
     """
     bf = get_block_format(fmt)
     check_choice("overflow", overflow, OVERFLOW_MODES)
@@ -331,15 +247,15 @@ def block_quantize(x, fmt: str | BlockFormat, *, overflow: str = "satfinite", se
         _, e = jnp.frexp(amax)  # amax = m 2^e, m in [0.5, 1) -> floor(log2 amax) = e - 1
         k = jnp.clip(e - 1 - el.emax, -126, 127)  # 2^-127 is a float32 subnormal (flushed by XLA)
         scale = jnp.where(amax > 0.0, jnp.ldexp(jnp.float32(1.0), k), 1.0)
-        q = to_fp8(xb / scale[..., None], el, overflow="satfinite").astype(jnp.float32)
+        q = to_fp8(_divide(xb, scale[..., None]), el, overflow="satfinite").astype(jnp.float32)
     else:
         g = jnp.float32(1.0) if second_level is None else jnp.asarray(second_level, jnp.float32)
         g = jnp.broadcast_to(g, x.shape[:-1])[..., None]
-        s_b = to_fp8(amax / (el.max * g), UE4M3, overflow="satfinite").astype(jnp.float32)
+        s_b = to_fp8(_divide(amax, el.max * g), UE4M3, overflow="satfinite").astype(jnp.float32)
         s_b = jnp.where(amax > 0.0, s_b, 1.0)
         scale = s_b * g
         safe = jnp.where(scale > 0.0, scale, 1.0)
-        q = to_fp8(xb / safe[..., None], el, overflow=overflow).astype(jnp.float32)
+        q = to_fp8(_divide(xb, safe[..., None]), el, overflow=overflow).astype(jnp.float32)
         q = jnp.where((scale > 0.0)[..., None], q, 0.0)
     return q.reshape(x.shape), scale
 

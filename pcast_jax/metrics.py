@@ -9,7 +9,8 @@ Every metric is a mean over the instance's query rows:
   lower variance, no V draw needed; it covers the P-cast only (not an f16 accumulator or FP8 V).
 * ``frac_zeroed`` — fraction of non-sink P values that were > 0 and cast to 0 (Table 1, Eq. (7)).
 * ``zeroed_mass`` — exact softmax probability carried by those zeroed values.
-* ``nonsink_mass`` — exact softmax probability on non-sink keys (Table 1, config-independent).
+* ``nonsink_mass`` — exact softmax probability on non-sink keys (Table 1): of the FP32 reference the
+  config is compared with, so it depends on the config through ``causal`` only.
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ def evaluate(instance, configs: tuple[KernelConfig | str, ...], *, engine: str =
     """All metrics of one instance for every config; values shaped (len(configs),).
 
     ``instance`` has ``scores`` (q_len, N), ``v`` (N, d) and ``is_sink`` (N,). ``nonsink_mass`` is
-    repeated per config so every metric has the same shape. ``expected=False`` skips
+    given per config so every metric has the same shape. ``expected=False`` skips
     ``mse_expected`` (reported as NaN then, never as a made-up number). A causal config is
-    compared with the causal FP32 reference.
+    compared with the causal FP32 reference, and its ``nonsink_mass`` is that reference's.
 
     With the fast engine, a config with an FP32 accumulator has output W·V
     (:func:`pcast_jax.engine.weights_and_stats`), so its error is (W − P)·V: the weights are
@@ -73,7 +74,8 @@ def evaluate(instance, configs: tuple[KernelConfig | str, ...], *, engine: str =
             probs[causal] = _engine.reference_probs(scores, causal=causal)
         return probs[causal]
 
-    nonsink = jnp.mean(jnp.sum(jnp.where(is_sink, 0.0, reference(False)), axis=-1))
+    def nonsink(causal: bool):
+        return jnp.mean(jnp.sum(jnp.where(is_sink, 0.0, reference(causal)), axis=-1))
     rows = {k: [None] * len(configs) for k in METRICS}
     shared = []  # (config index, W − P) of the configs whose error is (W − P)·V
     for i, cfg in enumerate(configs):
@@ -100,7 +102,7 @@ def evaluate(instance, configs: tuple[KernelConfig | str, ...], *, engine: str =
             rows["mse_expected"][i] = jnp.float32(jnp.nan)
         rows["frac_zeroed"][i] = jnp.sum(r.n_zeroed) / jnp.maximum(jnp.sum(r.n_counted), 1)
         rows["zeroed_mass"][i] = jnp.mean(r.zeroed_mass)
-        rows["nonsink_mass"][i] = nonsink
+        rows["nonsink_mass"][i] = nonsink(cfg.causal)
     if shared:
         err = jnp.einsum("cqn,nd->cqd", jnp.stack([d for _, d in shared]), v, precision="highest")
         for (i, _), e in zip(shared, err):

@@ -9,6 +9,7 @@ new presets against the independent oracle (tests/oracle.py). The closed forms o
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -179,6 +180,45 @@ def test_nvfp4_block_cast_matches_the_spec(g, rng):
     assert np.all(np.isin(np.abs(np.asarray(q)), E2M1_LINE))
 
 
+def _nvfp4_ties(rng, rows: int = 512):
+    """Blocks of 16 whose elements lie exactly on E2M1 rounding ties of their block scale, and block
+    maxima exactly on UE4M3 ties of amax/6: every value is exact in float32, so only a division that
+    is not one IEEE division (x · (1/s)) can move them off the tie."""
+    e4 = formats.positive_values("e4m3").astype(np.float64)
+    ties = (E2M1_LINE[1:] + E2M1_LINE[:-1]) / 2  # 0.25, 0.75, 1.25, …, 5
+    s_b = rng.choice(e4[(e4 >= 2.0**-4) & (e4 <= 256)], rows)  # mostly not powers of two
+    blocks = np.zeros((rows, 2, 16))
+    blocks[:, 0, 0] = 6 * s_b  # block max: scale exactly s_b
+    blocks[:, 0, 1:8] = ties * s_b[:, None]
+    blocks[:, 0, 8:] = rng.choice(ties, (rows, 8)) * s_b[:, None]
+    mids = (e4[1:] + e4[:-1]) / 2
+    blocks[:, 1, 0] = 6 * rng.choice(mids[(mids >= 2.0**-4) & (mids <= 256)], rows)  # amax/6 on a UE4M3 tie
+    blocks[:, 1, 1:] = (blocks[:, 1, :1] * rng.uniform(-1, 1, (rows, 15))).astype(np.float32)
+    x = blocks.reshape(rows, 32)
+    assert np.array_equal(x.astype(np.float32).astype(np.float64), x)
+    return x
+
+
+@pytest.mark.parametrize("g", [1.0, 2.0**-3])
+@pytest.mark.parametrize("jit", [False, True])
+def test_nvfp4_exact_ties_round_to_even(g, jit, rng):
+    """Exact ties of the element (E2M1) and of the block scale (UE4M3) round to even, as float64
+    division and ml_dtypes' cast give them (XLA rewrote x / broadcast(s) as x · (1/s), which rounded
+    x/s = 1.25 to 1.5 and amax/6 off its tie)."""
+    x = _nvfp4_ties(rng)
+    fn = functools.partial(formats.block_quantize, fmt="nvfp4", second_level=g)
+    q, scale = (jax.jit(fn) if jit else fn)(x.astype(np.float32))
+    xb = x.reshape(-1, 2, 16)
+    s_ref = np.minimum(np.abs(xb).max(-1) / (6 * g), 448.0)  # saturating (Model Optimizer's min(·, 448))
+    s_ref = s_ref.astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * g
+    q_ref = (xb / s_ref[..., None]).astype(ml_dtypes.float4_e2m1fn).astype(np.float64).reshape(x.shape)
+    np.testing.assert_array_equal(np.asarray(scale, np.float64), s_ref)
+    np.testing.assert_array_equal(np.asarray(q, np.float64), q_ref)
+    # the ties are really there: float32 x · (1/s) moves some of them
+    recip = xb.astype(np.float32) * (np.float32(1.0) / s_ref.astype(np.float32))[..., None]
+    assert np.any(recip.astype(ml_dtypes.float4_e2m1fn).astype(np.float64).reshape(x.shape) != q_ref)
+
+
 def test_block_scale_underflow_zeroes_the_block_never_nan():
     x = np.full((2, 16), 2.0**-13, np.float32)  # amax/6 ≤ 2^-10: the UE4M3 scale rounds to 0
     x[1] = 6 * 2.0**-10 * 1.01  # just above: scale 2^-10·1.01 → 2^-9 (smallest subnormal)
@@ -240,7 +280,7 @@ def test_block_formats_refuse_dynamic_and_f16():
 def test_existing_fingerprint_is_unchanged():
     from pcast_jax.sweep.spec import SweepSpec
 
-    assert SweepSpec(deltas=(7.0,), ns=(4096,), seeds=4).fingerprint() == "1bdd2a9069c5cfea"
+    assert SweepSpec(deltas=(7.0,), ns=(4096,), seeds=4).fingerprint() == "2e57d04c0d333895"
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4", "e2m1", "e5m2"])
@@ -254,8 +294,12 @@ def test_pallas_kernels_refuse_other_p_formats(fmt):
 
 def test_presets_cite_and_follow_sources():
     s3, fq, mx = PRESETS["sageattn3"], PRESETS["nvfp4_fakequant"], PRESETS["mxfp8_p"]
-    assert (s3.p_format, s3.scale, s3.scale_mode) == ("nvfp4", 2688.0, "exponent")
-    assert (fq.p_format, fq.scale, fq.scale_mode) == ("nvfp4", 2688.0, "multiply")
+    # SageAttention3: mainloop_tma_ws.h walks n_block from n_block_max - 1 down; kBlockN 128 (launch.h)
+    assert (s3.p_format, s3.scale, s3.scale_mode, s3.order, s3.block_kv) == ("nvfp4", 2688.0, "exponent",
+                                                                             "reverse", 128)
+    # Model Optimizer's Triton flash attention: forward kv_start loop, BLOCK_N 32, ℓ from unquantized P
+    assert (fq.p_format, fq.scale, fq.scale_mode, fq.order, fq.block_kv) == ("nvfp4", 2688.0, "multiply",
+                                                                             "forward", 32)
     assert (mx.p_format, mx.block_format.block, mx.fmt.name) == ("mxfp8", 32, "e4m3")
 
 

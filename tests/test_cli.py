@@ -187,7 +187,7 @@ def test_sweep_formats(mixed_sweep, capsys, fmt):
 
 
 def test_fingerprint_is_unchanged():
-    assert SweepSpec(deltas=(7.0,), ns=(4096,), seeds=4).fingerprint() == "1bdd2a9069c5cfea"
+    assert SweepSpec(deltas=(7.0,), ns=(4096,), seeds=4).fingerprint() == "2e57d04c0d333895"
 
 
 def test_to_dataframe_is_long_format(mixed_sweep):
@@ -398,3 +398,29 @@ def test_report_figure_helpers_write_png(tmp_path, mixed_sweep):
     assert path.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(PcastError, match="y="):
         report.sweep_figure(load_result(mixed_sweep), y="bogus")
+
+
+_HELP_PROBE = """
+import sys
+from pcast_jax import cli
+try:
+    cli.main(sys.argv[1:])
+except SystemExit as exc:
+    assert exc.code in (0, None), exc.code
+heavy = [m for m in ("jax", "jaxlib", "matplotlib", "xarray") if m in sys.modules]
+print("HEAVY=" + ",".join(heavy))
+"""
+
+
+@pytest.mark.parametrize("command", [None, *cli.COMMANDS, *cli.PROVIDED_ELSEWHERE])
+def test_help_imports_no_jax(command):
+    """`pcast --help` and every sub-command's --help parse and print without importing JAX (a
+    fresh process: this one has JAX loaded already)."""
+    import subprocess
+
+    argv = ([command] if command else []) + ["--help"]
+    proc = subprocess.run([sys.executable, "-c", _HELP_PROBE, *argv], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: pcast" in proc.stdout
+    assert "HEAVY=\n" in proc.stdout, proc.stdout.splitlines()[-1]

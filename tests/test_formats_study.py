@@ -61,7 +61,7 @@ def test_csv_values_are_fractions_and_errors(run):
 def test_simulation_agrees_with_the_closed_forms(run):
     out, _, _ = run
     thr = {r["config"]: r for r in _rows(out / "formats_thresholds.csv")}
-    crossed = 0
+    crossed = set()
     for name, r in thr.items():
         # no crossing is said in words, never an empty cell
         sim, th = (float("nan") if r[k].startswith("n/a: F stays below") else float(r[k])
@@ -70,11 +70,14 @@ def test_simulation_agrees_with_the_closed_forms(run):
         # within half a grid step (Δ step 2 here); where it says it never does, neither does the simulation
         assert math.isfinite(sim) == math.isfinite(th), name
         if math.isfinite(th):
-            crossed += 1
+            crossed.add(name)
             assert abs(sim - th) <= 0.6, (name, sim, th)
-            dc = float(r["delta_c_closed_form"])
-            assert abs(th - dc) <= 1.0, (name, th, dc)  # the closed form's own Δc is its F ≈ ½ point
-    assert crossed == 6  # E4M3 S=1, S=256, E2M1 S=6, NVFP4 (fake-quant, S=1, SageAttention3)
+            dc = float(r["delta_c_closed_form"] or "nan")  # none in reverse order
+            if math.isfinite(dc):
+                assert abs(th - dc) <= 1.0, (name, th, dc)  # the closed form's own Δc is its F ≈ ½ point
+    # every forward format with a collapse crosses ½ (SageAttention3, reverse, crosses only where its
+    # 128-key sink block is half of this small row)
+    assert crossed >= {"fwd_s1", "fwd_s256", "e2m1_fwd_s6", "nvfp4_fakequant", "nvfp4_s1"}, crossed
     for r in _rows(out / "formats_delta.csv"):
         if float(r["delta"]) < 4:  # the closed forms assume Δ ≳ 4 (no non-sink score above the sinks)
             continue
@@ -91,11 +94,13 @@ def test_the_reports_claims_hold_in_the_data(run):
     # reverse order and MX never collapse: at most the element floor of the keys before the sink, plus
     # the non-sink keys of the sink's own KV block (B − k of N − k); MX does not care about order
     cases = {c.name: c for c in fr.CASES}
+    nv_floor = fr.element_floor("nvfp4", 2688.0, TINY.k_sink)
     for name, floor in (("rev_s256", 0.0), ("mxfp8_p", 0.0), ("mxfp8_p_rev", 0.0),
-                        ("nvfp4_fakequant_rev", fr.element_floor("nvfp4", 2688.0, TINY.k_sink))):
+                        ("nvfp4_fakequant_rev", nv_floor), ("sageattn3", nv_floor)):
         share = (cases[name].config.block_kv - TINY.k_sink) / (TINY.n - TINY.k_sink)
         assert by[name].max() <= floor + share + 0.03, name
-        assert by[name].max() < 0.5, name
+        if floor + share < 0.45:  # the bound leaves room to tell a collapse apart
+            assert by[name].max() < 0.5, name
     np.testing.assert_allclose(by["mxfp8_p"], by["mxfp8_p_rev"], atol=0.01)
     # the forward NVFP4 formats collapse at the highest Δ; the S = 1 one collapses first
     assert by["nvfp4_fakequant"][-1] > 0.9 and by["nvfp4_s1"][-1] > 0.9

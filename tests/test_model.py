@@ -273,7 +273,9 @@ def test_decode_view_equals_the_last_rows_of_full_causal_attention(model):
     # the hypothetical multi-block S = 1 kernel against its one pass, over the second half of the network
     late = slice(15, None)
     one, split = (view["frac_zeroed"][configs.index(c)][late].mean() for c in pairs[-1][1:])
-    assert split < 0.8 * one, (split, one)
+    # at T = 256 the source's 128-key tile (hpc-ops kTileN) leaves two tiles: only the one without the
+    # sinks escapes their max in the split kernel (with the 64-key tile assumed before, three of four did)
+    assert split < 0.9 * one, (split, one)
     with pytest.raises(PcastError, match="rows"):
         decode_view(trace, configs[:1], sinks, rows=0)
     with pytest.raises(PcastError, match="qkv"):

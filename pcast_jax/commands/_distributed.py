@@ -17,20 +17,23 @@ import re
 import signal
 import sys
 import tempfile
+import typing
 
-from pcast_jax.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_PEER_FAILED, PcastError
-from pcast_jax.sweep.multihost import (
+from pcast_jax.errors import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_PEER_FAILED,
     MAX_TIMEOUT_S,
-    ProcessInfo,
-    check_start_arguments,
-    exit_run,
-    init_distributed,
-    is_agreed,
-    peer_notice,
-    watch_run,
+    PcastError,
 )
+
+if typing.TYPE_CHECKING:
+    from pcast_jax.sweep.multihost import ProcessInfo
+
+# pcast_jax.sweep.multihost (which imports JAX) is imported where a run starts, not here: `pcast sweep
+# --help` only needs the options.
 
 __all__ = ["add_distributed_arguments", "init_from_args", "failing_together", "supervise", "wants_distributed",
            "MAX_INIT_TIMEOUT_S"]
@@ -84,6 +87,8 @@ def init_from_args(args: argparse.Namespace, *, supervisor: int | None = None) -
     """
     if not wants_distributed(args):
         return None
+    from pcast_jax.sweep.multihost import check_start_arguments, init_distributed, watch_run
+
     explicit, timeouts = _start_arguments(args)
     check_start_arguments(*explicit, **timeouts)  # bad arguments change nothing in this process
     watch_run(supervisor)
@@ -129,6 +134,8 @@ def failing_together(info: ProcessInfo | None):
     if info is None or info.num_processes == 1:
         yield
         return
+    from pcast_jax.sweep.multihost import exit_run, is_agreed, peer_notice
+
     try:
         yield
     except Exception as exc:
@@ -160,6 +167,8 @@ def supervise(args: argparse.Namespace) -> int | None:
     JAX work: a forked copy of a threaded process can deadlock), returns None and does nothing:
     the command then runs unsupervised in this process. Bad arguments are refused before any fork.
     """
+    from pcast_jax.sweep.multihost import check_start_arguments
+
     explicit, timeouts = _start_arguments(args)
     check_start_arguments(*explicit, **timeouts)
     if not hasattr(os, "fork") or _unsafe_to_fork():

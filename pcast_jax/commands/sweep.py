@@ -27,7 +27,6 @@ from pcast_jax.commands._distributed import (
     supervise,
     wants_distributed,
 )
-from pcast_jax.engine import ENGINES
 from pcast_jax.errors import PcastError
 from pcast_jax.stats import mean_sem
 
@@ -98,6 +97,7 @@ def parse_deltas(text: str, option: str = "--delta") -> tuple[float, ...]:
 
 def spec_from_args(args: argparse.Namespace):
     """The :class:`~pcast_jax.sweep.SweepSpec` the options describe."""
+    from pcast_jax.engine import ENGINES
     from pcast_jax.sweep import SweepSpec
     from pcast_jax.workloads import SIGMA_MAX, SIGMA_V_MAX
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from pcast_jax import formats, theory
+from pcast_jax import numberline
 from pcast_jax.errors import check_int
 
 
@@ -34,9 +34,11 @@ def _num(value) -> str:
 
 def rows(*, delta: float, scale: float, k_sink: int, sigma: float, n: int, fmt: str):
     """The printed table as ``(label, reference, value, meaning)`` tuples."""
+    from pcast_jax import theory  # imports JAX: here, so that `pcast theory --help` does not
+
     check_int("k_sink", k_sink, min_value=1)
     check_int("n", n, min_value=k_sink + 1)
-    f = formats.get_format(fmt)
+    f = numberline.get_format(fmt)
     common = dict(k_sink=k_sink, sigma=sigma, fmt=fmt)
     dk = theory.delta_k(k_sink)
     frac = theory.collapse_fraction(delta, scale, **common)

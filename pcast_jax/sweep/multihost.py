@@ -37,7 +37,16 @@ from jax._src import distributed as _jax_distributed
 from jax.experimental import multihost_utils
 
 from pcast_jax.cache import setup_compilation_cache
-from pcast_jax.errors import EXIT_INTERRUPTED, EXIT_PEER_FAILED, PcastError, check_int, check_positive
+from pcast_jax.errors import (  # the timeouts live there so that the command line's help needs no JAX
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    DEFAULT_TIMEOUT_S,
+    EXIT_INTERRUPTED,
+    EXIT_PEER_FAILED,
+    MAX_TIMEOUT_S,
+    PcastError,
+    check_int,
+    check_positive,
+)
 from pcast_jax.sweep.compute import global_mesh, local_rows, start_global_call
 from pcast_jax.sweep.plan import call_seeds, plan_calls, plan_process_layout, units
 from pcast_jax.sweep.progress import progress_bar
@@ -60,13 +69,6 @@ __all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT_HEARTBEAT_TIMEOUT_S", "MAX_TIMEOUT_S", 
            "check_start_arguments", "exit_run", "init_distributed", "is_agreed", "peer_notice", "process_info",
            "run_sweep_distributed", "watch_run"]
 
-#: Default seconds to wait for the coordinator and for every process to join.
-DEFAULT_TIMEOUT_S = 300.0
-#: Largest timeout accepted (one week): JAX's own deadline is a 32-bit count of seconds.
-MAX_TIMEOUT_S = 7 * 86400.0
-#: Default seconds after which a silent process counts as lost (JAX's heartbeat timeout) and the
-#: longest the processes wait for each other when they exit.
-DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
 _WATCH_INTERVAL_S = 0.25  # how often a process looks for another process's failure notice
 _NOTICE_DIR = "pcast_failed/"  # key-value directory where a failing process leaves its one line
 _RUNTIME_GRACE_S = 60  # JAX's own start-up deadline sits this far past ours, so ours fires first

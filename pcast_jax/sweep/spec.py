@@ -33,7 +33,8 @@ __all__ = ["FORMAT_VERSION", "SIMULATOR_VERSION", "SweepSpec", "SweepResult", "c
 FORMAT_VERSION = 1
 #: Bump whenever the simulator's numbers change (engine, workloads, metrics): saved chunks of an
 #: older version then no longer match the fingerprint and are recomputed instead of resumed.
-SIMULATOR_VERSION = 2  # 2: per-instance loops instead of vmap (last-bit changes)
+SIMULATOR_VERSION = 3  # 2: per-instance loops instead of vmap (last-bit changes); 3: causal nonsink_mass from
+#    the causal reference, block-scaled casts divide exactly (ties to even)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,142 @@
+"""The formats as data, without JAX: every number read from ``ml_dtypes.finfo``.
+
+:class:`FP8Format` (an element or scale format: E4M3, E5M2, E2M1, E8M0, UE4M3) and
+:class:`BlockFormat` (MXFP8, MXFP4, NVFP4), the names ``KernelConfig`` accepts, and the lookups. The
+casts that use them are in :mod:`pcast_jax.formats`, which re-exports everything here; this module
+imports no JAX, so describing a kernel (``pcast_jax.config``) and the command line's help stay light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import ml_dtypes
+import numpy as np
+
+from pcast_jax.errors import check_choice
+
+__all__ = ["OVERFLOW_MODES", "FP8Format", "BlockFormat", "E4M3", "E5M2", "E2M1", "E8M0", "UE4M3", "FORMATS",
+           "SCALE_FORMATS", "MXFP8", "MXFP4", "NVFP4", "BLOCK_FORMATS", "P_FORMATS", "get_format",
+           "get_block_format"]
+
+OVERFLOW_MODES = ("satfinite", "nan")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FP8Format:
+    """A small float format (8 or 4 bits); every number is taken from ``ml_dtypes.finfo``."""
+
+    name: str
+    dtype: np.dtype
+
+    @property
+    def max(self) -> float:
+        """Largest finite value (448 for E4M3FN, 57344 for E5M2)."""
+        return float(ml_dtypes.finfo(self.dtype).max)
+
+    @property
+    def smallest_normal(self) -> float:
+        return float(ml_dtypes.finfo(self.dtype).smallest_normal)
+
+    @property
+    def smallest_subnormal(self) -> float:
+        return float(ml_dtypes.finfo(self.dtype).smallest_subnormal)
+
+    @property
+    def bits(self) -> int:
+        """Storage bits of one code (8, or 4 for E2M1)."""
+        return int(ml_dtypes.finfo(self.dtype).bits)
+
+    @property
+    def emax(self) -> int:
+        """Exponent of the largest normal: ⌊log2 max⌋ (8 for E4M3, 15 for E5M2, 2 for E2M1)."""
+        return int(math.floor(math.log2(self.max)))
+
+    @property
+    def mantissa_bits(self) -> int:
+        return int(ml_dtypes.finfo(self.dtype).nmant)
+
+    @property
+    def round_to_zero(self) -> float:
+        """Largest magnitude that casts to 0: half the smallest subnormal (2^-10 for E4M3)."""
+        return self.smallest_subnormal / 2.0
+
+    @property
+    def nan_threshold(self) -> float:
+        """Smallest magnitude that no longer rounds to max under round-to-nearest-even.
+
+        Exactly this value is a tie: it rounds to max when max has an even mantissa (E4M3FN:
+        464 → 448, so overflow starts strictly above 464) and overflows otherwise (E5M2: 61440 → inf).
+        """
+        return self.max + self.max_lsb / 2.0
+
+    @property
+    def max_lsb(self) -> float:
+        """Spacing of the top binade (32 for E4M3FN)."""
+        return 2.0 ** (math.floor(math.log2(self.max)) - self.mantissa_bits)
+
+    @property
+    def has_inf(self) -> bool:
+        return bool(np.isinf(np.array(np.inf, np.float32).astype(self.dtype)))
+
+    def __repr__(self) -> str:
+        return f"FP8Format({self.name!r})"
+
+
+E4M3 = FP8Format("e4m3", np.dtype(ml_dtypes.float8_e4m3fn))
+E5M2 = FP8Format("e5m2", np.dtype(ml_dtypes.float8_e5m2))
+E2M1 = FP8Format("e2m1", np.dtype(ml_dtypes.float4_e2m1fn))
+#: Scale formats: E8M0 (MX) and UE4M3 (NVFP4: the E4M3 codes with the sign bit clear).
+E8M0 = FP8Format("e8m0", np.dtype(ml_dtypes.float8_e8m0fnu))
+UE4M3 = FP8Format("ue4m3", np.dtype(ml_dtypes.float8_e4m3fn))
+FORMATS = {"e4m3": E4M3, "e4m3fn": E4M3, "float8_e4m3fn": E4M3, "e5m2": E5M2, "float8_e5m2": E5M2,
+           "e2m1": E2M1, "float4_e2m1fn": E2M1}
+SCALE_FORMATS = {"e8m0": E8M0, "float8_e8m0fnu": E8M0, "ue4m3": UE4M3}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockFormat:
+    """A block-scaled format: ``block`` consecutive elements along the last axis share one scale.
+
+    ``scale_fmt`` is E8M0 (MX: power-of-two scale from the block maximum's exponent) or UE4M3
+    (NVFP4: block maximum / element max, rounded to E4M3). See the module docstring for the rules.
+    """
+
+    name: str
+    element: FP8Format
+    block: int
+    scale_fmt: FP8Format
+
+    @property
+    def is_mx(self) -> bool:
+        return self.scale_fmt is E8M0
+
+    def __repr__(self) -> str:
+        return f"BlockFormat({self.name!r})"
+
+
+MXFP8 = BlockFormat("mxfp8", E4M3, 32, E8M0)
+MXFP4 = BlockFormat("mxfp4", E2M1, 32, E8M0)
+NVFP4 = BlockFormat("nvfp4", E2M1, 16, UE4M3)
+BLOCK_FORMATS = {"mxfp8": MXFP8, "mxfp4": MXFP4, "nvfp4": NVFP4}
+#: Every name ``KernelConfig.p_format`` accepts.
+P_FORMATS = tuple(FORMATS) + tuple(BLOCK_FORMATS)
+
+
+def get_format(fmt: str | FP8Format, *, param: str = "fmt") -> FP8Format:
+    """Return the format for a name (``"e4m3"``, ``"e5m2"`` …) or pass a format through."""
+    if isinstance(fmt, FP8Format):
+        return fmt
+    if isinstance(fmt, str) and fmt.lower() in SCALE_FORMATS:
+        return SCALE_FORMATS[fmt.lower()]
+    check_choice(param, str(fmt).lower() if isinstance(fmt, str) else fmt, tuple(FORMATS))
+    return FORMATS[fmt.lower()]
+
+
+def get_block_format(fmt: str | BlockFormat, *, param: str = "fmt") -> BlockFormat:
+    """Return the block-scaled format for a name (``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"``)."""
+    if isinstance(fmt, BlockFormat):
+        return fmt
+    check_choice(param, str(fmt).lower() if isinstance(fmt, str) else fmt, tuple(BLOCK_FORMATS))
+    return BLOCK_FORMATS[fmt.lower()]
