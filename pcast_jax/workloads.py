@@ -138,7 +138,10 @@ _UNROLLED = jax_random.define_prng_impl(
 def threefry_unrolled(key):
     """``key`` (a threefry2x32 key, raw uint32 or typed) as a key that draws the same bits, unrolled.
 
-    Any other key is returned as it is.
+    Any other key is returned as it is. The bits are JAX's exactly; normals drawn from them go through
+    JAX's own erf_inv transform, whose last bits XLA:CPU may round differently in another compiled
+    program (a few ulps), so a sweep's draws are reproducible program for program, not bit for bit
+    against ``jax.random.normal`` with the plain key.
     """
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         if str(jax.random.key_impl(key)) != "threefry2x32":

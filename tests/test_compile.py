@@ -82,6 +82,16 @@ def test_micro_batch_needs_its_memory_up_front():
 # --------------------------------------------------------------------------------------------
 
 
+def _within_ulps(a, b, ulps: int = 4):
+    """Normals from the same bits: JAX's own erf_inv transform, whose last bits XLA:CPU may round
+    differently in two compiled programs (vectorized and scalar loops contract its polynomial
+    differently; 3 ulps seen on an AVX-512 CPU). Bits are compared exactly above."""
+    a, b = np.asarray(a), np.asarray(b)
+    ints = {2: np.int16, 4: np.int32}[a.dtype.itemsize]
+    diff = np.abs(a.view(ints).astype(np.int64) - b.view(ints).astype(np.int64))
+    assert diff.max() <= ulps, f"normals differ by {diff.max()} ulps"
+
+
 @pytest.mark.parametrize("shape", [(3,), (7, 33, 5)])
 def test_unrolled_threefry_draws_jax_bits(shape):
     raw = jax.random.fold_in(jax.random.PRNGKey(7), 3)
@@ -91,10 +101,12 @@ def test_unrolled_threefry_draws_jax_bits(shape):
         np.testing.assert_array_equal(jax.random.bits(fast, shape), jax.random.bits(key, shape))
         for dtype in ("float32", "float16"):  # 32 bits unrolled; other widths are JAX's own
             a = jax.jit(lambda k, dtype=dtype: jax.random.normal(k, shape, dtype))
-            np.testing.assert_array_equal(np.asarray(a(fast)).view(np.uint8), np.asarray(a(key)).view(np.uint8))
+            _within_ulps(a(fast), a(key))
     keys = jax.random.split(raw, 5)  # under vmap, as a micro-batch draws them
+    np.testing.assert_array_equal(jax.vmap(lambda k: jax.random.bits(workloads.threefry_unrolled(k), shape))(keys),
+                                  jax.vmap(lambda k: jax.random.bits(k, shape))(keys))
     draw = jax.vmap(lambda k: jax.random.normal(workloads.threefry_unrolled(k), shape))
-    np.testing.assert_array_equal(draw(keys), jax.vmap(lambda k: jax.random.normal(k, shape))(keys))
+    _within_ulps(draw(keys), jax.vmap(lambda k: jax.random.normal(k, shape))(keys))
     rbg = jax.random.key(0, impl="rbg")
     assert workloads.threefry_unrolled(rbg) is rbg
 
