@@ -70,14 +70,30 @@ def compute_warpgroups(q_len: int, head_dim: int, tile: int, slots: int) -> int:
     return 2 if two else 1
 
 
-def _smem_transforms(minor_bytes: int):
-    """Tiling + swizzle for an FP8 tile whose minor dimension spans ``minor_bytes`` bytes.
+def _swizzle(minor_bytes: int) -> int:
+    """The largest of 128, 64, 32 that divides ``minor_bytes``: a wgmma over a slice of the minor
+    dimension (one f16 rounding group of keys) must start on a swizzle tile."""
+    return next(sw for sw in (128, 64, 32) if minor_bytes % sw == 0)
 
-    The largest of 128, 64, 32 that divides it: a wgmma over a slice of the minor dimension (one
-    f16 rounding group of keys) must start on a swizzle tile.
-    """
-    swizzle = next(sw for sw in (128, 64, 32) if minor_bytes % sw == 0)
+
+def _smem_transforms(minor_bytes: int):
+    """Tiling + swizzle for an FP8 tile whose minor dimension spans ``minor_bytes`` bytes."""
+    swizzle = _swizzle(minor_bytes)
     return (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
+
+
+def softmax_chunk(tile: int, group_keys: int, cfg: KernelConfig) -> int:
+    """Keys per chunk in which the mask and lines 5–9 run over a KV tile (the block's max first).
+
+    Up to 128 keys, and in the dynamic mode (its per-block scale needs the whole block's P), the
+    whole tile. Wider tiles go chunk by chunk, one P8 swizzle tile each (32 keys for 224 and 160,
+    64 for 192), so that no int32 key iota or mask spans the whole tile: masked over the whole
+    tile, FA3's 224 keys at d = 128 spilled 216 B and FlashInfer's 192 204 B (XLA's ptxas, jax
+    0.11.2, N = 512); chunked, neither spills (the FP32 P·S of one chunk is live at a time).
+    """
+    if tile <= 128 or cfg.scale_mode == "dynamic":
+        return tile
+    return _swizzle(group_keys)
 
 
 def _interpret_params(interpret):
@@ -138,6 +154,7 @@ def mosaic_attention(
     masked = tiling.needs_mask(n_kv, config, tile_kv)
     f16_acc = config.accumulator == "f16"
     group_keys = config.f16_round_keys or tile_kv  # keys per P8·V wgmma (f16: per rounding)
+    chunk = softmax_chunk(tile_kv, group_keys, config)
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # a (d,) vector over the accumulator's columns
 
     def per_column(vec):
@@ -205,17 +222,27 @@ def mosaic_attention(
                 acc = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, tile_kv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
                 z = acc * score_scale  # line 3
-                if masked:
-                    rows, cols = (
-                        plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, tile_kv), axis, layout=plgpu.Layout.WGMMA)
-                        for axis in (0, 1)
-                    )
-                    mask = tiling.key_mask(rows, cols, blk, n_kv, n_kv - q_len + q0, config)
-                    z = jnp.where(mask, z, -jnp.inf)
-                st = block.online_softmax(m, ell, z, config)  # lines 4-8
-                p_smem.at[wg][...] = block.cast_p(st.ps, config)  # line 9
+
+                def visible(lo, zc):  # the chunk of keys [lo, lo + chunk) of the tile, masked
+                    if not masked:
+                        return zc
+                    cols = plgpu.broadcasted_iota(jnp.int32, zc.shape, 1, layout=plgpu.Layout.WGMMA) + lo
+                    rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q,), 0, layout=row_layout) if causal else None
+                    return jnp.where(tiling.key_mask(cols, rows, blk, n_kv, n_kv - q_len + q0, config), zc, -jnp.inf)
+
+                chunks = [(lo, visible(lo, z[:, lo:lo + chunk] if chunk < tile_kv else z))
+                          for lo in range(0, tile_kv, chunk)]
+                m_new = tiling.block_max(m, [zc for _, zc in chunks])  # line 4, over the whole block
+                zeros = ell * 0.0  # ℓ is finite: zeros in its register layout
+                ell_part = zeros
+                for lo, zc in chunks:  # lines 5-9 per chunk under the block's max (tiling.chunk_step)
+                    st = tiling.chunk_step(m_new, zc, zeros, config)
+                    p_smem.at[wg, :, pl.ds(lo, chunk)][...] = block.cast_p(st.ps, config)  # line 9
+                    nz = nz + jnp.where(block.zeroed(st.ps, config), 1.0, 0.0).sum(axis=1)
+                    ell_part = ell_part + st.row_sum
                 plgpu.commit_smem()
-                nz = nz + jnp.where(block.zeroed(st.ps, config), 1.0, 0.0).sum(axis=1)
+                a = block.alpha(m, m_new, config)  # line 6
+                st = st._replace(m=m_new, alpha=a, row_sum=a * ell + ell_part)  # line 8 (unscale: one chunk)
 
                 plgpu.barrier_wait(v_bar.at[slot])
 

@@ -19,10 +19,12 @@ block's K/V, or zero padding after the last block (:func:`padded_keys`, added by
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from pcast_jax import block
 from pcast_jax.config import MMA_K, KernelConfig
 
-__all__ = ["kv_tile", "n_blocks", "padded_keys", "needs_mask", "key_mask"]
+__all__ = ["kv_tile", "n_blocks", "padded_keys", "needs_mask", "key_mask", "block_max", "chunk_step"]
 
 
 def kv_tile(backend: str, block_kv: int) -> int:
@@ -49,16 +51,37 @@ def needs_mask(n_keys: int, cfg: KernelConfig, tile: int) -> bool:
     return bool(cfg.causal or cfg.kv_splits > 1 or ragged)
 
 
-def key_mask(rows, cols, blk, n_keys: int, q_start, cfg: KernelConfig):
-    """Visible scores of the tile of semantic block ``blk``.
+def key_mask(cols, rows, blk, n_keys: int, q_start, cfg: KernelConfig):
+    """Visible scores of the tile of semantic block ``blk``: ``cols < limit`` per row.
 
-    ``rows``, ``cols``: int32 iotas over the tile (query row in the tile, key in the tile), each
-    backend's own (Mosaic GPU needs a register layout); ``q_start``: position of row 0 (bottom-right
-    aligned causal). A key is visible if it is in the block, before N and (causal) not after the
-    query. An idle split step's ``blk`` = n_blocks masks the whole tile.
+    ``cols``: int32 iota over the keys of the tile, ``(rows, tile)``; ``rows``: int32 iota over its
+    query rows, ``(rows,)``, or None without causal (each backend's own: Mosaic GPU needs register
+    layouts); ``q_start``:
+    position of row 0 (bottom-right aligned causal). Key ``blk·B + c`` is visible if c < B, it is
+    before N and (causal) not after the query: c < min(B, N − blk·B, q_start + row − blk·B + 1), one
+    limit per row, so the tile needs no row iota of its own. An idle split step's ``blk`` =
+    n_blocks masks the whole tile.
     """
-    keys = cols + blk * cfg.block_kv
-    mask = (cols < cfg.block_kv) & (keys < n_keys)
+    base = blk * cfg.block_kv
+    limit = jnp.minimum(cfg.block_kv, n_keys - base)
     if cfg.causal:
-        mask = mask & block.visible(rows + q_start, keys)
-    return mask
+        limit = block.expand_rows(jnp.minimum(limit, rows + (q_start - base + 1)), cols.shape)
+    return cols < limit
+
+
+def block_max(m, z_chunks):
+    """Line 4 of a block whose scores come as column chunks: m_new = max(m, rowmax Z_j) over all."""
+    for z in z_chunks:
+        m = jnp.maximum(m, jnp.max(z, axis=-1))
+    return m
+
+
+def chunk_step(m_new, z, zeros, cfg: KernelConfig) -> block.BlockStep:
+    """Lines 5–8 for a column chunk of a block whose running max ``m_new`` (:func:`block_max`) is known.
+
+    :func:`pcast_jax.block.online_softmax` from (m_new, ℓ = ``zeros``, per-row zeros in the
+    backend's layout): m_new stays, α = 1 (0 in a row with nothing visible yet), so P and P·S are
+    the block's own for these keys and ``row_sum`` is ΣP of the chunk; the caller adds the chunks
+    and α·ℓ (``alpha`` of the returned step is not the block's).
+    """
+    return block.online_softmax(m_new, zeros, z, cfg)

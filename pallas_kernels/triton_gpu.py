@@ -155,8 +155,9 @@ def triton_attention(
             start = blk_in * block_kv
             z = dot_nt(q8, k_ref[pl.ds(start, tile), :]) * score_scale  # line 3
             if masked:
-                rows, cols = (lax.broadcasted_iota(jnp.int32, (block_q, tile), axis) for axis in (0, 1))
-                z = jnp.where(tiling.key_mask(rows, cols, blk, n_kv, q_start, config), z, -jnp.inf)
+                cols = lax.broadcasted_iota(jnp.int32, (block_q, tile), 1)
+                rows = lax.broadcasted_iota(jnp.int32, (block_q,), 0) if causal else None
+                z = jnp.where(tiling.key_mask(cols, rows, blk, n_kv, q_start, config), z, -jnp.inf)
             st = block.online_softmax(m, ell, z, config)  # lines 4-8
             p8 = block.cast_p(st.ps, config)  # line 9
             nz = nz + jnp.sum(jnp.where(block.zeroed(st.ps, config), 1.0, 0.0), axis=1)
