@@ -14,18 +14,18 @@ from pallas_kernels.api import (
     BACKENDS,
     KernelStats,
     fp8_attention,
+    kv_tile,
     quantize_fp8,
     quantize_qkv,
     simulate_fp8_attention,
-    supported_block_kv,
 )
 
 __all__ = [
     "BACKENDS",
     "KernelStats",
     "fp8_attention",
+    "kv_tile",
     "quantize_fp8",
     "quantize_qkv",
     "simulate_fp8_attention",
-    "supported_block_kv",
 ]

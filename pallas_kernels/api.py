@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import mosaic_gpu, triton_gpu
+from pallas_kernels import mosaic_gpu, tiling, triton_gpu
 from pcast_jax import block
 from pcast_jax import engine as _engine
 from pcast_jax.config import MMA_K, KernelConfig, resolve
@@ -29,17 +29,17 @@ __all__ = [
     "BACKENDS",
     "KernelStats",
     "fp8_attention",
+    "kv_tile",
     "quantize_fp8",
     "quantize_qkv",
     "simulate_fp8_attention",
-    "supported_block_kv",
     "v_channel_factors",
 ]
 
 BACKENDS = ("mosaic", "triton")
 _F8 = jnp.dtype(jnp.float8_e4m3fn)
-#: Shared memory one Hopper CTA may use (227 KiB).
-_HOPPER_SMEM_BYTES = 232448
+#: Widest KV tile either backend runs (the wgmma N of Q·Kᵀ; Triton's largest tile so far).
+MAX_KV_TILE = 256
 
 
 class KernelStats(NamedTuple):
@@ -92,25 +92,15 @@ def quantize_qkv(q, k, v):
 # --------------------------------------------------------------------------------------------
 
 
-def supported_block_kv(backend: str) -> tuple[int, ...]:
-    """KV block sizes a backend accepts (FP8 wgmma/dot K-dimension and swizzle constraints)."""
+def kv_tile(backend: str, block_kv: int) -> int:
+    """Keys of the MMA tile with which ``backend`` computes a KV block of ``block_kv`` keys.
+
+    Any block_kv up to the widest tile runs: the kernel masks the tile's keys past the block (see
+    :mod:`pallas_kernels.tiling`), so m and α still update once per ``block_kv`` keys.
+    """
     check_choice("backend", backend, BACKENDS)
-    return (128, 256) if backend == "mosaic" else (32, 64, 128, 256)
-
-
-def _mosaic_smem_bytes(q_len: int, head_dim: int, block_kv: int, num_slots: int, n_blocks: int) -> int:
-    wgs = 2 if q_len % (2 * mosaic_gpu.BLOCK_Q) == 0 else 1
-    slots = max(1, min(num_slots, n_blocks))
-    rows = wgs * mosaic_gpu.BLOCK_Q
-    return (
-        rows * head_dim  # Q tiles (fp8)
-        + 2 * slots * block_kv * head_dim  # K and Vᵀ ring (fp8)
-        + rows * block_kv  # P8 tiles
-        + 4 * rows * head_dim  # output staging (f32)
-        + 3 * 4 * rows  # m, ℓ and zero counts
-        + wgs * 2 * 4 * head_dim  # V channel factors (f32)
-        + 4096  # barriers and alignment (measured overhead ≈ 2.2 KB)
-    )
+    check_int("block_kv", block_kv, min_value=1)
+    return tiling.kv_tile(backend, block_kv)
 
 
 def _check_array(name: str, x, ndim: int):
@@ -201,35 +191,32 @@ def _validate(q, k, v, cfg: KernelConfig, backend: str, softmax_scale, num_slots
         raise PcastError(f"q_len={q_len} must be <= N={n_kv} with causal=True (bottom-right aligned)")
 
     block_kv = cfg.block_kv
-    allowed = supported_block_kv(backend)
+    tile = tiling.kv_tile(backend, block_kv)
+    if tile > MAX_KV_TILE:
+        raise PcastError(f"block_kv={block_kv} not supported by the {backend} backend: it needs a {tile}-key tile, "
+                         f"the widest it runs is {MAX_KV_TILE} keys")
     if backend == "mosaic":
-        if block_kv % 128:
-            raise PcastError(
-                f"block_kv={block_kv} not supported by the mosaic backend: must be a multiple of 128 "
-                "(FP8 wgmma K dimension with 128-byte swizzle); try config.replace(block_kv=128)"
-            )
-        if block_kv not in allowed:
-            raise PcastError(f"block_kv={block_kv} not supported by the mosaic backend: must be one of {allowed}")
         if head_dim not in (64, 128):
             raise PcastError(f"head_dim={head_dim} not supported by the mosaic backend: must be 64 or 128")
         if q_len % mosaic_gpu.BLOCK_Q:
             raise PcastError(f"q_len={q_len} not supported by the mosaic backend: must be a multiple of 64")
         check_int("num_slots", num_slots, min_value=2, max_value=8)
-        smem = _mosaic_smem_bytes(q_len, head_dim, block_kv, num_slots, n_kv // block_kv)
-        if smem > _HOPPER_SMEM_BYTES:
+        slots = min(num_slots, tiling.n_blocks(n_kv, block_kv))
+        smem = mosaic_gpu.smem_bytes(mosaic_gpu.compute_warpgroups(q_len, head_dim, tile, slots), head_dim, tile, slots)
+        if smem > mosaic_gpu.SMEM_BYTES:
             raise PcastError(
                 f"block_kv={block_kv} with head_dim={head_dim} and num_slots={num_slots} needs "
-                f"{smem} bytes of shared memory > {_HOPPER_SMEM_BYTES}: use a smaller block_kv or num_slots"
+                f"{smem} bytes of shared memory > {mosaic_gpu.SMEM_BYTES}: use a smaller block_kv or num_slots"
             )
     else:
-        if block_kv not in allowed:
-            raise PcastError(f"block_kv={block_kv} not supported by the triton backend: must be one of {allowed}")
         if head_dim not in (32, 64, 128, 256):
             raise PcastError(f"head_dim={head_dim} not supported by the triton backend: must be 32, 64, 128 or 256")
         if q_len % 16:
             raise PcastError(f"q_len={q_len} not supported by the triton backend: must be a multiple of 16")
-    if n_kv % block_kv:
-        raise PcastError(f"N={n_kv} (keys) must be a multiple of block_kv={block_kv}")
+        keys = cfg.f16_round_keys
+        if keys & (keys - 1):
+            raise PcastError(f"f16_round_keys={keys} not supported by the triton backend: one P8·V dot per "
+                             "rounding group must span a power of two of keys (32, 64, 128, ...)")
     return head_dim, n_kv
 
 
@@ -275,14 +262,21 @@ def _run(q, k, v, q_descale, k_descale, v_descale, *, config, backend, interpret
     params = jnp.stack([score_scale, f32(0), f32(0), f32(0)])
     v_t = v if v_transposed else jnp.swapaxes(v, -1, -2)
     v_factors = v_channel_factors(v_t, v_descale, config)
-    schedule = jnp.asarray(block.split_schedule(v_t.shape[-1] // config.block_kv, config))
+    n_keys = k.shape[2]
+    schedule = jnp.asarray(block.split_schedule(tiling.n_blocks(n_keys, config.block_kv), config))
+    # zero keys after N so that every tile the kernel reads is in bounds (they are masked there)
+    pad = tiling.padded_keys(n_keys, config.block_kv, tiling.kv_tile(backend, config.block_kv)) - n_keys
+    if pad:
+        k = jnp.pad(k, ((0, 0), (0, 0), (0, pad), (0, 0)))
+        v_t = jnp.pad(v_t, ((0, 0), (0, 0), (0, 0), (0, pad)))
     if backend == "mosaic":
         o, m, row_sum, n_zeroed = mosaic_gpu.mosaic_attention(
-            q, k, v_t, v_factors, schedule, params, config=config, num_slots=num_slots, interpret=interpret
+            q, k, v_t, v_factors, schedule, params, config=config, n_keys=n_keys, num_slots=num_slots,
+            interpret=interpret,
         )
     else:
         o, m, row_sum, n_zeroed = triton_gpu.triton_attention(
-            q, k, v_t, v_factors, schedule, params, config=config, interpret=interpret
+            q, k, v_t, v_factors, schedule, params, config=config, n_keys=n_keys, interpret=interpret
         )
     n_zeroed = jnp.sum(n_zeroed, axis=0).astype(jnp.int32)
     if config.kv_splits == 1:  # the kernel finalised its one run
@@ -320,9 +314,12 @@ def fp8_attention(
       k: (batch, kv_heads, N, d) float8_e4m3fn; heads must be a multiple of kv_heads (GQA).
       v: like k, or (batch, kv_heads, d, N) with ``v_transposed=True`` (the layout both kernels
         read; otherwise it is transposed here).
-      config: preset name or :class:`~pcast_jax.config.KernelConfig`. ``block_kv`` must suit the
-        backend (:func:`supported_block_kv`); N must be a multiple of it. An f16 accumulator
-        rounds every ``f16_round_keys`` keys (0 or a multiple of 32) and scales V per channel with
+      config: preset name or :class:`~pcast_jax.config.KernelConfig`. Any ``block_kv`` whose tile
+        (:func:`kv_tile`) is at most 256 keys, e.g. FlashAttention-3's 224 and 160 or FlashInfer's
+        192: the running max and α update once per ``block_kv`` keys, as in the simulator; N need
+        not be a multiple of it (the last block is padded with masked keys). An f16 accumulator
+        rounds every ``f16_round_keys`` keys (0 or a multiple of 32; a power of two with Triton)
+        and scales V per channel with
         ``v_channel_max`` (:func:`v_channel_factors`). Split-KV (``kv_splits > 1``, either
         ``split_layout``) runs one program per split over the blocks of
         :func:`pcast_jax.block.split_schedule`; the per-split O, m and ℓ are merged here by

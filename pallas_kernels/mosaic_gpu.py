@@ -5,14 +5,16 @@ Warp-specialized like FlashAttention-3: one or two compute warpgroups, each owni
 TMA into a ring of ``num_slots`` shared-memory slots, in the kernel's KV order. Barriers say when
 a slot is full (TMA done) and when it is free (every compute warpgroup has consumed it).
 
-Per KV block each compute warpgroup does Algorithm 1 exactly as ``pcast_jax.engine``'s scan
-engine does (every line of it from :mod:`pcast_jax.block`):
+Per KV block (``config.block_kv`` keys, on a tile of :func:`pallas_kernels.tiling.kv_tile` keys:
+block_kv rounded up to a multiple of 32, the extra keys masked) each compute warpgroup does
+Algorithm 1 exactly as ``pcast_jax.engine``'s scan engine does (every line of it from
+:mod:`pcast_jax.block`):
 
 * Z = (Q8 · K8ᵀ) · q_descale·k_descale·softmax_scale, an FP8 × FP8 → FP32 ``wgmma``;
 * running max, α, P and the row sum ℓ in FP32 (exp, or exp2 with log2 S folded in);
 * P8 = cast_E4M3(clamp(P·S, ±448)) written to shared memory, fenced with ``commit_smem``;
 * P8 · V8 in a fresh FP32 accumulator (FP8 ``wgmma`` needs a K-major B operand, so V is stored
-  transposed in HBM and the (d, block_kv) tile is passed transposed), then O = α·O + P8·V8; with an
+  transposed in HBM and the (d, tile) tile is passed transposed), then O = α·O + P8·V8; with an
   f16 accumulator one wgmma per ``f16_round_keys`` keys (slices of the P8 and Vᵀ tiles, whose
   swizzle is narrowed to the slice), each scaled per V channel and rounded to f16
   (:func:`pcast_jax.block.block_pv`);
@@ -34,24 +36,64 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import tiling
 from pcast_jax import block
 from pcast_jax.config import KernelConfig
 
-__all__ = ["BLOCK_Q", "mosaic_attention"]
+__all__ = ["BLOCK_Q", "SMEM_BYTES", "compute_warpgroups", "mosaic_attention", "smem_bytes"]
 
 #: Query rows per compute warpgroup (the wgmma M dimension).
 BLOCK_Q = 64
+#: Shared memory one Hopper CTA may use (227 KiB).
+SMEM_BYTES = 232448
 _F8 = jnp.float8_e4m3fn
 
 
-def _smem_transforms(minor_bytes: int):
-    """Tiling + swizzle for an FP8 tile whose minor dimension spans ``minor_bytes`` bytes.
+def smem_bytes(compute_wgs: int, head_dim: int, tile: int, slots: int) -> int:
+    """Shared memory of one CTA: ``compute_wgs`` warpgroups, KV tiles of ``tile`` keys, ``slots`` slots."""
+    rows = compute_wgs * BLOCK_Q
+    return (
+        rows * head_dim  # Q tiles (fp8)
+        + 2 * slots * tile * head_dim  # K and Vᵀ ring (fp8)
+        + rows * tile  # P8 tiles
+        + 4 * rows * head_dim  # output staging (f32)
+        + 3 * 4 * rows  # m, ℓ and zero counts
+        + compute_wgs * 2 * 4 * head_dim  # V channel factors (f32)
+        + 4096  # barriers and alignment (measured overhead ≈ 2.2 KB)
+    )
 
-    The largest of 128, 64, 32 that divides it: a wgmma over a slice of the minor dimension (one
-    f16 rounding group of keys) must start on a swizzle tile.
-    """
-    swizzle = next(sw for sw in (128, 64, 32) if minor_bytes % sw == 0)
+
+def compute_warpgroups(q_len: int, head_dim: int, tile: int, slots: int) -> int:
+    """Two compute warpgroups (128 query rows per CTA) where q_len and shared memory allow, else one
+    (e.g. FlashAttention-3's 224-key tile at d = 128 with two slots needs 232,960 B with two)."""
+    two = q_len % (2 * BLOCK_Q) == 0 and smem_bytes(2, head_dim, tile, slots) <= SMEM_BYTES
+    return 2 if two else 1
+
+
+def _swizzle(minor_bytes: int) -> int:
+    """The largest of 128, 64, 32 that divides ``minor_bytes``: a wgmma over a slice of the minor
+    dimension (one f16 rounding group of keys) must start on a swizzle tile."""
+    return next(sw for sw in (128, 64, 32) if minor_bytes % sw == 0)
+
+
+def _smem_transforms(minor_bytes: int):
+    """Tiling + swizzle for an FP8 tile whose minor dimension spans ``minor_bytes`` bytes."""
+    swizzle = _swizzle(minor_bytes)
     return (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
+
+
+def softmax_chunk(tile: int, group_keys: int, cfg: KernelConfig) -> int:
+    """Keys per chunk in which the mask and lines 5–9 run over a KV tile (the block's max first).
+
+    Up to 128 keys, and in the dynamic mode (its per-block scale needs the whole block's P), the
+    whole tile. Wider tiles go chunk by chunk, one P8 swizzle tile each (32 keys for 224 and 160,
+    64 for 192), so that no int32 key iota or mask spans the whole tile: masked over the whole
+    tile, FA3's 224 keys at d = 128 spilled 216 B and FlashInfer's 192 204 B (XLA's ptxas, jax
+    0.11.2, N = 512); chunked, neither spills (the FP32 P·S of one chunk is live at a time).
+    """
+    if tile <= 128 or cfg.scale_mode == "dynamic":
+        return tile
+    return _swizzle(group_keys)
 
 
 def _interpret_params(interpret):
@@ -69,6 +111,7 @@ def mosaic_attention(
     params,
     *,
     config: KernelConfig,
+    n_keys: int | None = None,
     num_slots: int = 2,
     interpret: bool | plgpu.InterpretGPUParams = False,
 ):
@@ -77,7 +120,8 @@ def mosaic_attention(
     Args:
       q: (batch, heads, q_len, d) float8_e4m3fn.
       k: (batch, kv_heads, N, d) float8_e4m3fn.
-      v_t: (batch, kv_heads, d, N) float8_e4m3fn — V transposed.
+      v_t: (batch, kv_heads, d, N') float8_e4m3fn — V transposed; N' =
+        :func:`pallas_kernels.tiling.padded_keys` of N (K likewise), the keys past N zero.
       v_factors: (batch, kv_heads, 2, d) float32 per V channel: row 0 multiplies each FP8 product
         P8·V8 before the accumulator takes it, row 1 the output
         (:func:`pallas_kernels.api.v_channel_factors`).
@@ -85,6 +129,7 @@ def mosaic_attention(
         (:func:`pcast_jax.block.split_schedule`; read only with ``kv_splits > 1``).
       params: (4,) float32: [q_descale·k_descale·softmax_scale, 0, 0, 0].
       config: the P-cast semantics (multiply/exponent, order, block_kv, causal).
+      n_keys: N, the keys that exist (default: all of K); the others are masked.
       num_slots: K/V shared-memory slots in the TMA ring (≥ 2).
       interpret: run under Mosaic GPU interpret mode (CPU); ``True`` or the interpreter's
         parameters (e.g. ``plgpu.InterpretGPUParams(detect_races=True)``).
@@ -95,17 +140,21 @@ def mosaic_attention(
       zeroed P (float, integer-valued), each (..., batch, heads, q_len) f32.
     """
     batch, heads, q_len, head_dim = q.shape
-    _, kv_heads, _, n_kv = v_t.shape
-    block_kv = config.block_kv
+    kv_heads = v_t.shape[1]
+    n_kv = v_t.shape[-1] if n_keys is None else n_keys
+    block_kv = config.block_kv  # the semantic block: m and α update once per block_kv keys
+    tile_kv = tiling.kv_tile("mosaic", block_kv)  # the MMA tile computing it (keys past block_kv masked)
     group = heads // kv_heads
-    compute_wgs = 2 if q_len % (2 * BLOCK_Q) == 0 else 1
-    tile_q = compute_wgs * BLOCK_Q
-    n_blocks = n_kv // block_kv
+    n_blocks = tiling.n_blocks(n_kv, block_kv)
     slots = max(1, min(num_slots, n_blocks))
+    compute_wgs = compute_warpgroups(q_len, head_dim, tile_kv, slots)
+    tile_q = compute_wgs * BLOCK_Q
     causal = config.causal
     splits = config.kv_splits
+    masked = tiling.needs_mask(n_kv, config, tile_kv)
     f16_acc = config.accumulator == "f16"
-    group_keys = config.f16_round_keys or block_kv  # keys per P8·V wgmma (f16: per rounding)
+    group_keys = config.f16_round_keys or tile_kv  # keys per P8·V wgmma (f16: per rounding)
+    chunk = softmax_chunk(tile_kv, group_keys, config)
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # a (d,) vector over the accumulator's columns
 
     def per_column(vec):
@@ -141,7 +190,7 @@ def mosaic_attention(
 
         def cols_of(blk):
             """Keys of the block loaded for ``blk`` (an idle step loads the last block, masked)."""
-            return pl.ds(jnp.minimum(blk, n_blocks - 1) * block_kv, block_kv)
+            return pl.ds(jnp.minimum(blk, n_blocks - 1) * block_kv, tile_kv)
 
         @pl.when(wg < compute_wgs)
         def _compute():
@@ -170,29 +219,35 @@ def mosaic_attention(
                     plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
                     return acc_ref[...]
 
-                acc = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
+                acc = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, tile_kv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
                 z = acc * score_scale  # line 3
-                if causal or splits > 1:
-                    rows = plgpu.broadcasted_iota(
-                        jnp.int32, (BLOCK_Q, block_kv), 0, layout=plgpu.Layout.WGMMA
-                    )
-                    keys = plgpu.broadcasted_iota(
-                        jnp.int32, (BLOCK_Q, block_kv), 1, layout=plgpu.Layout.WGMMA
-                    ) + blk * block_kv
-                    mask = keys < n_kv
-                    if causal:
-                        mask = mask & block.visible(rows + (n_kv - q_len + q0), keys)
-                    z = jnp.where(mask, z, -jnp.inf)
-                st = block.online_softmax(m, ell, z, config)  # lines 4-8
-                p_smem.at[wg][...] = block.cast_p(st.ps, config)  # line 9
+
+                def visible(lo, zc):  # the chunk of keys [lo, lo + chunk) of the tile, masked
+                    if not masked:
+                        return zc
+                    cols = plgpu.broadcasted_iota(jnp.int32, zc.shape, 1, layout=plgpu.Layout.WGMMA) + lo
+                    rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q,), 0, layout=row_layout) if causal else None
+                    return jnp.where(tiling.key_mask(cols, rows, blk, n_kv, n_kv - q_len + q0, config), zc, -jnp.inf)
+
+                chunks = [(lo, visible(lo, z[:, lo:lo + chunk] if chunk < tile_kv else z))
+                          for lo in range(0, tile_kv, chunk)]
+                m_new = tiling.block_max(m, [zc for _, zc in chunks])  # line 4, over the whole block
+                zeros = ell * 0.0  # ℓ is finite: zeros in its register layout
+                ell_part = zeros
+                for lo, zc in chunks:  # lines 5-9 per chunk under the block's max (tiling.chunk_step)
+                    st = tiling.chunk_step(m_new, zc, zeros, config)
+                    p_smem.at[wg, :, pl.ds(lo, chunk)][...] = block.cast_p(st.ps, config)  # line 9
+                    nz = nz + jnp.where(block.zeroed(st.ps, config), 1.0, 0.0).sum(axis=1)
+                    ell_part = ell_part + st.row_sum
                 plgpu.commit_smem()
-                nz = nz + jnp.where(block.zeroed(st.ps, config), 1.0, 0.0).sum(axis=1)
+                a = block.alpha(m, m_new, config)  # line 6
+                st = st._replace(m=m_new, alpha=a, row_sum=a * ell + ell_part)  # line 8 (unscale: one chunk)
 
                 plgpu.barrier_wait(v_bar.at[slot])
 
-                def product(lo, hi):  # P8[:, lo:hi] · V[lo:hi], one FP8 wgmma
-                    keys = pl.ds(lo, hi - lo)
+                def product(lo, hi):  # P8[:, lo:hi] · V[lo:hi], one FP8 wgmma (all B: the whole tile)
+                    keys = pl.ds(lo, group_keys)
 
                     def pv(acc_ref):
                         plgpu.wgmma(acc_ref, p_smem.at[wg, :, keys], vt_smem.at[slot, :, keys].transpose((1, 0)))
@@ -255,9 +310,9 @@ def mosaic_attention(
     def entry(q_ref, k_ref, vt_ref, vf_ref, sched_ref, params_ref, out_ref, m_ref, rowsum_ref, nzero_ref):
         scratch = (
             plgpu.SMEM((compute_wgs, BLOCK_Q, head_dim), _F8, transforms=_smem_transforms(head_dim)),
-            plgpu.SMEM((slots, block_kv, head_dim), _F8, transforms=_smem_transforms(head_dim)),
-            plgpu.SMEM((slots, head_dim, block_kv), _F8, transforms=_smem_transforms(group_keys)),
-            plgpu.SMEM((compute_wgs, BLOCK_Q, block_kv), _F8, transforms=_smem_transforms(group_keys)),
+            plgpu.SMEM((slots, tile_kv, head_dim), _F8, transforms=_smem_transforms(head_dim)),
+            plgpu.SMEM((slots, head_dim, tile_kv), _F8, transforms=_smem_transforms(group_keys)),
+            plgpu.SMEM((compute_wgs, BLOCK_Q, tile_kv), _F8, transforms=_smem_transforms(group_keys)),
             plgpu.SMEM((compute_wgs, BLOCK_Q, head_dim), jnp.float32),
             plgpu.SMEM((compute_wgs, BLOCK_Q), jnp.float32),
             plgpu.SMEM((compute_wgs, BLOCK_Q), jnp.float32),

@@ -523,6 +523,9 @@ def mosaic_wgmma(lowered) -> tuple[ProductMMA, ...]:
     groups: dict[str, Counter] = {}
     with jax_mlir.make_ir_context() as ctx:
         ctx.allow_unregistered_dialects = True
+        # its types (memrefs of barriers) do not parse unregistered; without this the parse failed
+        # ("invalid memref element type") depending on what the process had lowered before
+        mgpu_core.dialect.register_dialect(ctx)
         module = mgpu_core._run_serde_pass(ir.Module.parse(payload), serialize=False)
         for op in _walk(module.operation):
             if op.operation.name != "llvm.inline_asm":

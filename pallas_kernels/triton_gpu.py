@@ -3,7 +3,9 @@
 One program per (batch, head, query block, KV split); it walks its KV blocks in the kernel's order
 (one split: all of them; split-KV: its row of :func:`pcast_jax.block.split_schedule`) with a
 ``fori_loop`` and does Algorithm 1 per block exactly as ``pcast_jax.engine``'s scan engine does
-(every line of it from :mod:`pcast_jax.block`). With an f16 accumulator P8·V is one FP8 dot per
+(every line of it from :mod:`pcast_jax.block`). A block of ``config.block_kv`` keys is computed on a
+power-of-two tile (:func:`pallas_kernels.tiling.kv_tile`: 224, 192 and 160 on 256 keys), the extra
+keys masked. With an f16 accumulator P8·V is one FP8 dot per
 ``f16_round_keys`` keys (``jnp.split`` of the P8 tile), scaled per V channel and rounded to f16
 (:func:`pcast_jax.block.block_pv`). Both matmuls are FP8 × FP8 → FP32 ``tt.dot``s
 with ``maxNumImpreciseAcc = 2^30``, so Triton emits FP8 wgmma on Hopper (below); V arrives
@@ -19,6 +21,7 @@ import jax.experimental.pallas.triton as pltriton
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import tiling
 from pcast_jax import block
 from pcast_jax.config import KernelConfig
 
@@ -79,10 +82,17 @@ else:  # pragma: no cover
     _dot_nt_wgmma = _dot_nt
 
 
-def triton_block_q(q_len: int) -> int:
-    """Query rows per program: the largest of 128, 64, 32, 16 that divides q_len."""
+#: Most score elements per program (128 query rows × 128 keys): a 256-key tile halves the query
+#: rows, else FA3's exponent mode at d = 128 (224 keys on a 256-key tile) spills 16 B at 8 warps
+#: (``pcast kernels --sass``: 255 registers; 64 rows: no spills).
+MAX_TILE_ELEMENTS = 128 * 128
+
+
+def triton_block_q(q_len: int, tile_kv: int = 128) -> int:
+    """Query rows per program: the largest of 128, 64, 32, 16 that divides q_len, with at most
+    :data:`MAX_TILE_ELEMENTS` scores per (rows × ``tile_kv`` keys) tile."""
     for block_q in (128, 64, 32, 16):
-        if q_len % block_q == 0:
+        if q_len % block_q == 0 and (block_q * tile_kv <= MAX_TILE_ELEMENTS or block_q == 16):
             return block_q
     raise ValueError(f"q_len={q_len} must be a multiple of 16")
 
@@ -96,6 +106,7 @@ def triton_attention(
     params,
     *,
     config: KernelConfig,
+    n_keys: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
     interpret: bool = False,
@@ -106,18 +117,21 @@ def triton_attention(
     defaults to 8 for 128-row query blocks or d > 64 (the FP32 tiles need the registers), else 4.
     """
     batch, heads, q_len, head_dim = q.shape
-    _, kv_heads, _, n_kv = v_t.shape
-    block_kv = config.block_kv
-    block_q = triton_block_q(q_len)
+    _, kv_heads, _, n_alloc = v_t.shape
+    n_kv = n_alloc if n_keys is None else n_keys
+    block_kv = config.block_kv  # the semantic block: m and α update once per block_kv keys
+    tile = tiling.kv_tile("triton", block_kv)  # the power-of-two tile computing it (keys past block_kv masked)
+    block_q = triton_block_q(q_len, tile)
     group = heads // kv_heads
-    n_blocks = n_kv // block_kv
+    n_blocks = tiling.n_blocks(n_kv, block_kv)
+    masked = tiling.needs_mask(n_kv, config, tile)
     if num_warps is None:
         num_warps = 8 if block_q >= 128 or head_dim > 64 else 4
     causal = config.causal
     dot_nt = _dot_nt if interpret else _dot_nt_wgmma
 
     f16_acc = config.accumulator == "f16"
-    group_keys = config.f16_round_keys or block_kv  # keys per P8·V product (f16: per rounding)
+    group_keys = config.f16_round_keys or tile  # keys per P8·V product (f16: per rounding)
     splits = config.kv_splits
 
     def kernel(q_ref, k_ref, vt_ref, vf_ref, sched_ref, params_ref, out_ref, m_ref, rowsum_ref, nzero_ref):
@@ -138,22 +152,19 @@ def triton_attention(
             m, ell, o, nz = carry
             blk = sched_ref[s] if splits > 1 else block.kv_block(s, kv_steps, config)
             blk_in = jnp.minimum(blk, n_blocks - 1)  # the block loaded (an idle step's is masked)
-            cols = pl.ds(blk_in * block_kv, block_kv)
-            z = dot_nt(q8, k_ref[cols, :]) * score_scale  # line 3
-            if causal or splits > 1:
-                rows = lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 0)
-                keys = lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 1) + blk * block_kv
-                mask = keys < n_kv
-                if causal:
-                    mask = mask & block.visible(rows + q_start, keys)
-                z = jnp.where(mask, z, -jnp.inf)
+            start = blk_in * block_kv
+            z = dot_nt(q8, k_ref[pl.ds(start, tile), :]) * score_scale  # line 3
+            if masked:
+                cols = lax.broadcasted_iota(jnp.int32, (block_q, tile), 1)
+                rows = lax.broadcasted_iota(jnp.int32, (block_q,), 0) if causal else None
+                z = jnp.where(tiling.key_mask(cols, rows, blk, n_kv, q_start, config), z, -jnp.inf)
             st = block.online_softmax(m, ell, z, config)  # lines 4-8
             p8 = block.cast_p(st.ps, config)  # line 9
             nz = nz + jnp.sum(jnp.where(block.zeroed(st.ps, config), 1.0, 0.0), axis=1)
-            p8_groups = jnp.split(p8, block_kv // group_keys, axis=1) if group_keys < block_kv else [p8]
+            p8_groups = jnp.split(p8, tile // group_keys, axis=1) if group_keys < tile else [p8]
 
-            def product(lo, hi):  # P8[:, lo:hi] · V[lo:hi], one FP8 MMA
-                pv = dot_nt(p8_groups[lo // group_keys], vt_ref[:, pl.ds(blk_in * block_kv + lo, hi - lo)])
+            def product(lo, hi):  # P8[:, lo:hi] · V[lo:hi], one FP8 MMA (all B: the whole tile)
+                pv = dot_nt(p8_groups[lo // group_keys], vt_ref[:, pl.ds(start + lo, group_keys)])
                 return pv * pv_factor if f16_acc else pv
 
             o = block.accumulate(o, st.alpha, block.block_pv(product, config), st.unscale, config)  # line 10
@@ -180,8 +191,8 @@ def triton_attention(
         grid=(batch, heads, q_len // block_q * splits),
         in_specs=[
             pl.BlockSpec((None, None, block_q, head_dim), lambda b, h, i: (b, h, i // splits, 0)),
-            pl.BlockSpec((None, None, n_kv, head_dim), lambda b, h, i: (b, h // group, 0, 0)),
-            pl.BlockSpec((None, None, head_dim, n_kv), lambda b, h, i: (b, h // group, 0, 0)),
+            pl.BlockSpec((None, None, n_alloc, head_dim), lambda b, h, i: (b, h // group, 0, 0)),
+            pl.BlockSpec((None, None, head_dim, n_alloc), lambda b, h, i: (b, h // group, 0, 0)),
             pl.BlockSpec((None, None, 2, head_dim), lambda b, h, i: (b, h // group, 0, 0)),
             pl.BlockSpec((None, schedule.shape[1]), lambda b, h, i: (i % splits, 0)),
             pl.BlockSpec((4,), lambda b, h, i: (0,)),

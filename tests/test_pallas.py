@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+from pathlib import Path
 
 import chex
 import jax
@@ -31,7 +32,7 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels.workloads import sink_qkv
-from pcast_jax.config import KERNEL_PRESETS, PAPER_CONFIGS, KernelConfig, get_preset
+from pcast_jax.config import KERNEL_PRESETS, PAPER_CONFIGS, PRESETS, get_preset, preset_for
 from pcast_jax.errors import PcastError
 
 import oracle
@@ -67,36 +68,37 @@ def _assert_f16_close(out, ref, v_max, cfg, *, interpret=True):
 
 
 @functools.lru_cache(maxsize=None)
-def _workload(q_len: int = 64, n: int = 256, *, deltas=DELTAS, heads: int = 1, kv_heads: int = 1):
-    """Sink Q/K/V with d = 128, one batch element per Δ (small: interpret mode is slow)."""
+def _workload(q_len: int = 64, n: int = 256, *, deltas=DELTAS, heads: int = 1, kv_heads: int = 1, head_dim=128):
+    """Sink Q/K/V, one batch element per Δ (small: interpret mode is slow)."""
     return sink_qkv(
         jax.random.key(1234), deltas=deltas, heads=heads, kv_heads=kv_heads, q_len=q_len, n=n,
-        head_dim=128,
+        head_dim=head_dim,
     )
 
 
-def _distinct_presets() -> list[str]:
-    """Kernel presets whose P-cast semantics differ from every paper config and earlier preset.
+HEAD_DIMS = (64, 128)
+#: Keys of the registry test: no preset's block divides it (64, 128, 160, 192, 224), so the last
+#: block is padded with masked keys, in the kernel as in the simulator.
+N_RAGGED = 300
 
-    E.g. trtllm_xqa is forward S=448 multiply with B=64, i.e. the paper's fwd_s448, and fa4 is fa3;
-    running those again would test nothing new.
+
+def _registry_cases() -> list[tuple[str, int]]:
+    """(preset, head dim) for every paper config and kernel preset with an element P format, at
+    the preset's own KV block for that head dim (``preset_for``), at d = 64 and 128.
+
+    A preset whose semantics equal an earlier case's at that head dim (configs compare by
+    semantics: trtllm_xqa is the paper's fwd_s448, hpc_ops_prior its fwd_s1) is that case and
+    is not run twice. A new preset is a new case with no edit here.
     """
-    seen = {_adapt(c, "mosaic") for c in PAPER_CONFIGS.values()}  # configs are equal when their semantics are
-    names = []
-    for name, cfg in KERNEL_PRESETS.items():
-        cfg = _adapt(cfg, "mosaic")  # as the kernels run it (tiles and simulator-only fields adapted)
-        if cfg not in seen:
-            seen.add(cfg)
-            names.append(name)
-    return names
-
-
-def _adapt(cfg: KernelConfig, backend: str) -> KernelConfig:
-    """The config as the kernels can run it: block_kv outside the backend's sizes (64 for mosaic,
-    FA3's 224, FlashInfer's 192) becomes 128."""
-    if cfg.block_kv in pk.supported_block_kv(backend):
-        return cfg
-    return cfg.replace(block_kv=128, name=f"{cfg.name}_b128")
+    cases = []
+    for head_dim in HEAD_DIMS:
+        seen = set()
+        for name in (*PAPER_CONFIGS, *KERNEL_PRESETS):
+            cfg = preset_for(name, head_dim)
+            if cfg.block_format is None and cfg not in seen:
+                seen.add(cfg)
+                cases.append((name, head_dim))
+    return cases
 
 
 class TestMosaicKernel:
@@ -162,16 +164,15 @@ class TestMosaicKernel:
 
     # -- kernel ≡ simulator ------------------------------------------------------------------
 
-    @pytest.mark.parametrize("name", list(PAPER_CONFIGS))
-    def test_paper_config_matches_simulator(self, name):
-        cfg = _adapt(PAPER_CONFIGS[name], self.BACKEND)
-        _, _, stats = self.check_config(cfg)
-        # the comparison exercises the P-cast: at Δ = 10 every configuration zeroes some P
-        assert int(jnp.sum(stats.n_zeroed[-1])) > 0
-
-    @pytest.mark.parametrize("name", _distinct_presets())
-    def test_kernel_preset_matches_simulator(self, name):
-        self.check_config(_adapt(KERNEL_PRESETS[name], self.BACKEND))
+    @pytest.mark.parametrize("name,head_dim", _registry_cases())
+    def test_preset_matches_simulator_and_oracle(self, name, head_dim):
+        """Every preset at its own KV block (FA3: 224 at d = 128, 160 at d = 64; FlashInfer: 192):
+        kernel ≡ scan engine at Δ = 7 and 10, and ≡ the float64 oracle at Δ = 7, over N = 300 keys."""
+        cfg = preset_for(name, head_dim)
+        w, out, stats = self.check_config(cfg, n=N_RAGGED, deltas=(7.0, 10.0), head_dim=head_dim)
+        self.assert_matches_oracle(w, cfg, out, stats)
+        if name in PAPER_CONFIGS:  # the comparison exercises the P-cast: at Δ = 10 each zeroes some P
+            assert int(jnp.sum(stats.n_zeroed[-1])) > 0
 
     @pytest.mark.parametrize(
         "name,q_len,n",
@@ -181,10 +182,10 @@ class TestMosaicKernel:
         ],
     )
     def test_causal_matches_simulator(self, name, q_len, n):
-        cfg = _adapt(get_preset(name), self.BACKEND).replace(causal=True)
+        cfg = get_preset(name).replace(causal=True)
         _, out, _ = self.check_config(cfg, q_len=q_len, n=n, deltas=(7.0,))
         # bottom-right aligned: the last query row sees every key, the first only N − q_len + 1
-        full = _adapt(get_preset(name), self.BACKEND)
+        full = get_preset(name)
         w = _workload(q_len, n, deltas=(7.0,))
         out_full, _ = self.run_kernel(w, full)
         v_max = DESCALES["v_descale"] * float(jnp.max(jnp.abs(w.v.astype(jnp.float32))))
@@ -211,7 +212,7 @@ class TestMosaicKernel:
     @pytest.mark.parametrize("name,causal", [("fwd_s1", False), ("fa3", True)])
     def test_matches_the_independent_oracle(self, name, causal):
         """Kernel ≡ tests/oracle.py (float64 Algorithm 1 sharing no code with the kernel)."""
-        cfg = _adapt(get_preset(name), self.BACKEND).replace(causal=causal)
+        cfg = get_preset(name).replace(causal=causal)
         w = _workload(deltas=(7.0,))
         out, stats = self.run_kernel(w, cfg)
         ref = self.assert_matches_oracle(w, cfg, out, stats)
@@ -222,7 +223,7 @@ class TestMosaicKernel:
         """Split-KV: 3 splits over 4 KV blocks (contiguous: one split has none; strided: two idle a
         step), each its own Algorithm-1 run with its own running max, merged in FP32 by log-sum-exp.
         Only the split holding the sink runs under the sink's max: fewer P are zeroed than in one run."""
-        cfg = _adapt(get_preset("fwd_s1"), self.BACKEND).replace(
+        cfg = get_preset("fwd_s1").replace(
             block_kv=128, kv_splits=3, split_layout=layout, causal=causal
         )
         w, out, stats = self.check_config(cfg, n=512, deltas=(7.0,))
@@ -234,7 +235,7 @@ class TestMosaicKernel:
     def test_non_power_of_two_descales(self):
         """Descales from per-tensor quantization (amax/448): the scores still match exactly."""
         w = _workload(deltas=(7.0,))
-        cfg = _adapt(get_preset("fwd_s256"), self.BACKEND)
+        cfg = get_preset("fwd_s256")
         v32 = jax.random.normal(jax.random.key(7), w.v.shape, jnp.float32) * 3.0
         v8, v_descale = pk.quantize_fp8(v32)
         kwargs = {"q_descale": 0.3, "k_descale": 0.7, "v_descale": v_descale}
@@ -249,7 +250,7 @@ class TestMosaicKernel:
         """SageAttention2++ as the kernel runs it: V scaled per channel to |V/c| <= 2.25 before the
         f16 accumulator, rounded to f16 after every 32 keys; on V8 that spans E4M3 (quantize_fp8),
         where an f16 accumulator at V's own scale overflows for large v_descale."""
-        cfg = _adapt(get_preset("sageattn2pp"), self.BACKEND)
+        cfg = get_preset("sageattn2pp")
         assert cfg.f16_round_keys == 32 and cfg.v_channel_max == 2.25
         w = _workload(deltas=(7.0,))
         v8, _ = pk.quantize_fp8(jax.random.normal(jax.random.key(7), w.v.shape, jnp.float32))
@@ -268,7 +269,7 @@ class TestMosaicKernel:
 
     def test_gqa_equals_repeated_heads(self):
         w = _workload(deltas=(7.0,), heads=2, kv_heads=1)
-        cfg = _adapt(get_preset("rev_s1"), self.BACKEND)
+        cfg = get_preset("rev_s1")
         out, _ = self.run_kernel(w, cfg)
         rep = w._replace(k=jnp.repeat(w.k, 2, axis=1), v=jnp.repeat(w.v, 2, axis=1))
         out_rep, _ = self.run_kernel(rep, cfg)
@@ -278,7 +279,7 @@ class TestMosaicKernel:
         """4 query heads over 2 different KV heads: query head h must read KV head h // 2."""
         w = _workload(deltas=(7.0,), heads=4, kv_heads=2)
         assert not np.array_equal(np.asarray(w.v[:, 0], np.float32), np.asarray(w.v[:, 1], np.float32))
-        cfg = _adapt(get_preset("fwd_s256"), self.BACKEND)
+        cfg = get_preset("fwd_s256")
         out, stats = self.run_kernel(w, cfg)
         ref = self.simulate(w, cfg)  # repeats KV head j for query heads 2j, 2j + 1
         v_max = DESCALES["v_descale"] * float(jnp.max(jnp.abs(w.v.astype(jnp.float32))))
@@ -290,7 +291,7 @@ class TestMosaicKernel:
         """4 query heads over 2 KV heads with per-channel V factors of their own, and 2 KV splits:
         the merge multiplies each query head's output by its KV head's channel scale."""
         w = _workload(deltas=(7.0,), heads=4, kv_heads=2)
-        cfg = _adapt(get_preset("sageattn2pp"), self.BACKEND).replace(kv_splits=2)
+        cfg = get_preset("sageattn2pp").replace(kv_splits=2)
         v_t = jnp.swapaxes(w.v, -1, -2)
         factors = np.asarray(pk.api.v_channel_factors(v_t, DESCALES["v_descale"], cfg))
         assert not np.array_equal(factors[:, 0], factors[:, 1])  # the two KV heads scale apart
@@ -298,7 +299,7 @@ class TestMosaicKernel:
 
     def test_v_transposed_input(self):
         w = _workload(deltas=(7.0,))
-        cfg = _adapt(get_preset("fwd_s1"), self.BACKEND)
+        cfg = get_preset("fwd_s1")
         out, _ = self.run_kernel(w, cfg)
         out_t, _ = self.run_kernel(w._replace(v=jnp.swapaxes(w.v, -1, -2)), cfg, v_transposed=True)
         np.testing.assert_array_equal(np.asarray(out), np.asarray(out_t))
@@ -355,7 +356,9 @@ def _lower_for_hopper(backend, cfg, *, q_len=128, n=512, head_dim=128, heads=4, 
         ("rev_s256", False, 64, 128),
         ("fwd_s448", True, 256, 128),
         ("rev_s1", True, 128, 64),
-        ("fa3", True, 128, 128),
+        ("fa3", True, 128, 128),  # B = 224 (one compute warpgroup: two need 232,960 B of SMEM)
+        ("fa3", False, 128, 64),  # B = 160
+        ("flashinfer_sm90", False, 256, 128),  # B = 192
         ("sageattn2pp", False, 128, 128),
         ("sageattn2pp", True, 64, 64),
         ("dynamic_pow2", True, 64, 128),
@@ -364,11 +367,15 @@ def _lower_for_hopper(backend, cfg, *, q_len=128, n=512, head_dim=128, heads=4, 
     ],
 )
 def test_mosaic_lowers_for_hopper(name, causal, q_len, head_dim):
-    cfg = _adapt(get_preset(name), "mosaic").replace(causal=causal)
+    """Each preset at its own KV block for the head dim, over N = 512 keys (a multiple of none of
+    224, 192, 160: the last block padded)."""
+    cfg = preset_for(name, head_dim).replace(causal=causal)
     text = _lower_for_hopper("mosaic", cfg, q_len=q_len, head_dim=head_dim).as_text()
     assert "custom_call @mosaic_gpu" in text
-    # FP8 × FP8 → FP32 wgmma, the saturating E4M3 cast, TMA loads and mbarriers are all emitted
-    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", text)
+    # FP8 × FP8 → FP32 wgmma, the saturating E4M3 cast, TMA loads and mbarriers are all emitted;
+    # Q·Kᵀ is one wgmma N = block_kv wide per 32 channels, P8·V one N = d wide per 32 keys
+    wgmma = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", text))
+    assert wgmma == {str(cfg.block_kv), str(head_dim)}
     assert "cvt.rn.satfinite.e4m3x2.f32" in text
     # the TMA load: an NVVM op up to jax 0.11 (cp.async.bulk.tensor.shared.cluster.global), inline
     # PTX from jax 0.12 (cp.async.bulk.tensor.5d.shared::cta.global.mbarrier::complete_tx::bytes)
@@ -400,23 +407,29 @@ def _triton_module_text(lowered) -> str:
 
 
 @pytest.mark.parametrize(
-    "name,causal",
+    "name,causal,head_dim",
     [
-        ("fwd_s1", False),
-        ("fa3", True),
-        ("dynamic_pow2", False),
-        ("trtllm_xqa_multiblock", False),
-        ("fa3_splitkv", True),
+        ("fwd_s1", False, 128),  # B = 64
+        ("fa3", True, 128),  # B = 224 on a 256-key tile
+        ("fa3", False, 64),  # B = 160 on a 256-key tile
+        ("flashinfer_sm90", True, 128),  # B = 192 on a 256-key tile
+        ("dynamic_pow2", False, 128),
+        ("trtllm_xqa_multiblock", False, 128),
+        ("fa3_splitkv", True, 128),
     ],
 )
-def test_triton_lowers_for_hopper(name, causal):
-    cfg = _adapt(get_preset(name), "triton").replace(causal=causal)
-    lowered = _lower_for_hopper("triton", cfg)
+def test_triton_lowers_for_hopper(name, causal, head_dim):
+    cfg = preset_for(name, head_dim).replace(causal=causal)
+    lowered = _lower_for_hopper("triton", cfg, head_dim=head_dim)
     assert "custom_call @__gpu$xla.gpu.triton" in lowered.as_text()
     ir_text = _triton_module_text(lowered)
-    fp8_dot = r"tt\.dot .*: tensor<\d+x\d+xf8E4M3FN> \* tensor<\d+x\d+xf8E4M3FN> -> tensor<\d+x\d+xf32>"
+    fp8_dot = r"tt\.dot .*: tensor<(\d+)x(\d+)xf8E4M3FN> \* tensor<(\d+)x(\d+)xf8E4M3FN> -> tensor<\d+x\d+xf32>"
     dots = re.findall(fp8_dot, ir_text)
     assert len(dots) == 2, "expected Q·Kᵀ and P8·V as FP8 × FP8 → FP32 dots"
+    tile = pk.kv_tile("triton", cfg.block_kv)
+    assert tile >= cfg.block_kv and tile & (tile - 1) == 0
+    (_, qk_k, _, qk_n), (_, pv_k, _, pv_n) = ((int(x) for x in dot) for dot in dots)
+    assert (qk_k, qk_n, pv_k, pv_n) == (head_dim, tile, tile, head_dim)  # the block's keys on one tile
     assert re.search(r"tt\.fp_to_fp .*rounding = rtne.*-> tensor<\d+x\d+xf8E4M3FN>", ir_text)
 
 
@@ -464,13 +477,16 @@ def _call(q, k, v, config=None, **kwargs):
         ({"backend": "cuda"}, r"backend='cuda' is not one of"),
         ({"config": "nope"}, r"preset='nope' is not one of"),
         (
-            {"config": get_preset("fwd_s1")},
-            r"block_kv=64 not supported by the mosaic backend: must be a multiple of 128",
+            {"config": get_preset("fwd_s1").replace(block_kv=260)},
+            r"block_kv=260 not supported by the mosaic backend: it needs a 288-key tile, the widest it runs is 256",
         ),
-        ({"config": get_preset("fwd_s1").replace(block_kv=384)}, r"block_kv=384 not supported by the mosaic backend"),
         (
-            {"config": get_preset("fwd_s1").replace(block_kv=48), "backend": "triton"},
-            r"block_kv=48 not supported by the triton backend",
+            {"config": get_preset("fwd_s1").replace(block_kv=257), "backend": "triton"},
+            r"block_kv=257 not supported by the triton backend: it needs a 512-key tile",
+        ),
+        (
+            {"config": get_preset("sageattn2pp").replace(block_kv=192, f16_round_keys=96), "backend": "triton"},
+            r"f16_round_keys=96 not supported by the triton backend: .* a power of two",
         ),
         ({"config": get_preset("fa3").replace(p_format="e5m2")}, r"p_format='e5m2'"),
         ({"config": get_preset("fa3").replace(scale=1024.0, overflow="nan")}, r"overflow='nan' with scale=1024"),
@@ -503,20 +519,47 @@ def test_bad_arguments(kwargs, match):
         (_arrays(q_shape=(1, 2, 32, 128)), {}, r"q_len=32 not supported by the mosaic backend: must be a multiple"),
         (_arrays(q_shape=(1, 2, 64, 256), kv_shape=(1, 1, 256, 256)), {}, r"head_dim=256 not supported by the mosaic"),
         (_arrays(q_shape=(1, 2, 24, 128)), {"backend": "triton"}, r"q_len=24 not supported by the triton backend"),
-        (_arrays(kv_shape=(1, 1, 320, 128)), {}, r"N=320 \(keys\) must be a multiple of block_kv=128"),
         (_arrays(q_shape=(1, 2, 512, 128)), {"config": get_preset("fa3").replace(block_kv=128, causal=True)},
          r"q_len=512 must be"),
         (_arrays(), {"v_transposed": True}, r"v\.shape=\(1, 1, 256, 128\) must equal \(1, 1, 128, 256\)"),
         (
             _arrays(q_shape=(1, 2, 128, 128), kv_shape=(1, 1, 1024, 128)),
-            {"config": get_preset("fa3").replace(block_kv=256)},
-            r"block_kv=256 with head_dim=128 and num_slots=2 needs \d+ bytes of shared memory",
+            {"config": get_preset("fa3").replace(block_kv=256), "num_slots": 3},
+            r"block_kv=256 with head_dim=128 and num_slots=3 needs \d+ bytes of shared memory",
         ),
     ],
 )
 def test_bad_inputs(arrays, kwargs, match):
     with pytest.raises(PcastError, match=match):
         _call(*arrays, **kwargs)
+
+
+@pytest.mark.parametrize("name", [n for n, c in PRESETS.items() if c.block_format is not None])
+def test_block_scaled_presets_are_refused(name):
+    """The presets the registry test does not run: a block-scaled P is simulator-only."""
+    with pytest.raises(PcastError, match=rf"p_format='{PRESETS[name].p_format}' not supported by the kernels"):
+        _call(*_arrays(), config=name, backend="triton")
+
+
+@pytest.mark.parametrize("backend", pk.BACKENDS)
+def test_any_block_kv_runs_on_a_tile_of_its_own(backend):
+    """Semantic blocks the backend has no MMA tile for (100: not a multiple of 32; 96 on Triton) run
+    on a wider tile with the extra keys masked: the same as the simulator at that block, and not the
+    same as at the tile's width (the running max updates once per 100 keys)."""
+    w = _workload(64, 250, deltas=(7.0,))
+    kwargs = {"softmax_scale": SCALE_FACTOR * w.softmax_scale, **DESCALES}
+    for block_kv in (100, 96):
+        cfg = get_preset("rev_s1").replace(block_kv=block_kv)  # reverse: P-cast depends on the blocks
+        tile = pk.kv_tile(backend, block_kv)
+        out, stats = pk.fp8_attention(w.q, w.k, w.v, config=cfg, backend=backend, interpret=True,
+                                      return_stats=True, **kwargs)
+        ref = pk.simulate_fp8_attention(w.q, w.k, w.v, config=cfg, **kwargs)
+        np.testing.assert_array_equal(np.asarray(stats.n_zeroed), np.asarray(ref.n_zeroed))
+        v_max = DESCALES["v_descale"] * float(jnp.max(jnp.abs(w.v.astype(jnp.float32))))
+        chex.assert_trees_all_close(out, ref.out, rtol=_INTERPRET_RTOL, atol=_INTERPRET_ATOL_PER_V * v_max)
+        if tile != block_kv:
+            at_tile = pk.simulate_fp8_attention(w.q, w.k, w.v, config=cfg.replace(block_kv=tile), **kwargs)
+            assert not np.array_equal(np.asarray(at_tile.n_zeroed), np.asarray(stats.n_zeroed))
 
 
 def test_without_interpret_needs_a_gpu():
@@ -531,6 +574,27 @@ def test_without_interpret_needs_a_gpu():
 # ----------------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------------
+
+
+def _readme_pallas_example() -> str:
+    """The Python block of the README's "Pallas kernels" section, verbatim."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("\n## Pallas kernels\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 1, "the Pallas section has one Python example"
+    return blocks[0]
+
+
+def test_readme_pallas_example_runs():
+    """The README's example as written (interpret mode on CPU): FA3 at its own 224-key block."""
+    scope = {}
+    exec(compile(_readme_pallas_example(), "README.md", "exec"), scope)  # noqa: S102 - our own README
+    out, stats, sim = scope["out"], scope["stats"], scope["sim"]
+    assert out.shape == scope["q"].shape and bool(jnp.all(jnp.isfinite(out)))
+    np.testing.assert_array_equal(np.asarray(stats.n_zeroed), np.asarray(sim.n_zeroed))
+    v_max = float(jnp.max(jnp.abs(scope["v"])))
+    chex.assert_trees_all_close(out, sim.out, rtol=_INTERPRET_RTOL if not HAS_GPU else 1e-3,
+                                atol=(_INTERPRET_ATOL_PER_V if not HAS_GPU else 1e-3) * v_max)
 
 
 def test_quantize_qkv_matches_engine_quantization():

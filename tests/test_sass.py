@@ -12,13 +12,23 @@ from __future__ import annotations
 
 import pytest
 
+import pallas_kernels as pk
 from pallas_kernels import sass
-from pcast_jax.config import get_preset
+from pcast_jax.config import get_preset, preset_for
 
-#: FA3's P-cast at the 128-key tile both backends run (the preset's own tile at d = 128 is 224).
+#: FA3's P-cast at a 128-key block (the preset's own block at d = 128 is 224; see OWN_TILES).
 FA3_128 = get_preset("fa3").replace(block_kv=128, name="fa3")
 SHAPE = sass.KernelShape(batch=1, heads=2, kv_heads=1, q_len=128, n=512, head_dim=128)
 QK, PV = sass.PRODUCTS
+#: Presets at their own KV blocks, which no 128-key tile holds: FA3's 224 at d = 128 and 160 at
+#: d = 64, FlashInfer's 192, the paper's 64 (N = 512 is a multiple of none of 224, 192, 160).
+OWN_TILES = {
+    "fa3_b224": (preset_for("fa3", 128), SHAPE),
+    "fa3_d64_b160": (preset_for("fa3", 64), sass.KernelShape(batch=1, heads=2, kv_heads=1, q_len=128, n=512,
+                                                            head_dim=64)),
+    "flashinfer_sm90_b192": (get_preset("flashinfer_sm90"), SHAPE),
+    "fwd_s1_b64": (get_preset("fwd_s1"), SHAPE),
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -90,6 +100,19 @@ def test_mosaic_kernel_issues_fp8_wgmma_for_both_products():
         assert dict(p.instructions) == {"wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3": 4}
 
 
+@pytest.mark.parametrize("case", list(OWN_TILES))
+def test_mosaic_issues_fp8_wgmma_at_the_presets_own_blocks(case):
+    """Q·Kᵀ: d / 32 wgmma N = block_kv wide; P8·V: block_kv / 32 wgmma N = d wide (all FP8)."""
+    cfg, shape = OWN_TILES[case]
+    tile, d = pk.kv_tile("mosaic", cfg.block_kv), shape.head_dim
+    assert tile == cfg.block_kv  # every preset's block is a multiple of 32: no masked tile keys
+    qk, pv = sass.mosaic_wgmma(sass.lower_for_hopper("mosaic", cfg, shape))
+    assert (qk.product, pv.product) == (QK, PV)
+    assert dict(qk.instructions) == {f"wgmma.mma_async.sync.aligned.m64n{tile}k32.f32.e4m3.e4m3": d // 32}
+    assert dict(pv.instructions) == {f"wgmma.mma_async.sync.aligned.m64n{d}k32.f32.e4m3.e4m3": tile // 32}
+    assert qk.converted == pv.converted == 0
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="the CPU jaxlib registers the Mosaic GPU dialect and its serde pass only; the pipeline to PTX "
@@ -156,6 +179,21 @@ def test_triton_uses_fp8_tensor_cores_for_both_products(shipped):
     assert report.sass_fp8_mma > 0 and report.sass_other_mma == 0 and report.e4m3_unpacks == 0
 
 
+@pytest.mark.parametrize("case", list(OWN_TILES))
+def test_triton_reaches_fp8_wgmma_without_spills_at_the_presets_own_blocks(case, triton_wheel):
+    """Each block on its power-of-two tile (224, 192, 160 on 256 keys), at the custom call's settings."""
+    cfg, shape = OWN_TILES[case]
+    report, build = sass.triton_report(cfg, shape)
+    assert (report.num_warps, report.num_stages) == (build.call.num_warps, build.call.num_stages)
+    assert build.mma_versions == (3, 3)
+    for p in report.products:
+        assert p.kind == "wgmma" and p.fp8 > 0 and p.converted == 0, p
+    assert report.sass_fp8_mma > 0 and report.sass_other_mma == 0 and report.e4m3_unpacks == 0
+    assert (report.spill_stores, report.spill_loads, report.stack_frame) == (0, 0, 0), build.ptxas_log
+    assert build.summary.local_stores == build.summary.local_loads == 0
+    assert 0 < report.registers <= 255 and 0 < report.shared <= 232448
+
+
 def test_plain_dot_general_falls_back_to_mma_sync(triton_wheel):
     """Why the kernel sets the attribute: the same IR with Pallas' default maxNumImpreciseAcc = 0."""
     report, build = sass.triton_report(FA3_128, SHAPE, max_num_imprecise_acc=0)
@@ -209,6 +247,18 @@ def test_mosaic_compiles_with_xla_to_fp8_wgmma_without_spills(xla_mosaic):
     # the SASS runs each wgmma of the module on the FP8 tensor cores, and nothing else
     assert report.sass_fp8_mma == sum(p.fp8 for p in report.products) and report.sass_other_mma == 0
     assert all(op.startswith("QGMMA") and "E4M3.E4M3" in op for op in parse_mma(build.sass))
+    assert (report.spill_stores, report.spill_loads, report.stack_frame) == (0, 0, 0), build.ptxas_log
+    assert 0 < report.registers <= 255 and 0 < report.shared <= 232448
+
+
+@pytest.mark.parametrize("case,causal", [(case, False) for case in OWN_TILES] + [("fa3_b224", True)])
+def test_mosaic_compiles_with_xla_without_spills_at_the_presets_own_blocks(case, causal, xla_plugin):
+    """The presets' own blocks, N = 512 (the last block masked; causal: the diagonal too)."""
+    cfg, shape = OWN_TILES[case]
+    report, build = sass.xla_report("mosaic", cfg.replace(causal=causal), shape)
+    for p in report.products:
+        assert p.kind == "wgmma" and p.fp8 > 0 and p.converted == 0, p
+    assert report.sass_fp8_mma == sum(p.fp8 for p in report.products) and report.sass_other_mma == 0
     assert (report.spill_stores, report.spill_loads, report.stack_frame) == (0, 0, 0), build.ptxas_log
     assert 0 < report.registers <= 255 and 0 < report.shared <= 232448
 

@@ -17,7 +17,7 @@ import itertools
 import json
 from pathlib import Path
 
-from pcast_jax.config import get_preset
+from pcast_jax.config import preset_for
 
 HELP = "Compile the Pallas FP8 kernels for Hopper without a GPU: registers, spills, FP8 wgmma use."
 
@@ -55,7 +55,6 @@ def run(args: argparse.Namespace) -> int:
 
     import jax
 
-    import pallas_kernels as pk
     from pallas_kernels import sass
 
     if sass.xla_available() and not os.environ.get("JAX_PLATFORMS"):
@@ -66,14 +65,11 @@ def run(args: argparse.Namespace) -> int:
                              n=args.n, head_dim=args.head_dim)
     reports = []
     for name in args.configs:
-        cfg = get_preset(name)
+        cfg = preset_for(name, args.head_dim)  # the kernel's own KV block at this head dim
         if args.causal:
             cfg = cfg.replace(causal=True, name=f"{cfg.name}_causal")
         for backend in args.backends:
-            if cfg.block_kv not in pk.supported_block_kv(backend):  # run at 128, named so (as the tests do)
-                cfg_b = cfg.replace(block_kv=128, name=f"{cfg.name}_b128")
-            else:
-                cfg_b = cfg
+            cfg_b = cfg
             if backend == "mosaic":
                 if args.xla:
                     reports.append(sass.xla_report("mosaic", cfg_b, shape)[0])
