@@ -295,16 +295,16 @@ def _window(local_window_size):
 
 
 def _check_scale(scale, head_dim: int):
-    """1/√H by default; a number > 0, or a traced scalar (checked only when concrete)."""
+    """1/√H by default; a number > 0 (a Python float, its float32 value), or a traced scalar as it is."""
     if scale is None:
-        return jnp.float32(1.0 / math.sqrt(head_dim))
+        return float(np.float32(1.0 / math.sqrt(head_dim)))
     if isinstance(scale, jax.core.Tracer):
         if jnp.shape(scale) != ():
             raise PcastError(f"scale must be a scalar, got shape {jnp.shape(scale)}")
         return jnp.asarray(scale, jnp.float32)
     if jnp.ndim(scale) != 0:
         raise PcastError(f"scale must be a scalar, got shape {jnp.shape(scale)}")
-    return jnp.float32(check_positive("scale", float(scale)))
+    return float(np.float32(check_positive("scale", float(scale))))
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: float | None = None,

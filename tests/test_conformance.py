@@ -170,11 +170,11 @@ def expected(kind: str, h: int, cfg) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _refuse_kernel(backend: str):
-    def refuses(cfg, kind: str, h: int) -> str | None:
-        if cfg.p_format != "e4m3":
-            return "p_format"
+    def refuses(cfg, kind: str, h: int) -> str | None:  # in the order the drop-in checks them
         if kind not in ("none", "causal"):
             return "causal_alignment='bottom_right'" if kind == "causal_rect" else "take no"
+        if cfg.p_format != "e4m3":
+            return "p_format"
         if backend == "mosaic" and h not in (64, 128):
             return "head_dim"
         return None
@@ -322,10 +322,9 @@ ENTRIES = (
     Entry("dot_product_attention[scan]", _drop_in("scan"), key=_drop_in_key, head_dims=(64, 128)),
     Entry("nn.attention_fn", _flax, key=_drop_in_key, head_dims=(64, 128)),
     Entry("models.FP8Attention", _hook, kinds=("causal", "right_pad"), key=lambda c: c.t, real_rows_only=True),
-    Entry("dot_product_attention[triton]", _drop_in("triton"), refuses=_refuse_kernel("triton"),
-          head_dims=(64, 128)),
-    Entry("dot_product_attention[mosaic]", _drop_in("mosaic"), refuses=_refuse_kernel("mosaic"),
-          head_dims=(64, 128)),
+    # interpret mode is slow: d = 64 here; tests/test_pallas.py holds both kernels to the oracle at 64 and 128
+    Entry("dot_product_attention[triton]", _drop_in("triton"), refuses=_refuse_kernel("triton"), head_dims=(64,)),
+    Entry("dot_product_attention[mosaic]", _drop_in("mosaic"), refuses=_refuse_kernel("mosaic"), head_dims=(64,)),
 )
 
 
