@@ -455,6 +455,9 @@ TILES_BY_HEAD_DIM: dict[str, dict[int, int]] = {
     "fa3": {64: 160, 96: 128, 128: 224, 192: 160, 256: 128},
     "flashinfer_sm90": {64: 128, 128: 192, 256: 128},
 }
+#: FlashAttention-3's split-KV path runs the same mainloop per split, and tile_size_fwd_sm90() takes no
+#: split argument: the same tiles.
+TILES_BY_HEAD_DIM["fa3_splitkv"] = TILES_BY_HEAD_DIM["fa3"]
 
 #: TensorRT-LLM XQA (SM90) keys per CTA tile, ``gemm0CtaTileNbTokens`` in cpp/kernels/xqa/mha_sm90.cu.
 XQA_CTA_TILE_TOKENS = 64
