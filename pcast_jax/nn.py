@@ -267,8 +267,7 @@ def _resolve_config(config, head_dim: int) -> KernelConfig | None:
     if config is None:
         return None
     if isinstance(config, str):
-        get_preset(config)  # a PcastError naming the presets for an unknown name
-        return preset_for(config, head_dim)
+        return preset_for(config, head_dim)  # an unknown name: a PcastError naming the presets
     return resolve(config)
 
 
