@@ -232,7 +232,7 @@ def mosaic_attention(
 
                 chunks = [(lo, visible(lo, z[:, lo:lo + chunk] if chunk < tile_kv else z))
                           for lo in range(0, tile_kv, chunk)]
-                m_new = tiling.block_max(m, [zc for _, zc in chunks])  # line 4, over the whole block
+                m_new = tiling.block_max(m, [zc for _, zc in chunks], config)  # lines 4-5, over the whole block
                 zeros = ell * 0.0  # ℓ is finite: zeros in its register layout
                 ell_part = zeros
                 for lo, zc in chunks:  # lines 5-9 per chunk under the block's max (tiling.chunk_step)
