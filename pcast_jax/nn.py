@@ -413,7 +413,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
             raise PcastError(f"implementation={impl!r}: the Pallas kernels return no residual "
                              "(use implementation='xla' or 'scan')")
         others = {"bias": bias4, "mask": mask4, "query_seq_lengths": q_lens, "key_value_seq_lengths": kv_lens,
-                  "local_window_size": window, "sinks": sinks}
+                  "local_window_size": window}
         given = [name for name, x in others.items() if x is not None]
         if given:
             raise PcastError(f"implementation={impl!r}: the Pallas kernels take no {', '.join(given)} "
@@ -422,7 +422,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
             raise PcastError(f"implementation={impl!r} with is_causal=True and T={t} != S={s}: the kernels "
                              "align the causal mask bottom-right; pass causal_alignment='bottom_right' "
                              "(or use implementation='xla' or 'scan')")
-        out = _kernel(q, k, v, cfg, scale, impl)
+        out = _kernel(q, k, v, cfg, scale, impl, sinks)
         out = jnp.swapaxes(out, 1, 2).astype(query.dtype)
         return out[0] if unbatched else out
 
@@ -446,7 +446,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     return out, (lse[0] if unbatched else lse)
 
 
-def _kernel(q, k, v, cfg: KernelConfig, scale, backend: str):
+def _kernel(q, k, v, cfg: KernelConfig, scale, backend: str, sinks=None):
     """A Pallas FP8 kernel on per-tensor E4M3 Q/K/V (interpret mode without a GPU)."""
     import pallas_kernels as pk
 
@@ -459,7 +459,7 @@ def _kernel(q, k, v, cfg: KernelConfig, scale, backend: str):
     q8, k8, v8, descales = pk.quantize_qkv(q, k, v)
     interpret = jax.default_backend() != "gpu"
     return pk.fp8_attention(q8, k8, v8, config=cfg, backend=backend, softmax_scale=float(scale),
-                            interpret=interpret, **descales)
+                            interpret=interpret, sinks=sinks, **descales)
 
 
 _FLAX_KWARGS = {"broadcast_dropout", "dropout_rng", "dropout_rate", "deterministic", "dtype", "precision",
