@@ -461,3 +461,4 @@ def test_gpu_check_cudnn_step_runs_on_cpu_with_a_stand_in():
     res = bench.run_cudnn(bench.parse_args(["--part", "cudnn", "--cpu-smoke"]))
     for scale_s in bench.CUDNN_SCALES:
         assert res[scale_s]["tau4"][1] == 0.0 < res[scale_s]["tau0"][1]
+

@@ -60,9 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a learned sink (one logit, no value row) above the non-sink mean: a number, or 'delta' "
                              "to sweep it as Δ (with --k-sink 0); placed as each config's sink_mode says")
     parser.add_argument("--engine", default="fast", help="simulator engine: fast or scan (default fast)")
-    parser.add_argument("--micro-batch", default="1",
-                        help="seeds per vmapped step of the compiled chunk (default 1: one seed at a time, fastest "
-                             "on CPU; e.g. 32 on a GPU or TPU; part of the results' identity)")
+    parser.add_argument("--micro-batch", default="auto",
+                        help="seeds per vmapped step of the compiled chunk (default auto: 1 on CPU, one seed at a "
+                             "time; on a GPU or TPU the largest power of two whose instances take 1/8 of the "
+                             "device's memory, at most 256; part of the results' identity)")
     parser.add_argument("--chunk-size", default=None,
                         help="seeds per compiled call (default: as many as the memory budget allows)")
     parser.add_argument("--no-expected-mse", action="store_true",
@@ -139,7 +140,8 @@ def spec_from_args(args: argparse.Namespace):
         engine=engine,
         expected_mse=not args.no_expected_mse,
         sampled_mse=not args.no_sampled_mse,
-        micro_batch=_int("--micro-batch", args.micro_batch, min_value=1),
+        micro_batch=None if args.micro_batch.strip() == "auto" else _int("--micro-batch", args.micro_batch,
+                                                                           min_value=1),
         sink_logit=_sink_logit(args.sink_logit),
     )
 
