@@ -431,7 +431,17 @@ def attention(
     # every block that the fast engine's one weighted sum cannot express: both engines run the scan.
     chained = cfg.mma_acc_bits and not cfg.mma_promote_keys
     fn = _scan_engine if engine == "scan" or chained else _fast_engine
-    return fn(scores, v, counted, cfg)
+    return _check_output(fn(scores, v, counted, cfg), v, cfg)
+
+
+def _check_output(res: AttentionResult, v, cfg: KernelConfig) -> AttentionResult:
+    """An eager call's result, or a PcastError saying why its output is not finite (never a silent inf)."""
+    if not _concrete(res.out) or bool(jnp.all(jnp.isfinite(res.out))):
+        return res
+    why = ("overflow='nan' turns P*S >= 464 into NaN" if cfg.overflow == "nan" else
+           f"the accumulator of P*V ({'f16' if cfg.accumulator == 'f16' else 'float32'}) overflowed")
+    raise PcastError(f"v (max |v| = {float(jnp.max(jnp.abs(v))):.3g}) gives a non-finite output for "
+                     f"config={cfg.name!r}: {why}; scale v down (the output is linear in v)")
 
 
 def reference_probs(scores, *, causal: bool = False, q_offset: int | None = None):

@@ -55,7 +55,11 @@ def _range_limit(float32: bool, max_abs: float | None) -> float | None:
 
 
 def _range_text(limit: float) -> str:
-    return "finite in float32 (|x| <= 3.4e38)" if limit == F32_MAX else f"<= {limit:g} in magnitude"
+    if limit == F32_MAX:
+        return "finite in float32 (|x| <= 3.4e38)"
+    mantissa, exp = math.frexp(limit)
+    exact = f" = 2^{exp - 1}" if mantissa == 0.5 and limit >= 2**20 else ""  # a power of two: say which
+    return f"<= {limit:g}{exact} in magnitude"
 
 
 def check_finite(param: str, value, *, float32: bool = False, max_abs: float | None = None) -> float:

@@ -148,7 +148,7 @@ CASES = [
     # SweepSpec
     ("sweep_delta_nan", lambda: _spec(deltas=(5.0, NAN)), ["delta=nan", "finite"]),
     ("sweep_delta_inf", lambda: _spec(deltas=(INF,)), ["delta=inf", "finite"]),
-    ("sweep_delta_beyond_float32", lambda: _spec(deltas=(1e39,)), ["delta=1e+39", "float32"]),
+    ("sweep_delta_beyond_float32", lambda: _spec(deltas=(1e39,)), ["delta=1e+39", "<= 4.25353e+37"]),
     ("sweep_deltas_empty", lambda: _spec(deltas=()), ["deltas", "at least one"]),
     ("sweep_seeds_zero", lambda: _spec(seeds=0), ["seeds=0", ">= 1"]),
     ("sweep_seeds_negative", lambda: _spec(seeds=-4), ["seeds=-4", ">= 1"]),
@@ -408,7 +408,7 @@ def test_cli_prints_one_error_line_and_exits_2(cli_results, name):
 # --------------------------------------------------------------------------------------------
 
 from pcast_jax import theory  # noqa: E402
-from pcast_jax.errors import F32_MAX, check_f32  # noqa: E402
+from pcast_jax.errors import check_f32  # noqa: E402
 
 #: (parameter, a call that passes ``x`` as that parameter) for every public entry point of a number.
 _F32_ENTRIES = {
@@ -445,10 +445,58 @@ def test_squared_parameters_have_a_tighter_bound(param, value):
 
 
 def test_largest_accepted_sigma_v_and_delta_give_finite_sweep_metrics():
-    spec = sweep.SweepSpec(sigma_v=workloads.SIGMA_V_MAX, deltas=(0.5 * F32_MAX, -1e30), **_SMALL)
+    spec = sweep.SweepSpec(sigma_v=workloads.SIGMA_V_MAX, deltas=(workloads.DELTA_MAX, -workloads.DELTA_MAX), **_SMALL)
     res = sweep.run_sweep(spec, progress=False)
     for m in ("mse", "mse_expected", "frac_zeroed", "nonsink_mass", "zeroed_mass"):
         assert np.isfinite(res.data[m]).all(), m
+
+
+# --------------------------------------------------------------------------------------------
+# Every number a sweep writes is finite, or the run says why (never a silent NaN or inf)
+# --------------------------------------------------------------------------------------------
+
+from pcast_jax.config import PRESETS  # noqa: E402
+
+
+def test_every_preset_is_finite_and_sane_at_the_largest_sigma():
+    """The accepted σ range is where every preset's metrics are finite (and measure the cast)."""
+    spec = sweep.SweepSpec(configs=tuple(PRESETS), ns=(512,), seeds=1, q_len=2, d=4,
+                           sigma=workloads.SIGMA_MAX, deltas=(7.0, workloads.DELTA_MAX, -workloads.DELTA_MAX))
+    res = sweep.run_sweep(spec, progress=False)
+    for m in ("mse", "mse_expected", "frac_zeroed", "nonsink_mass", "zeroed_mass"):
+        assert np.isfinite(res.data[m]).all(), m
+    assert float(np.max(res.data["mse"])) < 1.0  # a convex combination of V rows with sigma_v = 1
+    for sigma in (np.nextafter(workloads.SIGMA_MAX, np.inf), 1e12, 1e18):
+        with pytest.raises(PcastError, match=r"sigma=.* must be <= 65536"):
+            sweep.SweepSpec(configs=("fa3",), ns=(64,), seeds=1, sigma=sigma)
+    for delta in (np.nextafter(workloads.DELTA_MAX, np.inf), -1.2e38):
+        with pytest.raises(PcastError, match=r"delta=.* must be <= 4.25353e\+37 = 2\^125"):
+            sweep.SweepSpec(configs=("fa3",), ns=(64,), seeds=1, deltas=(delta,))
+
+
+def test_a_non_finite_metric_stops_the_sweep_naming_where_and_is_never_written(tmp_path):
+    nan_cast = KernelConfig(name="nan_cast", scale=1024.0, overflow="nan")  # P*S >= 464 is NaN
+    spec = sweep.SweepSpec(configs=("fwd_s1", nan_cast), ns=(64,), seeds=2, q_len=2, d=4)
+    with pytest.raises(PcastError) as info:
+        sweep.run_sweep(spec, out_dir=tmp_path / "o", progress=False)
+    msg = str(info.value)
+    assert "\n" not in msg
+    for needle in ("config='nan_cast'", "overflow='nan'", "N=64", "delta=7", "sigma=1", "non-finite"):
+        assert needle in msg, (needle, msg)
+    assert not list((tmp_path / "o").glob("chunks/*.npz")) and not (tmp_path / "o" / "results.npz").exists()
+    skipped = sweep.SweepSpec(configs=("fwd_s1",), ns=(64,), seeds=1, q_len=2, d=4, expected_mse=False)
+    assert np.isnan(sweep.run_sweep(skipped, progress=False).data["mse_expected"]).all()  # off is NaN by definition
+
+
+@pytest.mark.parametrize("preset", ["fwd_s1", "fa3", "sageattn2", "nvfp4_fakequant", "mxfp8_p"])
+def test_values_that_overflow_the_accumulator_are_refused_naming_v(preset):
+    v = np.full((8, 3), 3e38, np.float32)
+    for call in (lambda: engine.attention(_SCORES, v, preset),
+                 lambda: engine.attention(_SCORES, v, preset, engine="scan")):
+        with pytest.raises(PcastError, match=r"^v \(max \|v\| = 3e\+38\) gives a non-finite output") as info:
+            call()
+        assert f"config={preset!r}" in str(info.value)
+    assert np.isfinite(np.asarray(engine.attention(_SCORES, v / 3e8, preset).out)).all()
 
 
 @pytest.mark.parametrize("per_row", [True, False])
@@ -537,7 +585,7 @@ def test_run_sweep_arguments_are_checked_before_any_work(tmp_path, monkeypatch, 
 
 @pytest.mark.parametrize("option, value, named", [
     ("--out", "", "--out"), ("--sigma-v", "1e30", "sigma_v"), ("--sigma", "1e300", "sigma"),
-    ("--delta", "1e39", "delta"), ("--init-timeout", "1e12", "init_timeout"), ("--heartbeat-timeout", "1e12", "heartbeat_timeout"),
+    ("--delta", "1e39", "delta"), ("--sigma", "1e12", "sigma"), ("--init-timeout", "1e12", "init_timeout"), ("--heartbeat-timeout", "1e12", "heartbeat_timeout"),
 ])
 def test_cli_sweep_refuses_before_any_work(tmp_path, monkeypatch, capsys, option, value, named):
     from pcast_jax import cli

@@ -52,6 +52,7 @@ from pcast_jax.sweep.plan import call_seeds, plan_calls, plan_process_layout, un
 from pcast_jax.sweep.progress import progress_bar
 from pcast_jax.sweep.spec import SweepResult, SweepSpec, check_spec, software_identity
 from pcast_jax.sweep.store import (
+    check_finite_metrics,
     check_probes,
     chunk_path,
     claim_dir,
@@ -596,15 +597,16 @@ def run_sweep_distributed(spec: SweepSpec, out_dir: str | os.PathLike | None = N
             for p, unit in enumerate(call):
                 start = p * slot
                 fill(data, unit, {m: np.asarray(v)[start:start + unit.bounds[1] - unit.bounds[0]]
-                                  for m, v in full.items()})
+                                  for m, v in full.items()}, spec)
             return
         if pid < len(call):
             unit = call[pid]
             start = pid * slot
             vals = {m: local_rows(v, start, start + unit.bounds[1] - unit.bounds[0]) for m, v in outs.items()}
+            check_finite_metrics(spec, unit, vals)  # a non-finite chunk is never written
             save_chunk(chunk_path(out, spec, unit), spec, unit, vals)
             if pid == 0:
-                fill(data, unit, vals)
+                fill(data, unit, vals, spec)
         if pid == 0:
             written.extend(call[1:])
 

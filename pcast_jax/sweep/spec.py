@@ -24,7 +24,7 @@ from pcast_jax.engine import ENGINES
 from pcast_jax.errors import PcastError, check_choice, check_finite, check_int
 from pcast_jax.fileio import atomic_write
 from pcast_jax.stats import mean_sem
-from pcast_jax.workloads import SinkWorkload
+from pcast_jax.workloads import DELTA_MAX, SinkWorkload
 
 __all__ = ["FORMAT_VERSION", "SIMULATOR_VERSION", "SweepSpec", "SweepResult", "check_spec", "instance_key",
            "estimate_instance_bytes", "software_identity"]
@@ -87,8 +87,9 @@ class SweepSpec:
         if len(set(names)) != len(names):
             raise PcastError(f"configs must have unique names, got {names}")
         object.__setattr__(self, "configs", cfgs)
-        # Δ is added to float32 scores: it must stay finite there
-        deltas = tuple(check_finite("delta", d, float32=True) for d in _as_tuple(self.deltas, "deltas"))
+        # Δ is added to float32 scores: it must stay finite there (and through every preset's exp2)
+        deltas = tuple(check_finite("delta", d, float32=True, max_abs=DELTA_MAX)
+                       for d in _as_tuple(self.deltas, "deltas"))
         if not deltas:
             raise PcastError("deltas must hold at least one value")
         object.__setattr__(self, "deltas", deltas)

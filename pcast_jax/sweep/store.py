@@ -30,8 +30,8 @@ from pcast_jax.sweep.plan import Unit
 from pcast_jax.sweep.spec import FORMAT_VERSION, SweepResult, SweepSpec
 
 __all__ = ["claim_dir", "read_manifest", "check_layout", "chunk_path", "save_chunk", "load_chunk",
-           "empty_results", "fill", "scan", "merge", "write_results", "load_result", "write_probe",
-           "check_probes", "probe_path", "COORD_PREFIX"]
+           "empty_results", "fill", "check_finite_metrics", "skipped_metrics", "scan", "merge", "write_results",
+           "load_result", "write_probe", "check_probes", "probe_path", "COORD_PREFIX"]
 
 #: What reading a damaged ``.npz`` can raise.
 _NPZ_ERRORS = (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile, zlib.error, struct.error)
@@ -226,8 +226,38 @@ def empty_results(spec: SweepSpec) -> dict[str, np.ndarray]:
     return {m: np.full(_result_shape(spec), np.nan, np.float32) for m in metrics.METRICS}
 
 
-def fill(data: dict[str, np.ndarray], unit: Unit, vals: dict[str, np.ndarray]) -> None:
-    """Copy one chunk's metrics (each (seeds, deltas, configs)) into the result arrays ``data``."""
+def skipped_metrics(spec: SweepSpec) -> set[str]:
+    """The metrics ``spec`` turns off: NaN by definition, never computed."""
+    return ({"mse_expected"} if not spec.expected_mse else set()) | ({"mse"} if not spec.sampled_mse else set())
+
+
+def check_finite_metrics(spec: SweepSpec, unit: Unit, vals: dict[str, np.ndarray]) -> None:
+    """Refuse a chunk whose computed metrics hold NaN or inf, naming where and the parameters.
+
+    The one place every sweep's numbers pass (computed or read back, one process or many): a
+    non-finite metric is never written into a result. Accepted ranges keep every preset finite
+    (tests/test_bad_input.py); a config of your own can still leave them (``overflow='nan'``).
+    """
+    skipped = skipped_metrics(spec)
+    s0, _, d0, _ = unit.bounds
+    for m, v in sorted(vals.items()):  # v: (seeds, deltas, configs)
+        bad = np.argwhere(~np.isfinite(np.asarray(v))) if m not in skipped else ()
+        if len(bad):
+            s, d, c = bad[0]
+            cfg = spec.configs[c]
+            hint = " (its overflow='nan' cast turns P*S >= 464 into NaN)" if cfg.overflow == "nan" else ""
+            raise PcastError(
+                f"sweep metric {m} is {float(v[s, d, c])} for config={cfg.name!r}{hint} at N={spec.ns[unit.ni]}, "
+                f"delta={spec.deltas[d0 + d]:g}, seed {spec.seed_offset + s0 + s} (sigma={spec.sigma:g}, "
+                f"sigma_v={spec.sigma_v:g}): no result is written with a non-finite number")
+
+
+def fill(data: dict[str, np.ndarray], unit: Unit, vals: dict[str, np.ndarray], spec: SweepSpec) -> None:
+    """Copy one chunk's metrics (each (seeds, deltas, configs)) into the result arrays ``data``.
+
+    The metrics are checked first (:func:`check_finite_metrics`).
+    """
+    check_finite_metrics(spec, unit, vals)
     s0, s1, d0, d1 = unit.bounds
     for m, v in vals.items():  # data[m]: (ns, configs, deltas, seeds)
         data[m][unit.ni, :, d0:d1, s0:s1] = np.transpose(v, (2, 1, 0))
@@ -250,7 +280,7 @@ def scan(out: Path, spec: SweepSpec, todo: list[Unit], data: dict) -> np.ndarray
                 except OSError:
                     pass
             continue
-        fill(data, unit, got)
+        fill(data, unit, got, spec)
         missing[k] = False
     return missing
 
@@ -284,7 +314,7 @@ def merge(out: Path, spec: SweepSpec, written: list[Unit], data: dict) -> SweepR
         if isinstance(got, str):
             raise PcastError(f"chunk file {path.name} is {got if got == 'missing' else 'invalid: ' + got} "
                              f"on process 0; out_dir={str(out)!r} must be one folder shared by every process")
-        fill(data, unit, got)
+        fill(data, unit, got, spec)
     return write_results(out, spec, data)
 
 
