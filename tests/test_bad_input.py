@@ -175,7 +175,8 @@ CASES = [
     ("theory_delta_nan", lambda: _theory().collapse_fraction(NAN, 256.0), ["delta=nan", "finite"]),
     ("theory_delta_array_inf", lambda: _theory().underflow_threshold(np.array([1.0, INF]), 256.0),
      ["delta (array, offending value inf)", "finite"]),
-    ("theory_scale_zero", lambda: _theory().critical_delta(0.0), ["scale=0.0", "> 0"]),
+    ("theory_scale_zero", lambda: _theory().critical_delta(0.0), ["scale=0.0", ">= 2^-100"]),
+    ("theory_scale_subnormal", lambda: _theory().dp(1e-40), ["scale=1e-40", ">= 2^-100"]),
     ("theory_sigma_negative", lambda: _theory().collapse_fraction(7.0, 256.0, sigma=-1.0), ["sigma=-1.0", "> 0"]),
     ("theory_n_not_above_k_sink", lambda: _theory().reverse_underflow_prob(4, 256.0, k_sink=4), ["n=4", "> k_sink=4"]),
     ("theory_k_below_one", lambda: _theory().delta_k(0.5), ["k=0.5", ">= 1"]),
@@ -349,7 +350,7 @@ def test_n_smaller_than_one_block_is_padded():
 
 _CLI_CASES = {
     "theory_delta_nan": (["theory", "--delta", "nan"], ["delta=nan", "finite"]),
-    "theory_scale_negative": (["theory", "--scale", "-1"], ["scale=-1.0", "> 0"]),
+    "theory_scale_negative": (["theory", "--scale", "-1"], ["scale=-1.0", ">= 2^-100"]),
     "theory_n_not_above_k_sink": (["theory", "--n", "4", "--ksink", "4"], ["n=4", ">= 5"]),
     "theory_fmt_unknown": (["theory", "--fmt", "e3m4"], ["--fmt", "e3m4", "choose from"]),
     "command_unknown": (["sweeep"], ["sweeep", "choose from"]),
@@ -357,6 +358,17 @@ _CLI_CASES = {
     "sweep_delta_nan": (["sweep", "--delta", "5,nan"], ["--delta", "nan", "finite"]),
     "sweep_seeds_zero": (["sweep", "--seeds", "0"], ["--seeds", ">= 1"]),
     "sweep_engine_unknown": (["sweep", "--engine", "gpu"], ["--engine", "'gpu'", "fast"]),
+    # a kernel's numbers: a power's base > 0 and -2^2 is -(2^2), as written in mathematics
+    "config_scale_negative_root": (["sweep", "--config", "scale=-2^0.5"], ["scale=-1.414", "> 0"]),
+    "config_scale_zero_power": (["sweep", "--config", "scale=0^-1"], ["scale='0^-1'", "base > 0"]),
+    "config_scale_minus_two_squared": (["sweep", "--config", "scale=-2^2"], ["scale=-4.0", "> 0"]),
+    "sweep_delta_step_below_float32": (["sweep", "--delta", "1e8:1.0000001e8:1"], ["--delta", "float32"]),
+    "sweep_seeds_beyond_uint32": (["sweep", "--seeds", "99999999999999999999"],
+                                  ["seeds=99999999999999999999", "<= 4294967296"]),
+    "theory_scale_subnormal": (["theory", "--scale", "1e-40"], ["scale=1e-40", ">= 2^-100"]),
+    "theory_scale_huge": (["theory", "--scale", "2e30"], ["scale=2e+30", "2^100"]),
+    "whatif_start_outside_range": (["whatif", "optimal-scale", "--surrogate", "staircase", "--start", "100"],
+                                   ["start_log2_scale=100.0", "log2_range=(-2, 10)"]),
     # filled in with a real path by the fixture: a folder under a regular file
     "sweep_out_under_a_file": (["sweep", "--n", "64", "--seeds", "1", "--out", "{afile}/sub"],
                                ["out_dir=", "afile/sub", "not writable"]),
@@ -624,3 +636,49 @@ def test_closed_output_pipe_never_skips_the_sweep(tmp_path):
     assert "Traceback" not in err
     res = sweep.load_result(out)
     assert np.isfinite(res.data["mse"]).all()
+
+
+# --------------------------------------------------------------------------------------------
+# Flags: ranges keep their values, negative values need no '=', analyses say why a ratio is missing
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, count", [("0:5e-13:1e-13", 6), ("0:1:0.1", 11), ("-2:2:1", 5), ("1e-40:1e-39:1e-40", 10)])
+def test_a_range_keeps_every_value_distinct_in_float32(text, count):
+    from pcast_jax.commands import _options
+
+    vals = _options.floats("--delta", text)
+    assert len(vals) == count and len(set(np.float32(vals).tolist())) == count, vals
+    assert vals[0] == float(text.split(":")[0]) and vals[-1] == pytest.approx(float(text.split(":")[1]))
+
+
+@pytest.mark.parametrize("argv, dest, value", [
+    (["sweep", "--delta", "-2:2:1"], "delta", "-2:2:1"), (["sweep", "--sigma", "-1e3"], "sigma", "-1e3"),
+    (["theory", "--delta", "-.5"], "delta", -0.5), (["whatif", "optimal-scale", "--start", "-1.5"], "start", -1.5),
+])
+def test_negative_values_need_no_equals_sign(argv, dest, value):
+    from pcast_jax import cli
+
+    args = cli.build_parser(argv).parse_args(argv)
+    assert getattr(args, dest) == value
+
+
+def test_optimal_scale_on_scores_without_error_says_why_there_is_no_ratio():
+    whatif = _whatif()
+    r = whatif.optimal_scale(scores=np.zeros((1, 4, 256), np.float32), steps=3, curve_points=0)
+    assert r.at_256 == 0.0
+    rows = r.rows()
+    assert all(row["rel_to_256"] == "n/a: MSE at S=256 is 0" for row in rows)
+    assert all(np.isfinite(row["exact_mse"]) for row in rows)
+    whatif.markdown_table(rows, ["scale", "exact_mse", "rel_to_256"])  # published: words, not nan
+    with pytest.raises(PcastError, match=r"start_log2_scale=100 must lie in log2_range=\(-2, 10\)"):
+        whatif.optimal_scale(scores=np.zeros((1, 4, 256), np.float32), start_log2_scale=100, steps=3)
+
+
+@pytest.mark.parametrize("scale", [2.0**-100, 2.0**100])
+def test_every_theory_row_is_finite_at_the_scale_edges(scale):
+    from pcast_jax.commands import theory as theory_cmd
+
+    table = theory_cmd.rows(delta=7.0, scale=scale, k_sink=4, sigma=1.0, n=4096, fmt="e4m3")
+    values = [float(row[2]) for row in table if row[0] != "power_of_two"]
+    assert len(values) >= 10 and np.isfinite(values).all(), table

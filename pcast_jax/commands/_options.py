@@ -17,6 +17,8 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from pcast_jax.config import PRESETS, KernelConfig
 from pcast_jax.errors import PcastError, check_f32
 
@@ -77,7 +79,13 @@ def floats(option: str, text, *, max_count: int = 10_000) -> tuple[float, ...]:
     count = math.floor((stop - start) / step + 1e-9) + 1
     if count > max_count:
         raise PcastError(f"{option}={text!r} gives {count} values; at most {max_count}")
-    return tuple(round(start + i * step, 12) for i in range(count))
+    digits = 9 - math.floor(math.log10(step))  # the step's own digits and nine more: 0.1·3 is 0.3
+    vals = tuple(round(start + i * step, digits) for i in range(count))
+    same = next((i for i in range(1, count) if np.float32(vals[i]) == np.float32(vals[i - 1])), None)
+    if same is not None:  # the simulator's numbers are float32: two values there would be one
+        raise PcastError(f"{option}={text!r}: step {step:g} is below float32's resolution near "
+                         f"{vals[same]:.9g} ({vals[same - 1]:.9g} and {vals[same]:.9g} are one float32)")
+    return vals
 
 
 def ints(option: str, text, *, min_value: int | None = None) -> tuple[int, ...]:

@@ -111,6 +111,11 @@ def _write_csv(path, rows: list[dict]) -> None:
     print(f"wrote {report.write_csv(path, rows)}")
 
 
+def _ratio(num: float, den: float) -> str:
+    """``num / den`` to four places, or why there is none (never a division by zero or a bare nan)."""
+    return f"{num / den:.4f}" if den > 0 else f"n/a (the exact MSE at S = 256 is {den:g}: nothing to compare)"
+
+
 def run(args: argparse.Namespace) -> int:
     from pcast_jax.whatif import progress
 
@@ -167,7 +172,7 @@ def _run(args: argparse.Namespace, analysis: str) -> list[dict]:
         print(f"{r.source}: Adam ({r.surrogate}) from log2 S = {r.start_log2_scale:g} ended at "
               f"log2 S = {r.continuous_log2_scale:.3f} (S = {2 ** r.continuous_log2_scale:.1f}); best neighbouring "
               f"power of two (exact) = {r.best_neighbour:g}; best power of two = {r.best_power:g}; "
-              f"MSE(448)/MSE(256) = {r.at_448 / r.at_256:.4f}")
+              f"MSE(448)/MSE(256) = {_ratio(r.at_448, r.at_256)}")
         print(table(rows, ["scale", "exact_mse", "rel_to_256", "dp", "normal_coverage"]))
     elif analysis == "calibrate":
         r = whatif.calibrate_prop3(_options.kernel("--config", args.config), args.n,

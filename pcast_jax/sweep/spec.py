@@ -99,7 +99,7 @@ class SweepSpec:
         object.__setattr__(self, "ns", ns)
         # NumPy integers and floats become Python ones, so that the spec stays JSON-able; values
         # that already are Python numbers are kept as they are (the fingerprint does not change)
-        object.__setattr__(self, "seeds", check_int("seeds", self.seeds, min_value=1))
+        object.__setattr__(self, "seeds", check_int("seeds", self.seeds, min_value=1, max_value=2**32))
         # seed indices are uint32 PRNG data: seed_offset + seeds - 1 must fit in 32 bits
         object.__setattr__(self, "seed_offset", check_int("seed_offset", self.seed_offset, min_value=0,
                                                           max_value=2**32 - self.seeds))
