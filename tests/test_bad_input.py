@@ -12,6 +12,7 @@ keys; the tests at the end show the padding changes nothing.
 from __future__ import annotations
 
 import importlib
+import io
 import os
 import subprocess
 import sys
@@ -682,3 +683,147 @@ def test_every_theory_row_is_finite_at_the_scale_edges(scale):
     table = theory_cmd.rows(delta=7.0, scale=scale, k_sink=4, sigma=1.0, n=4096, fmt="e4m3")
     values = [float(row[2]) for row in table if row[0] != "power_of_two"]
     assert len(values) >= 10 and np.isfinite(values).all(), table
+
+
+# --------------------------------------------------------------------------------------------
+# Files a user brings: bounded in size, depth and inflation before they are parsed
+# --------------------------------------------------------------------------------------------
+
+import tracemalloc  # noqa: E402
+import zipfile  # noqa: E402
+
+from pcast_jax import fileio  # noqa: E402
+from pcast_jax.sweep import plan, store  # noqa: E402
+
+
+def _config_file_error(capsys, path) -> str:
+    from pcast_jax import cli
+
+    assert cli.main(["sweep", "--n", "64", "--seeds", "1", "--config-file", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pcast: error: --config-file="), err
+    return err[0]
+
+
+def _hostile(tmp_path, kind):
+    path = tmp_path / f"{kind}.toml"
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "binary":
+        path.write_bytes(bytes(range(256)) * 64)
+    elif kind == "deep_array":
+        path.write_text("a = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    elif kind == "deep_table":
+        path.write_text("a = " + "{b = " * 5_000 + "1" + "}" * 5_000 + "\n")
+    elif kind == "huge":
+        with open(path, "w") as f:
+            f.write("[[kernel]]\nname = 'x'\n" + "# padding\n" * (fileio.MAX_TEXT_BYTES // 10 + 1))
+    return path
+
+
+@pytest.mark.parametrize("kind, needle", [
+    ("directory", "not a regular file"), ("binary", "not UTF-8 text"), ("deep_array", "nests deeper than 64"),
+    ("deep_table", "nests deeper than 64"), ("huge", "at most 4 MiB"), ("missing", "does not exist"),
+])
+def test_hostile_config_files_give_one_line_naming_the_option(tmp_path, capsys, kind, needle):
+    line = _config_file_error(capsys, _hostile(tmp_path, kind))
+    assert needle in line, line
+
+
+def test_an_endless_device_as_config_file_is_refused_without_reading_it(capsys):
+    tracemalloc.start()
+    try:
+        line = _config_file_error(capsys, "/dev/zero")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "--config-file='/dev/zero' is not a regular file" in line
+    assert peak < 64 * 2**20, peak
+
+
+def test_a_config_file_within_the_bounds_still_loads(tmp_path, capsys):
+    from pcast_jax.commands import _options
+
+    path = tmp_path / "ok.toml"
+    nested = "note = " + "[" * 30 + "1" + "]" * 30 + "\n"  # deep, but within the bound: only the keys are refused
+    path.write_text("[[kernel]]\nname = 'mine[[[{{'\nscale = 64.0\n# [[[[ [ [ { in a comment\n")
+    assert [c.name for c in _options.config_file(path)] == ["mine[[[{{"]
+    path.write_text("[[kernel]]\nname = 'mine'\n" + nested)
+    with pytest.raises(PcastError, match=r"--config-file=.*kernel 1.*note"):
+        _options.config_file(path)
+
+
+def test_a_deeply_nested_spec_json_is_refused_naming_the_file(tmp_path, monkeypatch, no_compute):
+    out = tmp_path / "out"
+    _claim(out, _spec(), monkeypatch)
+    (out / "spec.json").write_text('{"spec": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    with pytest.raises(PcastError, match=r"spec.json nests deeper than 64 levels.*spec.json is unreadable"):
+        sweep.run_sweep(_spec(), out_dir=out)
+
+
+def _npz_bomb(path, *, inflated: int, header_shape=None):
+    """An .npz whose one member inflates to ``inflated`` bytes (or whose header claims ``header_shape``)."""
+    shape = header_shape or (inflated // 4,)
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
+        with zf.open("m_mse.npy", "w", force_zip64=True) as f:
+            f.write(header.getvalue())
+            block = bytes(2**20)
+            for _ in range(inflated // len(block)):
+                f.write(block)
+    return path
+
+
+def _chunk_of(spec, out):
+    layout = store.read_manifest(out)["layout"]
+    unit = plan.units(spec, layout)[0]
+    return unit, store.chunk_path(out, spec, unit)
+
+
+@pytest.mark.parametrize("bomb", ["inflates", "lying_header"])
+def test_a_chunk_that_inflates_is_refused_in_bounded_memory_and_recomputed(tmp_path, bomb):
+    out = tmp_path / "out"
+    spec = _spec()
+    first = sweep.run_sweep(spec, out_dir=out, progress=False)
+    unit, path = _chunk_of(spec, out)
+    size = 64 * 2**20 if bomb == "inflates" else 2**20
+    _npz_bomb(path, inflated=size, header_shape=None if bomb == "inflates" else (2**40,))
+    assert path.stat().st_size < 2 * 2**20  # small on disk
+    tracemalloc.start()
+    try:
+        why = store.check_chunk(path, spec, unit)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert isinstance(why, str) and ("inflates to" in why or "declares" in why), why
+    assert peak < 16 * 2**20, peak  # never the 64 MiB (or 4 TiB) the file claims
+    (out / "results.npz").unlink()
+    again = sweep.run_sweep(spec, out_dir=out, progress=False)  # removed and recomputed, bit for bit
+    for m in ("mse", "frac_zeroed"):
+        np.testing.assert_array_equal(again.data[m], first.data[m])
+
+
+def test_a_results_file_that_inflates_is_refused_naming_it(tmp_path):
+    out = tmp_path / "out"
+    sweep.run_sweep(_spec(), out_dir=out, progress=False)
+    _npz_bomb(out / "results.npz", inflated=64 * 2**20)
+    with pytest.raises(PcastError, match=r"results.npz.* inflates to 64 MiB; at most"):
+        sweep.load_result(out)
+
+
+def test_a_scores_file_with_a_lying_header_is_refused_naming_the_option(tmp_path, capsys):
+    from pcast_jax import cli
+
+    path = tmp_path / "scores.npy"
+    with open(path, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": (2**20, 2**20)})
+        f.write(bytes(64))
+    assert cli.main(["whatif", "optimal-scale", "--scores", str(path), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--scores=" in err[0] and "declares (1048576, 1048576)" in err[0], err
+    np.save(path, np.zeros((2, 3), np.float32))
+    assert fileio.load_npy(path, what="x", max_bytes=2**10).shape == (2, 3)
+    np.save(path, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(PcastError, match="holds Python objects"):
+        fileio.load_npy(path, what="--scores", max_bytes=2**10)

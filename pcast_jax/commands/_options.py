@@ -21,6 +21,7 @@ import numpy as np
 
 from pcast_jax.config import PRESETS, KernelConfig
 from pcast_jax.errors import PcastError, check_f32
+from pcast_jax.fileio import load_toml
 
 RANGE_HELP = "one value, a list 5,7,9, or start:stop:step with stop included (4:13:1 is 4, 5, …, 13)"
 CONFIG_HELP = ("one kernel as key=value pairs, e.g. 'name=mine,order=reverse,scale=64,block_kv=128,"
@@ -152,16 +153,8 @@ def kernel(option: str, text) -> KernelConfig:
 
 def config_file(path) -> list[KernelConfig]:
     """Kernels of a TOML file: a list of ``[[kernel]]`` tables with :class:`KernelConfig`'s fields as keys."""
-    import tomllib
-
     path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
-    except FileNotFoundError:
-        raise PcastError(f"--config-file={str(path)!r} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise PcastError(f"--config-file={str(path)!r} is not valid TOML: {exc}") from None
+    doc = load_toml(path, what=f"--config-file={str(path)!r}")  # bounded in size and depth
     tables = doc.get("kernel")
     extra = sorted(set(doc) - {"kernel"})
     if extra:

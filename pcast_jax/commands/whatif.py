@@ -12,12 +12,13 @@ import argparse
 import time
 from pathlib import Path
 
-import numpy as np
-
 from pcast_jax import report
 from pcast_jax.commands import _options
 from pcast_jax.errors import PcastError
+from pcast_jax.fileio import load_npy
 
+#: Largest ``--scores`` file read: 1 GiB (2^28 float32 logits).
+MAX_SCORES_BYTES = 2**30
 ANALYSES = ("validate", "worst-delta", "optimal-scale", "calibrate", "dynamic", "report")
 
 
@@ -161,10 +162,7 @@ def _run(args: argparse.Namespace, analysis: str) -> list[dict]:
                   surrogate=sur, start_log2_scale=args.start, steps=args.steps, base_seed=args.base_seed,
                   curve_points=0)
         if args.scores:
-            try:
-                scores = np.load(args.scores, allow_pickle=False)
-            except (OSError, ValueError) as exc:
-                raise PcastError(f"--scores={args.scores!r} is not a readable .npy array ({exc})") from None
+            scores = load_npy(args.scores, what=f"--scores={args.scores!r}", max_bytes=MAX_SCORES_BYTES)
             r = whatif.optimal_scale(scores=scores, **kw)
         else:
             r = whatif.optimal_scale(SinkWorkload(n=args.n, q_len=args.q_len), **kw)

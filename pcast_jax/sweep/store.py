@@ -13,11 +13,9 @@ and recomputed, never read. ``results.npz`` carries the fingerprint and the axis
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
-import struct
-import zipfile
-import zlib
 from pathlib import Path
 
 import jax
@@ -25,7 +23,7 @@ import numpy as np
 
 from pcast_jax import __version__, metrics
 from pcast_jax.errors import PcastError
-from pcast_jax.fileio import atomic_write, clean_stale_temps, create_exclusive
+from pcast_jax.fileio import atomic_write, clean_stale_temps, create_exclusive, load_json, load_npz, read_bounded
 from pcast_jax.sweep.plan import Unit
 from pcast_jax.sweep.spec import FORMAT_VERSION, SweepResult, SweepSpec
 
@@ -33,8 +31,6 @@ __all__ = ["claim_dir", "read_manifest", "check_layout", "chunk_path", "save_chu
            "empty_results", "fill", "check_finite_metrics", "skipped_metrics", "scan", "merge", "write_results",
            "load_result", "write_probe", "check_probes", "probe_path", "COORD_PREFIX"]
 
-#: What reading a damaged ``.npz`` can raise.
-_NPZ_ERRORS = (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile, zlib.error, struct.error)
 
 
 def _save_npz(path: Path, arrays: dict) -> None:
@@ -77,13 +73,12 @@ def read_manifest(out: Path) -> dict:
       PcastError: one line naming the file, whatever the damage.
     """
     path = Path(out) / "spec.json"
+    if not path.exists():
+        raise PcastError(f"out_dir={str(out)!r}: spec.json does not exist (not a sweep folder?)")
     try:
-        saved = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise PcastError(f"out_dir={str(out)!r}: spec.json does not exist (not a sweep folder?)") from None
-    except (OSError, ValueError) as exc:
-        raise PcastError(f"out_dir={str(out)!r}: spec.json is unreadable or damaged ({exc}); delete the "
-                         "folder or use another one") from None
+        saved = load_json(path, what=f"out_dir={str(out)!r}: spec.json")  # bounded in size and depth
+    except PcastError as exc:
+        raise PcastError(f"{exc}: spec.json is unreadable or damaged; delete the folder or use another one") from None
     try:
         if not isinstance(saved, dict) or not isinstance(saved.get("spec"), dict):
             raise PcastError("it holds no sweep spec")
@@ -167,6 +162,13 @@ def save_chunk(path: Path, spec: SweepSpec, unit: Unit, vals: dict) -> None:
     _save_npz(path, {**_chunk_tags(spec, unit), **{f"m_{k}": v for k, v in vals.items()}})
 
 
+def _npz_bound(spec: SweepSpec, shape: tuple[int, ...]) -> int:
+    """Most bytes a store ``.npz`` of metric arrays shaped ``shape`` may inflate to: its arrays,
+    its coordinates and tags, and 1 MiB of headers."""
+    coords = 8 * (len(spec.ns) + len(spec.deltas) + spec.seeds) + 256 * len(spec.configs)
+    return 4 * math.prod(shape) * len(metrics.METRICS) + coords + 2**20
+
+
 def check_chunk(path: Path, spec: SweepSpec, unit: Unit) -> dict[str, np.ndarray] | str:
     """A chunk file's metrics, or why it cannot be trusted ("missing" when there is no file).
 
@@ -174,27 +176,27 @@ def check_chunk(path: Path, spec: SweepSpec, unit: Unit) -> dict[str, np.ndarray
     must be exactly the sweep's metric set, each float32 of shape (seeds, deltas, configs).
     """
     want = _chunk_tags(spec, unit)
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            files = set(z.files)
-            for key, ref in want.items():
-                if key not in files:
-                    return f"no {key!r} entry"
-                got = z[key]
-                same = (str(got) == str(ref)) if key == "fingerprint" else (
-                    got.shape == ref.shape and np.array_equal(got.astype(ref.dtype), ref))
-                if not same:
-                    return f"{key} {got.tolist()!r} is not {ref.tolist()!r}"
-            vals = {k[2:]: z[k] for k in files if k.startswith("m_")}
-            extra = files - set(want) - {f"m_{m}" for m in metrics.METRICS}
-    except FileNotFoundError:
-        return "missing"
-    except _NPZ_ERRORS as exc:
-        return f"unreadable ({type(exc).__name__}: {exc})"
-    if set(vals) != set(metrics.METRICS) or extra:
-        return f"entries {sorted(files)} are not the sweep's metrics {sorted(metrics.METRICS)}"
     s0, s1, d0, d1 = unit.bounds
     shape = (s1 - s0, d1 - d0, len(spec.configs))
+    if not path.exists():
+        return "missing"
+    try:  # never inflates more than the chunk's own arrays (and a margin for its tags) need
+        z = load_npz(path, what=f"chunk {path.name}", max_bytes=_npz_bound(spec, shape))
+    except PcastError as exc:
+        return f"unreadable ({exc})"
+    files = set(z)
+    for key, ref in want.items():
+        if key not in files:
+            return f"no {key!r} entry"
+        got = z[key]
+        same = (str(got) == str(ref)) if key == "fingerprint" else (
+            got.shape == ref.shape and np.array_equal(got.astype(ref.dtype), ref))
+        if not same:
+            return f"{key} {got.tolist()!r} is not {ref.tolist()!r}"
+    vals = {k[2:]: z[k] for k in files if k.startswith("m_")}
+    extra = files - set(want) - {f"m_{m}" for m in metrics.METRICS}
+    if set(vals) != set(metrics.METRICS) or extra:
+        return f"entries {sorted(files)} are not the sweep's metrics {sorted(metrics.METRICS)}"
     for m, v in vals.items():
         if v.shape != shape or v.dtype != np.float32:
             return f"{m} is {v.dtype}{list(v.shape)}, expected float32{list(shape)}"
@@ -331,11 +333,7 @@ def load_result(out_dir: str | os.PathLike) -> SweepResult:
         raise PcastError(f"out_dir={str(out)!r} has no results.npz (sweep not finished?)")
     saved = read_manifest(out)
     spec = saved["spec"]
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            data = {k: z[k] for k in z.files}
-    except _NPZ_ERRORS as exc:
-        raise PcastError(f"{str(path)!r} is unreadable or damaged ({type(exc).__name__}: {exc})") from None
+    data = load_npz(path, what=f"{str(path)!r}", max_bytes=_npz_bound(spec, _result_shape(spec)))
     tag = data.pop("fingerprint", None)  # absent in files written before results carried it
     if tag is not None and str(tag) != spec.fingerprint():
         raise PcastError(f"{str(path)!r} belongs to another sweep (fingerprint {str(tag)!r}) than its "
@@ -380,8 +378,8 @@ def check_probes(out: Path, num_processes: int, token: str) -> None:
     unseen = []
     for p in range(num_processes):
         try:
-            ok = probe_path(out, p, token).read_text() == token
-        except OSError:
+            ok = read_bounded(probe_path(out, p, token), what="probe", max_bytes=len(token)) == token.encode()
+        except PcastError:
             ok = False
         if not ok:
             unseen.append(p)
