@@ -195,7 +195,23 @@ def _threshold_core(delta, scale, k, sigma, *, cast_log):
 
 @functools.partial(jax.jit, static_argnames=("cast_log",))
 def _fraction_core(delta, scale, k, sigma, *, cast_log):
-    return _prob(norm.cdf(_threshold_core(delta, scale, k, sigma, cast_log=cast_log) / sigma))
+    # (Δ + σδk − c − ln S)/σ = (Δ − c − ln S)/σ + δk, with a gradient in σ finite down to σ → 0
+    return _prob(norm.cdf(_over_sigma(delta - cast_log - jnp.log(scale), sigma) + _delta_k_core(k)))
+
+
+#: |a/σ| past which Φ is flat (Φ(−40) and 1 − Φ(40) are 0 in float64): clamped, gradient 0 there.
+_Z_FLAT = 40.0
+
+
+def _over_sigma(a, sigma):
+    """a/σ with a gradient in σ that stays finite as σ → 0 (never 0·inf = NaN).
+
+    Where |a| > 40σ the value is clamped to ±40 (Φ is flat) and σ is replaced before the division,
+    so no infinite partial is formed; elsewhere |a/σ| ≤ 40 and d(a/σ)/dσ = −(a/σ)/σ is finite.
+    """
+    flat = jnp.abs(a) > _Z_FLAT * sigma
+    safe = jnp.where(flat, 1.0, sigma)
+    return jnp.where(flat, jnp.sign(a) * _Z_FLAT, a * jnp.exp(-jnp.log(safe)))
 
 
 def _prob(x):
@@ -240,7 +256,7 @@ def collapse_fraction_spread(delta, scale, *, k_sink=4, sigma=1.0, fmt="e4m3"):
 
 @functools.partial(jax.jit, static_argnames=("cast_log",))
 def _spread_core(delta, scale, k, sigma, *, cast_log):
-    offset = (delta - cast_log - jnp.log(scale)) / sigma
+    offset = _over_sigma(delta - cast_log - jnp.log(scale), sigma)
     offset, k = jnp.broadcast_arrays(offset, k)
     return _prob(_expect_over_max(lambda x: norm.cdf(offset[..., None] + x), k))
 
@@ -347,7 +363,7 @@ def _per_row_mass_core(delta, k, rest, sigma):
 # --------------------------------------------------------------------------------------------
 def _check_n(n, k_sink):
     check_values("n", n, lo=1.0, float32=True)
-    n_arr, k_arr = host_values(n), host_values(k_sink)
+    n_arr, k_arr = host_values(n, "n"), host_values(k_sink, "k_sink")
     if n_arr is not None and k_arr is not None and np.any(n_arr - k_arr < 1):
         raise PcastError(f"{shown_value('n', n, np.min(n_arr))} must be > k_sink={np.max(k_arr):g} "
                          "(at least one non-sink token)")
@@ -658,6 +674,7 @@ def block_element_threshold(block_max, *, fmt="nvfp4", exact=True):
     version is jit-able and piecewise constant (MX) or piecewise linear in a through the rounding.
     """
     bf, emax_val, r_e, emax, _ = _block_parts(fmt)
+    check_values("block_max", block_max, lo=0.0, float32=True)
     a = jnp.asarray(block_max, _float_dtype())
     if bf.is_mx:
         if not exact:
@@ -741,8 +758,7 @@ def block_collapse_fraction(delta, scale, *, fmt="nvfp4", n=4096, k_sink=4, sigm
         raise PcastError(f"block_collapse_fraction needs 1 <= k_sink <= {kb} (one scale block holds the sinks) "
                          f"and n >= {2 * kb}; got k_sink={k_sink!r}, n={n!r}")
     check_values("sigma", sigma, lo=0.0, strict=True, float32=True, max_abs=_SIGMA_MAX)
-    d, s = _arrays(delta, scale)
-    sg = float(sigma)
+    d, s, sg = _arrays(delta, scale, sigma)  # σ may be traced too (grad in σ)
     u = (jnp.arange(16, dtype=_float_dtype()) + 0.5) / 16.0  # midpoints of the fractional part
     if bf.is_mx:
         lu = ((emax + u) * LN2 - math.log(r_e)) / sg  # (16,)

@@ -183,6 +183,21 @@ CASES = [
     ("theory_k_below_one", lambda: _theory().delta_k(0.5), ["k=0.5", ">= 1"]),
     ("theory_max_model_unknown", lambda: _theory().reverse_underflow_prob(100, 256.0, max_model="gumbel"),
      ["max_model='gumbel'", "'eq11'"]),
+    # API edges: integers past int32, malformed masks, non-numbers, complex numbers, integers past float
+    ("q_offset_beyond_int32", lambda: engine.attention(_SCORES, _V, KernelConfig(causal=True), q_offset=2**31),
+     ["q_offset=2147483648", "<= 2147483645"]),
+    ("count_mask_strings", lambda: engine.attention(_SCORES, _V, "fwd_s1", count_mask="abcdefgh"),
+     ["count_mask.dtype=<U8", "integer"]),
+    ("count_mask_ragged", lambda: engine.attention(_SCORES, _V, "fwd_s1", count_mask=[1, 0, [1], 1, 1, 1, 1, 1]),
+     ["count_mask", "real numbers"]),
+    ("cast_string", lambda: formats.cast("abc"), ["x='abc'", "real numbers"]),
+    ("cast_complex", lambda: formats.cast(np.array([1 + 2j])), ["x=array([1.+2.j])", "complex"]),
+    ("theory_delta_complex", lambda: _theory().collapse_fraction(7 + 1j, 256.0), ["delta=(7+1j)", "complex"]),
+    ("theory_delta_huge_integer", lambda: _theory().collapse_fraction(10**400, 256.0),
+     ["delta=1000000", "beyond float range"]),
+    ("theory_block_max_negative", lambda: _theory().block_element_threshold(-1.0), ["block_max=-1.0", ">= 0"]),
+    ("theory_block_max_inf", lambda: _theory().block_element_threshold(INF), ["block_max=inf", "finite"]),
+    ("scale_huge_integer", lambda: KernelConfig(scale=10**400), ["scale=1000000", "beyond float range"]),
     # every loop a user can size has a bound; options are checked before any work
     ("worst_delta_range_unbounded", lambda: _whatif().worst_case_delta("fwd_s1", 64, delta_range=(0.0, 1e6)),
      ["delta_range=(0.0, 1000000.0)", "at most 4096"]),
@@ -827,3 +842,29 @@ def test_a_scores_file_with_a_lying_header_is_refused_naming_the_option(tmp_path
     np.save(path, np.array([{"a": 1}], dtype=object), allow_pickle=True)
     with pytest.raises(PcastError, match="holds Python objects"):
         fileio.load_npy(path, what="--scores", max_bytes=2**10)
+
+
+# --------------------------------------------------------------------------------------------
+# Theory gradients in sigma: finite down to sigma -> 0 and equal to finite differences at sigma = 1
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["collapse_fraction", "collapse_fraction_spread"])
+@pytest.mark.parametrize("sigma", [1e-3, 1e-10, 1e-30, 1e-37])
+@pytest.mark.parametrize("delta", [7.0, 11.45, 30.0])
+def test_collapse_fraction_gradient_in_sigma_is_finite_near_zero(name, sigma, delta):
+    fn = getattr(theory, name)
+    grad = jax.grad(lambda s: fn(delta, 256.0, sigma=s))(sigma)
+    assert np.isfinite(grad) and np.isfinite(fn(delta, 256.0, sigma=sigma)), grad
+
+
+@pytest.mark.parametrize("name, kw", [("collapse_fraction", {}), ("collapse_fraction_spread", {}),
+                                      ("block_collapse_fraction", {"fmt": "nvfp4"}),
+                                      ("block_collapse_fraction", {"fmt": "mxfp8"})])
+def test_sigma_gradients_equal_finite_differences(name, kw):
+    fn = getattr(theory, name)
+    for delta in (7.0, 11.0):
+        grad = float(jax.grad(lambda s: fn(delta, 256.0, sigma=s, **kw))(1.0))
+        h = 1e-2
+        fd = (float(fn(delta, 256.0, sigma=1.0 + h, **kw)) - float(fn(delta, 256.0, sigma=1.0 - h, **kw))) / (2 * h)
+        assert np.isfinite(grad) and abs(grad - fd) <= 2e-2 * abs(fd) + 1e-5, (delta, grad, fd)
