@@ -315,3 +315,24 @@ def test_a_process_that_already_ran_jax_is_never_forked(monkeypatch):
     bad = argparse.Namespace(**{**vars(args), "process_id": 2})
     with pytest.raises(PcastError, match="process_id=2 must be <= 1"):  # checked before anything else
         _distributed.supervise(bad)
+
+
+@pytest.mark.parametrize("fmt", ["json", "csv"])
+def test_stdout_carries_only_the_requested_output_on_every_process(tmp_path, launched, fmt):
+    """The runtime's own lines (Gloo's "[Gloo] Rank N is connected ...") never reach stdout."""
+    import csv
+    import io
+    import json
+
+    port, out = _free_port(), tmp_path / "out"
+    tiny = [a if a != "4000" else "4" for a in SWEEP] + ["--format", fmt]
+    launched += [_start(out, port, i, sweep=tiny, stdout=subprocess.PIPE) for i in range(2)]
+    outputs = []
+    for p in launched:
+        stdout, err = p.communicate(timeout=INIT_S + 60)
+        assert p.returncode == 0, err[-2000:]
+        assert "[Gloo]" not in stdout + err, (stdout[-2000:], err[-2000:])  # stderr: the supervisor drops them
+        outputs.append(stdout)
+    rows = json.loads(outputs[0]) if fmt == "json" else list(csv.DictReader(io.StringIO(outputs[0])))
+    assert len(rows) == 1 and rows[0]["config"] == "fwd_s1" and float(rows[0]["mse_mean"]) > 0, rows
+    assert outputs[1].strip() in ("", outputs[0].strip()), outputs[1][-2000:]  # nothing, or the same result
