@@ -271,10 +271,13 @@ def _native_cause(text: str, args: argparse.Namespace) -> str:
     reason = (fatal[-1] if fatal else text).split("absl::Status:", 1)[-1].strip()
     low = reason.lower()
     heartbeat = getattr(args, "heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT_S)
+    from pcast_jax.sweep.multihost import duplicate_id_text
+
     twice = re.search(r"(\d+) unexpectedly tried to connect with a different incarnation", reason)
     if twice:
-        return (f"process {twice.group(1)} connected twice: two processes were started with "
-                f"--process-id {twice.group(1)} (each id must be given to exactly one process), or it restarted")
+        return duplicate_id_text(twice.group(1))
+    if "already_exists" in low and "incarnation" in low:  # this process's id was taken over by another
+        return duplicate_id_text(getattr(args, "process_id", None))
     if "heartbeat" in low:
         # The runtime lists the silent processes on the next line: "1", or "/job:…/task:1".
         listed = (re.findall(r"stopped sending heartbeats\):[ \t]*\n?([^\n]*)", text, re.I) or [""])[-1]
