@@ -202,8 +202,8 @@ def read_bounded(path, *, what: str, max_bytes: int) -> bytes:
     A directory, a device (``/dev/zero``), a pipe or a missing file is refused with one line; never
     more than ``max_bytes`` + 1 bytes are read, whatever the file claims or does while it is read.
     """
-    try:
-        with open(path, "rb") as f:
+    try:  # non-blocking: opening a pipe must not wait for a writer
+        with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
             st = os.fstat(f.fileno())
             if not stat.S_ISREG(st.st_mode):
                 raise PcastError(f"{what} is not a regular file (a directory, device or pipe)")

@@ -234,6 +234,15 @@ def test_case_ids_are_unique_and_many():
     assert len(ids) >= 30
 
 
+def test_readme_counts_the_cases_of_this_file():
+    import re
+    from pathlib import Path
+
+    text = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    found = re.search(r"(\d+) kinds of bad input to the Python API and (\d+) on the `pcast` command line", text)
+    assert found and (int(found[1]), int(found[2])) == (len(CASES), len(_CLI_CASES)), found
+
+
 # --------------------------------------------------------------------------------------------
 # The sweep: refuse before any work, never write where it cannot, never mix two sweeps
 # --------------------------------------------------------------------------------------------
@@ -724,6 +733,8 @@ def _hostile(tmp_path, kind):
     path = tmp_path / f"{kind}.toml"
     if kind == "directory":
         path.mkdir()
+    elif kind == "pipe":  # opening it for reading would wait for a writer forever
+        os.mkfifo(path)
     elif kind == "binary":
         path.write_bytes(bytes(range(256)) * 64)
     elif kind == "deep_array":
@@ -737,7 +748,7 @@ def _hostile(tmp_path, kind):
 
 
 @pytest.mark.parametrize("kind, needle", [
-    ("directory", "not a regular file"), ("binary", "not UTF-8 text"), ("deep_array", "nests deeper than 64"),
+    ("directory", "not a regular file"), ("pipe", "not a regular file"), ("binary", "not UTF-8 text"), ("deep_array", "nests deeper than 64"),
     ("deep_table", "nests deeper than 64"), ("huge", "at most 4 MiB"), ("missing", "does not exist"),
 ])
 def test_hostile_config_files_give_one_line_naming_the_option(tmp_path, capsys, kind, needle):
