@@ -437,13 +437,17 @@ def attention(
 
 
 def _check_output(res: AttentionResult, v, cfg: KernelConfig) -> AttentionResult:
-    """An eager call's result, or a PcastError saying why its output is not finite (never a silent inf)."""
-    if not _concrete(res.out) or bool(jnp.all(jnp.isfinite(res.out))):
+    """An eager call's result, or a PcastError saying why its output is not finite (never a silent inf).
+
+    A config with ``overflow='nan'`` asks for NaN where P·S ≥ 464 (ml_dtypes' cast): only inf is refused there.
+    """
+    ok = ~jnp.isinf(res.out) if cfg.overflow == "nan" else jnp.isfinite(res.out)
+    if not _concrete(res.out) or bool(jnp.all(ok)):
         return res
-    why = ("overflow='nan' turns P*S >= 464 into NaN" if cfg.overflow == "nan" else
-           f"the accumulator of P*V ({'f16' if cfg.accumulator == 'f16' else 'float32'}) overflowed")
+    acc = "f16" if cfg.accumulator == "f16" else "float32"
     raise PcastError(f"v (max |v| = {float(jnp.max(jnp.abs(v))):.3g}) gives a non-finite output for "
-                     f"config={cfg.name!r}: {why}; scale v down (the output is linear in v)")
+                     f"config={cfg.name!r}: the accumulator of P*V ({acc}) overflowed; scale v down "
+                     "(the output is linear in v)")
 
 
 def reference_probs(scores, *, causal: bool = False, q_offset: int | None = None):
