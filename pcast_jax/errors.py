@@ -20,6 +20,7 @@ __all__ = [
     "check_values",
     "check_f32",
     "F32_MAX",
+    "F32_TINY",
     "host_values",
     "shown_value",
     "EXIT_ERROR",
@@ -81,10 +82,16 @@ def check_finite(param: str, value, *, float32: bool = False, max_abs: float | N
     return float(value)
 
 
+#: Smallest normal float32: a positive parameter below it would be subnormal or 0 in float32.
+F32_TINY = float(np.finfo(np.float32).tiny)
+
+
 def check_positive(param: str, value, *, float32: bool = False, max_abs: float | None = None) -> float:
     v = check_finite(param, value, float32=float32, max_abs=max_abs)
     if v <= 0:
         raise PcastError(f"{param}={value!r} must be > 0")
+    if float32 and v < F32_TINY:
+        raise PcastError(f"{param}={value!r} must be >= {F32_TINY:.4g} (smaller is subnormal or 0 in float32)")
     return v
 
 

@@ -142,6 +142,8 @@ CASES = [
      ["sink_positions=3", "sequence"]),
     ("sigma_zero", lambda: workloads.SinkWorkload(sigma=0.0), ["sigma=0.0", "> 0"]),
     ("sigma_v_nan", lambda: workloads.SinkWorkload(sigma_v=NAN), ["sigma_v=nan", "finite"]),
+    ("sigma_zero_in_float32", lambda: workloads.SinkWorkload(sigma=1e-46), ["sigma=1e-46", ">= 1.175e-38"]),
+    ("sigma_v_subnormal", lambda: workloads.SinkWorkload(sigma_v=1e-40), ["sigma_v=1e-40", "subnormal"]),
     ("instance_delta_nan", lambda: workloads.make_instance(jax.random.PRNGKey(0), workloads.SinkWorkload(n=8), NAN),
      ["delta=nan", "finite"]),
     ("instance_delta_inf", lambda: workloads.make_instance(jax.random.PRNGKey(0), workloads.SinkWorkload(n=8), -INF),
@@ -879,3 +881,24 @@ def test_sigma_gradients_equal_finite_differences(name, kw):
         h = 1e-2
         fd = (float(fn(delta, 256.0, sigma=1.0 + h, **kw)) - float(fn(delta, 256.0, sigma=1.0 - h, **kw))) / (2 * h)
         assert np.isfinite(grad) and abs(grad - fd) <= 2e-2 * abs(fd) + 1e-5, (delta, grad, fd)
+
+
+@pytest.mark.parametrize("fmt", ["table", "csv", "json", "md"])
+def test_one_seed_or_a_switched_off_metric_is_missing_never_nan(tmp_path, monkeypatch, capsys, fmt):
+    """A summary never prints nan: one seed has no standard error, a metric switched off has no mean."""
+    import csv as csv_
+
+    from pcast_jax import cli
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["sweep", "--n", "64", "--seeds", "1", "--q-len", "2", "--d", "4", "--configs", "fwd_s1", "--no-progress",
+            "--no-expected-mse", "--out", "o", "--format", fmt]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "nan" not in out.lower(), out
+    if fmt in ("table", "md"):
+        assert "± n/a" in out
+    with open(tmp_path / "o" / "summary.csv", newline="") as f:
+        (row,) = list(csv_.DictReader(f))
+    assert row["mse_sem"] == "" and row["mse_expected_mean"] == "" and float(row["mse_mean"]) > 0, row
+    assert "nan" not in (tmp_path / "o" / "summary.csv").read_text().lower()

@@ -23,7 +23,7 @@ from pcast_jax.config import KernelConfig, resolve
 from pcast_jax.engine import ENGINES
 from pcast_jax.errors import PcastError, check_choice, check_finite, check_int
 from pcast_jax.fileio import atomic_write
-from pcast_jax.stats import mean_sem
+from pcast_jax.stats import summary_cells
 from pcast_jax.workloads import DELTA_MAX, SinkWorkload
 
 __all__ = ["FORMAT_VERSION", "SIMULATOR_VERSION", "SweepSpec", "SweepResult", "check_spec", "instance_key",
@@ -293,7 +293,7 @@ class SweepResult:
                 for di, dlt in enumerate(s.deltas):
                     row = {"n": n, "config": c, "delta": dlt, "seeds": s.seeds, **work}
                     for m, arr in self.data.items():
-                        row[f"{m}_mean"], row[f"{m}_sem"] = mean_sem(arr[ni, ci, di])
+                        row[f"{m}_mean"], row[f"{m}_sem"] = summary_cells(arr[ni, ci, di])
                     rows.append(row)
         return rows
 
