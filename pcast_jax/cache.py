@@ -10,15 +10,22 @@ from disk instead of compiling it.
 * A folder set already through JAX (``JAX_COMPILATION_CACHE_DIR`` or ``jax.config``) is kept.
 * A folder that cannot be created or written leaves the cache off, silently: a cache is never a
   reason to fail.
+* Every entry is verified before it is used (:class:`VerifiedCache`): the project writes each
+  compiled program under its own key (JAX's key and a tag) with a SHA-256 of key and content, and
+  reads back only an entry whose digest matches. A damaged entry, or one copied from another key or
+  another program, is removed and the program compiled and written again: replaced once, never
+  trusted, never a warning on every later run. A JAX without the hook this needs runs with the
+  cache off.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["ENV_VAR", "default_cache_dir", "setup_compilation_cache"]
+__all__ = ["ENV_VAR", "default_cache_dir", "setup_compilation_cache", "VerifiedCache"]
 
 #: Environment variable that turns the cache off (0) or names its folder.
 ENV_VAR = "PCAST_JAX_COMPILATION_CACHE"
@@ -73,7 +80,7 @@ def setup_compilation_cache(enabled: bool | None = None, path: str | os.PathLike
     if path is None:
         path = env if env and env.lower() not in _ON else default_cache_dir()
     folder = Path(path).expanduser()
-    if not _writable(folder):
+    if not _writable(folder) or not _verify_entries():
         return None
     try:
         jax.config.update("jax_compilation_cache_dir", str(folder))
@@ -84,3 +91,80 @@ def setup_compilation_cache(enabled: bool | None = None, path: str | os.PathLike
     _state.pop("off", None)
     _state["dir"] = folder
     return folder
+
+
+#: Start of every entry the project writes; the SHA-256 of key and content follows, then the content.
+_MAGIC = b"pcast_jax compiled program v1\n"
+#: Appended to JAX's key: the project's entries never share a name with another program's.
+_KEY_TAG = "-pcast1"
+
+
+class VerifiedCache:
+    """JAX's cache interface (``get``, ``put``) over its file cache, every entry verified before use.
+
+    ``put`` writes ``_MAGIC + sha256(key, content) + content`` under ``key + _KEY_TAG``, over any
+    entry already there (JAX only writes after it could not use one); ``get`` returns the content
+    only when the digest matches, and otherwise removes the entry (so the program is compiled and
+    written again, once).
+    """
+
+    def __init__(self, base):
+        self._base = base
+
+    @property
+    def _path(self):
+        return self._base._path
+
+    @_path.setter
+    def _path(self, value):
+        self._base._path = value
+
+    @staticmethod
+    def _digest(key: str, value: bytes) -> bytes:
+        return hashlib.sha256(key.encode() + b"\0" + value).digest()
+
+    def _remove(self, key: str) -> None:
+        for suffix in ("-cache", "-atime"):  # the file cache's names (jax._src.lru_cache)
+            try:
+                os.unlink(Path(str(self._path)) / f"{key}{_KEY_TAG}{suffix}")
+            except (OSError, TypeError, AttributeError):
+                pass
+
+    def get(self, key: str) -> bytes | None:
+        raw = self._base.get(key + _KEY_TAG)
+        if raw is None:
+            return None
+        head = len(_MAGIC) + 32
+        if raw[:len(_MAGIC)] == _MAGIC and raw[len(_MAGIC):head] == self._digest(key, raw[head:]):
+            return raw[head:]
+        self._remove(key)  # damaged, truncated, or another key's or program's: never used
+        return None
+
+    def put(self, key: str, value: bytes) -> None:
+        self._remove(key)  # JAX writes only after it could not use what is there: replace it
+        self._base.put(key + _KEY_TAG, _MAGIC + self._digest(key, value) + value)
+
+    def clear(self):
+        if hasattr(self._base, "clear"):
+            self._base.clear()
+
+
+def _verify_entries() -> bool:
+    """Make JAX's persistent cache a :class:`VerifiedCache`; False when this JAX has no hook for it."""
+    try:
+        from jax._src import compilation_cache as cc
+    except ImportError:
+        return False
+    original = getattr(cc, "get_file_cache", None)
+    if original is None or not hasattr(cc, "_cache"):
+        return False
+    if not getattr(original, "_pcast_verified", False):
+        def get_file_cache(path):
+            got = original(path)
+            return None if got is None else (VerifiedCache(got[0]), got[1])
+
+        get_file_cache._pcast_verified = True
+        cc.get_file_cache = get_file_cache
+    if cc._cache is not None and not isinstance(cc._cache, VerifiedCache):  # opened before: wrap it
+        cc._cache = VerifiedCache(cc._cache)
+    return True

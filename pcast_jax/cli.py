@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 from importlib import metadata
 
@@ -43,6 +44,12 @@ PROVIDED_ELSEWHERE: dict[str, str] = {"reproduce": "pcast_experiments"}
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # a value that starts with '-' and a digit is a value (--delta -2:2:1, --sigma -1e3), as
+        # Python 3.13 reads it; no option of pcast starts with '-' and a digit
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
+
     def error(self, message):  # one line, exit 2, like every other user error
         self.exit(2, f"{self.prog}: error: {message}\n")
 

@@ -35,8 +35,7 @@ __all__ = ["KernelConfig", "MMA_K", "QKV_GRANULARITIES", "SINK_MODES", "RESCALE_
 ORDERS = ("forward", "reverse")
 SCALE_MODES = ("multiply", "exponent", "dynamic")
 ACCUMULATORS = ("f32", "f16")
-#: Bounds on S: S, 1/S and S·ℓ (ℓ ≤ N < 2^27) stay finite, nonzero float32 numbers.
-SCALE_MIN, SCALE_MAX = 2.0**-100, 2.0**100
+SCALE_MIN, SCALE_MAX = numberline.SCALE_MIN, numberline.SCALE_MAX  # S, 1/S and S·ℓ stay in float32
 QKV_PRECISIONS = ("f32", "e4m3")
 QKV_GRANULARITIES = ("tensor", "head")
 SPLIT_LAYOUTS = ("contiguous", "strided")
@@ -474,6 +473,13 @@ def _field_types(cls) -> dict[str, type]:
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
 
+def _power(base: float, exp: float, sign: float) -> float:
+    """``sign · base^exp`` for a finite base > 0 and a finite exponent; ValueError otherwise."""
+    if not (0 < base < math.inf and math.isfinite(exp)):
+        raise ValueError("not a power")
+    return sign * base**exp
+
+
 def _parse_field(key: str, raw: str, kind: type):
     """One value of :meth:`KernelConfig.from_string`, as ``kind``; PcastError naming ``key``."""
     if kind is bool:
@@ -488,11 +494,14 @@ def _parse_field(key: str, raw: str, kind: type):
         except ValueError:
             raise PcastError(f"{key}={raw!r} must be an integer") from None
     if kind is float:
-        base, op, exp = raw.replace("**", "^").partition("^")
+        text = raw.replace("**", "^").strip()
+        sign = -1.0 if text.startswith("-") else 1.0  # -2^2 is -(2^2), as written in mathematics
+        base, op, exp = text.lstrip("+-").partition("^")
         try:
-            value = float(base) ** float(exp) if op else float(raw)
+            value = float(text) if not op else _power(float(base), float(exp), sign)
         except (ValueError, OverflowError):
-            raise PcastError(f"{key}={raw!r} must be a number (e.g. 256, 0.5, 2^8.807)") from None
+            raise PcastError(f"{key}={raw!r} must be a number (e.g. 256, 0.5, 2^8.807; a power's base "
+                             "> 0, both finite)") from None
         if not math.isfinite(value):
             raise PcastError(f"{key}={raw!r} must be finite")
         return value

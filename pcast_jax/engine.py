@@ -100,8 +100,8 @@ def _pv(p8, v):
 # --------------------------------------------------------------------------------------------
 
 
-def _real_array(name: str, x):
-    """``x`` as float32; complex, boolean, string and object inputs raise PcastError."""
+def _real_array(name: str, x, *, boolean: bool = False):
+    """``x`` as float32; complex, boolean (unless ``boolean``), string and object inputs raise PcastError."""
     dt = getattr(x, "dtype", None)
     if dt is None:
         try:
@@ -110,6 +110,8 @@ def _real_array(name: str, x):
             raise PcastError(f"{name} must be an array of real numbers ({exc})") from None
         dt = x.dtype
     dt = np.dtype(dt)
+    if boolean and dt == np.bool_:
+        return jnp.asarray(x, bool)
     if not (jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer)):
         raise PcastError(f"{name}.dtype={dt} is not supported: must be a real floating-point or integer type")
     return jnp.asarray(x, jnp.float32)
@@ -158,13 +160,13 @@ def _prepare(scores, v, cfg: KernelConfig, count_mask, q_offset):
     if q_len == 0 or n == 0 or v.shape[-1] == 0:
         raise PcastError(f"empty attention: scores.shape={scores.shape}, v.shape={v.shape}")
     _batch_shape("scores and v", scores.shape[:-2], v.shape[:-2])
-    if q_offset is not None and _concrete(q_offset):
-        q_offset = check_int("q_offset", q_offset, min_value=0)
+    if q_offset is not None and _concrete(q_offset):  # positions are int32: q_offset + q_len must fit
+        q_offset = check_int("q_offset", q_offset, min_value=0, max_value=2**31 - 1 - q_len)
     valid = block.causal_mask(q_len, n, q_offset) if cfg.causal else jnp.ones((q_len, n), bool)
     if count_mask is None:
         counted = valid
     else:
-        cm = jnp.asarray(count_mask, bool)
+        cm = _real_array("count_mask", count_mask, boolean=True).astype(bool)
         if cm.ndim < 1 or cm.shape[-1] != n:
             raise PcastError(f"count_mask.shape={cm.shape} must be (N,) = ({n},) (or (..., N))")
         _batch_shape("count_mask and scores", cm.shape[:-1], scores.shape[:-2])
@@ -540,7 +542,21 @@ def attention(
     # every block that the fast engine's one weighted sum cannot express: both engines run the scan.
     chained = cfg.mma_acc_bits and not cfg.mma_promote_keys
     fn = _scan_engine if engine == "scan" or chained else _fast_engine
-    return fn(scores, v, counted, cfg, sink)
+    return _check_output(fn(scores, v, counted, cfg, sink), v, cfg)
+
+
+def _check_output(res: AttentionResult, v, cfg: KernelConfig) -> AttentionResult:
+    """An eager call's result, or a PcastError saying why its output is not finite (never a silent inf).
+
+    A config with ``overflow='nan'`` asks for NaN where P·S ≥ 464 (ml_dtypes' cast): only inf is refused there.
+    """
+    ok = ~jnp.isinf(res.out) if cfg.overflow == "nan" else jnp.isfinite(res.out)
+    if not _concrete(res.out) or bool(jnp.all(ok)):
+        return res
+    acc = "f16" if cfg.accumulator == "f16" else "float32"
+    raise PcastError(f"v (max |v| = {float(jnp.max(jnp.abs(v))):.3g}) gives a non-finite output for "
+                     f"config={cfg.name!r}: the accumulator of P*V ({acc}) overflowed; scale v down "
+                     "(the output is linear in v)")
 
 
 def reference_probs(scores, *, causal: bool = False, q_offset: int | None = None, sink_logit=None):

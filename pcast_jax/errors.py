@@ -20,6 +20,7 @@ __all__ = [
     "check_values",
     "check_f32",
     "F32_MAX",
+    "F32_TINY",
     "host_values",
     "shown_value",
     "EXIT_ERROR",
@@ -55,7 +56,11 @@ def _range_limit(float32: bool, max_abs: float | None) -> float | None:
 
 
 def _range_text(limit: float) -> str:
-    return "finite in float32 (|x| <= 3.4e38)" if limit == F32_MAX else f"<= {limit:g} in magnitude"
+    if limit == F32_MAX:
+        return "finite in float32 (|x| <= 3.4e38)"
+    mantissa, exp = math.frexp(limit)
+    exact = f" = 2^{exp - 1}" if mantissa == 0.5 and limit >= 2**20 else ""  # a power of two: say which
+    return f"<= {limit:g}{exact} in magnitude"
 
 
 def check_finite(param: str, value, *, float32: bool = False, max_abs: float | None = None) -> float:
@@ -64,7 +69,11 @@ def check_finite(param: str, value, *, float32: bool = False, max_abs: float | N
     ``max_abs`` is a tighter bound for numbers that are squared or summed in float32.
     """
     if not _is_real(value):
-        raise PcastError(f"{param}={value!r} must be a real number")
+        raise PcastError(f"{param}={_short(value)} must be a real number")
+    try:
+        float(value)
+    except OverflowError:  # an integer beyond float64
+        raise PcastError(f"{param}={_short(value)} is beyond float range; it must be finite") from None
     if not math.isfinite(float(value)):
         raise PcastError(f"{param}={value!r} must be finite (got NaN or inf)")
     limit = _range_limit(float32, max_abs)
@@ -73,10 +82,16 @@ def check_finite(param: str, value, *, float32: bool = False, max_abs: float | N
     return float(value)
 
 
+#: Smallest normal float32: a positive parameter below it would be subnormal or 0 in float32.
+F32_TINY = float(np.finfo(np.float32).tiny)
+
+
 def check_positive(param: str, value, *, float32: bool = False, max_abs: float | None = None) -> float:
     v = check_finite(param, value, float32=float32, max_abs=max_abs)
     if v <= 0:
         raise PcastError(f"{param}={value!r} must be > 0")
+    if float32 and v < F32_TINY:
+        raise PcastError(f"{param}={value!r} must be >= {F32_TINY:.4g} (smaller is subnormal or 0 in float32)")
     return v
 
 
@@ -98,19 +113,35 @@ def check_int(param: str, value, *, min_value: int | None = None, max_value: int
     return v
 
 
-def host_values(value):
-    """``value`` as a float64 NumPy array when it is concrete host data; ``None`` for jax values."""
+def host_values(value, param: str = "value"):
+    """``value`` as a float64 NumPy array when it is concrete host data; ``None`` for jax values.
+
+    Booleans, complex numbers, numbers beyond float64 and lists that are not numbers raise one
+    :class:`PcastError` naming ``param`` (never a raw TypeError or OverflowError, never a silently
+    dropped imaginary part).
+    """
     if isinstance(value, (bool, np.bool_)):
-        raise PcastError(f"got a boolean {value!r} where a number was expected")
-    if isinstance(value, (numbers.Real, np.generic)):
-        return np.asarray(float(value))
-    if isinstance(value, np.ndarray):
-        if value.dtype == bool:
-            raise PcastError("got a boolean array where numbers were expected")
-        return value.astype(np.float64)
-    if isinstance(value, (list, tuple)):
-        return np.asarray(value, dtype=np.float64)
-    return None
+        raise PcastError(f"{param}: got a boolean {value!r} where a number was expected")
+    kind = getattr(getattr(value, "dtype", None), "kind", "")
+    if kind == "c" or (isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real)):
+        raise PcastError(f"{param}={_short(value)} is complex; it must be a real number")
+    if not isinstance(value, (numbers.Real, np.generic, np.ndarray, list, tuple)):
+        return None
+    try:
+        if isinstance(value, np.ndarray):
+            if value.dtype == bool:
+                raise PcastError(f"{param}: got a boolean array where numbers were expected")
+            return value.astype(np.float64)
+        return np.asarray(float(value) if isinstance(value, (numbers.Real, np.generic)) else value, np.float64)
+    except OverflowError:
+        raise PcastError(f"{param}={_short(value)} is beyond float range; it must be finite in float32") from None
+    except (TypeError, ValueError):
+        raise PcastError(f"{param}={_short(value)} must be real numbers") from None
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def shown_value(param: str, value, arr: np.ndarray) -> str:
@@ -129,7 +160,7 @@ def check_values(param: str, value, *, lo: float | None = None, strict: bool = F
     tighter bound for numbers that are squared or summed in float32. Traced and other jax values
     pass unchecked, so functions using this stay jit- and grad-able.
     """
-    arr = host_values(value)
+    arr = host_values(value, param)
     if arr is None:
         return
     bad = ~np.isfinite(arr)

@@ -1,21 +1,48 @@
-"""Atomic file writes: a reader never sees a half-written file, whatever kills the writer.
+"""Atomic file writes, and bounded reads of every file the project reads.
 
-Temporary files are named ``.<name>.<host>.<pid>.<random>.tmp`` beside their target: unique per
-process and call, and telling :func:`clean_stale_temps` whose they are, so that leftovers of a
-killed writer can be removed without touching the files of a writer that still runs.
+Writes: a reader never sees a half-written file, whatever kills the writer. Temporary files are
+named ``.<name>.<host>.<pid>.<random>.tmp`` beside their target: unique per process and call, and
+telling :func:`clean_stale_temps` whose they are, so that leftovers of a killed writer can be
+removed without touching the files of a writer that still runs.
+
+Reads (:func:`read_bounded`, :func:`load_json`, :func:`load_toml`, :func:`load_npy`,
+:func:`load_npz`): a file is opened only if it is a regular file no larger than its bound, at most
+that many bytes are ever read (a file that grows, or a device that never ends, changes nothing),
+JSON and TOML are refused past :data:`MAX_DEPTH` levels of nesting before they are parsed, and an
+``.npz`` member is refused when its declared size or its array header exceeds the bound, before
+anything is inflated or allocated. Every refusal is one :class:`~pcast_jax.errors.PcastError` line
+naming the option or file.
 """
 
 from __future__ import annotations
 
+import io
+import json
+import math
 import os
 import re
 import socket
+import stat
+import struct
 import tempfile
 import time
+import zipfile
+import zlib
 from pathlib import Path
 
+import numpy as np
+
+from pcast_jax.errors import PcastError
+
 __all__ = ["atomic_write", "create_exclusive", "temp_prefix", "temp_owner", "clean_stale_temps",
-           "STALE_TEMP_S"]
+           "STALE_TEMP_S", "read_bounded", "load_json", "load_toml", "load_npy", "load_npz", "MAX_TEXT_BYTES",
+           "MAX_DEPTH"]
+
+#: Largest JSON or TOML file read (spec.json, --config-file): 4 MiB, thousands of kernels.
+MAX_TEXT_BYTES = 4 * 2**20
+#: Deepest nesting of brackets and braces accepted in a JSON or TOML file (the project's own files
+#: nest at most 4 levels).
+MAX_DEPTH = 64
 
 #: Age (seconds) past which a temporary file whose writer cannot be checked counts as left over.
 STALE_TEMP_S = 6 * 3600.0
@@ -158,3 +185,141 @@ def create_exclusive(path, writer, *, text: bool = False) -> Path:
         return path
     finally:
         _unlink(tmp)
+
+
+# --------------------------------------------------------------------------------------------
+# Bounded reads
+# --------------------------------------------------------------------------------------------
+
+
+def _size_text(n: int) -> str:
+    return f"{n / 2**20:.3g} MiB" if n >= 2**20 else f"{n} bytes"
+
+
+def read_bounded(path, *, what: str, max_bytes: int) -> bytes:
+    """The bytes of regular file ``path``, refused (naming ``what``) when larger than ``max_bytes``.
+
+    A directory, a device (``/dev/zero``), a pipe or a missing file is refused with one line; never
+    more than ``max_bytes`` + 1 bytes are read, whatever the file claims or does while it is read.
+    """
+    try:  # non-blocking: opening a pipe must not wait for a writer
+        with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise PcastError(f"{what} is not a regular file (a directory, device or pipe)")
+            if st.st_size > max_bytes:
+                raise PcastError(f"{what} is {_size_text(st.st_size)}; at most {_size_text(max_bytes)} is read")
+            data = f.read(max_bytes + 1)
+    except FileNotFoundError:
+        raise PcastError(f"{what} does not exist") from None
+    except IsADirectoryError:
+        raise PcastError(f"{what} is not a regular file (a directory, device or pipe)") from None
+    except OSError as exc:
+        raise PcastError(f"{what} cannot be read ({exc.strerror or exc})") from None
+    if len(data) > max_bytes:
+        raise PcastError(f"{what} grew past {_size_text(max_bytes)} while it was read")
+    return data
+
+
+def _text(data: bytes, what: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PcastError(f"{what} is not UTF-8 text (a binary file?): byte {exc.start}") from None
+
+
+def _check_depth(text: str, what: str, *, comments: bool) -> None:
+    """Refuse ``text`` nested deeper than :data:`MAX_DEPTH` (brackets and braces outside strings)."""
+    depth, quote, i, n = 0, "", 0, len(text)
+    while i < n:
+        c = text[i]
+        if quote:
+            if c == "\\" and quote == '"':
+                i += 1
+            elif c == quote:
+                quote = ""
+        elif c in "\"'":
+            quote = c
+        elif c in "[{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise PcastError(f"{what} nests deeper than {MAX_DEPTH} levels")
+        elif c in "]}":
+            depth -= 1
+        elif c == "#" and comments:
+            j = text.find("\n", i)
+            i = n if j < 0 else j
+        i += 1
+
+
+def load_json(path, *, what: str, max_bytes: int = MAX_TEXT_BYTES):
+    """The JSON document in ``path``: bounded in size and depth (:func:`read_bounded`), one-line errors."""
+    text = _text(read_bounded(path, what=what, max_bytes=max_bytes), what)
+    _check_depth(text, what, comments=False)
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise PcastError(f"{what} is not valid JSON ({exc})") from None
+
+
+def load_toml(path, *, what: str, max_bytes: int = MAX_TEXT_BYTES) -> dict:
+    """The TOML document in ``path``: bounded in size and depth, one-line errors naming ``what``."""
+    import tomllib
+
+    text = _text(read_bounded(path, what=what, max_bytes=max_bytes), what)
+    _check_depth(text, what, comments=True)
+    try:
+        return tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, RecursionError) as exc:
+        raise PcastError(f"{what} is not valid TOML ({exc})") from None
+
+
+def _read_npy(f, what: str, limit: int) -> np.ndarray:
+    """One ``.npy`` array from file object ``f``: its header checked against ``limit`` before any allocation."""
+    fmt = np.lib.format
+    try:
+        version = fmt.read_magic(f)
+        header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+        shape, fortran, dtype = header(f)
+    except (ValueError, OSError, EOFError, SyntaxError) as exc:
+        raise PcastError(f"{what} is not a NumPy array ({exc})") from None
+    if dtype.hasobject:
+        raise PcastError(f"{what} holds Python objects ({dtype}); only numeric arrays are read")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > limit:
+        raise PcastError(f"{what} declares {shape} {dtype} = {_size_text(nbytes)}; at most {_size_text(limit)}")
+    data = f.read(nbytes)
+    if len(data) != nbytes:
+        raise PcastError(f"{what} is truncated ({len(data)} of {nbytes} bytes)")
+    return np.frombuffer(data, dtype).reshape(shape, order="F" if fortran else "C").copy()
+
+
+def load_npy(path, *, what: str, max_bytes: int) -> np.ndarray:
+    """The array in ``.npy`` file ``path`` (no pickles), its size and header bounded by ``max_bytes``."""
+    return _read_npy(io.BytesIO(read_bounded(path, what=what, max_bytes=max_bytes)), what, max_bytes)
+
+
+def load_npz(path, *, what: str, max_bytes: int) -> dict[str, np.ndarray]:
+    """Every array of ``.npz`` file ``path``, never inflating more than ``max_bytes`` in all.
+
+    The file's size, each member's declared size and each array header are checked against the
+    bound before anything is decompressed or allocated (zip bombs and lying headers are refused).
+    """
+    raw = read_bounded(path, what=what, max_bytes=max_bytes)
+    out, total = {}, 0
+    try:
+        with zipfile.ZipFile(io.BytesIO(raw)) as zf:
+            infos = zf.infolist()
+            declared = sum(i.file_size for i in infos)
+            if declared > max_bytes:
+                raise PcastError(f"{what} inflates to {_size_text(declared)}; at most {_size_text(max_bytes)}")
+            for info in infos:
+                name = info.filename[:-4] if info.filename.endswith(".npy") else info.filename
+                with zf.open(info) as f:
+                    arr = _read_npy(f, f"{what} entry {name!r}", min(info.file_size, max_bytes - total))
+                total += arr.nbytes
+                out[name] = arr
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, NotImplementedError,
+            zlib.error, struct.error) as exc:
+        raise PcastError(f"{what} is not a readable .npz ({type(exc).__name__}: {exc})") from None
+    return out

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pcast_jax.errors import PcastError, check_choice
+from pcast_jax.errors import PcastError, check_choice, host_values
 from pcast_jax.numberline import (
     BLOCK_FORMATS,
     E2M1,
@@ -110,6 +110,17 @@ def to_fp8(x, fmt: str | FP8Format = "e4m3", *, overflow: str = "satfinite"):
     return x.astype(f.dtype)
 
 
+def _real_input(x):
+    """``x`` as float32; strings, complex numbers and other non-numbers raise one PcastError naming x."""
+    if isinstance(x, jax.Array) and not jnp.iscomplexobj(x):
+        return x.astype(jnp.float32)
+    host_values(x, "x")  # refuses complex numbers, booleans, lists of non-numbers
+    try:
+        return jnp.asarray(x, jnp.float32)
+    except (TypeError, ValueError) as exc:
+        raise PcastError(f"x={str(x)[:40]!r} must be real numbers ({type(exc).__name__})") from None
+
+
 def cast(x, fmt: str | FP8Format = "e4m3", *, overflow: str = "satfinite", barrier: bool = True):
     """Round ``x`` to the FP8 format (round-to-nearest-even) and return it as float32.
 
@@ -125,7 +136,7 @@ def cast(x, fmt: str | FP8Format = "e4m3", *, overflow: str = "satfinite", barri
     """
     f = get_format(fmt)
     check_choice("overflow", overflow, OVERFLOW_MODES)
-    y = to_fp8(jnp.asarray(x, jnp.float32), f, overflow=overflow)
+    y = to_fp8(_real_input(x), f, overflow=overflow)
     if barrier:
         y = jax.lax.optimization_barrier(y)
     return y.astype(jnp.float32)

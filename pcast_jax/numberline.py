@@ -16,11 +16,13 @@ import numpy as np
 
 from pcast_jax.errors import check_choice
 
-__all__ = ["OVERFLOW_MODES", "FP8Format", "BlockFormat", "E4M3", "E4M3FNUZ", "E5M2", "E2M1", "E8M0", "UE4M3", "FORMATS",
-           "SCALE_FORMATS", "MXFP8", "MXFP4", "NVFP4", "BLOCK_FORMATS", "P_FORMATS", "get_format",
-           "get_block_format"]
+__all__ = ["OVERFLOW_MODES", "SCALE_MIN", "SCALE_MAX", "FP8Format", "BlockFormat", "E4M3", "E4M3FNUZ", "E5M2",
+           "E2M1", "E8M0", "UE4M3", "FORMATS", "SCALE_FORMATS", "MXFP8", "MXFP4", "NVFP4", "BLOCK_FORMATS",
+           "P_FORMATS", "get_format", "get_block_format"]
 
 OVERFLOW_MODES = ("satfinite", "nan")
+#: Bounds on a static P scale S: S, 1/S and S·ℓ (ℓ ≤ N < 2^27) stay finite, nonzero float32 numbers.
+SCALE_MIN, SCALE_MAX = 2.0**-100, 2.0**100
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

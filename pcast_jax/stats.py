@@ -14,7 +14,7 @@ import numpy as np
 
 from pcast_jax.errors import PcastError
 
-__all__ = ["mean_sem", "sem", "paired_ratio", "z_value", "decide", "CONFIDENCE", "fmt_pm"]
+__all__ = ["mean_sem", "summary_cells", "sem", "paired_ratio", "z_value", "decide", "CONFIDENCE", "fmt_pm"]
 
 #: Two-sided confidence level of a decided comparison (:func:`z_value`).
 CONFIDENCE = 0.95
@@ -39,6 +39,19 @@ def mean_sem(x, axis=None):
     x = np.asarray(x, np.float64)
     m = np.mean(x, axis=axis)
     return (float(m) if axis is None else m), sem(x, axis)
+
+
+def summary_cells(x) -> tuple[float | None, float | None]:
+    """(mean, standard error) of the seeds ``x`` as a published row holds them: None where there is none.
+
+    A metric that was switched off is NaN in every seed (no mean); one seed has no standard error.
+    Never a NaN in a summary: JSON writes null, CSV an empty cell.
+    """
+    x = np.asarray(x, np.float64)
+    if x.size == 0 or np.isnan(x).all():
+        return None, None
+    m, e = mean_sem(x)
+    return m, (e if x.size > 1 and math.isfinite(e) else None)
 
 
 def paired_ratio(a, b) -> tuple[float, float]:

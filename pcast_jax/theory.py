@@ -28,11 +28,17 @@ from jax.scipy.stats import norm
 
 from pcast_jax import formats
 from pcast_jax.errors import PcastError, check_values, host_values, shown_value
+from pcast_jax.numberline import SCALE_MAX, SCALE_MIN
 
 #: Largest σ accepted: e^(σ²/2) is formed in log space, σ² must stay finite in float32.
 _SIGMA_MAX = 1e18
 #: Largest σ_V accepted: σ_V² times a sum of squared probabilities stays finite in float32.
 _SIGMA_V_MAX = 1e15
+
+
+def _check_scale(scale) -> None:
+    """S in [2^-100, 2^100], as a kernel config takes it: S, 1/S and S·ℓ stay finite in float32."""
+    check_values("scale", scale, lo=SCALE_MIN, lo_text="2^-100", float32=True, max_abs=SCALE_MAX)
 
 __all__ = [
     "LN2",
@@ -154,7 +160,7 @@ def delta_k_asymptotic(k):
 # --------------------------------------------------------------------------------------------
 def underflow_p_threshold(scale, *, fmt="e4m3"):
     """Largest P that casts to zero with scale S, Prop. 1 / Eq. (5): P·S ≤ 2^-10 ⇔ P ≤ 2^-10/S."""
-    check_values("scale", scale, lo=0.0, strict=True, float32=True)
+    _check_scale(scale)
     rtz = formats.get_format(fmt).round_to_zero
     return rtz / jnp.asarray(scale, _float_dtype())
 
@@ -175,7 +181,7 @@ def underflow_threshold(delta, scale, *, k_sink=4, sigma=1.0, fmt="e4m3"):
       fmt: FP8 format of the cast (10 ln 2 becomes −ln(round-to-zero boundary)).
     """
     check_values("delta", delta, float32=True)
-    check_values("scale", scale, lo=0.0, strict=True, float32=True)
+    _check_scale(scale)
     check_values("k_sink", k_sink, lo=1.0, float32=True)
     check_values("sigma", sigma, lo=0.0, strict=True, float32=True, max_abs=_SIGMA_MAX)
     return _threshold_core(*_arrays(delta, scale, k_sink, sigma), cast_log=_cast_threshold_log(fmt))
@@ -193,7 +199,23 @@ def _threshold_core(delta, scale, k, sigma, *, cast_log):
 
 @functools.partial(jax.jit, static_argnames=("cast_log",))
 def _fraction_core(delta, scale, k, sigma, *, cast_log):
-    return _prob(norm.cdf(_threshold_core(delta, scale, k, sigma, cast_log=cast_log) / sigma))
+    # (Δ + σδk − c − ln S)/σ = (Δ − c − ln S)/σ + δk, with a gradient in σ finite down to σ → 0
+    return _prob(norm.cdf(_over_sigma(delta - cast_log - jnp.log(scale), sigma) + _delta_k_core(k)))
+
+
+#: |a/σ| past which Φ is flat (Φ(−40) and 1 − Φ(40) are 0 in float64): clamped, gradient 0 there.
+_Z_FLAT = 40.0
+
+
+def _over_sigma(a, sigma):
+    """a/σ with a gradient in σ that stays finite as σ → 0 (never 0·inf = NaN).
+
+    Where |a| > 40σ the value is clamped to ±40 (Φ is flat) and σ is replaced before the division,
+    so no infinite partial is formed; elsewhere |a/σ| ≤ 40 and d(a/σ)/dσ = −(a/σ)/σ is finite.
+    """
+    flat = jnp.abs(a) > _Z_FLAT * sigma
+    safe = jnp.where(flat, 1.0, sigma)
+    return jnp.where(flat, jnp.sign(a) * _Z_FLAT, a * jnp.exp(-jnp.log(safe)))
 
 
 def _prob(x):
@@ -211,7 +233,7 @@ def collapse_fraction(delta, scale, *, k_sink=4, sigma=1.0, fmt="e4m3"):
     that integrates over its spread. Smooth in Δ, S, σ (and k).
     """
     check_values("delta", delta, float32=True)
-    check_values("scale", scale, lo=0.0, strict=True, float32=True)
+    _check_scale(scale)
     check_values("k_sink", k_sink, lo=1.0, float32=True)
     check_values("sigma", sigma, lo=0.0, strict=True, float32=True, max_abs=_SIGMA_MAX)
     return _fraction_core(*_arrays(delta, scale, k_sink, sigma), cast_log=_cast_threshold_log(fmt))
@@ -230,7 +252,7 @@ def collapse_fraction_spread(delta, scale, *, k_sink=4, sigma=1.0, fmt="e4m3"):
     Eq. (7) is off by up to ~4 points.
     """
     check_values("delta", delta, float32=True)
-    check_values("scale", scale, lo=0.0, strict=True, float32=True)
+    _check_scale(scale)
     check_values("k_sink", k_sink, lo=1.0, float32=True)
     check_values("sigma", sigma, lo=0.0, strict=True, float32=True, max_abs=_SIGMA_MAX)
     return _spread_core(*_arrays(delta, scale, k_sink, sigma), cast_log=_cast_threshold_log(fmt))
@@ -238,7 +260,7 @@ def collapse_fraction_spread(delta, scale, *, k_sink=4, sigma=1.0, fmt="e4m3"):
 
 @functools.partial(jax.jit, static_argnames=("cast_log",))
 def _spread_core(delta, scale, k, sigma, *, cast_log):
-    offset = (delta - cast_log - jnp.log(scale)) / sigma
+    offset = _over_sigma(delta - cast_log - jnp.log(scale), sigma)
     offset, k = jnp.broadcast_arrays(offset, k)
     return _prob(_expect_over_max(lambda x: norm.cdf(offset[..., None] + x), k))
 
@@ -249,7 +271,7 @@ def critical_delta(scale, *, k_sink=4, sigma=1.0, fmt="e4m3"):
     At Δ = Δc the median non-sink P sits on the round-to-zero boundary 2^-10/S and F = 1/2
     (for every σ). Δc ≈ 5.90 at S = 1 and ≈ 11.45 at S = 256 (k = 4, σ = 1).
     """
-    check_values("scale", scale, lo=0.0, strict=True, float32=True)
+    _check_scale(scale)
     check_values("k_sink", k_sink, lo=1.0, float32=True)
     check_values("sigma", sigma, lo=0.0, strict=True, float32=True, max_abs=_SIGMA_MAX)
     return _critical_core(*_arrays(scale, k_sink, sigma), cast_log=_cast_threshold_log(fmt))
@@ -345,7 +367,7 @@ def _per_row_mass_core(delta, k, rest, sigma):
 # --------------------------------------------------------------------------------------------
 def _check_n(n, k_sink):
     check_values("n", n, lo=1.0, float32=True)
-    n_arr, k_arr = host_values(n), host_values(k_sink)
+    n_arr, k_arr = host_values(n, "n"), host_values(k_sink, "k_sink")
     if n_arr is not None and k_arr is not None and np.any(n_arr - k_arr < 1):
         raise PcastError(f"{shown_value('n', n, np.min(n_arr))} must be > k_sink={np.max(k_arr):g} "
                          "(at least one non-sink token)")
@@ -385,7 +407,7 @@ def reverse_underflow_prob(n, scale, *, k_sink=4, sigma=1.0, fmt="e4m3", max_mod
     and underflow less. The B − k_sink non-sink tokens that share the sink's block are processed
     with m = sink max and follow Eq. (7) instead.
     """
-    check_values("scale", scale, lo=0.0, strict=True, float32=True)
+    _check_scale(scale)
     check_values("k_sink", k_sink, lo=1.0, float32=True)
     check_values("sigma", sigma, lo=0.0, strict=True, float32=True, max_abs=_SIGMA_MAX)
     _check_n(n, k_sink)
@@ -417,7 +439,7 @@ def is_bit_exact_scale(scale):
     exponent. Any other S (e.g. 448) rounds x·S for most x. S is read as float32 (the kernel's
     type). Returns a boolean array (``bool()`` it for a scalar).
     """
-    check_values("scale", scale, lo=0.0, strict=True, float32=True)
+    check_values("scale", scale, lo=0.0, strict=True, float32=True)  # a predicate: any float32 S
     s = jnp.asarray(scale, jnp.float32)
     mantissa, exponent = jnp.frexp(s)  # s = mantissa · 2^exponent, mantissa in [0.5, 1)
     k = exponent - 1
@@ -442,7 +464,7 @@ def scaling_exactness(x, scale):
       are exact; ``in_range`` where x, x·S and x/S are zero or normal finite float32.
       Prop. 5 says ``exact[in_range]`` is all True exactly when S = 2^k.
     """
-    check_values("scale", scale, lo=0.0, strict=True, float32=True)
+    _check_scale(scale)
     x32 = np.asarray(x, dtype=np.float32)
     s32 = np.float32(scale)
     inv32 = np.float32(1.0) / s32
@@ -476,7 +498,7 @@ def top_lsb_table(scales, *, fmt="e4m3"):
     Exact (a power of two), so ``top_lsb_table(S) * 16 > S`` tests dp(S) > 2^-4 without rounding.
     """
     scales = np.asarray(scales, dtype=np.float64)
-    check_values("scale", scales, lo=0.0, strict=True, float32=True)
+    _check_scale(scales)
     starts, widths = _cells(fmt)
     idx = np.searchsorted(starts, scales, side="left")  # number of cell starts < S (>= 1)
     return widths[idx - 1]
@@ -497,7 +519,7 @@ def dp_table(scales, *, fmt="e4m3"):
     Remark 3 uses its max and top-binade LSB.
     """
     scales = np.asarray(scales, dtype=np.float64)
-    check_values("scale", scales, lo=0.0, strict=True, float32=True)
+    _check_scale(scales)
     f = formats.get_format(fmt)
     out = top_lsb_table(scales, fmt=fmt) / scales
     saturated = scales > f.max
@@ -511,7 +533,7 @@ def dp(scale, *, fmt="e4m3"):
     Same values as :func:`dp_table` (which is float64 numpy); piecewise smooth in S, so
     ``jax.grad`` gives −LSB/S² (or Remark 3's slope) away from the binade edges.
     """
-    check_values("scale", scale, lo=0.0, strict=True, float32=True)
+    _check_scale(scale)
     return _dp_core(jnp.asarray(scale, _float_dtype()), fmt=formats.get_format(fmt).name)
 
 
@@ -529,7 +551,7 @@ def _dp_core(s, *, fmt):
 
 def normal_coverage(scale, *, fmt="e4m3"):
     """Lower end of the normal range in the P domain, 2^-6/S (§5.3, condition (C3)); smaller = better."""
-    check_values("scale", scale, lo=0.0, strict=True, float32=True)
+    _check_scale(scale)
     return formats.get_format(fmt).smallest_normal / jnp.asarray(scale, _float_dtype())
 
 
@@ -656,6 +678,7 @@ def block_element_threshold(block_max, *, fmt="nvfp4", exact=True):
     version is jit-able and piecewise constant (MX) or piecewise linear in a through the rounding.
     """
     bf, emax_val, r_e, emax, _ = _block_parts(fmt)
+    check_values("block_max", block_max, lo=0.0, float32=True)
     a = jnp.asarray(block_max, _float_dtype())
     if bf.is_mx:
         if not exact:
@@ -681,7 +704,7 @@ def block_scale_underflow(scale, *, fmt="nvfp4"):
     Smooth in S (jit- and grad-able).
     """
     bf, emax_val, r_e, _, _ = _block_parts(fmt)
-    check_values("scale", scale, lo=0.0, strict=True, float32=True)
+    _check_scale(scale)
     (s,) = _arrays(scale)
     if bf.is_mx:
         return r_e * 2.0**-126 / s
@@ -732,15 +755,14 @@ def block_collapse_fraction(delta, scale, *, fmt="nvfp4", n=4096, k_sink=4, sigm
     """
     bf, emax_val, r_e, emax, _ = _block_parts(fmt)
     check_values("delta", delta, float32=True)
-    check_values("scale", scale, lo=0.0, strict=True, float32=True)
+    _check_scale(scale)
     k_sink_i = int(k_sink)
     kb = bf.block
     if not 1 <= k_sink_i <= kb or int(n) < 2 * kb:
         raise PcastError(f"block_collapse_fraction needs 1 <= k_sink <= {kb} (one scale block holds the sinks) "
                          f"and n >= {2 * kb}; got k_sink={k_sink!r}, n={n!r}")
     check_values("sigma", sigma, lo=0.0, strict=True, float32=True, max_abs=_SIGMA_MAX)
-    d, s = _arrays(delta, scale)
-    sg = float(sigma)
+    d, s, sg = _arrays(delta, scale, sigma)  # σ may be traced too (grad in σ)
     u = (jnp.arange(16, dtype=_float_dtype()) + 0.5) / 16.0  # midpoints of the fractional part
     if bf.is_mx:
         lu = ((emax + u) * LN2 - math.log(r_e)) / sg  # (16,)

@@ -12,6 +12,7 @@ keys; the tests at the end show the padding changes nothing.
 from __future__ import annotations
 
 import importlib
+import io
 import os
 import subprocess
 import sys
@@ -141,6 +142,8 @@ CASES = [
      ["sink_positions=3", "sequence"]),
     ("sigma_zero", lambda: workloads.SinkWorkload(sigma=0.0), ["sigma=0.0", "> 0"]),
     ("sigma_v_nan", lambda: workloads.SinkWorkload(sigma_v=NAN), ["sigma_v=nan", "finite"]),
+    ("sigma_zero_in_float32", lambda: workloads.SinkWorkload(sigma=1e-46), ["sigma=1e-46", ">= 1.175e-38"]),
+    ("sigma_v_subnormal", lambda: workloads.SinkWorkload(sigma_v=1e-40), ["sigma_v=1e-40", "subnormal"]),
     ("instance_delta_nan", lambda: workloads.make_instance(jax.random.PRNGKey(0), workloads.SinkWorkload(n=8), NAN),
      ["delta=nan", "finite"]),
     ("instance_delta_inf", lambda: workloads.make_instance(jax.random.PRNGKey(0), workloads.SinkWorkload(n=8), -INF),
@@ -148,7 +151,7 @@ CASES = [
     # SweepSpec
     ("sweep_delta_nan", lambda: _spec(deltas=(5.0, NAN)), ["delta=nan", "finite"]),
     ("sweep_delta_inf", lambda: _spec(deltas=(INF,)), ["delta=inf", "finite"]),
-    ("sweep_delta_beyond_float32", lambda: _spec(deltas=(1e39,)), ["delta=1e+39", "float32"]),
+    ("sweep_delta_beyond_float32", lambda: _spec(deltas=(1e39,)), ["delta=1e+39", "<= 4.25353e+37"]),
     ("sweep_deltas_empty", lambda: _spec(deltas=()), ["deltas", "at least one"]),
     ("sweep_seeds_zero", lambda: _spec(seeds=0), ["seeds=0", ">= 1"]),
     ("sweep_seeds_negative", lambda: _spec(seeds=-4), ["seeds=-4", ">= 1"]),
@@ -175,12 +178,28 @@ CASES = [
     ("theory_delta_nan", lambda: _theory().collapse_fraction(NAN, 256.0), ["delta=nan", "finite"]),
     ("theory_delta_array_inf", lambda: _theory().underflow_threshold(np.array([1.0, INF]), 256.0),
      ["delta (array, offending value inf)", "finite"]),
-    ("theory_scale_zero", lambda: _theory().critical_delta(0.0), ["scale=0.0", "> 0"]),
+    ("theory_scale_zero", lambda: _theory().critical_delta(0.0), ["scale=0.0", ">= 2^-100"]),
+    ("theory_scale_subnormal", lambda: _theory().dp(1e-40), ["scale=1e-40", ">= 2^-100"]),
     ("theory_sigma_negative", lambda: _theory().collapse_fraction(7.0, 256.0, sigma=-1.0), ["sigma=-1.0", "> 0"]),
     ("theory_n_not_above_k_sink", lambda: _theory().reverse_underflow_prob(4, 256.0, k_sink=4), ["n=4", "> k_sink=4"]),
     ("theory_k_below_one", lambda: _theory().delta_k(0.5), ["k=0.5", ">= 1"]),
     ("theory_max_model_unknown", lambda: _theory().reverse_underflow_prob(100, 256.0, max_model="gumbel"),
      ["max_model='gumbel'", "'eq11'"]),
+    # API edges: integers past int32, malformed masks, non-numbers, complex numbers, integers past float
+    ("q_offset_beyond_int32", lambda: engine.attention(_SCORES, _V, KernelConfig(causal=True), q_offset=2**31),
+     ["q_offset=2147483648", "<= 2147483645"]),
+    ("count_mask_strings", lambda: engine.attention(_SCORES, _V, "fwd_s1", count_mask="abcdefgh"),
+     ["count_mask.dtype=<U8", "integer"]),
+    ("count_mask_ragged", lambda: engine.attention(_SCORES, _V, "fwd_s1", count_mask=[1, 0, [1], 1, 1, 1, 1, 1]),
+     ["count_mask", "real numbers"]),
+    ("cast_string", lambda: formats.cast("abc"), ["x='abc'", "real numbers"]),
+    ("cast_complex", lambda: formats.cast(np.array([1 + 2j])), ["x=array([1.+2.j])", "complex"]),
+    ("theory_delta_complex", lambda: _theory().collapse_fraction(7 + 1j, 256.0), ["delta=(7+1j)", "complex"]),
+    ("theory_delta_huge_integer", lambda: _theory().collapse_fraction(10**400, 256.0),
+     ["delta=1000000", "beyond float range"]),
+    ("theory_block_max_negative", lambda: _theory().block_element_threshold(-1.0), ["block_max=-1.0", ">= 0"]),
+    ("theory_block_max_inf", lambda: _theory().block_element_threshold(INF), ["block_max=inf", "finite"]),
+    ("scale_huge_integer", lambda: KernelConfig(scale=10**400), ["scale=1000000", "beyond float range"]),
     # every loop a user can size has a bound; options are checked before any work
     ("worst_delta_range_unbounded", lambda: _whatif().worst_case_delta("fwd_s1", 64, delta_range=(0.0, 1e6)),
      ["delta_range=(0.0, 1000000.0)", "at most 4096"]),
@@ -215,6 +234,15 @@ def test_case_ids_are_unique_and_many():
     ids = [c[0] for c in CASES]
     assert len(ids) == len(set(ids))
     assert len(ids) >= 30
+
+
+def test_readme_counts_the_cases_of_this_file():
+    import re
+    from pathlib import Path
+
+    text = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    found = re.search(r"(\d+) kinds of bad input to the Python API and (\d+) on the `pcast` command line", text)
+    assert found and (int(found[1]), int(found[2])) == (len(CASES), len(_CLI_CASES)), found
 
 
 # --------------------------------------------------------------------------------------------
@@ -349,7 +377,7 @@ def test_n_smaller_than_one_block_is_padded():
 
 _CLI_CASES = {
     "theory_delta_nan": (["theory", "--delta", "nan"], ["delta=nan", "finite"]),
-    "theory_scale_negative": (["theory", "--scale", "-1"], ["scale=-1.0", "> 0"]),
+    "theory_scale_negative": (["theory", "--scale", "-1"], ["scale=-1.0", ">= 2^-100"]),
     "theory_n_not_above_k_sink": (["theory", "--n", "4", "--ksink", "4"], ["n=4", ">= 5"]),
     "theory_fmt_unknown": (["theory", "--fmt", "e3m4"], ["--fmt", "e3m4", "choose from"]),
     "command_unknown": (["sweeep"], ["sweeep", "choose from"]),
@@ -357,6 +385,17 @@ _CLI_CASES = {
     "sweep_delta_nan": (["sweep", "--delta", "5,nan"], ["--delta", "nan", "finite"]),
     "sweep_seeds_zero": (["sweep", "--seeds", "0"], ["--seeds", ">= 1"]),
     "sweep_engine_unknown": (["sweep", "--engine", "gpu"], ["--engine", "'gpu'", "fast"]),
+    # a kernel's numbers: a power's base > 0 and -2^2 is -(2^2), as written in mathematics
+    "config_scale_negative_root": (["sweep", "--config", "scale=-2^0.5"], ["scale=-1.414", "> 0"]),
+    "config_scale_zero_power": (["sweep", "--config", "scale=0^-1"], ["scale='0^-1'", "base > 0"]),
+    "config_scale_minus_two_squared": (["sweep", "--config", "scale=-2^2"], ["scale=-4.0", "> 0"]),
+    "sweep_delta_step_below_float32": (["sweep", "--delta", "1e8:1.0000001e8:1"], ["--delta", "float32"]),
+    "sweep_seeds_beyond_uint32": (["sweep", "--seeds", "99999999999999999999"],
+                                  ["seeds=99999999999999999999", "<= 4294967296"]),
+    "theory_scale_subnormal": (["theory", "--scale", "1e-40"], ["scale=1e-40", ">= 2^-100"]),
+    "theory_scale_huge": (["theory", "--scale", "2e30"], ["scale=2e+30", "2^100"]),
+    "whatif_start_outside_range": (["whatif", "optimal-scale", "--surrogate", "staircase", "--start", "100"],
+                                   ["start_log2_scale=100.0", "log2_range=(-2, 10)"]),
     # filled in with a real path by the fixture: a folder under a regular file
     "sweep_out_under_a_file": (["sweep", "--n", "64", "--seeds", "1", "--out", "{afile}/sub"],
                                ["out_dir=", "afile/sub", "not writable"]),
@@ -408,7 +447,7 @@ def test_cli_prints_one_error_line_and_exits_2(cli_results, name):
 # --------------------------------------------------------------------------------------------
 
 from pcast_jax import theory  # noqa: E402
-from pcast_jax.errors import F32_MAX, check_f32  # noqa: E402
+from pcast_jax.errors import check_f32  # noqa: E402
 
 #: (parameter, a call that passes ``x`` as that parameter) for every public entry point of a number.
 _F32_ENTRIES = {
@@ -445,10 +484,58 @@ def test_squared_parameters_have_a_tighter_bound(param, value):
 
 
 def test_largest_accepted_sigma_v_and_delta_give_finite_sweep_metrics():
-    spec = sweep.SweepSpec(sigma_v=workloads.SIGMA_V_MAX, deltas=(0.5 * F32_MAX, -1e30), **_SMALL)
+    spec = sweep.SweepSpec(sigma_v=workloads.SIGMA_V_MAX, deltas=(workloads.DELTA_MAX, -workloads.DELTA_MAX), **_SMALL)
     res = sweep.run_sweep(spec, progress=False)
     for m in ("mse", "mse_expected", "frac_zeroed", "nonsink_mass", "zeroed_mass"):
         assert np.isfinite(res.data[m]).all(), m
+
+
+# --------------------------------------------------------------------------------------------
+# Every number a sweep writes is finite, or the run says why (never a silent NaN or inf)
+# --------------------------------------------------------------------------------------------
+
+from pcast_jax.config import PRESETS  # noqa: E402
+
+
+def test_every_preset_is_finite_and_sane_at_the_largest_sigma():
+    """The accepted σ range is where every preset's metrics are finite (and measure the cast)."""
+    spec = sweep.SweepSpec(configs=tuple(PRESETS), ns=(512,), seeds=1, q_len=2, d=4,
+                           sigma=workloads.SIGMA_MAX, deltas=(7.0, workloads.DELTA_MAX, -workloads.DELTA_MAX))
+    res = sweep.run_sweep(spec, progress=False)
+    for m in ("mse", "mse_expected", "frac_zeroed", "nonsink_mass", "zeroed_mass"):
+        assert np.isfinite(res.data[m]).all(), m
+    assert float(np.max(res.data["mse"])) < 1.0  # a convex combination of V rows with sigma_v = 1
+    for sigma in (np.nextafter(workloads.SIGMA_MAX, np.inf), 1e12, 1e18):
+        with pytest.raises(PcastError, match=r"sigma=.* must be <= 65536"):
+            sweep.SweepSpec(configs=("fa3",), ns=(64,), seeds=1, sigma=sigma)
+    for delta in (np.nextafter(workloads.DELTA_MAX, np.inf), -1.2e38):
+        with pytest.raises(PcastError, match=r"delta=.* must be <= 4.25353e\+37 = 2\^125"):
+            sweep.SweepSpec(configs=("fa3",), ns=(64,), seeds=1, deltas=(delta,))
+
+
+def test_a_non_finite_metric_stops_the_sweep_naming_where_and_is_never_written(tmp_path):
+    nan_cast = KernelConfig(name="nan_cast", scale=1024.0, overflow="nan")  # P*S >= 464 is NaN
+    spec = sweep.SweepSpec(configs=("fwd_s1", nan_cast), ns=(64,), seeds=2, q_len=2, d=4)
+    with pytest.raises(PcastError) as info:
+        sweep.run_sweep(spec, out_dir=tmp_path / "o", progress=False)
+    msg = str(info.value)
+    assert "\n" not in msg
+    for needle in ("config='nan_cast'", "overflow='nan'", "N=64", "delta=7", "sigma=1", "non-finite"):
+        assert needle in msg, (needle, msg)
+    assert not list((tmp_path / "o").glob("chunks/*.npz")) and not (tmp_path / "o" / "results.npz").exists()
+    skipped = sweep.SweepSpec(configs=("fwd_s1",), ns=(64,), seeds=1, q_len=2, d=4, expected_mse=False)
+    assert np.isnan(sweep.run_sweep(skipped, progress=False).data["mse_expected"]).all()  # off is NaN by definition
+
+
+@pytest.mark.parametrize("preset", ["fwd_s1", "fa3", "sageattn2", "nvfp4_fakequant", "mxfp8_p"])
+def test_values_that_overflow_the_accumulator_are_refused_naming_v(preset):
+    v = np.full((8, 3), 3e38, np.float32)
+    for call in (lambda: engine.attention(_SCORES, v, preset),
+                 lambda: engine.attention(_SCORES, v, preset, engine="scan")):
+        with pytest.raises(PcastError, match=r"^v \(max \|v\| = 3e\+38\) gives a non-finite output") as info:
+            call()
+        assert f"config={preset!r}" in str(info.value)
+    assert np.isfinite(np.asarray(engine.attention(_SCORES, v / 3e8, preset).out)).all()
 
 
 @pytest.mark.parametrize("per_row", [True, False])
@@ -537,7 +624,7 @@ def test_run_sweep_arguments_are_checked_before_any_work(tmp_path, monkeypatch, 
 
 @pytest.mark.parametrize("option, value, named", [
     ("--out", "", "--out"), ("--sigma-v", "1e30", "sigma_v"), ("--sigma", "1e300", "sigma"),
-    ("--delta", "1e39", "delta"), ("--init-timeout", "1e12", "init_timeout"), ("--heartbeat-timeout", "1e12", "heartbeat_timeout"),
+    ("--delta", "1e39", "delta"), ("--sigma", "1e12", "sigma"), ("--init-timeout", "1e12", "init_timeout"), ("--heartbeat-timeout", "1e12", "heartbeat_timeout"),
 ])
 def test_cli_sweep_refuses_before_any_work(tmp_path, monkeypatch, capsys, option, value, named):
     from pcast_jax import cli
@@ -576,3 +663,242 @@ def test_closed_output_pipe_never_skips_the_sweep(tmp_path):
     assert "Traceback" not in err
     res = sweep.load_result(out)
     assert np.isfinite(res.data["mse"]).all()
+
+
+# --------------------------------------------------------------------------------------------
+# Flags: ranges keep their values, negative values need no '=', analyses say why a ratio is missing
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, count", [("0:5e-13:1e-13", 6), ("0:1:0.1", 11), ("-2:2:1", 5), ("1e-40:1e-39:1e-40", 10)])
+def test_a_range_keeps_every_value_distinct_in_float32(text, count):
+    from pcast_jax.commands import _options
+
+    vals = _options.floats("--delta", text)
+    assert len(vals) == count and len(set(np.float32(vals).tolist())) == count, vals
+    assert vals[0] == float(text.split(":")[0]) and vals[-1] == pytest.approx(float(text.split(":")[1]))
+
+
+@pytest.mark.parametrize("argv, dest, value", [
+    (["sweep", "--delta", "-2:2:1"], "delta", "-2:2:1"), (["sweep", "--sigma", "-1e3"], "sigma", "-1e3"),
+    (["theory", "--delta", "-.5"], "delta", -0.5), (["whatif", "optimal-scale", "--start", "-1.5"], "start", -1.5),
+])
+def test_negative_values_need_no_equals_sign(argv, dest, value):
+    from pcast_jax import cli
+
+    args = cli.build_parser(argv).parse_args(argv)
+    assert getattr(args, dest) == value
+
+
+def test_optimal_scale_on_scores_without_error_says_why_there_is_no_ratio():
+    whatif = _whatif()
+    r = whatif.optimal_scale(scores=np.zeros((1, 4, 256), np.float32), steps=3, curve_points=0)
+    assert r.at_256 == 0.0
+    rows = r.rows()
+    assert all(row["rel_to_256"] == "n/a: MSE at S=256 is 0" for row in rows)
+    assert all(np.isfinite(row["exact_mse"]) for row in rows)
+    whatif.markdown_table(rows, ["scale", "exact_mse", "rel_to_256"])  # published: words, not nan
+    with pytest.raises(PcastError, match=r"start_log2_scale=100 must lie in log2_range=\(-2, 10\)"):
+        whatif.optimal_scale(scores=np.zeros((1, 4, 256), np.float32), start_log2_scale=100, steps=3)
+
+
+@pytest.mark.parametrize("scale", [2.0**-100, 2.0**100])
+def test_every_theory_row_is_finite_at_the_scale_edges(scale):
+    from pcast_jax.commands import theory as theory_cmd
+
+    table = theory_cmd.rows(delta=7.0, scale=scale, k_sink=4, sigma=1.0, n=4096, fmt="e4m3")
+    values = [float(row[2]) for row in table if row[0] != "power_of_two"]
+    assert len(values) >= 10 and np.isfinite(values).all(), table
+
+
+# --------------------------------------------------------------------------------------------
+# Files a user brings: bounded in size, depth and inflation before they are parsed
+# --------------------------------------------------------------------------------------------
+
+import tracemalloc  # noqa: E402
+import zipfile  # noqa: E402
+
+from pcast_jax import fileio  # noqa: E402
+from pcast_jax.sweep import plan, store  # noqa: E402
+
+
+def _config_file_error(capsys, path) -> str:
+    from pcast_jax import cli
+
+    assert cli.main(["sweep", "--n", "64", "--seeds", "1", "--config-file", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pcast: error: --config-file="), err
+    return err[0]
+
+
+def _hostile(tmp_path, kind):
+    path = tmp_path / f"{kind}.toml"
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "pipe":  # opening it for reading would wait for a writer forever
+        os.mkfifo(path)
+    elif kind == "binary":
+        path.write_bytes(bytes(range(256)) * 64)
+    elif kind == "deep_array":
+        path.write_text("a = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    elif kind == "deep_table":
+        path.write_text("a = " + "{b = " * 5_000 + "1" + "}" * 5_000 + "\n")
+    elif kind == "huge":
+        with open(path, "w") as f:
+            f.write("[[kernel]]\nname = 'x'\n" + "# padding\n" * (fileio.MAX_TEXT_BYTES // 10 + 1))
+    return path
+
+
+@pytest.mark.parametrize("kind, needle", [
+    ("directory", "not a regular file"), ("pipe", "not a regular file"), ("binary", "not UTF-8 text"), ("deep_array", "nests deeper than 64"),
+    ("deep_table", "nests deeper than 64"), ("huge", "at most 4 MiB"), ("missing", "does not exist"),
+])
+def test_hostile_config_files_give_one_line_naming_the_option(tmp_path, capsys, kind, needle):
+    line = _config_file_error(capsys, _hostile(tmp_path, kind))
+    assert needle in line, line
+
+
+def test_an_endless_device_as_config_file_is_refused_without_reading_it(capsys):
+    tracemalloc.start()
+    try:
+        line = _config_file_error(capsys, "/dev/zero")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "--config-file='/dev/zero' is not a regular file" in line
+    assert peak < 64 * 2**20, peak
+
+
+def test_a_config_file_within_the_bounds_still_loads(tmp_path, capsys):
+    from pcast_jax.commands import _options
+
+    path = tmp_path / "ok.toml"
+    nested = "note = " + "[" * 30 + "1" + "]" * 30 + "\n"  # deep, but within the bound: only the keys are refused
+    path.write_text("[[kernel]]\nname = 'mine[[[{{'\nscale = 64.0\n# [[[[ [ [ { in a comment\n")
+    assert [c.name for c in _options.config_file(path)] == ["mine[[[{{"]
+    path.write_text("[[kernel]]\nname = 'mine'\n" + nested)
+    with pytest.raises(PcastError, match=r"--config-file=.*kernel 1.*note"):
+        _options.config_file(path)
+
+
+def test_a_deeply_nested_spec_json_is_refused_naming_the_file(tmp_path, monkeypatch, no_compute):
+    out = tmp_path / "out"
+    _claim(out, _spec(), monkeypatch)
+    (out / "spec.json").write_text('{"spec": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    with pytest.raises(PcastError, match=r"spec.json nests deeper than 64 levels.*spec.json is unreadable"):
+        sweep.run_sweep(_spec(), out_dir=out)
+
+
+def _npz_bomb(path, *, inflated: int, header_shape=None):
+    """An .npz whose one member inflates to ``inflated`` bytes (or whose header claims ``header_shape``)."""
+    shape = header_shape or (inflated // 4,)
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
+        with zf.open("m_mse.npy", "w", force_zip64=True) as f:
+            f.write(header.getvalue())
+            block = bytes(2**20)
+            for _ in range(inflated // len(block)):
+                f.write(block)
+    return path
+
+
+def _chunk_of(spec, out):
+    layout = store.read_manifest(out)["layout"]
+    unit = plan.units(spec, layout)[0]
+    return unit, store.chunk_path(out, spec, unit)
+
+
+@pytest.mark.parametrize("bomb", ["inflates", "lying_header"])
+def test_a_chunk_that_inflates_is_refused_in_bounded_memory_and_recomputed(tmp_path, bomb):
+    out = tmp_path / "out"
+    spec = _spec()
+    first = sweep.run_sweep(spec, out_dir=out, progress=False)
+    unit, path = _chunk_of(spec, out)
+    size = 64 * 2**20 if bomb == "inflates" else 2**20
+    _npz_bomb(path, inflated=size, header_shape=None if bomb == "inflates" else (2**40,))
+    assert path.stat().st_size < 2 * 2**20  # small on disk
+    tracemalloc.start()
+    try:
+        why = store.check_chunk(path, spec, unit)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert isinstance(why, str) and ("inflates to" in why or "declares" in why), why
+    assert peak < 16 * 2**20, peak  # never the 64 MiB (or 4 TiB) the file claims
+    (out / "results.npz").unlink()
+    again = sweep.run_sweep(spec, out_dir=out, progress=False)  # removed and recomputed, bit for bit
+    for m in ("mse", "frac_zeroed"):
+        np.testing.assert_array_equal(again.data[m], first.data[m])
+
+
+def test_a_results_file_that_inflates_is_refused_naming_it(tmp_path):
+    out = tmp_path / "out"
+    sweep.run_sweep(_spec(), out_dir=out, progress=False)
+    _npz_bomb(out / "results.npz", inflated=64 * 2**20)
+    with pytest.raises(PcastError, match=r"results.npz.* inflates to 64 MiB; at most"):
+        sweep.load_result(out)
+
+
+def test_a_scores_file_with_a_lying_header_is_refused_naming_the_option(tmp_path, capsys):
+    from pcast_jax import cli
+
+    path = tmp_path / "scores.npy"
+    with open(path, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": (2**20, 2**20)})
+        f.write(bytes(64))
+    assert cli.main(["whatif", "optimal-scale", "--scores", str(path), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--scores=" in err[0] and "declares (1048576, 1048576)" in err[0], err
+    np.save(path, np.zeros((2, 3), np.float32))
+    assert fileio.load_npy(path, what="x", max_bytes=2**10).shape == (2, 3)
+    np.save(path, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(PcastError, match="holds Python objects"):
+        fileio.load_npy(path, what="--scores", max_bytes=2**10)
+
+
+# --------------------------------------------------------------------------------------------
+# Theory gradients in sigma: finite down to sigma -> 0 and equal to finite differences at sigma = 1
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["collapse_fraction", "collapse_fraction_spread"])
+@pytest.mark.parametrize("sigma", [1e-3, 1e-10, 1e-30, 1e-37])
+@pytest.mark.parametrize("delta", [7.0, 11.45, 30.0])
+def test_collapse_fraction_gradient_in_sigma_is_finite_near_zero(name, sigma, delta):
+    fn = getattr(theory, name)
+    grad = jax.grad(lambda s: fn(delta, 256.0, sigma=s))(sigma)
+    assert np.isfinite(grad) and np.isfinite(fn(delta, 256.0, sigma=sigma)), grad
+
+
+@pytest.mark.parametrize("name, kw", [("collapse_fraction", {}), ("collapse_fraction_spread", {}),
+                                      ("block_collapse_fraction", {"fmt": "nvfp4"}),
+                                      ("block_collapse_fraction", {"fmt": "mxfp8"})])
+def test_sigma_gradients_equal_finite_differences(name, kw):
+    fn = getattr(theory, name)
+    for delta in (7.0, 11.0):
+        grad = float(jax.grad(lambda s: fn(delta, 256.0, sigma=s, **kw))(1.0))
+        h = 1e-2
+        fd = (float(fn(delta, 256.0, sigma=1.0 + h, **kw)) - float(fn(delta, 256.0, sigma=1.0 - h, **kw))) / (2 * h)
+        assert np.isfinite(grad) and abs(grad - fd) <= 2e-2 * abs(fd) + 1e-5, (delta, grad, fd)
+
+
+@pytest.mark.parametrize("fmt", ["table", "csv", "json", "md"])
+def test_one_seed_or_a_switched_off_metric_is_missing_never_nan(tmp_path, monkeypatch, capsys, fmt):
+    """A summary never prints nan: one seed has no standard error, a metric switched off has no mean."""
+    import csv as csv_
+
+    from pcast_jax import cli
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["sweep", "--n", "64", "--seeds", "1", "--q-len", "2", "--d", "4", "--configs", "fwd_s1", "--no-progress",
+            "--no-expected-mse", "--out", "o", "--format", fmt]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "nan" not in out.lower(), out
+    if fmt in ("table", "md"):
+        assert "± n/a" in out
+    with open(tmp_path / "o" / "summary.csv", newline="") as f:
+        (row,) = list(csv_.DictReader(f))
+    assert row["mse_sem"] == "" and row["mse_expected_mean"] == "" and float(row["mse_mean"]) > 0, row
+    assert "nan" not in (tmp_path / "o" / "summary.csv").read_text().lower()

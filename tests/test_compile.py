@@ -200,3 +200,54 @@ def test_second_process_loads_the_chunk_from_the_cache_and_unwritable_folder_is_
     off = _cached_run({**env, cache.ENV_VAR: str(tmp_path / "blocker" / "cache")}, SPEC_KW)
     assert off["dir"] is None and not off["config"]
     assert _cached_run({**env, cache.ENV_VAR: "0"}, SPEC_KW)["dir"] is None
+
+
+_CACHE_PROGRAM = """
+import sys, jax, numpy as np
+from pcast_jax.cache import setup_compilation_cache
+hits = []
+jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name))
+assert setup_compilation_cache(True, sys.argv[1]) is not None
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+k = float(sys.argv[2])
+print(float(jax.jit(lambda x: x * k + 1.0)(np.float32(2.0))), hits.count("/jax/compilation_cache/cache_hits"))
+"""
+
+
+def _program(folder, k):
+    """(result, cache hits, stderr) of x*k + 1 at x = 2, compiled through the cache in ``folder``."""
+    env = {k_: v for k_, v in os.environ.items() if k_ not in (cache.ENV_VAR, "JAX_COMPILATION_CACHE_DIR")}
+    proc = subprocess.run([sys.executable, "-c", _CACHE_PROGRAM, str(folder), str(k)], capture_output=True,
+                          text=True, timeout=300, env={**env, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    value, hits = proc.stdout.split()
+    return float(value), int(hits), proc.stderr
+
+
+def _entry(folder):
+    (entry,) = [p for p in folder.iterdir() if p.name.endswith("-cache")]
+    return entry
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "another_program", "plain_jax_entry"])
+def test_a_damaged_or_foreign_cache_entry_is_never_used_and_is_replaced_once(tmp_path, damage):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert _program(a, 3)[:2] == (7.0, 0)
+    good = _entry(a).read_bytes()
+    assert _program(a, 3)[:2] == (7.0, 1)  # verified and loaded
+    if damage == "garbage":
+        _entry(a).write_bytes(os.urandom(len(good)))
+    elif damage == "truncated":
+        _entry(a).write_bytes(good[: len(good) // 2])
+    elif damage == "another_program":  # x*5+1's entry, digest and all, under x*3+1's name
+        assert _program(b, 5)[:2] == (11.0, 0)
+        _entry(a).write_bytes(_entry(b).read_bytes())
+    else:  # what JAX itself writes: the content without the project's digest
+        _entry(a).write_bytes(good[len(cache._MAGIC) + 32:])
+    value, hits, err = _program(a, 3)
+    assert (value, hits) == (7.0, 0), (value, hits)  # never the foreign program's 11.0
+    assert "persistent compilation cache" not in err.lower(), err[-2000:]  # no warning: replaced silently
+    assert _entry(a).read_bytes().startswith(cache._MAGIC)
+    replaced = _entry(a).stat().st_mtime_ns
+    assert _program(a, 3)[:2] == (7.0, 1)  # replaced once: loaded again from now on
+    assert _entry(a).stat().st_mtime_ns == replaced

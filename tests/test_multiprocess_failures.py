@@ -45,9 +45,10 @@ def _env(devices: int, tmp: Path) -> dict:
 
 
 def _start(out: Path, port: int, process_id: int, *, devices: int = 1, init_s: float = INIT_S,
-           sweep=SWEEP, stdout=subprocess.DEVNULL) -> subprocess.Popen:
+           sweep=SWEEP, stdout=subprocess.DEVNULL, num_processes: int = 2) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "pcast_jax.cli", *sweep, "--out", str(out), "--init-timeout", str(init_s),
-           "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process_id)]
+           "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(num_processes),
+           "--process-id", str(process_id)]
     return subprocess.Popen(cmd, env=_env(devices, out.parent), stdout=stdout, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 
@@ -241,6 +242,25 @@ def test_duplicate_process_id_ends_every_process(tmp_path, launched):
         _assert_one_line(rc, err, rc, "process_id=1" if rc == EXIT_ERROR else "process 1 of 2")
 
 
+def test_a_duplicate_id_among_three_is_named(tmp_path, launched):
+    """Ids 0, 1, 1 of three: the process whose id is taken over names it; the others time out saying
+    each id must be given to exactly one process. Every process ends with one line."""
+    init_s = 10
+    port, out = _free_port(), tmp_path / "out"
+    t0 = time.monotonic()
+    for i in (0, 1, 1):
+        launched.append(_start(out, port, i, init_s=init_s, num_processes=3))
+        time.sleep(1.0)  # the second process 1 connects after the first
+    outcomes = [_ended(p, t0, init_s + HEARTBEAT_S + SLACK_S) for p in launched]
+    named = [err for rc, err in outcomes if "two processes were started with --process-id 1" in err]
+    assert len(named) == 1, outcomes
+    for rc, err in outcomes:
+        _assert_one_line(rc, err, rc)
+        assert "ALREADY_EXISTS" not in err.splitlines()[-1], err[-2000:]
+        if "two processes were started" not in err:
+            assert "each id given to exactly one process" in err, err[-2000:]
+
+
 def test_different_device_counts_are_refused_on_every_process(tmp_path, launched):
     port, out = _free_port(), tmp_path / "out"
     t0 = time.monotonic()
@@ -315,3 +335,24 @@ def test_a_process_that_already_ran_jax_is_never_forked(monkeypatch):
     bad = argparse.Namespace(**{**vars(args), "process_id": 2})
     with pytest.raises(PcastError, match="process_id=2 must be <= 1"):  # checked before anything else
         _distributed.supervise(bad)
+
+
+@pytest.mark.parametrize("fmt", ["json", "csv"])
+def test_stdout_carries_only_the_requested_output_on_every_process(tmp_path, launched, fmt):
+    """The runtime's own lines (Gloo's "[Gloo] Rank N is connected ...") never reach stdout."""
+    import csv
+    import io
+    import json
+
+    port, out = _free_port(), tmp_path / "out"
+    tiny = [a if a != "4000" else "4" for a in SWEEP] + ["--format", fmt]
+    launched += [_start(out, port, i, sweep=tiny, stdout=subprocess.PIPE) for i in range(2)]
+    outputs = []
+    for p in launched:
+        stdout, err = p.communicate(timeout=INIT_S + 60)
+        assert p.returncode == 0, err[-2000:]
+        assert "[Gloo]" not in stdout + err, (stdout[-2000:], err[-2000:])  # stderr: the supervisor drops them
+        outputs.append(stdout)
+    rows = json.loads(outputs[0]) if fmt == "json" else list(csv.DictReader(io.StringIO(outputs[0])))
+    assert len(rows) == 1 and rows[0]["config"] == "fwd_s1" and float(rows[0]["mse_mean"]) > 0, rows
+    assert outputs[1].strip() in ("", outputs[0].strip()), outputs[1][-2000:]  # nothing, or the same result

@@ -431,7 +431,7 @@ def test_cli_theory_scale_256_and_448(capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--scale", "0"], "scale=0.0 must be > 0"),
+    (["--scale", "0"], "scale=0.0 must be >= 2^-100"),
     (["--scale", "nan"], "scale"),
     (["--sigma", "0"], "sigma"),
     (["--ksink", "0"], "k_sink"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import io
 import os
 import re
 import signal
@@ -40,8 +41,9 @@ __all__ = ["add_distributed_arguments", "init_from_args", "failing_together", "s
 
 #: Largest ``--init-timeout`` and ``--heartbeat-timeout`` (seconds).
 MAX_INIT_TIMEOUT_S = MAX_TIMEOUT_S
-#: A native log line of JAX's runtime, e.g. ``F1201 09:27:36.863147   6646 client.h:86] ...``.
-_NATIVE_LINE = re.compile(rb"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\] ")
+#: A native log line of JAX's runtime, e.g. ``F1201 09:27:36.863147   6646 client.h:86] ...``, or of
+#: Gloo (``[Gloo] Rank 0 is connected to 1 peer ranks. ...``).
+_NATIVE_LINE = re.compile(rb"^([IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\] |\[Gloo\] )")
 #: A line the command itself writes (its messages, Python's logging, a progress bar).
 _OWN_LINE = re.compile(rb"^(pcast|Traceback|WARNING|INFO|ERROR|DEBUG|CRITICAL)|\r")
 #: Exit statuses the command itself chooses; any other status of the child is a native end.
@@ -92,7 +94,25 @@ def init_from_args(args: argparse.Namespace, *, supervisor: int | None = None) -
     explicit, timeouts = _start_arguments(args)
     check_start_arguments(*explicit, **timeouts)  # bad arguments change nothing in this process
     watch_run(supervisor)
+    _stdout_for_output_only()
     return init_distributed(*explicit, **timeouts)
+
+
+def _stdout_for_output_only() -> None:
+    """Point file descriptor 1 at stderr and keep the real stdout for Python's ``sys.stdout`` alone.
+
+    The runtime's native code writes to descriptor 1 (Gloo's ``[Gloo] Rank N is connected to ...``
+    on every process of a multi-process CPU run); stdout must carry only what the command prints
+    (``--format json|csv`` is read by other programs). Those lines go to stderr, where the
+    supervising process drops them (:data:`_NATIVE_LINE`).
+    """
+    out = sys.stdout
+    out.flush()
+    real = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = io.TextIOWrapper(io.FileIO(real, "w"), encoding=getattr(out, "encoding", None) or "utf-8",
+                                  errors=getattr(out, "errors", None) or "strict",
+                                  line_buffering=bool(getattr(out, "line_buffering", False)))
 
 
 def _start_arguments(args: argparse.Namespace) -> tuple[list, dict]:
@@ -251,10 +271,13 @@ def _native_cause(text: str, args: argparse.Namespace) -> str:
     reason = (fatal[-1] if fatal else text).split("absl::Status:", 1)[-1].strip()
     low = reason.lower()
     heartbeat = getattr(args, "heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT_S)
+    from pcast_jax.sweep.multihost import duplicate_id_text
+
     twice = re.search(r"(\d+) unexpectedly tried to connect with a different incarnation", reason)
     if twice:
-        return (f"process {twice.group(1)} connected twice: two processes were started with "
-                f"--process-id {twice.group(1)} (each id must be given to exactly one process), or it restarted")
+        return duplicate_id_text(twice.group(1))
+    if "already_exists" in low and "incarnation" in low:  # this process's id was taken over by another
+        return duplicate_id_text(getattr(args, "process_id", None))
     if "heartbeat" in low:
         # The runtime lists the silent processes on the next line: "1", or "/job:…/task:1".
         listed = (re.findall(r"stopped sending heartbeats\):[ \t]*\n?([^\n]*)", text, re.I) or [""])[-1]

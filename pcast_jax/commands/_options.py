@@ -17,8 +17,11 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from pcast_jax.config import PRESETS, KernelConfig
 from pcast_jax.errors import PcastError, check_f32
+from pcast_jax.fileio import load_toml
 
 RANGE_HELP = "one value, a list 5,7,9, or start:stop:step with stop included (4:13:1 is 4, 5, …, 13)"
 CONFIG_HELP = ("one kernel as key=value pairs, e.g. 'name=mine,order=reverse,scale=64,block_kv=128,"
@@ -77,7 +80,13 @@ def floats(option: str, text, *, max_count: int = 10_000) -> tuple[float, ...]:
     count = math.floor((stop - start) / step + 1e-9) + 1
     if count > max_count:
         raise PcastError(f"{option}={text!r} gives {count} values; at most {max_count}")
-    return tuple(round(start + i * step, 12) for i in range(count))
+    digits = 9 - math.floor(math.log10(step))  # the step's own digits and nine more: 0.1·3 is 0.3
+    vals = tuple(round(start + i * step, digits) for i in range(count))
+    same = next((i for i in range(1, count) if np.float32(vals[i]) == np.float32(vals[i - 1])), None)
+    if same is not None:  # the simulator's numbers are float32: two values there would be one
+        raise PcastError(f"{option}={text!r}: step {step:g} is below float32's resolution near "
+                         f"{vals[same]:.9g} ({vals[same - 1]:.9g} and {vals[same]:.9g} are one float32)")
+    return vals
 
 
 def ints(option: str, text, *, min_value: int | None = None) -> tuple[int, ...]:
@@ -144,16 +153,8 @@ def kernel(option: str, text) -> KernelConfig:
 
 def config_file(path) -> list[KernelConfig]:
     """Kernels of a TOML file: a list of ``[[kernel]]`` tables with :class:`KernelConfig`'s fields as keys."""
-    import tomllib
-
     path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
-    except FileNotFoundError:
-        raise PcastError(f"--config-file={str(path)!r} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise PcastError(f"--config-file={str(path)!r} is not valid TOML: {exc}") from None
+    doc = load_toml(path, what=f"--config-file={str(path)!r}")  # bounded in size and depth
     tables = doc.get("kernel")
     extra = sorted(set(doc) - {"kernel"})
     if extra:

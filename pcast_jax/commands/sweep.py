@@ -16,8 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 from pcast_jax.commands import _options
 from pcast_jax.commands._distributed import (
     MAX_INIT_TIMEOUT_S,
@@ -28,7 +26,7 @@ from pcast_jax.commands._distributed import (
     wants_distributed,
 )
 from pcast_jax.errors import PcastError
-from pcast_jax.stats import mean_sem
+from pcast_jax.stats import summary_cells
 
 DEFAULT_CONFIGS = "fwd_s1,rev_s1,fwd_s448,fwd_s256,rev_s256"
 #: (metric, column title, multiplier, format) of the printed table.
@@ -201,11 +199,19 @@ def summary_rows(result, metrics: tuple[str, ...] | None = None) -> list[dict]:
         for c in spec.config_names:
             for delta in spec.deltas:
                 row = {"n": n, "config": c, "delta": delta, "seeds": spec.seeds}
-                for m in metrics:
-                    row[f"{m}_mean"], row[f"{m}_sem"] = mean_sem(
-                        result.get(m, config=c, n=n, delta=delta).astype(np.float64))
+                for m in metrics:  # one seed has no standard error: None (JSON null, an empty CSV cell)
+                    row[f"{m}_mean"], row[f"{m}_sem"] = summary_cells(result.get(m, config=c, n=n, delta=delta))
                 rows.append(row)
     return rows
+
+
+def _cell(fmt: str, mean: float | None, err: float | None, mult: float) -> str:
+    """``mean ± err`` in ``fmt``; ``± n/a`` when there is no standard error (one seed)."""
+    if mean is None:
+        return "n/a"
+    if err is None:
+        return fmt.split(" ± ")[0].format(mean * mult) + " ± n/a"
+    return fmt.format(mean * mult, err * mult)
 
 
 def format_table(result, metrics: tuple[str, ...] | None = None) -> list[str]:
@@ -216,7 +222,7 @@ def format_table(result, metrics: tuple[str, ...] | None = None) -> list[str]:
     for r in summary_rows(result, tuple(c[0] for c in cols)):
         cells = [str(r["n"]), r["config"], f"{r['delta']:g}"]
         for metric, _, mult, fmt in cols:
-            cells.append(fmt.format(r[f"{metric}_mean"] * mult, r[f"{metric}_sem"] * mult))
+            cells.append(_cell(fmt, r[f"{metric}_mean"], r[f"{metric}_sem"], mult))
         rows.append(cells)
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
     align = [">", "<", ">"] + [">"] * len(cols)
@@ -250,8 +256,7 @@ def format_rows(result, metrics: tuple[str, ...], fmt: str) -> list[str]:
 
     cols = [("n", "N"), ("config", "config"), ("delta", "Δ", lambda x: f"{x:g}")]
     for metric, title, mult, f in (_column(m) for m in metrics):
-        cols.append((metric, title, lambda r, _m=metric, _k=mult, _f=f: _f.format(r[f"{_m}_mean"] * _k,
-                                                                                   r[f"{_m}_sem"] * _k)))
+        cols.append((metric, title, lambda r, _m=metric, _k=mult, _f=f: _cell(_f, r[f"{_m}_mean"], r[f"{_m}_sem"], _k)))
     md_rows = [{**r, **{m: r for m in metrics}} for r in rows]
     return report.markdown_table(md_rows, cols, align="rlr" + "r" * len(metrics)).splitlines()
 

@@ -12,12 +12,13 @@ import argparse
 import time
 from pathlib import Path
 
-import numpy as np
-
 from pcast_jax import report
 from pcast_jax.commands import _options
 from pcast_jax.errors import PcastError
+from pcast_jax.fileio import load_npy
 
+#: Largest ``--scores`` file read: 1 GiB (2^28 float32 logits).
+MAX_SCORES_BYTES = 2**30
 ANALYSES = ("validate", "worst-delta", "optimal-scale", "calibrate", "dynamic", "report")
 
 
@@ -111,6 +112,11 @@ def _write_csv(path, rows: list[dict]) -> None:
     print(f"wrote {report.write_csv(path, rows)}")
 
 
+def _ratio(num: float, den: float) -> str:
+    """``num / den`` to four places, or why there is none (never a division by zero or a bare nan)."""
+    return f"{num / den:.4f}" if den > 0 else f"n/a (the exact MSE at S = 256 is {den:g}: nothing to compare)"
+
+
 def run(args: argparse.Namespace) -> int:
     from pcast_jax.whatif import progress
 
@@ -156,10 +162,7 @@ def _run(args: argparse.Namespace, analysis: str) -> list[dict]:
                   surrogate=sur, start_log2_scale=args.start, steps=args.steps, base_seed=args.base_seed,
                   curve_points=0)
         if args.scores:
-            try:
-                scores = np.load(args.scores, allow_pickle=False)
-            except (OSError, ValueError) as exc:
-                raise PcastError(f"--scores={args.scores!r} is not a readable .npy array ({exc})") from None
+            scores = load_npy(args.scores, what=f"--scores={args.scores!r}", max_bytes=MAX_SCORES_BYTES)
             r = whatif.optimal_scale(scores=scores, **kw)
         else:
             r = whatif.optimal_scale(SinkWorkload(n=args.n, q_len=args.q_len), **kw)
@@ -167,7 +170,7 @@ def _run(args: argparse.Namespace, analysis: str) -> list[dict]:
         print(f"{r.source}: Adam ({r.surrogate}) from log2 S = {r.start_log2_scale:g} ended at "
               f"log2 S = {r.continuous_log2_scale:.3f} (S = {2 ** r.continuous_log2_scale:.1f}); best neighbouring "
               f"power of two (exact) = {r.best_neighbour:g}; best power of two = {r.best_power:g}; "
-              f"MSE(448)/MSE(256) = {r.at_448 / r.at_256:.4f}")
+              f"MSE(448)/MSE(256) = {_ratio(r.at_448, r.at_256)}")
         print(table(rows, ["scale", "exact_mse", "rel_to_256", "dp", "normal_coverage"]))
     elif analysis == "calibrate":
         r = whatif.calibrate_prop3(_options.kernel("--config", args.config), args.n,

@@ -46,8 +46,8 @@ def run_sweep_local(
         for unit in (u for u, miss in zip(todo, missing) if miss):
             s0, s1, d0, d1 = unit.bounds
             got = compute_chunk(spec, spec.ns[unit.ni], s0, s1, np.arange(d0, d1), devices)
+            fill(data, unit, got, spec)  # checked before it is saved: a non-finite chunk is never written
             if out is not None:
                 save_chunk(chunk_path(out, spec, unit), spec, unit, got)
-            fill(data, unit, got)
             advance()
     return SweepResult(spec, data) if out is None else write_results(out, spec, data)

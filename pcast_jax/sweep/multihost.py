@@ -52,6 +52,7 @@ from pcast_jax.sweep.plan import call_seeds, plan_calls, plan_process_layout, un
 from pcast_jax.sweep.progress import progress_bar
 from pcast_jax.sweep.spec import SweepResult, SweepSpec, check_spec, software_identity
 from pcast_jax.sweep.store import (
+    check_finite_metrics,
     check_probes,
     chunk_path,
     claim_dir,
@@ -238,11 +239,11 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
                if explicit else "cluster-detected settings")
         raise PcastError(
             f"the distributed runtime did not start within timeout_s={timeout_s:g} ({who}): not every "
-            "process joined; start all processes 0 .. num_processes-1 with the same coordinator and "
-            "num_processes (this process must exit before retrying)")
+            "process joined; start all processes 0 .. num_processes-1, each id given to exactly one process, "
+            "with the same coordinator and num_processes (this process must exit before retrying)")
     exc = outcome.get("error")
     if exc is not None:
-        raise _start_error(exc, explicit=explicit, coordinator=coordinator) from exc
+        raise _start_error(exc, explicit=explicit, coordinator=coordinator, process_id=process_id) from exc
     info = process_info(coordinator)
     _RUN.update(process_id=info.process_id, num_processes=info.num_processes, running=True)
     # Registered after jax.distributed's own shutdown handler, so it runs first (atexit is LIFO): the
@@ -299,9 +300,17 @@ def _check_port_free(port: int, coordinator: str) -> None:
                     "process_id=0 (each id must be given to exactly one process); choose a free port") from None
 
 
-def _start_error(exc: BaseException, *, explicit: bool, coordinator) -> PcastError:
+def duplicate_id_text(process_id) -> str:
+    """What a process refused by the coordinator for connecting under a taken id says (one phrase)."""
+    return (f"process {process_id} connected twice: two processes were started with --process-id {process_id} "
+            "(each id must be given to exactly one process), or it restarted")
+
+
+def _start_error(exc: BaseException, *, explicit: bool, coordinator, process_id=None) -> PcastError:
     text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     low = text.lower()
+    if "already_exists" in low or "incarnation" in low:
+        return PcastError(duplicate_id_text(process_id))
     if not explicit and isinstance(exc, ValueError) and "defined" in low:
         return PcastError("no cluster was detected (SLURM, Open MPI, Cloud TPU, JAX_COORDINATOR_ADDRESS); "
                           "pass coordinator, num_processes and process_id")
@@ -596,15 +605,16 @@ def run_sweep_distributed(spec: SweepSpec, out_dir: str | os.PathLike | None = N
             for p, unit in enumerate(call):
                 start = p * slot
                 fill(data, unit, {m: np.asarray(v)[start:start + unit.bounds[1] - unit.bounds[0]]
-                                  for m, v in full.items()})
+                                  for m, v in full.items()}, spec)
             return
         if pid < len(call):
             unit = call[pid]
             start = pid * slot
             vals = {m: local_rows(v, start, start + unit.bounds[1] - unit.bounds[0]) for m, v in outs.items()}
+            check_finite_metrics(spec, unit, vals)  # a non-finite chunk is never written
             save_chunk(chunk_path(out, spec, unit), spec, unit, vals)
             if pid == 0:
-                fill(data, unit, vals)
+                fill(data, unit, vals, spec)
         if pid == 0:
             written.extend(call[1:])
 

@@ -23,8 +23,8 @@ from pcast_jax.config import KernelConfig, resolve
 from pcast_jax.engine import ENGINES
 from pcast_jax.errors import PcastError, check_choice, check_finite, check_int
 from pcast_jax.fileio import atomic_write
-from pcast_jax.stats import mean_sem
-from pcast_jax.workloads import SinkWorkload
+from pcast_jax.stats import summary_cells
+from pcast_jax.workloads import DELTA_MAX, SinkWorkload
 
 __all__ = ["FORMAT_VERSION", "SIMULATOR_VERSION", "SweepSpec", "SweepResult", "check_spec", "instance_key",
            "auto_micro_batch",
@@ -92,8 +92,9 @@ class SweepSpec:
         if len(set(names)) != len(names):
             raise PcastError(f"configs must have unique names, got {names}")
         object.__setattr__(self, "configs", cfgs)
-        # Δ is added to float32 scores: it must stay finite there
-        deltas = tuple(check_finite("delta", d, float32=True) for d in _as_tuple(self.deltas, "deltas"))
+        # Δ is added to float32 scores: it must stay finite there (and through every preset's exp2)
+        deltas = tuple(check_finite("delta", d, float32=True, max_abs=DELTA_MAX)
+                       for d in _as_tuple(self.deltas, "deltas"))
         if not deltas:
             raise PcastError("deltas must hold at least one value")
         object.__setattr__(self, "deltas", deltas)
@@ -103,7 +104,7 @@ class SweepSpec:
         object.__setattr__(self, "ns", ns)
         # NumPy integers and floats become Python ones, so that the spec stays JSON-able; values
         # that already are Python numbers are kept as they are (the fingerprint does not change)
-        object.__setattr__(self, "seeds", check_int("seeds", self.seeds, min_value=1))
+        object.__setattr__(self, "seeds", check_int("seeds", self.seeds, min_value=1, max_value=2**32))
         # seed indices are uint32 PRNG data: seed_offset + seeds - 1 must fit in 32 bits
         object.__setattr__(self, "seed_offset", check_int("seed_offset", self.seed_offset, min_value=0,
                                                           max_value=2**32 - self.seeds))
@@ -329,7 +330,7 @@ class SweepResult:
                 for di, dlt in enumerate(s.deltas):
                     row = {"n": n, "config": c, "delta": dlt, "seeds": s.seeds, **work}
                     for m, arr in self.data.items():
-                        row[f"{m}_mean"], row[f"{m}_sem"] = mean_sem(arr[ni, ci, di])
+                        row[f"{m}_mean"], row[f"{m}_sem"] = summary_cells(arr[ni, ci, di])
                     rows.append(row)
         return rows
 

@@ -13,11 +13,9 @@ and recomputed, never read. ``results.npz`` carries the fingerprint and the axis
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
-import struct
-import zipfile
-import zlib
 from pathlib import Path
 
 import jax
@@ -25,16 +23,14 @@ import numpy as np
 
 from pcast_jax import __version__, metrics
 from pcast_jax.errors import PcastError
-from pcast_jax.fileio import atomic_write, clean_stale_temps, create_exclusive
+from pcast_jax.fileio import atomic_write, clean_stale_temps, create_exclusive, load_json, load_npz, read_bounded
 from pcast_jax.sweep.plan import Unit
 from pcast_jax.sweep.spec import FORMAT_VERSION, SweepResult, SweepSpec
 
 __all__ = ["claim_dir", "read_manifest", "check_layout", "chunk_path", "save_chunk", "load_chunk",
-           "empty_results", "fill", "scan", "merge", "write_results", "load_result", "write_probe",
-           "check_probes", "probe_path", "COORD_PREFIX"]
+           "empty_results", "fill", "check_finite_metrics", "skipped_metrics", "scan", "merge", "write_results",
+           "load_result", "write_probe", "check_probes", "probe_path", "COORD_PREFIX"]
 
-#: What reading a damaged ``.npz`` can raise.
-_NPZ_ERRORS = (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile, zlib.error, struct.error)
 
 
 def _save_npz(path: Path, arrays: dict) -> None:
@@ -77,13 +73,12 @@ def read_manifest(out: Path) -> dict:
       PcastError: one line naming the file, whatever the damage.
     """
     path = Path(out) / "spec.json"
+    if not path.exists():
+        raise PcastError(f"out_dir={str(out)!r}: spec.json does not exist (not a sweep folder?)")
     try:
-        saved = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise PcastError(f"out_dir={str(out)!r}: spec.json does not exist (not a sweep folder?)") from None
-    except (OSError, ValueError) as exc:
-        raise PcastError(f"out_dir={str(out)!r}: spec.json is unreadable or damaged ({exc}); delete the "
-                         "folder or use another one") from None
+        saved = load_json(path, what=f"out_dir={str(out)!r}: spec.json")  # bounded in size and depth
+    except PcastError as exc:
+        raise PcastError(f"{exc}: spec.json is unreadable or damaged; delete the folder or use another one") from None
     try:
         if not isinstance(saved, dict) or not isinstance(saved.get("spec"), dict):
             raise PcastError("it holds no sweep spec")
@@ -167,6 +162,13 @@ def save_chunk(path: Path, spec: SweepSpec, unit: Unit, vals: dict) -> None:
     _save_npz(path, {**_chunk_tags(spec, unit), **{f"m_{k}": v for k, v in vals.items()}})
 
 
+def _npz_bound(spec: SweepSpec, shape: tuple[int, ...]) -> int:
+    """Most bytes a store ``.npz`` of metric arrays shaped ``shape`` may inflate to: its arrays,
+    its coordinates and tags, and 1 MiB of headers."""
+    coords = 8 * (len(spec.ns) + len(spec.deltas) + spec.seeds) + 256 * len(spec.configs)
+    return 4 * math.prod(shape) * len(metrics.METRICS) + coords + 2**20
+
+
 def check_chunk(path: Path, spec: SweepSpec, unit: Unit) -> dict[str, np.ndarray] | str:
     """A chunk file's metrics, or why it cannot be trusted ("missing" when there is no file).
 
@@ -174,27 +176,27 @@ def check_chunk(path: Path, spec: SweepSpec, unit: Unit) -> dict[str, np.ndarray
     must be exactly the sweep's metric set, each float32 of shape (seeds, deltas, configs).
     """
     want = _chunk_tags(spec, unit)
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            files = set(z.files)
-            for key, ref in want.items():
-                if key not in files:
-                    return f"no {key!r} entry"
-                got = z[key]
-                same = (str(got) == str(ref)) if key == "fingerprint" else (
-                    got.shape == ref.shape and np.array_equal(got.astype(ref.dtype), ref))
-                if not same:
-                    return f"{key} {got.tolist()!r} is not {ref.tolist()!r}"
-            vals = {k[2:]: z[k] for k in files if k.startswith("m_")}
-            extra = files - set(want) - {f"m_{m}" for m in metrics.METRICS}
-    except FileNotFoundError:
-        return "missing"
-    except _NPZ_ERRORS as exc:
-        return f"unreadable ({type(exc).__name__}: {exc})"
-    if set(vals) != set(metrics.METRICS) or extra:
-        return f"entries {sorted(files)} are not the sweep's metrics {sorted(metrics.METRICS)}"
     s0, s1, d0, d1 = unit.bounds
     shape = (s1 - s0, d1 - d0, len(spec.configs))
+    if not path.exists():
+        return "missing"
+    try:  # never inflates more than the chunk's own arrays (and a margin for its tags) need
+        z = load_npz(path, what=f"chunk {path.name}", max_bytes=_npz_bound(spec, shape))
+    except PcastError as exc:
+        return f"unreadable ({exc})"
+    files = set(z)
+    for key, ref in want.items():
+        if key not in files:
+            return f"no {key!r} entry"
+        got = z[key]
+        same = (str(got) == str(ref)) if key == "fingerprint" else (
+            got.shape == ref.shape and np.array_equal(got.astype(ref.dtype), ref))
+        if not same:
+            return f"{key} {got.tolist()!r} is not {ref.tolist()!r}"
+    vals = {k[2:]: z[k] for k in files if k.startswith("m_")}
+    extra = files - set(want) - {f"m_{m}" for m in metrics.METRICS}
+    if set(vals) != set(metrics.METRICS) or extra:
+        return f"entries {sorted(files)} are not the sweep's metrics {sorted(metrics.METRICS)}"
     for m, v in vals.items():
         if v.shape != shape or v.dtype != np.float32:
             return f"{m} is {v.dtype}{list(v.shape)}, expected float32{list(shape)}"
@@ -226,8 +228,38 @@ def empty_results(spec: SweepSpec) -> dict[str, np.ndarray]:
     return {m: np.full(_result_shape(spec), np.nan, np.float32) for m in metrics.METRICS}
 
 
-def fill(data: dict[str, np.ndarray], unit: Unit, vals: dict[str, np.ndarray]) -> None:
-    """Copy one chunk's metrics (each (seeds, deltas, configs)) into the result arrays ``data``."""
+def skipped_metrics(spec: SweepSpec) -> set[str]:
+    """The metrics ``spec`` turns off: NaN by definition, never computed."""
+    return ({"mse_expected"} if not spec.expected_mse else set()) | ({"mse"} if not spec.sampled_mse else set())
+
+
+def check_finite_metrics(spec: SweepSpec, unit: Unit, vals: dict[str, np.ndarray]) -> None:
+    """Refuse a chunk whose computed metrics hold NaN or inf, naming where and the parameters.
+
+    The one place every sweep's numbers pass (computed or read back, one process or many): a
+    non-finite metric is never written into a result. Accepted ranges keep every preset finite
+    (tests/test_bad_input.py); a config of your own can still leave them (``overflow='nan'``).
+    """
+    skipped = skipped_metrics(spec)
+    s0, _, d0, _ = unit.bounds
+    for m, v in sorted(vals.items()):  # v: (seeds, deltas, configs)
+        bad = np.argwhere(~np.isfinite(np.asarray(v))) if m not in skipped else ()
+        if len(bad):
+            s, d, c = bad[0]
+            cfg = spec.configs[c]
+            hint = " (its overflow='nan' cast turns P*S >= 464 into NaN)" if cfg.overflow == "nan" else ""
+            raise PcastError(
+                f"sweep metric {m} is {float(v[s, d, c])} for config={cfg.name!r}{hint} at N={spec.ns[unit.ni]}, "
+                f"delta={spec.deltas[d0 + d]:g}, seed {spec.seed_offset + s0 + s} (sigma={spec.sigma:g}, "
+                f"sigma_v={spec.sigma_v:g}): no result is written with a non-finite number")
+
+
+def fill(data: dict[str, np.ndarray], unit: Unit, vals: dict[str, np.ndarray], spec: SweepSpec) -> None:
+    """Copy one chunk's metrics (each (seeds, deltas, configs)) into the result arrays ``data``.
+
+    The metrics are checked first (:func:`check_finite_metrics`).
+    """
+    check_finite_metrics(spec, unit, vals)
     s0, s1, d0, d1 = unit.bounds
     for m, v in vals.items():  # data[m]: (ns, configs, deltas, seeds)
         data[m][unit.ni, :, d0:d1, s0:s1] = np.transpose(v, (2, 1, 0))
@@ -250,7 +282,7 @@ def scan(out: Path, spec: SweepSpec, todo: list[Unit], data: dict) -> np.ndarray
                 except OSError:
                     pass
             continue
-        fill(data, unit, got)
+        fill(data, unit, got, spec)
         missing[k] = False
     return missing
 
@@ -284,7 +316,7 @@ def merge(out: Path, spec: SweepSpec, written: list[Unit], data: dict) -> SweepR
         if isinstance(got, str):
             raise PcastError(f"chunk file {path.name} is {got if got == 'missing' else 'invalid: ' + got} "
                              f"on process 0; out_dir={str(out)!r} must be one folder shared by every process")
-        fill(data, unit, got)
+        fill(data, unit, got, spec)
     return write_results(out, spec, data)
 
 
@@ -301,11 +333,7 @@ def load_result(out_dir: str | os.PathLike) -> SweepResult:
         raise PcastError(f"out_dir={str(out)!r} has no results.npz (sweep not finished?)")
     saved = read_manifest(out)
     spec = saved["spec"]
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            data = {k: z[k] for k in z.files}
-    except _NPZ_ERRORS as exc:
-        raise PcastError(f"{str(path)!r} is unreadable or damaged ({type(exc).__name__}: {exc})") from None
+    data = load_npz(path, what=f"{str(path)!r}", max_bytes=_npz_bound(spec, _result_shape(spec)))
     tag = data.pop("fingerprint", None)  # absent in files written before results carried it
     if tag is not None and str(tag) != spec.fingerprint():
         raise PcastError(f"{str(path)!r} belongs to another sweep (fingerprint {str(tag)!r}) than its "
@@ -351,8 +379,8 @@ def check_probes(out: Path, num_processes: int, token: str) -> None:
     unseen = []
     for p in range(num_processes):
         try:
-            ok = probe_path(out, p, token).read_text() == token
-        except OSError:
+            ok = read_bounded(probe_path(out, p, token), what="probe", max_bytes=len(token)) == token.encode()
+        except PcastError:
             ok = False
         if not ok:
             unseen.append(p)

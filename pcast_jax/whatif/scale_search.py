@@ -56,12 +56,16 @@ class OptimalScaleResult:
         out = []
         for s, v in sorted(self.powers.items()):
             out.append({"scale": s, "log2_scale": math.log2(s), "exact_mse": v,
-                        "rel_to_256": v / self.at_256 if self.at_256 else float("nan"),
+                        "rel_to_256": v / self.at_256 if self.at_256 else _NO_RATIO,
                         "dp": float(theory.dp(s)), "normal_coverage": float(theory.normal_coverage(s))})
         out.append({"scale": 448.0, "log2_scale": math.log2(448.0), "exact_mse": self.at_448,
-                    "rel_to_256": self.at_448 / self.at_256 if self.at_256 else float("nan"),
+                    "rel_to_256": self.at_448 / self.at_256 if self.at_256 else _NO_RATIO,
                     "dp": float(theory.dp(448.0)), "normal_coverage": float(theory.normal_coverage(448.0))})
         return out
+
+
+#: What ``rel_to_256`` says when the exact MSE at S = 256 is 0 (every P exact: nothing to compare).
+_NO_RATIO = "n/a: MSE at S=256 is 0"
 
 
 @partial(jax.jit, static_argnames=("evaluate", "steps", "lr"))
@@ -141,6 +145,8 @@ def optimal_scale(workload: SinkWorkload | None = None, *, scores=None, config="
         raise PcastError(f"log2_range={log2_range!r} must be two numbers (lo, hi)") from None
     if not (lo < hi and -100 <= lo and hi <= 100):
         raise PcastError(f"log2_range={log2_range!r} must satisfy -100 <= lo < hi <= 100")
+    if not lo <= start_log2_scale <= hi:  # the search stays in the range: so must its start
+        raise PcastError(f"start_log2_scale={start_log2_scale!r} must lie in log2_range=({lo:g}, {hi:g})")
     check_int("steps", steps, min_value=1, max_value=100000)
     check_positive("learning_rate", learning_rate)
     check_int("curve_points", curve_points, min_value=0, max_value=100000)
@@ -177,6 +183,9 @@ def optimal_scale(workload: SinkWorkload | None = None, *, scores=None, config="
     l2, val, _ = _descend_scale(jnp.float32(start_log2_scale), jnp.float32(lo), jnp.float32(hi), arr,
                                 evaluate=evaluator(sur), steps=int(steps), lr=float(learning_rate))
     l2 = float(l2)
+    if not math.isfinite(l2):
+        raise PcastError(f"the search over log2 S from start_log2_scale={start_log2_scale:g} ended at {l2} with "
+                         f"surrogate={sur.label!r}: its MSE has no finite gradient there (try another start)")
 
     def ex(log2s, part="total"):
         xs = jnp.asarray(np.asarray(log2s, np.float32))
