@@ -52,6 +52,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pcast_jax.analysis.heads import check_scored as _check_scored
+from pcast_jax.analysis.heads import expand_kv, scored_positions
+from pcast_jax.analysis.heads import validate_lengths as _validate_lengths
 from pcast_jax.errors import PcastError, check_choice, check_int
 from pcast_jax.models.gguf_loader import LlamaConfig
 
@@ -107,11 +110,6 @@ def apply_rope(x: jax.Array, angles: jax.Array, *, rope: str = "adjacent") -> ja
         x1, x2 = x[..., :half], x[..., half:]
         return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
     raise PcastError(f"rope={rope!r} is not one of {ROPE_CONVENTIONS}")
-
-
-def expand_kv(kv: jax.Array, num_heads: int) -> jax.Array:
-    """Repeat KV heads ``[T, Hkv, D] -> [T, Hq, D]`` so query head h gets KV head h // (Hq/Hkv)."""
-    return jnp.repeat(kv, num_heads // kv.shape[1], axis=1)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer=None, valid=None) -> jax.Array:
@@ -217,30 +215,6 @@ def _validate(cfg: LlamaConfig, tokens, rope: str) -> jax.Array:
     return jnp.asarray(tokens, dtype=jnp.int32)
 
 
-def _validate_lengths(lengths, tokens: jax.Array):
-    """``lengths`` of right-padded ``tokens``: ``[B]`` for ``[B, T]`` (a scalar for ``[T]``), each in [1, T]."""
-    if lengths is None:
-        return None
-    if isinstance(lengths, (list, tuple)):
-        lengths = np.asarray(lengths)
-    shape = tuple(np.shape(lengths))
-    want = tokens.shape[:-1]
-    if shape != want:
-        raise PcastError(f"lengths must have shape {want} (one length per sequence of tokens "
-                         f"{tuple(tokens.shape)}), got {shape}")
-    dtype = lengths.dtype if hasattr(lengths, "dtype") else np.asarray(lengths).dtype
-    if not jnp.issubdtype(dtype, jnp.integer):
-        raise PcastError(f"lengths must be integers, got dtype {dtype}")
-    try:
-        host = np.asarray(lengths)
-    except jax.errors.TracerArrayConversionError:
-        host = None  # traced inside a caller's jit
-    num_tokens = tokens.shape[-1]
-    if host is not None and (host.min() < 1 or host.max() > num_tokens):
-        raise PcastError(f"lengths must lie in [1, T={num_tokens}] (right padding), got {host.tolist()}")
-    return jnp.asarray(lengths, jnp.int32)
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "attention_fn", "rope", "with_aux"))
 def _forward_jit(params, tokens, lengths, *, cfg, attention_fn, rope, with_aux):
     def one(seq, length):
@@ -297,11 +271,6 @@ def forward_with_aux(params, cfg: LlamaConfig, tokens, *, attention_fn, rope: st
                         with_aux=True)
 
 
-def scored_positions(lengths, num_tokens: int) -> jax.Array:
-    """``[..., T - 1]`` bool: position t predicts token t + 1, a real token (t + 1 < length)."""
-    return jnp.arange(num_tokens - 1) < jnp.asarray(lengths, jnp.int32)[..., None] - 1
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "attention_fn", "rope"))
 def _loss_jit(params, tokens, lengths, *, cfg, attention_fn, rope):
     def one(seq, length):
@@ -336,18 +305,6 @@ def next_token_loss(params, cfg: LlamaConfig, tokens, *, attention_fn: Attention
     _check_scored(lengths)
     return _loss_jit(params, tokens, lengths, cfg=cfg, attention_fn=attention_fn or causal_attention,
                      rope=rope)
-
-
-def _check_scored(lengths) -> None:
-    """At least one position is scored: some sequence has a real next token (length >= 2)."""
-    if lengths is None:
-        return
-    try:
-        host = np.asarray(lengths)
-    except jax.errors.TracerArrayConversionError:
-        return
-    if host.max() < 2:
-        raise PcastError(f"lengths={host.tolist()}: no sequence has 2 real tokens, nothing to score")
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attention_fn", "rope"))
