@@ -31,7 +31,7 @@ def _cells(row: dict) -> dict:
 
 def _figure(analysis: Analysis, path: Path) -> Path:
     fig, axes = report.new_figure(ncols=2, figsize=(11.0, 4.8))
-    sink_mass = np.nanmean(analysis.stats["sink_mass"], axis=0)
+    sink_mass = np.nan_to_num(np.nanmean(analysis.stats["sink_mass"], axis=0), nan=0.0)
     im = axes[0].imshow(sink_mass, aspect="auto", cmap="viridis", origin="lower", interpolation="nearest",
                         vmin=0.0, vmax=1.0)
     axes[0].set_xlabel("query head")
@@ -70,7 +70,7 @@ def write_report(analysis: Analysis, out_dir, *, title: str = "P-cast analysis")
     if analysis.e2e is not None:
         columns += [("kl", "KL (nats/token)", report.fmt_sci), ("top1_agree", "top-1 agreement", report.fmt_pct),
                     ("perplexity", "perplexity", lambda x: f"{x:.3f}")]
-    worst = np.nanmax(np.nanmean(analysis.stats["underflow_mass"], axis=0), axis=(0, 1))
+    worst = analysis.worst_underflow_mass()
     scale_rows = [{"scale": f"S = {s:g}", "mass": float(m)} for s, m in zip(SCALE_GRID, worst)]
     lines = [f"# {title}", "", *analysis.summary_lines(), "",
              "## Per configuration", "",

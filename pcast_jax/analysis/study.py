@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import warnings
 from typing import Callable, Sequence
 
 import numpy as np
@@ -92,16 +93,19 @@ class Analysis:
 
     def sink_heads(self) -> np.ndarray:
         """``[L, H]`` bool: the sink heads (sink mass ≥ :data:`SINK_MASS_MIN`, mean over sequences)."""
-        return np.nanmean(self.stats["sink_mass"], axis=0) >= SINK_MASS_MIN
+        return _nanmean(self.stats["sink_mass"], axis=0) >= SINK_MASS_MIN
 
     def head_mean(self, metric: str) -> np.ndarray:
         """``[C, L, H]``: a per-head metric averaged over sequences."""
-        return np.nanmean(self.heads[metric], axis=1)
+        return _nanmean(self.heads[metric], axis=1)
+
+    def worst_underflow_mass(self) -> np.ndarray:
+        """``[len(SCALE_GRID)]``: per scale, the largest forward-order zeroed mass of any head."""
+        return np.nanmax(_nanmean(self.stats["underflow_mass"], axis=0), axis=(0, 1))
 
     def safe_scale(self) -> float | None:
         """The smallest S of ``SCALE_GRID`` keeping every head's forward-order zeroed mass ≤ the limit."""
-        worst = np.nanmax(np.nanmean(self.stats["underflow_mass"], axis=0), axis=(0, 1))  # [scales]
-        for scale, mass in zip(SCALE_GRID, worst):
+        for scale, mass in zip(SCALE_GRID, self.worst_underflow_mass()):
             if mass <= self.mass_limit:
                 return float(scale)
         return None
@@ -186,8 +190,8 @@ class Analysis:
         """The answer in words, first: sinks, each kernel's loss and verdict, the safe scale, end to end."""
         sink = self.sink_heads()
         n_layers, n_heads = sink.shape
-        delta = np.nanmean(self.stats["delta"], axis=0)[sink]
-        sigma = np.nanmean(self.stats["sigma"], axis=0)[sink]
+        delta = _nanmean(self.stats["delta"], axis=0)[sink]
+        sigma = _nanmean(self.stats["sigma"], axis=0)[sink]
         seq = f"{len(self.lengths)} sequence{'s' if len(self.lengths) > 1 else ''} of {int(self.lengths.max())} tokens"
         if sink.any():
             sinks = (f"{int(sink.sum())} of {sink.size} heads have a sink (one key takes ≥ {SINK_MASS_MIN:.0%} of "
@@ -217,6 +221,13 @@ class Analysis:
                      for name, m in self.e2e.items()]
             lines.append(f"End to end (FP32 perplexity {self.e2e_fp32.perplexity:.3f}): " + "; ".join(parts) + ".")
         return lines
+
+
+def _nanmean(x, axis=None):
+    """``np.nanmean`` without the warning for an all-NaN slice (a head with no usable row stays NaN)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmean(x, axis=axis)
 
 
 def _pct(x: float) -> str:
@@ -284,6 +295,9 @@ def analyze(trace: Trace, configs: Sequence[str | KernelConfig], *, num_sinks: i
         per_seq_stats.append(st)
     stats = {name: np.stack([s[name] for s in per_seq_stats]) for name in per_seq_stats[0]}
     heads = {name: np.stack([h[name] for h in per_seq_heads], axis=1) for name in per_seq_heads[0]}
+    if not np.isfinite(heads["zeroed_mass"]).any():
+        raise PcastError(f"no head has a query row that sees its sink and min_keys={min_keys} other keys: "
+                         "record more tokens or lower min_keys")
     seconds = time.perf_counter() - start
     e2e = fp32 = None
     if logits_fn is not None:
