@@ -37,7 +37,10 @@ RoPE convention
 ---------------
 GGUF files store llama Q/K weights permuted for llama.cpp, so RoPE must rotate **adjacent** pairs
 ``(2i, 2i+1)`` with angle ``pos * base^(-2i/D)``. ``rope="half"`` rotates ``(i, i + D/2)`` (the
-Hugging Face layout); with GGUF weights it is wrong and raises the loss sharply.
+Hugging Face layout, and llama.cpp's NeoX RoPE of qwen2 GGUF files); with permuted llama GGUF
+weights it is wrong and raises the loss sharply. The default, ``rope=None``, is the model's own
+convention, ``cfg.rope``, which the loaders set. qwen2 models (``cfg.qkv_bias``) add a bias to
+the Q, K and V projections (``params["layers"]["bq"|"bk"|"bv"]``).
 """
 
 from __future__ import annotations
@@ -170,9 +173,12 @@ def _hidden_states(params, cfg: LlamaConfig, tokens, attention_fn, rope: str, wi
     def layer_step(x, scanned):
         layer_params, layer = scanned
         h = rms_norm(x, layer_params["attn_norm"], cfg.rms_eps)
-        q = _linear(h, layer_params["wq"]).reshape(num_tokens, hq, hd)
-        k = _linear(h, layer_params["wk"]).reshape(num_tokens, hkv, hd)
-        v = _linear(h, layer_params["wv"]).reshape(num_tokens, hkv, hd)
+        q, k, v = (_linear(h, layer_params[w]) for w in ("wq", "wk", "wv"))
+        if cfg.qkv_bias:  # qwen2: Q/K/V projections with biases
+            q, k, v = q + layer_params["bq"], k + layer_params["bk"], v + layer_params["bv"]
+        q = q.reshape(num_tokens, hq, hd)
+        k = k.reshape(num_tokens, hkv, hd)
+        v = v.reshape(num_tokens, hkv, hd)
         q = apply_rope(q, angles, rope=rope)
         k = apply_rope(k, angles, rope=rope)
         result = hook(q, k, v, layer)
@@ -193,10 +199,15 @@ def _head(params, cfg: LlamaConfig, hidden: jax.Array) -> jax.Array:
     return _linear(hidden, weight)
 
 
+def rope_of(cfg: LlamaConfig, rope: str | None) -> str:
+    """The RoPE convention to run: ``rope`` when given, else the model's own (``cfg.rope``)."""
+    return cfg.rope if rope is None and isinstance(cfg, LlamaConfig) else (rope or "adjacent")
+
+
 def _validate(cfg: LlamaConfig, tokens, rope: str) -> jax.Array:
-    check_choice("rope", rope, ROPE_CONVENTIONS)
     if not isinstance(cfg, LlamaConfig):
         raise PcastError(f"cfg must be a LlamaConfig, got {type(cfg).__name__}")
+    check_choice("rope", rope, ROPE_CONVENTIONS)
     if isinstance(tokens, (list, tuple)):
         tokens = np.asarray(tokens)
     if tokens.ndim not in (1, 2) or tokens.shape[-1] < 1:
@@ -230,7 +241,7 @@ def _forward_jit(params, tokens, lengths, *, cfg, attention_fn, rope, with_aux):
 
 
 def forward(params, cfg: LlamaConfig, tokens, *, attention_fn: AttentionFn | None = None,
-            rope: str = "adjacent", lengths=None) -> jax.Array:
+            rope: str | None = None, lengths=None) -> jax.Array:
     """Logits of a llama model.
 
     Args:
@@ -239,7 +250,7 @@ def forward(params, cfg: LlamaConfig, tokens, *, attention_fn: AttentionFn | Non
         tokens: int token ids, ``[T]`` or ``[B, T]``.
         attention_fn: ``(q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D], layer) -> [T,Hq,D]``; default
             :func:`causal_attention`. See the module docstring for the contract.
-        rope: ``"adjacent"`` (right for GGUF weights) or ``"half"``.
+        rope: ``"adjacent"``, ``"half"`` or None (default: ``cfg.rope``, the file's convention).
         lengths: optional real length of each right-padded sequence, ``[B]`` ints in [1, T]
             (a scalar for ``[T]`` tokens); ``None``: every token is real. Keys at padded positions
             are masked out; each sequence is causal on its own.
@@ -248,6 +259,7 @@ def forward(params, cfg: LlamaConfig, tokens, *, attention_fn: AttentionFn | Non
         float32 logits ``[T, V]`` (or ``[B, T, V]``); with ``lengths``, those at padded positions
         are meaningless (the metrics skip them).
     """
+    rope = rope_of(cfg, rope)
     tokens = _validate(cfg, tokens, rope)
     lengths = _validate_lengths(lengths, tokens)
     logits, _ = _forward_jit(params, tokens, lengths, cfg=cfg,
@@ -255,7 +267,7 @@ def forward(params, cfg: LlamaConfig, tokens, *, attention_fn: AttentionFn | Non
     return logits
 
 
-def forward_with_aux(params, cfg: LlamaConfig, tokens, *, attention_fn, rope: str = "adjacent",
+def forward_with_aux(params, cfg: LlamaConfig, tokens, *, attention_fn, rope: str | None = None,
                      lengths=None):
     """Like :func:`forward`, but ``attention_fn`` returns ``(out, aux)``.
 
@@ -265,6 +277,7 @@ def forward_with_aux(params, cfg: LlamaConfig, tokens, *, attention_fn, rope: st
     """
     if attention_fn is None:
         raise PcastError("attention_fn must be a callable returning (out, aux)")
+    rope = rope_of(cfg, rope)
     tokens = _validate(cfg, tokens, rope)
     lengths = _validate_lengths(lengths, tokens)
     return _forward_jit(params, tokens, lengths, cfg=cfg, attention_fn=attention_fn, rope=rope,
@@ -289,7 +302,7 @@ def _loss_jit(params, tokens, lengths, *, cfg, attention_fn, rope):
 
 
 def next_token_loss(params, cfg: LlamaConfig, tokens, *, attention_fn: AttentionFn | None = None,
-                    rope: str = "adjacent", lengths=None) -> jax.Array:
+                    rope: str | None = None, lengths=None) -> jax.Array:
     """Mean next-token negative log-likelihood in nats: ``-mean_t log p(x_{t+1} | x_{<=t})``.
 
     Args: as :func:`forward`; needs ``T >= 2``. With ``lengths``, only the positions whose next
@@ -298,6 +311,7 @@ def next_token_loss(params, cfg: LlamaConfig, tokens, *, attention_fn: Attention
     Returns:
         float32 scalar (mean over all predicted positions and sequences, pooled).
     """
+    rope = rope_of(cfg, rope)
     tokens = _validate(cfg, tokens, rope)
     if tokens.shape[-1] < 2:
         raise PcastError(f"tokens length T={tokens.shape[-1]} must be >= 2 for a next-token loss")
@@ -315,7 +329,7 @@ def _next_token_jit(params, buffer, position, *, cfg, attention_fn, rope):
 
 
 def greedy_generate(params, cfg: LlamaConfig, tokenizer, prompt: str, n_new: int, *,
-                    attention_fn: AttentionFn | None = None, rope: str = "adjacent",
+                    attention_fn: AttentionFn | None = None, rope: str | None = None,
                     stop_at_eos: bool = True) -> str:
     """Greedy (argmax) continuation of ``prompt``; returns only the new text.
 
@@ -325,6 +339,7 @@ def greedy_generate(params, cfg: LlamaConfig, tokenizer, prompt: str, n_new: int
     every step recomputes the whole buffer (fine for tens of tokens on a 135M model).
     """
     n_new = check_int("n_new", n_new, min_value=1, max_value=cfg.context_length)
+    rope = rope_of(cfg, rope)
     check_choice("rope", rope, ROPE_CONVENTIONS)
     ids = tokenizer.encode(prompt)
     if not ids:

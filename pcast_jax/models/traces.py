@@ -39,13 +39,13 @@ def _recording_hook(attention_fn):
     return hook
 
 
-def extract_qkv(params, cfg: LlamaConfig, tokens, *, rope: str = "adjacent",
+def extract_qkv(params, cfg: LlamaConfig, tokens, *, rope: str | None = None,
                 attention_fn=None) -> QKVTrace:
     """Post-RoPE Q, K, V of every layer, collected through the ``attention_fn`` hook.
 
     Args:
         params, cfg, tokens: as :func:`pcast_jax.models.llama.forward`.
-        rope: RoPE convention (``"adjacent"`` for GGUF weights).
+        rope: RoPE convention (default: the model's own, ``cfg.rope``).
         attention_fn: the attention that produces each layer's output (default exact f32);
             later layers' inputs depend on it, so a lossy attention changes the traces.
 
