@@ -293,3 +293,23 @@ def test_hostile_hugging_face_checkpoints(tmp_path):
     bad["model.norm.weight"][3] = np.inf
     with pytest.raises(PcastError, match="'model.norm.weight' holds a non-finite"):
         load_model(write_hf(tmp_path / "inf", bad, "llama", tied=False))
+
+
+def test_pcast_analyze_with_the_model_runs_end_to_end(tmp_path, monkeypatch, capsys):
+    """Record a qwen2 GGUF model's trace through the hook, then `pcast analyze TRACE --model FILE`."""
+    from pcast_jax import cli
+    from pcast_jax.analysis import Recorder
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "q.gguf", hf_weights("qwen2", True), "qwen2")
+    cfg, params = load_model(path)
+    tokens = np.stack([np.resize(TOKENS, 40), np.resize(TOKENS[::-1], 40)])
+    rec = Recorder()
+    forward(params, cfg, tokens, attention_fn=rec.hook(), lengths=np.array([40, 30]))
+    rec.trace(tokens=tokens).save(tmp_path / "trace.npz")
+    assert cli.main(["analyze", str(tmp_path / "trace.npz"), "--configs", "fwd_s1,rev_s256", "--model", str(path),
+                     "--out", str(tmp_path / "rep"), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("On this model (2 layers × 4 heads, 2 sequences of 40 tokens)")
+    assert "End to end (FP32 perplexity" in printed and "`fwd_s1` KL" in printed
+    assert "top-1 agreement" in (tmp_path / "rep" / "analysis.md").read_text()

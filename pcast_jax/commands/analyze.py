@@ -18,7 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="analysis", metavar="DIR",
                         help="report folder: analysis.md, analysis_*.csv, analysis_layers.png (default: analysis)")
     parser.add_argument("--model", default=None, metavar="PATH",
-                        help="the model the trace came from (a llama GGUF file): adds KL, top-1 agreement and "
+                        help="the model the trace came from (a llama or qwen2 GGUF file, or a Hugging Face "
+                             "checkpoint folder): adds KL, top-1 agreement and "
                              "perplexity per kernel, run on the trace's tokens")
     parser.add_argument("--mass-limit", default="1e-3", metavar="X",
                         help="attention mass a head may lose to the cast, in (0, 1) (default 1e-3)")
