@@ -276,13 +276,15 @@ def _reference(q, k, v):
     return _engine.reference_attention(s, jnp.swapaxes(v, 0, 1), causal=True, q_offset=0)
 
 
+_reference_jit = jax.jit(_reference)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "min_keys"))
-def _layer_metrics(q, k, v, sink_positions, *, config: KernelConfig, min_keys: int):
+def _layer_metrics(q, k, v, sink_positions, ref, *, config: KernelConfig, min_keys: int):
     num_tokens = q.shape[0]
     positions = jnp.arange(num_tokens)
     is_sink = jnp.any(positions[None, :, None] == sink_positions[:, None, :], axis=-1)  # [Hq, T]
     res = heads_attention(q, k, v, config, count_mask=~is_sink)
-    ref = _reference(q, k, v)
     err = jnp.mean(jnp.square(res.out - ref), axis=(1, 2))
     ref_sq = jnp.mean(jnp.square(ref), axis=(1, 2))
     counted = res.n_counted.astype(jnp.float32)  # [Hq, T]: non-sink causal keys per row
@@ -320,7 +322,7 @@ def _further_row_metrics(res, counted) -> dict:
 
 
 def head_metrics(q, k, v, config: str | KernelConfig, sink_positions, *,
-                 min_keys: int = 16) -> dict[str, np.ndarray]:
+                 min_keys: int = 16, reference=None) -> dict[str, np.ndarray]:
     """Per-head P-cast metrics of one layer (definitions in the module docstring).
 
     Args:
@@ -329,6 +331,8 @@ def head_metrics(q, k, v, config: str | KernelConfig, sink_positions, *,
         quantized).
       sink_positions: ``[Hq, k]`` int, each head's sink positions (``sink_statistics``).
       min_keys: rows with fewer non-sink keys are left out of the row means.
+      reference: optional ``[Hq, T, D]`` exact FP32 output of this layer (computed when not given;
+        :func:`analyze_trace` computes it once per layer for every configuration).
 
     Returns:
       dict of ``[Hq]`` numpy arrays, keys :data:`HEAD_METRICS` and the engine's further per-row
@@ -340,9 +344,10 @@ def head_metrics(q, k, v, config: str | KernelConfig, sink_positions, *,
     if sink_positions.ndim != 2 or sink_positions.shape[0] != np.shape(q)[1]:
         raise PcastError(f"sink_positions.shape={sink_positions.shape} must be [Hq, k] with "
                          f"Hq={np.shape(q)[1]}")
-    out = _layer_metrics(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32),
-                         jnp.asarray(v, jnp.float32), sink_positions, config=cfg,
-                         min_keys=min_keys)
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
+    if reference is None:
+        reference = _reference_jit(q, k, v)
+    out = _layer_metrics(q, k, v, sink_positions, reference, config=cfg, min_keys=min_keys)
     return {name: np.asarray(val) for name, val in out.items()}
 
 
@@ -367,13 +372,17 @@ def analyze_trace(trace, configs: Sequence[str | KernelConfig], sink_positions, 
         raise PcastError(f"sink_positions.shape={sink_positions.shape} must be [L, Hq, k] = "
                          f"[{np.shape(q)[0]}, {np.shape(q)[2]}, k]")
     per_config = []
+    references = {}  # the exact output of a layer: the same for every configuration
     for config in configs:
         cfg = resolve(config)
         if progress is not None:
             progress(cfg.name)
-        layers = [head_metrics(q[layer], k[layer], v[layer], cfg, sink_positions[layer],
-                               min_keys=min_keys)
-                  for layer in range(np.shape(q)[0])]
+        layers = []
+        for layer in range(np.shape(q)[0]):
+            if layer not in references:
+                references[layer] = _reference_jit(*(jnp.asarray(x[layer], jnp.float32) for x in (q, k, v)))
+            layers.append(head_metrics(q[layer], k[layer], v[layer], cfg, sink_positions[layer],
+                                       min_keys=min_keys, reference=references[layer]))
         per_config.append({m: np.stack([x[m] for x in layers]) for m in layers[0]})
     return {m: np.stack([pc[m] for pc in per_config]) for m in per_config[0]}
 
