@@ -30,6 +30,8 @@ rows ``i`` that see every sink and at least ``min_keys`` non-sink keys:
 * ``underflow_s1`` / ``underflow_s256``: measured fraction of non-sink logits more than
   ``6.93 + ln S`` below the sink max, i.e. the P values an E4M3 cast with scale S zeroes when the
   running max sits at the sink (forward order, Eq. 6) — no Gaussian assumption.
+* ``underflow_mass``: the exact softmax mass those zeroed P carry, for every S of
+  :data:`SCALE_GRID` (what the safe scale of :mod:`pcast_jax.analysis.study` reads).
 
 Definitions used in the reports
 -------------------------------
