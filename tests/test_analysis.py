@@ -92,6 +92,13 @@ def test_recorder_flax_attention_fn_one_layer_per_function():
     # layer 1's recorded keys are its own key projection of its input
     k1 = layers[1].key(inputs[1])
     np.testing.assert_allclose(trace.k[1], np.asarray(k1), rtol=1e-6, atol=1e-6)
+    # under nnx.jit: the same layers, recorded again after clear()
+    rec.clear()
+    jitted = nnx.jit(lambda layer, x: layer(x, is_causal=True))
+    jitted(layers[1], inputs[1])
+    again = rec.trace()
+    assert again.layers == ("layer1",)
+    np.testing.assert_allclose(again.k[0], trace.k[1], rtol=1e-5, atol=1e-5)
 
 
 def test_recorder_model_hook_equals_extract_qkv_per_sequence():
