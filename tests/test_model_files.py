@@ -313,3 +313,18 @@ def test_pcast_analyze_with_the_model_runs_end_to_end(tmp_path, monkeypatch, cap
     assert printed.startswith("On this model (2 layers × 4 heads, 2 sequences of 40 tokens)")
     assert "End to end (FP32 perplexity" in printed and "`fwd_s1` KL" in printed
     assert "top-1 agreement" in (tmp_path / "rep" / "analysis.md").read_text()
+
+
+def test_model_report_runs_on_another_model(tmp_path, monkeypatch, capsys):
+    """`pcast model-report --model FILE --quick`: the real-model study on a qwen2 GGUF file the test writes
+    (its SentencePiece tokenizer's byte fallback encodes any text)."""
+    pytest.importorskip("matplotlib")
+    from pcast_jax import cli
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "tiny_qwen.gguf", hf_weights("qwen2", True, seed=5), "qwen2", tokenizer="llama")
+    assert cli.main(["model-report", "--model", str(path), "--quick", "--tokens", "48", "--quiet",
+                     "--out", str(tmp_path / "rep")]) == 0
+    text = (tmp_path / "rep" / "model_report.md").read_text()
+    assert text.startswith("# Real model: tiny with simulated FP8 attention")
+    assert "tiny (qwen2, 2 layers, 4 query / 2 KV heads, head dim 8" in text
