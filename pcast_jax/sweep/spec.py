@@ -48,7 +48,8 @@ class SweepSpec:
       seeds: number of seeds per (N, Δ); seed indices ``seed_offset .. seed_offset + seeds − 1``.
       seed_offset: index of the first seed.
       base_seed: the root PRNG seed.
-      q_len, d, k_sink, sink_positions, sigma, sigma_v: the synthetic workload (:class:`SinkWorkload`).
+      q_len, d, k_sink, sink_positions, sigma, sigma_v, sink_logit: the synthetic workload
+        (:class:`SinkWorkload`; ``sink_logit`` left out of :meth:`to_dict` when None).
       engine: ``"fast"`` or ``"scan"``.
       expected_mse: also compute ``mse_expected`` (cheap; NaN when off).
       sampled_mse: draw V and compute ``mse`` (True, the default). False: no V is drawn and no
@@ -78,6 +79,7 @@ class SweepSpec:
     expected_mse: bool = True
     micro_batch: int = 1
     sampled_mse: bool = True
+    sink_logit: float | str | None = None
 
     def __post_init__(self):
         cfgs = tuple(resolve(c) for c in _as_tuple(self.configs, "configs"))
@@ -123,13 +125,14 @@ class SweepSpec:
                              f"engine={self.engine!r} needs V (use engine='fast')")
         object.__setattr__(self, "micro_batch", check_int("micro_batch", self.micro_batch, min_value=1,
                                                           max_value=4096))
-        for n in ns:  # validates k_sink / sink_positions / sigma against every N
-            self.workload(n)
+        for n in ns:  # validates k_sink / sink_positions / sigma / sink_logit against every N
+            object.__setattr__(self, "sink_logit", self.workload(n).sink_logit)
 
     def workload(self, n: int) -> SinkWorkload:
         """The synthetic workload of KV length ``n``."""
         return SinkWorkload(n=n, q_len=self.q_len, d=self.d, k_sink=self.k_sink,
-                            sink_positions=self.sink_positions, sigma=self.sigma, sigma_v=self.sigma_v)
+                            sink_positions=self.sink_positions, sigma=self.sigma, sigma_v=self.sigma_v,
+                            sink_logit=self.sink_logit)
 
     @property
     def config_names(self) -> tuple[str, ...]:
@@ -142,7 +145,7 @@ class SweepSpec:
         d["deltas"] = list(self.deltas)
         d["ns"] = list(self.ns)
         d["sink_positions"] = None if self.sink_positions is None else list(self.sink_positions)
-        for name, default in (("micro_batch", 1), ("sampled_mse", True)):
+        for name, default in (("micro_batch", 1), ("sampled_mse", True), ("sink_logit", None)):
             if d[name] == default:  # defaults keep the fingerprints of sweeps made before they existed
                 del d[name]
         return d
@@ -248,7 +251,8 @@ class SweepResult:
         s = self.spec
         return {"q_len": s.q_len, "d": s.d, "k_sink": s.k_sink,
                 "sink_positions": "" if s.sink_positions is None else " ".join(map(str, s.sink_positions)),
-                "sigma": s.sigma, "sigma_v": s.sigma_v, "base_seed": s.base_seed, "engine": s.engine}
+                "sigma": s.sigma, "sigma_v": s.sigma_v, "base_seed": s.base_seed, "engine": s.engine,
+                **({} if s.sink_logit is None else {"sink_logit": s.sink_logit})}
 
     def to_dataframe(self):
         """Long format: one row per (N, config, Δ, seed) with every metric and the workload fields as columns.
