@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from test_model_core import TINY, brute_force_sink_stats, planted_trace, tiny_params
 
+import pcast_jax as pj
 from pcast_jax import cli
 from pcast_jax import nn as pnn
 from pcast_jax.analysis import Recorder, Trace, analyze, compare_logits, load_trace, sink_statistics, write_report
@@ -196,13 +197,17 @@ def test_further_engine_fields_become_metrics_by_name():
         n_counted: jax.Array
         zeroed_mass: jax.Array
         n_saturated: jax.Array
+        n_visible: jax.Array
         saturated_mass: jax.Array
+        n_future: jax.Array
 
     counted = jnp.array([[4.0, 2.0]])
-    res = Result(jnp.zeros((1, 2, 3)), counted, counted, counted, jnp.array([[1.0, 2.0]]), jnp.array([[0.5, 0.25]]))
+    res = Result(jnp.zeros((1, 2, 3)), counted, counted, counted, jnp.array([[1.0, 2.0]]), jnp.array([[5.0, 4.0]]),
+                 jnp.array([[0.5, 0.25]]), jnp.array([[5.0, 2.0]]))
     got = _further_row_metrics(res, counted)
-    assert sorted(got) == ["frac_saturated", "saturated_mass"]
-    np.testing.assert_allclose(got["frac_saturated"], [[0.25, 1.0]])
+    assert sorted(got) == ["frac_future", "frac_saturated", "saturated_mass"]
+    np.testing.assert_allclose(got["frac_saturated"], [[0.2, 0.5]])  # of the visible keys, sinks included
+    np.testing.assert_allclose(got["frac_future"], [[1.0, 0.5]])
     np.testing.assert_allclose(got["saturated_mass"], [[0.5, 0.25]])
 
 
@@ -229,6 +234,13 @@ def test_analyze_planted_sinks_verdicts_safe_scale_and_tables():
     assert summary[0].startswith("On this model (2 layers × 4 heads, 2 sequences of 96 tokens), 4 of 8 heads")
     assert any(line.startswith("- `fwd_s1` zeroes") for line in summary)
     assert any(f"from S = {scale:g} on" in line for line in summary)
+    assert not any("saturates" in line for line in summary)  # neither kernel saturates here
+    # a scale beyond E4M3's max saturates at the sink: the engine's saturation metrics flow in by name
+    over = analyze(trace, [pj.KernelConfig(scale=1024.0, name="fwd_s1024")], min_keys=8)
+    row = over.config_rows()[0]
+    assert row["frac_saturated_mean"] > 0 and row["saturated_mass_mean"] > 0.5  # the sink's P, clipped
+    assert "saturates" in over.summary_lines()[2]
+    assert result.config_rows()[0]["saturated_mass_mean"] == 0.0
     frame = result.to_dataframe()
     assert len(frame) == 2 * 2 * 2 * 4 and {"zeroed_mass", "delta", "rel_mse"} <= set(frame.columns)
     ds = result.to_xarray()

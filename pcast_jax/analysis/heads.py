@@ -75,7 +75,8 @@ __all__ = [
 SINK_SELECTIONS = ("received", "first")
 #: What :func:`head_metrics` returns per head at least (see the module docstring); every further
 #: per-row count ``n_<what>`` or mass ``<what>_mass`` the engine's result carries comes as
-#: ``frac_<what>`` / ``<what>_mass`` beside them.
+#: ``frac_<what>`` (of the visible keys) / ``<what>_mass`` beside them: ``frac_saturated`` and
+#: ``saturated_mass`` (P·S clipped at the format's max).
 HEAD_METRICS = ("mse", "ref_sq", "rel_mse", "frac_zeroed", "frac_zeroed_pooled", "zeroed_mass",
                 "rows_used")
 #: The scales S of ``sink_statistics``' ``underflow_mass`` (powers of two up to 256, and 448, the
@@ -310,14 +311,18 @@ def _layer_metrics(q, k, v, sink_positions, ref, *, config: KernelConfig, min_ke
 
 def _further_row_metrics(res, counted) -> dict:
     """Every further per-row field of the engine's result, by its name: a count ``n_<what>`` as
-    the fraction ``frac_<what>`` of the counted keys, a ``<what>_mass`` as it is."""
+    the fraction ``frac_<what>`` of the row's visible keys (``n_visible``, sinks included, as
+    :mod:`pcast_jax.metrics` counts them; the counted keys when the engine gives no ``n_visible``),
+    a ``<what>_mass`` as it is."""
     out = {}
+    visible = getattr(res, "n_visible", None)
+    per = counted if visible is None else jnp.asarray(visible, jnp.float32)
     for field in res._fields:
         value = getattr(res, field)
-        if field in ("n_counted", "n_zeroed", "zeroed_mass") or jnp.shape(value) != counted.shape:
+        if field in ("n_counted", "n_zeroed", "n_visible", "zeroed_mass") or jnp.shape(value) != counted.shape:
             continue
         if field.startswith("n_"):
-            out["frac_" + field[2:]] = value / jnp.maximum(counted, 1.0)
+            out["frac_" + field[2:]] = value / jnp.maximum(per, 1.0)
         elif field.endswith("_mass"):
             out[field] = value
     return out

@@ -207,7 +207,7 @@ class Analysis:
                 f"{_pct(row['zeroed_mass_max'])}, {row['worst_layer']} head {row['worst_head']}); relative "
                 f"output error {row['rel_mse_mean']:.2e}. Verdict: **{row['verdict']}** "
                 f"(zeroed mass {row['zeroed_mass_mean']:.2e} ± {row['zeroed_mass_sem']:.1e} vs limit "
-                f"{self.mass_limit:g}).")
+                f"{self.mass_limit:g})." + _saturation_words(row))
         lines.append("")
         scale = self.safe_scale()
         if scale is None:
@@ -221,6 +221,15 @@ class Analysis:
                      for name, m in self.e2e.items()]
             lines.append(f"End to end (FP32 perplexity {self.e2e_fp32.perplexity:.3f}): " + "; ".join(parts) + ".")
         return lines
+
+
+def _saturation_words(row: dict) -> str:
+    """`` It also saturates …`` when the engine reports saturation and the kernel has any."""
+    mass = row.get("saturated_mass_mean", 0.0)
+    if not mass > 0:
+        return ""
+    return (f" It also saturates {_pct(row['frac_saturated_mean'])} of the visible P (sinks included), "
+            f"carrying {_pct(mass)} of the mass: P·S above the format's max is clipped.")
 
 
 def _nanmean(x, axis=None):
