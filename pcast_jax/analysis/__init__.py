@@ -1,0 +1,31 @@
+"""What a kernel's P-cast does to *your* model: capture Q/K/V, analyse per layer and head, report.
+
+Model-agnostic (any JAX model whose attention goes through :func:`pcast_jax.dot_product_attention`,
+Flax's ``attention_fn`` or a :mod:`pcast_jax.models` hook); :mod:`pcast_jax.models` holds only what
+loads and runs checkpoints.
+
+* :mod:`~pcast_jax.analysis.capture` — :class:`Recorder`, :class:`Trace`, :func:`load_trace`;
+* :mod:`~pcast_jax.analysis.heads` — per layer and head: :func:`sink_statistics`,
+  :func:`head_metrics`, :func:`analyze_trace`; :func:`compare_logits` end to end;
+* :mod:`~pcast_jax.analysis.study` — :func:`analyze` (→ :class:`Analysis`: data frame, xarray, words);
+* :mod:`~pcast_jax.analysis.report` — :func:`write_report` (markdown, CSV, figure); ``pcast analyze``.
+"""
+
+from pcast_jax.analysis.capture import TRACE_DIMS, Recorder, Trace, load_trace
+from pcast_jax.analysis.heads import (
+    HEAD_METRICS,
+    SCALE_GRID,
+    SINK_SELECTIONS,
+    E2EMetrics,
+    analyze_trace,
+    compare_logits,
+    head_metrics,
+    heads_attention,
+    sink_statistics,
+)
+from pcast_jax.analysis.report import write_report
+from pcast_jax.analysis.study import SINK_MASS_MIN, Analysis, analyze
+
+__all__ = ["TRACE_DIMS", "Recorder", "Trace", "load_trace", "HEAD_METRICS", "SCALE_GRID", "SINK_SELECTIONS",
+           "E2EMetrics", "analyze_trace", "compare_logits", "head_metrics", "heads_attention", "sink_statistics",
+           "write_report", "SINK_MASS_MIN", "Analysis", "analyze"]

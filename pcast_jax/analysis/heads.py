@@ -1,0 +1,497 @@
+"""Per layer and head, on any ``[L, T, H, D]`` trace: sink statistics and P-cast metrics.
+
+Model-agnostic: the inputs are post-RoPE Q, K, V of causal self-attention layers, one sequence,
+whatever model they come from (:mod:`pcast_jax.analysis.capture` records them from any JAX model;
+:func:`pcast_jax.models.extract_qkv` from a loaded checkpoint).
+
+Sinks in a real head
+--------------------
+The paper's model (§3.1) puts ``k_sink`` sink tokens at the start of the sequence with logits
+``Δ`` above the mean of ``N(0, σ²)`` non-sink logits. In a real head the sink is wherever the
+attention mass goes, so by default (``sink_selection="received"``) the sinks of a head are the
+``num_sinks`` key positions receiving the most attention, measured as the column sum of the
+causal attention matrix divided by T (the mean attention mass a query row puts on that key; rows
+that cannot see the key contribute 0, which keeps late, rarely-visible keys from winning on
+noise). In SmolLM2-135M on Python source text this is position 0 for every head from layer 12
+on, while layers 3–10 sink on an early bare-space token (a content sink, cf. the multi-sink
+remark of §7.4) and layers 0, 1, 11 spread their attention. ``sink_selection="first"`` takes
+positions ``0 .. num_sinks-1`` as the paper's synthetic workload does.
+
+Per head, with ``s_ij = q_i·k_j / sqrt(D)`` (causal, ``j <= i``) and sink set ``S``, on the query
+rows ``i`` that see every sink and at least ``min_keys`` non-sink keys:
+
+* ``delta``: mean over rows of ``max_{j∈S} s_ij − mean_{j∉S} s_ij`` in raw logits. This is the
+  paper's ``Δ + δk`` (Eq. 3; the max over sinks carries δk) and is the quantity the underflow
+  condition of Eq. (6) compares with ``10 ln 2 + ln S = 6.93 + ln S``.
+* ``sigma``: mean over rows of the non-sink logit standard deviation ``std_{j∉S} s_ij``. The
+  paper assumes σ = 1; real heads have σ ≈ 2–3, so the Gaussian collapse fraction becomes
+  ``Φ((delta − 6.93 − ln S) / sigma)`` instead of Eq. (7)'s ``Φ(Δ + δk − 6.93 − ln S)``.
+* ``delta_sigma``: mean over rows of the gap divided by that row's std (Δ in units of σ).
+* ``underflow_s1`` / ``underflow_s256``: measured fraction of non-sink logits more than
+  ``6.93 + ln S`` below the sink max, i.e. the P values an E4M3 cast with scale S zeroes when the
+  running max sits at the sink (forward order, Eq. 6) — no Gaussian assumption.
+* ``underflow_mass``: the exact softmax mass those zeroed P carry, for every S of
+  :data:`SCALE_GRID` (what the safe scale of :mod:`pcast_jax.analysis.study` reads).
+
+Definitions used in the reports
+-------------------------------
+* **Non-sink position** of a head: every key position except the head's ``num_sinks`` sink
+  positions from :func:`sink_statistics` (by default the single key receiving the
+  most attention).
+* **Fraction of non-sink P zeroed** (``frac_zeroed``): for each query row ``i``, the share of its
+  non-sink causal keys ``j ≤ i`` whose P was positive before the cast and 0 after it; averaged
+  over the rows that see every sink and at least ``min_keys`` non-sink keys (the rows that
+  :func:`sink_statistics` averages over, so the two are comparable). ``frac_zeroed_pooled``
+  pools the counts of all rows instead.
+* **zeroed_mass**: exact FP32 softmax probability carried by the zeroed positions, averaged over
+  the same rows.
+* **MSE**: mean over rows and head dimensions of ``(O − O_ref)²``, O_ref the exact FP32 causal
+  attention on the FP32 Q/K/V; **relative MSE** = MSE / mean(O_ref²) (V of a real model is not
+  unit-variance, so the absolute MSE is not comparable with the paper's σ_V = 1 numbers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pcast_jax import engine as _engine
+from pcast_jax.config import KernelConfig, resolve
+from pcast_jax.errors import PcastError, check_choice, check_int
+from pcast_jax.nn import kernel_inputs
+
+__all__ = [
+    "SINK_SELECTIONS", "SCALE_GRID", "HEAD_METRICS", "E2EMetrics", "expand_kv", "sink_statistics", "heads_attention",
+    "head_metrics", "analyze_trace", "compare_logits", "scored_positions", "validate_lengths",
+]
+
+SINK_SELECTIONS = ("received", "first")
+#: What :func:`head_metrics` returns per head at least (see the module docstring); every further
+#: per-row count ``n_<what>`` or mass ``<what>_mass`` the engine's result carries comes as
+#: ``frac_<what>`` (of the visible keys) / ``<what>_mass`` beside them: ``frac_saturated`` and
+#: ``saturated_mass`` (P·S clipped at the format's max).
+HEAD_METRICS = ("mse", "ref_sq", "rel_mse", "frac_zeroed", "frac_zeroed_pooled", "zeroed_mass",
+                "rows_used")
+#: The scales S of ``sink_statistics``' ``underflow_mass`` (powers of two up to 256, and 448, the
+#: largest S at which P·S ≤ 1·S stays inside E4M3 without saturating).
+SCALE_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 448)
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def expand_kv(kv: jax.Array, num_heads: int) -> jax.Array:
+    """Repeat KV heads ``[T, Hkv, D] -> [T, Hq, D]`` so query head h gets KV head h // (Hq/Hkv)."""
+    return jnp.repeat(kv, num_heads // kv.shape[1], axis=1)
+
+
+def _head_statistics(q, k, *, num_sinks: int, sink_selection: str, min_keys: int):
+    """Sink statistics of one head: ``q, k [T, D]`` (post-RoPE) -> dict of scalars.
+
+    Sums over non-sink keys are taken as (sum over causal keys) - (sum over the few sink
+    columns), so each quantity costs one fused pass over the ``[T, T]`` logits.
+    """
+    num_tokens, head_dim = q.shape
+    positions = jnp.arange(num_tokens)
+    scores = jnp.einsum("td,sd->ts", q, k, precision=_HIGHEST) / math.sqrt(head_dim)
+    causal = positions[None, :] <= positions[:, None]
+    masked = jnp.where(causal, scores, -jnp.inf)
+    weights = jnp.exp(masked - jnp.max(masked, axis=-1, keepdims=True))
+    inv_norm = 1.0 / jnp.sum(weights, axis=-1)                           # [T]
+    received = jnp.sum(weights * inv_norm[:, None], axis=0) / num_tokens  # [T]
+    if sink_selection == "received":
+        _, sink_positions = lax.top_k(received, num_sinks)
+        sink_positions = jnp.sort(sink_positions)
+    else:
+        sink_positions = jnp.arange(num_sinks)
+    sink_scores = scores[:, sink_positions]                              # [T, k]
+    sink_visible = sink_positions[None, :] <= positions[:, None]         # [T, k]
+    n_other = positions + 1 - jnp.sum(sink_visible, axis=-1)             # [T]
+    valid_row = (positions >= sink_positions[-1]) & (n_other >= min_keys)
+    safe_n = jnp.maximum(n_other, 1)
+
+    def other_sum(full, sink_part):
+        """Row sum over non-sink causal keys of an elementwise function of the logits."""
+        extra = (None,) * (full.ndim - 2)
+        return (jnp.sum(jnp.where(causal[(...,) + extra], full, 0.0), axis=1)
+                - jnp.sum(jnp.where(sink_visible[(...,) + extra], sink_part, 0.0), axis=1))
+
+    other_mean = other_sum(scores, sink_scores) / safe_n
+    centered = lambda x: (x - other_mean[:, None]) ** 2  # noqa: E731
+    other_std = jnp.sqrt(jnp.maximum(other_sum(centered(scores), centered(sink_scores)), 0.0)
+                         / safe_n)
+    sink_max = jnp.max(jnp.where(sink_visible, sink_scores, -jnp.inf), axis=-1)
+    gap = jnp.where(valid_row, sink_max - other_mean, 0.0)
+    gap_sigma = jnp.where(valid_row, gap / jnp.maximum(other_std, 1e-12), 0.0)
+    sink_mass_rows = jnp.sum(jnp.where(sink_visible, weights[:, sink_positions], 0.0),
+                             axis=-1) * inv_norm
+    # Eq. (6) with the running max at the sink max (forward order, sink in the first block):
+    # a non-sink P = exp(s - m) is zeroed by the E4M3 cast with scale S iff s < m - 10 ln2 - ln S.
+    below = {}
+    probs = weights * inv_norm[:, None]
+    sink_probs = probs[:, sink_positions]
+    thresholds = sink_max[:, None] - 10 * math.log(2) - jnp.log(jnp.asarray(SCALE_GRID, jnp.float32))
+    under_mass = other_sum(
+        jnp.where(scores[:, :, None] < thresholds[:, None, :], probs[:, :, None], 0.0),
+        jnp.where(sink_scores[:, :, None] < thresholds[:, None, :], sink_probs[:, :, None], 0.0))
+    for scale in (1, 256):
+        threshold = (sink_max - 10 * math.log(2) - math.log(scale))[:, None]
+        below[scale] = other_sum((scores < threshold).astype(jnp.float32),
+                                 (sink_scores < threshold).astype(jnp.float32)) / safe_n
+    n_rows = jnp.sum(valid_row)
+
+    def row_mean(x):
+        total = jnp.sum(jnp.where(valid_row, x, 0.0))
+        return jnp.where(n_rows > 0, total / jnp.maximum(n_rows, 1), jnp.nan)
+
+    return {
+        "sink_positions": sink_positions.astype(jnp.int32),
+        "delta": row_mean(gap),
+        "delta_sigma": row_mean(gap_sigma),
+        "sigma": row_mean(other_std),
+        "sink_mass": row_mean(sink_mass_rows),
+        "underflow_s1": row_mean(below[1]),
+        "underflow_s256": row_mean(below[256]),
+        "underflow_mass": jax.vmap(row_mean, in_axes=1)(under_mass),
+        "position0_mass": jnp.mean(weights[:, 0] * inv_norm),
+        "top_received": jnp.max(received),
+        "rows_used": n_rows.astype(jnp.int32),
+    }
+
+
+@functools.partial(jax.jit, static_argnames=("num_sinks", "sink_selection", "min_keys"))
+def _layer_statistics(q, k, *, num_sinks: int, sink_selection: str, min_keys: int):
+    """Per-head statistics of one layer, ``q [T, Hq, D]``, ``k [T, Hkv, D]``.
+
+    Heads run one after another (``lax.map``), so memory stays at a few ``[T, T]`` arrays.
+    """
+    k = expand_kv(k, q.shape[1])
+    per_head = functools.partial(_head_statistics, num_sinks=num_sinks,
+                                 sink_selection=sink_selection, min_keys=min_keys)
+    return lax.map(lambda qk: per_head(*qk), (jnp.swapaxes(q, 0, 1), jnp.swapaxes(k, 0, 1)))
+
+
+def sink_statistics(q, k, v=None, cfg=None, *, num_sinks: int = 1,
+                    sink_selection: str = "received", min_keys: int = 16) -> dict[str, np.ndarray]:
+    """Per-layer, per-head sink statistics of a trace (see the module docstring for definitions).
+
+    Args:
+        q: ``[L, T, Hq, D]`` post-RoPE queries (a captured trace, or
+            :func:`pcast_jax.models.extract_qkv`).
+        k: ``[L, T, Hkv, D]`` post-RoPE keys.
+        v: unused (accepted so a whole ``(q, k, v)`` trace can be passed as ``*trace``).
+        cfg: optional model config (``num_heads``, ``num_kv_heads``, ``head_dim``); when given,
+            shapes are checked against it.
+        num_sinks: sink tokens per head (``k_sink``), >= 1.
+        sink_selection: ``"received"`` (top positions by mean attention received) or
+            ``"first"`` (positions ``0 .. num_sinks-1``).
+        min_keys: rows with fewer non-sink keys than this are skipped (their std is noise).
+
+    Returns:
+        dict of numpy arrays, each ``[L, H]`` unless noted: ``sink_positions [L, H, num_sinks]``,
+        ``delta`` (raw logits), ``sigma``, ``delta_sigma`` (Δ in σ units), ``sink_mass`` (mean
+        attention on the sinks), ``position0_mass`` (mean attention on position 0 over all rows),
+        ``top_received`` (largest mean attention received by one key), ``underflow_s1`` and
+        ``underflow_s256`` (fraction of non-sink logits below ``max sink − 6.93 − ln S``, i.e.
+        the P values an E4M3 cast with scale S zeroes when the running max sits at the sink,
+        Eq. 6), ``underflow_mass [L, H, len(SCALE_GRID)]`` (the exact softmax mass those zeroed
+        P carry, per scale of :data:`SCALE_GRID`), ``rows_used``.
+        Rows-based entries are NaN for a head with no usable row.
+    """
+    del v
+    q = jnp.asarray(q)
+    k = jnp.asarray(k)
+    if q.ndim != 4 or k.ndim != 4:
+        raise PcastError(f"q and k must be [L, T, H, D]; got shapes {q.shape} and {k.shape}")
+    layers, num_tokens, num_heads, head_dim = q.shape
+    if k.shape[:2] != (layers, num_tokens) or k.shape[3] != head_dim or num_heads % k.shape[2]:
+        raise PcastError(f"k shape {k.shape} does not match q shape {q.shape}")
+    if cfg is not None and (num_heads, k.shape[2], head_dim) != (
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim):
+        raise PcastError(f"q/k heads and head_dim {(num_heads, k.shape[2], head_dim)} do not match "
+                         f"cfg {(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)}")
+    check_choice("sink_selection", sink_selection, SINK_SELECTIONS)
+    num_sinks = check_int("num_sinks", num_sinks, min_value=1, max_value=num_tokens - 1)
+    min_keys = check_int("min_keys", min_keys, min_value=1, max_value=num_tokens)
+    per_layer = [
+        _layer_statistics(q[layer], k[layer], num_sinks=num_sinks, sink_selection=sink_selection,
+                          min_keys=min_keys)
+        for layer in range(layers)
+    ]
+    return {name: np.stack([np.asarray(stats[name]) for stats in per_layer])
+            for name in per_layer[0]}
+
+
+def _scores_and_values(q, k, v, cfg: KernelConfig):
+    """Per-head logits ``[Hq, T, T]`` (1/√D applied, no mask) and values ``[Hq, T, D]``.
+
+    Exactly what :func:`pcast_jax.nn.dot_product_attention` feeds the kernel (FP32 Q/K/V, or E4M3
+    with the scales of ``cfg.qkv_granularity``), for one sequence in the model's ``[T, H, D]`` layout.
+    """
+    logits, v_seen = kernel_inputs(*(jnp.swapaxes(x, 0, 1)[None] for x in (q, k, v)), cfg,
+                                   1.0 / math.sqrt(q.shape[2]))
+    return logits[0], v_seen[0]
+
+
+def heads_attention(q, k, v, config: str | KernelConfig, *, count_mask=None,
+                    engine: str = "fast") -> _engine.AttentionResult:
+    """The simulated kernel on every query head of one layer (full causal self-attention).
+
+    Args:
+      q: ``[T, Hq, D]`` post-RoPE queries (unscaled); k, v: ``[T, Hkv, D]``.
+      config: preset name or :class:`KernelConfig`; its ``causal`` flag is forced on and the mask
+        has ``q_offset = 0`` (query i sits at position i, since q_len = N = T). With
+        ``config.qkv == "e4m3"`` Q/K/V are quantized with ``config.qkv_granularity`` scales.
+      count_mask: optional ``[Hq, T]`` bool, the positions counted as zeroed (non-sink keys).
+      engine: ``"fast"`` (vmapped over heads) or ``"scan"`` (the block-by-block reference).
+
+    Returns:
+      :class:`pcast_jax.engine.AttentionResult` with a leading head axis (``out [Hq, T, D]``).
+    """
+    cfg = dataclasses.replace(resolve(config), causal=True)
+    check_choice("engine", engine, _engine.ENGINES)
+    if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape or q.shape[0] != k.shape[0] \
+            or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
+        raise PcastError(f"q must be [T, Hq, D] and k, v [T, Hkv, D] with Hq a multiple of Hkv; "
+                         f"got {q.shape}, {k.shape}, {v.shape}")
+    scores, v_seen = _scores_and_values(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32),
+                                        jnp.asarray(v, jnp.float32), cfg)
+
+    def one(s, vh, cm):
+        return _engine.attention(s, vh, cfg, engine=engine, count_mask=cm, q_offset=0)
+
+    if count_mask is None:
+        return jax.vmap(lambda s, vh: one(s, vh, None))(scores, v_seen)
+    return jax.vmap(one)(scores, v_seen, jnp.asarray(count_mask, bool))
+
+
+def _reference(q, k, v):
+    """Exact FP32 causal attention per head: ``[Hq, T, D]``."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    k = expand_kv(k, num_heads)
+    v = expand_kv(v, num_heads)
+    s = jnp.einsum("thd,shd->hts", q, k, precision=_HIGHEST) / math.sqrt(head_dim)
+    return _engine.reference_attention(s, jnp.swapaxes(v, 0, 1), causal=True, q_offset=0)
+
+
+_reference_jit = jax.jit(_reference)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "min_keys"))
+def _layer_metrics(q, k, v, sink_positions, ref, *, config: KernelConfig, min_keys: int):
+    num_tokens = q.shape[0]
+    positions = jnp.arange(num_tokens)
+    is_sink = jnp.any(positions[None, :, None] == sink_positions[:, None, :], axis=-1)  # [Hq, T]
+    res = heads_attention(q, k, v, config, count_mask=~is_sink)
+    err = jnp.mean(jnp.square(res.out - ref), axis=(1, 2))
+    ref_sq = jnp.mean(jnp.square(ref), axis=(1, 2))
+    counted = res.n_counted.astype(jnp.float32)  # [Hq, T]: non-sink causal keys per row
+    valid = (positions[None, :] >= jnp.max(sink_positions, axis=-1)[:, None]) & (counted >= min_keys)
+    n_rows = jnp.sum(valid, axis=-1)
+    per_row = res.n_zeroed / jnp.maximum(counted, 1.0)
+
+    def row_mean(x):
+        return jnp.where(n_rows > 0, jnp.sum(jnp.where(valid, x, 0.0), axis=-1)
+                         / jnp.maximum(n_rows, 1), jnp.nan)
+
+    pooled = jnp.sum(res.n_zeroed, axis=-1) / jnp.maximum(jnp.sum(res.n_counted, axis=-1), 1)
+    out = {
+        "mse": err, "ref_sq": ref_sq, "rel_mse": err / ref_sq,
+        "frac_zeroed": row_mean(per_row), "frac_zeroed_pooled": pooled.astype(jnp.float32),
+        "zeroed_mass": row_mean(res.zeroed_mass), "rows_used": n_rows.astype(jnp.int32),
+    }
+    out.update({name: row_mean(x) for name, x in _further_row_metrics(res, counted).items()})
+    return out
+
+
+def _further_row_metrics(res, counted) -> dict:
+    """Every further per-row field of the engine's result, by its name: a count ``n_<what>`` as
+    the fraction ``frac_<what>`` of the row's visible keys (``n_visible``, sinks included, as
+    :mod:`pcast_jax.metrics` counts them; the counted keys when the engine gives no ``n_visible``),
+    a ``<what>_mass`` as it is."""
+    out = {}
+    visible = getattr(res, "n_visible", None)
+    per = counted if visible is None else jnp.asarray(visible, jnp.float32)
+    for field in res._fields:
+        value = getattr(res, field)
+        if field in ("n_counted", "n_zeroed", "n_visible", "zeroed_mass") or jnp.shape(value) != counted.shape:
+            continue
+        if field.startswith("n_"):
+            out["frac_" + field[2:]] = value / jnp.maximum(per, 1.0)
+        elif field.endswith("_mass"):
+            out[field] = value
+    return out
+
+
+def head_metrics(q, k, v, config: str | KernelConfig, sink_positions, *,
+                 min_keys: int = 16, reference=None) -> dict[str, np.ndarray]:
+    """Per-head P-cast metrics of one layer (definitions in the module docstring).
+
+    Args:
+      q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]`` (one layer of a trace).
+      config: preset name or :class:`KernelConfig` (its fields say whether and how Q/K/V are
+        quantized).
+      sink_positions: ``[Hq, k]`` int, each head's sink positions (``sink_statistics``).
+      min_keys: rows with fewer non-sink keys are left out of the row means.
+      reference: optional ``[Hq, T, D]`` exact FP32 output of this layer (computed when not given;
+        :func:`analyze_trace` computes it once per layer for every configuration).
+
+    Returns:
+      dict of ``[Hq]`` numpy arrays, keys :data:`HEAD_METRICS` and the engine's further per-row
+      counts and masses (``frac_<what>``, ``<what>_mass``).
+    """
+    cfg = dataclasses.replace(resolve(config), causal=True)
+    min_keys = check_int("min_keys", min_keys, min_value=1)
+    sink_positions = jnp.asarray(sink_positions, jnp.int32)
+    if sink_positions.ndim != 2 or sink_positions.shape[0] != np.shape(q)[1]:
+        raise PcastError(f"sink_positions.shape={sink_positions.shape} must be [Hq, k] with "
+                         f"Hq={np.shape(q)[1]}")
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
+    if reference is None:
+        reference = _reference_jit(q, k, v)
+    out = _layer_metrics(q, k, v, sink_positions, reference, config=cfg, min_keys=min_keys)
+    return {name: np.asarray(val) for name, val in out.items()}
+
+
+def analyze_trace(trace, configs: Sequence[str | KernelConfig], sink_positions, *,
+                  min_keys: int = 16, progress=None) -> dict[str, np.ndarray]:
+    """:func:`head_metrics` for every configuration and layer of a trace.
+
+    Args:
+      trace: ``(q, k, v)`` of one sequence (``q [L, T, Hq, D]``, ``k, v [L, T, Hkv, D]``).
+      configs: preset names or :class:`KernelConfig` objects.
+      sink_positions: ``[L, Hq, k]`` from :func:`sink_statistics`.
+      progress: optional callable ``(config_name) -> None`` called before each configuration.
+
+    Returns:
+      dict metric → ``[n_configs, L, Hq]`` numpy array (the keys of :func:`head_metrics`).
+    """
+    q, k, v = trace
+    if np.ndim(q) != 4:
+        raise PcastError(f"trace.q must be [L, T, Hq, D] (one sequence); got shape {np.shape(q)}")
+    sink_positions = np.asarray(sink_positions)
+    if sink_positions.shape[:2] != (np.shape(q)[0], np.shape(q)[2]):
+        raise PcastError(f"sink_positions.shape={sink_positions.shape} must be [L, Hq, k] = "
+                         f"[{np.shape(q)[0]}, {np.shape(q)[2]}, k]")
+    per_config = []
+    references = {}  # the exact output of a layer: the same for every configuration
+    for config in configs:
+        cfg = resolve(config)
+        if progress is not None:
+            progress(cfg.name)
+        layers = []
+        for layer in range(np.shape(q)[0]):
+            if layer not in references:
+                references[layer] = _reference_jit(*(jnp.asarray(x[layer], jnp.float32) for x in (q, k, v)))
+            layers.append(head_metrics(q[layer], k[layer], v[layer], cfg, sink_positions[layer],
+                                       min_keys=min_keys, reference=references[layer]))
+        per_config.append({m: np.stack([x[m] for x in layers]) for m in layers[0]})
+    return {m: np.stack([pc[m] for pc in per_config]) for m in per_config[0]}
+
+
+class E2EMetrics(NamedTuple):
+    """Next-token quality of a model run against the FP32 model on the same tokens.
+
+    Attributes:
+      nll: mean next-token negative log-likelihood (nats).
+      perplexity: exp(nll).
+      kl: mean over predicted positions of KL(p_FP32 ‖ p_run) (nats).
+      kl_max: largest per-position KL.
+      top1_agree: fraction of positions whose argmax equals the FP32 model's.
+    """
+
+    nll: float
+    perplexity: float
+    kl: float
+    kl_max: float
+    top1_agree: float
+
+
+@jax.jit
+def _compare(ref_logits, logits, tokens, scored):
+    """Pooled over the scored positions ``scored [..., T-1]`` of ``[..., T, V]`` logits."""
+    ref_lp = jax.nn.log_softmax(ref_logits[..., :-1, :], axis=-1)
+    lp = jax.nn.log_softmax(logits[..., :-1, :], axis=-1)
+    n = jnp.maximum(jnp.sum(scored), 1)
+
+    def mean(x):
+        return jnp.sum(jnp.where(scored, x, 0.0)) / n
+
+    nll = mean(-jnp.take_along_axis(lp, tokens[..., 1:, None], axis=-1)[..., 0])
+    kl = jnp.sum(jnp.exp(ref_lp) * (ref_lp - lp), axis=-1)
+    agree = (jnp.argmax(ref_lp, -1) == jnp.argmax(lp, -1)).astype(jnp.float32)
+    return nll, mean(kl), jnp.max(jnp.where(scored, kl, -jnp.inf)), mean(agree)
+
+
+def compare_logits(ref_logits, logits, tokens, *, lengths=None) -> E2EMetrics:
+    """:class:`E2EMetrics` of ``logits [T, V]`` against ``ref_logits [T, V]`` on ``tokens [T]``.
+
+    Position t predicts token t+1, so T − 1 positions are scored. KL(p‖q) = Σ p (log p − log q)
+    in nats, computed from log-softmax (≥ 0 up to float32 rounding). A batch ``[B, T, V]`` /
+    ``[B, T]`` pools every scored position of every sequence; with ``lengths [B]`` (right padding)
+    only positions t with t + 1 < length are scored, whatever the logits hold elsewhere.
+    """
+    ref_logits = jnp.asarray(ref_logits, jnp.float32)
+    logits = jnp.asarray(logits, jnp.float32)
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if ref_logits.shape != logits.shape or ref_logits.ndim not in (2, 3) \
+            or tokens.shape != logits.shape[:-1]:
+        raise PcastError(f"ref_logits and logits must both be [T, V] (or [B, T, V]) and tokens [T] "
+                         f"(or [B, T]); got {ref_logits.shape}, {logits.shape}, {tokens.shape}")
+    if tokens.shape[-1] < 2:
+        raise PcastError("tokens must hold at least 2 tokens (one predicted position)")
+    lengths = validate_lengths(lengths, tokens)
+    check_scored(lengths)
+    if lengths is None:
+        lengths = jnp.full(tokens.shape[:-1], tokens.shape[-1], jnp.int32)
+    scored = scored_positions(lengths, tokens.shape[-1])
+    nll, kl, kl_max, agree = (float(x) for x in _compare(ref_logits, logits, tokens, scored))
+    return E2EMetrics(nll=nll, perplexity=math.exp(nll), kl=kl, kl_max=kl_max, top1_agree=agree)
+
+
+def scored_positions(lengths, num_tokens: int) -> jax.Array:
+    """``[..., T - 1]`` bool: position t predicts token t + 1, a real token (t + 1 < length)."""
+    return jnp.arange(num_tokens - 1) < jnp.asarray(lengths, jnp.int32)[..., None] - 1
+
+
+def validate_lengths(lengths, tokens: jax.Array):
+    """``lengths`` of right-padded ``tokens``: ``[B]`` for ``[B, T]`` (a scalar for ``[T]``), each in [1, T]."""
+    if lengths is None:
+        return None
+    if isinstance(lengths, (list, tuple)):
+        lengths = np.asarray(lengths)
+    shape = tuple(np.shape(lengths))
+    want = tokens.shape[:-1]
+    if shape != want:
+        raise PcastError(f"lengths must have shape {want} (one length per sequence of tokens "
+                         f"{tuple(tokens.shape)}), got {shape}")
+    dtype = lengths.dtype if hasattr(lengths, "dtype") else np.asarray(lengths).dtype
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise PcastError(f"lengths must be integers, got dtype {dtype}")
+    try:
+        host = np.asarray(lengths)
+    except jax.errors.TracerArrayConversionError:
+        host = None  # traced inside a caller's jit
+    num_tokens = tokens.shape[-1]
+    if host is not None and (host.min() < 1 or host.max() > num_tokens):
+        raise PcastError(f"lengths must lie in [1, T={num_tokens}] (right padding), got {host.tolist()}")
+    return jnp.asarray(lengths, jnp.int32)
+
+
+def check_scored(lengths) -> None:
+    """At least one position is scored: some sequence has a real next token (length >= 2)."""
+    if lengths is None:
+        return
+    try:
+        host = np.asarray(lengths)
+    except jax.errors.TracerArrayConversionError:
+        return
+    if host.max() < 2:
+        raise PcastError(f"lengths={host.tolist()}: no sequence has 2 real tokens, nothing to score")
+
+

@@ -1,0 +1,63 @@
+"""``pcast analyze TRACE``: a captured Q/K/V trace → DIR/analysis.md (words first), CSVs, a figure."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pcast_jax.commands import _options
+
+DEFAULT_CONFIGS = "fwd_s1,fwd_s256,rev_s256,fa3,fa3_splitkv"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("trace", metavar="TRACE",
+                        help="trace file written by pcast_jax.analysis.Trace.save (.npz)")
+    _options.add_kernel_arguments(parser, default_configs=DEFAULT_CONFIGS)
+    parser.add_argument("--out", default="analysis", metavar="DIR",
+                        help="report folder: analysis.md, analysis_*.csv, analysis_layers.png (default: analysis)")
+    parser.add_argument("--model", default=None, metavar="PATH",
+                        help="the model the trace came from (a llama or qwen2 GGUF file, or a Hugging Face "
+                             "checkpoint folder): adds KL, top-1 agreement and "
+                             "perplexity per kernel, run on the trace's tokens")
+    parser.add_argument("--mass-limit", default="1e-3", metavar="X",
+                        help="attention mass a head may lose to the cast, in (0, 1) (default 1e-3)")
+    parser.add_argument("--num-sinks", default="1", metavar="K", help="sink keys per head (default 1)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pcast_jax.analysis import analyze, load_trace, write_report
+
+    kernels = _options.kernels_from_args(args, default_configs=DEFAULT_CONFIGS)
+    if args.configs is not None or not (args.config or args.config_file):
+        names = _options.items("--configs", args.configs or DEFAULT_CONFIGS)
+        kernels = names + kernels[len(names):]  # preset names: their tile for the trace's head dim
+    mass_limit = _options.number("--mass-limit", args.mass_limit, positive=True)
+    num_sinks = _options.integer("--num-sinks", args.num_sinks, min_value=1)
+    log = (lambda _line: None) if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+    trace = load_trace(args.trace)
+    logits_fn = None if args.model is None else _model_logits(args.model, trace)
+    result = analyze(trace, kernels, num_sinks=num_sinks, mass_limit=mass_limit, logits_fn=logits_fn,
+                     progress=log)
+    path = write_report(result, Path(args.out), title=f"P-cast analysis of {Path(args.trace).name}")
+    print("\n".join(result.summary_lines()))
+    print(f"report written to {path}")
+    return 0
+
+
+def _model_logits(path, trace):
+    """``config -> logits`` of the model file on the trace's tokens (None: exact FP32)."""
+    from pcast_jax.errors import PcastError
+    from pcast_jax.models import FP8Attention, forward, load_model
+
+    if trace.tokens is None:
+        raise PcastError("--model needs a trace with tokens (Recorder.trace(tokens=...))")
+    cfg, params = load_model(path)
+
+    def logits(config):
+        hook = None if config is None else FP8Attention(config=config)
+        return forward(params, cfg, trace.tokens, attention_fn=hook, lengths=trace.lengths)
+
+    return logits

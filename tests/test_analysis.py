@@ -1,0 +1,325 @@
+"""pcast_jax.analysis: capture through every entry point, the trace file, analyze(), the report, the CLI."""
+
+import csv
+import math
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_model_core import TINY, brute_force_sink_stats, planted_trace, tiny_params
+
+import pcast_jax as pj
+from pcast_jax import cli
+from pcast_jax import nn as pnn
+from pcast_jax.analysis import Recorder, Trace, analyze, compare_logits, load_trace, sink_statistics, write_report
+from pcast_jax.analysis.heads import SCALE_GRID, _further_row_metrics
+from pcast_jax.errors import PcastError
+from pcast_jax.models import FP8Attention, extract_qkv, forward
+
+
+def planted(layers=2, batch=1, T=96):
+    """A Trace [L, B, T, 4, 16]: KV head 0 with a strong sink at key 5, KV head 1 a weak one."""
+    qs, ks = [], []
+    for layer in range(layers):
+        for b in range(batch):
+            q, k = planted_trace(T=T, seed=6 + 10 * layer + b)
+            qs.append(q[0])
+            ks.append(k[0])
+    q = np.stack(qs).reshape(layers, batch, T, 4, 16)
+    k = np.stack(ks).reshape(layers, batch, T, 2, 16)
+    v = np.random.default_rng(1).normal(size=k.shape).astype(np.float32)
+    return Trace(q=q, k=k, v=v, lengths=np.full(batch, T), layers=tuple(f"block{i}" for i in range(layers)))
+
+
+def brute_force_underflow_mass(q, k, sink, scale, min_keys):
+    """Float64, row by row: the softmax mass of non-sink keys with s < max sink − 10 ln2 − ln S."""
+    T, d = q.shape
+    s = q.astype(np.float64) @ k.T.astype(np.float64) / math.sqrt(d)
+    masses = []
+    for i in range(T):
+        other = np.setdiff1d(np.arange(i + 1), [sink])
+        if i < sink or len(other) < min_keys:
+            continue
+        p = np.exp(s[i, : i + 1] - s[i, : i + 1].max())
+        p /= p.sum()
+        below = other[s[i, other] < s[i, sink] - 10 * math.log(2) - math.log(scale)]
+        masses.append(p[below].sum())
+    return np.mean(masses)
+
+
+# ----------------------------------------------------------------------------------------------
+# Capture
+# ----------------------------------------------------------------------------------------------
+
+
+def test_recorder_drop_in_under_jit_folds_the_scale_and_keeps_the_output():
+    q = jax.random.normal(jax.random.key(0), (2, 32, 4, 8))
+    k = jax.random.normal(jax.random.key(1), (2, 32, 2, 8))
+    v = jax.random.normal(jax.random.key(2), (2, 32, 2, 8))
+    rec = Recorder()
+    run = jax.jit(lambda q, k, v: rec.dot_product_attention(q, k, v, is_causal=True, scale=0.5,
+                                                            key_value_seq_lengths=jnp.array([32, 20])))
+    out = run(q, k, v)
+    want = jax.jit(lambda q, k, v: pnn.dot_product_attention(
+        q, k, v, is_causal=True, scale=0.5, key_value_seq_lengths=jnp.array([32, 20])))(q, k, v)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))  # recording changes nothing
+    trace = rec.trace()
+    assert trace.q.shape == (1, 2, 32, 4, 8) and trace.layers == ("call0",)
+    np.testing.assert_array_equal(trace.lengths, [32, 20])
+    # logits q·k/√D of the trace equal the call's scale·q·k
+    np.testing.assert_allclose(trace.q[0], np.asarray(q) * 0.5 * math.sqrt(8), rtol=1e-6)
+    np.testing.assert_array_equal(trace.k[0], np.asarray(k))
+
+
+def test_recorder_flax_attention_fn_one_layer_per_function():
+    nnx = pytest.importorskip("flax.nnx")
+    rec = Recorder()
+    layers = [nnx.MultiHeadAttention(num_heads=2, in_features=16, decode=False, rngs=nnx.Rngs(i),
+                                     attention_fn=rec.attention_fn("fwd_s1")) for i in range(3)]
+    plain = [nnx.MultiHeadAttention(num_heads=2, in_features=16, decode=False, rngs=nnx.Rngs(i),
+                                    attention_fn=pnn.attention_fn("fwd_s1")) for i in range(3)]
+    x = y = jax.random.normal(jax.random.key(3), (2, 24, 16))
+    inputs = []
+    for layer, twin in zip(layers, plain):
+        inputs.append(x)
+        x, y = x + layer(x, is_causal=True), y + twin(y, is_causal=True)
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # recording changes nothing
+    trace = rec.trace()
+    assert trace.layers == ("layer0", "layer1", "layer2") and trace.q.shape == (3, 2, 24, 2, 8)
+    # layer 1's recorded keys are its own key projection of its input
+    k1 = layers[1].key(inputs[1])
+    np.testing.assert_allclose(trace.k[1], np.asarray(k1), rtol=1e-6, atol=1e-6)
+    # under nnx.jit: the same layers, recorded again after clear()
+    rec.clear()
+    jitted = nnx.jit(lambda layer, x: layer(x, is_causal=True))
+    jitted(layers[1], inputs[1])
+    again = rec.trace()
+    assert again.layers == ("layer1",)
+    np.testing.assert_allclose(again.k[0], trace.k[1], rtol=1e-5, atol=1e-5)
+
+
+def test_recorder_model_hook_equals_extract_qkv_per_sequence():
+    params = tiny_params(TINY)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, TINY.vocab_size, (3, 20)))
+    lengths = jnp.array([20, 15, 10])
+    rec = Recorder()
+    logits = forward(params, TINY, tokens, attention_fn=rec.hook(), lengths=lengths)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(forward(params, TINY, tokens, lengths=lengths)),
+                               rtol=1e-5, atol=1e-5)
+    trace = rec.trace(tokens=tokens)
+    assert trace.layers == ("layer0", "layer1") and trace.q.shape == (2, 3, 20, 4, 8)
+    np.testing.assert_array_equal(trace.lengths, [20, 15, 10])
+    for b in range(3):
+        ref = extract_qkv(params, TINY, tokens[b])
+        n = int(lengths[b])
+        for got, want in zip(trace.sequence(b), ref):
+            np.testing.assert_allclose(got, np.asarray(want)[:, :n], rtol=1e-5, atol=1e-5)
+    assert rec.hook() is rec.hook()  # one compiled forward
+
+
+def test_recorder_refuses_what_the_analysis_cannot_see():
+    rec = Recorder()
+    q = jnp.ones((8, 2, 4))
+    with pytest.raises(PcastError, match="not causal"):
+        rec.dot_product_attention(q, q, q)
+    with pytest.raises(PcastError, match="bias"):
+        rec.dot_product_attention(q, q, q, bias=jnp.zeros((8, 8)), is_causal=True)
+    with pytest.raises(PcastError, match="1 queries and 8 keys"):
+        rec.dot_product_attention(q[:1], q, q, is_causal=True)
+    with pytest.raises(PcastError, match="nothing was recorded"):
+        rec.trace()
+
+
+def test_trace_file_round_trip_and_damaged_files(tmp_path):
+    trace = planted(batch=2)
+    trace = Trace(q=trace.q, k=trace.k, v=trace.v, lengths=np.array([96, 60]), layers=trace.layers,
+                  tokens=np.zeros((2, 96), np.int32))
+    path = trace.save(tmp_path / "t.npz")
+    back = load_trace(path)
+    for name in ("q", "k", "v", "lengths", "tokens"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(trace, name))
+    assert back.layers == trace.layers
+    assert back.sequence(1)[0].shape == (2, 60, 4, 16)
+
+    def damaged(**fields):
+        bad = tmp_path / f"bad{len(list(tmp_path.glob('bad*')))}.npz"
+        data = dict(np.load(path))
+        data.update(fields)
+        for name, value in fields.items():
+            if value is None:
+                del data[name]
+        np.savez(bad, **data)
+        return bad
+
+    bad_q = trace.q.copy()
+    bad_q[0, 0, 3, 1, 2] = np.nan
+    cases = {"'q' holds a non-finite": damaged(q=bad_q), "'lengths' is missing": damaged(lengths=None),
+             "'lengths' must be 2 integers": damaged(lengths=np.array([96, 97])),
+             "'layers' must hold 2 distinct": damaged(layers=np.array(["a", "a"])),
+             "'k' .* do not match": damaged(k=trace.k[:, :, :50]),
+             "'format'": damaged(format=np.array("something else"))}
+    for message, bad in cases.items():
+        with pytest.raises(PcastError, match=message) as info:
+            load_trace(bad)
+        assert bad.name in str(info.value)
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(PcastError, match="junk.npz"):
+        load_trace(tmp_path / "junk.npz")
+    with pytest.raises(PcastError, match="not found"):
+        load_trace(tmp_path / "absent.npz")
+
+
+# ----------------------------------------------------------------------------------------------
+# Analysis
+# ----------------------------------------------------------------------------------------------
+
+
+def test_underflow_mass_per_scale_matches_float64_rows():
+    q, k = planted_trace()
+    stats = sink_statistics(q, k, num_sinks=1, min_keys=8)
+    assert stats["underflow_mass"].shape == (1, 4, len(SCALE_GRID))
+    for h in (0, 2):
+        for si in (0, 4, 8):
+            want = brute_force_underflow_mass(q[0, :, h], k[0, :, h // 2], 5, SCALE_GRID[si], 8)
+            assert stats["underflow_mass"][0, h, si] == pytest.approx(want, rel=1e-3, abs=1e-7)
+    ref = brute_force_sink_stats(q[0, :, 0], k[0, :, 0], np.array([5]), 8)
+    assert stats["sink_mass"][0, 0] == pytest.approx(ref["sink_mass"], rel=2e-4)
+
+
+def test_further_engine_fields_become_metrics_by_name():
+    class Result(NamedTuple):
+        out: jax.Array
+        n_zeroed: jax.Array
+        n_counted: jax.Array
+        zeroed_mass: jax.Array
+        n_saturated: jax.Array
+        n_visible: jax.Array
+        saturated_mass: jax.Array
+        n_future: jax.Array
+
+    counted = jnp.array([[4.0, 2.0]])
+    res = Result(jnp.zeros((1, 2, 3)), counted, counted, counted, jnp.array([[1.0, 2.0]]), jnp.array([[5.0, 4.0]]),
+                 jnp.array([[0.5, 0.25]]), jnp.array([[5.0, 2.0]]))
+    got = _further_row_metrics(res, counted)
+    assert sorted(got) == ["frac_future", "frac_saturated", "saturated_mass"]
+    np.testing.assert_allclose(got["frac_saturated"], [[0.2, 0.5]])  # of the visible keys, sinks included
+    np.testing.assert_allclose(got["frac_future"], [[1.0, 0.5]])
+    np.testing.assert_allclose(got["saturated_mass"], [[0.5, 0.25]])
+
+
+def test_analyze_planted_sinks_verdicts_safe_scale_and_tables():
+    trace = planted(layers=2, batch=2)
+    lines = []
+    result = analyze(trace, ["fwd_s1", "rev_s256"], min_keys=8, progress=lines.append)
+    assert any("config 2/2 rev_s256" in line for line in lines)
+    assert result.heads["zeroed_mass"].shape == (2, 2, 2, 4)
+    sink = result.sink_heads()
+    assert sink[:, :2].all() and not sink[:, 2:].any()  # KV head 0 (query heads 0, 1) carries the sink
+    # the forward S = 1 kernel zeroes what the statistics say the running max at the sink zeroes
+    fwd = result.head_mean("zeroed_mass")[0]
+    predicted = np.nanmean(result.stats["underflow_mass"][..., 0], axis=0)
+    np.testing.assert_allclose(fwd[:, :2], predicted[:, :2], rtol=0.05)
+    rows = {r["config"]: r for r in result.config_rows()}
+    assert rows["rev_s256"]["zeroed_mass_mean"] < rows["fwd_s1"]["zeroed_mass_mean"] / 10
+    assert rows["rev_s256"]["verdict"] == "safe"
+    scale = result.safe_scale()
+    worst = np.max(np.mean(result.stats["underflow_mass"], axis=0), axis=(0, 1))
+    index = SCALE_GRID.index(int(scale))
+    assert worst[index] <= 1e-3 and (index == 0 or worst[index - 1] > 1e-3)
+    summary = result.summary_lines()
+    assert summary[0].startswith("On this model (2 layers × 4 heads, 2 sequences of 96 tokens), 4 of 8 heads")
+    assert any(line.startswith("- `fwd_s1` zeroes") for line in summary)
+    assert any(f"from S = {scale:g} on" in line for line in summary)
+    assert not any("saturates" in line for line in summary)  # neither kernel saturates here
+    # a scale beyond E4M3's max saturates at the sink: the engine's saturation metrics flow in by name
+    over = analyze(trace, [pj.KernelConfig(scale=1024.0, name="fwd_s1024")], min_keys=8)
+    row = over.config_rows()[0]
+    assert row["frac_saturated_mean"] > 0 and row["saturated_mass_mean"] > 0.5  # the sink's P, clipped
+    assert "saturates" in over.summary_lines()[2]
+    assert result.config_rows()[0]["saturated_mass_mean"] == 0.0
+    frame = result.to_dataframe()
+    assert len(frame) == 2 * 2 * 2 * 4 and {"zeroed_mass", "delta", "rel_mse"} <= set(frame.columns)
+    ds = result.to_xarray()
+    assert ds["zeroed_mass"].dims == ("config", "sequence", "layer", "head")
+    assert list(ds["layer"].values) == ["block0", "block1"]
+    np.testing.assert_array_equal(ds["zeroed_mass"].sel(config="fwd_s1").values, result.heads["zeroed_mass"][0])
+
+
+def test_analyze_end_to_end_matches_compare_logits():
+    params = tiny_params(TINY)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, TINY.vocab_size, (2, 24)))
+    lengths = jnp.array([24, 18])
+    rec = Recorder()
+    forward(params, TINY, tokens, attention_fn=rec.hook(), lengths=lengths)
+    trace = rec.trace(tokens=tokens)
+
+    def logits(config):
+        hook = None if config is None else FP8Attention(config=config)
+        return forward(params, TINY, tokens, attention_fn=hook, lengths=lengths)
+
+    result = analyze(trace, ["fwd_s1"], min_keys=4, logits_fn=logits)
+    want = compare_logits(logits(None), logits(result.configs[0]), tokens, lengths=lengths)
+    assert result.e2e["fwd_s1"] == want and result.e2e_fp32.kl == 0.0
+    assert any(line.startswith("End to end") for line in result.summary_lines())
+    with pytest.raises(PcastError, match="tokens"):
+        analyze(Trace(trace.q, trace.k, trace.v, trace.lengths, trace.layers), ["fwd_s1"], logits_fn=logits)
+    with pytest.raises(PcastError, match="mass_limit"):
+        analyze(trace, ["fwd_s1"], mass_limit=2.0)
+    with pytest.raises(PcastError, match="configs"):
+        analyze(trace, "fwd_s1")
+
+
+def test_report_and_cli(tmp_path, capsys):
+    trace = planted(layers=2, batch=1)
+    path = trace.save(tmp_path / "trace.npz")
+    assert cli.main(["analyze", str(path), "--configs", "fwd_s1,rev_s256", "--out", str(tmp_path / "rep"),
+                     "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("On this model (2 layers × 4 heads, 1 sequence of 96 tokens)")
+    markdown = (tmp_path / "rep" / "analysis.md").read_text()
+    assert markdown.splitlines()[2].startswith("On this model")
+    assert (tmp_path / "rep" / "analysis_layers.png").stat().st_size > 1000
+    with open(tmp_path / "rep" / "analysis_heads.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 * 2 * 4 and {r["config"] for r in rows} == {"fwd_s1", "rev_s256"}
+    assert cli.main(["analyze", str(tmp_path / "absent.npz"), "--out", str(tmp_path / "x")]) == 2
+    assert "absent.npz" in capsys.readouterr().err
+    # a head whose sink sits too late for any row leaves words in the per-head table, never NaN
+    short = planted(layers=1, batch=2)
+    short = Trace(short.q, short.k, short.v, np.array([20, 96]), short.layers)
+    result = analyze(short, ["fwd_s1"], min_keys=20)
+    assert np.isnan(result.heads["zeroed_mass"][0, 0]).all() and np.isfinite(result.head_mean("zeroed_mass")).all()
+    write_report(result, tmp_path / "few")
+    assert "n/a: no query row" in (tmp_path / "few" / "analysis_heads.csv").read_text()
+    with pytest.raises(PcastError, match="min_keys=20"):
+        analyze(Trace(short.q, short.k, short.v, np.array([20, 20]), short.layers), ["fwd_s1"], min_keys=20)
+
+
+def _readme_section_blocks(title: str) -> list[str]:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
+def test_readme_own_model_path_runs_verbatim(tmp_path, monkeypatch, capsys):
+    """README "Your own model": the Flax example and the swap → capture → analyse path, as written."""
+    pytest.importorskip("flax.nnx")
+    blocks = _readme_section_blocks("Your own model")
+    assert len(blocks) == 2
+    path_block = blocks[1]
+    assert "Recorder" in path_block and len(path_block.strip().splitlines()) < 20
+    monkeypatch.chdir(tmp_path)
+    for block in blocks:
+        scope = {}
+        exec(compile(block, "README.md", "exec"), scope)  # noqa: S102 - our own README
+    printed = capsys.readouterr().out
+    assert "fwd_s1: KL(FP32 || FP8) = " in printed
+    result = scope["result"]
+    assert printed.splitlines()[2] == result.summary_lines()[0]
+    assert result.summary_lines()[0].startswith("On this model (2 layers × 4 heads, 1 sequence of 512 tokens)")
+    assert len(scope["frame"]) == 3 * 2 * 4 and "zeroed_mass" in scope["dataset"]
+    assert (tmp_path / "trace.npz").is_file() and (tmp_path / "analysis" / "analysis.md").is_file()
