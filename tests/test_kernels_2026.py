@@ -447,3 +447,18 @@ def test_kernels_with_sinks_and_lazy_rescale_lower_for_hopper(backend, name):
         assert "custom_call @mosaic_gpu" in text and "cvt.rn.satfinite.e4m3x2.f32" in text
     else:
         assert "custom_call @__gpu$xla.gpu.triton" in text
+
+
+def test_gpu_check_cudnn_step_runs_on_cpu_with_a_stand_in():
+    """gpu_check.sh step (f): the harness (fp8_params, the E4M3-rounded comparison, the fit) on CPU, with
+    the τ = 4 preset standing in for cuDNN; the real kernel needs a GPU."""
+    from cases import gpu_bench
+
+    bench = gpu_bench()
+    params = bench.fp8_params(16.0)
+    assert set(params) == set(bench.FP8_PARAM_KEYS) and len(params) == 17
+    assert float(params["scale_s"].reshape(())) * float(params["descale_s"].reshape(())) == 1.0
+    res = bench.run_cudnn(bench.parse_args(["--part", "cudnn", "--cpu-smoke"]))
+    for scale_s in bench.CUDNN_SCALES:
+        assert res[scale_s]["tau4"][1] == 0.0 < res[scale_s]["tau0"][1]
+

@@ -27,6 +27,7 @@ from pcast_jax.stats import mean_sem
 from pcast_jax.workloads import SinkWorkload
 
 __all__ = ["FORMAT_VERSION", "SIMULATOR_VERSION", "SweepSpec", "SweepResult", "check_spec", "instance_key",
+           "auto_micro_batch",
            "estimate_instance_bytes", "software_identity"]
 
 #: Version of the files a sweep writes (spec.json, chunks, results.npz).
@@ -56,11 +57,13 @@ class SweepSpec:
         P·V product computed (``mse`` is NaN), about 3× the instances per second on CPU; every
         other metric is the same (``mse_expected``, same mean, lower variance, is usually the one
         to use then). Needs the fast engine. Left out of :meth:`to_dict` at True.
-      micro_batch: seeds per step of the compiled chunk. 1 (the default): one seed at a time
-        through a loop. M > 1: vmapped groups of exactly M seeds (fewer, larger steps for a GPU or
-        TPU); results are bit-identical for every chunking and device count at a given M, but
-        their low-order bits differ from M = 1 (XLA compiles a batch's reductions differently).
-        Left out of :meth:`to_dict` at 1, so the fingerprints of earlier sweeps do not change.
+      micro_batch: seeds per step of the compiled chunk. 1: one seed at a time through a loop (what a
+        CPU wants). M > 1: vmapped groups of exactly M seeds (fewer, larger steps for a GPU or TPU);
+        results are bit-identical for every chunking and device count at a given M on one device
+        kind, but their low-order bits differ from M = 1 (XLA compiles a batch's reductions
+        differently). None (the default): :func:`auto_micro_batch` picks it from the default
+        backend, 1 on CPU; the value picked is part of the spec (``spec.json``, the banner). Left
+        out of :meth:`to_dict` at 1, so the fingerprints of earlier sweeps do not change.
     """
 
     configs: tuple = ("fwd_s1", "rev_s1", "fwd_s448", "fwd_s256", "rev_s256")
@@ -77,7 +80,7 @@ class SweepSpec:
     sigma_v: float = 1.0
     engine: str = "fast"
     expected_mse: bool = True
-    micro_batch: int = 1
+    micro_batch: int | None = None
     sampled_mse: bool = True
     sink_logit: float | str | None = None
 
@@ -123,6 +126,8 @@ class SweepSpec:
         if not self.sampled_mse and self.engine != "fast":
             raise PcastError(f"sampled_mse=False takes every metric from the fast engine's weights; "
                              f"engine={self.engine!r} needs V (use engine='fast')")
+        if self.micro_batch is None:
+            object.__setattr__(self, "micro_batch", auto_micro_batch(self))
         object.__setattr__(self, "micro_batch", check_int("micro_batch", self.micro_batch, min_value=1,
                                                           max_value=4096))
         for n in ns:  # validates k_sink / sink_positions / sigma / sink_logit against every N
@@ -153,6 +158,7 @@ class SweepSpec:
     @classmethod
     def from_dict(cls, d: dict) -> "SweepSpec":
         d = dict(d)
+        d.setdefault("micro_batch", 1)  # to_dict leaves out 1: a saved spec never means "pick one here"
         d["configs"] = tuple(KernelConfig.from_dict(c) for c in d["configs"])
         d["deltas"] = tuple(d["deltas"])
         d["ns"] = tuple(d["ns"])
@@ -165,6 +171,33 @@ class SweepSpec:
         ident = {"spec": self.to_dict(), "format": FORMAT_VERSION, "simulator": SIMULATOR_VERSION}
         blob = json.dumps(ident, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+#: Share of an accelerator's memory one step of the compiled chunk may take (M seeds' instances).
+MICRO_BATCH_MEMORY_SHARE = 0.125
+#: Largest automatic micro-batch.
+MICRO_BATCH_MAX = 256
+
+
+def auto_micro_batch(spec: "SweepSpec", *, backend: str | None = None, memory_bytes: int | None = None) -> int:
+    """The micro-batch a sweep gets when none is given: 1 on CPU, else the largest power of two M ≤ 256
+    whose M instances (:func:`estimate_instance_bytes` at the largest N) take at most 1/8 of one
+    device's memory, and no more than the seeds (rounded up to a power of two) need.
+
+    ``backend`` and ``memory_bytes`` default to the default backend and its first device's
+    ``bytes_limit`` (16 GiB assumed where the device does not report one).
+    """
+    backend = jax.default_backend() if backend is None else backend
+    if backend == "cpu":
+        return 1
+    if memory_bytes is None:
+        stats = jax.devices()[0].memory_stats() or {}
+        memory_bytes = int(stats.get("bytes_limit", 16 << 30))
+    per = max(1, max(estimate_instance_bytes(spec, n) for n in spec.ns))
+    fits = max(1, int(memory_bytes * MICRO_BATCH_MEMORY_SHARE) // per)
+    need = 1 << max(0, (int(spec.seeds) - 1).bit_length())
+    m = min(fits, need, MICRO_BATCH_MAX)
+    return 1 << (m.bit_length() - 1)
 
 
 def _optional(module: str):
