@@ -57,6 +57,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+import peers as _peers  # noqa: E402  (the benchmark's own folder; imports only NumPy)
+
 T_START = time.perf_counter()
 
 CONFIGS = ("fwd_s1", "rev_s1", "fwd_s448", "fwd_s256", "rev_s256")
@@ -261,6 +264,7 @@ def main() -> int:
     ap.add_argument("--steady-only", action="store_true",
                     help="only the steady-state throughput and the matmul rate (no compile, error-bar or PRNG runs)")
     ap.add_argument("--breakdown-only", action="store_true", help="only the chunk's time breakdown and the PRNGs")
+    ap.add_argument("--peer-seeds", type=int, default=64, help="seeds per timed call of each peer (0: no peers)")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
@@ -304,6 +308,11 @@ def main() -> int:
                   "without_draws": _chunk_without_draws(spec, n, seeds)}
         for fn in others.values():
             _median_time(fn, 1)
+    peer_fns = {} if args.steady_only or not args.peer_seeds else _peers.peers()
+    for fn in peer_fns.values():
+        fn(4, batch=4)  # imports and first-call costs out of the timed rounds
+    peer_s = {name: [] for name in peer_fns}
+    peer_out = {name: [] for name in peer_fns}
     other_s = {name: [] for name in others}
     for _ in range(args.repeats):  # interleaved, so that all see the same machine load
         c0 = time.process_time()
@@ -314,6 +323,10 @@ def main() -> int:
         matmul_cpu.append(time.process_time() - c1)
         for name, fn in others.items():
             other_s[name].append(_median_time(fn, 1))
+        for name, fn in peer_fns.items():  # fresh seeds each round, pooled for the spread
+            t0 = time.perf_counter()
+            peer_out[name].append(fn(args.peer_seeds, seed=len(peer_s[name])))
+            peer_s[name].append(time.perf_counter() - t0)
     chunk, mm = statistics.median(chunk_s), statistics.median(matmul_s)
     cpu_fraction = statistics.median(matmul_cpu) / statistics.median(chunk_cpu)
     flops = 2.0 * q * n * d * products * seeds
@@ -343,6 +356,31 @@ def main() -> int:
     ips_no_v = seeds / statistics.median(other_s["without_sampled_v"])
     need = to_2pct["mse_expected"]["seeds"]
     to_2pct["mse_expected_without_v"] = {"seeds": need, "seconds": float(need / ips_no_v)}
+    best = min(v["seconds"] for v in to_2pct.values())
+    peer_report = {}
+    for name, outs in peer_out.items():
+        ips_p = args.peer_seeds / statistics.median(peer_s[name])
+        mse = np.concatenate([o["mse"] for o in outs])  # (seeds, configs)
+        need_p = int(np.ceil(max((np.std(mse[:, j], ddof=1) / abs(np.mean(mse[:, j])) / 0.02) ** 2
+                                 for j in range(len(CONFIGS)))))
+        agree = {}  # peer mean / sweep pilot mean per metric and config (None where the sweep's mean is 0)
+        for m in _peers.METRICS:
+            for j, c in enumerate(CONFIGS):
+                ref = float(np.mean(pilot.get(m, config=c, n=n, delta=7.0)))
+                mean_p = float(np.mean(np.concatenate([o[m] for o in outs])[:, j]))
+                agree.setdefault(m, {})[c] = mean_p / ref if ref else (None if mean_p else 1.0)
+        peer_report[name] = {"instances_per_s": ips_p, "seeds_to_2pct": need_p, "seconds_to_2pct": need_p / ips_p,
+                             "pooled_seeds": int(mse.shape[0]), "mean_over_sweep_mean": agree,
+                             "saturated_any": bool(any(np.any(o["frac_saturated"] > 0) for o in outs))}
+    if peer_report:
+        top = max(peer_report, key=lambda k: peer_report[k]["instances_per_s"])
+        fastest = min(peer_report, key=lambda k: peer_report[k]["seconds_to_2pct"])
+        vs_best = {"best_peer_throughput": top,
+                   "throughput_ratio": ips / peer_report[top]["instances_per_s"],
+                   "throughput_ratio_without_sampled_v": ips_no_v / peer_report[top]["instances_per_s"],
+                   "best_peer_to_2pct": fastest,
+                   "time_to_2pct_ratio": peer_report[fastest]["seconds_to_2pct"] / best,
+                   "goals": {"throughput_ratio": 3.0, "time_to_2pct_ratio": 10.0}}
     grid_s = statistics.median(other_s["delta_sweep"])
     delta_sweep = {"deltas": list(DELTA_GRID), "instances_per_s": seeds * len(DELTA_GRID) / grid_s,
                    "flop_bound_fraction": mm * len(DELTA_GRID) / grid_s}
@@ -359,6 +397,9 @@ def main() -> int:
         "seconds_to_2pct": to_2pct, "prng_s_per_seed": _prng(seeds, args.repeats),
         "breakdown": _breakdown(min(seeds, 16), args.repeats),
     }
+    if peer_report:
+        report["peers"] = peer_report
+        report["vs_best_peer"] = vs_best
     report["flop_bound_fraction_without_draws"] = mm / statistics.median(other_s["without_draws"])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -379,6 +420,16 @@ def main() -> int:
             ("first result s, cold / warm cache", f"{cold['first_result_s']:.2f} / {warm['first_result_s']:.2f}")]
     for metric, v in to_2pct.items():
         rows.append((f"s to 2 % RSE, every cell, {metric}", f"{v['seconds']:.2f} ({v['seeds']} seeds)"))
+    for name, v in peer_report.items():
+        rows.append((f"peer {name}: instances/s", f"{v['instances_per_s']:.1f}"))
+        rows.append((f"peer {name}: s to 2 % RSE, every cell, mse",
+                     f"{v['seconds_to_2pct']:.2f} ({v['seeds_to_2pct']} seeds)"))
+    if peer_report:
+        rows.append((f"throughput / best peer ({vs_best['best_peer_throughput']}; goal 3)",
+                     f"{vs_best['throughput_ratio']:.2f} (without sampled V: "
+                     f"{vs_best['throughput_ratio_without_sampled_v']:.2f})"))
+        rows.append((f"time to 2 % RSE: best peer / sweep ({vs_best['best_peer_to_2pct']}; goal 10)",
+                     f"{vs_best['time_to_2pct_ratio']:.2f}"))
     for impl, s in report["prng_s_per_seed"].items():
         rows.append((f"draws per seed, {impl} (ms)", f"{1e3 * s:.2f}"))
     for part, v in report["breakdown"].items():
