@@ -32,7 +32,8 @@ reproduce: venv
 quick: venv
 	$(VENV)/bin/pcast reproduce --out results-quick --quick
 
-# sweep throughput vs the matmul bound, compile and first-result times, time to 2 % error bars
+# sweep throughput vs the matmul bound and vs vectorized NumPy / PyTorch peers (benchmarks/peers.py),
+# compile and first-result times, time to 2 % error bars, growth in N and seeds
 BENCH_ARGS ?=
 benchmark: venv
 	$(PY) benchmarks/sweep_bench.py $(BENCH_ARGS)

@@ -42,6 +42,13 @@ All on the same shapes, in one run (Table 2's operating point: the paper's five 
   output). Fused in the chunk, parts can cost less than alone; they need not add up to 1. Wall
   and process CPU time (``cpu_...``: the steadier figure on a shared machine).
 
+* ``growth`` — the chunk's time and memory vs N (4096 … 1048576, two seeds per chunk) and vs
+  seeds per chunk (16 … 256 at N = 4096), each point compiled first and timed alone (median of
+  two calls): seconds, XLA's bytes of the compiled chunk (arguments, outputs, temporaries), the
+  process's peak resident set, the planner's per-instance estimate and the seeds per chunk it
+  picks at that N; the log-log slopes (1: linear) and whether every compiled chunk lies within the
+  planner's memory budget (``--growth-ns``/``--growth-seeds`` change the points, empty: none).
+
 Writes ``results/benchmark.json`` and prints a table.
 """
 
@@ -56,6 +63,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import peers as _peers  # noqa: E402  (the benchmark's own folder; imports only NumPy)
 
 T_START = time.perf_counter()
 
@@ -251,6 +261,79 @@ def _breakdown(seeds: int, repeats: int) -> dict:
     return out
 
 
+GROWTH_NS = (4096, 16384, 65536, 262144, 1048576)
+GROWTH_SEEDS = (16, 32, 64, 128, 256)
+
+
+def _slope(xs, ys) -> float:
+    """Least-squares slope of log y against log x: 1 is linear."""
+    import numpy as np
+
+    return float(np.polyfit(np.log(np.asarray(xs, float)), np.log(np.asarray(ys, float)), 1)[0])
+
+
+def _growth(ns, seed_counts, n_seeds: int, repeats: int) -> dict:
+    """Chunk time and memory vs N (``n_seeds`` seeds per chunk) and vs seeds per chunk (N = 4096).
+
+    Each point is the compiled chunk (compiled first, not timed), median of ``repeats`` calls.
+    Memory: XLA's buffer assignment of the compiled chunk (arguments + outputs + temporaries,
+    ``compiled_bytes``), the process's peak resident set after the point (``peak_rss_bytes``;
+    points run in increasing size, so it is that point's peak or an earlier one's) and what the
+    planner allows: ``planner_instance_bytes`` (its per-instance estimate) against
+    ``budget_bytes`` (:func:`pcast_jax.sweep.plan.default_budget`), and the seeds per chunk it picks.
+    """
+    import resource
+
+    import jax
+    import numpy as np
+
+    from pcast_jax.errors import PcastError
+    from pcast_jax.sweep import SweepSpec
+    from pcast_jax.sweep.compute import chunk_args, chunk_metrics, chunk_shape
+    from pcast_jax.sweep.plan import default_budget, plan_layout
+    from pcast_jax.sweep.spec import estimate_instance_bytes
+
+    budget = default_budget()
+
+    def point(n, seeds):
+        spec = SweepSpec(**{**SHAPE, "ns": (n,)}, seeds=seeds)
+        args = (chunk_args(spec, 0, seeds, 1), np.asarray(spec.deltas, np.float32), np.int32(spec.base_seed))
+        compiled = chunk_metrics.lower(*args, shape=chunk_shape(spec, n), n_shards=1).compile()
+        mem = compiled.memory_analysis()
+        nbytes = None if mem is None else int(mem.argument_size_in_bytes + mem.output_size_in_bytes
+                                               + mem.temp_size_in_bytes)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(compiled(*args))
+            times.append(time.perf_counter() - t0)
+        try:
+            planned = plan_layout(SweepSpec(**{**SHAPE, "ns": (n,)}, seeds=1024), n_devices=1)["chunk_size"]
+        except PcastError:
+            planned = 0  # one instance is over the planner's budget
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return {"n": n, "seeds": seeds, "seconds": statistics.median(times), "compiled_bytes": nbytes,
+                "peak_rss_bytes": rss, "planner_instance_bytes": estimate_instance_bytes(spec, n),
+                "planner_chunk_seeds": planned}
+
+    by_n = [point(n, n_seeds) for n in ns]
+    by_seeds = [point(SHAPE["ns"][0], s) for s in seed_counts]
+    out = {"budget_bytes": budget, "by_n": by_n, "by_seeds": by_seeds,
+           "time_slope_n": _slope(ns, [p["seconds"] for p in by_n]),
+           "time_slope_seeds": _slope(seed_counts, [p["seconds"] for p in by_seeds])}
+    if all(p["compiled_bytes"] for p in by_n + by_seeds):
+        out["memory_slope_n"] = _slope(ns, [p["compiled_bytes"] for p in by_n])
+        out["memory_slope_seeds"] = _slope(seed_counts, [p["compiled_bytes"] for p in by_seeds])
+        out["compiled_bytes_within_budget"] = all(p["compiled_bytes"] <= budget for p in by_n + by_seeds)
+    return out
+
+
+def _growth_of(args) -> dict | None:
+    ns = [int(x) for x in args.growth_ns.split(",") if x]
+    seeds = [int(x) for x in args.growth_seeds.split(",") if x]
+    return _growth(ns, seeds, 2, 2) if ns and seeds else None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=32, help="seeds per steady-state chunk (default 32)")
@@ -261,12 +344,21 @@ def main() -> int:
     ap.add_argument("--steady-only", action="store_true",
                     help="only the steady-state throughput and the matmul rate (no compile, error-bar or PRNG runs)")
     ap.add_argument("--breakdown-only", action="store_true", help="only the chunk's time breakdown and the PRNGs")
+    ap.add_argument("--peer-seeds", type=int, default=64, help="seeds per timed call of each peer (0: no peers)")
+    ap.add_argument("--growth-ns", default=",".join(map(str, GROWTH_NS)),
+                    help="N of the growth series (comma-separated; empty: no growth series)")
+    ap.add_argument("--growth-seeds", default=",".join(map(str, GROWTH_SEEDS)),
+                    help="seeds per chunk of the growth series at N = 4096")
+    ap.add_argument("--growth-only", action="store_true", help="only the growth series")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
         _child(args.child)
         return 0
 
+    if args.growth_only:
+        print(json.dumps(_growth_of(args), indent=2))
+        return 0
     if args.breakdown_only:
         import jax
 
@@ -304,6 +396,18 @@ def main() -> int:
                   "without_draws": _chunk_without_draws(spec, n, seeds)}
         for fn in others.values():
             _median_time(fn, 1)
+    peer_fns = {} if args.steady_only or not args.peer_seeds else _peers.peers()
+    warm_rate = {}
+    for name, fn in peer_fns.items():  # imports and first calls out of the timed rounds
+        fn(4, batch=4)
+        t0 = time.perf_counter()
+        fn(8, batch=8)
+        warm_rate[name] = 8 / (time.perf_counter() - t0)
+    top_rate = max(warm_rate.values(), default=0.0)
+    dropped = {k: r for k, r in warm_rate.items() if r < top_rate / 3}  # cannot be the best
+    peer_fns = {k: fn for k, fn in peer_fns.items() if k not in dropped}
+    peer_s = {name: [] for name in peer_fns}
+    peer_out = {name: [] for name in peer_fns}
     other_s = {name: [] for name in others}
     for _ in range(args.repeats):  # interleaved, so that all see the same machine load
         c0 = time.process_time()
@@ -314,6 +418,10 @@ def main() -> int:
         matmul_cpu.append(time.process_time() - c1)
         for name, fn in others.items():
             other_s[name].append(_median_time(fn, 1))
+        for name, fn in peer_fns.items():  # fresh seeds each round, pooled for the spread
+            t0 = time.perf_counter()
+            peer_out[name].append(fn(args.peer_seeds, seed=len(peer_s[name])))
+            peer_s[name].append(time.perf_counter() - t0)
     chunk, mm = statistics.median(chunk_s), statistics.median(matmul_s)
     cpu_fraction = statistics.median(matmul_cpu) / statistics.median(chunk_cpu)
     flops = 2.0 * q * n * d * products * seeds
@@ -343,6 +451,34 @@ def main() -> int:
     ips_no_v = seeds / statistics.median(other_s["without_sampled_v"])
     need = to_2pct["mse_expected"]["seeds"]
     to_2pct["mse_expected_without_v"] = {"seeds": need, "seconds": float(need / ips_no_v)}
+    best = min(v["seconds"] for v in to_2pct.values())
+    peer_report = {}
+    for name, outs in peer_out.items():
+        ips_p = args.peer_seeds / statistics.median(peer_s[name])
+        mse = np.concatenate([o["mse"] for o in outs])  # (seeds, configs)
+        need_p = int(np.ceil(max((np.std(mse[:, j], ddof=1) / abs(np.mean(mse[:, j])) / 0.02) ** 2
+                                 for j in range(len(CONFIGS)))))
+        agree = {}  # peer mean / sweep pilot mean per metric and config (None where the sweep's mean is 0)
+        for m in _peers.METRICS:
+            for j, c in enumerate(CONFIGS):
+                ref = float(np.mean(pilot.get(m, config=c, n=n, delta=7.0)))
+                mean_p = float(np.mean(np.concatenate([o[m] for o in outs])[:, j]))
+                agree.setdefault(m, {})[c] = mean_p / ref if ref else (None if mean_p else 1.0)
+        peer_report[name] = {"instances_per_s": ips_p, "seeds_to_2pct": need_p, "seconds_to_2pct": need_p / ips_p,
+                             "pooled_seeds": int(mse.shape[0]), "mean_over_sweep_mean": agree,
+                             "saturated_any": bool(any(np.any(o["frac_saturated"] > 0) for o in outs))}
+    for name, rate in dropped.items():
+        peer_report[name] = {"instances_per_s_warm_up": rate, "dropped": "under 1/3 of the best peer in the warm-up"}
+    timed = {k: v for k, v in peer_report.items() if "dropped" not in v}
+    if timed:
+        top = max(timed, key=lambda k: timed[k]["instances_per_s"])
+        fastest = min(timed, key=lambda k: timed[k]["seconds_to_2pct"])
+        vs_best = {"best_peer_throughput": top,
+                   "throughput_ratio": ips / peer_report[top]["instances_per_s"],
+                   "throughput_ratio_without_sampled_v": ips_no_v / peer_report[top]["instances_per_s"],
+                   "best_peer_to_2pct": fastest,
+                   "time_to_2pct_ratio": peer_report[fastest]["seconds_to_2pct"] / best,
+                   "goals": {"throughput_ratio": 3.0, "time_to_2pct_ratio": 10.0}}
     grid_s = statistics.median(other_s["delta_sweep"])
     delta_sweep = {"deltas": list(DELTA_GRID), "instances_per_s": seeds * len(DELTA_GRID) / grid_s,
                    "flop_bound_fraction": mm * len(DELTA_GRID) / grid_s}
@@ -359,6 +495,12 @@ def main() -> int:
         "seconds_to_2pct": to_2pct, "prng_s_per_seed": _prng(seeds, args.repeats),
         "breakdown": _breakdown(min(seeds, 16), args.repeats),
     }
+    growth = _growth_of(args)
+    if growth:
+        report["growth"] = growth
+    if timed:
+        report["peers"] = peer_report
+        report["vs_best_peer"] = vs_best
     report["flop_bound_fraction_without_draws"] = mm / statistics.median(other_s["without_draws"])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -379,6 +521,32 @@ def main() -> int:
             ("first result s, cold / warm cache", f"{cold['first_result_s']:.2f} / {warm['first_result_s']:.2f}")]
     for metric, v in to_2pct.items():
         rows.append((f"s to 2 % RSE, every cell, {metric}", f"{v['seconds']:.2f} ({v['seeds']} seeds)"))
+    for name, v in peer_report.items():
+        if "dropped" in v:
+            rows.append((f"peer {name}: instances/s in the warm-up", f"{v['instances_per_s_warm_up']:.1f} "
+                                                                      "(not timed further: under 1/3 of the best)"))
+            continue
+        rows.append((f"peer {name}: instances/s", f"{v['instances_per_s']:.1f}"))
+        rows.append((f"peer {name}: s to 2 % RSE, every cell, mse",
+                     f"{v['seconds_to_2pct']:.2f} ({v['seeds_to_2pct']} seeds)"))
+    if timed:
+        rows.append((f"throughput / best peer ({vs_best['best_peer_throughput']}; goal 3)",
+                     f"{vs_best['throughput_ratio']:.2f} (without sampled V: "
+                     f"{vs_best['throughput_ratio_without_sampled_v']:.2f})"))
+        rows.append((f"time to 2 % RSE: best peer / sweep ({vs_best['best_peer_to_2pct']}; goal 10)",
+                     f"{vs_best['time_to_2pct_ratio']:.2f}"))
+    if growth:
+        for p in growth["by_n"] + growth["by_seeds"]:
+            mem = "-" if p["compiled_bytes"] is None else f"{p['compiled_bytes'] / 2**20:.0f}"
+            rows.append((f"growth: N={p['n']}, {p['seeds']} seeds",
+                         f"{p['seconds']:.3f} s, {mem} MiB compiled, {p['peak_rss_bytes'] / 2**20:.0f} MiB peak RSS, "
+                         f"planner: {p['planner_chunk_seeds']} seeds per chunk"))
+        rows.append(("growth: log-log slope of time vs N / vs seeds",
+                     f"{growth['time_slope_n']:.2f} / {growth['time_slope_seeds']:.2f}"))
+        if "memory_slope_n" in growth:
+            rows.append(("growth: slope of compiled memory vs N / vs seeds; within budget",
+                         f"{growth['memory_slope_n']:.2f} / {growth['memory_slope_seeds']:.3f}; "
+                         f"{growth['compiled_bytes_within_budget']} ({growth['budget_bytes'] / 2**30:.1f} GiB)"))
     for impl, s in report["prng_s_per_seed"].items():
         rows.append((f"draws per seed, {impl} (ms)", f"{1e3 * s:.2f}"))
     for part, v in report["breakdown"].items():
