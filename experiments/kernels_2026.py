@@ -204,8 +204,8 @@ def _real_model_study(n_tokens: int, presets, log) -> tuple[list[dict], dict]:
     import jax.numpy as jnp
 
     from pcast_jax import nn
+    from pcast_jax.analysis.heads import compare_logits
     from pcast_jax.models import extract_qkv, forward, load_model, load_tokenizer, stdlib_text_tokens
-    from pcast_jax.models.fp8 import compare_logits
 
     cfg, params = load_model()
     tokens = jnp.asarray(stdlib_text_tokens(load_tokenizer(), n_tokens))
