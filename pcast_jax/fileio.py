@@ -330,6 +330,8 @@ def load_npz(path, *, what: str, max_bytes: int) -> dict[str, np.ndarray]:
                     arr = _read_npy(f, f"{what} entry {name!r}", min(info.file_size, max_bytes - total))
                 total += arr.nbytes
                 out[name] = arr
+    except PcastError:
+        raise  # already one line naming the entry
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, NotImplementedError,
             zlib.error, struct.error) as exc:
         raise PcastError(f"{what} is not a readable .npz ({type(exc).__name__}: {exc})") from None
