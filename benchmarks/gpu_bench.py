@@ -16,7 +16,15 @@ Parts:
   closest (mean squared difference) to the kernel's. Until this has run on Hopper the 14 bits used
   elsewhere are an assumption (DeepSeek-V3 technical report §3.3.2).
 
-``--cpu-smoke`` runs both parts at a tiny size with the kernels in interpret mode (no GPU
+* ``cudnn`` — JAX's own FP8 attention (cuDNN FP8 SDPA through
+  ``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention(..., fp8_params, use_fp8=True)``)
+  on FP8 sink inputs at scale_s ∈ {1, 16, 128}, beside the simulator's cuDNN presets (τ = 0 and τ = 4
+  nats) on the same inputs: MSE against the exact FP32 softmax and the mean squared difference between
+  the kernel and each preset (both rounded to E4M3, the kernel's output type), so the τ that fits is
+  the one with the smaller difference. On CPU (``--cpu-smoke``) the comparison runs with the τ = 4
+  preset standing in for the kernel: the harness is checked, cuDNN is not.
+
+``--cpu-smoke`` runs the parts at a tiny size with the kernels in interpret mode (no GPU
 needed; the timings are then meaningless and cuDNN is skipped). Usage (repo root)::
 
     PYTHONPATH=. python benchmarks/gpu_bench.py --part all
@@ -47,7 +55,7 @@ MMA_FIT_BITS = (0,) + tuple(range(10, 24))
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("timing", "table2", "mma", "all"), default="all")
+    parser.add_argument("--part", choices=("timing", "table2", "mma", "cudnn", "all"), default="all")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny sizes, interpret mode, no GPU")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384], help="N = Lq for timing")
     parser.add_argument("--tokens", type=int, default=131072, help="batch·heads·N for timing (fills the chip)")
@@ -224,11 +232,81 @@ def run_mma(args) -> tuple[int, dict]:
     return best, err
 
 
+#: The ``fp8_params`` keys of JAX's FP8 attention (``FP8Params`` in fused_attention_stablehlo.py).
+FP8_PARAM_KEYS = ("amax_dQ", "amax_dK", "amax_dV", "amax_dP", "descale_q", "descale_k", "descale_v", "descale_s",
+                  "scale_s", "scale_o", "descale_o", "descale_dO", "descale_dP", "scale_dQ", "scale_dK", "scale_dV",
+                  "scale_dP")
+#: scale_s values the ``cudnn`` part runs: JAX's tests' 1, FA4-like 16, the saturation-free 128 at τ = 4.
+CUDNN_SCALES = (1.0, 16.0, 128.0)
+
+
+def fp8_params(scale_s: float) -> dict:
+    """JAX's ``fp8_params`` with every scale 1 (as its tests build them) except ``scale_s`` and its inverse."""
+    params = {k: jnp.ones((1, 1, 1, 1), jnp.float32) for k in FP8_PARAM_KEYS}
+    params["scale_s"] = jnp.full((1, 1, 1, 1), scale_s, jnp.float32)
+    params["descale_s"] = jnp.full((1, 1, 1, 1), 1.0 / scale_s, jnp.float32)
+    return params
+
+
+def compare_cudnn(kernel_out, sims: dict, ref) -> dict:
+    """MSE of the kernel and of each simulated preset against ``ref``, and kernel − preset mismatch.
+
+    Everything is compared after rounding to E4M3 (the FP8 kernel's output type) so that the output
+    rounding is common to both; returns {"kernel": mse, name: (mse, mismatch)}.
+    """
+    from pcast_jax import formats
+
+    def r(x):
+        return formats.cast(jnp.asarray(x, jnp.float32), "e4m3")
+
+    k = r(kernel_out)
+    out = {"kernel": _mse(k, ref)}
+    for name, sim in sims.items():
+        s = r(sim)
+        out[name] = (_mse(s, ref), float(jnp.mean((s - k) ** 2)))
+    return out
+
+
+def run_cudnn(args) -> dict:
+    """JAX's cuDNN FP8 attention beside the cuDNN presets on the same FP8 inputs (BTNH layout)."""
+    from pcast_jax.jax_fp8 import cudnn_config
+
+    n, heads = (256, 2) if args.cpu_smoke else (4096, 8)
+    w = sink_qkv(jax.random.key(11), deltas=[9.0], heads=heads, kv_heads=heads, q_len=n, n=n)
+    q32, k32, v32 = (x.astype(jnp.float32) for x in (w.q, w.k, w.v))
+    scores = jnp.einsum("bhqd,bhnd->bhqn", q32, k32, precision=jax.lax.Precision.HIGHEST) * w.softmax_scale
+    ref = engine.reference_attention(scores, v32)
+    print(f"\n== cudnn: JAX's FP8 attention (cuDNN) vs the cuDNN presets, Δ={w.delta[0]:.3f}, N={n}, heads={heads}, "
+          f"d=128, 4 sink tokens, output compared in E4M3 ==")
+    results = {}
+    for scale_s in CUDNN_SCALES:
+        sims = {f"tau{t:g}": engine.attention(scores, v32, cudnn_config(scale_s, rescale_threshold=t)).out
+                for t in (0.0, 4.0)}
+        if args.cpu_smoke:
+            kernel = sims["tau4"]  # the harness against a stand-in: cuDNN needs a GPU
+        else:
+            from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention
+
+            def bthd(x):
+                return jnp.swapaxes(x, 1, 2)
+
+            out, _, _ = cudnn_attention(bthd(w.q), bthd(w.k), bthd(w.v), fp8_params=fp8_params(scale_s),
+                                        scale=w.softmax_scale, use_fp8=True, qkv_layout="BTNH")
+            kernel = bthd(out)
+        res = compare_cudnn(kernel, sims, ref)
+        results[scale_s] = res
+        fit = min(sims, key=lambda name: res[name][1])
+        print(f"scale_s={scale_s:g}: kernel MSE {res['kernel']:.4e}; " + "; ".join(
+            f"preset {name}: MSE {res[name][0]:.4e}, mean sq. diff to kernel {res[name][1]:.3e}" for name in sims)
+            + f" -> closer: {fit}" + (" (stand-in: cuDNN not run)" if args.cpu_smoke else ""))
+    return results
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
     status = 0
-    for part, fn in (("timing", run_timing), ("table2", run_table2), ("mma", run_mma)):
+    for part, fn in (("timing", run_timing), ("table2", run_table2), ("mma", run_mma), ("cudnn", run_cudnn)):
         if args.part in (part, "all"):
             try:
                 fn(args)

@@ -12,7 +12,8 @@
 # kernels and from the simulator, (d) a paper-size sweep (256 seeds, micro-batches of 32): instances/s
 # and the fraction of the GPU's FP32 matmul rate on the same P·V products, (e) the FP8 MMA
 # accumulator's mantissa bits fitted to the Mosaic kernel's outputs (the simulator's
-# KernelConfig.mma_acc_bits model, 14 bits by assumption until this step has run on Hopper).
+# KernelConfig.mma_acc_bits model, 14 bits by assumption until this step has run on Hopper), (f) JAX's
+# own cuDNN FP8 attention beside the cuDNN presets: which lazy-rescale threshold reproduces it.
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
@@ -57,6 +58,10 @@ fi
 echo
 echo "== (e) FP8 MMA accumulator: fit mma_acc_bits (10..23, exact) to the Mosaic kernel's outputs =="
 timeout 60 "$PY" benchmarks/gpu_bench.py --part mma $SMOKE || status=1
+
+echo
+echo "== (f) JAX's own FP8 attention (cuDNN) beside the cuDNN presets (tau = 0 / 4 nats) =="
+timeout 60 "$PY" benchmarks/gpu_bench.py --part cudnn $SMOKE || status=1
 
 echo
 echo "gpu_check exit status: $status"

@@ -45,6 +45,7 @@ EXTRA_SECTIONS: dict[str, tuple[str, str]] = {
     "whatif": (".whatif_report", "whatif_section"),
     "formats": (".formats_report", "formats_section"),
     "mma_accumulation": (".mma_accumulation", "mma_section"),
+    "kernels_2026": (".kernels_2026", "kernels_2026_section"),
 }
 DEFAULT_EXTRAS = ("real_model",)
 

@@ -252,10 +252,23 @@ def v_channel_factors(v_t, v_descale, cfg: KernelConfig):
     return jnp.stack([vd / c, c], axis=-2)
 
 
+def _check_sinks(sinks, heads: int):
+    """``(heads,)`` float32 learned sink logits, or None; PcastError naming ``sinks`` otherwise."""
+    if sinks is None:
+        return None
+    arr = jnp.asarray(sinks)
+    if arr.shape != (heads,) or not jnp.issubdtype(arr.dtype, jnp.floating):
+        raise PcastError(f"sinks must be a floating-point array of shape (heads,) = ({heads},), one learned sink "
+                         f"logit per query head; got {arr.dtype} {arr.shape}")
+    if not isinstance(arr, jax.core.Tracer) and not bool(jnp.all(jnp.isfinite(arr))):
+        raise PcastError("sinks contains NaN or inf: learned sink logits must be finite")
+    return arr.astype(jnp.float32)
+
+
 @functools.partial(
     jax.jit, static_argnames=("config", "backend", "interpret", "softmax_scale", "num_slots", "v_transposed")
 )
-def _run(q, k, v, q_descale, k_descale, v_descale, *, config, backend, interpret, softmax_scale, num_slots,
+def _run(q, k, v, q_descale, k_descale, v_descale, sinks, *, config, backend, interpret, softmax_scale, num_slots,
          v_transposed):
     f32 = jnp.float32
     score_scale = jnp.asarray(q_descale, f32) * jnp.asarray(k_descale, f32) * softmax_scale
@@ -272,17 +285,19 @@ def _run(q, k, v, q_descale, k_descale, v_descale, *, config, backend, interpret
     if backend == "mosaic":
         o, m, row_sum, n_zeroed = mosaic_gpu.mosaic_attention(
             q, k, v_t, v_factors, schedule, params, config=config, n_keys=n_keys, num_slots=num_slots,
-            interpret=interpret,
+            interpret=interpret, sinks=sinks,
         )
     else:
         o, m, row_sum, n_zeroed = triton_gpu.triton_attention(
-            q, k, v_t, v_factors, schedule, params, config=config, n_keys=n_keys, interpret=interpret
+            q, k, v_t, v_factors, schedule, params, config=config, n_keys=n_keys, interpret=interpret, sinks=sinks
         )
     n_zeroed = jnp.sum(n_zeroed, axis=0).astype(jnp.int32)
     if config.kv_splits == 1:  # the kernel finalised its one run
         return o[0], KernelStats(row_sum[0], n_zeroed)
-    # split-KV: line 12 per split and the FP32 log-sum-exp merge, then the V descale per channel
-    out, row_sum, _ = block.merge_splits(m, row_sum, o, config)
+    # split-KV: line 12 per split and the FP32 log-sum-exp merge (a learned sink enters it once), then
+    # the V descale per channel
+    sink_rows = None if sinks is None else jnp.broadcast_to(sinks[None, :, None], m.shape[1:])
+    out, row_sum, _ = block.merge_splits(m, row_sum, o, config, sink=sink_rows)
     out_factor = jnp.repeat(v_factors[:, :, 1], q.shape[1] // k.shape[1], axis=1)[:, :, None, :]
     return out * out_factor, KernelStats(row_sum, n_zeroed)
 
@@ -302,6 +317,7 @@ def fp8_attention(
     return_stats: bool = False,
     v_transposed: bool = False,
     num_slots: int = 2,
+    sinks=None,
 ):
     """FP8 attention forward whose P-cast follows ``config`` (Algorithm 1 of the paper).
 
@@ -331,6 +347,9 @@ def fp8_attention(
       return_stats: also return :class:`KernelStats` (ℓ and the per-row count of zeroed P).
       v_transposed: v is already (batch, kv_heads, d, N).
       num_slots: K/V shared-memory slots in the Mosaic GPU TMA ring (2–8).
+      sinks: optional learned sink logits (gpt-oss ``sinks``), ``(heads,)``: one per query head, in
+        the units of the scaled logits, placed as ``config.sink_mode`` says (the initial running max
+        of split 0, every block's max, or the final denominator; :mod:`pcast_jax.block`).
 
     Returns:
       out (batch, heads, q_len, d) float32, or ``(out, KernelStats)`` with ``return_stats``.
@@ -348,8 +367,9 @@ def fp8_attention(
             f"{jax.default_backend()!r}); pass interpret=True to run the kernel on CPU"
         )
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    sink_arr = _check_sinks(sinks, q.shape[1])
     out, stats = _run(
-        q, k, v, q_descale, k_descale, v_descale,
+        q, k, v, q_descale, k_descale, v_descale, sink_arr,
         config=cfg, backend=backend, interpret=interpret, softmax_scale=scale,
         num_slots=num_slots, v_transposed=v_transposed,
     )
@@ -373,6 +393,7 @@ def simulate_fp8_attention(
     v_descale=1.0,
     engine: str = "scan",
     count_mask=None,
+    sinks=None,
 ) -> _engine.AttentionResult:
     """``pcast_jax.engine.attention`` on the scores and V an FP8 kernel sees (no kernel involved).
 
@@ -383,13 +404,13 @@ def simulate_fp8_attention(
     cfg = resolve(config)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     return _simulate(
-        q, k, v, q_descale, k_descale, v_descale, count_mask,
+        q, k, v, q_descale, k_descale, v_descale, count_mask, _check_sinks(sinks, q.shape[1]),
         config=cfg, softmax_scale=scale, engine=engine,
     )
 
 
 @functools.partial(jax.jit, static_argnames=("config", "softmax_scale", "engine"))
-def _simulate(q, k, v, q_descale, k_descale, v_descale, count_mask, *, config, softmax_scale, engine):
+def _simulate(q, k, v, q_descale, k_descale, v_descale, count_mask, sinks, *, config, softmax_scale, engine):
     q, k, v = (jnp.asarray(a).astype(jnp.float32) for a in (q, k, v))
     group = q.shape[1] // k.shape[1]
     k = jnp.repeat(k, group, axis=1)
@@ -398,4 +419,5 @@ def _simulate(q, k, v, q_descale, k_descale, v_descale, count_mask, *, config, s
     score_scale = jnp.asarray(q_descale, f32) * jnp.asarray(k_descale, f32) * softmax_scale
     scores = jnp.einsum("bhqd,bhnd->bhqn", q, k, precision=jax.lax.Precision.HIGHEST) * score_scale
     v_seen = v * jnp.asarray(v_descale, f32)
-    return _engine.attention(scores, v_seen, config, engine=engine, count_mask=count_mask)
+    sink_logit = None if sinks is None else jnp.broadcast_to(sinks, scores.shape[:2])
+    return _engine.attention(scores, v_seen, config, engine=engine, count_mask=count_mask, sink_logit=sink_logit)

@@ -114,6 +114,7 @@ def mosaic_attention(
     n_keys: int | None = None,
     num_slots: int = 2,
     interpret: bool | plgpu.InterpretGPUParams = False,
+    sinks=None,
 ):
     """Run the kernel on FP8 inputs already validated by ``pallas_kernels.fp8_attention``.
 
@@ -133,6 +134,9 @@ def mosaic_attention(
       num_slots: K/V shared-memory slots in the TMA ring (≥ 2).
       interpret: run under Mosaic GPU interpret mode (CPU); ``True`` or the interpreter's
         parameters (e.g. ``plgpu.InterpretGPUParams(detect_races=True)``).
+      sinks: optional (heads,) float32 learned sink logits, placed as ``config.sink_mode`` says
+        (:func:`pcast_jax.block.sink_start`, :func:`~pcast_jax.block.fold_sink`,
+        :func:`~pcast_jax.block.add_sink`; split-KV: split 0 starts from it, the merge adds it).
 
     Returns:
       Per KV split, leading axis (kv_splits,): out (..., batch, heads, q_len, d) f32 — the output
@@ -156,6 +160,8 @@ def mosaic_attention(
     group_keys = config.f16_round_keys or tile_kv  # keys per P8·V wgmma (f16: per rounding)
     chunk = softmax_chunk(tile_kv, group_keys, config)
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # a (d,) vector over the accumulator's columns
+    has_sink = sinks is not None
+    sinks = jnp.zeros((heads,), jnp.float32) if sinks is None else sinks
 
     def per_column(vec):
         """(d,) per-channel factors over a (BLOCK_Q, d) accumulator tile."""
@@ -170,7 +176,8 @@ def mosaic_attention(
             return n_blocks
         return block.causal_kv_steps(n_kv - q_len + (q_tile + 1) * tile_q - 1, block_kv, n_blocks)
 
-    def body(q_ref, k_ref, vt_ref, vf_ref, sched_ref, params_ref, out_ref, m_ref, rowsum_ref, nzero_ref, scoped):
+    def body(q_ref, k_ref, vt_ref, vf_ref, sched_ref, params_ref, sinks_ref, out_ref, m_ref, rowsum_ref, nzero_ref,
+             scoped):
         (q_smem, k_smem, vt_smem, p_smem, o_smem, m_smem, l_smem, z_smem, vf_smem), barriers = scoped
         q_bar, k_bar, v_bar, k_free, v_free, vf_bar = barriers
         b = lax.axis_index("batch")
@@ -201,8 +208,14 @@ def mosaic_attention(
             plgpu.copy_gmem_to_smem(vf_ref.at[b, kv_h], vf_smem.at[wg], vf_bar.at[wg])
             score_scale = params_ref[0]
             row_layout = plgpu.Layout.WGMMA.reduce(1)
-            m = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), row_layout)
-            ell = plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), row_layout)
+            sink = None
+            if has_sink:  # the head's learned sink logit on every row
+                sink = plgpu.layout_cast(jnp.full((BLOCK_Q,), sinks_ref[h], jnp.float32), row_layout)
+            m0, ell0 = block.sink_start(sink, (BLOCK_Q,), config)
+            if sink is not None and splits > 1:  # only split 0 starts from the sink
+                m0, ell0 = jnp.where(split == 0, m0, -jnp.inf), jnp.where(split == 0, ell0, 0.0)
+            m = plgpu.layout_cast(m0, row_layout)
+            ell = plgpu.layout_cast(ell0, row_layout)
             nz = plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), row_layout)
             o = plgpu.layout_cast(jnp.zeros((BLOCK_Q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
             plgpu.barrier_wait(q_bar.at[wg])
@@ -232,7 +245,7 @@ def mosaic_attention(
 
                 chunks = [(lo, visible(lo, z[:, lo:lo + chunk] if chunk < tile_kv else z))
                           for lo in range(0, tile_kv, chunk)]
-                m_new = tiling.block_max(m, [zc for _, zc in chunks])  # line 4, over the whole block
+                m_new = tiling.block_max(m, [zc for _, zc in chunks], config, sink)  # lines 4-5, the whole block
                 zeros = ell * 0.0  # ℓ is finite: zeros in its register layout
                 ell_part = zeros
                 for lo, zc in chunks:  # lines 5-9 per chunk under the block's max (tiling.chunk_step)
@@ -264,8 +277,9 @@ def mosaic_attention(
                 return st.m, st.row_sum, o, nz
 
             m, ell, o, nz = lax.fori_loop(0, kv_steps, step, (m, ell, o, nz))
-            if splits == 1:  # line 12; split-KV leaves it to the merge (pallas_kernels.api)
+            if splits == 1:  # line 12 (the sink's term added once); split-KV leaves it to the merge
                 out_factor = per_column(plgpu.load(vf_smem.at[wg, 1], layout=col_layout))
+                ell = block.add_sink(ell, m, sink, config)
                 o = block.finalize(o, ell, config) * out_factor
             o_smem.at[wg][...] = o
             m_smem.at[wg][...] = m
@@ -307,7 +321,7 @@ def mosaic_attention(
                 def _():
                     load(s + slots, slot)
 
-    def entry(q_ref, k_ref, vt_ref, vf_ref, sched_ref, params_ref, out_ref, m_ref, rowsum_ref, nzero_ref):
+    def entry(q_ref, k_ref, vt_ref, vf_ref, sched_ref, params_ref, sinks_ref, out_ref, m_ref, rowsum_ref, nzero_ref):
         scratch = (
             plgpu.SMEM((compute_wgs, BLOCK_Q, head_dim), _F8, transforms=_smem_transforms(head_dim)),
             plgpu.SMEM((slots, tile_kv, head_dim), _F8, transforms=_smem_transforms(head_dim)),
@@ -329,7 +343,8 @@ def mosaic_attention(
         )
         pl.run_scoped(
             lambda *scoped: body(
-                q_ref, k_ref, vt_ref, vf_ref, sched_ref, params_ref, out_ref, m_ref, rowsum_ref, nzero_ref, scoped
+                q_ref, k_ref, vt_ref, vf_ref, sched_ref, params_ref, sinks_ref, out_ref, m_ref, rowsum_ref, nzero_ref,
+                scoped,
             ),
             scratch,
             barriers,
@@ -348,4 +363,4 @@ def mosaic_attention(
         interpret=_interpret_params(interpret),
         kernel_name=f"pcast_fp8_attention_{config.scale_mode}_{config.order}",
     )
-    return kernel(q, k, v_t, v_factors, schedule, params)
+    return kernel(q, k, v_t, v_factors, schedule, params, sinks)

@@ -69,11 +69,15 @@ def key_mask(cols, rows, blk, n_keys: int, q_start, cfg: KernelConfig):
     return cols < limit
 
 
-def block_max(m, z_chunks):
-    """Line 4 of a block whose scores come as column chunks: m_new = max(m, rowmax Z_j) over all."""
+def block_max(m, z_chunks, cfg: KernelConfig, sink=None):
+    """Lines 4–5 of a block whose scores come as column chunks: rowmax Z_j over all chunks (a learned
+    sink folded in by a ``"block_max"`` kernel), then the running max :func:`pcast_jax.block.update_max`
+    (which lags by up to τ with a lazy rescale)."""
+    bm = None
     for z in z_chunks:
-        m = jnp.maximum(m, jnp.max(z, axis=-1))
-    return m
+        zm = jnp.max(z, axis=-1)
+        bm = zm if bm is None else jnp.maximum(bm, zm)
+    return block.update_max(m, block.fold_sink(bm, sink, cfg), cfg)
 
 
 def chunk_step(m_new, z, zeros, cfg: KernelConfig) -> block.BlockStep:

@@ -110,10 +110,12 @@ def triton_attention(
     num_warps: int | None = None,
     num_stages: int = 2,
     interpret: bool = False,
+    sinks=None,
 ):
     """Run the kernel on FP8 inputs already validated by ``pallas_kernels.fp8_attention``.
 
-    Arguments and results as :func:`pallas_kernels.mosaic_gpu.mosaic_attention`; ``num_warps``
+    Arguments and results as :func:`pallas_kernels.mosaic_gpu.mosaic_attention` (``sinks``: optional
+    ``(heads,)`` learned sink logits, placed by :mod:`pcast_jax.block`'s sink lines); ``num_warps``
     defaults to 8 for 128-row query blocks or d > 64 (the FP32 tiles need the registers), else 4.
     """
     batch, heads, q_len, head_dim = q.shape
@@ -134,8 +136,14 @@ def triton_attention(
     group_keys = config.f16_round_keys or tile  # keys per P8·V product (f16: per rounding)
     splits = config.kv_splits
 
-    def kernel(q_ref, k_ref, vt_ref, vf_ref, sched_ref, params_ref, out_ref, m_ref, rowsum_ref, nzero_ref):
+    has_sink = sinks is not None
+    sinks = jnp.zeros((heads,), jnp.float32) if sinks is None else sinks
+
+    def kernel(q_ref, k_ref, vt_ref, vf_ref, sched_ref, params_ref, sinks_ref, out_ref, m_ref, rowsum_ref,
+               nzero_ref):
         q0 = lax.div(pl.program_id(2), splits) * block_q
+        # the head's learned sink logit for every row of this program (None without one)
+        sink = jnp.full((block_q,), sinks_ref[pl.program_id(1)], jnp.float32) if has_sink else None
         q_start = n_kv - q_len + q0  # position of this program's first query row
         if splits > 1:  # this split's blocks in its order; an idle step holds n_blocks (all masked)
             kv_steps = schedule.shape[1]
@@ -158,7 +166,7 @@ def triton_attention(
                 cols = lax.broadcasted_iota(jnp.int32, (block_q, tile), 1)
                 rows = lax.broadcasted_iota(jnp.int32, (block_q,), 0) if causal else None
                 z = jnp.where(tiling.key_mask(cols, rows, blk, n_kv, q_start, config), z, -jnp.inf)
-            st = block.online_softmax(m, ell, z, config)  # lines 4-8
+            st = block.online_softmax(m, ell, z, config, sink)  # lines 4-8
             p8 = block.cast_p(st.ps, config)  # line 9
             nz = nz + jnp.sum(jnp.where(block.zeroed(st.ps, config), 1.0, 0.0), axis=1)
             p8_groups = jnp.split(p8, tile // group_keys, axis=1) if group_keys < tile else [p8]
@@ -170,14 +178,15 @@ def triton_attention(
             o = block.accumulate(o, st.alpha, block.block_pv(product, config), st.unscale, config)  # line 10
             return st.m, st.row_sum, o, nz
 
-        init = (
-            jnp.full((block_q,), -jnp.inf, jnp.float32),
-            jnp.zeros((block_q,), jnp.float32),
-            jnp.zeros((block_q, head_dim), jnp.float32),
-            jnp.zeros((block_q,), jnp.float32),
-        )
+        m0, ell0 = block.sink_start(sink, (block_q,), config)  # (s_L, 1 or S) for an initial-max kernel
+        if splits > 1 and sink is not None:  # only split 0 starts from the sink
+            first = lax.rem(pl.program_id(2), splits) == 0
+            m0, ell0 = jnp.where(first, m0, -jnp.inf), jnp.where(first, ell0, 0.0)
+        init = (m0, ell0, jnp.zeros((block_q, head_dim), jnp.float32), jnp.zeros((block_q,), jnp.float32))
         m, ell, o, nz = lax.fori_loop(0, kv_steps, step, init)
-        # line 12 here with one split; split-KV leaves it to the merge (pallas_kernels.api)
+        # line 12 here with one split (the sink's term added once); split-KV leaves it to the merge
+        if splits == 1:
+            ell = block.add_sink(ell, m, sink, config)
         out_ref[...] = block.finalize(o, ell, config) * out_factor if splits == 1 else o
         m_ref[...] = m
         rowsum_ref[...] = ell
@@ -196,6 +205,7 @@ def triton_attention(
             pl.BlockSpec((None, None, 2, head_dim), lambda b, h, i: (b, h // group, 0, 0)),
             pl.BlockSpec((None, schedule.shape[1]), lambda b, h, i: (i % splits, 0)),
             pl.BlockSpec((4,), lambda b, h, i: (0,)),
+            pl.BlockSpec((heads,), lambda b, h, i: (0,)),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, block_q, head_dim), lambda b, h, i: (i % splits, b, h, i // splits, 0)),
@@ -207,4 +217,4 @@ def triton_attention(
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"pcast_fp8_attention_triton_{config.scale_mode}_{config.order}",
-    )(q, k, v_t, v_factors, schedule, params)
+    )(q, k, v_t, v_factors, schedule, params, sinks)

@@ -42,12 +42,18 @@ __all__ = [
     "BlockStep",
     "expand_rows",
     "safe_max",
+    "update_max",
+    "fold_sink",
+    "sink_weight",
+    "sink_start",
+    "add_sink",
     "alpha",
     "block_probs",
     "online_softmax",
     "cast_p",
     "dequantize",
     "zeroed",
+    "saturated",
     "round_product",
     "block_pv",
     "block_product",
@@ -94,6 +100,52 @@ def safe_max(m):
     return jnp.where(m <= MASKED_BELOW, 0.0, m)
 
 
+def update_max(m, block_max, cfg: KernelConfig):
+    """Line 5: m_new = max(m, rowmax Z_j), or with a lazy rescale threshold τ (``rescale_threshold``)
+    the old m unless the block's max exceeds it by more than τ (:attr:`KernelConfig.rescale_gap`).
+
+    A first block (m = −inf) always sets the max; a fully masked block (max −inf) never does.
+    """
+    if not cfg.rescale_threshold:
+        return jnp.maximum(m, block_max)
+    return jnp.where(block_max - m > cfg.rescale_gap, jnp.maximum(m, block_max), m)
+
+
+def fold_sink(block_max, sink, cfg: KernelConfig):
+    """A block's max as a ``"block_max"`` kernel takes it: max(rowmax Z_j, s_L) where the block has a
+    visible key (a block with none stays masked). Other sink modes, or no sink: unchanged."""
+    if sink is None or cfg.sink_mode != "block_max":
+        return block_max
+    return jnp.where(block_max > MASKED_BELOW, jnp.maximum(block_max, sink), block_max)
+
+
+def sink_weight(sink, m, cfg: KernelConfig):
+    """What a learned sink logit s_L adds to ℓ under running max m: exp(s_L − m), or in the exponent
+    mode exp2(s_L·log2 e − (m·log2 e − log2 S)) = S·exp(s_L − m) (ℓ holds S there, so the sink term
+    carries it too, as FA3's vLLM fork and fmha_v2 scale it). m = −inf (nothing visible) counts as 0."""
+    m = safe_max(m)
+    if cfg.scale_mode == "exponent":
+        return jnp.exp2(sink * LOG2E - (m * LOG2E - cfg.log2_scale))
+    return jnp.exp(sink - m)
+
+
+def sink_start(sink, shape, cfg: KernelConfig):
+    """(m, ℓ) before the first block, per row of ``shape``: (s_L, its :func:`sink_weight` = 1 or S) for
+    an ``"init_max"`` kernel with a sink, else (−inf, 0)."""
+    if sink is None or cfg.sink_mode != "init_max":
+        return jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32)
+    m = jnp.broadcast_to(jnp.asarray(sink, jnp.float32), shape)
+    return m, sink_weight(m, m, cfg)
+
+
+def add_sink(row_sum, m, sink, cfg: KernelConfig):
+    """ℓ with the learned sink's term added once at the end (``"epilogue"`` and ``"block_max"``
+    kernels; an ``"init_max"`` kernel put it in ℓ before the first block): ℓ + :func:`sink_weight`."""
+    if sink is None or cfg.sink_mode == "init_max":
+        return row_sum
+    return row_sum + sink_weight(sink, m, cfg)
+
+
 def alpha(m_old, m_new, cfg: KernelConfig):
     """Line 6: α = exp(m_old − m_new) (the exp2 form in the exponent mode)."""
     if cfg.scale_mode == "exponent":
@@ -118,7 +170,7 @@ def block_probs(z, m_new, cfg: KernelConfig):
         return p, p, None
     p = jnp.exp(z - m)
     if cfg.scale_mode == "multiply":
-        return p, p * jnp.float32(cfg.scale), None
+        return p, p * jnp.float32(cfg.effective_scale), None
     fmax = cfg.fmt.max
     p_max = jnp.max(p, axis=-1)
     k = jnp.log2(fmax / jnp.where(p_max > 0.0, p_max, 1.0)).astype(jnp.int32).astype(jnp.float32)
@@ -138,9 +190,10 @@ class BlockStep(NamedTuple):
     unscale: object
 
 
-def online_softmax(m, row_sum, z, cfg: KernelConfig) -> BlockStep:
-    """Lines 4–8: m_new = max(m, rowmax Z), α, P (and P·S), ℓ = α ℓ + rowsum(P) in FP32."""
-    m_new = jnp.maximum(m, jnp.max(z, axis=-1))
+def online_softmax(m, row_sum, z, cfg: KernelConfig, sink=None) -> BlockStep:
+    """Lines 4–8: m_new = max(m, rowmax Z) (:func:`update_max`, the sink folded in by a ``"block_max"``
+    kernel), α, P (and P·S), ℓ = α ℓ + rowsum(P) in FP32."""
+    m_new = update_max(m, fold_sink(jnp.max(z, axis=-1), sink, cfg), cfg)
     a = alpha(m, m_new, cfg)
     p, ps, unscale = block_probs(z, m_new, cfg)
     return BlockStep(m_new, a, a * row_sum + jnp.sum(p, axis=-1), p, ps, unscale)
@@ -183,6 +236,22 @@ def zeroed(ps, cfg: KernelConfig):
         q, scales = cast_p(ps, cfg)
         return (ps > 0.0) & (dequantize(q, scales, cfg) == 0.0)
     return (ps > 0.0) & (ps <= cfg.fmt.round_to_zero)
+
+
+def saturated(ps, cfg: KernelConfig):
+    """Line 9's other loss: P·S beyond the largest value the cast can give, which it clips to it.
+
+    Element formats: P·S > max (448 for E4M3, with ``"satfinite"``; the ``"nan"`` overflow turns
+    it into NaN instead). Block-scaled formats: P·S above its block's largest element
+    (element max × block scale). Only a lagging running max (``rescale_threshold``) or S above the
+    format's max makes P·S > max at all; ℓ keeps the unclipped value either way.
+    """
+    if cfg.block_format is not None:
+        _, scales = cast_p(ps, cfg)
+        bs = cfg.block_format.block
+        top = jnp.repeat(scales, bs, axis=-1) * jnp.float32(cfg.block_format.element.max)
+        return ps > top
+    return ps > jnp.float32(cfg.fmt.max)
 
 
 def round_product(pv, cfg: KernelConfig, *, carry=None, barrier=None):
@@ -320,7 +389,7 @@ def epilogue_divisor(row_sum, cfg: KernelConfig):
     A row with no visible key has ℓ = 0 (and O = 0): its divisor is 1, so its output is 0, as
     FlashAttention's epilogue gives (``inv_sum = sum == 0 ? 1 : 1 / sum``), never 0/0.
     """
-    div = jnp.float32(cfg.scale) * row_sum if cfg.scale_mode == "multiply" else row_sum
+    div = jnp.float32(cfg.effective_scale) * row_sum if cfg.scale_mode == "multiply" else row_sum
     return jnp.where(div > 0.0, div, 1.0)
 
 
@@ -386,7 +455,7 @@ def split_schedule(n_blocks: int, cfg: KernelConfig) -> np.ndarray:
     return sched
 
 
-def merge_splits(m, row_sum, o, cfg: KernelConfig, extra=()):
+def merge_splits(m, row_sum, o, cfg: KernelConfig, extra=(), sink=None):
     """Split-KV epilogue: line 12 per split, then the FP32 log-sum-exp merge of the splits.
 
     The split axis leads: ``m``, ``row_sum`` ``(splits, ...)`` and ``o`` ``(splits, ..., d)``. With
@@ -395,11 +464,14 @@ def merge_splits(m, row_sum, o, cfg: KernelConfig, extra=()):
     own divisor (:func:`epilogue_divisor`), weighted by its share of the merged row sum, as the
     flash-decoding combine kernels do with LSE_s = m_s + log ℓ_s. A split that saw no visible key
     (ℓ_s = 0) gets weight 0. Returns ``(out, ℓ, merged extra)`` with ℓ = Σ_s exp(m_s − m)·ℓ_s
-    and each row statistic in ``extra`` (decayed to m_s like ℓ_s) merged the same way.
+    and each row statistic in ``extra`` (decayed to m_s like ℓ_s) merged the same way. A learned
+    ``sink`` logit (per row) enters ℓ once here (:func:`add_sink`), at the merged max; an
+    ``"init_max"`` kernel already holds it in split 0.
     """
-    a = alpha(m, jnp.max(m, axis=0), cfg)  # exp(m_s − m); 0 for a split with m_s = −inf
+    m_all = jnp.max(m, axis=0)
+    a = alpha(m, m_all, cfg)  # exp(m_s − m); 0 for a split with m_s = −inf
     w = a * row_sum
-    ell = jnp.sum(w, axis=0)
+    ell = add_sink(jnp.sum(w, axis=0), m_all, sink, cfg)
     o_s = o / expand_rows(epilogue_divisor(row_sum, cfg), o.shape)
     out = jnp.sum(expand_rows(row_share(w, ell), o.shape) * o_s, axis=0)
     return out, ell, tuple(jnp.sum(a * x, axis=0) for x in extra)

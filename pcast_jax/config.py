@@ -29,9 +29,8 @@ import numpy as np
 from pcast_jax import numberline
 from pcast_jax.errors import F32_MAX, PcastError, check_choice, check_int, check_positive
 
-__all__ = ["KernelConfig", "MMA_K", "MMA_PROMOTION", "MMA_ACC_BITS_HOPPER", "mma_model", "QKV_GRANULARITIES",
-           "PRESETS", "TILES_BY_HEAD_DIM", "preset_for", "PAPER_CONFIGS", "KERNEL_PRESETS", "BLOCK_SCALED_PRESETS",
-           "get_preset", "resolve"]
+__all__ = ["KernelConfig", "MMA_K", "QKV_GRANULARITIES", "SINK_MODES", "RESCALE_UNITS", "RESCALE_COMPENSATIONS",
+           "preset_for", "get_preset", "resolve"]
 
 ORDERS = ("forward", "reverse")
 SCALE_MODES = ("multiply", "exponent", "dynamic")
@@ -46,6 +45,15 @@ SPLIT_LAYOUTS = ("contiguous", "strided")
 MMA_K = 32
 #: Largest mantissa width of the MMA accumulator model (23 = FP32's, truncated instead of rounded).
 MMA_ACC_BITS_MAX = 23
+#: Where a kernel puts a learned sink logit s_L (gpt-oss ``sinks``: a softmax column with no value row).
+SINK_MODES = ("epilogue", "init_max", "block_max")
+#: Units of the lazy-rescale threshold τ: log2 (FA4, FlashInfer CuTe-DSL: compared in the exp2 domain)
+#: or natural (cuDNN: compared with the logits themselves).
+RESCALE_UNITS = ("log2", "natural")
+#: ``"pow2"``: the P scale is S·2^-τ (cuDNN's compensation for a running max that lags by up to τ).
+RESCALE_COMPENSATIONS = ("none", "pow2")
+#: Largest τ: exp(τ) (the most a stale P can exceed 1) stays finite in float32 in either unit.
+RESCALE_THRESHOLD_MAX = 64.0
 
 
 _DEFAULT_BLOCK_KV = 64
@@ -101,6 +109,22 @@ class KernelConfig:
         ``pv_accum_dtype="fp32+fp32"``, this package's
         Pallas kernels); smaller k as DeepGEMM promotes every 128 keys. The 0 (never) form cannot
         take the dynamic scale mode (its 2^-k multiplies a block's product outside the MMA).
+      sink_mode: where the kernel puts a learned sink logit s_L (one per head, a softmax column with no
+        value row; the workload or the caller supplies it): ``"epilogue"`` — only in the final
+        denominator, ℓ += exp(s_L − m) (times S where ℓ holds S), the running max never sees it
+        (FlashInfer, TensorRT-LLM XQA / fmha_v2, FA3's vLLM fork, FA4, SGLang); ``"init_max"`` — as the
+        initial running max, m = s_L and ℓ = 1 before the first block (vLLM's Triton unified attention,
+        cuDNN's FP8 SDPA); ``"block_max"`` — folded into every block's max, ℓ gets it once
+        (vllm-gaudi). Split-KV: ``"init_max"`` and ``"epilogue"`` act in split 0 only (the merge adds the
+        sink once); ``"block_max"`` folds it into every split's max. Without a sink logit the field
+        does not act.
+      rescale_threshold: lazy rescale τ ≥ 0 (0 = Algorithm 1: the running max follows every block).
+        With τ > 0 the running max is raised only when a block's max exceeds it by more than τ
+        (in ``rescale_unit``); until then P = exp(Z − m) may exceed 1 and P·S may saturate at the
+        format's max, while ℓ keeps the unclipped P (FA4, FlashInfer SM100 CuTe-DSL, cuDNN).
+      rescale_unit: ``"log2"`` (τ compares (max − m)·log2 e, as FA4 does) or ``"natural"`` (cuDNN).
+      rescale_compensation: ``"none"``, or ``"pow2"``: the P scale applied is S·2^-τ (cuDNN), so the
+        largest P·S a lagging max allows is S·e^τ·2^-τ (natural units).
       name: a label for reports, not part of the identity: two configs are equal (and hash alike)
         when their semantics are, whatever their names. Empty → :meth:`default_name`.
 
@@ -124,6 +148,10 @@ class KernelConfig:
     v_channel_max: float = 0.0
     mma_acc_bits: int = 0
     mma_promote_keys: int = 0
+    sink_mode: str = "epilogue"
+    rescale_threshold: float = 0.0
+    rescale_unit: str = "log2"
+    rescale_compensation: str = "none"
     name: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self):
@@ -167,6 +195,7 @@ class KernelConfig:
         if self.accumulator == "f32":
             object.__setattr__(self, "v_channel_max", 0.0)
         self._check_mma()
+        self._check_sink_and_rescale()
         bf = self.block_format
         if bf is not None:
             if self.block_kv % bf.block:
@@ -184,6 +213,28 @@ class KernelConfig:
             raise PcastError(f"name={self.name[:40]!r} must be one printable line of at most 200 characters")
         if not self.name:
             object.__setattr__(self, "name", self.default_name())
+
+    def _check_sink_and_rescale(self) -> None:
+        """Validates ``sink_mode`` and the lazy-rescale fields; unit and compensation normalised at τ = 0."""
+        check_choice("sink_mode", self.sink_mode, SINK_MODES)
+        tau = self.rescale_threshold
+        if isinstance(tau, (bool, np.bool_)) or not isinstance(tau, (int, float, np.integer, np.floating)):
+            raise PcastError(f"rescale_threshold={tau!r} must be a number in [0, {RESCALE_THRESHOLD_MAX:g}]")
+        tau = float(tau)
+        if not (math.isfinite(tau) and 0.0 <= tau <= RESCALE_THRESHOLD_MAX):
+            raise PcastError(f"rescale_threshold={self.rescale_threshold!r} must be a number in "
+                             f"[0, {RESCALE_THRESHOLD_MAX:g}] (0: the running max follows every block)")
+        object.__setattr__(self, "rescale_threshold", tau)
+        check_choice("rescale_unit", self.rescale_unit, RESCALE_UNITS)
+        check_choice("rescale_compensation", self.rescale_compensation, RESCALE_COMPENSATIONS)
+        if tau == 0.0:  # no lag: neither the unit nor a 2^-0 compensation acts
+            object.__setattr__(self, "rescale_unit", "log2")
+            object.__setattr__(self, "rescale_compensation", "none")
+        if self.rescale_compensation == "pow2" and self.scale_mode == "dynamic":
+            raise PcastError("rescale_compensation='pow2' scales a static S; scale_mode='dynamic' has none")
+        s_eff = self.effective_scale
+        if not SCALE_MIN <= s_eff <= SCALE_MAX:
+            raise PcastError(f"scale·2^-rescale_threshold = {s_eff!r} must lie in [2^-100, 2^100]")
 
     def _check_mma(self) -> None:
         """Validates and normalises ``mma_acc_bits`` / ``mma_promote_keys`` (PcastError naming them)."""
@@ -216,9 +267,11 @@ class KernelConfig:
         Order and scale always appear; then ``_exp`` (exponent mode), ``_b128`` (block_kv),
         ``_e5m2`` (P format), ``_nan`` (overflow), ``_f16acc`` (with ``_r32`` for f16_round_keys and
         ``_v2.25`` for v_channel_max), ``_qkv8`` / ``_qkv8h`` (E4M3 Q/K/V per tensor / per head),
-        ``_causal``, ``_split8`` / ``_split8s`` (kv_splits, contiguous / strided) and ``_acc14`` (the
-        MMA accumulator model, never promoted) / ``_acc14p128`` (promoted every 128 keys). Two configs
-        with different semantics never share a default name.
+        ``_causal``, ``_split8`` / ``_split8s`` (kv_splits, contiguous / strided), ``_acc14`` (the
+        MMA accumulator model, never promoted) / ``_acc14p128`` (promoted every 128 keys),
+        ``_sinkinit`` / ``_sinkblock`` (sink_mode) and ``_tau4`` (lazy rescale, log2 units; ``n`` for
+        natural units, ``c`` for the 2^-τ compensation). Two configs with different semantics never
+        share a default name.
         """
         parts = [self.order[:3], "sdyn" if self.scale_mode == "dynamic" else "s" + repr(self.scale).removesuffix(".0")]
         if self.scale_mode == "exponent":
@@ -243,6 +296,12 @@ class KernelConfig:
             parts.append(f"split{self.kv_splits}" + ("s" if self.split_layout == "strided" else ""))
         if self.mma_acc_bits:
             parts.append(f"acc{self.mma_acc_bits}" + (f"p{self.mma_promote_keys}" if self.mma_promote_keys else ""))
+        if self.sink_mode != "epilogue":
+            parts.append("sink" + {"init_max": "init", "block_max": "block"}[self.sink_mode])
+        if self.rescale_threshold:
+            parts.append("tau" + repr(self.rescale_threshold).removesuffix(".0")
+                         + ("n" if self.rescale_unit == "natural" else "")
+                         + ("c" if self.rescale_compensation == "pow2" else ""))
         return "_".join(parts)
 
     def to_dict(self) -> dict:
@@ -250,14 +309,14 @@ class KernelConfig:
 
         ``qkv_granularity`` is written only where it acts (E4M3 Q/K/V), so sweeps recorded before
         the field existed keep their fingerprints. Likewise ``kv_splits``, ``split_layout``,
-        ``f16_round_keys``, ``v_channel_max``, ``mma_acc_bits`` and ``mma_promote_keys`` are written only
-        when they differ from their defaults.
+        ``f16_round_keys``, ``v_channel_max``, ``mma_acc_bits``, ``mma_promote_keys``, ``sink_mode`` and the
+        lazy-rescale fields are written only when they differ from their defaults.
         """
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if self.qkv == "f32":
             del d["qkv_granularity"]
         for key in ("kv_splits", "split_layout", "f16_round_keys", "v_channel_max", "mma_acc_bits",
-                    "mma_promote_keys"):
+                    "mma_promote_keys", "sink_mode", "rescale_threshold", "rescale_unit", "rescale_compensation"):
             if d[key] == _DEFAULTS[key]:
                 del d[key]
         return d
@@ -337,8 +396,21 @@ class KernelConfig:
         return numberline.BLOCK_FORMATS.get(self.p_format.lower())
 
     @property
+    def effective_scale(self) -> float:
+        """The P scale the kernel applies: S, or S·2^-τ with the ``"pow2"`` rescale compensation."""
+        if self.rescale_compensation == "pow2":
+            return self.scale * 2.0 ** -self.rescale_threshold
+        return self.scale
+
+    @property
     def log2_scale(self) -> float:
-        return math.log2(self.scale)
+        """log2 of :attr:`effective_scale` (what the exponent mode adds in the exp2)."""
+        return math.log2(self.effective_scale)
+
+    @property
+    def rescale_gap(self) -> float:
+        """τ in the logits' natural-log units: τ·ln 2 for ``"log2"``, τ for ``"natural"`` (0: no lag)."""
+        return self.rescale_threshold * (math.log(2.0) if self.rescale_unit == "log2" else 1.0)
 
     @property
     def scale_is_power_of_two(self) -> bool:
@@ -372,6 +444,12 @@ class KernelConfig:
             where = (f"promoted to FP32 every {self.mma_promote_keys} keys" if self.mma_promote_keys
                      else "never promoted")
             extra.append(f"{self.mma_acc_bits}-bit MMA accumulator model, {where}")
+        if self.sink_mode != "epilogue":
+            where = "the initial running max" if self.sink_mode == "init_max" else "every block max"
+            extra.append(f"learned sink as {where}")
+        if self.rescale_threshold:
+            comp = f", P scale S·2^-{self.rescale_threshold:g}" if self.rescale_compensation == "pow2" else ""
+            extra.append(f"lazy rescale τ={self.rescale_threshold:g} ({self.rescale_unit}){comp}")
         tail = (", " + ", ".join(extra)) if extra else ""
         return f"{self.order}, {s}, B={self.block_kv}{tail}"
 
@@ -439,245 +517,31 @@ def _parse_field(key: str, raw: str, kind: type):
         raise PcastError(f"{key}={raw!r}: {exc}") from None
 
 
-def _paper(order: str, scale: float, label: str) -> KernelConfig:
-    return KernelConfig(order=order, scale=scale, scale_mode="multiply", block_kv=64, name=label)
+#: Names that live in :mod:`pcast_jax.presets` (the registry), importable from here as before.
+_PRESET_NAMES = ("PRESETS", "PAPER_CONFIGS", "KERNEL_PRESETS", "BLOCK_SCALED_PRESETS", "KERNELS_2026",
+                 "TILES_BY_HEAD_DIM", "MMA_PROMOTION", "MMA_ACC_BITS_HOPPER", "mma_model", "XQA_CTA_TILE_TOKENS",
+                 "XQA_DECODE_LAUNCH", "xqa_nb_sub_seq")
 
 
-#: The paper's five configurations (§6.2, Table 2): Q, K, V in FP32, ℓ from pre-cast P, B = 64.
-PAPER_CONFIGS: dict[str, KernelConfig] = {
-    "fwd_s1": _paper("forward", 1.0, "fwd_s1"),
-    "rev_s1": _paper("reverse", 1.0, "rev_s1"),
-    "fwd_s448": _paper("forward", 448.0, "fwd_s448"),
-    "fwd_s256": _paper("forward", 256.0, "fwd_s256"),
-    "rev_s256": _paper("reverse", 256.0, "rev_s256"),
-}
+def __getattr__(name: str):
+    if name in _PRESET_NAMES:
+        from pcast_jax import presets
 
-#: KV tile B by head dim, read from each kernel's source (the FP8 forward path at that head dim).
-#: FlashAttention-3 (Dao-AILab/flash-attention, commit 0251105a): hopper/tile_size.h, tile_size_fwd_sm90(),
-#: the element_size == 1 branch, lines 42-52: d ≤ 64 → 160 (line 43), d ≤ 96 → 128 (45), d ≤ 128 → 224
-#: (47; 160 with paged non-TMA KV, 192 with V col-major or softcap with a local window), d ≤ 192 → 160
-#: (49), d = 256 → 128 (51; 64 with a local window); causal does not change the FP8 tile. (vLLM's fork,
-#: vllm-project/flash-attention commit 07602ad, which this table cited before, gives the same values
-#: at lines 58-71; its decode path was not read.)
-#: FlashInfer SM90 FP8: include/flashinfer/attention/hopper/quantization/prefill_sm90.cuh,
-#: SingleFP8PrefillWithKVCacheDispatched (commit 1211b4c): CTA_KV = 128 at d = 64, 192 at d = 128, 128
-#: at d = 256 (the paged-KV batch path, BatchFP8PrefillWithPagedKVCacheDispatched, uses 128 everywhere).
-TILES_BY_HEAD_DIM: dict[str, dict[int, int]] = {
-    "fa3": {64: 160, 96: 128, 128: 224, 192: 160, 256: 128},
-    "flashinfer_sm90": {64: 128, 128: 192, 256: 128},
-}
-#: FlashAttention-3's split-KV path runs the same mainloop per split, and tile_size_fwd_sm90() takes no
-#: split argument: the same tiles.
-TILES_BY_HEAD_DIM["fa3_splitkv"] = TILES_BY_HEAD_DIM["fa3"]
-
-#: TensorRT-LLM XQA (SM90) keys per CTA tile, ``gemm0CtaTileNbTokens`` in cpp/kernels/xqa/mha_sm90.cu.
-XQA_CTA_TILE_TOKENS = 64
+        return getattr(presets, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def xqa_nb_sub_seq(*, batch: int, nb_k_heads: int, sms: int, max_seq_len: int, env: int | None = None) -> int:
-    """Sub-sequences (CTAs per request and KV head) of TensorRT-LLM XQA's SM90 multi-block launch.
+def _registry() -> dict[str, KernelConfig]:
+    from pcast_jax.presets import PRESETS
 
-    cpp/kernels/xqa/mha_sm90.cu, ``launchHopperF8MHA``, the ``nbSubSeqPerSeq`` lambda (NVIDIA/TensorRT-LLM
-    commit 014dadc): ``XQA_NB_SUB_SEQ`` (``env`` here) when set and > 0, else
-    ``min(max(1, (uint32_t) round(multiProcessorCount * 3 / (batchSize * nbKHeads) * 0.25f)),
-    divUp(maxSeqLen, gemm0CtaTileNbTokens))``. ``multiProcessorCount * 3 / (batchSize * nbKHeads)`` is
-    C integer division (all three are integers) before the float factor 0.25, and ``round`` rounds
-    halves away from zero. (The older ``mha.cu`` launcher has no 3 × 0.25: SMs / (batch · KV heads).)
-    """
-    batch = check_int("batch", batch, min_value=1)
-    nb_k_heads = check_int("nb_k_heads", nb_k_heads, min_value=1)
-    sms = check_int("sms", sms, min_value=1)
-    max_seq_len = check_int("max_seq_len", max_seq_len, min_value=1)
-    if env is not None and check_int("env", env) > 0:
-        return int(env)
-    per_cta = (sms * 3) // (batch * nb_k_heads) * 0.25
-    return min(max(1, math.floor(per_cta + 0.5)), -(-max_seq_len // XQA_CTA_TILE_TOKENS))
-
-
-#: The launch the ``trtllm_xqa_multiblock`` preset stands for (an assumption, not a constant of the
-#: source): an H100 SXM (132 SMs), batch 2 × 8 KV heads (Llama-3-8B/70B GQA), KV length ≥ 384, no
-#: XQA_NB_SUB_SEQ: ``xqa_nb_sub_seq`` gives 6 sub-sequences (batch 1 gives 12, batch 4 gives 3).
-XQA_DECODE_LAUNCH = {"batch": 2, "nb_k_heads": 8, "sms": 132, "max_seq_len": 4096}
-
-#: Production kernels, each following its public source (see the notes in each entry). Tiles are
-#: those at head dim 128; :func:`preset_for` resolves them for another head dim.
-KERNEL_PRESETS: dict[str, KernelConfig] = {
-    # FlashAttention-3 (Hopper): hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp walks n_block from
-    # n_block_max - 1 down (reverse); hopper/softmax.h folds S = 2^8 into exp2 (Max_offset = 8 for
-    # FP8), so the row sum holds scaled values. B = 224 at d = 128 (TILES_BY_HEAD_DIM).
-    "fa3": KernelConfig(order="reverse", scale=256.0, scale_mode="exponent", block_kv=224, name="fa3"),
-    # FlashAttention-4 (Blackwell, CuTe DSL): flash_attn/cute/flash_fwd_sm100.py iterates
-    # n_block = n_block_max - 1 - n_tile (reverse); softmax.py uses max_offset = 8 for 8-bit P.
-    # B = 128: flash_attn/cute/interface.py line 318 (commit 0251105a), cfg = FwdConfig(128, 128, ...),
-    # the base tile the SM100 path keeps (only SM80 / SM90 / SM120 replace it below that line).
-    "fa4": KernelConfig(order="reverse", scale=256.0, scale_mode="exponent", block_kv=128, name="fa4"),
-    # FlashInfer SM90 FP8 prefill: include/flashinfer/attention/hopper/variants.cuh multiplies P by
-    # p_scale = max_E4M3 = 448 after exp; mainloop_mma.cuh walks kv_tile_idx downward (reverse) and
-    # the epilogue uses v_scale / p_scale. The paper's Table 2 label "Forward, S=448 — FlashInfer/TRT"
-    # implies forward; the source (and the paper's Table 3) say reverse, which we follow.
-    # B = 192 at d = 128 (single-request prefill, TILES_BY_HEAD_DIM).
-    "flashinfer_sm90": KernelConfig(
-        order="reverse", scale=448.0, scale_mode="multiply", block_kv=192, name="flashinfer_sm90"
-    ),
-    # TensorRT-LLM XQA (SM90): cpp/kernels/xqa/mha_sm90.cu iterates idxIter = 0 .. nbIters
-    # (forward) and scales acc by kE4M3_MAX = 448 after the row sum; output × 1/448. Tile:
-    # gemm0CtaTileNbTokens = gemm0WarpGrpTileNbTokens (64) × gemm0NbGmmaGrps (1) = 64 keys.
-    # One CTA per (request, KV head): multi-block mode off (see trtllm_xqa_multiblock).
-    "trtllm_xqa": KernelConfig(order="forward", scale=448.0, scale_mode="multiply", block_kv=64, name="trtllm_xqa"),
-    # TensorRT-LLM XQA in multi-block mode (its decode default, ALLOW_MULTI_BLOCK_MODE): launchHopperF8MHA
-    # runs nbSubSeqPerSeq CTAs per (request, KV head) (xqa_nb_sub_seq, above); CTA idxSubSeq takes tiles
-    # idxKTile = idxKTileInit + idxIter · nbSubSeq (strided, each CTA forward with its own max), and
-    # the last CTA merges the partial results (mha_sm90.cu). nbSubSeq depends on the launch: the
-    # preset takes it for XQA_DECODE_LAUNCH (6 sub-sequences), an assumed launch.
-    "trtllm_xqa_multiblock": KernelConfig(
-        order="forward", scale=448.0, scale_mode="multiply", block_kv=XQA_CTA_TILE_TOKENS,
-        kv_splits=xqa_nb_sub_seq(**XQA_DECODE_LAUNCH), split_layout="strided",
-        name="trtllm_xqa_multiblock",
-    ),
-    # FlashAttention-3 split-KV decode (flash_attn_interface num_splits > 1): each split takes a
-    # contiguous range of ⌈n_blocks / num_splits⌉ KV blocks (hopper/block.h, n_block_min/max per
-    # split), reverse within it, merged by hopper/flash_fwd_combine_kernel.h from per-split LSE.
-    # num_splits = 8 is an assumption (the heuristic num_splits_heuristic picks it from the launch).
-    "fa3_splitkv": KernelConfig(
-        order="reverse", scale=256.0, scale_mode="exponent", block_kv=224, kv_splits=8, name="fa3_splitkv",
-    ),
-    # SageAttention2 (thu-ml/SageAttention, commit d1a57a5) as sageattention/core.py line 151 runs it on
-    # SM90: csrc/qattn/attn_utils.cuh folds S_FP8_OFFSET = 8.807 (2^8.807 ≈ 448) into the exponent;
-    # forward order. B = 128: CTA_K = 128 in csrc/qattn/qk_int_sv_f8_cuda_sm90.cu lines 687 and 863 (both
-    # SM90 FP8 entry points). Its INT8 per-block Q/K quantization is not modelled (P-cast isolated).
-    "sageattn2": KernelConfig(
-        order="forward", scale=2.0**8.807, scale_mode="exponent", block_kv=128, name="sageattn2"
-    ),
-    # SageAttention2++ (pv_accum_dtype="fp32+fp16", what sageattention/core.py line 149 picks on SM89):
-    # core.py keeps P at 448 and cuts the V range to 2.25 (quant_v_scale_max, lines 805-807): V is
-    # quantized per channel with scale amax/2.25 and the scale multiplied back after the accumulation,
-    # so the FP16 PV accumulator cannot overflow. B = 64: CTA_K = 64 in
-    # csrc/qattn/sm89_qk_int8_sv_f8_accum_f16_fuse_v_scale_attn_inst_buf.cu line 125 (the kernel core.py
-    # line 819 calls). f16_round_keys = 32: csrc/qattn/attn_utils.cuh lines 908-970 chain one
-    # mma_sync_m16n16k32_row_col_f8f8f16 per 32 keys of the block into the f16 accumulator (kInit for the
-    # first, kInplaceUpdate after), which is mma.sync m16n8k32 ... .f16.e4m3.e4m3.f16 (csrc/mma.cuh line
-    # 577), and add the block's f16 result to the FP32 output (lines 969-971). The paper's "S = 112" is
-    # not in the released code; we follow the code.
-    "sageattn2pp": KernelConfig(
-        order="forward", scale=2.0**8.807, scale_mode="exponent", block_kv=64, accumulator="f16",
-        f16_round_keys=32, v_channel_max=2.25, name="sageattn2pp",
-    ),
-    # Tencent hpc-ops prefill FP8, before the paper (commit e363e86): src/attention/prefill/kernels.cuh
-    # walks itile_seq_kv forward with no P scale (S = 1); gSum from unscaled P. B = 128: the kTileN
-    # template argument of AttentionKVCachePrefillFp8Config in
-    # src/attention/prefill/warp_spec_with_kvcache_fp8_dim128.cu lines 55-56 (head dim 128).
-    "hpc_ops_prior": KernelConfig(order="forward", scale=1.0, scale_mode="multiply", block_kv=128,
-                                  name="hpc_ops_prior"),
-    # Tencent hpc-ops prefill FP8, updated (commit 6e2eced): kernels.cuh line 1347,
-    # tAttr(i) *= kFp8PrefillPScale (256.0f, line 20), after exp; epilogue × vscale / 256; forward order.
-    # B = 128: kTileN = 128 in src/attention/prefill/warp_spec_with_kvcache_fp8_dim128.cu line 119.
-    "hpc_ops": KernelConfig(order="forward", scale=256.0, scale_mode="multiply", block_kv=128, name="hpc_ops"),
-    # The paper's future work (§7.4): per-block power-of-two scale chosen from the block's max P.
-    "dynamic_pow2": KernelConfig(order="forward", scale_mode="dynamic", block_kv=64, name="dynamic_pow2"),
-}
-
-#: Presets with a block-scaled P (simulator only: the Pallas kernels run E4M3 P alone), each citing
-#: the source it follows.
-BLOCK_SCALED_PRESETS: dict[str, KernelConfig] = {
-    # SageAttention3 (thu-ml/SageAttention, commit d1a57a5, sageattention3_blackwell/sageattn3/blackwell/):
-    # softmax_fused.h computes P̃ = exp2(Z·log2e·scale − (m·log2e·scale + log2(1/(448·6)))) (lines 32,
-    # 71-75), i.e. the row maximum brought to 448·6 = 2688 in the exponent (fp8_scalexfp4_scale), the
-    # row sum accumulating P̃ (exponent mode, epilogue O/ℓ); per 16 keys the scale AbsMaxP =
-    # exp2(max_b·log2e·scale − max_scaled + log2(1/6)) (line 79) = block max of P̃ / 6 (≤ 448, UE4M3 in
-    # the block-scaled MMA), P̃ divided by it (line 135) and cast to E2M1. Reverse order:
-    # mainloop_tma_ws.h starts at n_block = n_block_max - 1 (line 509) and walks down,
-    # for (; n_block >= 0; --n_block), in the producer (line 536) and the consumer (lines 670, 817, 865).
-    # B = 128: launch.h line 105 instantiates Flash_fwd_kernel_traits<Headdim, 128, 128, ...>, whose third
-    # argument is kBlockN (kernel_traits.h lines 71, 80). The kernel divides P̃ by the FP32 scale and
-    # multiplies by its E4M3 rounding in the MMA; we divide by the E4M3 value (Model Optimizer's order),
-    # a difference below one E2M1 step. Q/K/V stay FP32 (P-cast isolated).
-    "sageattn3": KernelConfig(order="reverse", scale=448.0 * 6.0, scale_mode="exponent", block_kv=128,
-                              p_format="nvfp4", name="sageattn3"),
-    # NVFP4 fake-quant of P inside NVIDIA Model Optimizer's Triton flash attention (NVIDIA/Model-Optimizer,
-    # commit a2fbac7b): modelopt/torch/kernels/common/attention/triton_fa.py walks kv_start = 0, BLOCK_N,
-    # ... (forward, line 359), takes P = exp2(S − m_new) with the running max (line 433, unnormalized),
-    # sums the row from the unquantized P (lines 434-436: ℓ unscaled, multiply mode) and, with
-    # p_qdq="nvfp4", fake-quantizes P before P·V (lines 440-451) through _p_qdq_nvfp4
-    # (modelopt/torch/kernels/quantization/attention/bmm2_qdq.py lines 38-61: 16 keys per block along the
-    # key axis) → nvfp4_scalar_qdq (kernels/quantization/common/nvfp4_quant.py): block scale
-    # E4M3(min(amax_b / (6 g), 448)) · g (lines 122-125, saturating at 448), elements rounded to E2M1 at
-    # x / scale, a zero scale zeroing the block (line 101). g = p_qdq_amax / (6·448) with p_qdq_amax = 1
-    # by default (triton_fa.py lines 1241, 1345), so E4M3(amax_b / (6 g)) = E4M3(amax_b · 448): exactly
-    # the block scale of P·S with S = 6·448 and second level 1 here. B = 32: every autotuned forward
-    # config has BLOCK_N = 32 (triton_fa.py lines 84-87). Not modelled: the kernel first rounds P to V's
-    # dtype (bf16/fp16, lines 447-450) before the fake-quant; P here stays FP32 up to the NVFP4 cast.
-    # (The offline quantizer modelopt/torch/quantization/qtensor/nvfp4_tensor.py clamps block scales to
-    # [2^-9, 448] and so never zeroes a block; it is not what runs on P.)
-    "nvfp4_fakequant": KernelConfig(order="forward", scale=448.0 * 6.0, scale_mode="multiply", block_kv=32,
-                                    p_format="nvfp4", name="nvfp4_fakequant"),
-    # MXFP8 P (OCP Microscaling Formats v1.0, §5–6: 32 E4M3 elements per E8M0 scale
-    # 2^(⌊log2 amax⌋ − 8)). No released attention kernel with an MXFP8 P was found: this is the OCP
-    # rule applied to P with S = 1, forward order, B = 64 (the MX scale makes S nearly irrelevant).
-    "mxfp8_p": KernelConfig(order="forward", scale=1.0, scale_mode="multiply", block_kv=64, p_format="mxfp8",
-                            name="mxfp8_p"),
-}
-
-PRESETS: dict[str, KernelConfig] = {**PAPER_CONFIGS, **KERNEL_PRESETS, **BLOCK_SCALED_PRESETS}
-
-#: Where each kernel adds its FP8 P·V MMA results into exact FP32 registers, i.e. the
-#: ``mma_promote_keys`` its accumulator model takes: ``"never"`` (0: O lives in the wgmma accumulator
-#: across KV blocks) or ``"tile"`` (``block_kv``: a fresh accumulator per KV tile, added to FP32 O).
-#: Read from source; kernels missing here were not read (FlashInfer SM90: its mainloop's PV
-#: accumulation not re-read; FlashAttention-4: Blackwell tcgen05, outside the Hopper model;
-#: SageAttention2++: its f16 accumulator is its own model).
-MMA_PROMOTION: dict[str, str] = {
-    # FlashAttention-3, hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp (commit 0251105a): clear(tOrO) once
-    # (line 1166), then every n_block's P·V is flash::gemm</*zero_init=*/false>(tiled_mma_pv, ..., tOrO)
-    # into the same accumulator (line 1182), rescaled in place by softmax.rescale_o (1178 / 1205).
-    "fa3": "never",
-    "fa3_splitkv": "never",  # the same mainloop per split
-    # TensorRT-LLM XQA, cpp/kernels/xqa/mha_sm90.cu: rescaleGemm1AccForNewRowMax_sync(..., acc, ...)
-    # rescales the gemm1 accumulator `acc` before each tile's X·V wgmma accumulates into it (its own
-    # comment: "if first tile, no need to rescale acc"); line numbers not read.
-    "trtllm_xqa": "never",
-    "trtllm_xqa_multiblock": "never",  # per CTA
-    # SageAttention2 on SM90: sageattention/core.py line 151 picks pv_accum_dtype="fp32+fp32" ("PV
-    # accumulation is done in FP32 (actually FP22), but added to a FP32 buffer", line 688);
-    # csrc/qattn/qk_int_sv_f8_cuda_sm90.cu (commit d1a57a5): a fresh RO_temp per KV tile (line 328,
-    # first wgmma with scale-d 0 at 333, one wgmma per 32 keys at 337), RO += RO_temp in FP32 at 353.
-    "sageattn2": "tile",
-    # hpc-ops prefill FP8 (commit 6e2eced, since 82d80e8 "SM90 fp8 double-O accumulator"):
-    # src/attention/prefill/kernels.cuh lines 1376-1403: each KV tile's P·V wgmma starts a fresh tOr
-    # (ScaleOut::Zero, line 1378) and tYr(i) += tOr(i) adds it to the FP32 output (line 1403).
-    "hpc_ops": "tile",
-    # Before that commit (e363e86, the S = 1 kernel): kernels.cuh clear(tYr) once (line 1297), then every
-    # tile's wgmma accumulates into tYr itself with ScaleOut::One (lines 1266, 1400-1401).
-    "hpc_ops_prior": "never",
-}
-#: Other promotion intervals in the wild: DeepGEMM's SM90 FP8 GEMM promotes the wgmma accumulator into
-#: FP32 registers every BLOCK_K = 128 (deep_gemm/include/deep_gemm/impls/sm90_fp8_gemm_1d1d.cuh lines
-#: 249 and 303, "Promote with scales", commit 54e2261); this package's Pallas Mosaic kernel uses a fresh
-#: accumulator per KV block (pallas_kernels/mosaic_gpu.py, ``plgpu.ACC`` per block, then
-#: ``block.accumulate``): ``"tile"``.
-#: Mantissa bits of the default accumulator model: "around 14 bits" (DeepSeek-V3 technical report
-#: §3.3.2, measured on H800; an assumption until ``benchmarks/gpu_check.sh`` fits it on Hopper).
-MMA_ACC_BITS_HOPPER = 14
-
-
-def mma_model(name: str, bits: int = MMA_ACC_BITS_HOPPER) -> KernelConfig:
-    """A MODEL variant of preset ``name`` with the FP8 MMA accumulator of ``bits`` mantissa bits.
-
-    The promotion interval follows :data:`MMA_PROMOTION` (``"never"`` → 0, ``"tile"`` → the preset's
-    ``block_kv``); the name gains ``_mma{bits}``. Not part of :data:`PRESETS`: the bit count is an
-    assumption until a GPU measures it. Presets whose path was not read raise :class:`PcastError`.
-    """
-    cfg = get_preset(name)
-    if name not in MMA_PROMOTION:
-        raise PcastError(f"preset={name!r}: its MMA accumulation path was not read from source; presets with "
-                         f"one: {', '.join(MMA_PROMOTION)}")
-    promote = 0 if MMA_PROMOTION[name] == "never" else cfg.block_kv
-    return dataclasses.replace(cfg, mma_acc_bits=bits, mma_promote_keys=promote, name=f"{name}_mma{bits}")
+    return PRESETS
 
 
 def get_preset(name: str) -> KernelConfig:
-    """Look up a preset by name (see :data:`PRESETS`)."""
-    check_choice("preset", name, tuple(PRESETS))
-    return PRESETS[name]
+    """Look up a preset by name (see :data:`pcast_jax.presets.PRESETS`)."""
+    presets = _registry()
+    check_choice("preset", name, tuple(presets))
+    return presets[name]
 
 
 def preset_for(name: str, head_dim: int) -> KernelConfig:
@@ -686,6 +550,8 @@ def preset_for(name: str, head_dim: int) -> KernelConfig:
     Presets without a head-dim table, or head dims the table lacks, keep their tile; the name
     gains ``_d{head_dim}`` when the tile changes.
     """
+    from pcast_jax.presets import TILES_BY_HEAD_DIM
+
     cfg = get_preset(name)
     check_int("head_dim", head_dim, min_value=1)
     tiles = TILES_BY_HEAD_DIM.get(name, {})

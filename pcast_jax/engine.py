@@ -59,6 +59,10 @@ class AttentionResult(NamedTuple):
       n_zeroed: (q_len,) how many counted positions had P > 0 but cast to 0.
       n_counted: (q_len,) how many counted, unmasked positions there were.
       zeroed_mass: (q_len,) exact softmax probability carried by the zeroed positions.
+      n_saturated: (q_len,) how many visible positions had P·S above the format's max (clipped by
+        the cast; only a lagging running max or S > max gives any), over every visible key.
+      n_visible: (q_len,) how many visible (unmasked) positions there were.
+      saturated_mass: (q_len,) exact softmax probability carried by the saturated positions.
     """
 
     out: jax.Array
@@ -66,6 +70,9 @@ class AttentionResult(NamedTuple):
     n_zeroed: jax.Array
     n_counted: jax.Array
     zeroed_mass: jax.Array
+    n_saturated: jax.Array
+    n_visible: jax.Array
+    saturated_mass: jax.Array
 
 
 def _cast(ps, cfg: KernelConfig):
@@ -113,6 +120,25 @@ def _real_array(name: str, x, *, boolean: bool = False):
 def _concrete(*xs) -> bool:
     """True when no argument is traced (eager call): values can then be checked on the host."""
     return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def _sink_rows(sink_logit, rows_shape):
+    """A learned sink logit per row of ``rows_shape`` (``(..., q_len)``), or None.
+
+    ``sink_logit`` is one logit per attention head (or instance): a scalar, or an array that
+    broadcasts against the leading dimensions ``rows_shape[:-1]``; it is the same for every query row.
+    """
+    if sink_logit is None:
+        return None
+    s = _real_array("sink_logit", sink_logit)
+    try:
+        s = jnp.broadcast_to(s[..., None], tuple(rows_shape))
+    except ValueError:
+        raise PcastError(f"sink_logit.shape={s.shape} must broadcast against the leading (head) dimensions "
+                         f"{tuple(rows_shape[:-1])} of the scores (one logit per head)") from None
+    if _concrete(s) and not bool(jnp.all(jnp.isfinite(s))):
+        raise PcastError("sink_logit contains NaN or inf: a learned sink logit must be finite")
+    return s
 
 
 def _batch_shape(param: str, *shapes) -> tuple[int, ...]:
@@ -202,79 +228,140 @@ def _channel_scale(v, cfg: KernelConfig):
     return (v, None) if c is None else (v / c[..., None, :], c)
 
 
-def _scan_engine(scores, v, counted, cfg: KernelConfig) -> AttentionResult:
+def _visible(scores):
+    """Keys that are not masked (:data:`pcast_jax.block.MASKED_BELOW`)."""
+    return scores > block.MASKED_BELOW
+
+
+def _scan_engine(scores, v, counted, cfg: KernelConfig, sink=None) -> AttentionResult:
     v, c = _channel_scale(v, cfg)
     zb = _split_order(scores, cfg, -1, -jnp.inf)  # (steps, splits, ..., q, B)
     vb = _split_order(v, cfg, -2, 0.0)  # (steps, splits, ..., B, d)
     cb = _split_order(counted, cfg, -1, False)
     batch_q = (cfg.kv_splits,) + scores.shape[:-1]
     d = v.shape[-1]
+    sink_s = None if sink is None else jnp.broadcast_to(sink, batch_q)
 
     def step(carry, xs):
-        m, ell, o, nz, lz = carry
+        m, ell, o, nz, lz, ns, ls = carry
         z, vj, cj = xs
-        st = block.online_softmax(m, ell, z, cfg)  # lines 4-8
+        st = block.online_softmax(m, ell, z, cfg, sink_s)  # lines 4-8
         p8, sc = _cast(st.ps, cfg)  # line 9
         o = block.accumulate_pv(o, st.alpha, lambda lo, hi: _pv(p8[..., lo:hi], vj[..., lo:hi, :]), st.unscale,
                                 cfg, barrier=_f16_barrier, scales=sc)  # line 10
         zero = cj & block.zeroed(st.ps, cfg)
         nz = nz + jnp.sum(zero, axis=-1, dtype=jnp.int32)
         lz = st.alpha * lz + jnp.sum(jnp.where(zero, st.p, 0.0), axis=-1)
-        return (st.m, st.row_sum, o, nz, lz), None
+        sat = _visible(z) & block.saturated(st.ps, cfg)
+        ns = ns + jnp.sum(sat, axis=-1, dtype=jnp.int32)
+        ls = st.alpha * ls + jnp.sum(jnp.where(sat, st.p, 0.0), axis=-1)
+        return (st.m, st.row_sum, o, nz, lz, ns, ls), None
 
+    m0, l0 = block.sink_start(sink, batch_q[1:], cfg)  # the sink as initial max lives in split 0 only
+    rest = (cfg.kv_splits - 1,) + batch_q[1:]
     init = (
-        jnp.full(batch_q, -jnp.inf, jnp.float32),
-        jnp.zeros(batch_q, jnp.float32),
+        jnp.concatenate([m0[None], jnp.full(rest, -jnp.inf, jnp.float32)]),
+        jnp.concatenate([l0[None], jnp.zeros(rest, jnp.float32)]),
         jnp.zeros(batch_q + (d,), jnp.float32),
         jnp.zeros(batch_q, jnp.int32),
         jnp.zeros(batch_q, jnp.float32),
+        jnp.zeros(batch_q, jnp.int32),
+        jnp.zeros(batch_q, jnp.float32),
     )
-    (m, ell, o, nz, lz), _ = jax.lax.scan(step, init, (zb, vb, cb))
+    (m, ell, o, nz, lz, ns, ls), _ = jax.lax.scan(step, init, (zb, vb, cb))
     if cfg.kv_splits == 1:
-        out = block.finalize(o[0], ell[0], cfg)  # line 12
-        ell, lz = ell[0], lz[0]
-    else:
-        out, ell, (lz,) = block.merge_splits(m, ell, o, cfg, extra=(lz,))  # line 12 per split, merged
+        ell = block.add_sink(ell[0], m[0], sink, cfg)
+        out = block.finalize(o[0], ell, cfg)  # line 12
+        lz, ls = lz[0], ls[0]
+    else:  # line 12 per split, merged
+        out, ell, (lz, ls) = block.merge_splits(m, ell, o, cfg, extra=(lz, ls), sink=sink)
     if c is not None:
         out = out * c[..., None, :]
     return AttentionResult(out, ell, jnp.sum(nz, axis=0), jnp.sum(counted, axis=-1, dtype=jnp.int32),
-                           block.row_share(lz, ell))
+                           block.row_share(lz, ell), jnp.sum(ns, axis=0),
+                           jnp.sum(_visible(scores), axis=-1, dtype=jnp.int32), block.row_share(ls, ell))
 
 
-def _fast_parts(scores, counted, cfg: KernelConfig, cast_fn=None):
+def _running_max(block_max, cfg: KernelConfig, m0=None, *, reverse: bool = False):
+    """The running max after each block (last axis, in the visiting order): line 5 for every block.
+
+    Without a lazy rescale it is a cumulative max (from the right in reverse order), with ``m0`` the
+    max before the first block (a learned sink as initial max); with one it is the recurrence of
+    :func:`pcast_jax.block.update_max`, a scan over the (few) block maxima. Either way it never
+    decreases, so the final running max is its maximum.
+    """
+    if not cfg.rescale_threshold:
+        m_run = jax.lax.cummax(block_max, axis=block_max.ndim - 1, reverse=reverse)
+        return m_run if m0 is None else jnp.maximum(m_run, m0[..., None])
+    if m0 is None:
+        m0 = jnp.full(block_max.shape[:-1], -jnp.inf, block_max.dtype)
+
+    def step(m, bm):
+        m = block.update_max(m, bm, cfg)
+        return m, m
+
+    _, m_run = jax.lax.scan(step, m0, jnp.moveaxis(block_max, -1, 0), reverse=reverse)
+    return jnp.moveaxis(m_run, 0, -1)
+
+
+class _Stats(NamedTuple):
+    """Per-row loss statistics decayed to the final running max (masses not yet divided by ℓ)."""
+
+    n_zeroed: jax.Array
+    zeroed: jax.Array
+    n_saturated: jax.Array
+    saturated: jax.Array
+
+
+def _loss_stats(z, p, ps, counted, decay, cfg: KernelConfig, axes) -> _Stats:
+    """Zeroed (over counted keys) and saturated (over visible keys) counts and decayed P sums."""
+    zero = counted & block.zeroed(ps, cfg)
+    sat = _visible(z) & block.saturated(ps, cfg)
+
+    def mass(mask):
+        return jnp.sum(decay * jnp.sum(jnp.where(mask, p, 0.0), axis=-1), axis=-1)
+
+    return _Stats(jnp.sum(zero, axis=axes, dtype=jnp.int32), mass(zero),
+                  jnp.sum(sat, axis=axes, dtype=jnp.int32), mass(sat))
+
+
+def _fast_parts(scores, counted, cfg: KernelConfig, cast_fn=None, sink=None):
     """Everything of the fast engine except the contraction with V (shared with the weights).
 
     Works in key order on a (..., q, n_blocks, B) view of the scores, so no data moves: the
     running max after each block in the kernel's order is a cumulative max of the block maxima
-    (from the right in reverse order), and block b's contribution ends up multiplied by
-    exp(m_b − m_final). Returns P8 (..., q, nb, B), the per-block factor w (..., q, nb) that
-    multiplies it, ℓ, the zeroed count, the zeroed mass and the block scales of a block-scaled
-    format (None otherwise, and with ``cast_fn``). ``cast_fn`` replaces line 9's cast (default:
-    the config's exact cast; a replacement returns the dequantized P); the zeroed count is that of
-    the exact cast either way.
+    (from the right in reverse order; :func:`_running_max`), and block b's contribution ends up
+    multiplied by exp(m_b − m_final). Returns P8 (..., q, nb, B), the per-block factor w (..., q, nb)
+    that multiplies it, ℓ (with a learned sink's term), the loss statistics (:class:`_Stats`) and
+    the block scales of a block-scaled format (None otherwise, and with ``cast_fn``). ``cast_fn``
+    replaces line 9's cast (default: the config's exact cast; a replacement returns the dequantized
+    P); the zeroed count is that of the exact cast either way.
     """
     shape = scores.shape[:-1] + (scores.shape[-1] // cfg.block_kv, cfg.block_kv)
     z = scores.reshape(shape)
-    block_max = jnp.max(z, axis=-1)  # (..., q, nb)
-    m_run = jax.lax.cummax(block_max, axis=block_max.ndim - 1, reverse=cfg.order == "reverse")
+    sink_b = None if sink is None else sink[..., None]
+    block_max = block.fold_sink(jnp.max(z, axis=-1), sink_b, cfg)  # (..., q, nb)
+    m0 = sink if sink is not None and cfg.sink_mode == "init_max" else None
+    m_run = _running_max(block_max, cfg, m0, reverse=cfg.order == "reverse")
     p, ps, unscale = block.block_probs(z, m_run, cfg)
     p8, sc = _cast(ps, cfg) if cast_fn is None else (cast_fn(ps), None)
     # α chain: block b's contribution is multiplied by exp(m_b − m_final) by the end
-    decay = block.alpha(m_run, jnp.max(block_max, axis=-1, keepdims=True), cfg)  # (..., q, nb)
+    m_final = jnp.max(m_run, axis=-1)
+    decay = block.alpha(m_run, m_final[..., None], cfg)  # (..., q, nb)
     ell = jnp.sum(decay * jnp.sum(p, axis=-1), axis=-1)
-    zero = counted.reshape(shape) & block.zeroed(ps, cfg)
-    lz = jnp.sum(decay * jnp.sum(jnp.where(zero, p, 0.0), axis=-1), axis=-1)
-    nz = jnp.sum(zero, axis=(-2, -1), dtype=jnp.int32)
+    if sink is not None:  # every mode: the sink's term at the final max (init_max: 1 decayed to it)
+        ell = ell + block.sink_weight(sink, m_final, cfg)
+    stats = _loss_stats(z, p, ps, counted.reshape(shape), decay, cfg, (-2, -1))
     w = decay if unscale is None else decay * unscale  # per block and row, multiplies P8
-    return p8, w, ell, nz, lz, sc
+    return p8, w, ell, stats, sc
 
 
-def _fast_split_parts(scores, counted, cfg: KernelConfig, cast_fn=None):
-    """:func:`_fast_parts` for split-KV: per split a cumulative max in its visiting order.
+def _fast_split_parts(scores, counted, cfg: KernelConfig, cast_fn=None, sink=None):
+    """:func:`_fast_parts` for split-KV: per split a running max in its visiting order.
 
-    Returns P8 (..., q, splits, steps, B), the factor per block that multiplies it into the
-    output (the α chain of its split, 2^-k, and the split's merge weight over its divisor), ℓ,
-    the zeroed count and mass, and the schedule (:func:`block.split_schedule`).
+    Returns P8 (..., q, splits, steps, B), the factor per block that multiplies it into its split's
+    output (the α chain of its split and 2^-k), (m_s, ℓ_s) per split, the loss statistics per split
+    (masses decayed to m_s), the schedule (:func:`block.split_schedule`) and the block scales.
     """
     b = cfg.block_kv
     nb = scores.shape[-1] // b
@@ -286,34 +373,45 @@ def _fast_split_parts(scores, counted, cfg: KernelConfig, cast_fn=None):
         return xb[..., sched, :]  # (..., q, splits, steps, B)
 
     z = gather(scores, -jnp.inf)
-    block_max = jnp.max(z, axis=-1)  # (..., q, splits, steps)
-    m_run = jax.lax.cummax(block_max, axis=block_max.ndim - 1)
+    sink_b = None if sink is None else sink[..., None, None]
+    block_max = block.fold_sink(jnp.max(z, axis=-1), sink_b, cfg)  # (..., q, splits, steps)
+    m0 = None
+    if sink is not None and cfg.sink_mode == "init_max":  # split 0 alone starts at the sink
+        m0 = jnp.full(block_max.shape[:-1], -jnp.inf, jnp.float32).at[..., 0].set(sink)
+    m_run = _running_max(block_max, cfg, m0)
     p, ps, unscale = block.block_probs(z, m_run, cfg)
     p8, sc = _cast(ps, cfg) if cast_fn is None else (cast_fn(ps), None)
-    m_s = m_run[..., -1]  # (..., q, splits)
+    m_s = jnp.max(m_run, axis=-1)  # (..., q, splits)
     decay = block.alpha(m_run, m_s[..., None], cfg)  # (..., q, splits, steps)
     ell_s = jnp.sum(decay * jnp.sum(p, axis=-1), axis=-1)
-    zero = gather(counted, False) & block.zeroed(ps, cfg)
-    lz_s = jnp.sum(decay * jnp.sum(jnp.where(zero, p, 0.0), axis=-1), axis=-1)
-    nz = jnp.sum(zero, axis=(-3, -2, -1), dtype=jnp.int32)
+    if m0 is not None:
+        ell_s = ell_s.at[..., 0].add(block.sink_weight(sink, m_s[..., 0], cfg))
+    stats = _loss_stats(z, p, ps, gather(counted, False), decay, cfg, (-3, -2, -1))
     w = decay if unscale is None else decay * unscale
-    return p8, w, (m_s, ell_s, lz_s), nz, sched, sc
+    return p8, w, (m_s, ell_s), stats, sched, sc
 
 
-def _merge_fast(m_s, ell_s, o_s, lz_s, cfg):
-    """block.merge_splits on the fast engine's (..., q, splits[, d]) layout."""
-    out, ell, (lz,) = block.merge_splits(
+def _merge_fast(m_s, ell_s, o_s, stats: _Stats, cfg, sink=None):
+    """block.merge_splits on the fast engine's (..., q, splits[, d]) layout; masses merged alike."""
+    out, ell, (lz, ls) = block.merge_splits(
         jnp.moveaxis(m_s, -1, 0), jnp.moveaxis(ell_s, -1, 0), jnp.moveaxis(o_s, -2, 0), cfg,
-        extra=(jnp.moveaxis(lz_s, -1, 0),))
-    return out, ell, lz
+        extra=(jnp.moveaxis(stats.zeroed, -1, 0), jnp.moveaxis(stats.saturated, -1, 0)), sink=sink)
+    return out, ell, stats._replace(zeroed=block.row_share(lz, ell), saturated=block.row_share(ls, ell))
 
 
-def _fast_engine(scores, v, counted, cfg: KernelConfig) -> AttentionResult:
+def _result(out, ell, stats: _Stats, scores, counted) -> AttentionResult:
+    """The engines' result from merged statistics (masses already shares of ℓ)."""
+    return AttentionResult(out, ell, stats.n_zeroed, jnp.sum(counted, axis=-1, dtype=jnp.int32), stats.zeroed,
+                           stats.n_saturated, jnp.sum(_visible(scores), axis=-1, dtype=jnp.int32),
+                           stats.saturated)
+
+
+def _fast_engine(scores, v, counted, cfg: KernelConfig, sink=None) -> AttentionResult:
     v, c = _channel_scale(v, cfg)
     if cfg.kv_splits > 1:
-        out, ell, nz, lz = _fast_split_engine(scores, v, counted, cfg)
+        out, ell, stats = _fast_split_engine(scores, v, counted, cfg, sink)
     else:
-        p8, w, ell, nz, lz, sc = _fast_parts(scores, counted, cfg)
+        p8, w, ell, stats, sc = _fast_parts(scores, counted, cfg, sink=sink)
         if cfg.accumulator == "f32" and sc is None and not cfg.mma_acc_bits:  # one (q, N) x (N, d) product
             weighted = (p8 * w[..., None]).reshape(scores.shape)
             o = jnp.einsum("...qn,...nd->...qd", weighted, v, precision=jax.lax.Precision.HIGHEST)
@@ -324,14 +422,15 @@ def _fast_engine(scores, v, counted, cfg: KernelConfig) -> AttentionResult:
                 cfg, barrier=_f16_barrier, scales=sc)
             o = jnp.sum(w[..., None] * y, axis=-2)
         out = block.finalize(o, ell, cfg)
-        lz = block.row_share(lz, ell)
+        stats = stats._replace(zeroed=block.row_share(stats.zeroed, ell),
+                               saturated=block.row_share(stats.saturated, ell))
     if c is not None:
         out = out * c[..., None, :]
-    return AttentionResult(out, ell, nz, jnp.sum(counted, axis=-1, dtype=jnp.int32), lz)
+    return _result(out, ell, stats, scores, counted)
 
 
-def _fast_split_engine(scores, v, counted, cfg: KernelConfig):
-    p8, w, (m_s, ell_s, lz_s), nz, sched, sc = _fast_split_parts(scores, counted, cfg)
+def _fast_split_engine(scores, v, counted, cfg: KernelConfig, sink=None):
+    p8, w, (m_s, ell_s), stats, sched, sc = _fast_split_parts(scores, counted, cfg, sink=sink)
     b = cfg.block_kv
     vb = v.reshape(v.shape[:-2] + (-1, b) + v.shape[-1:])  # (..., nb, B, d)
     vb = jnp.concatenate([vb, jnp.zeros(vb.shape[:-3] + (1,) + vb.shape[-2:], vb.dtype)], axis=-3)
@@ -340,8 +439,7 @@ def _fast_split_engine(scores, v, counted, cfg: KernelConfig):
         "...qstb,...stbd->...qstd", p8[..., lo:hi], vb[..., lo:hi, :], precision=jax.lax.Precision.HIGHEST),
         cfg, barrier=_f16_barrier, scales=sc)
     o_s = jnp.sum(w[..., None] * y, axis=-2)  # (..., q, splits, d)
-    out, ell, lz = _merge_fast(m_s, ell_s, o_s, lz_s, cfg)
-    return out, ell, nz, block.row_share(lz, ell)
+    return _merge_fast(m_s, ell_s, o_s, stats, cfg, sink)
 
 
 class WeightsResult(NamedTuple):
@@ -349,7 +447,8 @@ class WeightsResult(NamedTuple):
 
     Attributes:
       weights: (..., q_len, N) W, the kernel output being W · V (FP32 accumulator).
-      row_sum, n_zeroed, n_counted, zeroed_mass: as in :class:`AttentionResult`.
+      row_sum, n_zeroed, n_counted, zeroed_mass, n_saturated, n_visible, saturated_mass: as in
+        :class:`AttentionResult`.
     """
 
     weights: jax.Array
@@ -357,10 +456,13 @@ class WeightsResult(NamedTuple):
     n_zeroed: jax.Array
     n_counted: jax.Array
     zeroed_mass: jax.Array
+    n_saturated: jax.Array
+    n_visible: jax.Array
+    saturated_mass: jax.Array
 
 
 def weights_and_stats(scores, config, *, count_mask=None, q_offset: int | None = None,
-                      cast_fn=None) -> WeightsResult:
+                      cast_fn=None, sink_logit=None) -> WeightsResult:
     """:func:`effective_weights` together with ℓ and the zeroed counts of :func:`attention`.
 
     Everything the fast engine knows before the contraction with V: for an FP32 accumulator the
@@ -370,32 +472,34 @@ def weights_and_stats(scores, config, *, count_mask=None, q_offset: int | None =
     cfg = resolve(config)
     n = jnp.shape(scores)[-1]
     scores, _, counted = _prepare(scores, jnp.zeros((n, 1)), cfg, count_mask, q_offset)
+    sink = _sink_rows(sink_logit, scores.shape[:-1])
     if cfg.kv_splits > 1:
-        p8, w, (m_s, ell_s, lz_s), nz, sched, sc = _fast_split_parts(scores, counted, cfg, cast_fn)
+        p8, w, (m_s, ell_s), stats, sched, sc = _fast_split_parts(scores, counted, cfg, cast_fn, sink)
         p8 = block.dequantize(p8, sc, cfg)
         # the merge is linear in each split's O_s: merging per-key one-hot "outputs" gives the weights
         eye = jnp.eye(cfg.kv_splits, dtype=jnp.float32)
-        f, ell, lz = _merge_fast(m_s, ell_s, jnp.broadcast_to(eye, m_s.shape + eye.shape[-1:]), lz_s, cfg)
+        f, ell, stats = _merge_fast(m_s, ell_s, jnp.broadcast_to(eye, m_s.shape + eye.shape[-1:]), stats, cfg, sink)
         wk = p8 * (w * f[..., :, None])[..., None]  # (..., q, splits, steps, B)
         nb = scores.shape[-1] // cfg.block_kv
         pos = np.zeros(nb, np.int32)  # where block b sits in the flattened (splits, steps) schedule
         flat = sched.reshape(-1)
         pos[flat[flat < nb]] = np.nonzero(flat < nb)[0]
         wk = wk.reshape(wk.shape[:-3] + (-1, cfg.block_kv))[..., pos, :]
-        lz = block.row_share(lz, ell)
     else:
-        p8, w, ell, nz, lz, sc = _fast_parts(scores, counted, cfg, cast_fn)
+        p8, w, ell, stats, sc = _fast_parts(scores, counted, cfg, cast_fn, sink)
         p8 = block.dequantize(p8, sc, cfg)
         # times 1/(S ℓ), not divided by it: XLA rewrites x / broadcast(d) into x · broadcast(1/d) in
         # some programs and not in others (a sharded one), which differ in the last bit; written as
         # the multiply it is one program everywhere, with the bits of the rewritten one
         wk = p8 * w[..., None] * (1.0 / block.epilogue_divisor(ell, cfg))[..., None, None]  # (..., q, nb, B)
-        lz = block.row_share(lz, ell)
+        stats = stats._replace(zeroed=block.row_share(stats.zeroed, ell),
+                               saturated=block.row_share(stats.saturated, ell))
     weights = wk.reshape(wk.shape[:-2] + (-1,))[..., :n]
-    return WeightsResult(weights, ell, nz, jnp.sum(counted, axis=-1, dtype=jnp.int32), lz)
+    r = _result(None, ell, stats, scores, counted)
+    return WeightsResult(weights, *r[1:])
 
 
-def effective_weights(scores, config, *, q_offset: int | None = None, cast_fn=None):
+def effective_weights(scores, config, *, q_offset: int | None = None, cast_fn=None, sink_logit=None):
     """(..., q_len, N) weights W with kernel output = W · V when the accumulator is FP32.
 
     W = P8 · exp(m_b − m_final) / (S ℓ) per key (in key order, padding dropped). With V entries
@@ -403,7 +507,7 @@ def effective_weights(scores, config, *, q_offset: int | None = None, cast_fn=No
     σ_V² Σ_j (W_j − P_j)² (P the exact softmax) — Prop. 3 / Eq. (8) with the quantization noise of
     the surviving P kept, and the collapse term Σ_{j∈Z} P_j² as the special case W_j = 0.
     """
-    return weights_and_stats(scores, config, q_offset=q_offset, cast_fn=cast_fn).weights
+    return weights_and_stats(scores, config, q_offset=q_offset, cast_fn=cast_fn, sink_logit=sink_logit).weights
 
 
 def attention(
@@ -414,6 +518,7 @@ def attention(
     engine: str = "fast",
     count_mask=None,
     q_offset: int | None = None,
+    sink_logit=None,
 ) -> AttentionResult:
     """Simulate the kernel's attention for precomputed scores.
 
@@ -425,15 +530,19 @@ def attention(
       count_mask: optional (N,) bool, positions counted in ``n_zeroed``/``zeroed_mass``
         (e.g. the non-sink positions); all positions by default.
       q_offset: position of query row 0 for the causal mask (default N − q_len).
+      sink_logit: optional learned sink logit s_L (gpt-oss ``sinks``), in the units of the scores:
+        a scalar or one per head (broadcasting against ``scores.shape[:-2]``). It is a softmax column
+        with no value row, placed as ``config.sink_mode`` says.
     """
     cfg = resolve(config)
     check_choice("engine", engine, ENGINES)
     scores, v, counted = _prepare(scores, v, cfg, count_mask, q_offset)
+    sink = _sink_rows(sink_logit, scores.shape[:-1])
     # The never-promoted MMA accumulator model truncates O itself after every 32 keys, a chain through
     # every block that the fast engine's one weighted sum cannot express: both engines run the scan.
     chained = cfg.mma_acc_bits and not cfg.mma_promote_keys
     fn = _scan_engine if engine == "scan" or chained else _fast_engine
-    return _check_output(fn(scores, v, counted, cfg), v, cfg)
+    return _check_output(fn(scores, v, counted, cfg, sink), v, cfg)
 
 
 def _check_output(res: AttentionResult, v, cfg: KernelConfig) -> AttentionResult:
@@ -450,17 +559,26 @@ def _check_output(res: AttentionResult, v, cfg: KernelConfig) -> AttentionResult
                      "(the output is linear in v)")
 
 
-def reference_probs(scores, *, causal: bool = False, q_offset: int | None = None):
-    """Exact FP32 softmax of the scores (the reference's P / ℓ)."""
+def reference_probs(scores, *, causal: bool = False, q_offset: int | None = None, sink_logit=None):
+    """Exact FP32 softmax of the scores (the reference's P / ℓ).
+
+    With a learned ``sink_logit`` (as in :func:`attention`) the softmax runs over [s_L, scores] and
+    the sink's column is dropped: each row then sums to 1 − (the sink's share).
+    """
     scores = jnp.asarray(scores, jnp.float32)
     if causal:
         scores = jnp.where(block.causal_mask(*scores.shape[-2:], q_offset), scores, -jnp.inf)
-    return jax.nn.softmax(scores, axis=-1)
+    sink = _sink_rows(sink_logit, scores.shape[:-1])
+    if sink is None:
+        return jax.nn.softmax(scores, axis=-1)
+    m = jnp.maximum(jnp.max(scores, axis=-1), sink)
+    e = jnp.exp(scores - m[..., None])
+    return e / (jnp.exp(sink - m) + jnp.sum(e, axis=-1))[..., None]
 
 
-def reference_attention(scores, v, *, causal: bool = False, q_offset: int | None = None):
+def reference_attention(scores, v, *, causal: bool = False, q_offset: int | None = None, sink_logit=None):
     """FP32 softmax attention, the reference every MSE is measured against."""
-    p = reference_probs(scores, causal=causal, q_offset=q_offset)
+    p = reference_probs(scores, causal=causal, q_offset=q_offset, sink_logit=sink_logit)
     return jnp.einsum("...qn,...nd->...qd", p, jnp.asarray(v, jnp.float32), precision=jax.lax.Precision.HIGHEST)
 
 
@@ -546,8 +664,9 @@ def prepare_qkv(q, k, v, config, *, softmax_scale: float | None = None):
 
 
 def attention_qkv(q, k, v, config, *, softmax_scale=None, engine: str = "fast", count_mask=None,
-                  q_offset=None) -> AttentionResult:
+                  q_offset=None, sink_logit=None) -> AttentionResult:
     """:func:`attention` from Q, K, V (see :func:`prepare_qkv` for the FP8 Q/K/V path)."""
     cfg = resolve(config)
     scores, v_seen = prepare_qkv(q, k, v, cfg, softmax_scale=softmax_scale)
-    return attention(scores, v_seen, cfg, engine=engine, count_mask=count_mask, q_offset=q_offset)
+    return attention(scores, v_seen, cfg, engine=engine, count_mask=count_mask, q_offset=q_offset,
+                     sink_logit=sink_logit)

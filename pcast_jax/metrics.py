@@ -9,8 +9,13 @@ Every metric is a mean over the instance's query rows:
   lower variance, no V draw needed; it covers the P-cast only (not an f16 accumulator or FP8 V).
 * ``frac_zeroed`` — fraction of non-sink P values that were > 0 and cast to 0 (Table 1, Eq. (7)).
 * ``zeroed_mass`` — exact softmax probability carried by those zeroed values.
+* ``frac_saturated`` — fraction of visible P values (sinks included) whose P·S exceeded the
+  format's max and were clipped by the cast (a lagging running max, ``rescale_threshold``, or S above
+  the max; ℓ keeps the unclipped value).
+* ``saturated_mass`` — exact softmax probability carried by those saturated values.
 * ``nonsink_mass`` — exact softmax probability on non-sink keys (Table 1): of the FP32 reference the
-  config is compared with, so it depends on the config through ``causal`` only.
+  config is compared with, so it depends on the config through ``causal`` only. A learned sink
+  (``instance.sink_logit``) is a softmax column of its own: its share is not non-sink mass.
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ from pcast_jax import engine as _engine
 from pcast_jax.config import KernelConfig, resolve
 from pcast_jax.errors import PcastError
 
-__all__ = ["METRICS", "CONFIG_METRICS", "evaluate", "expected_is_exact"]
+__all__ = ["METRICS", "CONFIG_METRICS", "SATURATION_METRICS", "evaluate", "expected_is_exact"]
 
-CONFIG_METRICS = ("mse", "mse_expected", "frac_zeroed", "zeroed_mass")
+CONFIG_METRICS = ("mse", "mse_expected", "frac_zeroed", "zeroed_mass", "frac_saturated", "saturated_mass")
 METRICS = CONFIG_METRICS + ("nonsink_mass",)
+#: Metrics added after sweeps were first saved: a results folder from before holds none of them.
+SATURATION_METRICS = ("frac_saturated", "saturated_mass")
 
 
 def expected_is_exact(config: KernelConfig | str) -> bool:
@@ -61,6 +68,7 @@ def evaluate(instance, configs: tuple[KernelConfig | str, ...], *, engine: str =
     bit for bit).
     """
     scores, v, is_sink = instance.scores, instance.v, instance.is_sink
+    sink = getattr(instance, "sink_logit", None)
     if not sampled and engine != "fast":
         raise PcastError(f"sampled=False takes every metric from the fast engine's weights; engine={engine!r} "
                          "needs V (use engine='fast', or sample V)")
@@ -71,7 +79,7 @@ def evaluate(instance, configs: tuple[KernelConfig | str, ...], *, engine: str =
 
     def reference(causal: bool):
         if causal not in probs:
-            probs[causal] = _engine.reference_probs(scores, causal=causal)
+            probs[causal] = _engine.reference_probs(scores, causal=causal, sink_logit=sink)
         return probs[causal]
 
     def nonsink(causal: bool):
@@ -83,7 +91,7 @@ def evaluate(instance, configs: tuple[KernelConfig | str, ...], *, engine: str =
         p_ref = reference(cfg.causal)
         shares_product = engine == "fast" and expected_is_exact(cfg)
         if shares_product or not sampled:  # output = W·V exactly, or no V: what the weights say
-            r = _engine.weights_and_stats(scores, cfg, count_mask=count_mask)
+            r = _engine.weights_and_stats(scores, cfg, count_mask=count_mask, sink_logit=sink)
             diff = r.weights - p_ref
             if sampled:
                 shared.append((i, diff))
@@ -92,16 +100,18 @@ def evaluate(instance, configs: tuple[KernelConfig | str, ...], *, engine: str =
                 if shares_product:  # materialized, as the product with V makes it: the sums fuse alike
                     diff = jax.lax.optimization_barrier(diff)
         else:
-            r = _engine.attention(scores, v, cfg, engine=engine, count_mask=count_mask)
+            r = _engine.attention(scores, v, cfg, engine=engine, count_mask=count_mask, sink_logit=sink)
             o_ref = jnp.einsum("qn,nd->qd", p_ref, v, precision="highest")
             rows["mse"][i] = jnp.mean((r.out - o_ref) ** 2)
-            diff = _engine.effective_weights(scores, cfg) - p_ref if expected else None
+            diff = _engine.effective_weights(scores, cfg, sink_logit=sink) - p_ref if expected else None
         if expected:
             rows["mse_expected"][i] = sigma_v**2 * jnp.mean(jnp.sum(diff**2, axis=-1))
         else:
             rows["mse_expected"][i] = jnp.float32(jnp.nan)
         rows["frac_zeroed"][i] = jnp.sum(r.n_zeroed) / jnp.maximum(jnp.sum(r.n_counted), 1)
         rows["zeroed_mass"][i] = jnp.mean(r.zeroed_mass)
+        rows["frac_saturated"][i] = jnp.sum(r.n_saturated) / jnp.maximum(jnp.sum(r.n_visible), 1)
+        rows["saturated_mass"][i] = jnp.mean(r.saturated_mass)
         rows["nonsink_mass"][i] = nonsink(cfg.causal)
     if shared:
         err = jnp.einsum("cqn,nd->cqd", jnp.stack([d for _, d in shared]), v, precision="highest")

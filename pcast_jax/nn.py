@@ -162,24 +162,36 @@ def _masked(logits, bias, visible, fill):
     return logits if visible is None else jnp.where(visible, logits, fill)
 
 
-def _exact(q, k, v, bias, visible, scale, empty_rows_zero: bool):
+def _sink_rows(sinks, logits):
+    """Per-head learned sink logits ``(N,)`` as the engine takes them: one per (batch, head), ``(B, N)``."""
+    return None if sinks is None else jnp.broadcast_to(sinks, logits.shape[:2])
+
+
+def _exact(q, k, v, bias, visible, scale, empty_rows_zero: bool, sinks=None):
     """Exact FP32 attention (B, N, T, H): the reference, and the straight-through backward.
 
     As ``jax.nn.dot_product_attention`` computes it: hidden logits get jax.nn's large negative value,
     so a row with nothing visible averages V. ``empty_rows_zero``: such rows give 0 instead (what a
     kernel gives, so the straight-through gradient is that of the function the forward computes).
+    With learned ``sinks`` the softmax runs over [sink, logits] and drops the sink's column (a row
+    with nothing visible then gives 0, its whole mass on the sink).
     """
     logits, vv = kernel_inputs(q, k, v, None, scale)
-    probs = jax.nn.softmax(_masked(logits, bias, visible, _MASKED), axis=-1)
+    logits = _masked(logits, bias, visible, _MASKED)
+    if sinks is None:
+        probs = jax.nn.softmax(logits, axis=-1)
+    else:
+        probs = engine.reference_probs(logits, sink_logit=_sink_rows(sinks, logits))
     if empty_rows_zero and visible is not None:
         probs = probs * jnp.any(visible, axis=-1, keepdims=True)
     return jnp.einsum("bnts,bnsh->bnth", probs, vv, precision="highest")
 
 
-def _simulated(q, k, v, bias, visible, cfg: KernelConfig, scale, engine_name: str):
+def _simulated(q, k, v, bias, visible, cfg: KernelConfig, scale, engine_name: str, sinks=None):
     logits, vv = kernel_inputs(q, k, v, cfg, scale)
     logits = _masked(logits, bias, visible, -jnp.inf)
-    return engine.attention(logits, vv, cfg.replace(causal=False), engine=engine_name).out
+    return engine.attention(logits, vv, cfg.replace(causal=False), engine=engine_name,
+                            sink_logit=_sink_rows(sinks, logits)).out
 
 
 def _soft_gate_cast(scale: float, threshold: float, temperature: float):
@@ -224,38 +236,40 @@ def _soft_block_gate_cast(scale: float, bf, temperature: float):
     return cast_fn
 
 
-def _smooth(q, k, v, bias, visible, cfg: KernelConfig, scale, temperature: float):
+def _smooth(q, k, v, bias, visible, cfg: KernelConfig, scale, temperature: float, sinks=None):
     """The smooth surrogate's output (B, N, T, H): effective weights with the gated cast, times V."""
     logits, vv = kernel_inputs(q, k, v, None, scale)  # Q/K/V casts straight-through
     logits = _masked(logits, bias, visible, -jnp.inf)
     bf = cfg.block_format
     if bf is not None:
-        gate = _soft_block_gate_cast(cfg.scale, bf, temperature)
+        gate = _soft_block_gate_cast(cfg.effective_scale, bf, temperature)
     else:
-        gate = _soft_gate_cast(cfg.scale, cfg.fmt.round_to_zero, temperature)
-    static = cfg.replace(scale=1.0, scale_mode="multiply", causal=False, qkv="f32", accumulator="f32")
-    w = engine.effective_weights(logits, static, cast_fn=gate)
+        gate = _soft_gate_cast(cfg.effective_scale, cfg.fmt.round_to_zero, temperature)
+    static = cfg.replace(scale=1.0, scale_mode="multiply", causal=False, qkv="f32", accumulator="f32",
+                         rescale_compensation="none")
+    w = engine.effective_weights(logits, static, cast_fn=gate, sink_logit=_sink_rows(sinks, logits))
     return jnp.einsum("bnts,bnsh->bnth", w, vv, precision="highest")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _attend(q, k, v, bias, scale, visible, cfg, engine_name, gradient, temperature):
-    return _simulated(q, k, v, bias, visible, cfg, scale, engine_name)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _attend(q, k, v, bias, scale, sinks, visible, cfg, engine_name, gradient, temperature):
+    return _simulated(q, k, v, bias, visible, cfg, scale, engine_name, sinks)
 
 
-def _attend_fwd(q, k, v, bias, scale, visible, cfg, engine_name, gradient, temperature):
-    return _simulated(q, k, v, bias, visible, cfg, scale, engine_name), (q, k, v, bias, scale, visible)
+def _attend_fwd(q, k, v, bias, scale, sinks, visible, cfg, engine_name, gradient, temperature):
+    out = _simulated(q, k, v, bias, visible, cfg, scale, engine_name, sinks)
+    return out, (q, k, v, bias, scale, sinks, visible)
 
 
 def _attend_bwd(cfg, engine_name, gradient, temperature, res, g):
-    q, k, v, bias, scale, visible = res
+    q, k, v, bias, scale, sinks, visible = res
     if gradient == "ste":
-        def surrogate(q, k, v, bias, scale):
-            return _exact(q, k, v, bias, visible, scale, True)
+        def surrogate(q, k, v, bias, scale, sinks):
+            return _exact(q, k, v, bias, visible, scale, True, sinks)
     else:
-        def surrogate(q, k, v, bias, scale):
-            return _smooth(q, k, v, bias, visible, cfg, scale, temperature)
-    _, vjp = jax.vjp(surrogate, q, k, v, bias, scale)
+        def surrogate(q, k, v, bias, scale, sinks):
+            return _smooth(q, k, v, bias, visible, cfg, scale, temperature, sinks)
+    _, vjp = jax.vjp(surrogate, q, k, v, bias, scale, sinks)
     return (*vjp(g), None)  # the visibility mask is not differentiable
 
 
@@ -311,10 +325,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
                           local_window_size: int | tuple[int, int] | None = None,
                           implementation: str | None = None, return_residual: bool = False,
                           config: str | KernelConfig | None = None, gradient: str = "ste",
-                          smooth_temperature: float = 0.2, causal_alignment: str = "top_left"):
+                          smooth_temperature: float = 0.2, causal_alignment: str = "top_left", sinks=None):
     """Scaled dot-product attention as an FP8 kernel computes it (module docstring for details).
 
-    Every argument of ``jax.nn.dot_product_attention`` means what it means there; the last four
+    Every argument of ``jax.nn.dot_product_attention`` means what it means there; the last five
     are this package's.
 
     Args:
@@ -339,6 +353,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
       causal_alignment: ``"top_left"`` (query ``i`` sees keys ``≤ i``: jax.nn's mask) or
         ``"bottom_right"`` (keys ``≤ S − T + i``: FlashAttention's and the simulated kernels'
         alignment, what a decode step against a KV cache wants). The two agree when ``T == S``.
+      sinks: optional learned attention sinks (gpt-oss ``sinks``), ``(N,)``: one logit per query head,
+        in the units of the scaled logits, a softmax column with no value row. The exact path
+        (``config=None``) drops its column after the softmax; a config places it as its
+        ``sink_mode`` says (epilogue, initial running max, every block max). Differentiable.
 
     Returns:
       The attention output, shaped and typed like ``query`` (and the residual with
@@ -381,6 +399,14 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     q_lens = _lengths("query_seq_lengths", query_seq_lengths, b)
     kv_lens = _lengths("key_value_seq_lengths", key_value_seq_lengths, b)
     window = _window(local_window_size)
+    if sinks is not None:
+        sinks = jnp.asarray(sinks)
+        if sinks.shape != (n,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+            raise PcastError(f"sinks must be a floating-point array of shape (N,) = ({n},): one learned sink logit "
+                             f"per query head; got {sinks.dtype} {sinks.shape}")
+        sinks = sinks.astype(jnp.float32)
+        if not isinstance(sinks, jax.core.Tracer) and not bool(jnp.all(jnp.isfinite(sinks))):
+            raise PcastError("sinks contains NaN or inf: learned sink logits must be finite")
 
     if impl in _KERNELS:
         if return_residual:
@@ -396,17 +422,17 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
             raise PcastError(f"implementation={impl!r} with is_causal=True and T={t} != S={s}: the kernels "
                              "align the causal mask bottom-right; pass causal_alignment='bottom_right' "
                              "(or use implementation='xla' or 'scan')")
-        out = _kernel(q, k, v, cfg, scale, impl)
+        out = _kernel(q, k, v, cfg, scale, impl, sinks)
         out = jnp.swapaxes(out, 1, 2).astype(query.dtype)
         return out[0] if unbatched else out
 
     visible = _visibility(shape, mask4, causal, causal_alignment, q_lens, kv_lens, window)
     if cfg is None:
-        out = _exact(q, k, v, bias4, visible, scale, False)
+        out = _exact(q, k, v, bias4, visible, scale, False, sinks)
         if q_lens is not None:  # jax.nn zeroes the padded query rows
             out = out * (jnp.arange(t)[None, None, :, None] < q_lens[:, None, None, None])
     else:
-        out = _attend(q, k, v, jnp.zeros((), jnp.float32) if bias4 is None else bias4, scale, visible, cfg,
+        out = _attend(q, k, v, jnp.zeros((), jnp.float32) if bias4 is None else bias4, scale, sinks, visible, cfg,
                       "fast" if impl == "xla" else "scan", gradient, temperature)
     out = jnp.swapaxes(out, 1, 2).astype(query.dtype)
     out = out[0] if unbatched else out
@@ -414,11 +440,13 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
         return out
     logits, _ = kernel_inputs(q, k, v, cfg, scale)
     lse = jax.nn.logsumexp(_masked(logits, bias4, visible, _MASKED if cfg is None else -jnp.inf), axis=-1)
+    if sinks is not None:  # the sink's column is part of the normaliser
+        lse = jnp.logaddexp(lse, _sink_rows(sinks, logits)[..., None])
     lse = jax.lax.stop_gradient(jnp.swapaxes(lse, 1, 2)).astype(query.dtype)  # (B, T, N)
     return out, (lse[0] if unbatched else lse)
 
 
-def _kernel(q, k, v, cfg: KernelConfig, scale, backend: str):
+def _kernel(q, k, v, cfg: KernelConfig, scale, backend: str, sinks=None):
     """A Pallas FP8 kernel on per-tensor E4M3 Q/K/V (interpret mode without a GPU)."""
     import pallas_kernels as pk
 
@@ -431,7 +459,7 @@ def _kernel(q, k, v, cfg: KernelConfig, scale, backend: str):
     q8, k8, v8, descales = pk.quantize_qkv(q, k, v)
     interpret = jax.default_backend() != "gpu"
     return pk.fp8_attention(q8, k8, v8, config=cfg, backend=backend, softmax_scale=float(scale),
-                            interpret=interpret, **descales)
+                            interpret=interpret, sinks=sinks, **descales)
 
 
 _FLAX_KWARGS = {"broadcast_dropout", "dropout_rng", "dropout_rate", "deterministic", "dtype", "precision",

@@ -16,9 +16,9 @@ import numpy as np
 
 from pcast_jax.errors import check_choice
 
-__all__ = ["OVERFLOW_MODES", "SCALE_MIN", "SCALE_MAX", "FP8Format", "BlockFormat", "E4M3", "E5M2", "E2M1", "E8M0",
-           "UE4M3", "FORMATS", "SCALE_FORMATS", "MXFP8", "MXFP4", "NVFP4", "BLOCK_FORMATS", "P_FORMATS", "get_format",
-           "get_block_format"]
+__all__ = ["OVERFLOW_MODES", "SCALE_MIN", "SCALE_MAX", "FP8Format", "BlockFormat", "E4M3", "E4M3FNUZ", "E5M2",
+           "E2M1", "E8M0", "UE4M3", "FORMATS", "SCALE_FORMATS", "MXFP8", "MXFP4", "NVFP4", "BLOCK_FORMATS",
+           "P_FORMATS", "get_format", "get_block_format"]
 
 OVERFLOW_MODES = ("satfinite", "nan")
 #: Bounds on a static P scale S: S, 1/S and S·ℓ (ℓ ≤ N < 2^27) stay finite, nonzero float32 numbers.
@@ -87,13 +87,16 @@ class FP8Format:
 
 
 E4M3 = FP8Format("e4m3", np.dtype(ml_dtypes.float8_e4m3fn))
+#: E4M3FNUZ (AMD MI300 / ROCm's FP8, what vLLM's ``current_platform.fp8_dtype()`` gives there): exponent
+#: bias 8, no −0 or inf, max 240, smallest subnormal 2^-10, so values at or below 2^-11 round to zero.
+E4M3FNUZ = FP8Format("e4m3fnuz", np.dtype(ml_dtypes.float8_e4m3fnuz))
 E5M2 = FP8Format("e5m2", np.dtype(ml_dtypes.float8_e5m2))
 E2M1 = FP8Format("e2m1", np.dtype(ml_dtypes.float4_e2m1fn))
 #: Scale formats: E8M0 (MX) and UE4M3 (NVFP4: the E4M3 codes with the sign bit clear).
 E8M0 = FP8Format("e8m0", np.dtype(ml_dtypes.float8_e8m0fnu))
 UE4M3 = FP8Format("ue4m3", np.dtype(ml_dtypes.float8_e4m3fn))
-FORMATS = {"e4m3": E4M3, "e4m3fn": E4M3, "float8_e4m3fn": E4M3, "e5m2": E5M2, "float8_e5m2": E5M2,
-           "e2m1": E2M1, "float4_e2m1fn": E2M1}
+FORMATS = {"e4m3": E4M3, "e4m3fn": E4M3, "float8_e4m3fn": E4M3, "e4m3fnuz": E4M3FNUZ, "float8_e4m3fnuz": E4M3FNUZ,
+           "e5m2": E5M2, "float8_e5m2": E5M2, "e2m1": E2M1, "float4_e2m1fn": E2M1}
 SCALE_FORMATS = {"e8m0": E8M0, "float8_e8m0fnu": E8M0, "ue4m3": UE4M3}
 
 

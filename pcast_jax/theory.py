@@ -69,6 +69,10 @@ __all__ = [
     "block_collapse_fraction",
     "block_step",
     "block_dp",
+    "learned_sink_collapse_fraction",
+    "learned_sink_critical_delta",
+    "max_scaled_p",
+    "saturation_free_scale",
 ]
 
 LN2 = math.log(2.0)
@@ -822,3 +826,87 @@ def block_dp(fmt="nvfp4"):
     if bf.is_mx:
         return 2.0**-mant
     return 2.0 ** (bf.element.emax - mant) / emax_val * (1.0 + 2.0 ** -(formats.E4M3.mantissa_bits + 1))
+
+
+# --------------------------------------------------------------------------------------------
+# Beyond the paper: a learned sink as the initial running max, and the lazy rescale (τ).
+# --------------------------------------------------------------------------------------------
+def learned_sink_collapse_fraction(delta_l, scale, *, sigma=1.0, n_segments=1, fmt="e4m3"):
+    """Fraction of non-sink P zeroed when a learned sink logit is the initial running max.
+
+    Derivation (our own, the paper's model of §3.1 with a learned sink instead of sink tokens): a
+    kernel that starts its online softmax at m = s_L (sink_mode ``"init_max"``: vLLM's Triton
+    attention, cuDNN) keeps m = s_L for every block while s_L exceeds the token scores, in *either*
+    KV order, so every non-sink P = exp(s − Δ_L) with Δ_L = s_L above the non-sink mean. Prop. 1 then
+    gives P·S ≤ 2^-10 ⇔ s ≤ Δ_L − 10 ln 2 − ln S, and for s ~ N(0, σ²)
+
+        F_L(Δ_L, S) = Φ((Δ_L − 10 ln 2 − ln S) / σ),
+
+    Eq. (7) with no δk shift (one deterministic logit, not the max of k sink tokens) and no dependence
+    on the order: reverse iteration is no longer a fix. In split-KV mode only segment 0 starts from
+    s_L (the merge adds the sink once); the other segments run from their own token maxima and lose
+    almost nothing, so F ≈ F_L / n_segments. An ``"epilogue"`` kernel never puts s_L in its running
+    max: the learned sink zeroes nothing there. ``scale`` is the S the cast applies (cuDNN: scale_s·2^-τ).
+    Smooth in Δ_L, S and σ.
+    """
+    check_values("delta_l", delta_l, float32=True)
+    check_values("scale", scale, lo=0.0, strict=True, float32=True)
+    check_values("sigma", sigma, lo=0.0, strict=True, float32=True, max_abs=_SIGMA_MAX)
+    check_values("n_segments", n_segments, lo=1.0, float32=True)
+    return _learned_core(*_arrays(delta_l, scale, sigma, n_segments), cast_log=_cast_threshold_log(fmt))
+
+
+@functools.partial(jax.jit, static_argnames=("cast_log",))
+def _learned_core(delta_l, scale, sigma, n_segments, *, cast_log):
+    return _prob(norm.cdf((delta_l - cast_log - jnp.log(scale)) / sigma) / n_segments)
+
+
+def learned_sink_critical_delta(scale, *, fmt="e4m3"):
+    """Δ_L,c = 10 ln 2 + ln S: the learned-sink logit at which half the non-sink P is zeroed under the
+    initial-max placement (:func:`learned_sink_collapse_fraction` = 1/2, for every σ). 6.93 at S = 1,
+    12.48 at S = 256; with cuDNN's S = scale_s·2^-4 and scale_s = 1, 4.16."""
+    check_values("scale", scale, lo=0.0, strict=True, float32=True)
+    return _cast_threshold_log(fmt) + jnp.log(jnp.asarray(scale, _float_dtype()))
+
+
+def _rescale_gap(rescale_threshold, unit: str):
+    from pcast_jax.errors import check_choice
+
+    check_choice("unit", unit, ("log2", "natural"))
+    check_values("rescale_threshold", rescale_threshold, lo=0.0, float32=True)
+    tau = jnp.asarray(rescale_threshold, _float_dtype())
+    return tau * (LN2 if unit == "log2" else 1.0), tau
+
+
+def max_scaled_p(scale, rescale_threshold, *, unit="log2", compensation="none"):
+    """The largest P·S a lazy rescale lets the cast see: S_eff · e^gap.
+
+    With a threshold τ the running max lags the true one by at most gap = τ·ln 2 (``unit="log2"``, FA4,
+    FlashInfer) or τ (``"natural"``, cuDNN), so P = exp(s − m) ≤ e^gap, and P·S ≤ S_eff·e^gap with
+    S_eff = S (``compensation="none"``) or S·2^-τ (``"pow2"``, cuDNN). Past the format's max the cast
+    saturates while ℓ keeps the unclipped P: FA4 with τ = 4, S = 256 reaches 4096; cuDNN with τ = 4 nats
+    reaches (e/2)^4·scale_s ≈ 3.41·scale_s.
+    """
+    from pcast_jax.errors import check_choice
+
+    check_values("scale", scale, lo=0.0, strict=True, float32=True)
+    check_choice("compensation", compensation, ("none", "pow2"))
+    gap, tau = _rescale_gap(rescale_threshold, unit)
+    s_eff = jnp.asarray(scale, _float_dtype()) * (jnp.exp2(-tau) if compensation == "pow2" else 1.0)
+    return s_eff * jnp.exp(gap)
+
+
+def saturation_free_scale(rescale_threshold, *, unit="log2", compensation="none", fmt="e4m3"):
+    """The largest power-of-two S whose :func:`max_scaled_p` stays within the format's max.
+
+    S = 2^⌊log2(max / e^gap · (2^τ with the ``"pow2"`` compensation))⌋: FlashInfer's rule
+    2^⌊log2 448 − τ⌋ for log2 units (τ = 8 → 1, τ = 4 → 16, τ = 0.75 → 256) and for cuDNN's τ = 4 nats
+    a scale_s of 128. A power of two keeps the scaling bit-exact (Prop. 5); the largest one also keeps
+    the collapse threshold 10 ln 2 + ln S as high as saturation allows.
+    """
+    from pcast_jax.errors import check_choice
+
+    check_choice("compensation", compensation, ("none", "pow2"))
+    gap, tau = _rescale_gap(rescale_threshold, unit)
+    room = math.log2(formats.get_format(fmt).max) - gap / LN2 + (tau if compensation == "pow2" else 0.0)
+    return jnp.exp2(jnp.floor(room))

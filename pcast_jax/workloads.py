@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import random as jax_random
 
-from pcast_jax.errors import PcastError, check_int, check_positive
+from pcast_jax.errors import PcastError, check_finite, check_int, check_positive
 
 __all__ = ["SinkWorkload", "Instance", "make_instance", "sink_mask", "threefry_unrolled", "SIGMA_MAX",
            "SIGMA_V_MAX", "DELTA_MAX"]
@@ -51,6 +51,11 @@ class SinkWorkload:
       sink_positions: explicit sink key positions for multi-sink patterns; default the first k_sink.
       sigma: non-sink score standard deviation σ.
       sigma_v: standard deviation of V entries.
+      sink_logit: a learned sink (gpt-oss ``sinks``: one logit per head, a softmax column with no
+        value row) beside or instead of the token sinks: None (none), a number Δ_L (the sink's logit
+        above the non-sink mean, which is 0, so in the units of Δ), or ``"delta"``: Δ_L is the Δ the
+        instance is drawn at (sweep Δ_L with ``k_sink=0``). Where the kernel puts it is
+        ``KernelConfig.sink_mode``.
     """
 
     n: int = 4096
@@ -60,6 +65,7 @@ class SinkWorkload:
     sink_positions: tuple[int, ...] | None = None
     sigma: float = 1.0
     sigma_v: float = 1.0
+    sink_logit: float | str | None = None
 
     def __post_init__(self):
         for name in ("n", "q_len", "d"):  # NumPy integers become ints (JSON-able, hashable alike)
@@ -69,6 +75,10 @@ class SinkWorkload:
         for name in ("sigma", "sigma_v"):
             if isinstance(getattr(self, name), np.generic):
                 object.__setattr__(self, name, float(getattr(self, name)))
+        if isinstance(self.sink_logit, str) and self.sink_logit != "delta":
+            raise PcastError(f"sink_logit={self.sink_logit!r} must be None, a number or 'delta'")
+        if self.sink_logit is not None and self.sink_logit != "delta":
+            object.__setattr__(self, "sink_logit", check_finite("sink_logit", self.sink_logit, float32=True))
         if self.sink_positions is None:
             object.__setattr__(self, "k_sink", check_int("k_sink", self.k_sink, min_value=0, max_value=self.n))
         else:
@@ -96,11 +106,13 @@ def sink_mask(workload: SinkWorkload) -> np.ndarray:
 
 
 class Instance(NamedTuple):
-    """One attention instance: scores (q_len, N), V (N, d) (None when not drawn), and which keys are sinks (N,)."""
+    """One attention instance: scores (q_len, N), V (N, d) (None when not drawn), which keys are sinks
+    (N,), and the learned sink logit (a scalar, or None without one)."""
 
     scores: jax.Array
     v: jax.Array
     is_sink: jax.Array
+    sink_logit: jax.Array | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,4 +192,6 @@ def make_instance(key, workload: SinkWorkload, delta, *, draw_v: bool = True) ->
     is_sink = jnp.asarray(sink_mask(w))
     scores = scores + jnp.where(is_sink, jnp.asarray(delta, jnp.float32), 0.0)
     v = w.sigma_v * jax.random.normal(kv, (w.n, w.d), jnp.float32) if draw_v else None
-    return Instance(scores, v, is_sink)
+    sink = None if w.sink_logit is None else jnp.asarray(delta if w.sink_logit == "delta" else w.sink_logit,
+                                                           jnp.float32)
+    return Instance(scores, v, is_sink, sink)

@@ -62,7 +62,9 @@ def _line(exponent_bits: int, mantissa_bits: int, bias: int, *, fn: bool, finite
 E4M3 = _line(4, 3, 7, fn=True)  # max 448 = 1.75 · 2^8, smallest subnormal 2^-9
 E5M2 = _line(5, 2, 15, fn=False)  # max 57344
 E2M1 = _line(2, 1, 1, fn=True, finite=True)  # 0, 0.5, 1, 1.5, 2, 3, 4, 6
-LINES = {"e4m3": E4M3, "e5m2": E5M2, "e2m1": E2M1}
+#: E4M3FNUZ (ROCm): bias 8, every code but the negative-zero pattern (NaN) is a number: max 240.
+E4M3FNUZ = dataclasses.replace(_line(4, 3, 8, fn=True, finite=True), special=np.nan)
+LINES = {"e4m3": E4M3, "e4m3fnuz": E4M3FNUZ, "e5m2": E5M2, "e2m1": E2M1}
 #: Block-scaled P formats: (element line, keys per scale, scale kind). MX: OCP Microscaling v1.0
 #: (E8M0 power of two); NVFP4: UE4M3 scale of block amax / 6 (NVIDIA Model Optimizer).
 BLOCKED = {"mxfp8": (E4M3, 32, "e8m0"), "mxfp4": (E2M1, 32, "e8m0"), "nvfp4": (E2M1, 16, "ue4m3")}
@@ -150,12 +152,16 @@ class OracleResult:
     zeroed_mass: np.ndarray  # (q,)
     out_slack: np.ndarray  # (q, d): largest |Δout| near-ties can explain
     zeroed_slack: np.ndarray  # (q,): how many zeroed decisions sit at the boundary
+    n_saturated: np.ndarray | None = None  # (q,): visible P·S above the element max (element formats)
+    saturated_mass: np.ndarray | None = None  # (q,): their exact probability
 
 
 def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", block_kv=64,
               p_format="e4m3", overflow="satfinite", accumulator="f32", causal=False,
               count_mask=None, kv_splits=1, split_layout="contiguous", f16_round_keys=0,
-              v_channel_max=0.0, mma_acc_bits=0, mma_promote_keys=0, visible=None) -> OracleResult:
+              v_channel_max=0.0, mma_acc_bits=0, mma_promote_keys=0, visible=None, sink_logit=None,
+              sink_mode="epilogue", rescale_threshold=0.0, rescale_unit="log2",
+              rescale_compensation="none") -> OracleResult:
     """Algorithm 1 for every query row of ``scores`` (q, N) against ``v`` (N, d), in float64.
 
     ``scale_mode``: ``"multiply"`` casts P·S and divides by S·ℓ (ℓ of unscaled P);
@@ -180,7 +186,18 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
     toward zero (:func:`truncate`). ``mma_promote_keys`` = 0: that running sum is O itself, across
     blocks (it starts each block as α·O); k > 0: every k keys a fresh running sum starts at 0 and
     its final value is added to O exactly.
+
+    Learned sink ``sink_logit`` s_L (a number; the reference is softmax over [s_L, scores] without the
+    sink's column): ``"epilogue"`` adds exp(s_L − m) (×S in the exponent mode) to the merged ℓ once;
+    ``"init_max"`` starts split 0 at m = s_L, ℓ = 1 (×S); ``"block_max"`` raises every block's max to
+    s_L (blocks with a visible key) and adds the sink to ℓ once, like ``"epilogue"``.
+    Lazy rescale: with ``rescale_threshold`` τ > 0 the running max moves only when a block's max exceeds
+    it by more than τ (times ln 2 for ``rescale_unit="log2"``); ``rescale_compensation="pow2"`` makes
+    the scale S·2^-τ. P·S above the element max saturates (counted for element formats).
     """
+    if rescale_compensation == "pow2":
+        scale = scale * 2.0**-rescale_threshold
+    gap = rescale_threshold * (np.log(2.0) if rescale_unit == "log2" else 1.0)
     line = BLOCKED[p_format][0] if p_format in BLOCKED else LINES[p_format]
     s = np.asarray(scores, np.float64)
     v = np.asarray(v, np.float64)
@@ -212,8 +229,10 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
         members = [list(range(i, n_blocks, kv_splits)) for i in range(kv_splits)]
     group = f16_round_keys or block_kv
     mma = (mma_acc_bits, mma_promote_keys)
+    sink = (sink_logit, sink_mode, gap)
     runs = [_one_split(s, v, counted, blks[::-1] if order == "reverse" else blks, line, block_kv, group,
-                       scale, scale_mode, overflow, accumulator, p_format, mma) for blks in members]
+                       scale, scale_mode, overflow, accumulator, p_format, mma, sink=sink, first=i == 0)
+            for i, blks in enumerate(members)]
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         m_all = np.max([r[0] for r in runs], axis=0)
         m_ok = np.where(m_all == -np.inf, 0.0, m_all)
@@ -221,14 +240,18 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
         out_slack = np.zeros((q, d))
         ell = np.zeros(q)
         lz = np.zeros(q)
+        ls = np.zeros(q)
         wsum = []
-        for m, ell_s, o, _nz, lz_s, slack, _zs in runs:
+        for m, ell_s, o, _nz, lz_s, slack, _zs, _ns, ls_s in runs:
             w = np.where(ell_s > 0, np.exp(m - m_ok) * ell_s, 0.0)
             div = scale * ell_s if scale_mode == "multiply" else ell_s
             div = np.where(div > 0, div, 1.0)
             wsum.append((w, o / div[:, None], slack / div[:, None]))
             ell += np.where(ell_s > 0, np.exp(m - m_ok), 0.0) * ell_s
             lz += np.where(ell_s > 0, np.exp(m - m_ok), 0.0) * lz_s
+            ls += np.where(ell_s > 0, np.exp(m - m_ok), 0.0) * ls_s
+        if sink_logit is not None and sink_mode != "init_max":  # the sink's column, once, at the merged max
+            ell += np.exp(sink_logit - m_ok) * (scale if scale_mode == "exponent" else 1.0)
         share = np.where(ell > 0, ell, 1.0)  # a row with nothing visible: every w is 0, the output 0
         for w, o_s, sl in wsum:
             out += (w / share)[:, None] * o_s
@@ -237,16 +260,24 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
         zslack = sum(r[6] for r in runs)
         if len(runs) > 1:  # the merge's own FP32 rounding, a few ulps of the output
             out_slack = out_slack + 4 * 2.0**-24 * np.abs(out)
-        return OracleResult(out * colscale, ell, nz, lz / share, out_slack * colscale, zslack)
+        ns = sum(r[7] for r in runs)
+        return OracleResult(out * colscale, ell, nz, lz / share, out_slack * colscale, zslack, ns, ls / share)
 
 
 def _one_split(s, v, counted, blocks, line, block_kv, group, scale, scale_mode, overflow, accumulator, p_format,
-               mma=(0, 0)):
-    """Algorithm 1 over ``blocks`` (in visiting order): (m, ℓ, O, zeroed, zeroed mass, slack, zeroed slack)."""
+               mma=(0, 0), sink=(None, "epilogue", 0.0), first=True):
+    """Algorithm 1 over ``blocks`` (in visiting order): (m, ℓ, O, zeroed, zeroed mass, slack, zeroed slack,
+    saturated, saturated mass)."""
     q = s.shape[0]
     d = v.shape[1]
+    sink_logit, sink_mode, gap = sink
     m = np.full(q, -np.inf)
     ell = np.zeros(q)
+    if sink_logit is not None and sink_mode == "init_max" and first:
+        m = np.full(q, float(sink_logit))
+        ell = np.full(q, scale if scale_mode == "exponent" else 1.0)
+    ns = np.zeros(q, np.int64)
+    ls = np.zeros(q)
     o = np.zeros((q, d))
     nz = np.zeros(q, np.int64)
     lz = np.zeros(q)
@@ -257,7 +288,12 @@ def _one_split(s, v, counted, blocks, line, block_kv, group, scale, scale_mode, 
         for j in blocks:
             cols = slice(j * block_kv, (j + 1) * block_kv)
             z, vj = s[:, cols], v[cols]
-            m_new = np.maximum(m, z.max(axis=1))
+            bmax = z.max(axis=1)
+            if sink_logit is not None and sink_mode == "block_max":
+                bmax = np.where(bmax > -np.inf, np.maximum(bmax, sink_logit), bmax)
+            m_new = np.maximum(m, bmax)
+            if gap:  # lazy rescale: keep the old max unless the block's exceeds it by more than τ
+                m_new = np.where(bmax - m > gap, m_new, m)
             m_safe = np.where(m_new == -np.inf, 0.0, m_new)
             a = np.exp(m - m_safe)
             p = np.exp(z - m_safe[:, None])
@@ -313,8 +349,11 @@ def _one_split(s, v, counted, blocks, line, block_kv, group, scale, scale_mode, 
             zero = counted[:, cols] & (ps > 0) & (p8 == 0)
             nz += zero.sum(axis=1)
             lz = a * lz + np.where(zero, p, 0.0).sum(axis=1)
+            sat = (z > -np.inf) & (ps > line.max) & (p_format not in BLOCKED)
+            ns += sat.sum(axis=1)
+            ls = a * ls + np.where(sat, p, 0.0).sum(axis=1)
             zslack += (counted[:, cols] & (ps > 0) & near_zero).sum(axis=1)
-    return m, ell, o, nz, lz, slack, zslack
+    return m, ell, o, nz, lz, slack, zslack, ns, ls
 
 
 
@@ -361,7 +400,11 @@ def config_kwargs(cfg) -> dict:
             "p_format": cfg.p_format, "overflow": cfg.overflow, "accumulator": cfg.accumulator,
             "causal": cfg.causal, "kv_splits": cfg.kv_splits, "split_layout": cfg.split_layout,
             "f16_round_keys": cfg.f16_round_keys, "v_channel_max": cfg.v_channel_max,
-            "mma_acc_bits": cfg.mma_acc_bits, "mma_promote_keys": cfg.mma_promote_keys}
+            "mma_acc_bits": cfg.mma_acc_bits, "mma_promote_keys": cfg.mma_promote_keys,
+            "sink_mode": getattr(cfg, "sink_mode", "epilogue"),
+            "rescale_threshold": getattr(cfg, "rescale_threshold", 0.0),
+            "rescale_unit": getattr(cfg, "rescale_unit", "log2"),
+            "rescale_compensation": getattr(cfg, "rescale_compensation", "none")}
 
 
 def sink_scores(rng: np.random.Generator, *, q: int, n: int, d: int, delta: float, k_sink: int = 4):
@@ -377,5 +420,5 @@ def sink_scores(rng: np.random.Generator, *, q: int, n: int, d: int, delta: floa
     return s.astype(np.float32), v.astype(np.float32), mask
 
 
-__all__ = ["E2M1", "E4M3", "E5M2", "BLOCKED", "MMA_K", "block_cast", "Fp8Line", "OracleResult", "attention",
+__all__ = ["E2M1", "E4M3", "E4M3FNUZ", "E5M2", "BLOCKED", "MMA_K", "block_cast", "Fp8Line", "OracleResult", "attention",
            "config_kwargs", "round_fp8", "sink_scores", "truncate"]

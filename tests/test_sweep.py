@@ -343,3 +343,20 @@ def test_cli_presets(capsys):
     for name, cfg in PRESETS.items():
         line = next(ln for ln in text.splitlines() if ln.split()[1:2] == [name])
         assert cfg.order in line and str(cfg.block_kv) in line and cfg.describe() in line
+
+
+def test_micro_batch_is_picked_for_the_device_and_a_saved_spec_keeps_its_own():
+    """1 on CPU (the fingerprints of CPU sweeps do not change); on an accelerator the largest power of two
+    whose instances take 1/8 of its memory, capped by the seeds; a spec read back never re-picks."""
+    from pcast_jax.sweep.spec import auto_micro_batch
+
+    spec = SweepSpec(seeds=20)
+    assert spec.micro_batch == 1 and "micro_batch" not in spec.to_dict()
+    assert auto_micro_batch(spec, backend="gpu", memory_bytes=140 << 30) == 32  # 20 seeds → 32
+    assert auto_micro_batch(SweepSpec(seeds=1000), backend="gpu", memory_bytes=140 << 30) == 256
+    huge = SweepSpec(seeds=1000, ns=(1 << 20,))
+    assert auto_micro_batch(huge, backend="gpu", memory_bytes=16 << 30) == 1  # one 1M-key instance is big
+    per = estimate_instance_bytes(huge, 1 << 20)
+    m = auto_micro_batch(huge, backend="tpu", memory_bytes=per * 64)
+    assert m == 8 and m * per <= 64 * per / 8
+    assert SweepSpec.from_dict(spec.to_dict()).micro_batch == 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pcast_jax.config import BLOCK_SCALED_PRESETS, KERNEL_PRESETS, PAPER_CONFIGS
+from pcast_jax.presets import FAMILIES, PRESETS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -13,11 +13,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def rows() -> list[tuple[str, ...]]:
-    """(group, name, order, S, scale mode, block_kv, power of two, accumulator, description)."""
+    """(family, name, order, S, scale mode, block_kv, power of two, accumulator, description), one row per
+    preset, grouped by kernel family (the module of :mod:`pcast_jax.presets` that holds it)."""
     out = []
-    groups = (("paper", PAPER_CONFIGS), ("kernel", KERNEL_PRESETS), ("block-scaled", BLOCK_SCALED_PRESETS))
-    for group, presets in groups:
-        for name, cfg in presets.items():
+    for group, names in FAMILIES.items():
+        for name in names:
+            cfg = PRESETS[name]
             dynamic = cfg.scale_mode == "dynamic"
             out.append((
                 group,
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         for line in show(args.show.strip()):
             print(line)
         return 0
-    head = ("group", "name", "order", "S", "scale mode", "block_kv", "pow2 S", "PV acc", "description")
+    head = ("family", "name", "order", "S", "scale mode", "block_kv", "pow2 S", "PV acc", "description")
     table = rows()
     widths = [max(len(r[i]) for r in (head, *table)) for i in range(len(head))]
     for r in (head, *table):

@@ -54,10 +54,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="explicit sink positions, e.g. 0,1,2,3,2048 (overrides --k-sink)")
     parser.add_argument("--sigma", default="1", help="standard deviation σ of the non-sink scores (default 1)")
     parser.add_argument("--sigma-v", default="1", help="standard deviation of the V entries (default 1)")
+    parser.add_argument("--sink-logit", default=None,
+                        help="a learned sink (one logit, no value row) above the non-sink mean: a number, or 'delta' "
+                             "to sweep it as Δ (with --k-sink 0); placed as each config's sink_mode says")
     parser.add_argument("--engine", default="fast", help="simulator engine: fast or scan (default fast)")
-    parser.add_argument("--micro-batch", default="1",
-                        help="seeds per vmapped step of the compiled chunk (default 1: one seed at a time, fastest "
-                             "on CPU; e.g. 32 on a GPU or TPU; part of the results' identity)")
+    parser.add_argument("--micro-batch", default="auto",
+                        help="seeds per vmapped step of the compiled chunk (default auto: 1 on CPU, one seed at a "
+                             "time; on a GPU or TPU the largest power of two whose instances take 1/8 of the "
+                             "device's memory, at most 256; part of the results' identity)")
     parser.add_argument("--chunk-size", default=None,
                         help="seeds per compiled call (default: as many as the memory budget allows)")
     parser.add_argument("--no-expected-mse", action="store_true",
@@ -134,8 +138,17 @@ def spec_from_args(args: argparse.Namespace):
         engine=engine,
         expected_mse=not args.no_expected_mse,
         sampled_mse=not args.no_sampled_mse,
-        micro_batch=_int("--micro-batch", args.micro_batch, min_value=1),
+        micro_batch=None if args.micro_batch.strip() == "auto" else _int("--micro-batch", args.micro_batch,
+                                                                           min_value=1),
+        sink_logit=_sink_logit(args.sink_logit),
     )
+
+
+def _sink_logit(text: str | None):
+    """``--sink-logit``: None, ``"delta"`` or a finite number."""
+    if text is None or text.strip() == "delta":
+        return None if text is None else "delta"
+    return _float("--sink-logit", text)
 
 
 # --------------------------------------------------------------------------------------------
@@ -304,7 +317,8 @@ def run(args: argparse.Namespace) -> int:
             return 0
         where = "" if info is None else f" on {info.num_processes} processes ({info.global_devices} devices)"
         note(f"pcast sweep: {len(spec.configs)} configs x {len(spec.deltas)} delta x {len(spec.ns)} N x "
-              f"{spec.seeds} seeds (q_len={spec.q_len}, d={spec.d}, k_sink={spec.k_sink}, sigma={spec.sigma:g}, "
+              f"{spec.seeds} seeds (q_len={spec.q_len}, d={spec.d}, k_sink={spec.k_sink}, "
+             f"{'' if spec.sink_logit is None else f'sink_logit={spec.sink_logit}, '}sigma={spec.sigma:g}, "
               f"engine={spec.engine}{_nondefault(spec)}){where}{' - resuming' if resuming else ''}", flush=True)
         start = time.perf_counter()
         progress = False if args.no_progress else (tty if info is not None else None)  # stderr is a pipe now

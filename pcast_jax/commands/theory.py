@@ -21,8 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", type=int, default=4096,
                         help="KV length N for the reverse-order bound and the non-sink mass "
                              "(default 4096)")
-    parser.add_argument("--fmt", default="e4m3", choices=("e4m3", "e5m2"),
-                        help="FP8 format of the P cast (default e4m3, the paper's)")
+    parser.add_argument("--fmt", default="e4m3", choices=tuple(dict.fromkeys(numberline.P_FORMATS)),
+                        help="format of the P cast: an element format (default e4m3, the paper's) or a "
+                             "block-scaled one (mxfp8, mxfp4, nvfp4: their own closed forms)")
 
 
 def _num(value) -> str:
@@ -38,6 +39,8 @@ def rows(*, delta: float, scale: float, k_sink: int, sigma: float, n: int, fmt: 
 
     check_int("k_sink", k_sink, min_value=1)
     check_int("n", n, min_value=k_sink + 1)
+    if fmt.lower() in numberline.BLOCK_FORMATS:
+        return _block_rows(theory, delta=delta, scale=scale, k_sink=k_sink, sigma=sigma, n=n, fmt=fmt.lower())
     f = numberline.get_format(fmt)
     common = dict(k_sink=k_sink, sigma=sigma, fmt=fmt)
     dk = theory.delta_k(k_sink)
@@ -64,7 +67,7 @@ def rows(*, delta: float, scale: float, k_sink: int, sigma: float, n: int, fmt: 
         ("F_spread(delta,S)", "Eq. (7) + spread", _num(frac_spread),
          "same, integrated over the per-row spread of the sink max"),
         ("delta_c", "Eq. (7), Sec. 7.2", _num(delta_c),
-         "critical sink strength 10 ln2 + ln S - sigma*delta_k, where F = 1/2"),
+         f"critical sink strength {rtz_exp} ln2 + ln S - sigma*delta_k, where F = 1/2"),
         ("s_threshold", "Prop. 1, Eq. (6)", _num(s_thr),
          "forward order: a non-sink score s below this underflows"),
         ("P_threshold", "Prop. 1, Eq. (5)", _num(p_thr),
@@ -81,6 +84,28 @@ def rows(*, delta: float, scale: float, k_sink: int, sigma: float, n: int, fmt: 
          f"reverse order: P(non-sink P zeroed before the sink block), m = sqrt(2 ln(N-k)), N={n}"),
         ("reverse_underflow_mean", "Thm. 4 + Eq. (3)", _num(rev_mean),
          "same with m = exact E[max of N-k normals]"),
+    ]
+
+
+def _block_rows(theory, *, delta: float, scale: float, k_sink: int, sigma: float, n: int, fmt: str):
+    """The closed forms of a block-scaled P format (theory.block_*), as :func:`rows` prints them."""
+    bf = numberline.BLOCK_FORMATS[fmt]
+    common = dict(fmt=fmt, k_sink=k_sink, sigma=sigma)
+    never = "never (E8M0 has no zero)"  # the MX scale cannot underflow: its bound is below float32's range
+    return [
+        ("F_block(delta,S)", "cf. Eq. (7)", _num(theory.block_collapse_fraction(delta, scale, n=n, **common)),
+         f"fraction of non-sink P the {fmt} cast zeroes, forward order"),
+        ("delta_c_block", "cf. Eq. (7)", never if bf.is_mx else _num(theory.block_critical_delta(scale, **common)),
+         "sink strength at which the typical block's scale underflows"),
+        ("scale_underflow", "block scale", never if bf.is_mx else _num(theory.block_scale_underflow(scale, fmt=fmt)),
+         "a block whose largest P (row max = 1) is at or below this is zeroed whole"),
+        ("element_threshold", "block element", _num(theory.block_element_threshold(1.0, fmt=fmt)),
+         f"in a block whose max is 1, elements at or below this cast to 0 ({bf.block} keys per "
+         f"{bf.scale_fmt.name.upper()} scale)"),
+        ("dp_block", "cf. Def. 1", _num(theory.block_dp(fmt)),
+         "worst-case quantization step relative to the block max"),
+        ("non_sink_mass", "Table 1", _num(theory.non_sink_mass(delta, n=n, k_sink=k_sink, sigma=sigma)),
+         f"share of softmax mass on the {n - k_sink} non-sink tokens (N={n})"),
     ]
 
 

@@ -27,6 +27,7 @@ from pcast_jax.stats import summary_cells
 from pcast_jax.workloads import DELTA_MAX, SinkWorkload
 
 __all__ = ["FORMAT_VERSION", "SIMULATOR_VERSION", "SweepSpec", "SweepResult", "check_spec", "instance_key",
+           "auto_micro_batch",
            "estimate_instance_bytes", "software_identity"]
 
 #: Version of the files a sweep writes (spec.json, chunks, results.npz).
@@ -48,18 +49,21 @@ class SweepSpec:
       seeds: number of seeds per (N, Δ); seed indices ``seed_offset .. seed_offset + seeds − 1``.
       seed_offset: index of the first seed.
       base_seed: the root PRNG seed.
-      q_len, d, k_sink, sink_positions, sigma, sigma_v: the synthetic workload (:class:`SinkWorkload`).
+      q_len, d, k_sink, sink_positions, sigma, sigma_v, sink_logit: the synthetic workload
+        (:class:`SinkWorkload`; ``sink_logit`` left out of :meth:`to_dict` when None).
       engine: ``"fast"`` or ``"scan"``.
       expected_mse: also compute ``mse_expected`` (cheap; NaN when off).
       sampled_mse: draw V and compute ``mse`` (True, the default). False: no V is drawn and no
         P·V product computed (``mse`` is NaN), about 3× the instances per second on CPU; every
         other metric is the same (``mse_expected``, same mean, lower variance, is usually the one
         to use then). Needs the fast engine. Left out of :meth:`to_dict` at True.
-      micro_batch: seeds per step of the compiled chunk. 1 (the default): one seed at a time
-        through a loop. M > 1: vmapped groups of exactly M seeds (fewer, larger steps for a GPU or
-        TPU); results are bit-identical for every chunking and device count at a given M, but
-        their low-order bits differ from M = 1 (XLA compiles a batch's reductions differently).
-        Left out of :meth:`to_dict` at 1, so the fingerprints of earlier sweeps do not change.
+      micro_batch: seeds per step of the compiled chunk. 1: one seed at a time through a loop (what a
+        CPU wants). M > 1: vmapped groups of exactly M seeds (fewer, larger steps for a GPU or TPU);
+        results are bit-identical for every chunking and device count at a given M on one device
+        kind, but their low-order bits differ from M = 1 (XLA compiles a batch's reductions
+        differently). None (the default): :func:`auto_micro_batch` picks it from the default
+        backend, 1 on CPU; the value picked is part of the spec (``spec.json``, the banner). Left
+        out of :meth:`to_dict` at 1, so the fingerprints of earlier sweeps do not change.
     """
 
     configs: tuple = ("fwd_s1", "rev_s1", "fwd_s448", "fwd_s256", "rev_s256")
@@ -76,8 +80,9 @@ class SweepSpec:
     sigma_v: float = 1.0
     engine: str = "fast"
     expected_mse: bool = True
-    micro_batch: int = 1
+    micro_batch: int | None = None
     sampled_mse: bool = True
+    sink_logit: float | str | None = None
 
     def __post_init__(self):
         cfgs = tuple(resolve(c) for c in _as_tuple(self.configs, "configs"))
@@ -122,15 +127,18 @@ class SweepSpec:
         if not self.sampled_mse and self.engine != "fast":
             raise PcastError(f"sampled_mse=False takes every metric from the fast engine's weights; "
                              f"engine={self.engine!r} needs V (use engine='fast')")
+        if self.micro_batch is None:
+            object.__setattr__(self, "micro_batch", auto_micro_batch(self))
         object.__setattr__(self, "micro_batch", check_int("micro_batch", self.micro_batch, min_value=1,
                                                           max_value=4096))
-        for n in ns:  # validates k_sink / sink_positions / sigma against every N
-            self.workload(n)
+        for n in ns:  # validates k_sink / sink_positions / sigma / sink_logit against every N
+            object.__setattr__(self, "sink_logit", self.workload(n).sink_logit)
 
     def workload(self, n: int) -> SinkWorkload:
         """The synthetic workload of KV length ``n``."""
         return SinkWorkload(n=n, q_len=self.q_len, d=self.d, k_sink=self.k_sink,
-                            sink_positions=self.sink_positions, sigma=self.sigma, sigma_v=self.sigma_v)
+                            sink_positions=self.sink_positions, sigma=self.sigma, sigma_v=self.sigma_v,
+                            sink_logit=self.sink_logit)
 
     @property
     def config_names(self) -> tuple[str, ...]:
@@ -143,7 +151,7 @@ class SweepSpec:
         d["deltas"] = list(self.deltas)
         d["ns"] = list(self.ns)
         d["sink_positions"] = None if self.sink_positions is None else list(self.sink_positions)
-        for name, default in (("micro_batch", 1), ("sampled_mse", True)):
+        for name, default in (("micro_batch", 1), ("sampled_mse", True), ("sink_logit", None)):
             if d[name] == default:  # defaults keep the fingerprints of sweeps made before they existed
                 del d[name]
         return d
@@ -151,6 +159,7 @@ class SweepSpec:
     @classmethod
     def from_dict(cls, d: dict) -> "SweepSpec":
         d = dict(d)
+        d.setdefault("micro_batch", 1)  # to_dict leaves out 1: a saved spec never means "pick one here"
         d["configs"] = tuple(KernelConfig.from_dict(c) for c in d["configs"])
         d["deltas"] = tuple(d["deltas"])
         d["ns"] = tuple(d["ns"])
@@ -163,6 +172,33 @@ class SweepSpec:
         ident = {"spec": self.to_dict(), "format": FORMAT_VERSION, "simulator": SIMULATOR_VERSION}
         blob = json.dumps(ident, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+#: Share of an accelerator's memory one step of the compiled chunk may take (M seeds' instances).
+MICRO_BATCH_MEMORY_SHARE = 0.125
+#: Largest automatic micro-batch.
+MICRO_BATCH_MAX = 256
+
+
+def auto_micro_batch(spec: "SweepSpec", *, backend: str | None = None, memory_bytes: int | None = None) -> int:
+    """The micro-batch a sweep gets when none is given: 1 on CPU, else the largest power of two M ≤ 256
+    whose M instances (:func:`estimate_instance_bytes` at the largest N) take at most 1/8 of one
+    device's memory, and no more than the seeds (rounded up to a power of two) need.
+
+    ``backend`` and ``memory_bytes`` default to the default backend and its first device's
+    ``bytes_limit`` (16 GiB assumed where the device does not report one).
+    """
+    backend = jax.default_backend() if backend is None else backend
+    if backend == "cpu":
+        return 1
+    if memory_bytes is None:
+        stats = jax.devices()[0].memory_stats() or {}
+        memory_bytes = int(stats.get("bytes_limit", 16 << 30))
+    per = max(1, max(estimate_instance_bytes(spec, n) for n in spec.ns))
+    fits = max(1, int(memory_bytes * MICRO_BATCH_MEMORY_SHARE) // per)
+    need = 1 << max(0, (int(spec.seeds) - 1).bit_length())
+    m = min(fits, need, MICRO_BATCH_MAX)
+    return 1 << (m.bit_length() - 1)
 
 
 def _optional(module: str):
@@ -249,7 +285,8 @@ class SweepResult:
         s = self.spec
         return {"q_len": s.q_len, "d": s.d, "k_sink": s.k_sink,
                 "sink_positions": "" if s.sink_positions is None else " ".join(map(str, s.sink_positions)),
-                "sigma": s.sigma, "sigma_v": s.sigma_v, "base_seed": s.base_seed, "engine": s.engine}
+                "sigma": s.sigma, "sigma_v": s.sigma_v, "base_seed": s.base_seed, "engine": s.engine,
+                **({} if s.sink_logit is None else {"sink_logit": s.sink_logit})}
 
     def to_dataframe(self):
         """Long format: one row per (N, config, Δ, seed) with every metric and the workload fields as columns.

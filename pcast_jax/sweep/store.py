@@ -344,7 +344,8 @@ def load_result(out_dir: str | os.PathLike) -> SweepResult:
         if ref is None or got.shape != ref.shape or got.dtype.kind != ref.dtype.kind or not np.array_equal(got, ref):
             raise PcastError(f"{str(path)!r}: coordinate {key[len(COORD_PREFIX):]!r} = {got.tolist()!r} is not "
                              f"spec.json's {None if ref is None else ref.tolist()!r}; refusing to mix results")
-    if set(data) != set(metrics.METRICS):
+    # results saved before the saturation metrics existed load with the metrics they hold
+    if not set(metrics.METRICS) - set(metrics.SATURATION_METRICS) <= set(data) <= set(metrics.METRICS):
         raise PcastError(f"{str(path)!r} holds {sorted(data)}, not the sweep's metrics {sorted(metrics.METRICS)}")
     shape = _result_shape(spec)
     for m, v in data.items():

@@ -1,0 +1,67 @@
+"""TensorRT-LLM FP8 attention: XQA (decode) and fmha_v2 (context)."""
+
+from __future__ import annotations
+
+import math
+
+from pcast_jax.config import KernelConfig
+from pcast_jax.errors import check_int
+
+#: TensorRT-LLM XQA (SM90) keys per CTA tile, ``gemm0CtaTileNbTokens`` in cpp/kernels/xqa/mha_sm90.cu.
+XQA_CTA_TILE_TOKENS = 64
+
+
+def xqa_nb_sub_seq(*, batch: int, nb_k_heads: int, sms: int, max_seq_len: int, env: int | None = None) -> int:
+    """Sub-sequences (CTAs per request and KV head) of TensorRT-LLM XQA's SM90 multi-block launch.
+
+    cpp/kernels/xqa/mha_sm90.cu, ``launchHopperF8MHA``, the ``nbSubSeqPerSeq`` lambda (NVIDIA/TensorRT-LLM
+    commit 014dadc): ``XQA_NB_SUB_SEQ`` (``env`` here) when set and > 0, else
+    ``min(max(1, (uint32_t) round(multiProcessorCount * 3 / (batchSize * nbKHeads) * 0.25f)),
+    divUp(maxSeqLen, gemm0CtaTileNbTokens))``. ``multiProcessorCount * 3 / (batchSize * nbKHeads)`` is
+    C integer division (all three are integers) before the float factor 0.25, and ``round`` rounds
+    halves away from zero. (The older ``mha.cu`` launcher has no 3 × 0.25: SMs / (batch · KV heads).)
+    """
+    batch = check_int("batch", batch, min_value=1)
+    nb_k_heads = check_int("nb_k_heads", nb_k_heads, min_value=1)
+    sms = check_int("sms", sms, min_value=1)
+    max_seq_len = check_int("max_seq_len", max_seq_len, min_value=1)
+    if env is not None and check_int("env", env) > 0:
+        return int(env)
+    per_cta = (sms * 3) // (batch * nb_k_heads) * 0.25
+    return min(max(1, math.floor(per_cta + 0.5)), -(-max_seq_len // XQA_CTA_TILE_TOKENS))
+
+
+#: The launch the ``trtllm_xqa_multiblock`` preset stands for (an assumption, not a constant of the
+#: source): an H100 SXM (132 SMs), batch 2 × 8 KV heads (Llama-3-8B/70B GQA), KV length ≥ 384, no
+#: XQA_NB_SUB_SEQ: ``xqa_nb_sub_seq`` gives 6 sub-sequences (batch 1 gives 12, batch 4 gives 3).
+XQA_DECODE_LAUNCH = {"batch": 2, "nb_k_heads": 8, "sms": 132, "max_seq_len": 4096}
+
+PRESETS: dict[str, KernelConfig] = {
+    # TensorRT-LLM XQA (SM90): cpp/kernels/xqa/mha_sm90.cu iterates idxIter = 0 .. nbIters
+    # (forward) and scales acc by kE4M3_MAX = 448 after the row sum; output × 1/448. Tile:
+    # gemm0CtaTileNbTokens = gemm0WarpGrpTileNbTokens (64) × gemm0NbGmmaGrps (1) = 64 keys.
+    # One CTA per (request, KV head): multi-block mode off (see trtllm_xqa_multiblock).
+    "trtllm_xqa": KernelConfig(order="forward", scale=448.0, scale_mode="multiply", block_kv=64, name="trtllm_xqa"),
+    # TensorRT-LLM XQA in multi-block mode (its decode default, ALLOW_MULTI_BLOCK_MODE): launchHopperF8MHA
+    # runs nbSubSeqPerSeq CTAs per (request, KV head) (xqa_nb_sub_seq, above); CTA idxSubSeq takes tiles
+    # idxKTile = idxKTileInit + idxIter · nbSubSeq (strided, each CTA forward with its own max), and
+    # the last CTA merges the partial results (mha_sm90.cu). nbSubSeq depends on the launch: the
+    # preset takes it for XQA_DECODE_LAUNCH (6 sub-sequences), an assumed launch.
+    "trtllm_xqa_multiblock": KernelConfig(
+        order="forward", scale=448.0, scale_mode="multiply", block_kv=XQA_CTA_TILE_TOKENS,
+        kv_splits=xqa_nb_sub_seq(**XQA_DECODE_LAUNCH), split_layout="strided",
+        name="trtllm_xqa_multiblock",
+    ),
+}
+
+KERNELS_2026: dict[str, KernelConfig] = {
+    # TensorRT-LLM fmha_v2 FP8 context attention, as vendored by FlashInfer (commit fb28d72, csrc/fmha_v2):
+    # Softmax_fp_quant_scale<e4m3_t> = 256 (fmha/numeric_types.h lines 48-53), folded into the exponent as
+    # max − log 256 (fmha/warpspec/epilogue.h ~lines 817-825), so ℓ sums the ×256 values; forward KV order
+    # (compute.h line 351); no lazy rescale. A learned sink enters the denominator only, multiplied by 256
+    # in the e4m3 epilogue (epilogue.h lines 1152-1164). Its optional skip-softmax (a tile skipped when
+    # exp(local max − running max) < λ/N for every row of the warpgroup, compute.h lines 282-285, adding to
+    # neither O nor ℓ) is off by default and not modelled. The KV tile was not found: B = 128 is an assumption.
+    "trtllm_fmha_v2": KernelConfig(order="forward", scale=256.0, scale_mode="exponent", block_kv=128,
+                                   name="trtllm_fmha_v2"),
+}

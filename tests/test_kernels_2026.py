@@ -1,0 +1,464 @@
+"""The kernels of 2026: learned sinks, the lazy rescale and saturation, cuDNN (JAX's FP8 attention).
+
+Held to the independent oracle (``tests/oracle.py``, which implements the sink placements and the
+lazy rescale from their description, sharing no code with the package), and the closed forms of
+``theory.py`` held to simulation: the three predictions of the learned-sink placement (KV order no
+longer matters under the initial-max placement; S = 256 moves the threshold to 10 ln 2 + ln 256; split-KV
+divides the collapse by the number of segments) and the saturation bound of a lagging running max.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+import pcast_jax as pj
+from pcast_jax import engine, jax_fp8, metrics, nn, presets, theory
+from pcast_jax.config import PRESETS, KernelConfig
+from pcast_jax.errors import PcastError
+
+import oracle
+
+Q, N, D = 8, 300, 16  # N not a multiple of any tile: padding is exercised
+OUT_RTOL = 3e-6
+
+
+@functools.lru_cache(maxsize=None)
+def _instance(seed: int = 0, delta: float = 0.0, k_sink: int = 0, sigma: float = 1.0):
+    rng = np.random.default_rng(seed)
+    s, v, mask = oracle.sink_scores(rng, q=Q, n=N, d=D, delta=delta, k_sink=k_sink)
+    return (s * np.float32(sigma)).astype(np.float32), v, mask
+
+
+def _assert_matches_oracle(res, ref):
+    out = np.asarray(res.out, np.float64)
+    tol = OUT_RTOL * np.max(np.abs(ref.out)) + ref.out_slack
+    assert not np.any(np.abs(out - ref.out) > tol), f"worst {np.max(np.abs(out - ref.out) - tol):.3g} past tolerance"
+    assert np.all(np.abs(np.asarray(res.n_zeroed) - ref.n_zeroed) <= ref.zeroed_slack)
+    np.testing.assert_allclose(np.asarray(res.row_sum), ref.row_sum, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(res.zeroed_mass), ref.zeroed_mass, rtol=1e-4, atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(res.n_saturated), ref.n_saturated)
+    np.testing.assert_allclose(np.asarray(res.saturated_mass), ref.saturated_mass, rtol=1e-4, atol=1e-7)
+
+
+# Sink placement × order × splits, each with two of the six (scale mode, lazy rescale) variants, rotated so
+# that every variant meets every placement, order and split layout: 36 configs cover every pair of values.
+_VARIANTS = [(mode, scale, tau, unit, comp)
+             for (mode, scale) in (("multiply", 1.0), ("exponent", 256.0))
+             for (tau, unit, comp) in ((0.0, "log2", "none"), (4.0, "log2", "none"), (4.0, "natural", "pow2"))]
+GRID = [
+    KernelConfig(order=order, scale=scale, scale_mode=mode, block_kv=32, sink_mode=sink_mode, kv_splits=splits,
+                 split_layout=layout, rescale_threshold=tau, rescale_unit=unit, rescale_compensation=comp)
+    for i, (sink_mode, order, (splits, layout)) in enumerate(itertools.product(
+        ("epilogue", "init_max", "block_max"), ("forward", "reverse"),
+        ((1, "contiguous"), (4, "contiguous"), (3, "strided"))))
+    for (mode, scale, tau, unit, comp) in (_VARIANTS[i % 6], _VARIANTS[(i + 3 + i // 6) % 6])
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _run(cfg, engine_name):
+    return jax.jit(lambda s, v, m, sink: engine.attention(s, v, cfg, engine=engine_name, count_mask=m,
+                                                            sink_logit=sink))
+
+
+@pytest.mark.parametrize("engine_name", engine.ENGINES)
+@pytest.mark.parametrize("cfg", GRID, ids=[c.name for c in GRID])
+def test_sink_placements_and_lazy_rescale_match_the_oracle(cfg, engine_name):
+    s, v, mask = _instance(1, delta=3.0, k_sink=2, sigma=2.0)  # wide logits: the lazy rescale saturates
+    for sink in (1.5, 9.0):
+        ref = oracle.attention(s, v, count_mask=mask, sink_logit=sink, **oracle.config_kwargs(cfg))
+        _assert_matches_oracle(_run(cfg, engine_name)(s, v, mask, jnp.float32(sink)), ref)
+
+
+def test_the_grid_saturates_and_zeroes_somewhere():
+    """The grid above is not vacuous: some of its cells saturate and some zero most of the non-sink P."""
+    s, v, mask = _instance(1, delta=3.0, k_sink=2, sigma=2.0)
+    sat = [oracle.attention(s, v, count_mask=mask, sink_logit=1.5, **oracle.config_kwargs(c)).n_saturated.sum()
+           for c in GRID if c.rescale_threshold and c.scale == 256.0]
+    assert max(sat) > 0
+    init = next(c for c in GRID if c.sink_mode == "init_max" and c.kv_splits == 1 and c.scale == 1.0)
+    zeroed = oracle.attention(s, v, count_mask=mask, sink_logit=9.0, **oracle.config_kwargs(init))
+    assert zeroed.n_zeroed.sum() > 0.3 * mask.sum() * Q
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_every_preset_with_a_learned_sink_matches_the_oracle(preset):
+    """Every preset, with one learned sink logit per head and a masked row, through the fast engine."""
+    cfg = PRESETS[preset]
+    s, v, mask = _instance(2, delta=6.0, k_sink=3)
+    s = s.copy()
+    s[2] = -np.inf  # a row with nothing visible: output 0, whatever the placement
+    res = _run(cfg, "fast")(s, v, mask, jnp.float32(7.0))
+    assert np.all(np.isfinite(np.asarray(res.out))) and np.all(np.asarray(res.out[2]) == 0.0)
+    ref = oracle.attention(s, v, count_mask=mask, sink_logit=7.0, **oracle.config_kwargs(cfg))
+    out = np.asarray(res.out, np.float64)
+    tol = OUT_RTOL * np.max(np.abs(ref.out)) + ref.out_slack
+    if cfg.accumulator == "f16" or cfg.mma_acc_bits:  # their own rounding models: tests/test_fidelity.py
+        tol = tol + 1e-3 * np.max(np.abs(ref.out))
+    assert not np.any(np.abs(out - ref.out) > tol)
+    assert np.all(np.abs(np.asarray(res.n_zeroed) - ref.n_zeroed) <= ref.zeroed_slack)
+
+
+def test_reference_with_a_learned_sink_is_the_softmax_with_a_dropped_column():
+    s, v, _ = _instance(3)
+    sink = np.float32(2.5)
+    full = np.concatenate([np.full((Q, 1), sink), s], axis=1).astype(np.float64)
+    p = np.exp(full - full.max(axis=1, keepdims=True))
+    p = (p / p.sum(axis=1, keepdims=True))[:, 1:]
+    np.testing.assert_allclose(np.asarray(engine.reference_probs(s, sink_logit=sink)), p, rtol=2e-5, atol=1e-9)
+    # equal logits 0 under a sink of 2.5. A kernel whose running max holds the sink computes every P as
+    # e^-2.5, which casts to one E4M3 value p8; ℓ = 1 + N·e^-2.5 holds the sink once, so its output is the
+    # reference times p8 / P exactly. An epilogue kernel's P are e^0 = 1, exact: the reference itself.
+    p = math.exp(-2.5)
+    p8 = float(np.asarray(pj.formats.cast(np.float32(p), "e4m3")))
+    assert p8 != pytest.approx(p, rel=1e-3)
+    ref = np.asarray(engine.reference_attention(s * 0.0, v, sink_logit=sink))
+    for mode, splits, factor in (("epilogue", 2, 1.0), ("init_max", 1, p8 / p), ("block_max", 2, p8 / p)):
+        cfg = KernelConfig(sink_mode=mode, kv_splits=splits)
+        for name in engine.ENGINES:
+            out = engine.attention(s * 0.0, v, cfg, engine=name, sink_logit=sink).out
+            np.testing.assert_allclose(np.asarray(out), ref * factor, rtol=2e-5, atol=1e-8, err_msg=f"{mode} {name}")
+
+
+# --------------------------------------------------------------------------------------------
+# The three predictions of the initial-max placement (theory.learned_sink_collapse_fraction)
+# --------------------------------------------------------------------------------------------
+
+
+def _sweep_fraction(cfg, delta_l, *, n=4096, seeds=4):
+    """Zeroed fraction of non-sink P (learned sink only) over ``seeds`` draws of N(0, 1) logits, and its count."""
+    w = pj.SinkWorkload(n=n, q_len=32, d=16, k_sink=0, sink_logit=delta_l)
+    zeroed, counted = 0, 0
+    for seed in range(seeds):
+        inst = pj.make_instance(jax.random.PRNGKey(seed), w, 0.0, draw_v=False)
+        r = engine.weights_and_stats(inst.scores, cfg, sink_logit=inst.sink_logit)
+        zeroed += int(jnp.sum(r.n_zeroed))
+        counted += int(jnp.sum(r.n_counted))
+    return zeroed / counted, counted
+
+
+def test_initial_max_collapse_does_not_depend_on_kv_order():
+    """Reverse order is no fix once the sink is the initial max: the zeroed sets are the same."""
+    base = presets.KERNELS_2026["vllm_triton_fp8"]
+    s, v, mask = _instance(4)
+    fwd = engine.attention(s, v, base, sink_logit=9.0)
+    rev = engine.attention(s, v, base.replace(order="reverse"), sink_logit=9.0)
+    np.testing.assert_array_equal(np.asarray(fwd.n_zeroed), np.asarray(rev.n_zeroed))
+    assert int(jnp.sum(fwd.n_zeroed)) > 0.9 * Q * N
+    # whereas token sinks at the same strength are fixed by reverse order (the paper's finding)
+    s2, v2, mask2 = _instance(4, delta=9.0, k_sink=4)
+    fwd_t = engine.attention(s2, v2, base, count_mask=mask2)
+    rev_t = engine.attention(s2, v2, base.replace(order="reverse"), count_mask=mask2)
+    assert int(jnp.sum(rev_t.n_zeroed)) < 0.1 * int(jnp.sum(fwd_t.n_zeroed))
+    # and an epilogue kernel never puts the sink in its max: nothing zeroed by it
+    epi = engine.attention(s, v, base.replace(sink_mode="epilogue"), sink_logit=9.0)
+    assert int(jnp.sum(epi.n_zeroed)) < 0.01 * Q * N
+
+
+@pytest.mark.parametrize("order", ["forward", "reverse"])
+def test_s256_threshold_sits_at_10ln2_plus_ln256(order):
+    """F_L = Φ(Δ_L − 10 ln 2 − ln S): half the non-sink P zeroed at Δ_L,c = 12.48 for S = 256, either order."""
+    cfg = KernelConfig(order=order, scale=256.0, block_kv=128, sink_mode="init_max")
+    crit = float(theory.learned_sink_critical_delta(256.0))
+    assert crit == pytest.approx(10 * math.log(2) + math.log(256), abs=1e-5)
+    for delta_l in (crit - 1.0, crit, crit + 1.0):
+        frac, count = _sweep_fraction(cfg, delta_l)
+        pred = float(theory.learned_sink_collapse_fraction(delta_l, 256.0))
+        # rows share their draws: a generous 6 binomial standard errors plus 0.005 for the ties at 2^-10
+        assert abs(frac - pred) < 6 * math.sqrt(pred * (1 - pred) / count) * 8 + 0.005, (delta_l, frac, pred)
+
+
+@pytest.mark.parametrize("segments", [2, 4, 8])
+def test_split_kv_divides_the_collapse_by_the_segments(segments):
+    """Only segment 0 starts from the sink: F ≈ F_L / n_segments (vLLM's 3-D path)."""
+    cfg = presets.KERNELS_2026["vllm_triton_fp8"].replace(kv_splits=segments)
+    one, _ = _sweep_fraction(cfg.replace(kv_splits=1), 9.0)
+    split, _ = _sweep_fraction(cfg, 9.0)
+    pred = float(theory.learned_sink_collapse_fraction(9.0, 1.0, n_segments=segments))
+    assert one == pytest.approx(float(theory.learned_sink_collapse_fraction(9.0, 1.0)), abs=0.01)
+    assert split == pytest.approx(pred, abs=0.01), (split, pred)
+    # a block_max kernel (the sink folded into every block's max) keeps the whole collapse under splits
+    folded, _ = _sweep_fraction(cfg.replace(sink_mode="block_max"), 9.0)
+    assert folded == pytest.approx(one, abs=0.005)
+
+
+def test_learned_sink_theory_is_differentiable():
+    g = jax.grad(lambda d, s, sig: theory.learned_sink_collapse_fraction(d, s, sigma=sig), argnums=(0, 1, 2))
+    gd, gs, gsig = g(7.0, 1.0, 1.0)
+    assert float(gd) == pytest.approx(float(stats.norm.pdf(7.0 - 10 * math.log(2))), rel=1e-4)
+    assert float(gs) == pytest.approx(-float(gd), rel=1e-4)  # d/dS at S = 1 is −φ(·)/S
+    assert np.isfinite(float(gsig))
+
+
+# --------------------------------------------------------------------------------------------
+# Lazy rescale and saturation
+# --------------------------------------------------------------------------------------------
+
+
+def test_saturation_free_scale_reproduces_what_the_kernels_chose():
+    """2^⌊log2 448 − τ⌋: FlashInfer CuTe-DSL's τ = 8 → 1, FA4 PR #2717's τ = 4 → 16, vLLM's FA4 fork's
+    τ = 0.75 → 256; cuDNN's τ = 4 nats with its 2^-τ compensation → scale_s 128."""
+    assert float(theory.saturation_free_scale(8.0)) == 1.0
+    assert float(theory.saturation_free_scale(4.0)) == 16.0
+    assert float(theory.saturation_free_scale(0.75)) == 256.0
+    assert float(theory.saturation_free_scale(4.0, unit="natural", compensation="pow2")) == 128.0
+    assert float(theory.max_scaled_p(256.0, 4.0)) == pytest.approx(4096.0)
+
+
+def _staircase(gap_nats: float, block: int):
+    """Two visible blocks per row: the second's max exceeds the first's by ``gap_nats`` (others far below)."""
+    s = np.full((Q, 2 * block), -30.0, np.float32)
+    s[:, 0] = 0.0
+    s[:, block] = gap_nats
+    return s
+
+
+@pytest.mark.parametrize("preset", [n for n, c in PRESETS.items() if c.rescale_threshold])
+def test_a_preset_saturates_exactly_when_its_bound_exceeds_the_format_max(preset):
+    """Theory's max_scaled_p decides whether a lag just under τ can saturate; the simulator agrees, and the
+    row sum keeps the unclipped P (so the output shrinks by the clipped share)."""
+    cfg = PRESETS[preset]
+    bound = float(theory.max_scaled_p(cfg.scale, cfg.rescale_threshold, unit=cfg.rescale_unit,
+                                      compensation=cfg.rescale_compensation))
+    s = _staircase(0.999 * cfg.rescale_gap, cfg.block_kv)
+    if cfg.order == "reverse":
+        s = s[:, ::-1].copy()
+    v = np.ones((s.shape[1], 4), np.float32)
+    r = engine.attention(s, v, cfg.replace(kv_splits=1))
+    ref = oracle.attention(s, v, **oracle.config_kwargs(cfg.replace(kv_splits=1)))
+    np.testing.assert_array_equal(np.asarray(r.n_saturated), ref.n_saturated)
+    if bound * 0.999 > cfg.fmt.max:
+        assert np.all(np.asarray(r.n_saturated) == 1)
+        assert np.all(np.asarray(r.out) < 0.999)  # ℓ unclipped: the saturated key's share is lost
+        assert float(jnp.min(r.saturated_mass)) > 0.5
+    else:
+        assert int(jnp.sum(r.n_saturated)) == 0
+
+
+def test_fa4_history_saturation_metric_in_a_sweep():
+    """FA4 with τ = 4 and S = 256 (PR #2109) saturates on wide logits; PR #2717 (S = 16) and the current
+    FA4 (τ = 0) do not; old result folders without the saturation metrics still load."""
+    spec = pj.SweepSpec(configs=("fa4_pr2109", "fa4_pr2717", "fa4"), deltas=(4.0,), ns=(1024,), seeds=2, q_len=8,
+                        d=16, sigma=3.0, sampled_mse=False)
+    from pcast_jax.sweep.compute import compute_chunk
+
+    vals = compute_chunk(spec, 1024, 0, 2)
+    sat = np.asarray(vals["frac_saturated"])  # (seeds, deltas, configs)
+    assert np.all(sat[..., 0] > 0) and np.all(sat[..., 1:] == 0)
+    assert set(metrics.SATURATION_METRICS) <= set(vals)
+
+
+def test_old_results_without_saturation_metrics_load(tmp_path):
+    spec = pj.SweepSpec(configs=("fwd_s1",), deltas=(7.0,), ns=(256,), seeds=2, q_len=4, d=8)
+    res = pj.run_sweep(spec, out_dir=tmp_path / "s", progress=False)
+    path = tmp_path / "s" / "results.npz"
+    with np.load(path) as z:
+        data = {k: z[k] for k in z.files if k.removeprefix("m_") not in metrics.SATURATION_METRICS}
+    np.savez(path, **data)
+    old = pj.load_result(tmp_path / "s")
+    np.testing.assert_array_equal(old.get("frac_zeroed", config="fwd_s1"), res.get("frac_zeroed", config="fwd_s1"))
+    assert "frac_saturated" not in old.data
+
+
+# --------------------------------------------------------------------------------------------
+# Presets, cuDNN / JAX's FP8 attention, the drop-in's sinks
+# --------------------------------------------------------------------------------------------
+
+
+def test_preset_registry_is_one_home_and_keeps_old_fingerprints():
+    assert sorted(n for names in presets.FAMILIES.values() for n in names) == sorted(PRESETS)
+    # the Table 3-era presets kept their identity when they moved into presets/: a sweep over them has
+    # the fingerprint it had before the move
+    old = ("fwd_s1", "rev_s1", "fwd_s448", "fwd_s256", "rev_s256", "fa3", "fa4", "flashinfer_sm90", "trtllm_xqa",
+           "trtllm_xqa_multiblock", "fa3_splitkv", "sageattn2", "sageattn2pp", "hpc_ops_prior", "hpc_ops",
+           "dynamic_pow2", "sageattn3", "nvfp4_fakequant", "mxfp8_p")
+    assert pj.SweepSpec(configs=old).fingerprint() == OLD_FINGERPRINT
+    for name in presets.KERNELS_2026:
+        assert name not in old and PRESETS[name].name == name
+
+
+def test_jax_fp8_prediction_matches_theory_and_names_bad_input():
+    r = jax_fp8.predict(fp8_params={"scale_s": np.float32(1.0)}, sinks=[3.0, 5.0, 9.0], seq_len=2048, seeds=2)
+    assert r.config.effective_scale == 2.0**-4
+    np.testing.assert_allclose(r.frac_zeroed, r.theory_frac_zeroed, atol=0.02)
+    assert r.safe_scale_s == 128.0 and r.max_scaled_p == pytest.approx(math.exp(4) / 16, rel=1e-5)
+    assert "scale_s = 128" in r.summary()
+    with pytest.raises(PcastError, match="scale_s"):
+        jax_fp8.predict(fp8_params={"scale_q": 1.0})
+    with pytest.raises(PcastError, match="head_dim"):
+        jax_fp8.predict(head_dim=72)
+    with pytest.raises(PcastError, match="sinks"):
+        jax_fp8.predict(sinks=[float("nan")])
+    # with scale_s = 448 (Transformer Engine's delayed scaling) a lag of 4 nats saturates on wide logits
+    assert jax_fp8.predict(scale_s=448.0, seq_len=512, seeds=2).max_scaled_p > 448
+
+
+def test_drop_in_sinks_match_the_dropped_column_softmax_and_are_differentiable():
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
+    q = jax.random.normal(k1, (1, 24, 2, 16))
+    k = jax.random.normal(k2, (1, 24, 1, 16))
+    v = jax.random.normal(k3, (1, 24, 1, 16))
+    sinks = jnp.array([0.5, 6.0])
+    out = nn.dot_product_attention(q, k, v, sinks=sinks, is_causal=True)
+    logits = jnp.einsum("btnh,bsh->bnts", q, k[:, :, 0]) / 4.0
+    logits = jnp.where(jnp.tril(jnp.ones((24, 24), bool)), logits, -jnp.inf)
+    col = jnp.broadcast_to(sinks[None, :, None, None], (1, 2, 24, 1))
+    p = jax.nn.softmax(jnp.concatenate([col, logits], -1), -1)[..., 1:]
+    np.testing.assert_allclose(np.asarray(out), np.asarray(jnp.einsum("bnts,bsh->btnh", p, v[:, :, 0])),
+                               rtol=1e-5, atol=1e-6)
+    sim = nn.dot_product_attention(q, k, v, sinks=sinks, is_causal=True, config="cudnn_fp8_tau0")
+    assert bool(jnp.all(jnp.isfinite(sim)))
+    g = jax.grad(lambda s_: jnp.sum(nn.dot_product_attention(q, k, v, sinks=s_, is_causal=True,
+                                                            config="fwd_s256") ** 2))(sinks)
+    assert bool(jnp.all(jnp.isfinite(g))) and float(jnp.abs(g[0])) > 0
+    with pytest.raises(PcastError, match="sinks"):
+        nn.dot_product_attention(q, k, v, sinks=jnp.zeros(3))
+    with pytest.raises(PcastError, match="sinks"):
+        nn.dot_product_attention(q, k, v, sinks=jnp.array([0.0, float("nan")]))
+    # the Pallas kernels take the sinks too (interpret mode here): the simulator's numbers. Inputs are
+    # multiples of 1/4 with amax 1.75 = 448·2^-8, so the kernels' per-tensor E4M3 quantization is exact.
+    rng = np.random.default_rng(3)
+    q64, k64, v64 = (jnp.asarray(np.where(np.arange(64) == 0, 1.75, rng.integers(-7, 8, shape) / 4.0), jnp.float32)
+                     for shape in ((1, 64, 2, 64), (1, 64, 1, 64), (1, 64, 1, 64)))
+    for impl in ("triton", "mosaic"):
+        ker = nn.dot_product_attention(q64, k64, v64, sinks=sinks, config="vllm_triton_fp8", implementation=impl)
+        sim = nn.dot_product_attention(q64, k64, v64, sinks=sinks, config="vllm_triton_fp8", implementation="scan")
+        np.testing.assert_allclose(np.asarray(ker), np.asarray(sim), rtol=1e-5, atol=1e-6, err_msg=impl)
+
+
+def test_new_fields_validate_and_round_trip():
+    cfg = PRESETS["cudnn_fp8"]
+    assert KernelConfig.from_string(cfg.to_string()) == cfg
+    assert KernelConfig.from_dict(cfg.to_dict()) == cfg
+    assert KernelConfig(rescale_threshold=0.0, rescale_unit="natural") == KernelConfig()  # τ = 0: unit idle
+    for bad in ({"sink_mode": "middle"}, {"rescale_threshold": -1.0}, {"rescale_threshold": float("nan")},
+                {"rescale_unit": "bits"}, {"rescale_compensation": "yes"}):
+        with pytest.raises(PcastError, match=next(iter(bad))):
+            KernelConfig(**bad)
+    with pytest.raises(PcastError, match="sink_logit"):
+        pj.SinkWorkload(sink_logit="half")
+    s, v, _ = _instance(5)
+    with pytest.raises(PcastError, match="sink_logit"):
+        engine.attention(s, v, "fwd_s1", sink_logit=float("inf"))
+    with pytest.raises(PcastError, match="sink_logit"):
+        engine.attention(s[None].repeat(2, 0), v, "fwd_s1", sink_logit=np.zeros(3))
+
+
+def test_e4m3fnuz_moves_the_threshold_by_ln2():
+    """ROCm's FP8 (max 240, zero at or below 2^-11): the initial-max threshold is 11 ln 2 + ln S."""
+    assert float(theory.learned_sink_critical_delta(1.0, fmt="e4m3fnuz")) == pytest.approx(11 * math.log(2), abs=1e-5)
+    fnuz, _ = _sweep_fraction(PRESETS["vllm_triton_fp8_rocm"], 11 * math.log(2), n=2048, seeds=2)
+    fn, _ = _sweep_fraction(PRESETS["vllm_triton_fp8"], 11 * math.log(2), n=2048, seeds=2)
+    assert fnuz == pytest.approx(0.5, abs=0.03) and fn > 0.7
+OLD_FINGERPRINT = "3bc40d3e05b79d78"  # SweepSpec(configs=<the 19 presets above>) before presets/ existed
+
+
+def test_reproduce_section_writes_finite_tables_and_figures(tmp_path):
+    from pcast_experiments import kernels_2026 as k26
+
+    tiny = k26.Sizes(seeds=2, q_len=4, n=256, d=16, deltas_l=(5.0, 9.0, 13.0), sigmas=(1.0, 3.0))
+    md = k26.kernels_2026_section(tmp_path, sizes=tiny)
+    for f in k26.FILES:
+        assert (tmp_path / f).stat().st_size > 0, f
+    assert "nan" not in md.lower() and "Order no longer fixes it" in md and "beyond the paper" in md
+    import csv
+
+    with open(tmp_path / f"{k26.NAME}_sinks.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert {r["placement"] for r in rows} == {"init_max", "epilogue", "block_max"}
+    assert all(0.0 <= float(r["frac_zeroed"]) <= 1.0 for r in rows)
+
+
+def test_readme_jax_fp8_example_runs():
+    """The Python block of the README's 2026-kernels section, verbatim."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = text.split("## FP8 attention kernels of 2026", 1)[1].split("\n## ", 1)[0]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - our own README
+    r = scope["r"]
+    assert r.safe_scale_s == 128.0 and r.frac_zeroed.shape == (3,)
+
+
+# --------------------------------------------------------------------------------------------
+# The Pallas kernels: learned sinks and the lazy rescale, interpret mode and Hopper lowering
+# --------------------------------------------------------------------------------------------
+
+_KERNEL_CONFIGS = [
+    KernelConfig(order="forward", block_kv=64, sink_mode="init_max"),
+    KernelConfig(order="reverse", scale=256.0, scale_mode="exponent", block_kv=64, sink_mode="epilogue",
+                 rescale_threshold=4.0),
+    KernelConfig(order="forward", block_kv=64, sink_mode="init_max", kv_splits=2),
+    KernelConfig(order="reverse", block_kv=64, sink_mode="block_max", kv_splits=3, split_layout="strided",
+                 rescale_threshold=2.0, rescale_unit="natural", rescale_compensation="pow2", scale=64.0),
+]
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic"])
+def test_kernels_place_learned_sinks_and_lag_the_max_as_the_oracle_does(backend):
+    import pallas_kernels as pk
+
+    rng = np.random.default_rng(7)
+    heads, q_len, n, d = 2, 64, 200, 64
+    q, k, v = (jnp.asarray((rng.integers(-7, 8, shape) / 4.0).astype(np.float32)).astype(jnp.float8_e4m3fn)
+               for shape in ((1, heads, q_len, d), (1, 1, n, d), (1, 1, n, d)))
+    sinks = jnp.array([7.5, 1.0], jnp.float32)
+    scale = 0.5
+    scores = np.einsum("hqd,nd->hqn", np.asarray(q[0], np.float64), np.asarray(k[0, 0], np.float64)) * scale
+    for cfg in _KERNEL_CONFIGS:
+        out, stats = pk.fp8_attention(q, k, v, config=cfg, backend=backend, interpret=True, softmax_scale=scale,
+                                      sinks=sinks, return_stats=True)
+        for h in range(heads):
+            ref = oracle.attention(scores[h].astype(np.float32), np.asarray(v[0, 0], np.float32),
+                                   sink_logit=float(sinks[h]), **oracle.config_kwargs(cfg))
+            err = np.abs(np.asarray(out[0, h], np.float64) - ref.out) - (OUT_RTOL * np.max(np.abs(ref.out))
+                                                                         + ref.out_slack)
+            assert np.all(err <= 0), (backend, cfg.name, h, float(err.max()))
+            assert np.all(np.abs(np.asarray(stats.n_zeroed[0, h]) - ref.n_zeroed) <= ref.zeroed_slack)
+
+
+_HOPPER = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic"])
+@pytest.mark.parametrize("name", ["vllm_triton_fp8", "fa4_pr2109", "cudnn_fp8"])
+def test_kernels_with_sinks_and_lazy_rescale_lower_for_hopper(backend, name):
+    import pallas_kernels as pk
+
+    cfg = PRESETS[name].replace(causal=True, block_kv=128 if backend == "mosaic" else PRESETS[name].block_kv)
+    q = jax.ShapeDtypeStruct((1, 4, 128, 128), jnp.float8_e4m3fn)
+    kv = jax.ShapeDtypeStruct((1, 2, 512, 128), jnp.float8_e4m3fn)
+    s = jax.ShapeDtypeStruct((4,), jnp.float32)
+    fn = functools.partial(pk.fp8_attention, config=cfg, backend=backend, return_stats=True)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=_HOPPER)):
+        text = jax.jit(lambda q, k, v, s: fn(q, k, v, sinks=s)).trace(q, kv, kv, s).lower(
+            lowering_platforms=("cuda",)).as_text()
+    if backend == "mosaic":
+        assert "custom_call @mosaic_gpu" in text and "cvt.rn.satfinite.e4m3x2.f32" in text
+    else:
+        assert "custom_call @__gpu$xla.gpu.triton" in text
+
+
+def test_gpu_check_cudnn_step_runs_on_cpu_with_a_stand_in():
+    """gpu_check.sh step (f): the harness (fp8_params, the E4M3-rounded comparison, the fit) on CPU, with
+    the τ = 4 preset standing in for cuDNN; the real kernel needs a GPU."""
+    from cases import gpu_bench
+
+    bench = gpu_bench()
+    params = bench.fp8_params(16.0)
+    assert set(params) == set(bench.FP8_PARAM_KEYS) and len(params) == 17
+    assert float(params["scale_s"].reshape(())) * float(params["descale_s"].reshape(())) == 1.0
+    res = bench.run_cudnn(bench.parse_args(["--part", "cudnn", "--cpu-smoke"]))
+    for scale_s in bench.CUDNN_SCALES:
+        assert res[scale_s]["tau4"][1] == 0.0 < res[scale_s]["tau0"][1]
+
