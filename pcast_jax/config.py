@@ -209,6 +209,8 @@ class KernelConfig:
                                  "multiplied back into the FP32 accumulator)")
         if not isinstance(self.name, str):
             raise PcastError(f"name={self.name!r} must be a string")
+        if len(self.name) > 200 or not self.name.isprintable():  # it labels one-line errors and table cells
+            raise PcastError(f"name={self.name[:40]!r} must be one printable line of at most 200 characters")
         if not self.name:
             object.__setattr__(self, "name", self.default_name())
 

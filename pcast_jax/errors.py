@@ -126,7 +126,9 @@ def host_values(value, param: str = "value"):
     if kind == "c" or (isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real)):
         raise PcastError(f"{param}={_short(value)} is complex; it must be a real number")
     if not isinstance(value, (numbers.Real, np.generic, np.ndarray, list, tuple)):
-        return None
+        if hasattr(value, "shape") and hasattr(value, "dtype"):  # a jax array or tracer: checked where it runs
+            return None
+        raise PcastError(f"{param}={_short(value)} must be a real number or an array of them")
     try:
         if isinstance(value, np.ndarray):
             if value.dtype == bool:

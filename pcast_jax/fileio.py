@@ -36,13 +36,16 @@ from pcast_jax.errors import PcastError
 
 __all__ = ["atomic_write", "create_exclusive", "temp_prefix", "temp_owner", "clean_stale_temps",
            "STALE_TEMP_S", "read_bounded", "load_json", "load_toml", "load_npy", "load_npz", "MAX_TEXT_BYTES",
-           "MAX_DEPTH"]
+           "MAX_TOML_BYTES", "MAX_DEPTH"]
 
-#: Largest JSON or TOML file read (spec.json, --config-file): 4 MiB, thousands of kernels.
+#: Largest JSON file read (spec.json): 4 MiB, thousands of kernels.
 MAX_TEXT_BYTES = 4 * 2**20
-#: Deepest nesting of brackets and braces accepted in a JSON or TOML file (the project's own files
-#: nest at most 4 levels).
-MAX_DEPTH = 64
+#: Largest TOML file read (--config-file): 1 MiB, thousands of kernels. Python's TOML reader needs
+#: about 400 bytes of memory per byte of deeply nested tables: this keeps it under ~0.5 GB.
+MAX_TOML_BYTES = 2**20
+#: Deepest nesting accepted in a JSON or TOML file: brackets and braces, and in TOML each dot of a
+#: dotted key (the project's own files nest at most 4 levels).
+MAX_DEPTH = 16
 
 #: Age (seconds) past which a temporary file whose writer cannot be checked counts as left over.
 STALE_TEMP_S = 6 * 3600.0
@@ -228,9 +231,13 @@ def _text(data: bytes, what: str) -> str:
         raise PcastError(f"{what} is not UTF-8 text (a binary file?): byte {exc.start}") from None
 
 
-def _check_depth(text: str, what: str, *, comments: bool) -> None:
-    """Refuse ``text`` nested deeper than :data:`MAX_DEPTH` (brackets and braces outside strings)."""
-    depth, quote, i, n = 0, "", 0, len(text)
+def _check_depth(text: str, what: str, *, toml: bool) -> None:
+    """Refuse ``text`` nested deeper than :data:`MAX_DEPTH` levels, counted outside strings.
+
+    A level is a bracket or brace, and in TOML also each dot of a dotted key (``a.b.c = 1`` nests
+    three tables; Python's TOML reader needs memory quadratic in that depth).
+    """
+    depth, dots, quote, i, n = 0, 0, "", 0, len(text)
     while i < n:
         c = text[i]
         if quote:
@@ -242,32 +249,36 @@ def _check_depth(text: str, what: str, *, comments: bool) -> None:
             quote = c
         elif c in "[{":
             depth += 1
-            if depth > MAX_DEPTH:
-                raise PcastError(f"{what} nests deeper than {MAX_DEPTH} levels")
         elif c in "]}":
             depth -= 1
-        elif c == "#" and comments:
+        elif c in "\n,=" and toml:
+            dots = 0
+        elif c == "." and toml:
+            dots += 1
+        elif c == "#" and toml:
             j = text.find("\n", i)
-            i = n if j < 0 else j
+            i, dots = (n if j < 0 else j), 0
+        if depth + dots > MAX_DEPTH:
+            raise PcastError(f"{what} nests deeper than {MAX_DEPTH} levels")
         i += 1
 
 
 def load_json(path, *, what: str, max_bytes: int = MAX_TEXT_BYTES):
     """The JSON document in ``path``: bounded in size and depth (:func:`read_bounded`), one-line errors."""
     text = _text(read_bounded(path, what=what, max_bytes=max_bytes), what)
-    _check_depth(text, what, comments=False)
+    _check_depth(text, what, toml=False)
     try:
         return json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise PcastError(f"{what} is not valid JSON ({exc})") from None
 
 
-def load_toml(path, *, what: str, max_bytes: int = MAX_TEXT_BYTES) -> dict:
+def load_toml(path, *, what: str, max_bytes: int = MAX_TOML_BYTES) -> dict:
     """The TOML document in ``path``: bounded in size and depth, one-line errors naming ``what``."""
     import tomllib
 
     text = _text(read_bounded(path, what=what, max_bytes=max_bytes), what)
-    _check_depth(text, what, comments=True)
+    _check_depth(text, what, toml=True)
     try:
         return tomllib.loads(text)
     except (tomllib.TOMLDecodeError, RecursionError) as exc:
@@ -319,6 +330,8 @@ def load_npz(path, *, what: str, max_bytes: int) -> dict[str, np.ndarray]:
                     arr = _read_npy(f, f"{what} entry {name!r}", min(info.file_size, max_bytes - total))
                 total += arr.nbytes
                 out[name] = arr
+    except PcastError:
+        raise  # already one line naming the entry
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, NotImplementedError,
             zlib.error, struct.error) as exc:
         raise PcastError(f"{what} is not a readable .npz ({type(exc).__name__}: {exc})") from None

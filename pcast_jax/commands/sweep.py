@@ -97,8 +97,13 @@ def parse_deltas(text: str, option: str = "--delta") -> tuple[float, ...]:
     return _options.floats(option, text)
 
 
-def spec_from_args(args: argparse.Namespace):
-    """The :class:`~pcast_jax.sweep.SweepSpec` the options describe."""
+def spec_from_args(args: argparse.Namespace, *, backend_ready: bool = True):
+    """The :class:`~pcast_jax.sweep.SweepSpec` the options describe.
+
+    ``backend_ready=False`` (a multi-process run before its runtime starts: no JAX backend may be
+    touched yet) checks every option but puts 1 for ``--micro-batch auto``; the spec is built again
+    once the runtime runs.
+    """
     from pcast_jax.engine import ENGINES
     from pcast_jax.sweep import SweepSpec
     from pcast_jax.workloads import SIGMA_MAX, SIGMA_V_MAX
@@ -138,8 +143,8 @@ def spec_from_args(args: argparse.Namespace):
         engine=engine,
         expected_mse=not args.no_expected_mse,
         sampled_mse=not args.no_sampled_mse,
-        micro_batch=None if args.micro_batch.strip() == "auto" else _int("--micro-batch", args.micro_batch,
-                                                                           min_value=1),
+        micro_batch=(None if backend_ready else 1) if args.micro_batch.strip() == "auto" else _int(
+            "--micro-batch", args.micro_batch, min_value=1),
         sink_logit=_sink_logit(args.sink_logit),
     )
 
@@ -292,7 +297,8 @@ def _nondefault(spec) -> str:
 def run(args: argparse.Namespace) -> int:
     from pcast_jax.sweep import run_sweep
 
-    spec = spec_from_args(args)  # every option is checked before any work starts
+    distributed = wants_distributed(args)
+    spec = spec_from_args(args, backend_ready=not distributed)  # every option is checked before any work
     metrics = parse_metrics(args.metrics, spec)
     fmt = args.format
     chunk_size = None if args.chunk_size is None else _int("--chunk-size", args.chunk_size, min_value=1)
@@ -309,8 +315,12 @@ def run(args: argparse.Namespace) -> int:
     tty = sys.stderr.isatty()
     # A multi-process run works in a child process, so that a native end of JAX's runtime (a lost
     # process or coordinator) still ends with one line; this process relays it and exits.
-    supervisor = supervise(args) if wants_distributed(args) else None
+    supervisor = supervise(args) if distributed else None
     info = init_from_args(args, supervisor=supervisor)  # None unless a multi-process run was asked for
+    if distributed:  # --micro-batch auto asks the backend, which only the running runtime may start
+        spec = spec_from_args(args)
+        out = Path(args.out) if args.out is not None else Path("sweeps") / spec.fingerprint()
+        resuming = (out / "spec.json").exists()
     with failing_together(info):  # an error only this process has ends it at once, and so the others
         if info is not None and info.process_id != 0:  # every process computes; process 0 reports
             run_sweep(spec, out, chunk_size=chunk_size, progress=False)
