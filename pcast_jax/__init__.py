@@ -8,6 +8,8 @@ The names a user needs are here; everything else is importable from its submodul
     res = pj.attention(scores, v, cfg)                # simulated kernel output and statistics
     result = pj.run_sweep(pj.SweepSpec(deltas=(7.0,), seeds=20), out_dir="sweeps/t2")
     pj.theory.collapse_fraction(7.0, 1.0)             # Eq. (7)
+    pj.presets.FAMILIES                               # every kernel preset, by family, citing its source
+    pj.jax_fp8.predict(scale_s=1.0, sinks=[6.0])      # what JAX's own FP8 attention does to P
 
 Submodules load on first use, so ``import pcast_jax`` (and the ``pcast`` command line) stays fast.
 """
@@ -40,6 +42,9 @@ _EXPORTS = {
     "nn": None,
     "formats": None,
     "theory": None,
+    "presets": None,
+    "jax_fp8": None,
+    "analysis": None,
 }
 
 __all__ = ["__version__", *_EXPORTS]
