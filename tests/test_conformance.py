@@ -337,6 +337,14 @@ def _groups(entry: Entry):
     return [(h, kinds) for (h, _), kinds in out.items()]
 
 
+@pytest.fixture(autouse=True)
+def _release_programs():
+    """Each cell compiles its own programs (one preset, one entry): release them after it, so that the
+    matrix's thousands of executables never accumulate in one process (see conftest.py)."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("preset", list(PRESETS))
 @pytest.mark.parametrize("entry", ENTRIES, ids=[e.name for e in ENTRIES])
 def test_preset_through_entry_point_matches_the_oracle_or_is_refused(entry: Entry, preset: str):
