@@ -1,5 +1,8 @@
 """Differentiable what-if analyses: surrogates, gradients vs finite differences, the four analyses, CLI."""
 
+import contextlib
+import contextvars
+import io
 import math
 
 import jax
@@ -10,7 +13,7 @@ import pytest
 from pcast_jax import cli, formats, theory, whatif
 from pcast_jax.errors import PcastError
 from pcast_jax.sweep import SweepSpec, instance_key, run_sweep
-from pcast_jax.whatif import objective
+from pcast_jax.whatif import calibration, dynamic, objective, progress, scale_search, validation, worst_case
 from pcast_jax.workloads import SinkWorkload, make_instance
 
 # One small scenario shared by the tests so its compiled functions are reused.
@@ -19,6 +22,15 @@ SMOOTH = whatif.Surrogate()
 # Stated tolerance of the smooth surrogate's dMSE/dΔ against the exact simulator's central difference
 # (8 seeds, h = 0.25) where the collapse is switching on (Δ = 5, 6 at N = 1024).
 TRANSITION_RTOL = 0.25
+
+
+@contextlib.contextmanager
+def _announced_steps(expected: int):
+    """Inside: an analysis announces and runs exactly ``expected`` progress steps (the count
+    whatif.report adds up beforehand to fix its total)."""
+    with progress.reporting("t", show=None, stream=io.StringIO()):
+        yield
+        assert progress.steps_done() == (expected, expected)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,7 +122,8 @@ def test_smooth_gradient_equals_its_own_finite_difference():
 
 
 def test_smooth_gradient_tracks_exact_simulator_in_transition_region():
-    rows = whatif.validate_gradients(SMALL, param="delta", points=[5.0, 6.0], surrogates=(SMOOTH, "ste"))
+    with _announced_steps(validation.progress_steps((SMOOTH, "ste"))):
+        rows = whatif.validate_gradients(SMALL, param="delta", points=[5.0, 6.0], surrogates=(SMOOTH, "ste"))
     smooth = [r for r in rows if r["surrogate"] == SMOOTH.label]
     ste = [r for r in rows if r["surrogate"] == "ste"]
     for r in smooth:
@@ -138,8 +151,9 @@ def test_expected_mse_is_differentiable_under_jit():
 
 @pytest.mark.slow
 def test_worst_delta_fwd_s1_lands_in_paper_transition_region():
-    r = whatif.worst_case_delta("fwd_s1", 1024, q_len=8, seeds=8, steps=40, objective="total", grid_step=0.5,
-                                refine_step=0.1)  # starts 5.8, 7.6, 9.4, 11.2
+    with _announced_steps(worst_case.STEPS):
+        r = whatif.worst_case_delta("fwd_s1", 1024, q_len=8, seeds=8, steps=40, objective="total", grid_step=0.5,
+                                    refine_step=0.1)  # starts 5.8, 7.6, 9.4, 11.2
     assert 6.0 <= r.local_peak <= 9.0
     assert r.in_paper_region
     assert r.critical_delta == pytest.approx(float(theory.critical_delta(1.0)))
@@ -171,15 +185,17 @@ def test_optimal_power_of_two_for_paper_workload_is_256():
 def test_optimal_scale_accepts_a_scores_array():
     inst = make_instance(instance_key(0, 512, 0), SinkWorkload(n=512, q_len=4, d=1), 7.0)
     scores = np.asarray(inst.scores)
-    r = whatif.optimal_scale(scores=scores, steps=10, curve_points=0, powers=(0, 8))
+    with _announced_steps(scale_search.STEPS):
+        r = whatif.optimal_scale(scores=scores, steps=10, curve_points=0, powers=(0, 8))
     direct = float(whatif.expected_mse_scores(scores, config="fwd_s1", log2_scale=8.0)[0])
     assert r.powers[256.0] == pytest.approx(direct, rel=1e-6)
     assert r.powers[1.0] > r.powers[256.0]
 
 
 def test_calibrate_prop3_recovers_c_one_with_actual_set_and_delta_k():
-    r = whatif.calibrate_prop3("fwd_s1", 1024, deltas=np.arange(5.0, 10.01, 1.0), seeds=4, q_len=8, d=16,
-                               steps=150, bootstrap=100, models=("actual",), target="mse_expected")
+    with _announced_steps(calibration.progress_steps(("actual",))):
+        r = whatif.calibrate_prop3("fwd_s1", 1024, deltas=np.arange(5.0, 10.01, 1.0), seeds=4, q_len=8, d=16,
+                                   steps=150, bootstrap=100, models=("actual",), target="mse_expected")
     c = r.summary["actual"]["c"]
     assert 0.9 < c["mean"] < 1.1  # Prop. 3 is exact in expectation over i.i.d. V
     assert c["lo95"] <= c["mean"] <= c["hi95"]
@@ -189,7 +205,8 @@ def test_calibrate_prop3_recovers_c_one_with_actual_set_and_delta_k():
 
 
 def test_dynamic_pow2_matches_static_256_while_zeroing_less():
-    r = whatif.dynamic_vs_static(ns=(512,), deltas=(7.0, 12.0), seeds=2, q_len=4, d=4, statics=("fwd_s256",))
+    with _announced_steps(dynamic.STEPS):
+        r = whatif.dynamic_vs_static(ns=(512,), deltas=(7.0, 12.0), seeds=2, q_len=4, d=4, statics=("fwd_s256",))
     by_delta = {row["delta"]: row for row in r.rows()}
     for row in by_delta.values():
         assert abs(row["ratio_vs_fwd_s256"] - 1) < 1e-3
@@ -258,3 +275,36 @@ def test_worst_case_delta_accepts_block_scaled_p_and_reports_the_block_scale_thr
     cfg = get_preset("nvfp4_fakequant")
     assert r.critical_delta == pytest.approx(float(theory.block_critical_delta(cfg.scale, fmt="nvfp4")))
     assert 4.0 <= r.worst_delta <= 13.0 and np.all(np.isfinite(r.grid_values))
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress of the report: a total fixed from the first line, analyses in threads
+# ---------------------------------------------------------------------------------------------
+
+
+def test_progress_total_is_fixed_and_says_time_left_when_threads_report():
+    import re
+    import threading
+
+    stream = io.StringIO()
+    with progress.reporting("t", show=None, stream=stream):
+        progress.fix(6)
+
+        def analysis(tag):
+            progress.plan(3)  # an analysis announcing its own steps: ignored once the total is fixed
+            for i in range(3):
+                progress.stage(f"{tag} {i}")
+
+        # as whatif.report runs them: each thread in a copy of the caller's context
+        threads = [threading.Thread(target=contextvars.copy_context().run, args=(analysis, tag)) for tag in "ab"]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert progress.steps_done() == (6, 6)
+    lines = stream.getvalue().splitlines()
+    got = [tuple(map(int, re.search(r"\[(\d+)/(\d+)\]", ln).groups())) for ln in lines]
+    assert got == [(i, 6) for i in range(1, 7)]
+    assert all("s left" in ln for ln in lines[1:])
+    assert progress.steps_done() is None
+

@@ -32,6 +32,11 @@ __all__ = ["MODELS", "Prop3Calibration", "calibrate_prop3"]
 MODELS = ("actual", "row", "mean")
 
 
+def progress_steps(models=None) -> int:
+    """Progress steps of one :func:`calibrate_prop3` call with these ``models`` (default: all)."""
+    return 3 + len(MODELS if models is None else tuple(models))
+
+
 @dataclasses.dataclass
 class Prop3Calibration:
     """Fits of Prop. 3 (with Remark 1's constant c) and of δk in Eq. (7) to simulations.
@@ -218,7 +223,7 @@ def calibrate_prop3(config="fwd_s1", n: int = 4096, *, deltas=None, seeds: int =
     spec = SweepSpec(configs=(cfg,), deltas=tuple(float(x) for x in deltas), ns=(n,), seeds=seeds, q_len=q_len,
                      d=d, k_sink=k_sink, sigma=sigma, sigma_v=sigma_v, base_seed=base_seed,
                      expected_mse=(target == "mse_expected"), sampled_mse=(target == "mse"))
-    progress.plan(3 + len(models))
+    progress.plan(progress_steps(models))
     progress.stage(f"calibrate {cfg.name}: simulation sweep ({deltas.size} Δ x {seeds} seeds)")
     res = run_sweep(spec, progress=False)
     progress.stage(f"calibrate {cfg.name}: exact collapse / noise split")

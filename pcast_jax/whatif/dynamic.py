@@ -19,6 +19,9 @@ from pcast_jax.whatif import progress
 
 __all__ = ["DynamicComparison", "dynamic_vs_static"]
 
+#: Progress steps of one :func:`dynamic_vs_static` call.
+STEPS = 2
+
 
 @dataclasses.dataclass
 class DynamicComparison:
@@ -67,7 +70,7 @@ def dynamic_vs_static(*, dynamic="dynamic_pow2", statics=("fwd_s256", "fwd_s448"
     t0 = time.perf_counter()
     spec = SweepSpec(configs=(dyn,) + statics, deltas=deltas, ns=ns, seeds=seeds, q_len=q_len, d=d,
                      k_sink=k_sink, base_seed=base_seed, expected_mse=True, sampled_mse=(metric == "mse"))
-    progress.plan(2)
+    progress.plan(STEPS)
     progress.stage(f"dynamic: sweep of {len(spec.configs)} configs x {len(deltas)} Δ x {len(ns)} N "
                    f"x {seeds} seeds")
     res = run_sweep(spec, out_dir=out_dir, progress=False)

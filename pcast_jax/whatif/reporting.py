@@ -9,9 +9,13 @@ through :mod:`pcast_jax.report` only: :func:`markdown_table` formats cells for
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextvars
 import dataclasses
+import functools
 import importlib.util
 import math
+import os
 import time
 from pathlib import Path
 
@@ -19,7 +23,8 @@ import numpy as np
 
 from pcast_jax import formats, theory
 from pcast_jax import report as _report
-from pcast_jax.whatif import progress
+from pcast_jax.errors import check_positive
+from pcast_jax.whatif import calibration, dynamic, progress, scale_search, validation, worst_case
 from pcast_jax.whatif.calibration import calibrate_prop3
 from pcast_jax.whatif.dynamic import dynamic_vs_static
 from pcast_jax.whatif.objective import Scenario
@@ -88,56 +93,69 @@ def _sizes(quick: bool) -> dict:
                 curve_points=65, bootstrap=1000)
 
 
-def report(*, quick: bool = False, out_dir=None, base_seed: int = 0) -> WhatIfReport:
+def report(*, quick: bool = False, out_dir=None, base_seed: int = 0, workers: int | None = None) -> WhatIfReport:
     """Run the four analyses and the surrogate validation; return markdown, tables and figures.
 
-    ``quick`` uses N = 1024, q_len = 8 and a few seeds (about a minute on 2 cores); the full size is
+    ``quick`` uses N = 1024, q_len = 8 and a few seeds (under a minute on 2 cores); the full size is
     the paper's workload (N = 4096, q_len = 32). Figures are written to ``out_dir`` when given and
     matplotlib is installed.
+
+    ``workers``: how many analyses run at once in threads (default: the CPU count, at most 4). Their
+    time is mostly XLA compiling one program per setting, which runs on one core, so two at a time
+    halve the wait on a 2-core machine; each analysis computes exactly what it computes alone (its own
+    programs, its own seeds), so the tables do not depend on ``workers``.
     """
     z = _sizes(bool(quick))
-    times, tables, md = {}, {}, []
+    workers = min(4, os.cpu_count() or 1) if workers is None else int(check_positive("workers", workers))
+    tables, md = {}, []
     n, q = z["n"], z["q_len"]
 
-    t = time.perf_counter()
     sc = Scenario(config="fwd_s1", n=n, q_len=q, seeds=z["seeds"], base_seed=base_seed)
     surs = (Surrogate(), Surrogate(lsb_mode="staircase"), Surrogate(kind="ste"))
-    val_delta = validate_gradients(sc, param="delta", surrogates=surs)
-    # dMSE/dσ is dominated by where each sink P lands in its cell: resolving it takes twice the seeds
-    val_sigma = validate_gradients(sc.replace(seeds=2 * z["seeds"]), param="sigma", surrogates=surs, step=0.1)
     surs_rep = tuple(dataclasses.replace(x, atoms="representable") for x in surs)
-    val_scale = validate_gradients(sc, param="log2_scale", surrogates=surs_rep)
-    tables["validate"] = val_delta + val_sigma + val_scale
-    times["validate"] = time.perf_counter() - t
+    wl = SinkWorkload(n=n, q_len=q)
 
-    t = time.perf_counter()
-    worst = []
+    def optimal_pair():
+        mean = optimal_scale(wl, seeds=z["seeds"], curve_points=z["curve_points"], base_seed=base_seed)
+        stair = optimal_scale(wl, seeds=z["seeds"], curve_points=0, base_seed=base_seed,
+                              start_log2_scale=mean.continuous_log2_scale,
+                              surrogate=Surrogate(lsb_mode="staircase", atoms="representable"))
+        return mean, stair
+
+    # (name, function, progress steps): longest first, so two workers finish together
+    jobs = [("validate_delta", lambda: validate_gradients(sc, param="delta", surrogates=surs),
+             validation.progress_steps(surs)),
+            # dMSE/dσ is dominated by where each sink P lands in its cell: resolving it takes twice the seeds
+            ("validate_sigma", lambda: validate_gradients(sc.replace(seeds=2 * z["seeds"]), param="sigma",
+                                                          surrogates=surs, step=0.1),
+             validation.progress_steps(surs)),
+            ("validate_log2_scale", lambda: validate_gradients(sc, param="log2_scale", surrogates=surs_rep),
+             validation.progress_steps(surs_rep)),
+            ("optimal_scale", optimal_pair, 2 * scale_search.STEPS),
+            ("calibrate_prop3", lambda: calibrate_prop3("fwd_s1", n, seeds=z["calib_seeds"], q_len=q,
+                                                        steps=z["calib_steps"], bootstrap=z["bootstrap"],
+                                                        base_seed=base_seed),
+             calibration.progress_steps()),
+            ("dynamic", lambda: dynamic_vs_static(ns=z["dyn_ns"], seeds=z["dyn_seeds"], q_len=q, base_seed=base_seed),
+             dynamic.STEPS)]
     for cfg in z["worst_configs"]:
         for obj in ("total", "collapse"):
-            worst.append(worst_case_delta(cfg, n, objective=obj, seeds=z["seeds"], q_len=q, steps=z["steps"],
-                                          base_seed=base_seed))
+            jobs.append((f"worst_delta {cfg} {obj}",
+                         functools.partial(worst_case_delta, cfg, n, objective=obj, seeds=z["seeds"], q_len=q,
+                                           steps=z["steps"], base_seed=base_seed), worst_case.STEPS))
+    # every step of every analysis, known before the first: the progress total never grows
+    progress.fix(sum(j[2] for j in jobs) + (out_dir is not None))
+    out, times = _run_jobs([(name, fn) for name, fn, _ in jobs], workers)
+    val_delta, val_sigma, val_scale = out["validate_delta"], out["validate_sigma"], out["validate_log2_scale"]
+    tables["validate"] = val_delta + val_sigma + val_scale
+    worst = [out[f"worst_delta {cfg} {obj}"] for cfg in z["worst_configs"] for obj in ("total", "collapse")]
     tables["worst_delta"] = [r for w in worst for r in w.rows()]
-    times["worst_delta"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    wl = SinkWorkload(n=n, q_len=q)
-    opt_mean = optimal_scale(wl, seeds=z["seeds"], curve_points=z["curve_points"], base_seed=base_seed)
-    opt_stair = optimal_scale(wl, seeds=z["seeds"], curve_points=0, base_seed=base_seed,
-                              start_log2_scale=opt_mean.continuous_log2_scale,
-                              surrogate=Surrogate(lsb_mode="staircase", atoms="representable"))
+    opt_mean, opt_stair = out["optimal_scale"]
     tables["optimal_scale"] = opt_mean.rows()
-    times["optimal_scale"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    cal = calibrate_prop3("fwd_s1", n, seeds=z["calib_seeds"], q_len=q, steps=z["calib_steps"],
-                          bootstrap=z["bootstrap"], base_seed=base_seed)
+    cal = out["calibrate_prop3"]
     tables["calibrate_prop3"] = cal.rows()
-    times["calibrate_prop3"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    dyn = dynamic_vs_static(ns=z["dyn_ns"], seeds=z["dyn_seeds"], q_len=q, base_seed=base_seed)
+    dyn = out["dynamic"]
     tables["dynamic"] = dyn.rows()
-    times["dynamic"] = time.perf_counter() - t
 
     # ---- markdown
     md.append(f"## What-if analyses (N = {n}, q_len = {q}{', quick' if quick else ''})\n")
@@ -191,14 +209,33 @@ def report(*, quick: bool = False, out_dir=None, base_seed: int = 0) -> WhatIfRe
     dcols = ["n", "delta", "dynamic_pow2", "ratio_vs_fwd_s256", "ratio_vs_fwd_s256_sem", "ratio_vs_fwd_s448",
              "ratio_vs_fwd_s448_sem", "frac_zeroed_dynamic_pow2", "frac_zeroed_fwd_s256"]
     md.append(markdown_table(tables["dynamic"], name="dynamic", columns=dcols))
-    md.append("\nRun times (s): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()) + "\n")
+    md.append(f"\nRun times (s, {workers} at a time): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items())
+              + "\n")
 
     figures = []
     if out_dir is not None:
-        progress.plan(1)
         progress.stage("report: figures")
         figures = _figures(Path(out_dir), val_delta, worst, opt_mean, cal)
     return WhatIfReport(markdown="\n".join(md), tables=tables, figures=figures, seconds=times)
+
+
+def _run_jobs(jobs, workers: int) -> tuple[dict, dict]:
+    """Run ``(name, fn)`` jobs, ``workers`` at a time; return ({name: result}, {name: seconds}).
+
+    Each job runs in a copy of the caller's context (so it reports to the caller's progress); the
+    first error is raised once every started job has ended.
+    """
+    def timed(fn):
+        t = time.perf_counter()
+        return fn(), time.perf_counter() - t
+
+    if workers <= 1:
+        done = {name: timed(fn) for name, fn in jobs}
+    else:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pcast-whatif") as pool:
+            futs = {name: pool.submit(contextvars.copy_context().run, timed, fn) for name, fn in jobs}
+            done = {name: f.result() for name, f in futs.items()}
+    return {k: v[0] for k, v in done.items()}, {k: v[1] for k, v in done.items()}
 
 
 def _figures(out: Path, val_delta, worst, opt, cal) -> list[Path]:

@@ -27,6 +27,9 @@ from pcast_jax.workloads import SinkWorkload
 
 __all__ = ["OptimalScaleResult", "optimal_scale"]
 
+#: Progress steps of one :func:`optimal_scale` call.
+STEPS = 3
+
 
 @dataclasses.dataclass
 class OptimalScaleResult:
@@ -178,7 +181,7 @@ def optimal_scale(workload: SinkWorkload | None = None, *, scores=None, config="
         return _Evaluator(sc_, cfg, surr, part, float(delta), float(sigma))
 
     exact_sur = Surrogate(kind="exact")
-    progress.plan(3)
+    progress.plan(STEPS)
     progress.stage(f"optimal-scale {cfg.name}: Adam over log2 S ({sur.label})")
     l2, val, _ = _descend_scale(jnp.float32(start_log2_scale), jnp.float32(lo), jnp.float32(hi), arr,
                                 evaluate=evaluator(sur), steps=int(steps), lr=float(learning_rate))

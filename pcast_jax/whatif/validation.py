@@ -19,6 +19,11 @@ from pcast_jax.whatif.surrogates import Surrogate, as_surrogate
 __all__ = ["validate_gradients"]
 
 
+def progress_steps(surrogates=None) -> int:
+    """Progress steps of one :func:`validate_gradients` call with these ``surrogates`` (default: two)."""
+    return 1 + (2 if surrogates is None else len(tuple(surrogates)))
+
+
 def validate_gradients(scenario: Scenario, *, param: str = "delta", points=None, step=None,
                        surrogates=None, base: dict | None = None, rel_tol: float = 0.25) -> list[dict]:
     """Surrogate gradients vs central finite differences of the exact simulator (same seeds).
@@ -68,7 +73,7 @@ def validate_gradients(scenario: Scenario, *, param: str = "delta", points=None,
             _check_param_value(name, float(v))
     shifted_j = jnp.asarray(shifted, jnp.float32)
     exact = Surrogate(kind="exact")
-    progress.plan(1 + len(surrogates))
+    progress.plan(progress_steps(surrogates))
     progress.stage(f"validate d/d{param}: exact finite differences at {len(points)} points")
     ev = np.asarray(_grid(shifted_j, scenario=scenario, surrogate=exact, part="total"), np.float64)
     lo, hi, mid = np.split(ev, 3)
@@ -80,8 +85,9 @@ def validate_gradients(scenario: Scenario, *, param: str = "delta", points=None,
         vals, grads = _grid(jnp.asarray(pts, jnp.float32), scenario=scenario, surrogate=sur, part="total",
                             with_grad=True)
         vals, grads = np.asarray(vals, np.float64), np.asarray(grads, np.float64)[..., idx]
-        sv = np.asarray(_grid(shifted_j[: 2 * len(points)], scenario=scenario, surrogate=sur, part="total"),
-                        np.float64)
+        # the program that gave the gradients gives the values too: one compilation per surrogate, not two
+        sv = np.asarray(_grid(shifted_j[: 2 * len(points)], scenario=scenario, surrogate=sur, part="total",
+                              with_grad=True)[0], np.float64)
         own = ((sv[len(points):] - sv[: len(points)]) / (2 * step)).mean(axis=1)
         for i, x0 in enumerate(points):
             ex_mean = float(mid[i].mean())

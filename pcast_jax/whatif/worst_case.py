@@ -26,6 +26,9 @@ from pcast_jax.whatif.surrogates import Surrogate, as_surrogate
 
 __all__ = ["PAPER_TRANSITION", "WorstDeltaResult", "worst_case_delta"]
 
+#: Progress steps of one :func:`worst_case_delta` call.
+STEPS = 2
+
 #: The paper's transition region (§1.2, §3.4, Fig. 2): P-collapse matters for Δ ≈ 6–9.
 PAPER_TRANSITION = (6.0, 9.0)
 
@@ -154,7 +157,7 @@ def worst_case_delta(config="fwd_s1", n: int = 4096, *, objective: str = "total"
                   base_seed=base_seed)
     check_positive("sigma", sigma)
     t0 = time.perf_counter()
-    progress.plan(2)
+    progress.plan(STEPS)
     progress.stage(f"worst-delta {cfg.name} ({objective}): Adam ascent from {starts.size} starts")
     finals, values, _ = _ascend(jnp.asarray(starts), jnp.float32(lo), jnp.float32(hi), jnp.float32(sigma),
                                 jnp.float32(sc.log2_scale), scenario=sc, surrogate=sur, part=part,
