@@ -100,8 +100,8 @@ def run(*, seeds: int, n: int, q_len: int, d: int, repeats: int) -> list[dict]:
     is_sink = np.asarray(inst.is_sink[0])  # a constant, as in the sweep
     for eng in ("scan", "fast"):
         def one(scores, v, eng=eng):
-            return metrics.evaluate(inst._replace(scores=scores, v=v, is_sink=is_sink), CONFIGS, engine=eng,
-                                    expected=False)
+            return metrics.evaluate(inst._replace(scores=scores, v=v, is_sink=is_sink), CONFIGS,
+                                    implementation="scan" if eng == "scan" else "xla", expected=False)
 
         batched = jax.jit(jax.vmap(one))
         looped = jax.jit(lambda sc, v, one=one: jax.lax.map(lambda a: one(*a), (sc, v)))

@@ -109,7 +109,7 @@ def run_timing(args) -> None:
                 label = f"{backend} fp8 {name} ({cfg.scale_mode}, B={cfg.block_kv})"
                 fn = jax.jit(
                     lambda q, k, v, dq, dk, dv, cfg=cfg, backend=backend: pk.fp8_attention(
-                        q, k, v, config=cfg, backend=backend, interpret=interpret, v_transposed=True,
+                        q, k, v, config=cfg, implementation=backend, interpret=interpret, v_transposed=True,
                         q_descale=dq, k_descale=dk, v_descale=dv,
                     )
                 )
@@ -155,10 +155,10 @@ def run_table2(args) -> list[dict]:
         for backend in args.backends:
             try:
                 out, stats = pk.fp8_attention(
-                    w.q, w.k, w.v, config=cfg, backend=backend, interpret=interpret,
-                    softmax_scale=w.softmax_scale, return_stats=True,
+                    w.q, w.k, w.v, config=cfg, implementation=backend, interpret=interpret,
+                    scale=w.softmax_scale, return_stats=True,
                 )
-                sim = pk.simulate_fp8_attention(w.q, w.k, w.v, config=cfg, softmax_scale=w.softmax_scale)
+                sim = pk.simulate_fp8_attention(w.q, w.k, w.v, config=cfg, scale=w.softmax_scale)
                 mk, ms = _mse(out, ref), _mse(sim.out, ref)
                 rows.append({
                     "config": name, "backend": backend, "block_kv": cfg.block_kv, "mse_kernel": mk,
@@ -214,11 +214,11 @@ def run_mma(args) -> tuple[int, dict]:
     q_len = 64 if args.cpu_smoke else 128
     w = sink_qkv(jax.random.key(7), deltas=[0.0], heads=heads, kv_heads=heads, q_len=q_len, n=n)
     base = mma_fit_config(0)
-    out = pk.fp8_attention(w.q, w.k, w.v, config=base, backend="mosaic", interpret=interpret,
-                           softmax_scale=w.softmax_scale)
+    out = pk.fp8_attention(w.q, w.k, w.v, config=base, implementation="mosaic", interpret=interpret,
+                           scale=w.softmax_scale)
     grid = (0, 12, 14, 23) if args.cpu_smoke else MMA_FIT_BITS
-    sims = {b: pk.simulate_fp8_attention(w.q, w.k, w.v, config=mma_fit_config(b), softmax_scale=w.softmax_scale,
-                                         engine="fast").out for b in grid}
+    sims = {b: pk.simulate_fp8_attention(w.q, w.k, w.v, config=mma_fit_config(b), scale=w.softmax_scale,
+                                         implementation="xla").out for b in grid}
     best, err = fit_accumulator_bits(out, sims)
     scale = float(jnp.mean(jnp.asarray(out, jnp.float32) ** 2))
     print(f"\n== mma: accumulator fit, mosaic kernel, Δ=0, N={n}, heads={heads}, q_len={q_len}, d=128, "

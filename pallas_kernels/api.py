@@ -22,6 +22,7 @@ import numpy as np
 from pallas_kernels import mosaic_gpu, tiling, triton_gpu
 from pcast_jax import block
 from pcast_jax import engine as _engine
+from pcast_jax._compat import renamed, simulator_implementation
 from pcast_jax.config import MMA_K, KernelConfig, resolve
 from pcast_jax.errors import PcastError, check_choice, check_int, check_positive
 
@@ -151,7 +152,7 @@ def _check_finite_input(name: str, x) -> None:
 
 def _validate(q, k, v, cfg: KernelConfig, backend: str, softmax_scale, num_slots: int, v_transposed: bool):
     """All checks; returns the head dim and N. Raises PcastError naming the parameter."""
-    check_choice("backend", backend, BACKENDS)
+    check_choice("implementation", backend, BACKENDS)
     _check_array("q", q, 4)
     _check_array("k", k, 4)
     _check_array("v", v, 4)
@@ -168,7 +169,7 @@ def _validate(q, k, v, cfg: KernelConfig, backend: str, softmax_scale, num_slots
     if heads % kv_heads:
         raise PcastError(f"q heads={heads} must be a multiple of kv_heads={kv_heads} (GQA groups)")
     if softmax_scale is not None:
-        check_positive("softmax_scale", softmax_scale)
+        check_positive("scale", softmax_scale)
 
     # P-cast semantics the kernels implement
     if cfg.p_format not in ("e4m3", "e4m3fn", "float8_e4m3fn"):
@@ -302,15 +303,16 @@ def _run(q, k, v, q_descale, k_descale, v_descale, sinks, *, config, backend, in
     return out * out_factor, KernelStats(row_sum, n_zeroed)
 
 
+@renamed(backend="implementation", softmax_scale="scale")
 def fp8_attention(
     q,
     k,
     v,
     *,
     config: str | KernelConfig,
-    backend: str = "mosaic",
+    implementation: str = "mosaic",
     interpret: bool = False,
-    softmax_scale: float | None = None,
+    scale: float | None = None,
     q_descale=1.0,
     k_descale=1.0,
     v_descale=1.0,
@@ -321,7 +323,7 @@ def fp8_attention(
 ):
     """FP8 attention forward whose P-cast follows ``config`` (Algorithm 1 of the paper).
 
-    Output = softmax(Q·Kᵀ · q_descale·k_descale·softmax_scale) · V · v_descale, computed block by
+    Output = softmax(Q·Kᵀ · q_descale·k_descale·scale) · V · v_descale, computed block by
     block in the config's KV order with P cast to E4M3 after scaling by S (``scale_mode``
     "multiply", "exponent" or "dynamic"; an f16 P·V accumulator if ``config.accumulator`` says so).
 
@@ -340,9 +342,11 @@ def fp8_attention(
         ``split_layout``) runs one program per split over the blocks of
         :func:`pcast_jax.block.split_schedule`; the per-split O, m and ℓ are merged here by
         :func:`pcast_jax.block.merge_splits` (the combine step of flash-decoding).
-      backend: ``"mosaic"`` (Pallas Mosaic GPU, Hopper wgmma + TMA) or ``"triton"``.
+      implementation: ``"mosaic"`` (Pallas Mosaic GPU, Hopper wgmma + TMA) or ``"triton"``
+        (``backend=`` before: still accepted, with a DeprecationWarning).
       interpret: run the kernel in Pallas interpret mode (works on CPU).
-      softmax_scale: defaults to 1/√d.
+      scale: the logit scale, 1/√d by default (``softmax_scale=`` before, still accepted with a
+        DeprecationWarning), as in :func:`jax.nn.dot_product_attention`.
       q_descale, k_descale, v_descale: per-tensor dequantization scales (floats or 0-d arrays).
       return_stats: also return :class:`KernelStats` (ℓ and the per-row count of zeroed P).
       v_transposed: v is already (batch, kv_heads, d, N).
@@ -355,6 +359,7 @@ def fp8_attention(
       out (batch, heads, q_len, d) float32, or ``(out, KernelStats)`` with ``return_stats``.
     """
     cfg = resolve(config)
+    backend, softmax_scale = implementation, scale
     if not isinstance(interpret, bool):
         raise PcastError(f"interpret={interpret!r} must be True or False")
     head_dim, _ = _validate(q, k, v, cfg, backend, softmax_scale, num_slots, v_transposed)
@@ -363,7 +368,7 @@ def fp8_attention(
     v_descale = _check_descale("v_descale", v_descale)
     if not interpret and not isinstance(q, jax.core.Tracer) and jax.default_backend() != "gpu":
         raise PcastError(
-            f"backend={backend!r} without interpret needs a CUDA GPU (default backend is "
+            f"implementation={backend!r} without interpret needs a CUDA GPU (default backend is "
             f"{jax.default_backend()!r}); pass interpret=True to run the kernel on CPU"
         )
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
@@ -381,36 +386,40 @@ def fp8_attention(
 # --------------------------------------------------------------------------------------------
 
 
+@renamed(softmax_scale="scale", engine="implementation")
 def simulate_fp8_attention(
     q,
     k,
     v,
     *,
     config: str | KernelConfig,
-    softmax_scale: float | None = None,
+    scale: float | None = None,
     q_descale=1.0,
     k_descale=1.0,
     v_descale=1.0,
-    engine: str = "scan",
+    implementation: str = "scan",
     count_mask=None,
     sinks=None,
 ) -> _engine.AttentionResult:
     """``pcast_jax.engine.attention`` on the scores and V an FP8 kernel sees (no kernel involved).
 
-    Scores = (Q8 · K8ᵀ in FP32) · (q_descale·k_descale·softmax_scale) and V = V8 · v_descale, the
+    Scores = (Q8 · K8ᵀ in FP32) · (q_descale·k_descale·scale) and V = V8 · v_descale, the
     same path as ``pcast_jax.engine.prepare_qkv`` for ``qkv="e4m3"``; K/V heads are repeated for GQA. Arrays
-    in the result carry the (batch, heads) leading dimensions.
+    in the result carry the (batch, heads) leading dimensions. ``implementation``: the simulator's,
+    ``"scan"`` (default, block by block like the kernel) or ``"xla"``. (``softmax_scale=`` and
+    ``engine=`` are the old names, still accepted with a DeprecationWarning.)
     """
     cfg = resolve(config)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return _simulate(
         q, k, v, q_descale, k_descale, v_descale, count_mask, _check_sinks(sinks, q.shape[1]),
-        config=cfg, softmax_scale=scale, engine=engine,
+        config=cfg, softmax_scale=scale, implementation=simulator_implementation(implementation),
     )
 
 
-@functools.partial(jax.jit, static_argnames=("config", "softmax_scale", "engine"))
-def _simulate(q, k, v, q_descale, k_descale, v_descale, count_mask, sinks, *, config, softmax_scale, engine):
+@functools.partial(jax.jit, static_argnames=("config", "softmax_scale", "implementation"))
+def _simulate(q, k, v, q_descale, k_descale, v_descale, count_mask, sinks, *, config, softmax_scale,
+              implementation):
     q, k, v = (jnp.asarray(a).astype(jnp.float32) for a in (q, k, v))
     group = q.shape[1] // k.shape[1]
     k = jnp.repeat(k, group, axis=1)
@@ -420,4 +429,5 @@ def _simulate(q, k, v, q_descale, k_descale, v_descale, count_mask, sinks, *, co
     scores = jnp.einsum("bhqd,bhnd->bhqn", q, k, precision=jax.lax.Precision.HIGHEST) * score_scale
     v_seen = v * jnp.asarray(v_descale, f32)
     sink_logit = None if sinks is None else jnp.broadcast_to(sinks, scores.shape[:2])
-    return _engine.attention(scores, v_seen, config, engine=engine, count_mask=count_mask, sink_logit=sink_logit)
+    return _engine.attention(scores, v_seen, config, implementation=implementation, count_mask=count_mask,
+                             sink_logit=sink_logit)

@@ -100,7 +100,7 @@ class KernelShape:
 
 
 def lower_for_hopper(backend: str, config: str | KernelConfig, shape: KernelShape = KernelShape()):
-    """``fp8_attention(..., backend=backend)`` lowered for CUDA on an abstract Hopper device.
+    """``fp8_attention(..., implementation=backend)`` lowered for CUDA on an abstract Hopper device.
 
     Returns the ``jax.stages.Lowered``; no GPU and no CUDA installation are needed.
     """
@@ -108,7 +108,7 @@ def lower_for_hopper(backend: str, config: str | KernelConfig, shape: KernelShap
     cfg = resolve(config)
     q = jax.ShapeDtypeStruct((shape.batch, shape.heads, shape.q_len, shape.head_dim), _F8)
     kv = jax.ShapeDtypeStruct((shape.batch, shape.kv_heads, shape.n, shape.head_dim), _F8)
-    fn = functools.partial(pk.fp8_attention, config=cfg, backend=backend, return_stats=True)
+    fn = functools.partial(pk.fp8_attention, config=cfg, implementation=backend, return_stats=True)
     device = jax.sharding.AbstractDevice(device_kind=HOPPER_DEVICE_KIND, platform="gpu", num_cores=132)
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
         return jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
@@ -786,7 +786,7 @@ def _xla_worker(spec_path: str, out: str) -> None:
     cfg = KernelConfig(**spec["config"])
     q = jax.ShapeDtypeStruct((shape.batch, shape.heads, shape.q_len, shape.head_dim), _F8, sharding=sharding)
     kv = jax.ShapeDtypeStruct((shape.batch, shape.kv_heads, shape.n, shape.head_dim), _F8, sharding=sharding)
-    fn = functools.partial(pk.fp8_attention, config=cfg, backend=spec["backend"], return_stats=True)
+    fn = functools.partial(pk.fp8_attention, config=cfg, implementation=spec["backend"], return_stats=True)
     device = jax.sharding.AbstractDevice(device_kind=HOPPER_DEVICE_KIND, platform="gpu", num_cores=132)
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
         lowered = jax.jit(fn).trace(q, kv, kv).lower()
@@ -795,7 +795,7 @@ def _xla_worker(spec_path: str, out: str) -> None:
 
 def xla_compile(backend: str, config: str | KernelConfig, shape: KernelShape = KernelShape(), *,
                 workdir: str | os.PathLike | None = None, timeout: float = 600) -> XlaBuild:
-    """Compile ``fp8_attention(..., backend=backend)`` with XLA's GPU compiler for an H100, no GPU.
+    """Compile ``fp8_attention(..., implementation=backend)`` with XLA's GPU compiler for an H100, no GPU.
 
     Needs the jax CUDA plugin (``pip install jax-cuda12-plugin==<jax version>``): XLA compiles
     ahead of time for a described target (:data:`H100_TARGET_CONFIG`), with the Triton it bundles

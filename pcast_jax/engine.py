@@ -2,14 +2,15 @@
 
 Two engines compute the same thing:
 
-* :func:`attention` with ``engine="scan"`` — ``lax.scan`` over KV blocks in the kernel's order,
-  Algorithm 1 line by line (running max m, correction α, row sum ℓ from pre-cast P, P-cast, P8·V,
-  epilogue). This is the reference the Pallas kernels are checked against.
-* ``engine="fast"`` — the same numbers without the sequential loop: the running maximum after
-  each block is a cumulative max over block maxima, so every block's P and its cast are computed at
-  once, and the α chain collapses to one factor exp(m_b − m_final) per block. One batched
-  contraction replaces the per-block updates. It equals the scan engine to FP32 rounding (the α
-  products are rounded in a different order); the cast inputs, and so every zeroed P, are identical.
+* :func:`attention` with ``implementation="scan"`` — ``lax.scan`` over KV blocks in the kernel's
+  order, Algorithm 1 line by line (running max m, correction α, row sum ℓ from pre-cast P, P-cast,
+  P8·V, epilogue). This is the reference the Pallas kernels are checked against.
+* ``implementation="xla"`` (the default; the "fast engine") — the same numbers without the
+  sequential loop: the running maximum after each block is a cumulative max over block maxima, so
+  every block's P and its cast are computed at once, and the α chain collapses to one factor
+  exp(m_b − m_final) per block. One batched contraction replaces the per-block updates. It equals
+  the scan engine to FP32 rounding (the α products are rounded in a different order); the cast
+  inputs, and so every zeroed P, are identical.
 
 Scores are logits with the softmax scale already applied, shape ``(..., q_len, N)``; V is
 ``(..., N, d)``. Leading dimensions broadcast (vmap is the usual way to batch). A score of −inf, or
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pcast_jax import block, formats
+from pcast_jax._compat import SIMULATOR_IMPLEMENTATIONS, renamed, simulator_implementation
 from pcast_jax.config import QKV_GRANULARITIES, KernelConfig, resolve
 from pcast_jax.errors import PcastError, check_choice, check_int, check_positive
 
@@ -45,9 +47,12 @@ __all__ = [
     "prepare_qkv",
     "round_scores",
     "ENGINES",
+    "IMPLEMENTATIONS",
 ]
 
-ENGINES = ("scan", "fast")
+ENGINES = ("scan", "fast")  # the sweep spec's names (SweepSpec.engine); functions take IMPLEMENTATIONS
+#: What computes :func:`attention`: ``"xla"`` (vectorized, the default) or ``"scan"`` (block by block).
+IMPLEMENTATIONS = SIMULATOR_IMPLEMENTATIONS
 
 
 class AttentionResult(NamedTuple):
@@ -510,12 +515,13 @@ def effective_weights(scores, config, *, q_offset: int | None = None, cast_fn=No
     return weights_and_stats(scores, config, q_offset=q_offset, cast_fn=cast_fn, sink_logit=sink_logit).weights
 
 
+@renamed(engine="implementation")
 def attention(
     scores,
     v,
     config: str | KernelConfig,
     *,
-    engine: str = "fast",
+    implementation: str = "xla",
     count_mask=None,
     q_offset: int | None = None,
     sink_logit=None,
@@ -526,7 +532,9 @@ def attention(
       scores: (..., q_len, N) float32 logits (softmax scale applied).
       v: (..., N, d) values as the kernel sees them (already dequantized if FP8).
       config: a preset name or :class:`KernelConfig`.
-      engine: ``"scan"`` (block by block, the reference) or ``"fast"``.
+      implementation: ``"xla"`` (vectorized, the default) or ``"scan"`` (block by block, the
+        reference); they agree to FP32 rounding. (Named ``engine=`` before, with ``"fast"`` for
+        ``"xla"``: both still work, with a DeprecationWarning.)
       count_mask: optional (N,) bool, positions counted in ``n_zeroed``/``zeroed_mass``
         (e.g. the non-sink positions); all positions by default.
       q_offset: position of query row 0 for the causal mask (default N − q_len).
@@ -535,13 +543,13 @@ def attention(
         with no value row, placed as ``config.sink_mode`` says.
     """
     cfg = resolve(config)
-    check_choice("engine", engine, ENGINES)
+    impl = simulator_implementation(implementation)
     scores, v, counted = _prepare(scores, v, cfg, count_mask, q_offset)
     sink = _sink_rows(sink_logit, scores.shape[:-1])
     # The never-promoted MMA accumulator model truncates O itself after every 32 keys, a chain through
     # every block that the fast engine's one weighted sum cannot express: both engines run the scan.
     chained = cfg.mma_acc_bits and not cfg.mma_promote_keys
-    fn = _scan_engine if engine == "scan" or chained else _fast_engine
+    fn = _scan_engine if impl == "scan" or chained else _fast_engine
     return _check_output(fn(scores, v, counted, cfg, sink), v, cfg)
 
 
@@ -628,13 +636,15 @@ def round_scores(scores):
     return jax.lax.optimization_barrier(scores)
 
 
-def prepare_qkv(q, k, v, config, *, softmax_scale: float | None = None):
+@renamed(softmax_scale="scale")
+def prepare_qkv(q, k, v, config, *, scale: float | None = None):
     """Scores and V as the kernel sees them for Q (..., q_len, d), K and V (..., N, d).
 
     With ``config.qkv == "e4m3"`` Q, K, V are quantized to E4M3 (:func:`quantize_qkv`, one scale
     per tensor, or per leading index with ``qkv_granularity="head"``); the scores are the FP8×FP8
-    products accumulated in FP32 times q_descale·k_descale·softmax_scale, and V is the dequantized
+    products accumulated in FP32 times q_descale·k_descale·scale, and V is the dequantized
     FP8 value (its descale applied to the values, which equals applying it to the output).
+    ``scale`` is the logit scale (default 1/√d), as in :func:`jax.nn.dot_product_attention`.
     """
     cfg = resolve(config)
     q, k, v = (_real_array(name, a) for name, a in (("q", q), ("k", k), ("v", v)))
@@ -644,17 +654,17 @@ def prepare_qkv(q, k, v, config, *, softmax_scale: float | None = None):
     if 0 in q.shape or 0 in k.shape or 0 in v.shape:
         raise PcastError(f"empty q, k or v: q.shape={q.shape}, k.shape={k.shape}, v.shape={v.shape}")
     _batch_shape("q, k and v", q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    if softmax_scale is not None:
+    if scale is not None:
         try:
-            softmax_scale = float(softmax_scale)
+            scale = float(scale)
         except (TypeError, ValueError):
-            raise PcastError(f"softmax_scale={softmax_scale!r} must be a real number > 0") from None
-        check_positive("softmax_scale", softmax_scale)
+            raise PcastError(f"scale={scale!r} must be a real number > 0") from None
+        check_positive("scale", scale)
     if q.shape[-1] != k.shape[-1]:
         raise PcastError(f"q and k head dims differ: q.shape={q.shape}, k.shape={k.shape}")
     if k.shape[-2] != v.shape[-2]:
         raise PcastError(f"k and v lengths differ: k.shape={k.shape}, v.shape={v.shape}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if cfg.qkv == "e4m3":
         (q8, dq), (k8, dk), (v8, dv) = (quantize_qkv(x, cfg.qkv_granularity) for x in (q, k, v))
         s = jnp.einsum("...qd,...nd->...qn", q8, k8, precision=jax.lax.Precision.HIGHEST)
@@ -663,10 +673,11 @@ def prepare_qkv(q, k, v, config, *, softmax_scale: float | None = None):
     return round_scores(s * scale), v
 
 
-def attention_qkv(q, k, v, config, *, softmax_scale=None, engine: str = "fast", count_mask=None,
+@renamed(softmax_scale="scale", engine="implementation")
+def attention_qkv(q, k, v, config, *, scale=None, implementation: str = "xla", count_mask=None,
                   q_offset=None, sink_logit=None) -> AttentionResult:
     """:func:`attention` from Q, K, V (see :func:`prepare_qkv` for the FP8 Q/K/V path)."""
     cfg = resolve(config)
-    scores, v_seen = prepare_qkv(q, k, v, cfg, softmax_scale=softmax_scale)
-    return attention(scores, v_seen, cfg, engine=engine, count_mask=count_mask, q_offset=q_offset,
-                     sink_logit=sink_logit)
+    scores, v_seen = prepare_qkv(q, k, v, cfg, scale=scale)
+    return attention(scores, v_seen, cfg, implementation=simulator_implementation(implementation),
+                     count_mask=count_mask, q_offset=q_offset, sink_logit=sink_logit)

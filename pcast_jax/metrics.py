@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from pcast_jax import engine as _engine
+from pcast_jax._compat import renamed, simulator_implementation
 from pcast_jax.config import KernelConfig, resolve
 from pcast_jax.errors import PcastError
 
@@ -46,8 +47,9 @@ def expected_is_exact(config: KernelConfig | str) -> bool:
     return cfg.accumulator == "f32" and not cfg.mma_acc_bits
 
 
-def evaluate(instance, configs: tuple[KernelConfig | str, ...], *, engine: str = "fast", sigma_v: float = 1.0,
-             expected: bool = True, sampled: bool = True) -> dict[str, jnp.ndarray]:
+@renamed(engine="implementation")
+def evaluate(instance, configs: tuple[KernelConfig | str, ...], *, implementation: str = "xla",
+             sigma_v: float = 1.0, expected: bool = True, sampled: bool = True) -> dict[str, jnp.ndarray]:
     """All metrics of one instance for every config; values shaped (len(configs),).
 
     ``instance`` has ``scores`` (q_len, N), ``v`` (N, d) and ``is_sink`` (N,). ``nonsink_mass`` is
@@ -69,9 +71,10 @@ def evaluate(instance, configs: tuple[KernelConfig | str, ...], *, engine: str =
     """
     scores, v, is_sink = instance.scores, instance.v, instance.is_sink
     sink = getattr(instance, "sink_logit", None)
-    if not sampled and engine != "fast":
-        raise PcastError(f"sampled=False takes every metric from the fast engine's weights; engine={engine!r} "
-                         "needs V (use engine='fast', or sample V)")
+    impl = simulator_implementation(implementation)
+    if not sampled and impl != "xla":
+        raise PcastError(f"sampled=False takes every metric from the fast engine's weights; "
+                         f"implementation={impl!r} needs V (use implementation='xla', or sample V)")
     if sampled and v is None:
         raise PcastError("instance.v is None: mse needs V (draw it, or pass sampled=False)")
     count_mask = ~is_sink
@@ -89,7 +92,7 @@ def evaluate(instance, configs: tuple[KernelConfig | str, ...], *, engine: str =
     for i, cfg in enumerate(configs):
         cfg = resolve(cfg)
         p_ref = reference(cfg.causal)
-        shares_product = engine == "fast" and expected_is_exact(cfg)
+        shares_product = impl == "xla" and expected_is_exact(cfg)
         if shares_product or not sampled:  # output = W·V exactly, or no V: what the weights say
             r = _engine.weights_and_stats(scores, cfg, count_mask=count_mask, sink_logit=sink)
             diff = r.weights - p_ref
@@ -100,7 +103,7 @@ def evaluate(instance, configs: tuple[KernelConfig | str, ...], *, engine: str =
                 if shares_product:  # materialized, as the product with V makes it: the sums fuse alike
                     diff = jax.lax.optimization_barrier(diff)
         else:
-            r = _engine.attention(scores, v, cfg, engine=engine, count_mask=count_mask, sink_logit=sink)
+            r = _engine.attention(scores, v, cfg, implementation=impl, count_mask=count_mask, sink_logit=sink)
             o_ref = jnp.einsum("qn,nd->qd", p_ref, v, precision="highest")
             rows["mse"][i] = jnp.mean((r.out - o_ref) ** 2)
             diff = _engine.effective_weights(scores, cfg, sink_logit=sink) - p_ref if expected else None

@@ -190,7 +190,7 @@ def _exact(q, k, v, bias, visible, scale, empty_rows_zero: bool, sinks=None):
 def _simulated(q, k, v, bias, visible, cfg: KernelConfig, scale, engine_name: str, sinks=None):
     logits, vv = kernel_inputs(q, k, v, cfg, scale)
     logits = _masked(logits, bias, visible, -jnp.inf)
-    return engine.attention(logits, vv, cfg.replace(causal=False), engine=engine_name,
+    return engine.attention(logits, vv, cfg.replace(causal=False), implementation=engine_name,
                             sink_logit=_sink_rows(sinks, logits)).out
 
 
@@ -433,7 +433,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
             out = out * (jnp.arange(t)[None, None, :, None] < q_lens[:, None, None, None])
     else:
         out = _attend(q, k, v, jnp.zeros((), jnp.float32) if bias4 is None else bias4, scale, sinks, visible, cfg,
-                      "fast" if impl == "xla" else "scan", gradient, temperature)
+                      impl, gradient, temperature)
     out = jnp.swapaxes(out, 1, 2).astype(query.dtype)
     out = out[0] if unbatched else out
     if not return_residual:
@@ -458,7 +458,7 @@ def _kernel(q, k, v, cfg: KernelConfig, scale, backend: str, sinks=None):
                          "not a traced one (use implementation='xla' or 'scan')")
     q8, k8, v8, descales = pk.quantize_qkv(q, k, v)
     interpret = jax.default_backend() != "gpu"
-    return pk.fp8_attention(q8, k8, v8, config=cfg, backend=backend, softmax_scale=float(scale),
+    return pk.fp8_attention(q8, k8, v8, config=cfg, implementation=backend, scale=float(scale),
                             interpret=interpret, sinks=sinks, **descales)
 
 

@@ -116,7 +116,7 @@ CASES = [
      ["q_offset=-3", ">= 0"]),
     ("q_offset_fraction", lambda: engine.attention(_SCORES, _V, KernelConfig(causal=True), q_offset=1.5),
      ["q_offset=1.5", "integer"]),
-    ("engine_unknown", lambda: engine.attention(_SCORES, _V, "fwd_s1", engine="slow"), ["engine='slow'", "'scan', 'fast'"]),
+    ("engine_unknown", lambda: engine.attention(_SCORES, _V, "fwd_s1", implementation="slow"), ["implementation='slow'", "'xla', 'scan'"]),
     ("weights_nan", lambda: engine.effective_weights(_with(_SCORES, (0, 0), NAN), "fwd_s1"), ["scores", "NaN"]),
     ("qk_head_dims", lambda: engine.prepare_qkv(_Q, _K[:, :3], _K, "fwd_s1"), ["q and k head dims", "(8, 3)"]),
     ("kv_lengths", lambda: engine.prepare_qkv(_Q, _K, _K[:5], "fwd_s1"), ["k and v lengths", "(5, 4)"]),
@@ -124,10 +124,10 @@ CASES = [
     ("qkv_empty", lambda: engine.prepare_qkv(_Q[:0], _K, _K, "fwd_s1"), ["empty", "q.shape=(0, 4)"]),
     ("qkv_batch_dims", lambda: engine.prepare_qkv(np.ones((3, 2, 4)), np.ones((2, 8, 4)), np.ones((2, 8, 4)), "fwd_s1"),
      ["q, k and v", "(3,) vs (2,) vs (2,)"]),
-    ("softmax_scale_zero", lambda: engine.prepare_qkv(_Q, _K, _K, "fwd_s1", softmax_scale=0.0),
-     ["softmax_scale=0.0", "> 0"]),
-    ("softmax_scale_nan", lambda: engine.prepare_qkv(_Q, _K, _K, "fwd_s1", softmax_scale=NAN),
-     ["softmax_scale=nan", "finite"]),
+    ("softmax_scale_zero", lambda: engine.prepare_qkv(_Q, _K, _K, "fwd_s1", scale=0.0),
+     ["scale=0.0", "> 0"]),
+    ("softmax_scale_nan", lambda: engine.prepare_qkv(_Q, _K, _K, "fwd_s1", scale=NAN),
+     ["scale=nan", "finite"]),
     # workloads
     ("n_zero", lambda: workloads.SinkWorkload(n=0), ["n=0", ">= 1"]),
     ("k_sink_above_n", lambda: workloads.SinkWorkload(n=8, k_sink=9), ["k_sink=9", "<= 8"]),
@@ -212,13 +212,13 @@ CASES = [
      ["extras='bogus'", "real_model"]),
     # Pallas FP8 kernels: what the kernels cannot take (validated before anything is compiled)
     # any block up to the widest tile runs (the semantic block on a tile the backend lowers, N padded)
-    ("kernel_block_kv_triton", lambda: _fp8_attention(config=KernelConfig(block_kv=300), backend="triton"),
+    ("kernel_block_kv_triton", lambda: _fp8_attention(config=KernelConfig(block_kv=300), implementation="triton"),
      ["block_kv=300", "triton", "256 keys"]),
-    ("kernel_block_kv_mosaic", lambda: _fp8_attention(config=KernelConfig(block_kv=260), backend="mosaic"),
+    ("kernel_block_kv_mosaic", lambda: _fp8_attention(config=KernelConfig(block_kv=260), implementation="mosaic"),
      ["block_kv=260", "mosaic", "256 keys"]),
-    ("kernel_dtype_float32", lambda: _fp8_attention(config="fwd_s1", backend="triton", dtype=jnp.float32),
+    ("kernel_dtype_float32", lambda: _fp8_attention(config="fwd_s1", implementation="triton", dtype=jnp.float32),
      ["q.dtype=float32", "float8_e4m3fn"]),
-    ("kernel_backend_unknown", lambda: _fp8_attention(config="fwd_s1", backend="cuda"), ["backend='cuda'", "'mosaic', 'triton'"]),
+    ("kernel_backend_unknown", lambda: _fp8_attention(config="fwd_s1", implementation="cuda"), ["implementation='cuda'", "'mosaic', 'triton'"]),
 ]
 
 
@@ -340,17 +340,17 @@ def test_loading_an_unfinished_sweep_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("preset", ["fwd_s1", "rev_s256", "fa3"])
-@pytest.mark.parametrize("engine_name", ["fast", "scan"])
+@pytest.mark.parametrize("engine_name", ["xla", "scan"])
 def test_padding_to_a_block_multiple_changes_nothing(preset, engine_name):
     n, block_kv = 100, 64  # 36 masked keys of padding in the last block
     cfg = get_preset(preset).replace(block_kv=block_kv)
     inst = workloads.make_instance(jax.random.PRNGKey(7), workloads.SinkWorkload(n=n, q_len=4, d=8), 6.0)
-    got = engine.attention(inst.scores, inst.v, cfg, engine=engine_name)
+    got = engine.attention(inst.scores, inst.v, cfg, implementation=engine_name)
     # the same keys padded by hand to N = 128 = 2 blocks: -inf scores, zero values
     pad = 2 * block_kv - n
     scores = jnp.pad(inst.scores, ((0, 0), (0, pad)), constant_values=-jnp.inf)
     v = jnp.pad(inst.v, ((0, pad), (0, 0)))
-    manual = engine.attention(scores, v, cfg, engine=engine_name)
+    manual = engine.attention(scores, v, cfg, implementation=engine_name)
     for field in ("out", "row_sum", "n_zeroed", "zeroed_mass"):
         np.testing.assert_array_equal(getattr(got, field), getattr(manual, field), err_msg=field)
     np.testing.assert_array_equal(got.n_counted, n)  # padding is never counted
@@ -534,7 +534,7 @@ def test_a_non_finite_metric_stops_the_sweep_naming_where_and_is_never_written(t
 def test_values_that_overflow_the_accumulator_are_refused_naming_v(preset):
     v = np.full((8, 3), 3e38, np.float32)
     for call in (lambda: engine.attention(_SCORES, v, preset),
-                 lambda: engine.attention(_SCORES, v, preset, engine="scan")):
+                 lambda: engine.attention(_SCORES, v, preset, implementation="scan")):
         with pytest.raises(PcastError, match=r"^v \(max \|v\| = 3e\+38\) gives a non-finite output") as info:
             call()
         assert f"config={preset!r}" in str(info.value)

@@ -317,13 +317,13 @@ EXTRA = {
 }
 
 
-@pytest.mark.parametrize("engine_name", engine.ENGINES)
+@pytest.mark.parametrize("engine_name", engine.IMPLEMENTATIONS)
 @pytest.mark.parametrize("name", list(EXTRA))
 def test_block_scaled_configs_match_the_oracle(name, engine_name, rng):
     cfg = EXTRA[name]
     for delta in (5.0, 10.0, 14.0):
         s, v, mask = oracle.sink_scores(rng, q=6, n=700, d=16, delta=delta)
-        res = engine.attention(s, v, cfg, engine=engine_name, count_mask=mask)
+        res = engine.attention(s, v, cfg, implementation=engine_name, count_mask=mask)
         ref = oracle.attention(s, v, count_mask=mask, **oracle.config_kwargs(cfg))
         out = np.asarray(res.out, np.float64)
         tol = 3e-6 * np.max(np.abs(ref.out)) + ref.out_slack
@@ -343,8 +343,8 @@ def test_zeroed_counts_the_block_scaled_cast(rng):
     assert np.array_equal(z, np.asarray(block.dequantize(q, sc, cfg)) == 0)
     assert z.any() and not z.all()
     s, v, mask = oracle.sink_scores(rng, q=4, n=512, d=8, delta=9.0)
-    a = engine.attention(s, v, cfg, engine="scan", count_mask=mask)
-    b = engine.attention(s, v, cfg, engine="fast", count_mask=mask)
+    a = engine.attention(s, v, cfg, implementation="scan", count_mask=mask)
+    b = engine.attention(s, v, cfg, implementation="xla", count_mask=mask)
     np.testing.assert_array_equal(np.asarray(a.n_zeroed), np.asarray(b.n_zeroed))
     w = engine.effective_weights(s, cfg)
     np.testing.assert_allclose(np.asarray(w @ v), np.asarray(b.out), atol=1e-6)

@@ -223,7 +223,7 @@ def _batch_qkv(cases):
 
 @functools.lru_cache(maxsize=None)
 def _jit_engine(name: str, engine_name: str):
-    return jax.jit(lambda s, v: engine.attention(s, v, PRESETS[name], engine=engine_name).out)
+    return jax.jit(lambda s, v: engine.attention(s, v, PRESETS[name], implementation=engine_name).out)
 
 
 def _engine(engine_name: str, fill: float):
@@ -315,7 +315,7 @@ def _hook(name, cases):
 
 ENTRIES = (
     Entry("engine.attention[scan]", _engine("scan", F32_MIN), tiled=False, head_dims=(64,), key=lambda c: c.t),
-    Entry("engine.attention[fast]", _engine("fast", -np.inf), tiled=False, head_dims=(64,), key=lambda c: c.t),
+    Entry("engine.attention[xla]", _engine("xla", -np.inf), tiled=False, head_dims=(64,), key=lambda c: c.t),
     Entry("engine.attention_qkv", _qkv_entry, kinds=("none", "causal", "causal_rect"), tiled=False,
           head_dims=(64,)),
     Entry("dot_product_attention[xla]", _drop_in("xla"), key=_drop_in_key),
@@ -384,7 +384,7 @@ def test_preset_through_entry_point_matches_the_oracle_or_is_refused(entry: Entr
 def test_the_matrix_covers_every_preset_entry_and_mask():
     """The matrix is built from the registries: a new preset needs no edit here, and every entry point
     is walked under each mask its arguments can express, at each head dim it takes."""
-    assert {e.name for e in ENTRIES} >= {"engine.attention[scan]", "engine.attention[fast]", "engine.attention_qkv",
+    assert {e.name for e in ENTRIES} >= {"engine.attention[scan]", "engine.attention[xla]", "engine.attention_qkv",
                                          "dot_product_attention[xla]", "dot_product_attention[scan]",
                                          "dot_product_attention[triton]", "dot_product_attention[mosaic]",
                                          "nn.attention_fn", "models.FP8Attention"}

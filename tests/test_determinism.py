@@ -42,8 +42,8 @@ from pcast_jax import engine, formats, metrics, sweep, workloads
 from pcast_jax.config import PRESETS, get_preset
 
 # every scale mode, both orders, the f16 accumulator, and each engine at least twice
-PAIRS = [("fwd_s1", "scan"), ("rev_s256", "fast"), ("fa3", "scan"), ("sageattn2pp", "fast"),
-         ("dynamic_pow2", "scan"), ("flashinfer_sm90", "fast")]
+PAIRS = [("fwd_s1", "scan"), ("rev_s256", "xla"), ("fa3", "scan"), ("sageattn2pp", "xla"),
+         ("dynamic_pow2", "scan"), ("flashinfer_sm90", "xla")]
 WORKLOAD = workloads.SinkWorkload(n=200, q_len=4, d=8, k_sink=4)  # 200: the last block is padded
 
 
@@ -142,7 +142,7 @@ def test_engine_rerun_and_loop_position_give_the_same_bits(preset, engine_name):
     count_mask = ~insts[0].is_sink
 
     def one(s, vv):
-        return engine.attention(s, vv, preset, engine=engine_name, count_mask=count_mask)
+        return engine.attention(s, vv, preset, implementation=engine_name, count_mask=count_mask)
 
     _same_result(one(scores[1], v[1]), one(scores[1], v[1]), "eager rerun")
     single = jax.jit(one)
@@ -157,7 +157,7 @@ def test_engine_rerun_and_loop_position_give_the_same_bits(preset, engine_name):
 @pytest.mark.parametrize("preset, engine_name", PAIRS)
 def test_jit_vs_disable_jit_same_zeros_and_fp32_close_outputs(preset, engine_name):
     inst = _instance(6, delta=9.0)
-    f = lambda s, v: engine.attention(s, v, preset, engine=engine_name, count_mask=~inst.is_sink)  # noqa: E731
+    f = lambda s, v: engine.attention(s, v, preset, implementation=engine_name, count_mask=~inst.is_sink)  # noqa: E731
     jitted = jax.jit(f)(inst.scores, inst.v)
     with jax.disable_jit():
         eager = f(inst.scores, inst.v)
@@ -200,10 +200,10 @@ def test_division_by_a_broadcast_divisor_is_a_reciprocal_multiply():
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_scan_and_fast_engines_zero_the_same_values(preset):
     insts = [_instance(s, delta=d) for s, d in ((0, 4.0), (1, 8.0), (2, 12.0))]
-    run = {name: jax.jit(lambda s, v, m, name=name: engine.attention(s, v, preset, engine=name, count_mask=m))
-           for name in ("fast", "scan")}
+    run = {name: jax.jit(lambda s, v, m, name=name: engine.attention(s, v, preset, implementation=name, count_mask=m))
+           for name in ("xla", "scan")}
     for inst in insts:
-        fast = run["fast"](inst.scores, inst.v, ~inst.is_sink)
+        fast = run["xla"](inst.scores, inst.v, ~inst.is_sink)
         scan = run["scan"](inst.scores, inst.v, ~inst.is_sink)
         _same(fast.n_zeroed, scan.n_zeroed, "n_zeroed")
         _same(fast.n_counted, scan.n_counted, "n_counted")

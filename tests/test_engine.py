@@ -49,7 +49,7 @@ def _batch(deltas=(3.0, 7.0, 11.0), seeds=(0, 1), *, n=N, q_len=Q_LEN, d=D, sink
 @functools.lru_cache(maxsize=None)
 def _compiled(cfg, engine_name, q_offset):
     def one(scores, v, count_mask):
-        return engine.attention(scores, v, cfg, engine=engine_name, count_mask=count_mask, q_offset=q_offset)
+        return engine.attention(scores, v, cfg, implementation=engine_name, count_mask=count_mask, q_offset=q_offset)
 
     return jax.jit(jax.vmap(one, in_axes=(0, 0, None)))
 
@@ -110,7 +110,7 @@ def test_fast_equals_scan_every_preset(cfg):
     scores, v, mask = _batch()
     for causal in (False, True):
         c = cfg.replace(causal=causal)
-        fast = _run(c, "fast", scores, v, mask)
+        fast = _run(c, "xla", scores, v, mask)
         scan = _run(c, "scan", scores, v, mask)
         f16_bound = None
         if c.accumulator == "f16":  # one f16 ulp (2^-10 relative) of each block's |P8|·|V|, weighted
@@ -126,7 +126,7 @@ def test_fast_equals_scan_every_preset(cfg):
 def test_fast_equals_scan_single_query_and_mid_sequence_sink(name):
     """q_len = 1 and a fifth sink in the middle of the sequence (multi-sink pattern), N = 777."""
     scores, v, mask = _batch((6.0, 9.0), (3, 4, 5), n=777, q_len=1, d=16, sink_positions=(0, 1, 2, 3, 400))
-    assert_engines_agree(_run(name, "fast", scores, v, mask), _run(name, "scan", scores, v, mask))
+    assert_engines_agree(_run(name, "xla", scores, v, mask), _run(name, "scan", scores, v, mask))
 
 
 @pytest.mark.parametrize("name", ["hpc_ops", "fa3"])
@@ -141,8 +141,8 @@ def test_fast_equals_scan_fp8_qkv(name):
     v = jax.random.normal(jax.random.PRNGKey(8), (n, d))
     outs = []
     for c in (cfg, cfg.replace(causal=True)):
-        fast = jax.jit(partial(engine.attention_qkv, config=c, engine="fast"))(q, k, v)
-        scan = jax.jit(partial(engine.attention_qkv, config=c, engine="scan"))(q, k, v)
+        fast = jax.jit(partial(engine.attention_qkv, config=c, implementation="xla"))(q, k, v)
+        scan = jax.jit(partial(engine.attention_qkv, config=c, implementation="scan"))(q, k, v)
         assert_engines_agree(fast, scan)
         assert int(jnp.sum(fast.n_zeroed)) > 0
         outs.append(fast.out)
@@ -194,7 +194,7 @@ def test_effective_weights_times_v_is_the_fast_output(cfg):
     for c in (cfg, cfg.replace(causal=True)):
         w = _weights(c, scores)
         assert w.shape == scores.shape
-        fast = _run(c, "fast", scores, v, mask)
+        fast = _run(c, "xla", scores, v, mask)
         scale = float(jnp.max(jnp.abs(fast.out)))
         chex.assert_trees_all_close(_mix(w, v), fast.out, atol=FP32_RTOL * scale, rtol=FP32_RTOL)
         stats = jax.jit(jax.vmap(partial(engine.weights_and_stats, config=c, count_mask=mask)))(scores)
@@ -209,14 +209,14 @@ def test_evaluate_fast_equals_scan():
     against the causal reference."""
     inst = make_instance(jax.random.PRNGKey(0), SinkWorkload(n=N, q_len=Q_LEN, d=D), 7.0)
     configs = tuple(p.values[0] for p in DISTINCT_PRESETS) + (PRESETS["fwd_s256"].replace(causal=True),)
-    fast = jax.jit(partial(metrics.evaluate, configs=configs, engine="fast"))(inst)
-    scan = jax.jit(partial(metrics.evaluate, configs=configs, engine="scan"))(inst)
+    fast = jax.jit(partial(metrics.evaluate, configs=configs, implementation="xla"))(inst)
+    scan = jax.jit(partial(metrics.evaluate, configs=configs, implementation="scan"))(inst)
     np.testing.assert_array_equal(np.asarray(fast["frac_zeroed"]), np.asarray(scan["frac_zeroed"]))
     np.testing.assert_allclose(np.asarray(fast["zeroed_mass"]), np.asarray(scan["zeroed_mass"]), rtol=1e-5, atol=1e-12)
     np.testing.assert_allclose(np.asarray(fast["mse"]), np.asarray(scan["mse"]), rtol=1e-4)
     np.testing.assert_allclose(np.asarray(fast["mse_expected"]), np.asarray(scan["mse_expected"]), rtol=1e-5)
     causal = configs[-1]
-    out = engine.attention(inst.scores, inst.v, causal, engine="scan").out
+    out = engine.attention(inst.scores, inst.v, causal, implementation="scan").out
     ref = engine.reference_attention(inst.scores, inst.v, causal=True)
     np.testing.assert_allclose(float(fast["mse"][-1]), float(jnp.mean((out - ref) ** 2)), rtol=1e-4)
     assert float(fast["mse"][-1]) != pytest.approx(float(fast["mse"][configs.index(PRESETS["fwd_s256"])]), rel=1e-3)
@@ -246,15 +246,15 @@ def test_nonsink_mass_follows_the_configs_reference():
 def test_huge_delta_forward_s1_zeroes_every_non_sink():
     """Δ = 30: every non-sink P = exp(s − Δ − z) is far below 2^-10 once block 0 sets the max."""
     scores, v, mask = _batch((30.0,), range(6))
-    for eng in ("fast", "scan"):
+    for eng in ("xla", "scan"):
         r = _run("fwd_s1", eng, scores, v, mask)
         np.testing.assert_array_equal(np.asarray(r.n_zeroed), np.asarray(r.n_counted))
         np.testing.assert_array_equal(np.asarray(r.n_counted), N - 4)
     # Reverse order casts the non-sinks before the sink block is seen: all 60 non-sinks of the sink
     # block vanish, elsewhere only P below e^-6.93 of the non-sink max (Thm. 4: ~0.1 %).
     in_sink_block = mask & (jnp.arange(N) < 64)
-    np.testing.assert_array_equal(np.asarray(_run("rev_s1", "fast", scores, v, in_sink_block).n_zeroed), 60)
-    rev = _run("rev_s1", "fast", scores, v, mask & ~in_sink_block)
+    np.testing.assert_array_equal(np.asarray(_run("rev_s1", "xla", scores, v, in_sink_block).n_zeroed), 60)
+    rev = _run("rev_s1", "xla", scores, v, mask & ~in_sink_block)
     assert float(jnp.sum(rev.n_zeroed)) / float(jnp.sum(rev.n_counted)) < 0.01
 
 
@@ -266,10 +266,10 @@ def test_reverse_order_zeroes_nothing_before_the_sink_block(name):
     cfg = PRESETS[name]
     scores, v, mask = _batch((7.0,), range(6))
     in_sink_block = mask & (jnp.arange(N) < cfg.block_kv)
-    assert int(jnp.sum(_run(cfg, "fast", scores, v, mask & ~in_sink_block).n_zeroed)) == 0
-    inside = _run(cfg, "fast", scores, v, in_sink_block)
+    assert int(jnp.sum(_run(cfg, "xla", scores, v, mask & ~in_sink_block).n_zeroed)) == 0
+    inside = _run(cfg, "xla", scores, v, in_sink_block)
     assert int(jnp.sum(inside.n_zeroed)) <= 0.01 * int(jnp.sum(inside.n_counted))
-    fwd = _run(cfg.replace(order="forward"), "fast", scores, v, mask & ~in_sink_block)
+    fwd = _run(cfg.replace(order="forward"), "xla", scores, v, mask & ~in_sink_block)
     assert int(jnp.sum(fwd.n_zeroed)) > 0  # the same scale in forward order does zero some
 
 
@@ -282,8 +282,8 @@ def test_multiply_and_exponent_modes_agree_for_power_of_two_scale(order):
     mult = KernelConfig(order=order, scale=256.0, scale_mode="multiply")
     expo = KernelConfig(order=order, scale=256.0, scale_mode="exponent")
     scores, v, mask = _batch((7.0, 9.0, 11.0))
-    rm = _run(mult, "fast", scores, v, mask)
-    re = _run(expo, "fast", scores, v, mask)
+    rm = _run(mult, "xla", scores, v, mask)
+    re = _run(expo, "xla", scores, v, mask)
     assert int(jnp.sum(rm.n_zeroed)) > 0
     assert int(jnp.sum(jnp.abs(rm.n_zeroed - re.n_zeroed))) <= 1e-4 * int(jnp.sum(rm.n_counted))
     np.testing.assert_allclose(np.asarray(re.row_sum), 256.0 * np.asarray(rm.row_sum), rtol=1e-5)
@@ -298,7 +298,7 @@ def test_all_probabilities_representable_error_is_cast_rounding_only(cfg):
     k1, k2 = jax.random.split(jax.random.PRNGKey(11))
     scores = jax.random.uniform(k1, (6, Q_LEN, N), minval=-4.0, maxval=0.0)
     v = jax.random.normal(k2, (6, N, D))
-    r = _run(cfg, "fast", scores, v)
+    r = _run(cfg, "xla", scores, v)
     assert int(jnp.sum(r.n_zeroed)) == 0
     err = jnp.abs(r.out - engine.reference_attention(scores, v))
     bound = E4M3_REL * _mix(engine.reference_probs(scores), jnp.abs(v))
@@ -317,7 +317,7 @@ def test_fully_masked_causal_blocks_in_reverse_order_stay_finite(name):
     p = engine.reference_probs(scores, causal=True, q_offset=0)
     # cast error: ≤ 2^-4 relative for normal P·S, ≤ 2^-10 absolute (on P/ℓ) below that
     bound = E4M3_REL * _mix(p, jnp.abs(v)) + 2.0**-10 * _mix((p > 0).astype(jnp.float32), jnp.abs(v))
-    for eng in ("fast", "scan"):
+    for eng in ("xla", "scan"):
         r = _run(cfg, eng, scores, v, q_offset=0)
         for x in r:
             assert bool(jnp.all(jnp.isfinite(x))), eng
@@ -341,7 +341,7 @@ def test_f16_accumulator_differs_from_f32_by_f16_rounding_only():
     scores, v, mask = _batch()
     v = jnp.clip(v, -2.25, 2.25)  # SageAttention2++ bounds V so the f16 accumulator cannot overflow
     bound = F16_REL * _mix(_weights(f32, scores), jnp.abs(v))
-    for eng in ("fast", "scan"):
+    for eng in ("xla", "scan"):
         r32 = _run(f32, eng, scores, v, mask)
         r16 = _run(f16, eng, scores, v, mask)
         np.testing.assert_array_equal(np.asarray(r16.n_zeroed), np.asarray(r32.n_zeroed))
@@ -370,8 +370,8 @@ def test_dynamic_scale_never_saturates():
     np.testing.assert_array_equal(np.asarray(unscale * scale)[live], 1.0)
     # end to end: with NaN-on-overflow the outputs are bit-identical to satfinite
     scores, v, mask = _batch((0.0, 7.0, 20.0))
-    sat = _run(cfg, "fast", scores, v, mask)
-    nan = _run(cfg.replace(overflow="nan"), "fast", scores, v, mask)
+    sat = _run(cfg, "xla", scores, v, mask)
+    nan = _run(cfg.replace(overflow="nan"), "xla", scores, v, mask)
     np.testing.assert_array_equal(np.asarray(sat.out), np.asarray(nan.out))
 
 

@@ -79,8 +79,8 @@ def test_split_schedule():
 def test_one_split_equals_the_plain_run_bit_for_bit():
     inst = make_instance(jax.random.key(3), SinkWorkload(n=1000, q_len=8, d=16), 7.0)
     cfg = get_preset("rev_s256")
-    a = engine.attention(inst.scores, inst.v, cfg, engine="scan")
-    b = engine.attention(inst.scores, inst.v, cfg.replace(kv_splits=1, split_layout="strided"), engine="scan")
+    a = engine.attention(inst.scores, inst.v, cfg, implementation="scan")
+    b = engine.attention(inst.scores, inst.v, cfg.replace(kv_splits=1, split_layout="strided"), implementation="scan")
     for x, y in zip(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
@@ -90,8 +90,8 @@ def test_splits_fast_equals_scan_and_weights(layout):
     inst = make_instance(jax.random.key(4), SinkWorkload(n=1000, q_len=8, d=16), 7.0)
     cfg = get_preset("fwd_s1").replace(kv_splits=5, split_layout=layout)
     mask = ~np.arange(1000).__lt__(4)
-    a = engine.attention(inst.scores, inst.v, cfg, engine="scan", count_mask=mask)
-    b = engine.attention(inst.scores, inst.v, cfg, engine="fast", count_mask=mask)
+    a = engine.attention(inst.scores, inst.v, cfg, implementation="scan", count_mask=mask)
+    b = engine.attention(inst.scores, inst.v, cfg, implementation="xla", count_mask=mask)
     w = engine.weights_and_stats(inst.scores, cfg, count_mask=mask)
     np.testing.assert_array_equal(np.asarray(a.n_zeroed), np.asarray(b.n_zeroed))
     np.testing.assert_array_equal(np.asarray(a.n_zeroed), np.asarray(w.n_zeroed))
@@ -131,17 +131,17 @@ def test_decode_sweep_point_runs():
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("engine_name", engine.ENGINES)
+@pytest.mark.parametrize("engine_name", engine.IMPLEMENTATIONS)
 def test_sageattn2pp_is_finite_at_any_v_scale(engine_name):
     cfg = get_preset("sageattn2pp")
     old = cfg.replace(f16_round_keys=0, v_channel_max=0.0)
     flat = jnp.zeros((2, 512))
     v = jnp.full((512, 8), 2.3)
-    assert bool(jnp.all(jnp.isfinite(engine.attention(flat, v, cfg, engine=engine_name).out)))
+    assert bool(jnp.all(jnp.isfinite(engine.attention(flat, v, cfg, implementation=engine_name).out)))
     with pytest.raises(PcastError, match="overflowed"):  # has teeth: without the V scale the f16 sum overflows
-        engine.attention(flat, v, old, engine=engine_name)  # (an eager call names it instead of returning inf)
+        engine.attention(flat, v, old, implementation=engine_name)  # (an eager call names it instead of returning inf)
     inst = make_instance(jax.random.key(6), SinkWorkload(n=2048, q_len=8, d=16, sigma_v=30.0), 7.0)
-    out = engine.attention(inst.scores, inst.v, cfg, engine=engine_name).out
+    out = engine.attention(inst.scores, inst.v, cfg, implementation=engine_name).out
     ref = engine.reference_attention(inst.scores, inst.v)
     mse = float(jnp.mean((out - ref) ** 2))
     base = float(jnp.mean((engine.attention(inst.scores, inst.v, "sageattn2").out - ref) ** 2))
@@ -160,14 +160,14 @@ def test_sageattn2pp_rounds_per_32_keys():
 _HOPPER = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
 
 
-@pytest.mark.parametrize("engine_name", engine.ENGINES)
+@pytest.mark.parametrize("engine_name", engine.IMPLEMENTATIONS)
 def test_f16_round_trip_survives_gpu_lowering(engine_name):
     """The engine's f32 → f16 → f32 chain sits behind an optimization barrier in the CUDA lowering."""
     s = jax.ShapeDtypeStruct((8, 256), jnp.float32)
     v = jax.ShapeDtypeStruct((256, 16), jnp.float32)
 
     def f(scores, values):
-        return engine.attention(scores, values, "sageattn2pp", engine=engine_name).out
+        return engine.attention(scores, values, "sageattn2pp", implementation=engine_name).out
 
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=_HOPPER)):
         lowered = jax.jit(f).trace(s, v).lower(lowering_platforms=("cuda",))
@@ -183,10 +183,10 @@ def test_kernels_refuse_what_they_do_not_run():
     kv = jnp.zeros((1, 1, 256, 128), jnp.float8_e4m3fn)
     cfg = get_preset("sageattn2pp").replace(block_kv=128, f16_round_keys=16)
     with pytest.raises(PcastError, match="f16_round_keys=16"):
-        pk.fp8_attention(q, kv, kv, config=cfg, backend="triton", interpret=True)
+        pk.fp8_attention(q, kv, kv, config=cfg, implementation="triton", interpret=True)
     cfg = get_preset("fa3").replace(mma_acc_bits=14)
     with pytest.raises(PcastError, match="mma_acc_bits=14"):
-        pk.fp8_attention(q, kv, kv, config=cfg, backend="triton", interpret=True)
+        pk.fp8_attention(q, kv, kv, config=cfg, implementation="triton", interpret=True)
 
 
 def test_every_kernel_preset_cites_a_tile():

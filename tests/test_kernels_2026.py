@@ -65,11 +65,11 @@ GRID = [
 
 @functools.lru_cache(maxsize=None)
 def _run(cfg, engine_name):
-    return jax.jit(lambda s, v, m, sink: engine.attention(s, v, cfg, engine=engine_name, count_mask=m,
+    return jax.jit(lambda s, v, m, sink: engine.attention(s, v, cfg, implementation=engine_name, count_mask=m,
                                                             sink_logit=sink))
 
 
-@pytest.mark.parametrize("engine_name", engine.ENGINES)
+@pytest.mark.parametrize("engine_name", engine.IMPLEMENTATIONS)
 @pytest.mark.parametrize("cfg", GRID, ids=[c.name for c in GRID])
 def test_sink_placements_and_lazy_rescale_match_the_oracle(cfg, engine_name):
     s, v, mask = _instance(1, delta=3.0, k_sink=2, sigma=2.0)  # wide logits: the lazy rescale saturates
@@ -96,7 +96,7 @@ def test_every_preset_with_a_learned_sink_matches_the_oracle(preset):
     s, v, mask = _instance(2, delta=6.0, k_sink=3)
     s = s.copy()
     s[2] = -np.inf  # a row with nothing visible: output 0, whatever the placement
-    res = _run(cfg, "fast")(s, v, mask, jnp.float32(7.0))
+    res = _run(cfg, "xla")(s, v, mask, jnp.float32(7.0))
     assert np.all(np.isfinite(np.asarray(res.out))) and np.all(np.asarray(res.out[2]) == 0.0)
     ref = oracle.attention(s, v, count_mask=mask, sink_logit=7.0, **oracle.config_kwargs(cfg))
     out = np.asarray(res.out, np.float64)
@@ -123,8 +123,8 @@ def test_reference_with_a_learned_sink_is_the_softmax_with_a_dropped_column():
     ref = np.asarray(engine.reference_attention(s * 0.0, v, sink_logit=sink))
     for mode, splits, factor in (("epilogue", 2, 1.0), ("init_max", 1, p8 / p), ("block_max", 2, p8 / p)):
         cfg = KernelConfig(sink_mode=mode, kv_splits=splits)
-        for name in engine.ENGINES:
-            out = engine.attention(s * 0.0, v, cfg, engine=name, sink_logit=sink).out
+        for name in engine.IMPLEMENTATIONS:
+            out = engine.attention(s * 0.0, v, cfg, implementation=name, sink_logit=sink).out
             np.testing.assert_allclose(np.asarray(out), ref * factor, rtol=2e-5, atol=1e-8, err_msg=f"{mode} {name}")
 
 
@@ -416,7 +416,7 @@ def test_kernels_place_learned_sinks_and_lag_the_max_as_the_oracle_does(backend)
     scale = 0.5
     scores = np.einsum("hqd,nd->hqn", np.asarray(q[0], np.float64), np.asarray(k[0, 0], np.float64)) * scale
     for cfg in _KERNEL_CONFIGS:
-        out, stats = pk.fp8_attention(q, k, v, config=cfg, backend=backend, interpret=True, softmax_scale=scale,
+        out, stats = pk.fp8_attention(q, k, v, config=cfg, implementation=backend, interpret=True, scale=scale,
                                       sinks=sinks, return_stats=True)
         for h in range(heads):
             ref = oracle.attention(scores[h].astype(np.float32), np.asarray(v[0, 0], np.float32),
@@ -439,7 +439,7 @@ def test_kernels_with_sinks_and_lazy_rescale_lower_for_hopper(backend, name):
     q = jax.ShapeDtypeStruct((1, 4, 128, 128), jnp.float8_e4m3fn)
     kv = jax.ShapeDtypeStruct((1, 2, 512, 128), jnp.float8_e4m3fn)
     s = jax.ShapeDtypeStruct((4,), jnp.float32)
-    fn = functools.partial(pk.fp8_attention, config=cfg, backend=backend, return_stats=True)
+    fn = functools.partial(pk.fp8_attention, config=cfg, implementation=backend, return_stats=True)
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=_HOPPER)):
         text = jax.jit(lambda q, k, v, s: fn(q, k, v, sinks=s)).trace(q, kv, kv, s).lower(
             lowering_platforms=("cuda",)).as_text()

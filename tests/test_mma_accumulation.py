@@ -133,10 +133,10 @@ def _instances():
 
 @functools.lru_cache(maxsize=None)
 def _run(cfg, engine_name):
-    return jax.jit(lambda s, v, m: engine.attention(s, v, cfg, engine=engine_name, count_mask=m))
+    return jax.jit(lambda s, v, m: engine.attention(s, v, cfg, implementation=engine_name, count_mask=m))
 
 
-@pytest.mark.parametrize("engine_name", engine.ENGINES)
+@pytest.mark.parametrize("engine_name", engine.IMPLEMENTATIONS)
 @pytest.mark.parametrize("name", list(CASES))
 def test_engines_match_the_oracle_with_the_model(name, engine_name):
     cfg = CASES[name]

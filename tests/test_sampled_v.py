@@ -46,8 +46,8 @@ def test_evaluate_refuses_what_it_cannot_compute():
     inst = workloads.make_instance(instance_key(0, 256, 0), w, 7.0, draw_v=False)
     with pytest.raises(PcastError, match="instance.v is None"):
         metrics.evaluate(inst, ("fwd_s1",))
-    with pytest.raises(PcastError, match="engine='scan' needs V"):
-        metrics.evaluate(inst, ("fwd_s1",), engine="scan", sampled=False)
+    with pytest.raises(PcastError, match="implementation='scan' needs V"):
+        metrics.evaluate(inst, ("fwd_s1",), implementation="scan", sampled=False)
 
 
 @pytest.fixture(scope="module")

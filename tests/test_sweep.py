@@ -255,8 +255,8 @@ def test_jit_and_eager_agree():
     inst = make_instance(jax.random.PRNGKey(0), w, 7.0)
     mask = ~inst.is_sink
     for name in ("fwd_s1", "fa3", "dynamic_pow2"):
-        for eng in engine.ENGINES:
-            fn = partial(engine.attention, config=name, engine=eng, count_mask=mask)
+        for eng in engine.IMPLEMENTATIONS:
+            fn = partial(engine.attention, config=name, implementation=eng, count_mask=mask)
             jitted = jax.jit(fn)(inst.scores, inst.v)
             with jax.disable_jit():
                 eager = fn(inst.scores, inst.v)

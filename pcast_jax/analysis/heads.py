@@ -63,6 +63,7 @@ import numpy as np
 from jax import lax
 
 from pcast_jax import engine as _engine
+from pcast_jax._compat import renamed, simulator_implementation
 from pcast_jax.config import KernelConfig, resolve
 from pcast_jax.errors import PcastError, check_choice, check_int
 from pcast_jax.nn import kernel_inputs
@@ -238,8 +239,9 @@ def _scores_and_values(q, k, v, cfg: KernelConfig):
     return logits[0], v_seen[0]
 
 
+@renamed(engine="implementation")
 def heads_attention(q, k, v, config: str | KernelConfig, *, count_mask=None,
-                    engine: str = "fast") -> _engine.AttentionResult:
+                    implementation: str = "xla") -> _engine.AttentionResult:
     """The simulated kernel on every query head of one layer (full causal self-attention).
 
     Args:
@@ -248,13 +250,13 @@ def heads_attention(q, k, v, config: str | KernelConfig, *, count_mask=None,
         has ``q_offset = 0`` (query i sits at position i, since q_len = N = T). With
         ``config.qkv == "e4m3"`` Q/K/V are quantized with ``config.qkv_granularity`` scales.
       count_mask: optional ``[Hq, T]`` bool, the positions counted as zeroed (non-sink keys).
-      engine: ``"fast"`` (vmapped over heads) or ``"scan"`` (the block-by-block reference).
+      implementation: ``"xla"`` (vmapped over heads) or ``"scan"`` (the block-by-block reference).
 
     Returns:
       :class:`pcast_jax.engine.AttentionResult` with a leading head axis (``out [Hq, T, D]``).
     """
     cfg = dataclasses.replace(resolve(config), causal=True)
-    check_choice("engine", engine, _engine.ENGINES)
+    impl = simulator_implementation(implementation)
     if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape or q.shape[0] != k.shape[0] \
             or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
         raise PcastError(f"q must be [T, Hq, D] and k, v [T, Hkv, D] with Hq a multiple of Hkv; "
@@ -263,7 +265,7 @@ def heads_attention(q, k, v, config: str | KernelConfig, *, count_mask=None,
                                         jnp.asarray(v, jnp.float32), cfg)
 
     def one(s, vh, cm):
-        return _engine.attention(s, vh, cfg, engine=engine, count_mask=cm, q_offset=0)
+        return _engine.attention(s, vh, cfg, implementation=impl, count_mask=cm, q_offset=0)
 
     if count_mask is None:
         return jax.vmap(lambda s, vh: one(s, vh, None))(scores, v_seen)

@@ -58,7 +58,7 @@ _GRANULARITY_TEXT = {"tensor": "per tensor", "head": "per head"}
 
 def _qkv8(preset: str, granularity: str) -> FP8Attention:
     """``preset`` with E4M3 Q/K/V (labelled ``<preset>+qkv8`` or ``+qkv8h``)."""
-    return FP8Attention.from_preset(preset, fp8_qkv=True, qkv_granularity=granularity)
+    return FP8Attention.from_preset(preset, qkv="e4m3", qkv_granularity=granularity)
 
 
 def _exact_p(granularity: str, label: str) -> FP8Attention:

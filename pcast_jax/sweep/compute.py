@@ -93,11 +93,13 @@ def _per_seed(shape: ChunkShape, base_seed, deltas):
     def per_seed(seed):
         base = make_instance(instance_key(base_seed, w.n, seed), w, 0.0, draw_v=shape.sampled_mse)
 
+        impl = "scan" if shape.engine == "scan" else "xla"  # the spec's "fast" is the xla implementation
+
         def per_delta(delta):
             inst = base._replace(scores=base.scores + jnp.where(base.is_sink, delta, 0.0))
             if w.sink_logit == "delta":  # the swept Δ is the learned sink's logit Δ_L
                 inst = inst._replace(sink_logit=jnp.asarray(delta, jnp.float32))
-            return metrics.evaluate(inst, shape.configs, engine=shape.engine, sigma_v=w.sigma_v,
+            return metrics.evaluate(inst, shape.configs, implementation=impl, sigma_v=w.sigma_v,
                                     expected=shape.expected_mse, sampled=shape.sampled_mse)
 
         return _loop_map(per_delta, deltas)
