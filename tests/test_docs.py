@@ -149,3 +149,37 @@ def test_a_renamed_flag_fails_the_parse():
     with pytest.raises(SystemExit) as exc, contextlib.redirect_stderr(io.StringIO()):
         build_parser(argv).parse_args(argv)
     assert exc.value.code == 2
+
+
+def _generator(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(DOCS / "_ext"))
+    gen = importlib.import_module("generate_pages")
+    monkeypatch.setattr(gen, "OUT", tmp_path / "_generated")
+    return gen
+
+
+def test_preset_pages_cover_every_preset_with_its_source_line(monkeypatch, tmp_path):
+    from pcast_jax.presets import FAMILIES, PRESETS
+
+    gen = _generator(monkeypatch, tmp_path)
+    assert gen.preset_pages() == list(FAMILIES)
+    for family, names in FAMILIES.items():
+        text = (tmp_path / "_generated" / "presets" / f"{family}.md").read_text(encoding="utf-8")
+        for name in names:
+            cited = re.search(rf"^`{name}`\n: `pcast_jax/presets/{family}\.py:(\d+)` — `(.*)`\n\n  (.+)$", text, re.M)
+            assert cited, (family, name)
+            assert cited[2] == PRESETS[name].to_string() and "no source note" not in cited[3], (name, cited[3])
+            source = (ROOT / "pcast_jax" / "presets" / f"{family}.py").read_text(encoding="utf-8").splitlines()
+            assert f'"{name}"' in source[int(cited[1]) - 1], (name, cited[1])
+
+
+def test_examples_page_shows_each_example_or_says_there_is_none(monkeypatch, tmp_path):
+    gen = _generator(monkeypatch, tmp_path)
+    monkeypatch.setattr(gen, "ROOT", tmp_path)
+    assert gen.examples_page() == 0
+    assert "no `examples/` folder" in (tmp_path / "_generated" / "examples.md").read_text(encoding="utf-8")
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples" / "01_first.py").write_text('"""What the first example shows."""\nprint(1)\n')
+    assert gen.examples_page() == 1
+    text = (tmp_path / "_generated" / "examples.md").read_text(encoding="utf-8")
+    assert "What the first example shows." in text and "literalinclude} ../../examples/01_first.py" in text

@@ -35,14 +35,26 @@ def _cell(value) -> str:
 def _citation(lines: list[str], name: str) -> tuple[int, str]:
     """The line of preset ``name``'s entry in its module and the comment written above (and beside) it."""
     (at,) = [i for i, line in enumerate(lines) if re.match(rf'\s*"{re.escape(name)}"\s*:', line)]
+    comment = _comment_above(lines, at)
+    if "#" in lines[at]:
+        comment.append(lines[at].split("#", 1)[1].strip())
+    for shared in re.findall(r"\*\*(\w+)", lines[at]):  # fields shared by several presets, cited there
+        where = [i for i, line in enumerate(lines) if re.match(rf"{shared}\s*[:=]", line)]
+        if where:
+            comment = [f"(`{shared}`, line {where[0] + 1}:)", *_comment_above(lines, where[0]), *comment]
+    if not comment:  # a table whose entries share one note: the note above the table
+        opening = next(i for i in range(at, -1, -1) if lines[i][:1].isalpha())
+        comment = [f"(the table at line {opening + 1}:)", *_comment_above(lines, opening)]
+    return at + 1, " ".join(comment)
+
+
+def _comment_above(lines: list[str], at: int) -> list[str]:
     comment = []
     i = at - 1
     while i >= 0 and lines[i].lstrip().startswith("#"):
-        comment.insert(0, lines[i].lstrip()[1:].strip())
+        comment.insert(0, lines[i].lstrip().lstrip("#:").strip())
         i -= 1
-    if "#" in lines[at]:
-        comment.append(lines[at].split("#", 1)[1].strip())
-    return at + 1, " ".join(comment)
+    return comment
 
 
 def preset_pages() -> list[str]:
