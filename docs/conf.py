@@ -55,6 +55,7 @@ napoleon_numpy_docstring = False
 napoleon_use_rtype = False
 napoleon_use_ivar = True  # a dataclass's Attributes section beside its documented fields: no duplicates
 autodoc_member_order = "bysource"
+add_function_parentheses = False  # a name in the guides reads as written
 autodoc_typehints = "none"
 autodoc_default_options = {"undoc-members": True}
 
