@@ -6,7 +6,8 @@
   ``<!-- not-run: REASON -->``; the reason must be given, and the count of such blocks is held low.
 * Every shell line of a page (in a ```sh, ```bash or ```console block) that starts with ``pcast `` or
   ``.venv/bin/pcast `` is parsed by the real ``pcast`` parser (parsed only, never run), so a renamed
-  or removed flag fails here.
+  or removed flag fails here; so is every inline ```pcast …``` in the text that passes an option and
+  holds no placeholder (``[...]``, ``{a,b}``, ``…``); one without options must name a sub-command.
 * A page whose printed values matter has a check in the test file of its subject (``PAGE_CHECKS``),
   called with the page's namespace and output after its blocks ran.
 """
@@ -87,6 +88,22 @@ def pcast_lines(path: Path):
     return found
 
 
+def pcast_spans(path: Path):
+    """(line number, argv) of each inline ``pcast …`` code span of the page's text (not its blocks)."""
+    found = []
+    in_block = False
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.startswith("```"):
+            in_block = not in_block
+            continue
+        if in_block:
+            continue
+        for span in re.findall(r"`((?:\.venv/bin/)?pcast [^`]+)`", line):
+            if not re.search(r"[\[\]{}…|]|\.\.\.", span):
+                found.append((n, shlex.split(span)[1:]))
+    return found
+
+
 def _id(path: Path) -> str:
     return path.relative_to(ROOT).as_posix()
 
@@ -128,11 +145,15 @@ def test_the_pages_are_found():
     assert not any(part in GENERATED for p in found for part in Path(p).parts)
 
 
-@pytest.mark.parametrize("page", [p for p in pages() if pcast_lines(p)], ids=_id)
+@pytest.mark.parametrize("page", [p for p in pages() if pcast_lines(p) or pcast_spans(p)], ids=_id)
 def test_page_pcast_lines_parse(page):
     from pcast_jax.cli import build_parser
 
-    for line, argv in pcast_lines(page):
+    commands = set(build_parser([])._subparsers._group_actions[0].choices)
+    for line, argv in pcast_lines(page) + pcast_spans(page):
+        if not any(a.startswith("-") for a in argv):  # a command named in the text
+            assert argv[0] in commands, f"{_id(page)}:{line}: pcast {shlex.join(argv)}: no such command"
+            continue
         parser = build_parser(argv)
         out = io.StringIO()
         try:
