@@ -204,3 +204,11 @@ def test_examples_page_shows_each_example_or_says_there_is_none(monkeypatch, tmp
     assert gen.examples_page() == 1
     text = (tmp_path / "_generated" / "examples.md").read_text(encoding="utf-8")
     assert "What the first example shows." in text and "literalinclude} ../../examples/01_first.py" in text
+
+
+def test_readme_links_point_at_files_that_exist():
+    """README.md is not part of the Sphinx build (which checks the pages' own links): its links are checked here."""
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text(encoding="utf-8"))
+    local = [link for link in links if "://" not in link]
+    assert len(local) >= 10, local
+    assert [link for link in local if not (ROOT / link).is_file()] == []
