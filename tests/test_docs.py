@@ -37,6 +37,7 @@ PAGE_CHECKS = {
     "docs/guides/own_model.md": "test_analysis:check_own_model_page",
     "docs/guides/pallas.md": "test_pallas:check_pallas_page",
     "docs/guides/kernels_2026.md": "test_kernels_2026:check_kernels_2026_page",
+    "docs/guides/paper.md": "test_theory:check_paper_page",
 }
 
 
