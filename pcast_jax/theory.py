@@ -377,7 +377,7 @@ def pre_sink_max(n, *, k_sink=4):
     """Pre-sink running max in reverse order, Eq. (11): m_pre-sink ≈ √(2 ln(N − k_sink)).
 
     The extreme-value bound for the max of N − k_sink standard Gaussians (in units of σ); it
-    upper-bounds the exact mean :func:`delta_k`(N − k_sink) (4.08 vs 3.63 at N = 4096).
+    upper-bounds the exact mean, :func:`delta_k` at N − k_sink (4.08 vs 3.63 at N = 4096).
     """
     check_values("k_sink", k_sink, lo=1.0, float32=True)
     _check_n(n, k_sink)
@@ -739,7 +739,9 @@ def block_collapse_fraction(delta, scale, *, fmt="nvfp4", n=4096, k_sink=4, sigm
     NVFP4: the block scale is zero iff σ max(z_j, M') + c ≤ ln(6 r_s), i.e. max(z_j, M') ≤ t with
     t = (ln(6 r_s) − c)/σ; otherwise x_j is zero iff x_j ≤ a/24 (element threshold with s → a/6),
     i.e. z_j ≤ M' − L/σ with L = ln(6/r_e) = ln 24 (z_j cannot be the block max then). Hence
+
       Pr[zero | M', M_s] = Φ(t) if M' ≤ t, else Φ(M' − L/σ),
+
     F_block = E_{M_s} E_{M'}[·] with M' ~ max of K − 1 and M_s ~ max of k_sink normals (the spread
     of the sink max integrated as in the proof of Corollary 2).
     MX: the scale never underflows in practice; x_j is zero iff x_j ≤ r_e·X with

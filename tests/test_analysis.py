@@ -2,7 +2,6 @@
 
 import csv
 import math
-import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -299,27 +298,12 @@ def test_report_and_cli(tmp_path, capsys):
         analyze(Trace(short.q, short.k, short.v, np.array([20, 20]), short.layers), ["fwd_s1"], min_keys=20)
 
 
-def _readme_section_blocks(title: str) -> list[str]:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    section = readme.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, re.S)
-
-
-def test_readme_own_model_path_runs_verbatim(tmp_path, monkeypatch, capsys):
-    """README "Your own model": the Flax example and the swap → capture → analyse path, as written."""
-    pytest.importorskip("flax.nnx")
-    blocks = _readme_section_blocks("Your own model")
-    assert len(blocks) == 2
-    path_block = blocks[1]
-    assert "Recorder" in path_block and len(path_block.strip().splitlines()) < 20
-    monkeypatch.chdir(tmp_path)
-    for block in blocks:
-        scope = {}
-        exec(compile(block, "README.md", "exec"), scope)  # noqa: S102 - our own README
-    printed = capsys.readouterr().out
+def check_own_model_page(scope: dict, printed: str, folder: Path) -> None:
+    """docs/guides/own_model.md, after tests/test_docs.py ran its blocks: the Flax example and the
+    swap → capture → analyse path print and write what the page says."""
     assert "fwd_s1: KL(FP32 || FP8) = " in printed
     result = scope["result"]
     assert printed.splitlines()[2] == result.summary_lines()[0]
     assert result.summary_lines()[0].startswith("On this model (2 layers × 4 heads, 1 sequence of 512 tokens)")
     assert len(scope["frame"]) == 3 * 2 * 4 and "zeroed_mass" in scope["dataset"]
-    assert (tmp_path / "trace.npz").is_file() and (tmp_path / "analysis" / "analysis.md").is_file()
+    assert (folder / "trace.npz").is_file() and (folder / "analysis" / "analysis.md").is_file()

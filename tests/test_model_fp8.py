@@ -229,7 +229,7 @@ def test_end_to_end_kl_perplexity_agreement(e2e):
         assert m.kl >= -1e-6 and m.kl_max >= m.kl
         assert 0.8 <= m.top1_agree <= 1.0
         assert m.perplexity == pytest.approx(math.exp(m.nll))
-    # measured (README: 1024 tokens 10x, 128 tokens ~1.8x): forward S=1 is worse than reverse S=256
+    # measured (docs/guides/real_model.md: 1024 tokens 10x, 128 tokens ~1.8x): forward S=1 is worse than reverse S=256
     assert runs["fwd_s1"].kl > runs["rev_s256"].kl
     # FP8 Q/K/V adds a floor far above the P-cast error
     assert runs["fwd_s1+qkv8"].kl > 3 * runs["fwd_s1"].kl

@@ -5,7 +5,7 @@ without it): the kernel's Triton IR is compiled by the wheel's pipeline and ptxa
 sm_90a, at the launch settings XLA would use. XLA compiles the custom call with its own Triton
 build, so these are facts about a close stand-in of the compiler a GPU run uses.
 
-Shape: q_len 128, N 512, d 128, 2 query heads per K/V head (the fa3 figures in the README).
+Shape: q_len 128, N 512, d 128, 2 query heads per K/V head (the fa3 figures of docs/guides/pallas.md).
 """
 
 from __future__ import annotations

@@ -442,3 +442,8 @@ def test_cli_theory_bad_input(capsys, args, message):
     assert cli.main(["theory", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def check_paper_page(scope: dict, printed: str, folder) -> None:
+    """docs/guides/paper.md, after tests/test_docs.py ran its block: the values its comments state."""
+    assert printed.split() == ["1.0294", "0.864", "5.90", "11.45", "True", "True", "True"], printed

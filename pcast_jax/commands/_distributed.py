@@ -1,4 +1,4 @@
-"""The ``pcast sweep`` options that start the multi-process runtime (see "Scale-out" in the README).
+"""The ``pcast sweep`` options that start the multi-process runtime (see docs/guides/scale_out.md).
 
 A multi-process run fails like one program: whatever ends one process (an error, Ctrl-C, a kill,
 a lost coordinator) ends every process within ``--heartbeat-timeout`` seconds (``--init-timeout``
