@@ -1,6 +1,8 @@
 """Drop-in FP8 attention in a Flax NNX model
 
 A small two-block Flax NNX transformer takes its attention from ``pcast_jax.nn.attention_fn``.
+Its input tokens share a common direction and token 0 is a scaled copy of it, so in some heads
+every query attends mostly to token 0: an attention sink, the case where the P-cast matters.
 With the same weights it runs once with exact FP32 attention (``config=None``) and once per
 simulated FP8 kernel preset; the script prints how far each kernel's output is from the exact
 one. It then swaps in a :class:`pcast_jax.analysis.Recorder`, captures the Q/K/V every layer

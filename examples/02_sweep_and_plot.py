@@ -5,7 +5,7 @@ reverse order and forward order with the static scale S = 256) over a few sink s
 small synthetic sink workloads — with :func:`pcast_jax.run_sweep` into a results folder, loads
 it back with :func:`pcast_jax.load_result`, prints mean ± standard error of the fraction of
 non-sink P the cast zeroes and of the output MSE, and draws both against Δ with matplotlib,
-beside Eq. (7)'s closed form for the forward S = 1 kernel. Running it again with the same
+beside Eq. (7)'s closed form for the two forward-order kernels. Running it again with the same
 ``--out`` resumes from the chunks on disk (nothing is recomputed).
 
 Run it with::
@@ -61,7 +61,10 @@ def main(argv=None) -> None:
             x = res.get(metric, config=config, n=args.n)  # (delta, seed)
             sem = x.std(axis=-1, ddof=1) / np.sqrt(x.shape[-1])
             ax.errorbar(deltas, x.mean(axis=-1), yerr=sem, marker="o", capsize=3, label=config)
-    ax_z.plot(deltas, np.asarray(pj.theory.collapse_fraction(deltas, 1.0)), "k--", label="Eq. (7), S = 1")
+    fine = np.linspace(deltas[0], deltas[-1], 81)
+    for scale, style in ((1.0, "k--"), (256.0, "k:")):
+        frac = np.asarray(pj.theory.collapse_fraction(fine, scale))
+        ax_z.plot(fine, frac, style, label=f"Eq. (7), fwd S = {scale:g}")
     ax_z.set(xlabel="sink strength Δ", ylabel="fraction of non-sink P zeroed", title="P-collapse")
     ax_m.set(xlabel="sink strength Δ", ylabel="output MSE", yscale="log", title="error vs exact attention")
     for ax in (ax_z, ax_m):
