@@ -3,7 +3,8 @@
 Each example runs as its own process (``sys.executable``, from the repository root, ``--out`` a
 temporary folder) and must exit 0, end with a line starting ``OK``, print no non-finite number and
 write into ``--out``. Its module docstring is the page the documentation shows: a one-line title,
-then a blank line, then how to run it. A new example is covered with no edit here.
+then a blank line, then how to run it; ``examples/README.md`` lists it. A new example is covered
+with no edit here.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def test_example_docstring(path):
     assert len(lines) > 2 and not lines[1].strip(), "a blank line must follow the title"
     assert f"examples/{path.name}" in doc, "the docstring must say how to run the script"
     assert 'if __name__ == "__main__":' in path.read_text(encoding="utf-8")
+    assert f"`{path.name}`" in (ROOT / "examples" / "README.md").read_text(encoding="utf-8"), \
+        "examples/README.md lists every example"
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
