@@ -50,6 +50,15 @@ def brute_force_underflow_mass(q, k, sink, scale, min_keys):
     return np.mean(masses)
 
 
+
+def test_summary_says_one_head_has_a_sink():
+    """One sink head reads "1 of 2 heads has a sink", as "none … has" and "4 of 8 … have" read."""
+    t = planted(layers=1)
+    one = Trace(q=t.q[..., ::2, :], k=t.k, v=t.v, lengths=t.lengths, layers=t.layers)  # query heads 0 and 2
+    result = analyze(one, ["fwd_s1"], min_keys=8)
+    assert result.sink_heads().sum() == 1
+    assert "), 1 of 2 heads has a sink (" in result.summary_lines()[0]
+
 # ----------------------------------------------------------------------------------------------
 # Capture
 # ----------------------------------------------------------------------------------------------

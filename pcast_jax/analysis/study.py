@@ -194,7 +194,8 @@ class Analysis:
         sigma = _nanmean(self.stats["sigma"], axis=0)[sink]
         seq = f"{len(self.lengths)} sequence{'s' if len(self.lengths) > 1 else ''} of {int(self.lengths.max())} tokens"
         if sink.any():
-            sinks = (f"{int(sink.sum())} of {sink.size} heads have a sink (one key takes ≥ {SINK_MASS_MIN:.0%} of "
+            verb = "has" if sink.sum() == 1 else "have"
+            sinks = (f"{int(sink.sum())} of {sink.size} heads {verb} a sink (one key takes ≥ {SINK_MASS_MIN:.0%} of "
                      f"the attention; median Δ = {np.median(delta):.1f} logits, σ = {np.median(sigma):.1f})")
         else:
             sinks = f"none of the {sink.size} heads has a sink (no key takes ≥ {SINK_MASS_MIN:.0%} of the attention)"
