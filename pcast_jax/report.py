@@ -225,8 +225,8 @@ def write_text(path, text: str) -> Path:
 
 
 def _csv_value(v):
-    if isinstance(v, bool):
-        return "yes" if v else "no"
+    if isinstance(v, bool):  # what pandas.read_csv parses as a boolean
+        return "true" if v else "false"
     if isinstance(v, float):
         return repr(v)
     if isinstance(v, (list, tuple)):
@@ -242,7 +242,7 @@ def _csv_value(v):
 
 
 def write_csv(path, rows: Iterable[dict], columns: Sequence[str] | None = None) -> Path:
-    """Write rows (dicts) as CSV with full float precision.
+    """Write rows (dicts) as CSV with full float precision, booleans as ``true``/``false``.
 
     ``columns`` fixes the column order; by default every key in first-seen order. Every cell is
     checked first (:func:`check_published`, the table named by the file's stem): a None,

@@ -214,6 +214,56 @@ def test_to_xarray_has_labelled_coordinates(mixed_sweep):
     assert ds.attrs["q_len"] == 2 and ds.attrs["fingerprint"] == result.spec.fingerprint()
 
 
+def test_to_xarray_describes_every_variable_and_coordinate(mixed_sweep):
+    from pcast_jax.metrics import QUANTITIES
+
+    ds = load_result(mixed_sweep).to_xarray()
+    for name in [*ds.data_vars, *ds.coords]:
+        attrs = ds[name].attrs
+        assert attrs["long_name"] and attrs["description"] == QUANTITIES[name].description, name
+        if ds[name].dtype.kind in "fiu":  # a number has a unit; a string label has none
+            assert attrs["units"], name
+    assert ds["mse"].attrs["units"] == "V²" and ds["frac_zeroed"].attrs["units"] == "1"
+    assert ds["delta"].attrs["units"] == "nats" and ds["n"].attrs["units"] == "keys"
+    assert "units" not in ds["config"].attrs
+    # flags are booleans, the sink positions the keys that are sinks (k_sink = 4 by default)
+    assert ds.attrs["expected_mse"] is True and ds.attrs["sampled_mse"] is True
+    assert ds.attrs["sink_positions"].dtype == np.int64 and ds.attrs["sink_positions"].tolist() == [0, 1, 2, 3]
+    assert ds.attrs["jax_version"] and ds.attrs["format_version"] == 1
+
+
+def test_to_dataframe_attrs_describe_the_columns(mixed_sweep):
+    from pcast_jax.metrics import axis_label, describe
+
+    df = load_result(mixed_sweep).to_dataframe()
+    assert df.attrs["variables"]["mse"] == describe("mse") and df.attrs["variables"]["mse"]["units"] == "V²"
+    assert set(df.attrs["variables"]) >= {"n", "config", "delta", "seed", "mse", "frac_zeroed"}
+    assert df.attrs["sampled_mse"] is True and df.attrs["fingerprint"] == load_result(mixed_sweep).spec.fingerprint()
+    assert (df["sink_positions"] == "0 1 2 3").all()
+    assert describe("mse_sem")["units"] == "V²" and "standard error" in describe("mse_sem")["long_name"]
+    assert axis_label("mse") == "output MSE vs FP32 reference [V²]"
+    with pytest.raises(PcastError, match="not a sweep metric"):
+        describe("bogus")
+
+
+def test_results_written_before_the_metadata_still_load(mixed_sweep, tmp_path):
+    """A folder from before the saturation metrics and coordinates: it loads and describes what it holds."""
+    import shutil
+
+    out = tmp_path / "old"
+    shutil.copytree(mixed_sweep, out)
+    with np.load(out / "results.npz") as z:
+        entries = {k: z[k] for k in z.files if not k.startswith("coord_") and k not in ("frac_saturated",
+                                                                                          "saturated_mass")}
+    with open(out / "results.npz", "wb") as f:
+        np.savez(f, **entries)
+    result = load_result(out)
+    ds = result.to_xarray()
+    assert "frac_saturated" not in ds and ds["zeroed_mass"].attrs["units"] == "1"
+    assert result.spec.fingerprint() == load_result(mixed_sweep).spec.fingerprint()
+    assert set(result.to_dataframe().attrs["variables"]) >= {"mse", "nonsink_mass"}
+
+
 def test_missing_data_extra_names_it(mixed_sweep, monkeypatch):
     result = load_result(mixed_sweep)
     monkeypatch.setitem(sys.modules, "pandas", None)

@@ -97,7 +97,7 @@ def _check_csv_units_are_fractions(quick_report):
     for path in sorted(quick_report.glob("*.csv")):
         rows = _rows(path)
         for col in rows[0]:
-            assert "pct" not in col or col.endswith("15pct"), (path.name, col)  # 15pct: a yes/no flag
+            assert "pct" not in col or col.endswith("15pct"), (path.name, col)  # 15pct: a true/false flag
             if col.endswith("_frac") or col in ("frac_zeroed", "nonsink_mass", "zeroed_mass"):
                 vals = [float(r[col]) for r in rows if not r[col].startswith("n/a")]
                 bound = 1.0 + 1e-9 if "diff" not in col else 1.0
@@ -109,7 +109,7 @@ def _check_appendix_a_matches_paper(quick_report):
     rows = _rows(quick_report / "appendix_a.csv")
     assert len(rows) == 15
     for r in rows:
-        assert r["matches_printed_digits"] == "yes", r
+        assert r["matches_printed_digits"] == "true", r
         assert math.isclose(float(r["dp"]), float(r["dp_paper"]), abs_tol=5e-4)
     dp = {float(r["scale"]): float(r["dp"]) for r in rows}
     assert all(dp[2.0**k] == 0.0625 for k in range(9))
@@ -149,7 +149,7 @@ def _check_table3_kernels(quick_report):
     changed = []
     for r in ran:  # our verdict follows from the row's numbers and their errors; a change is flagged and explained
         best = next(b for b in ran if b["preset"] == r["best_preset"] and (b["phase"], b["n"]) == (r["phase"], r["n"]))
-        assert best["in_table3"] == "yes" and float(best["mse_ratio_to_best_d7"]) == 1.0
+        assert best["in_table3"] == "true" and float(best["mse_ratio_to_best_d7"]) == 1.0
         ratio, ratio_se = float(r["mse_ratio_to_best_d7"]), float(r["mse_ratio_to_best_sem_d7"])
         assert ratio > 0 and ratio_se >= 0 and r["ratio_metric"] in ("mse_expected", "mse")
         vs = r["zeroed_vs_one_forward_pass_d10"]
@@ -164,8 +164,8 @@ def _check_table3_kernels(quick_report):
                             0.0 if none_zeroed else float(r["zeroed_vs_one_forward_pass_sem_d10"]),
                             int(r["verdict_seeds"]))
         assert r["verdict"] == expect, r
-        change = r["in_table3"] == "yes" and t3.decided(expect) and expect != r["paper_status"]
-        assert (r["verdict_changes"] == "yes") == change and (r["finding"] != "none: as the paper") == change, r
+        change = r["in_table3"] == "true" and t3.decided(expect) and expect != r["paper_status"]
+        assert (r["verdict_changes"] == "true") == change and (r["finding"] != "none: as the paper") == change, r
         if change:
             changed.append(r["implementation"])
     claims = [f["claim"] for f in _rows(quick_report / "findings.csv") if f["experiment"] == "table3_kernels"]
@@ -300,7 +300,7 @@ def test_csv_and_json_round_trip(tmp_path):
     path = report.write_csv(tmp_path / "t.csv", rows)
     back = _rows(path)
     assert list(back[0]) == ["n", "mse", "flag", "extra"]
-    assert float(back[0]["mse"]) == 5.65e-5 and back[0]["flag"] == "yes"
+    assert float(back[0]["mse"]) == 5.65e-5 and back[0]["flag"] == "true"
     assert back[1]["mse"] == "n/a: not run" and back[1]["extra"] == "x"
     assert back[0]["extra"] == report.NO_SUCH_COLUMN  # a column the row does not have says so
     j = report.write_json(tmp_path / "r.json", {"a": float("inf"), "b": [1, 2.5]})
