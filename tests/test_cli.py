@@ -309,10 +309,12 @@ def test_plot_writes_a_png(mixed_sweep, tmp_path, capsys):
     out = tmp_path / "mse.png"
     assert cli.main(["plot", str(mixed_sweep), "--x", "delta", "--y", "mse", "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert cli.main(["plot", str(mixed_sweep), "--x", "n", "--y", "frac_zeroed", "--configs", "mine"]) == 0
-    assert (mixed_sweep / "plot_frac_zeroed_vs_n.png").exists()
+    assert cli.main(["plot", str(mixed_sweep), "--x", "delta", "--y", "frac_zeroed", "--configs", "mine"]) == 0
+    assert (mixed_sweep / "plot_frac_zeroed_vs_delta.png").exists()
     capsys.readouterr()
-    for bad in (["--y", "bogus"], ["--configs", "fa3"], ["--out", str(tmp_path / "x.pdf")]):
+    assert cli.main(["plot", str(mixed_sweep), "--x", "n"]) == 2  # one N: no line to draw against it
+    assert "one n value (64)" in capsys.readouterr().err
+    for bad in (["--y", "bogus"], ["--configs", "fa3"], ["--out", str(tmp_path / "x.jpg")]):
         assert cli.main(["plot", str(mixed_sweep), *bad]) == 2
         assert capsys.readouterr().err.startswith("pcast: error:")
     assert cli.main(["plot", str(tmp_path)]) == 2
