@@ -36,6 +36,7 @@ __all__ = [
     "QUICK",
     "Column",
     "Table",
+    "Part",
     "Figure",
     "Finding",
     "Section",
@@ -154,11 +155,22 @@ class Column:
 
 
 @dataclasses.dataclass
+class Part:
+    """One of the markdown tables a wide :class:`Table` is shown as: a caption, its rows and columns."""
+
+    caption: str
+    rows: list[dict]
+    columns: list[Column]
+
+
+@dataclasses.dataclass
 class Table:
-    """Rows written in full to ``<csv>.csv``; ``columns`` is what the markdown shows.
+    """Rows written in full to ``<csv>.csv`` (one kind of row: every row has every column);
+    ``columns`` is what the markdown shows.
 
     ``md_rows`` (optional) are the rows the markdown shows when they differ from the CSV rows
-    (pre-formatted cells, one markdown row per configuration).
+    (pre-formatted cells, one markdown row per configuration). ``parts`` (optional) shows the
+    table in the markdown as several smaller tables instead (the CSV still holds every row).
     """
 
     csv: str
@@ -166,6 +178,7 @@ class Table:
     columns: list[Column]
     caption: str = ""
     md_rows: list[dict] | None = None
+    parts: list[Part] | None = None
 
 
 @dataclasses.dataclass

@@ -241,20 +241,21 @@ def _csv_value(v):
     return v
 
 
-def write_csv(path, rows: Iterable[dict], columns: Sequence[str] | None = None) -> Path:
+def write_csv(path, rows: Iterable[dict], columns: Sequence[str] | None = None, *, tidy: bool = False) -> Path:
     """Write rows (dicts) as CSV with full float precision, booleans as ``true``/``false``.
 
     ``columns`` fixes the column order; by default every key in first-seen order. Every cell is
     checked first (:func:`check_published`, the table named by the file's stem): a None,
     non-finite or dashed value is an error, never an empty cell; a column a row does not have at
-    all (a table of two kinds of rows) reads :data:`NO_SUCH_COLUMN`.
+    all (a table of two kinds of rows) reads :data:`NO_SUCH_COLUMN`, or is an error with
+    ``tidy=True`` (one kind of row per table: each row has every column).
     """
     rows = list(rows)
     if columns is None:
         columns = []
         for r in rows:
             columns.extend(k for k in r if k not in columns)
-    check_published(Path(path).stem, rows, columns, absent_ok=True)
+    check_published(Path(path).stem, rows, columns, absent_ok=not tidy)
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(columns)
