@@ -23,6 +23,7 @@ from typing import Callable
 import jax
 import numpy as np
 
+from pcast_jax import report
 from pcast_jax.config import PAPER_CONFIGS
 from pcast_jax.errors import PcastError
 from pcast_jax.sweep import SweepResult, SweepSpec, plan_layout, run_sweep
@@ -31,6 +32,7 @@ __all__ = [
     "PAPER_ORDER",
     "PAPER_LABELS",
     "PAPER_COLORS",
+    "paper_line",
     "Sizes",
     "FULL",
     "QUICK",
@@ -66,6 +68,16 @@ PAPER_COLORS: dict[str, str] = {
     "fwd_s256": "#2ca02c",
     "rev_s256": "#1f77b4",
 }
+
+
+def paper_line(config: str) -> dict:
+    """Keyword arguments of a paper configuration's line (colour, label, marker, line style, width,
+    drawing order: :data:`pcast_jax.report.CONFIG_STYLES`): Forward S=256 stays visible on top of
+    Reverse S=256, which it nearly equals."""
+    return {"color": PAPER_COLORS[config], "label": PAPER_LABELS[config], "ms": 4, "lw": 1.5,
+            **report.CONFIG_STYLES[config]}
+
+
 SINK_DELTA = 7.0  # Table 2, Figure 3, Table 3: Δ = 7
 
 

@@ -426,6 +426,50 @@ def test_model_theory_has_no_empty_panel(tmp_path):
     assert fp8_report._fig_theory([{"layer": 0}], tmp_path / "none.png") is None
 
 
+def test_model_heatmaps_tick_both_signs_and_resist_one_extreme_head():
+    from pcast_jax.models import fp8_report
+
+    fig, axes = report.new_figure(ncols=2)
+    ratio = np.array([[-0.4, 0.1, 1.6], [0.2, -0.1, 0.9]])
+    bar = fp8_report._heatmap(axes[0], ratio, "ratio", "RdBu_r", "log10 ratio", fig, center=0.0)
+    fig.canvas.draw()
+    ticks = [t for t in bar.get_ticks() if bar.vmin <= t <= bar.vmax]
+    assert min(ticks) < 0 < max(ticks) and bar.vmin == -bar.vmax  # symmetric about 0, ticked on both sides
+    gaps = np.concatenate([np.linspace(5.0, 12.0, 63), [30.0]]).reshape(8, 8)
+    bar = fp8_report._heatmap(axes[1], gaps, "sink gap", "viridis", "Δ", fig, robust=True)
+    assert bar.extend == "max" and bar.vmax < 13.0 and "max 30" in axes[1].get_title()
+    fig, axes = report.new_figure()
+    bar = fp8_report._heatmap(axes, np.linspace(5.0, 12.0, 64).reshape(8, 8), "gap", "viridis", "Δ", fig,
+                              robust=True)
+    assert bar.extend == "neither" and bar.vmax == 12.0  # no extreme head: the full range
+
+
+def test_model_per_layer_ratio_axis_reads_plain_numbers(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from pcast_jax.models import fp8_report
+
+    saved = []
+    monkeypatch.setattr(report, "save_figure", lambda fig, path: saved.append(fig))
+    mse = np.array([[2.0, 3.0], [1.5, 1.2]])
+    study = SimpleNamespace(heads={"fwd_s1": {"mse": mse}, "rev_s256": {"mse": np.ones((2, 2))}})
+    rows = [{"layer": 0, "ratio_fwd_s1/rev_s256": 1.2}, {"layer": 1, "ratio_fwd_s1/rev_s256": 3.4}]
+    fp8_report._fig_mse_ratio(study, rows, tmp_path / "r.png")
+    ax = saved[0].axes[1]
+    saved[0].canvas.draw()
+    labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+    assert labels and all("10^" not in t and "times" not in t for t in labels), labels
+    assert "1" in labels and "2" in labels
+
+
+def test_paper_forward_s256_stays_visible_over_reverse_s256():
+    from pcast_experiments.common import paper_line
+
+    fwd, rev = paper_line("fwd_s256"), paper_line("rev_s256")
+    assert fwd["linestyle"] != rev["linestyle"] and fwd["marker"] != rev["marker"]
+    assert fwd["zorder"] > rev["zorder"] and fwd["lw"] < rev["lw"]
+
+
 def test_model_e2e_draws_no_bar_for_zero(tmp_path):
     from matplotlib.figure import Figure
 

@@ -63,30 +63,50 @@ FILES: dict[str, str] = {
 # --------------------------------------------------------------------------------------------
 
 
-def _heatmap(ax, data, title, cmap, label, fig, vmin=None, vmax=None, center=None):
-    from matplotlib.colors import TwoSlopeNorm
+#: Percentile a robust colour range ends at: one extreme head (a sink gap of 30 among gaps of 5–12)
+#: would otherwise take the whole colour scale and leave every other head one colour.
+ROBUST_PERCENTILE = 98.0
 
-    kw = {}
+
+def _heatmap(ax, data, title, cmap, label, fig, vmin=None, vmax=None, center=None, robust: bool = False):
+    """One value per (layer, head) as an image with its colour bar.
+
+    ``center``: a diverging scale symmetric about it (equal distances from it, equal colour
+    strength; the colour bar ticks both sides). ``robust``: the colour range ends at the
+    :data:`ROBUST_PERCENTILE` th percentile when values beyond it lie far out; the colour bar then
+    points past its end and the title names the largest value.
+    """
+    from matplotlib.colors import Normalize
+
+    data = np.asarray(data, np.float64)
+    finite = data[np.isfinite(data)]
+    extend = "neither"
     if center is not None:
-        lo = min(np.nanmin(data), center - 1e-6)
-        hi = max(np.nanmax(data), center + 1e-6)
-        kw["norm"] = TwoSlopeNorm(vcenter=center, vmin=lo, vmax=hi)
+        half = max(float(np.max(np.abs(finite - center))) if finite.size else 0.0, 1e-6)
+        norm = Normalize(vmin=center - half, vmax=center + half)
     else:
-        kw.update(vmin=vmin, vmax=vmax)
-    im = ax.imshow(data, aspect="auto", cmap=cmap, origin="lower", interpolation="nearest", **kw)
+        if robust and finite.size:
+            lo, hi = float(np.min(finite)), float(np.max(finite))
+            top = float(np.percentile(finite, ROBUST_PERCENTILE))
+            if hi - top > 0.25 * (top - lo):  # the last few values would stretch the scale by a quarter or more
+                vmax = top if vmax is None else vmax
+                extend = "max"
+                title = f"{title}\n(colours end at the {ROBUST_PERCENTILE:g}th percentile, {top:.3g}; max {hi:.3g})"
+        norm = Normalize(vmin=vmin, vmax=vmax)
+    im = ax.imshow(data, aspect="auto", cmap=cmap, origin="lower", interpolation="nearest", norm=norm)
     ax.set_xlabel("query head")
     ax.set_ylabel("layer")
     ax.set_title(title, fontsize=10)
     ax.set_xticks(range(data.shape[1]))
-    fig.colorbar(im, ax=ax, label=label)
+    return fig.colorbar(im, ax=ax, label=label, extend=extend)
 
 
 def _fig_sink_gap(study: ModelStudy, path):
     stats = study.stats
     fig, axes = report.new_figure(ncols=2, figsize=(10.0, 5.5))
     _heatmap(axes[0], stats["delta"], "sink gap Δ = max sink logit − non-sink mean", "viridis",
-             "Δ (logits)", fig)
-    _heatmap(axes[1], stats["sigma"], "σ = std of non-sink logits", "magma", "σ (logits)", fig)
+             "Δ (logits)", fig, robust=True)
+    _heatmap(axes[1], stats["sigma"], "σ = std of non-sink logits", "magma", "σ (logits)", fig, robust=True)
     report.save_figure(fig, path)
 
 
@@ -105,6 +125,7 @@ def _fig_mse_ratio(study: ModelStudy, layer_rows, path):
             ax.plot([r[key] for r in layer_rows], layers, "o-", color=color, label=label, ms=4)
     ax.axvline(1.0, color="k", lw=0.8)
     ax.set_xscale("log")
+    report.label_log_axis(ax.xaxis)  # 1, 2, 5 (not 1×10⁰, 2×10⁰)
     ax.set_xlabel("layer MSE ratio (sum over heads)")
     ax.set_ylabel("layer")
     ax.set_title("MSE ratio per layer", fontsize=10)
