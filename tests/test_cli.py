@@ -442,6 +442,10 @@ def test_model_heatmaps_tick_both_signs_and_resist_one_extreme_head():
     bar = fp8_report._heatmap(axes, np.linspace(5.0, 12.0, 64).reshape(8, 8), "gap", "viridis", "Δ", fig,
                               robust=True)
     assert bar.extend == "neither" and bar.vmax == 12.0  # no extreme head: the full range
+    fig, axes = report.new_figure()
+    ratio = np.concatenate([np.linspace(-0.3, 0.5, 63), [2.6]]).reshape(8, 8)
+    bar = fp8_report._heatmap(axes, ratio, "ratio", "RdBu_r", "log10 ratio", fig, center=0.0, robust=True)
+    assert bar.extend == "max" and bar.vmax < 1.0 and bar.vmin == -bar.vmax and "2.6" in axes.get_title()
 
 
 def test_model_per_layer_ratio_axis_reads_plain_numbers(monkeypatch, tmp_path):
@@ -459,7 +463,7 @@ def test_model_per_layer_ratio_axis_reads_plain_numbers(monkeypatch, tmp_path):
     saved[0].canvas.draw()
     labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
     assert labels and all("10^" not in t and "times" not in t for t in labels), labels
-    assert "1" in labels and "2" in labels
+    assert {"1", "1.5", "2", "3"} <= set(labels), labels
 
 
 def test_paper_forward_s256_stays_visible_over_reverse_s256():
