@@ -23,6 +23,7 @@ from typing import Callable
 import jax
 import numpy as np
 
+from pcast_jax import report
 from pcast_jax.config import PAPER_CONFIGS
 from pcast_jax.errors import PcastError
 from pcast_jax.sweep import SweepResult, SweepSpec, plan_layout, run_sweep
@@ -31,11 +32,13 @@ __all__ = [
     "PAPER_ORDER",
     "PAPER_LABELS",
     "PAPER_COLORS",
+    "paper_line",
     "Sizes",
     "FULL",
     "QUICK",
     "Column",
     "Table",
+    "Part",
     "Figure",
     "Finding",
     "Section",
@@ -65,6 +68,16 @@ PAPER_COLORS: dict[str, str] = {
     "fwd_s256": "#2ca02c",
     "rev_s256": "#1f77b4",
 }
+
+
+def paper_line(config: str) -> dict:
+    """Keyword arguments of a paper configuration's line (colour, label, marker, line style, width,
+    drawing order: :data:`pcast_jax.report.CONFIG_STYLES`): Forward S=256 stays visible on top of
+    Reverse S=256, which it nearly equals."""
+    return {"color": PAPER_COLORS[config], "label": PAPER_LABELS[config], "ms": 4, "lw": 1.5,
+            **report.CONFIG_STYLES[config]}
+
+
 SINK_DELTA = 7.0  # Table 2, Figure 3, Table 3: Δ = 7
 
 
@@ -154,11 +167,22 @@ class Column:
 
 
 @dataclasses.dataclass
+class Part:
+    """One of the markdown tables a wide :class:`Table` is shown as: a caption, its rows and columns."""
+
+    caption: str
+    rows: list[dict]
+    columns: list[Column]
+
+
+@dataclasses.dataclass
 class Table:
-    """Rows written in full to ``<csv>.csv``; ``columns`` is what the markdown shows.
+    """Rows written in full to ``<csv>.csv`` (one kind of row: every row has every column);
+    ``columns`` is what the markdown shows.
 
     ``md_rows`` (optional) are the rows the markdown shows when they differ from the CSV rows
-    (pre-formatted cells, one markdown row per configuration).
+    (pre-formatted cells, one markdown row per configuration). ``parts`` (optional) shows the
+    table in the markdown as several smaller tables instead (the CSV still holds every row).
     """
 
     csv: str
@@ -166,6 +190,7 @@ class Table:
     columns: list[Column]
     caption: str = ""
     md_rows: list[dict] | None = None
+    parts: list[Part] | None = None
 
 
 @dataclasses.dataclass

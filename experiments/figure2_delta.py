@@ -24,6 +24,7 @@ from .common import (
     Section,
     Table,
     delta_sweep,
+    paper_line,
 )
 
 NAME = "figure2_delta"
@@ -53,7 +54,7 @@ def run(ctx: Context) -> Section:
     for c in PAPER_ORDER:
         y = np.array([stats[c, d] for d in s.deltas_fig2])
         se = np.array([r["mse_sem"] for r in rows if r["config"] == c])
-        top.plot(deltas, y, "o-", color=PAPER_COLORS[c], label=PAPER_LABELS[c], ms=4, lw=1.5)
+        top.plot(deltas, y, **paper_line(c))
         top.fill_between(deltas, np.maximum(y - se, y * 0.5), y + se, color=PAPER_COLORS[c], alpha=0.15, lw=0)
         if n == 4096:
             top.plot([7.0], [table2.PAPER[c][4096] * 1e-5], "D", mfc="none", mec=PAPER_COLORS[c], ms=9,

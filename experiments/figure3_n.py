@@ -24,6 +24,7 @@ from .common import (
     Section,
     Table,
     mse_by_length,
+    paper_line,
 )
 
 NAME = "figure3_n"
@@ -57,8 +58,7 @@ def run(ctx: Context) -> Section:
     for c in PAPER_ORDER:
         y = np.array([mean[c, n] for n in s.ns_fig3])
         se = np.array([r["mse_sem"] for r in rows if r["config"] == c])
-        h = ax.errorbar(ns, y, yerr=se, fmt="o-", color=PAPER_COLORS[c], label=PAPER_LABELS[c], ms=4, lw=1.5,
-                    capsize=2)
+        h = ax.errorbar(ns, y, yerr=se, capsize=2, **paper_line(c))
         handles.append(h)
         pn = sorted(table2.PAPER[c])
         ax.plot(pn, [table2.PAPER[c][n] * 1e-5 for n in pn], "D", mfc="none", mec=PAPER_COLORS[c], ms=9,

@@ -57,7 +57,9 @@ FILE_DESCRIPTIONS: dict[str, str] = {
                   "difference), Eq. (7) and its spread-integrated form, exact zeroed mass; all fractions in "
                   "[0, 1] (columns *_frac)",
     "table2.csv": "Table 2 per (config, N): empirical MSE and mse_expected with standard errors, the paper's "
-                  "MSE, ours/paper ratios, ±15% flags; plus the Fwd S=1 / best ratio rows",
+                  "MSE, ours/paper ratios, ±15% flags",
+    "table2_ratios.csv": "Table 2's ratio row per N: Fwd S=1 / best of the other four (empirical and expected), "
+                         "the best config, the paper's ratio and ours/paper",
     "figure1_dp.csv": "dp(S) on Figure 1's grid (S, dp, power of two?, overflow?)",
     "figure1_dp.png": "Figure 1, the dp(S) sawtooth",
     "figure2_delta.csv": "Figure 2 per (config, Δ): MSE ± s.e., expected MSE, frac. zeroed, zeroed mass, "
@@ -227,7 +229,7 @@ def _write_outputs(out: Path, ctx: Context, sections: list[Section]) -> list[str
     files = []
     for sec in sections:
         for tab in sec.tables:
-            report.write_csv(out / f"{tab.csv}.csv", tab.rows)
+            report.write_csv(out / f"{tab.csv}.csv", tab.rows, tidy=True)
             files.append(f"{tab.csv}.csv")
         for fig in sec.figures:
             report.save_figure(fig.figure, out / f"{fig.png}.png")
@@ -273,8 +275,11 @@ def _write_markdown(out: Path, ctx: Context, sections: list[Section], meta: dict
             if tab.columns:
                 if tab.caption:
                     lines += [tab.caption, ""]
-                lines += [report.markdown_table(tab.md_rows if tab.md_rows is not None else tab.rows,
-                                                tab.columns, name=tab.csv), ""]
+                for part in tab.parts or ():
+                    lines += [part.caption, "", report.markdown_table(part.rows, part.columns, name=tab.csv), ""]
+                if not tab.parts:
+                    lines += [report.markdown_table(tab.md_rows if tab.md_rows is not None else tab.rows,
+                                                    tab.columns, name=tab.csv), ""]
             lines += [f"Data: [`{tab.csv}.csv`]({tab.csv}.csv)", ""]
         if sec.notes:
             lines += [f"- {n}" for n in sec.notes] + [""]

@@ -25,7 +25,7 @@ from pcast_jax.config import XQA_DECODE_LAUNCH, KernelConfig, get_preset, preset
 from pcast_jax.metrics import expected_is_exact
 from pcast_jax.stats import decide, fmt_pm, mean_sem, paired_ratio, z_value
 
-from .common import SINK_DELTA, Column, Context, Finding, Section, Table, spec_for
+from .common import SINK_DELTA, Column, Context, Finding, Part, Section, Table, spec_for
 
 NAME = "table3_kernels"
 TITLE = "Table 3 — production FP8 attention kernels as they run: prefill and decode"
@@ -43,6 +43,8 @@ SAFETY_NET = 0.25         # zeroed at Δ = 10 at most this × one forward pass: 
 VERDICTS = ("Optimal", "Near-optimal", "Suboptimal scale", "S=1 baseline")
 #: The preset cell of a phase the kernel has no preset for (the row's ``not_run`` says why).
 NOT_RUN = "none (not run)"
+#: ``holds_if`` of a row whose verdict does not depend on a launch parameter (all but XQA decode).
+HOLDS_ALWAYS = "n/a: no launch parameter decides it"
 #: The paper's cells of a row beyond its Table 3.
 NOT_IN_PAPER = "not in Table 3"
 #: nbSubSeq values of the XQA decode row's launch study (CTAs per request and KV head).
@@ -422,6 +424,8 @@ def run(ctx: Context) -> Section:
             r["holds_if"] = conditions[r["n"]]
             if r["verdict_changes"]:
                 r["finding"] += f"; holds {conditions[r['n']]}"
+        else:
+            r["holds_if"] = HOLDS_ALWAYS
     findings = _ordering_findings(rows, measured, s) + _verdict_findings(rows, t7, t10)
     cols = [Column("implementation", "Implementation"), Column("phase", "phase"), Column("preset", "preset"),
             Column("order", "order"), Column("scale", "S"), Column("block_kv", "tile B"),
@@ -446,7 +450,8 @@ def run(ctx: Context) -> Section:
                  "ratio": _pm_ratio(r[f"mse_ratio_to_best_{t7}"], r[f"mse_ratio_to_best_sem_{t7}"]),
                  "split_protects": r["split_protects"], "verdict": r["verdict"]} for r in study]
     notes = [f"`{k.prefill}`{' / `' + k.decode + '`' if k.decode else ''} ({k.label}): "
-             f"{'; '.join(x for x in (k.note, _tile_note(k, s.d)) if x)}" for k in KERNELS]
+             f"{'; '.join(x for x in (k.note, _tile_note(k, s.d), k.decode is None and f'no decode run: {k.no_decode}')
+                   if x)}" for k in KERNELS]
     launch = XQA_DECODE_LAUNCH
     notes.append(
         f"XQA decode launch: `trtllm_xqa_multiblock` runs nbSubSeq = {get_preset('trtllm_xqa_multiblock').kv_splits}, "
@@ -472,14 +477,51 @@ def run(ctx: Context) -> Section:
         "MSE's mean with less variance. A comparison is decided only when its threshold lies outside "
         f"value ± z·s.e., z the two-sided 95 % Student-t quantile (z = {z8:.2f} at {s.seeds_table3} seeds); "
         "otherwise the verdict reads *within noise at n seeds* and names what the noise leaves open. A "
-        "finding marks each row whose (decided) verdict differs from the paper's. The second table runs "
+        "finding marks each row whose (decided) verdict differs from the paper's. The markdown shows, per "
+        "phase, what each kernel runs and what it measured (a kernel with no decode path has no decode "
+        "measurement; why is in the notes and the CSV, which holds every column); the last table runs "
         "the XQA decode row at each nbSubSeq its launcher can choose (the launch decides the verdict).")
     return Section(NAME, TITLE, intro, tables=[
-        Table("table3_kernels", rows, cols, md_rows=md_rows),
+        Table("table3_kernels", rows, cols, md_rows=md_rows, parts=_parts(rows, md_rows, s.ns_table3)),
         Table("table3_xqa_subseq", study, study_cols, md_rows=study_md,
               caption=f"TensorRT-LLM XQA decode (`trtllm_xqa_multiblock`) by nbSubSeq; bold: the preset's "
                       f"launch. Launch: which batch · KV heads gives that nbSubSeq on {SUBSEQ_SMS} SMs.")],
         findings=findings, notes=notes)
+
+
+#: Table 3 in the markdown: what each kernel runs (one table per phase), what it measured (one per
+#: phase and N), and the rows whose verdict differs from the paper's; the CSV has every column.
+_SETUP_COLS = (("implementation", "Implementation"), ("preset", "preset"), ("order", "order"), ("scale", "S"),
+               ("block_kv", "tile B"), ("splits", "splits"), ("paper_status", "paper"))
+
+
+def _parts(rows: list[dict], md_rows: list[dict], ns) -> list[Part]:
+    t7, t10 = _dtag(DELTAS[0]), _dtag(DELTAS[1])
+    setup = [Column(k, h) for k, h in _SETUP_COLS]
+    measured = [Column("implementation", "Implementation"),
+                Column(f"zeroed_{t7}", f"zeroed Δ={DELTAS[0]:g}"), Column(f"mse_{t7}", f"MSE ×10⁻⁵ Δ={DELTAS[0]:g}"),
+                Column(f"zeroed_{t10}", f"zeroed Δ={DELTAS[1]:g}"),
+                Column(f"mse_{t10}", f"MSE ×10⁻⁵ Δ={DELTAS[1]:g}"),
+                Column("vs_forward", f"Δ={DELTAS[1]:g} / one fwd pass"),
+                Column("ratio", f"MSE Δ={DELTAS[0]:g} / best"), Column("paper_status", "paper"),
+                Column("verdict", "ours")]
+    parts = []
+    for phase in ("prefill", "decode"):
+        mine = [(r, md) for r, md in zip(rows, md_rows) if r["phase"] == phase]
+        first_n = [md for r, md in mine if r["n"] == ns[0]]
+        parts.append(Part(f"**{phase.capitalize()}**: what each kernel runs.", first_n, setup))
+        for n in ns:
+            at = [md for r, md in mine if r["n"] == n and r["preset"] != NOT_RUN]
+            if not at:
+                continue
+            parts.append(Part(f"**{phase.capitalize()}**, N = {n}: zeroed fraction, MSE and verdict.", at, measured))
+    differ = [md for r, md in zip(rows, md_rows) if r["preset"] != NOT_RUN and md.get("finding")]
+    if differ:
+        parts.append(Part("Where our verdict differs from the paper's (or holds only for some launches), and why.",
+                          differ,
+                          [Column("implementation", "Implementation"), Column("phase", "phase")]
+                          + ([Column("n", "N")] if len(ns) > 1 else []) + [Column("finding", "finding")]))
+    return parts
 
 
 def _tile_note(k: Kernel, d: int) -> str:
@@ -507,7 +549,7 @@ def _md_row(r: dict) -> dict:
     md.update(order=r["order"], scale=r["scale"], block_kv=r["block_kv"],
               splits=f"{r['kv_splits']} {r['split_layout']}".strip() if r["kv_splits"] > 1 else "1",
               finding="" if not r["verdict_changes"] else r["finding"])
-    if r.get("holds_if"):
+    if r.get("holds_if", HOLDS_ALWAYS) != HOLDS_ALWAYS:
         md["finding"] = "; ".join(x for x in (md["finding"], "verdict holds " + r["holds_if"]) if x)
     for delta in DELTAS:
         t = _dtag(delta)

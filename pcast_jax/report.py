@@ -225,8 +225,8 @@ def write_text(path, text: str) -> Path:
 
 
 def _csv_value(v):
-    if isinstance(v, bool):
-        return "yes" if v else "no"
+    if isinstance(v, bool):  # what pandas.read_csv parses as a boolean
+        return "true" if v else "false"
     if isinstance(v, float):
         return repr(v)
     if isinstance(v, (list, tuple)):
@@ -241,20 +241,21 @@ def _csv_value(v):
     return v
 
 
-def write_csv(path, rows: Iterable[dict], columns: Sequence[str] | None = None) -> Path:
-    """Write rows (dicts) as CSV with full float precision.
+def write_csv(path, rows: Iterable[dict], columns: Sequence[str] | None = None, *, tidy: bool = False) -> Path:
+    """Write rows (dicts) as CSV with full float precision, booleans as ``true``/``false``.
 
     ``columns`` fixes the column order; by default every key in first-seen order. Every cell is
     checked first (:func:`check_published`, the table named by the file's stem): a None,
     non-finite or dashed value is an error, never an empty cell; a column a row does not have at
-    all (a table of two kinds of rows) reads :data:`NO_SUCH_COLUMN`.
+    all (a table of two kinds of rows) reads :data:`NO_SUCH_COLUMN`, or is an error with
+    ``tidy=True`` (one kind of row per table: each row has every column).
     """
     rows = list(rows)
     if columns is None:
         columns = []
         for r in rows:
             columns.extend(k for k in r if k not in columns)
-    check_published(Path(path).stem, rows, columns, absent_ok=True)
+    check_published(Path(path).stem, rows, columns, absent_ok=not tidy)
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(columns)
@@ -308,12 +309,15 @@ def new_figure(*, nrows: int = 1, ncols: int = 1, figsize=(7.0, 4.5), height_rat
 
 
 def label_log_axis(axis, subs=(1.0, 2.0, 5.0)) -> None:
-    """Major ticks at 1-2-5 × 10^k on a log axis, each labelled (``5×10⁻⁶``); unlabelled minors."""
+    """Major ticks at 1-2-5 × 10^k on a log axis, each labelled (``5×10⁻⁶``; plain ``0.5``, ``2``, ``300``
+    from 0.01 to 10⁴); unlabelled minors."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     def label(value, _pos):
         if value <= 0:
             return ""
+        if 1e-2 <= value < 1e4:  # a number one reads as such: 0.5, 2, 300 (not 2×10⁰)
+            return f"{value:g}"
         exp = math.floor(math.log10(value) + 1e-9)
         mant = value / 10.0**exp
         if abs(mant - 1.0) < 1e-6:
@@ -326,11 +330,26 @@ def label_log_axis(axis, subs=(1.0, 2.0, 5.0)) -> None:
     axis.set_minor_formatter(NullFormatter())
 
 
+#: The file formats :func:`save_figure` writes, by the path's extension.
+FIGURE_FORMATS = ("png", "pdf", "svg")
+
+
+def figure_format(path) -> str:
+    """The format a figure file gets from its extension (:data:`FIGURE_FORMATS`), or a PcastError."""
+    fmt = Path(path).suffix.lower().lstrip(".")
+    if fmt not in FIGURE_FORMATS:
+        raise PcastError(f"{str(path)!r}: a figure file ends in {', '.join('.' + f for f in FIGURE_FORMATS)} "
+                         "(the extension picks the format)")
+    return fmt
+
+
 def save_figure(fig, path, *, dpi: int = 150) -> Path:
-    """Save a figure as PNG atomically, after checking that every plotted line is finite (a
-    non-finite point would silently break the line: a PcastError naming the figure and line)."""
+    """Save a figure atomically as PNG, PDF or SVG (by the extension of ``path``), after checking that
+    every plotted line is finite (a non-finite point would silently break the line: a PcastError
+    naming the figure and line). PDF and SVG carry no creation date, so a rerun writes the same file."""
     import numpy as np
 
+    fmt = figure_format(path)
     for ax in fig.axes:
         for line in ax.get_lines():
             data = np.concatenate([np.asarray(line.get_xdata(), np.float64).ravel(),
@@ -340,7 +359,8 @@ def save_figure(fig, path, *, dpi: int = 150) -> Path:
                                  f"{ax.get_title() or ax.get_ylabel()!r} has a non-finite point; a published "
                                  "number must be finite")
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
+    metadata = {"pdf": {"CreationDate": None}, "svg": {"Date": None}}.get(fmt)
+    fig.savefig(buf, format=fmt, dpi=dpi, metadata=metadata)
     return _atomic(Path(path), buf.getvalue())
 
 
@@ -377,80 +397,143 @@ CONFIG_COLORS: dict[str, str] = {
     "fwd_s256": "#2ca02c",
     "rev_s256": "#1f77b4",
 }
+#: Marker, line style and drawing order of each paper configuration. Forward and Reverse S = 256 give
+#: nearly the same numbers: Reverse is a wide solid line with open circles, Forward a dashed line with
+#: small squares drawn on top of it, so both stay visible where they overlap.
+CONFIG_STYLES: dict[str, dict] = {
+    "fwd_s1": {"marker": "o", "linestyle": "-", "zorder": 3},
+    "rev_s1": {"marker": "v", "linestyle": "-", "zorder": 3},
+    "fwd_s448": {"marker": "^", "linestyle": "-", "zorder": 3},
+    "rev_s256": {"marker": "o", "linestyle": "-", "zorder": 3, "lw": 2.6, "ms": 7, "mfc": "none"},
+    "fwd_s256": {"marker": "s", "linestyle": "--", "zorder": 4, "lw": 1.3, "ms": 3.5},
+}
 _OTHER_COLORS = ("#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#1f77b4", "#ff7f0e", "#2ca02c",
                  "#d62728", "#9467bd")
 _LINESTYLES = ("-", "--", ":", "-.")
-#: Axis labels of the sweep metrics and coordinates.
-SWEEP_LABELS = {
-    "delta": "sink strength Δ",
-    "n": "KV length N",
-    "mse": "MSE vs FP32 reference",
-    "mse_expected": "expected MSE (V averaged)",
-    "frac_zeroed": "fraction of non-sink P cast to zero",
-    "zeroed_mass": "probability mass cast to zero (fraction)",
-    "nonsink_mass": "non-sink probability mass (fraction)",
-}
+_MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*")
+#: The coordinates a sweep figure can put on x, colour or facet by; the sizes get a log x axis.
+SWEEP_COORDS = ("delta", "n", "config")
+SIZE_COORDS = ("n",)
+
+
+def _sweep_values(result, coord: str, configs: Sequence[str]) -> list:
+    spec = result.spec
+    return {"delta": list(spec.deltas), "n": list(spec.ns), "config": list(configs)}[coord]
+
+
+def _value_text(coord: str, v) -> str:
+    return str(v) if coord == "config" else f"{'N' if coord == 'n' else 'Δ'} = {v:g}"
 
 
 def sweep_figure(result, *, x: str = "delta", y: str = "mse", configs: Sequence[str] | None = None,
-                 log_y: bool | None = None):
-    """A figure of one sweep metric against Δ or N, one line per config (± one standard error, shaded).
+                 log_y: bool | None = None, log_x: bool | None = None, hue: str = "config",
+                 col: str | None = None):
+    """A figure of one sweep metric (mean over seeds, ± one standard error shaded) against Δ or N.
 
-    The other axis (N when ``x`` is Δ and the reverse) gives one line style per value. ``log_y``
-    defaults to a log axis for the MSE metrics (where every value is > 0). Returns the Figure.
+    ``hue`` colours the lines by a coordinate (config, n or delta; a paper config keeps its colour
+    and marker, numbers take the viridis colours in order); ``col`` draws one panel per value of
+    another. The coordinate left over gives one line style per value. Axis labels are the long
+    names with units (:func:`pcast_jax.metrics.axis_label`). ``log_x`` defaults to a log axis for a
+    size (N), ``log_y`` to a log axis for the MSE metrics (where every value is > 0). An ``x`` with
+    one value in the sweep is an error naming the coordinate that has several. Returns the Figure.
     """
     import numpy as np
 
-    from pcast_jax.errors import PcastError, check_choice
+    from pcast_jax.errors import check_choice
+    from pcast_jax.metrics import axis_label
     from pcast_jax.stats import mean_sem
 
     spec = result.spec
     check_choice("x", x, ("delta", "n"))
     check_choice("y", y, tuple(result.data))
+    check_choice("hue", hue, SWEEP_COORDS)
+    if col is not None:
+        check_choice("col", col, SWEEP_COORDS)
+    used = [x, hue] + ([col] if col else [])
+    if len(set(used)) != len(used):
+        raise PcastError(f"x={x!r}, hue={hue!r} and col={col!r} must name different coordinates")
     names = list(spec.config_names) if configs is None else list(configs)
     for c in names:
         check_choice("config", c, spec.config_names)
-    xs = np.asarray(spec.deltas if x == "delta" else spec.ns, np.float64)
-    others = spec.ns if x == "delta" else spec.deltas
+    xs = np.asarray(_sweep_values(result, x, names), np.float64)
+    if len(xs) < 2:
+        other = next((c for c in ("delta", "n") if c != x and len(_sweep_values(result, c, names)) > 1), None)
+        raise PcastError(f"x={x!r}: this sweep has one {x} value ({xs[0]:g}), so a line against it would be a "
+                         "single point" + (f"; try --x {other}" if other else
+                                           "; plot a sweep over several Δ or N"))
+    rest = next((c for c in SWEEP_COORDS if c not in used), None)
     if log_y is None:
         log_y = y.startswith("mse")
-    fig, ax = new_figure(figsize=(7.5, 4.8))
-    colors = iter(_OTHER_COLORS)
-    color = {c: CONFIG_COLORS.get(c) or next(colors, "#333333") for c in names}
+    if log_x is None:
+        log_x = x in SIZE_COORDS
+    panels = _sweep_values(result, col, names) if col else [None]
+    ncols = min(len(panels), 3)
+    nrows = -(-len(panels) // ncols)
+    fig, axes = new_figure(nrows=nrows, ncols=ncols, figsize=(2.0 + 4.2 * ncols, 1.4 + 3.4 * nrows))
+    axes = np.atleast_1d(axes).ravel()
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    hues = _sweep_values(result, hue, names)
+    if hue == "config":
+        others = iter(_OTHER_COLORS)
+        color = {c: CONFIG_COLORS.get(c) or next(others, "#333333") for c in hues}
+        style = {c: CONFIG_STYLES.get(c, {"marker": _MARKERS[i % len(_MARKERS)]}) for i, c in enumerate(hues)}
+    else:
+        from matplotlib import colormaps
+
+        cmap = colormaps["viridis"]
+        color = {v: cmap(i / max(1, len(hues) - 1) * 0.9) for i, v in enumerate(hues)}
+        style = {v: {"marker": _MARKERS[i % len(_MARKERS)]} for i, v in enumerate(hues)}
+    rests = _sweep_values(result, rest, names) if rest else [None]
     plotted = 0
-    for j, other in enumerate(others):
-        for c in names:
-            stats = []
-            for v in xs:
-                key = {"n": other, "delta": float(v)} if x == "delta" else {"n": int(v), "delta": other}
-                stats.append(mean_sem(result.get(y, config=c, **key).astype(np.float64)))
-            m, se = (np.array(t) for t in zip(*stats))
-            if not np.isfinite(m).any():
-                continue
-            label = c if len(others) == 1 else f"{c}, {'N' if x == 'delta' else 'Δ'} = {other:g}"
-            ax.plot(xs, m, "o" + _LINESTYLES[j % len(_LINESTYLES)], color=color[c], label=label, ms=4, lw=1.5)
-            lo = np.maximum(m - se, m * 1e-3) if log_y else m - se
-            ax.fill_between(xs, lo, m + se, color=color[c], alpha=0.15, lw=0)
-            plotted += 1
+    for ax, panel in zip(axes, panels):
+        for j, r in enumerate(rests):
+            for h in hues:
+                at = {x: None, hue: h, **({rest: r} if rest else {}), **({col: panel} if col else {})}
+                stats = []
+                for v in xs:
+                    at[x] = int(v) if x == "n" else float(v)
+                    stats.append(mean_sem(result.get(y, config=at["config"], n=at["n"],
+                                                     delta=at["delta"]).astype(np.float64)))
+                m, se = (np.array(t) for t in zip(*stats))
+                if not np.isfinite(m).any():
+                    continue
+                label = _value_text(hue, h) if len(rests) == 1 else f"{_value_text(hue, h)}, {_value_text(rest, r)}"
+                kw = {"ms": 4, "lw": 1.5, "zorder": 3, **style[h]}
+                if len(rests) > 1:
+                    kw["linestyle"] = _LINESTYLES[j % len(_LINESTYLES)]
+                ax.plot(xs, m, color=color[h], label=label, **kw)
+                lo = np.maximum(m - se, m * 1e-3) if log_y else m - se
+                ax.fill_between(xs, lo, m + se, color=color[h], alpha=0.15, lw=0)
+                plotted += 1
+        if log_y:
+            ax.set_yscale("log")
+            label_log_axis(ax.yaxis)
+        if log_x:
+            ax.set_xscale("log", base=2 if x == "n" else 10)
+            if x == "n":
+                from matplotlib.ticker import NullLocator
+
+                ax.xaxis.set_minor_locator(NullLocator())
+        if len(xs) <= 16:
+            ax.set_xticks(xs, [f"{v:g}" for v in xs])
+        ax.set_xlabel(axis_label(x))
+        ax.set_ylabel(axis_label(y))
+        if col:
+            ax.set_title(_value_text(col, panel), fontsize=10)
+        ax.grid(alpha=0.3, which="both")
     if not plotted:
         why = {"mse": "--no-sampled-mse", "mse_expected": "--no-expected-mse"}.get(y)
         raise PcastError(f"y={y!r} has no finite values in this sweep"
                          + (f" (was it run with {why}?)" if why else ""))
-    if log_y:
-        ax.set_yscale("log")
-        label_log_axis(ax.yaxis)
-    if x == "n" and len(xs) > 1:
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(xs, [f"{int(v)}" for v in xs])
-    elif len(xs) <= 16:
-        ax.set_xticks(xs, [f"{v:g}" for v in xs])
-    ax.set_xlabel(SWEEP_LABELS.get(x, x))
-    ax.set_ylabel(SWEEP_LABELS.get(y, y))
-    fixed = (f"N = {spec.ns[0]}" if x == "delta" and len(spec.ns) == 1 else
-             f"Δ = {spec.deltas[0]:g}" if x == "n" and len(spec.deltas) == 1 else "")
-    parts = [p for p in (fixed, f"q_len = {spec.q_len}", f"d = {spec.d}", f"k_sink = {spec.k_sink}",
-                         f"{spec.seeds} seeds") if p]
-    ax.set_title(f"{y} vs {x} ({', '.join(parts)}; bands: ± one standard error)", fontsize=10)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8, ncol=2 if len(names) * len(others) > 4 else 1)
+    handles, labels = axes[0].get_legend_handles_labels()
+    axes[0].legend(handles, labels, fontsize=8, ncol=2 if len(labels) > 4 else 1)
+    fixed = [_value_text(c, _sweep_values(result, c, names)[0]) for c in ("n", "delta")
+             if c not in used and len(_sweep_values(result, c, names)) == 1]
+    parts = fixed + [f"q_len = {spec.q_len}", f"d = {spec.d}", f"k_sink = {spec.k_sink}", f"{spec.seeds} seeds",
+                     "bands: ± one standard error"]
+    import textwrap
+
+    width = int(30 + 25 * ncols)
+    fig.suptitle("\n".join(textwrap.wrap(f"{y} vs {x} ({', '.join(parts)})", width)), fontsize=10)
     return fig

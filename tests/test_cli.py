@@ -214,6 +214,56 @@ def test_to_xarray_has_labelled_coordinates(mixed_sweep):
     assert ds.attrs["q_len"] == 2 and ds.attrs["fingerprint"] == result.spec.fingerprint()
 
 
+def test_to_xarray_describes_every_variable_and_coordinate(mixed_sweep):
+    from pcast_jax.metrics import QUANTITIES
+
+    ds = load_result(mixed_sweep).to_xarray()
+    for name in [*ds.data_vars, *ds.coords]:
+        attrs = ds[name].attrs
+        assert attrs["long_name"] and attrs["description"] == QUANTITIES[name].description, name
+        if ds[name].dtype.kind in "fiu":  # a number has a unit; a string label has none
+            assert attrs["units"], name
+    assert ds["mse"].attrs["units"] == "V²" and ds["frac_zeroed"].attrs["units"] == "1"
+    assert ds["delta"].attrs["units"] == "nats" and ds["n"].attrs["units"] == "keys"
+    assert "units" not in ds["config"].attrs
+    # flags are booleans, the sink positions the keys that are sinks (k_sink = 4 by default)
+    assert ds.attrs["expected_mse"] is True and ds.attrs["sampled_mse"] is True
+    assert ds.attrs["sink_positions"].dtype == np.int64 and ds.attrs["sink_positions"].tolist() == [0, 1, 2, 3]
+    assert ds.attrs["jax_version"] and ds.attrs["format_version"] == 1
+
+
+def test_to_dataframe_attrs_describe_the_columns(mixed_sweep):
+    from pcast_jax.metrics import axis_label, describe
+
+    df = load_result(mixed_sweep).to_dataframe()
+    assert df.attrs["variables"]["mse"] == describe("mse") and df.attrs["variables"]["mse"]["units"] == "V²"
+    assert set(df.attrs["variables"]) >= {"n", "config", "delta", "seed", "mse", "frac_zeroed"}
+    assert df.attrs["sampled_mse"] is True and df.attrs["fingerprint"] == load_result(mixed_sweep).spec.fingerprint()
+    assert (df["sink_positions"] == "0 1 2 3").all()
+    assert describe("mse_sem")["units"] == "V²" and "standard error" in describe("mse_sem")["long_name"]
+    assert axis_label("mse") == "output MSE vs FP32 reference [V²]"
+    with pytest.raises(PcastError, match="not a sweep metric"):
+        describe("bogus")
+
+
+def test_results_written_before_the_metadata_still_load(mixed_sweep, tmp_path):
+    """A folder from before the saturation metrics and coordinates: it loads and describes what it holds."""
+    import shutil
+
+    out = tmp_path / "old"
+    shutil.copytree(mixed_sweep, out)
+    with np.load(out / "results.npz") as z:
+        entries = {k: z[k] for k in z.files if not k.startswith("coord_") and k not in ("frac_saturated",
+                                                                                          "saturated_mass")}
+    with open(out / "results.npz", "wb") as f:
+        np.savez(f, **entries)
+    result = load_result(out)
+    ds = result.to_xarray()
+    assert "frac_saturated" not in ds and ds["zeroed_mass"].attrs["units"] == "1"
+    assert result.spec.fingerprint() == load_result(mixed_sweep).spec.fingerprint()
+    assert set(result.to_dataframe().attrs["variables"]) >= {"mse", "nonsink_mass"}
+
+
 def test_missing_data_extra_names_it(mixed_sweep, monkeypatch):
     result = load_result(mixed_sweep)
     monkeypatch.setitem(sys.modules, "pandas", None)
@@ -259,10 +309,12 @@ def test_plot_writes_a_png(mixed_sweep, tmp_path, capsys):
     out = tmp_path / "mse.png"
     assert cli.main(["plot", str(mixed_sweep), "--x", "delta", "--y", "mse", "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert cli.main(["plot", str(mixed_sweep), "--x", "n", "--y", "frac_zeroed", "--configs", "mine"]) == 0
-    assert (mixed_sweep / "plot_frac_zeroed_vs_n.png").exists()
+    assert cli.main(["plot", str(mixed_sweep), "--x", "delta", "--y", "frac_zeroed", "--configs", "mine"]) == 0
+    assert (mixed_sweep / "plot_frac_zeroed_vs_delta.png").exists()
     capsys.readouterr()
-    for bad in (["--y", "bogus"], ["--configs", "fa3"], ["--out", str(tmp_path / "x.pdf")]):
+    assert cli.main(["plot", str(mixed_sweep), "--x", "n"]) == 2  # one N: no line to draw against it
+    assert "one n value (64)" in capsys.readouterr().err
+    for bad in (["--y", "bogus"], ["--configs", "fa3"], ["--out", str(tmp_path / "x.jpg")]):
         assert cli.main(["plot", str(mixed_sweep), *bad]) == 2
         assert capsys.readouterr().err.startswith("pcast: error:")
     assert cli.main(["plot", str(tmp_path)]) == 2
@@ -372,6 +424,54 @@ def test_model_theory_has_no_empty_panel(tmp_path):
     w2, _ = _png_size(two)
     assert w1 < 0.7 * w2  # one panel when only S = 1 was measured
     assert fp8_report._fig_theory([{"layer": 0}], tmp_path / "none.png") is None
+
+
+def test_model_heatmaps_tick_both_signs_and_resist_one_extreme_head():
+    from pcast_jax.models import fp8_report
+
+    fig, axes = report.new_figure(ncols=2)
+    ratio = np.array([[-0.4, 0.1, 1.6], [0.2, -0.1, 0.9]])
+    bar = fp8_report._heatmap(axes[0], ratio, "ratio", "RdBu_r", "log10 ratio", fig, center=0.0)
+    fig.canvas.draw()
+    ticks = [t for t in bar.get_ticks() if bar.vmin <= t <= bar.vmax]
+    assert min(ticks) < 0 < max(ticks) and bar.vmin == -bar.vmax  # symmetric about 0, ticked on both sides
+    gaps = np.concatenate([np.linspace(5.0, 12.0, 63), [30.0]]).reshape(8, 8)
+    bar = fp8_report._heatmap(axes[1], gaps, "sink gap", "viridis", "Δ", fig, robust=True)
+    assert bar.extend == "max" and bar.vmax < 13.0 and "max 30" in axes[1].get_title()
+    fig, axes = report.new_figure()
+    bar = fp8_report._heatmap(axes, np.linspace(5.0, 12.0, 64).reshape(8, 8), "gap", "viridis", "Δ", fig,
+                              robust=True)
+    assert bar.extend == "neither" and bar.vmax == 12.0  # no extreme head: the full range
+    fig, axes = report.new_figure()
+    ratio = np.concatenate([np.linspace(-0.3, 0.5, 63), [2.6]]).reshape(8, 8)
+    bar = fp8_report._heatmap(axes, ratio, "ratio", "RdBu_r", "log10 ratio", fig, center=0.0, robust=True)
+    assert bar.extend == "max" and bar.vmax < 1.0 and bar.vmin == -bar.vmax and "2.6" in axes.get_title()
+
+
+def test_model_per_layer_ratio_axis_reads_plain_numbers(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from pcast_jax.models import fp8_report
+
+    saved = []
+    monkeypatch.setattr(report, "save_figure", lambda fig, path: saved.append(fig))
+    mse = np.array([[2.0, 3.0], [1.5, 1.2]])
+    study = SimpleNamespace(heads={"fwd_s1": {"mse": mse}, "rev_s256": {"mse": np.ones((2, 2))}})
+    rows = [{"layer": 0, "ratio_fwd_s1/rev_s256": 1.2}, {"layer": 1, "ratio_fwd_s1/rev_s256": 3.4}]
+    fp8_report._fig_mse_ratio(study, rows, tmp_path / "r.png")
+    ax = saved[0].axes[1]
+    saved[0].canvas.draw()
+    labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+    assert labels and all("10^" not in t and "times" not in t for t in labels), labels
+    assert {"1", "1.5", "2", "3"} <= set(labels), labels
+
+
+def test_paper_forward_s256_stays_visible_over_reverse_s256():
+    from pcast_experiments.common import paper_line
+
+    fwd, rev = paper_line("fwd_s256"), paper_line("rev_s256")
+    assert fwd["linestyle"] != rev["linestyle"] and fwd["marker"] != rev["marker"]
+    assert fwd["zorder"] > rev["zorder"] and fwd["lw"] < rev["lw"]
 
 
 def test_model_e2e_draws_no_bar_for_zero(tmp_path):

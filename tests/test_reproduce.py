@@ -11,10 +11,11 @@ import re
 import pytest
 
 from pcast_jax import cli
+from pcast_jax.errors import PcastError
 
 FIGURES = ("figure1_dp", "figure2_delta", "figure3_n")
-TABLES = ("table1", "table2", "figure1_dp", "figure2_delta", "figure3_n", "appendix_a", "appendix_b",
-          "table3_kernels", "findings")
+TABLES = ("table1", "table2", "table2_ratios", "figure1_dp", "figure2_delta", "figure3_n", "appendix_a", "appendix_b",
+          "table3_kernels", "table3_xqa_subseq", "findings")
 
 
 def _rows(path):
@@ -37,15 +38,20 @@ def test_quick_reproduce(tmp_path, capsys):
     _check_csv_units_are_fractions(out)
     _check_appendix_a_matches_paper(out)
     _check_table3_kernels(out)
+    _check_table3_markdown_is_readable(out)
     _check_rerun_resumes(out)
 
 
 def _check_files(quick_report):
     out = quick_report
     assert (out / "report.md").stat().st_size > 1000
+    from pcast_jax.report import NO_SUCH_COLUMN
+
     for name in TABLES:
         rows = _rows(out / f"{name}.csv")
         assert rows, name
+        for r in rows:  # tidy: one kind of row per file, every cell filled
+            assert all(v not in ("", NO_SUCH_COLUMN) for v in r.values()), (name, r)
     for name in FIGURES:
         data = (out / f"{name}.png").read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
@@ -73,7 +79,11 @@ def _check_report_embeds_figures_and_summary(quick_report):
 
 
 def _check_forward_s1_is_worst_at_delta7(quick_report):
-    rows = [r for r in _rows(quick_report / "table2.csv") if r["config"] != "ratio_fwd_s1_over_best"]
+    rows = _rows(quick_report / "table2.csv")
+    assert {r["config"] for r in rows} == {"fwd_s1", "rev_s1", "fwd_s448", "fwd_s256", "rev_s256"}
+    ratios = _rows(quick_report / "table2_ratios.csv")
+    assert sorted(int(r["n"]) for r in ratios) == sorted({int(r["n"]) for r in rows})
+    assert all(float(r["fwd_s1_over_best"]) > 0 and r["best_config"] != "fwd_s1" for r in ratios)
     for n in {r["n"] for r in rows}:
         at_n = {r["config"]: float(r["mse"]) for r in rows if r["n"] == n}
         assert max(at_n, key=at_n.get) == "fwd_s1", (n, at_n)
@@ -97,7 +107,7 @@ def _check_csv_units_are_fractions(quick_report):
     for path in sorted(quick_report.glob("*.csv")):
         rows = _rows(path)
         for col in rows[0]:
-            assert "pct" not in col or col.endswith("15pct"), (path.name, col)  # 15pct: a yes/no flag
+            assert "pct" not in col or col.endswith("15pct"), (path.name, col)  # 15pct: a true/false flag
             if col.endswith("_frac") or col in ("frac_zeroed", "nonsink_mass", "zeroed_mass"):
                 vals = [float(r[col]) for r in rows if not r[col].startswith("n/a")]
                 bound = 1.0 + 1e-9 if "diff" not in col else 1.0
@@ -105,11 +115,29 @@ def _check_csv_units_are_fractions(quick_report):
     assert "s1_ours_frac" in _rows(quick_report / "table1.csv")[0]
 
 
+def _check_table3_markdown_is_readable(quick_report):
+    """Table 3 is shown as small tables (per phase: what runs, what it measured); the CSV has it all."""
+    md = (quick_report / "report.md").read_text()
+    section = md.split("## Table 3")[1].split("Data: [`table3_kernels.csv`]")[0]
+    tables, current = [], []
+    for line in section.splitlines() + [""]:
+        if line.startswith("|"):
+            current.append(line)
+        elif current:
+            tables.append(current)
+            current = []
+    assert len(tables) >= 4
+    for t in tables:
+        assert t[0].count("|") - 1 <= 9 and len(t) - 2 <= 12, t[0]
+    assert "**Prefill**: what each kernel runs." in section and "**Decode**, N = " in section
+    assert len(_rows(quick_report / "table3_kernels.csv")[0]) > 40  # every column stays in the CSV
+
+
 def _check_appendix_a_matches_paper(quick_report):
     rows = _rows(quick_report / "appendix_a.csv")
     assert len(rows) == 15
     for r in rows:
-        assert r["matches_printed_digits"] == "yes", r
+        assert r["matches_printed_digits"] == "true", r
         assert math.isclose(float(r["dp"]), float(r["dp_paper"]), abs_tol=5e-4)
     dp = {float(r["scale"]): float(r["dp"]) for r in rows}
     assert all(dp[2.0**k] == 0.0625 for k in range(9))
@@ -149,7 +177,7 @@ def _check_table3_kernels(quick_report):
     changed = []
     for r in ran:  # our verdict follows from the row's numbers and their errors; a change is flagged and explained
         best = next(b for b in ran if b["preset"] == r["best_preset"] and (b["phase"], b["n"]) == (r["phase"], r["n"]))
-        assert best["in_table3"] == "yes" and float(best["mse_ratio_to_best_d7"]) == 1.0
+        assert best["in_table3"] == "true" and float(best["mse_ratio_to_best_d7"]) == 1.0
         ratio, ratio_se = float(r["mse_ratio_to_best_d7"]), float(r["mse_ratio_to_best_sem_d7"])
         assert ratio > 0 and ratio_se >= 0 and r["ratio_metric"] in ("mse_expected", "mse")
         vs = r["zeroed_vs_one_forward_pass_d10"]
@@ -164,8 +192,8 @@ def _check_table3_kernels(quick_report):
                             0.0 if none_zeroed else float(r["zeroed_vs_one_forward_pass_sem_d10"]),
                             int(r["verdict_seeds"]))
         assert r["verdict"] == expect, r
-        change = r["in_table3"] == "yes" and t3.decided(expect) and expect != r["paper_status"]
-        assert (r["verdict_changes"] == "yes") == change and (r["finding"] != "none: as the paper") == change, r
+        change = r["in_table3"] == "true" and t3.decided(expect) and expect != r["paper_status"]
+        assert (r["verdict_changes"] == "true") == change and (r["finding"] != "none: as the paper") == change, r
         if change:
             changed.append(r["implementation"])
     claims = [f["claim"] for f in _rows(quick_report / "findings.csv") if f["experiment"] == "table3_kernels"]
@@ -300,9 +328,11 @@ def test_csv_and_json_round_trip(tmp_path):
     path = report.write_csv(tmp_path / "t.csv", rows)
     back = _rows(path)
     assert list(back[0]) == ["n", "mse", "flag", "extra"]
-    assert float(back[0]["mse"]) == 5.65e-5 and back[0]["flag"] == "yes"
+    assert float(back[0]["mse"]) == 5.65e-5 and back[0]["flag"] == "true"
     assert back[1]["mse"] == "n/a: not run" and back[1]["extra"] == "x"
     assert back[0]["extra"] == report.NO_SUCH_COLUMN  # a column the row does not have says so
+    with pytest.raises(PcastError, match=r"table t: .*column 'extra' is missing"):  # a tidy table has none
+        report.write_csv(tmp_path / "t.csv", rows, tidy=True)
     j = report.write_json(tmp_path / "r.json", {"a": float("inf"), "b": [1, 2.5]})
     assert json.loads(j.read_text()) == {"a": None, "b": [1, 2.5]}
     mask = os.umask(0o022)

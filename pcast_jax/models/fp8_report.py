@@ -63,30 +63,59 @@ FILES: dict[str, str] = {
 # --------------------------------------------------------------------------------------------
 
 
-def _heatmap(ax, data, title, cmap, label, fig, vmin=None, vmax=None, center=None):
-    from matplotlib.colors import TwoSlopeNorm
+#: Percentile a robust colour range ends at: one extreme head (a sink gap of 30 among gaps of 5–12)
+#: would otherwise take the whole colour scale and leave every other head one colour.
+ROBUST_PERCENTILE = 98.0
 
-    kw = {}
+
+def _heatmap(ax, data, title, cmap, label, fig, vmin=None, vmax=None, center=None, robust: bool = False):
+    """One value per (layer, head) as an image with its colour bar.
+
+    ``center``: a diverging scale symmetric about it (equal distances from it, equal colour
+    strength; the colour bar ticks both sides). ``robust``: the colour range ends at the
+    :data:`ROBUST_PERCENTILE` th percentile when values beyond it lie far out; the colour bar then
+    points past its end and the title names the largest value.
+    """
+    from matplotlib.colors import Normalize
+
+    data = np.asarray(data, np.float64)
+    finite = data[np.isfinite(data)]
+    extend = "neither"
     if center is not None:
-        lo = min(np.nanmin(data), center - 1e-6)
-        hi = max(np.nanmax(data), center + 1e-6)
-        kw["norm"] = TwoSlopeNorm(vcenter=center, vmin=lo, vmax=hi)
+        dist = np.abs(finite - center)
+        half = max(float(np.max(dist)) if finite.size else 0.0, 1e-6)
+        if robust and finite.size:
+            top = float(np.percentile(dist, ROBUST_PERCENTILE))
+            if top > 0 and half - top > 0.25 * top:
+                over, under = bool(np.any(finite > center + top)), bool(np.any(finite < center - top))
+                extend = "both" if over and under else "max" if over else "min"
+                title = (f"{title}\n(colours span ±{top:.3g}, the {ROBUST_PERCENTILE:g}th percentile; values "
+                         f"{float(np.min(finite)):.3g} to {float(np.max(finite)):.3g})")
+                half = top
+        norm = Normalize(vmin=center - half, vmax=center + half)
     else:
-        kw.update(vmin=vmin, vmax=vmax)
-    im = ax.imshow(data, aspect="auto", cmap=cmap, origin="lower", interpolation="nearest", **kw)
+        if robust and finite.size:
+            lo, hi = float(np.min(finite)), float(np.max(finite))
+            top = float(np.percentile(finite, ROBUST_PERCENTILE))
+            if hi - top > 0.25 * (top - lo):  # the last few values would stretch the scale by a quarter or more
+                vmax = top if vmax is None else vmax
+                extend = "max"
+                title = f"{title}\n(colours end at {top:.3g}, the {ROBUST_PERCENTILE:g}th percentile; max {hi:.3g})"
+        norm = Normalize(vmin=vmin, vmax=vmax)
+    im = ax.imshow(data, aspect="auto", cmap=cmap, origin="lower", interpolation="nearest", norm=norm)
     ax.set_xlabel("query head")
     ax.set_ylabel("layer")
     ax.set_title(title, fontsize=10)
     ax.set_xticks(range(data.shape[1]))
-    fig.colorbar(im, ax=ax, label=label)
+    return fig.colorbar(im, ax=ax, label=label, extend=extend)
 
 
 def _fig_sink_gap(study: ModelStudy, path):
     stats = study.stats
     fig, axes = report.new_figure(ncols=2, figsize=(10.0, 5.5))
     _heatmap(axes[0], stats["delta"], "sink gap Δ = max sink logit − non-sink mean", "viridis",
-             "Δ (logits)", fig)
-    _heatmap(axes[1], stats["sigma"], "σ = std of non-sink logits", "magma", "σ (logits)", fig)
+             "Δ (logits)", fig, robust=True)
+    _heatmap(axes[1], stats["sigma"], "σ = std of non-sink logits", "magma", "σ (logits)", fig, robust=True)
     report.save_figure(fig, path)
 
 
@@ -95,16 +124,21 @@ def _fig_mse_ratio(study: ModelStudy, layer_rows, path):
     fig, axes = report.new_figure(ncols=2, figsize=(11.0, 5.5))
     ratio = np.log10(heads["fwd_s1"]["mse"] / np.maximum(heads["rev_s256"]["mse"], 1e-30))
     _heatmap(axes[0], ratio, "log10 MSE(Fwd S=1) / MSE(Rev S=256) per head", "RdBu_r",
-             "log10 ratio", fig, center=0.0)
+             "log10 ratio", fig, center=0.0, robust=True)
     ax = axes[1]
     layers = [r["layer"] for r in layer_rows]
+    drawn = []
     for key, label, color in (("ratio_fwd_s1/rev_s256", "Fwd S=1 / Rev S=256", "#d62728"),
                               ("ratio_fwd_s256/rev_s256", "Fwd S=256 / Rev S=256", "#2ca02c"),
                               ("ratio_fwd_s1+qkv8/rev_s256+qkv8", "same, E4M3 Q/K/V", "#7f7f7f")):
         if key in layer_rows[0]:
+            drawn += [r[key] for r in layer_rows]
             ax.plot([r[key] for r in layer_rows], layers, "o-", color=color, label=label, ms=4)
     ax.axvline(1.0, color="k", lw=0.8)
     ax.set_xscale("log")
+    pos = [v for v in drawn if np.isfinite(v) and v > 0] + [1.0]
+    narrow = max(pos) / min(pos) < 20  # within about a decade: ticks at 1, 1.5, 2, 3, 5, 7 (else 1, 2, 5)
+    report.label_log_axis(ax.xaxis, subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0) if narrow else (1.0, 2.0, 5.0))
     ax.set_xlabel("layer MSE ratio (sum over heads)")
     ax.set_ylabel("layer")
     ax.set_title("MSE ratio per layer", fontsize=10)

@@ -280,19 +280,46 @@ class SweepResult:
                 "delta": np.asarray(s.deltas, np.float64),
                 "seed": np.arange(s.seed_offset, s.seed_offset + s.seeds, dtype=np.int64)}
 
+    def sink_positions(self) -> tuple[int, ...]:
+        """The sink keys' positions: ``spec.sink_positions`` when given, else the first ``k_sink`` keys."""
+        s = self.spec
+        return tuple(s.sink_positions) if s.sink_positions is not None else tuple(range(s.k_sink))
+
     def workload_columns(self) -> dict:
-        """The workload fields of the spec as flat columns (sink positions as ``"0 1 2 3"``, or empty)."""
+        """The workload fields of the spec as flat columns (the sink positions as ``"0 1 2 3"``: the keys
+        that are sinks, also when the spec gives only ``k_sink``; empty only when there are none)."""
         s = self.spec
         return {"q_len": s.q_len, "d": s.d, "k_sink": s.k_sink,
-                "sink_positions": "" if s.sink_positions is None else " ".join(map(str, s.sink_positions)),
+                "sink_positions": " ".join(map(str, self.sink_positions())),
                 "sigma": s.sigma, "sigma_v": s.sigma_v, "base_seed": s.base_seed, "engine": s.engine,
                 **({} if s.sink_logit is None else {"sink_logit": s.sink_logit})}
+
+    def attrs(self) -> dict:
+        """The results' description: the workload fields, the flags as booleans, the fingerprint and the
+        versions (the file format and simulator versions the fingerprint covers; the pcast_jax, jax and
+        jaxlib that build this description).
+
+        ``sink_positions`` is an integer array of the sink keys (``spec.sink_positions`` or the first
+        ``k_sink`` keys), empty when there are none: what indexing along ``n`` needs, and a type a
+        netCDF attribute can hold.
+        """
+        work = self.workload_columns()
+        work["sink_positions"] = np.asarray(self.sink_positions(), np.int64)
+        ident = software_identity(self.spec)
+        return {**work, "expected_mse": bool(self.spec.expected_mse), "sampled_mse": bool(self.spec.sampled_mse),
+                "fingerprint": ident["fingerprint"], "format_version": FORMAT_VERSION,
+                "simulator_version": SIMULATOR_VERSION, "pcast_jax_version": ident["pcast_jax"],
+                "jax_version": ident["jax"], "jaxlib_version": ident["jaxlib"]}
 
     def to_dataframe(self):
         """Long format: one row per (N, config, Δ, seed) with every metric and the workload fields as columns.
 
-        Needs pandas (``pip install 'pcast_jax[data]'``).
+        ``frame.attrs`` holds :meth:`attrs` and, under ``"variables"``, each metric's and coordinate's
+        ``long_name``, ``units`` and ``description`` (:data:`pcast_jax.metrics.QUANTITIES`; also
+        :func:`pcast_jax.metrics.describe`). Needs pandas (``pip install 'pcast_jax[data]'``).
         """
+        from pcast_jax.metrics import describe
+
         pd = _optional("pandas")
         c = self.coordinates()
         grid = np.meshgrid(*c.values(), indexing="ij")
@@ -303,22 +330,27 @@ class SweepResult:
             cols[k] = v
         frame = pd.DataFrame(cols)
         frame["config"] = pd.Categorical(frame["config"], categories=list(c["config"]))
+        frame.attrs.update(self.attrs())
+        frame.attrs["variables"] = {k: describe(k) for k in (*c, *self.data)}
         return frame
 
     def to_xarray(self):
         """An ``xarray.Dataset``: one variable per metric over the labelled dims (n, config, delta, seed).
 
-        The workload fields and the fingerprint are attributes; ``config_spec`` (along ``config``) holds
-        each kernel in :meth:`~pcast_jax.config.KernelConfig.to_string` form. Needs xarray
-        (``pip install 'pcast_jax[data]'``).
+        Every variable and coordinate carries ``long_name``, ``units`` (none on the string labels) and
+        ``description`` (:data:`pcast_jax.metrics.QUANTITIES`); the Dataset's attributes are
+        :meth:`attrs` (workload, boolean flags, fingerprint, versions). ``config_spec`` (along
+        ``config``) holds each kernel in :meth:`~pcast_jax.config.KernelConfig.to_string` form. Needs
+        xarray (``pip install 'pcast_jax[data]'``).
         """
+        from pcast_jax.metrics import describe
+
         xr = _optional("xarray")
         dims = ("n", "config", "delta", "seed")
-        coords = dict(self.coordinates())
-        coords["config_spec"] = ("config", [k.to_string() for k in self.spec.configs])
-        attrs = {**self.workload_columns(), "fingerprint": self.spec.fingerprint(),
-                 "expected_mse": int(self.spec.expected_mse), "sampled_mse": int(self.spec.sampled_mse)}
-        return xr.Dataset({m: (dims, np.asarray(v)) for m, v in self.data.items()}, coords=coords, attrs=attrs)
+        coords = {k: (k, v, describe(k)) for k, v in self.coordinates().items()}
+        coords["config_spec"] = ("config", [k.to_string() for k in self.spec.configs], describe("config_spec"))
+        return xr.Dataset({m: (dims, np.asarray(v), describe(m)) for m, v in self.data.items()}, coords=coords,
+                          attrs=self.attrs())
 
     def summary_rows(self) -> list[dict]:
         """One row per (N, config, Δ): the seed count, every metric's mean and standard error, the workload."""
