@@ -29,7 +29,7 @@ import numpy as np
 import pallas_kernels as pk
 from pallas_kernels.workloads import sink_qkv
 
-#: q_descale·k_descale·softmax_scale = 1/√d and v_descale = 2: powers of two, so kernel and
+#: q_descale·k_descale·scale = 1/√d and v_descale = 2: powers of two, so kernel and
 #: simulator see bit-identical scores and V (the descales tests/test_pallas.py uses).
 DESCALES = {"q_descale": 0.5, "k_descale": 0.25, "v_descale": 2.0}
 SCALE_FACTOR = 8.0
@@ -72,7 +72,7 @@ def main(argv=None) -> None:
 
     # One batch element per sink strength Δ: (batch, heads, T, d) FP8 arrays.
     w = sink_qkv(jax.random.key(1234), deltas=DELTAS, heads=1, kv_heads=1, q_len=64, n=256, head_dim=128)
-    kwargs = {"softmax_scale": SCALE_FACTOR * w.softmax_scale, **DESCALES}
+    kwargs = {"scale": SCALE_FACTOR * w.softmax_scale, **DESCALES}
     v_max = DESCALES["v_descale"] * float(jnp.max(jnp.abs(w.v.astype(jnp.float32))))
     print(f"Q/K/V: {w.q.dtype}, q {tuple(w.q.shape)}, k/v {tuple(w.k.shape)}; delta = {DELTAS}; "
           f"{'interpret mode on ' + jax.default_backend() if interpret else 'on the GPU'}")
@@ -81,7 +81,7 @@ def main(argv=None) -> None:
     for preset in args.presets.split(","):
         sim = pk.simulate_fp8_attention(w.q, w.k, w.v, config=preset, **kwargs)
         for backend in args.backends.split(","):
-            o, stats = pk.fp8_attention(w.q, w.k, w.v, config=preset, backend=backend, interpret=interpret,
+            o, stats = pk.fp8_attention(w.q, w.k, w.v, config=preset, implementation=backend, interpret=interpret,
                                         return_stats=True, **kwargs)
             row = {"preset": preset, "backend": backend, **compare(o, stats, sim, v_max, tol)}
             report.append(row)
