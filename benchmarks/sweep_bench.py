@@ -334,13 +334,56 @@ def _growth_of(args) -> dict | None:
     return _growth(ns, seeds, 2, 2) if ns and seeds else None
 
 
+def _steady(args, micro_batches: list[int]) -> int:
+    """Steady-state instances/s of Table 2's chunk at each micro-batch, beside an FP32 matmul of the same
+    P·V products (timed in the same interleaved rounds); one line and one JSON record per micro-batch."""
+    import jax
+    import jax.numpy as jnp
+
+    from pcast_jax.sweep import SweepSpec, compute_chunk
+
+    seeds, n, q, d = args.seeds, SHAPE["ns"][0], SHAPE["q_len"], SHAPE["d"]
+    products = len(CONFIGS) + 1
+    a = jax.random.normal(jax.random.PRNGKey(1), (seeds, products * q, n), jnp.float32)
+    b = jax.random.normal(jax.random.PRNGKey(2), (seeds, n, d), jnp.float32)
+    matmul = jax.jit(lambda a, b: jnp.einsum("sqn,snd->sqd", a, b, precision="highest"))
+    specs = {m: SweepSpec(**SHAPE, seeds=seeds, micro_batch=m) for m in micro_batches}
+    _median_time(lambda: matmul(a, b), 1)
+    for spec in specs.values():  # compile each once, out of the timed rounds
+        _median_time(lambda spec=spec: compute_chunk(spec, n, 0, seeds), 1)
+    chunk_s = {m: [] for m in specs}
+    matmul_s = []
+    for _ in range(args.repeats):  # interleaved, so that all see the same machine load
+        matmul_s.append(_median_time(lambda: matmul(a, b), 1))
+        for m, spec in specs.items():
+            chunk_s[m].append(_median_time(lambda spec=spec: compute_chunk(spec, n, 0, seeds), 1))
+    mm = statistics.median(matmul_s)
+    flops = 2.0 * q * n * d * products * seeds
+    platform = jax.devices()[0].platform
+    records = []
+    for m in specs:
+        chunk = statistics.median(chunk_s[m])
+        print(f"sweep steady state, {platform} x{jax.device_count()}: {len(CONFIGS)} configs, N={n}, q={q}, "
+              f"d={d}, {seeds} seeds, micro_batch={m}: {seeds / chunk:.1f} instances/s, "
+              f"P·V {flops / chunk / 1e9:.1f} GFLOP/s = {mm / chunk:.2f} of the FP32 matmul rate "
+              f"({flops / mm / 1e9:.1f} GFLOP/s on the same products)", flush=True)
+        records.append({"micro_batch": m, "instances_per_s": seeds / chunk, "flop_bound_fraction": mm / chunk,
+                        "matmul_gflops": flops / mm / 1e9, "platform": platform})
+    if args.out != "/dev/null":
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(records, indent=2) + "\n")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=32, help="seeds per steady-state chunk (default 32)")
     ap.add_argument("--pilot-seeds", type=int, default=64, help="seeds of the pilot sweep for the error bars")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="results/benchmark.json")
-    ap.add_argument("--micro-batch", type=int, default=1, help="SweepSpec.micro_batch (GPU/TPU: e.g. 32)")
+    ap.add_argument("--micro-batch", default="1",
+                    help="SweepSpec.micro_batch (GPU/TPU: e.g. 32); with --steady-only a comma list is timed "
+                         "value by value in one run (e.g. 8,32,128)")
     ap.add_argument("--steady-only", action="store_true",
                     help="only the steady-state throughput and the matmul rate (no compile, error-bar or PRNG runs)")
     ap.add_argument("--breakdown-only", action="store_true", help="only the chunk's time breakdown and the PRNGs")
@@ -356,6 +399,12 @@ def main() -> int:
         _child(args.child)
         return 0
 
+    micro_batches = [int(x) for x in str(args.micro_batch).split(",") if x.strip()]
+    if not micro_batches or min(micro_batches) < 1:
+        ap.error(f"--micro-batch={args.micro_batch!r} must be one or more positive integers (comma list)")
+    if args.steady_only:
+        return _steady(args, micro_batches)
+    args.micro_batch = micro_batches[0]
     if args.growth_only:
         print(json.dumps(_growth_of(args), indent=2))
         return 0
@@ -425,19 +474,6 @@ def main() -> int:
     chunk, mm = statistics.median(chunk_s), statistics.median(matmul_s)
     cpu_fraction = statistics.median(matmul_cpu) / statistics.median(chunk_cpu)
     flops = 2.0 * q * n * d * products * seeds
-    if args.steady_only:
-        print(f"sweep steady state, {jax.devices()[0].platform} x{jax.device_count()}: {len(CONFIGS)} configs, "
-              f"N={n}, q={q}, d={d}, {seeds} seeds, micro_batch={args.micro_batch}: {seeds / chunk:.1f} instances/s, "
-              f"P·V {flops / chunk / 1e9:.1f} GFLOP/s = {mm / chunk:.2f} of the FP32 matmul rate "
-              f"({cpu_fraction:.2f} in CPU time) "
-              f"({flops / mm / 1e9:.1f} GFLOP/s on the same products)")
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"instances_per_s": seeds / chunk, "flop_bound_fraction": mm / chunk,
-                                              "flop_bound_fraction_cpu_time": cpu_fraction,
-                                              "matmul_gflops": flops / mm / 1e9, "micro_batch": args.micro_batch,
-                                              "platform": jax.devices()[0].platform}, indent=2) + "\n")
-        return 0
-
     pilot = run_sweep(SweepSpec(**SHAPE, seeds=args.pilot_seeds), progress=False)
     ips = seeds / chunk
     to_2pct = {}
