@@ -35,3 +35,23 @@ def test_numpy_peer_draws_the_workload():
     out = peers.numpy_peer(3, batch=2, n=256, q=4, d=8)
     assert set(out) == set(peers.METRICS)
     assert all(v.shape == (3, len(peers.CONFIGS)) and np.all(np.isfinite(v)) for v in out.values())
+
+
+def test_gpu_check_steady_step_times_each_micro_batch(tmp_path):
+    """gpu_check.sh step (d) as its CPU smoke runs it: one record per micro-batch, finite and positive."""
+    import json
+    import subprocess
+
+    out = tmp_path / "steady.json"
+    root = Path(__file__).parents[1]
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "sweep_bench.py"), "--steady-only", "--seeds", "2",
+                           "--repeats", "1", "--micro-batch", "1,2", "--out", str(out)],
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = json.loads(out.read_text())
+    assert [r["micro_batch"] for r in records] == [1, 2]
+    assert all(np.isfinite(r["instances_per_s"]) and r["instances_per_s"] > 0 for r in records)
+    assert proc.stdout.count("micro_batch=") == 2
+    bad = subprocess.run([sys.executable, str(root / "benchmarks" / "sweep_bench.py"), "--steady-only",
+                          "--micro-batch", "0"], cwd=root, capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "--micro-batch" in bad.stderr
