@@ -255,8 +255,9 @@ def test_sweep_is_bit_identical_on_1_and_4_devices_and_any_chunking(four_device_
     spec = _spec()
     # one seed and one Δ per call here; 3 seeds (padded to 4, one per device) and both Δ there
     budget = int(1.5 * sweep.estimate_instance_bytes(spec, 200))
-    assert sweep.plan_layout(spec, n_devices=1, memory_budget=budget) == {"chunk_size": 1, "delta_group": 1}
-    one = sweep.run_sweep(spec, devices=jax.devices()[:1], progress=False, memory_budget=budget)
+    assert sweep.plan_layout(spec, n_devices=1, chunk_size=1, memory_budget=budget) == {"chunk_size": 1,
+                                                                                       "delta_group": 1}
+    one = sweep.run_sweep(spec, devices=jax.devices()[:1], progress=False, memory_budget=budget, chunk_size=1)
     for m, arr in one.data.items():
         assert arr.shape == (1, 3, 2, 7)
         if m != "mse_expected":

@@ -49,6 +49,10 @@ def default_budget() -> int:
     return int(total * 0.25)
 
 
+#: Bytes one (seed, Δ, config) adds to a chunk: its metrics as float32, twice (device and host copy).
+_OUTPUT_BYTES = 2 * 4 * 16
+
+
 def _balanced(total: int, most: int) -> int:
     """The smallest size that covers ``total`` in as few pieces of at most ``most`` as possible.
 
@@ -91,9 +95,12 @@ def plan_layout(spec: SweepSpec, *, n_devices: int, chunk_size: int | None = Non
         raise PcastError(
             f"one instance at N={max(spec.ns)} needs ~{worst / 2**30:.2f} GiB per device{times} but the memory "
             f"budget is {budget / 2**30:.2f} GiB; lower n, q_len or the number of configs, or raise memory_budget")
+    # The chunk loops over its seeds and Δ values (one step live at a time): what grows with them is
+    # the metrics they return, a few bytes each; the chunk stays within one step plus those. Δ groups
+    # stay as large as budget // step allows (all of them, unless the budget is tight on purpose).
     group = _balanced(len(spec.deltas), max(1, min(len(spec.deltas), budget // (step * n_devices))))
-    per_seed = worst * group
-    fit = max(1, budget // per_seed)  # seeds per chunk that fit
+    per_seed = _OUTPUT_BYTES * len(spec.configs) * group * n_devices
+    fit = max(1, (budget - step * n_devices) // per_seed)  # seeds per chunk that fit
     if chunk_size is None:
         chunk_size = _balanced(spec.seeds, min(fit, spec.seeds, 1024))
         if chunk_size >= n_devices:  # a multiple of the device count, when that still fits

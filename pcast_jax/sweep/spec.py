@@ -240,11 +240,18 @@ def instance_key(base_seed: int, n, seed):
 
 
 def estimate_instance_bytes(spec: SweepSpec, n: int) -> int:
-    """Rough peak bytes one (seed, Δ) instance needs at KV length ``n`` (scores, P, casts, V)."""
-    per_cfg = 10 * spec.q_len * (n + 256) * 4
-    v_bytes = 4 * 3 * n * spec.d if spec.sampled_mse else 0
-    return int(4 * 6 * spec.q_len * n + v_bytes + per_cfg * len(spec.configs)
-               + (spec.q_len * n * 4 * 64 if spec.engine == "scan" else 0))
+    """Peak bytes of the compiled chunk while it works on one (seed, Δ) instance at KV length ``n``.
+
+    What XLA allocates for the chunk (arguments, outputs and temporaries, from
+    ``compiled.memory_analysis()``) is five (q_len, N) float32 arrays of the instance, five more per
+    config, and three (N, d) arrays for sampled V, whatever the number of seeds or Δ values (the
+    chunk loops over them: one instance is live at a time, ``micro_batch`` of them with M > 1).
+    This is that count with N padded by one 256-key block; ``tests/test_sweep.py`` holds it between
+    1× and 1.6× XLA's own figure across shapes, configs and both engines.
+    """
+    rows = 4 * spec.q_len * (n + 256) * (5 + 5 * len(spec.configs))
+    v_bytes = 4 * 3 * (n + 256) * spec.d if spec.sampled_mse else 0
+    return int(rows + v_bytes)
 
 
 @dataclasses.dataclass
