@@ -425,6 +425,12 @@ def _value_text(coord: str, v) -> str:
     return str(v) if coord == "config" else f"{'N' if coord == 'n' else 'Δ'} = {v:g}"
 
 
+def _no_values(y: str):
+    """Raise: metric ``y`` has no finite value to draw (saying which sweep flag leaves it out)."""
+    why = {"mse": "--no-sampled-mse", "mse_expected": "--no-expected-mse"}.get(y)
+    raise PcastError(f"y={y!r} has no finite values in this sweep" + (f" (was it run with {why}?)" if why else ""))
+
+
 def sweep_figure(result, *, x: str = "delta", y: str = "mse", configs: Sequence[str] | None = None,
                  log_y: bool | None = None, log_x: bool | None = None, hue: str = "config",
                  col: str | None = None):
@@ -455,6 +461,8 @@ def sweep_figure(result, *, x: str = "delta", y: str = "mse", configs: Sequence[
     names = list(spec.config_names) if configs is None else list(configs)
     for c in names:
         check_choice("config", c, spec.config_names)
+    if not any(np.isfinite(result.get(y, config=c)).any() for c in names):
+        _no_values(y)
     xs = np.asarray(_sweep_values(result, x, names), np.float64)
     if len(xs) < 2:
         other = next((c for c in ("delta", "n") if c != x and len(_sweep_values(result, c, names)) > 1), None)
@@ -523,9 +531,7 @@ def sweep_figure(result, *, x: str = "delta", y: str = "mse", configs: Sequence[
             ax.set_title(_value_text(col, panel), fontsize=10)
         ax.grid(alpha=0.3, which="both")
     if not plotted:
-        why = {"mse": "--no-sampled-mse", "mse_expected": "--no-expected-mse"}.get(y)
-        raise PcastError(f"y={y!r} has no finite values in this sweep"
-                         + (f" (was it run with {why}?)" if why else ""))
+        _no_values(y)
     handles, labels = axes[0].get_legend_handles_labels()
     axes[0].legend(handles, labels, fontsize=8, ncol=2 if len(labels) > 4 else 1)
     fixed = [_value_text(c, _sweep_values(result, c, names)[0]) for c in ("n", "delta")

@@ -105,11 +105,12 @@ TINY = ["--n", "64", "--seeds", "2", "--q-len", "2", "--d", "4", "--delta", "7",
 
 def test_cli_without_sampled_v_prints_the_v_averaged_mse(tmp_path, capsys):
     out = tmp_path / "free"
-    assert cli.main(["sweep", *TINY, "--no-sampled-mse", "--out", str(out)]) == 0
+    two = ["5,7" if a == "7" else a for a in TINY]  # two Δ: a line to plot against Δ
+    assert cli.main(["sweep", *two, "--no-sampled-mse", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "MSE (V-averaged)" in text and "nan" not in text
     assert json.loads((out / "spec.json").read_text())["spec"]["sampled_mse"] is False
-    assert cli.main(["sweep", *TINY, "--no-sampled-mse", "--format", "csv", "--out", str(out)]) == 0
+    assert cli.main(["sweep", *two, "--no-sampled-mse", "--format", "csv", "--out", str(out)]) == 0
     header = capsys.readouterr().out.splitlines()[0]
     assert "mse_expected_mean" in header and "mse_mean" not in header.split(",")
     assert cli.main(["plot", str(out), "--y", "mse", "--out", str(tmp_path / "mse.png")]) == 2
