@@ -181,6 +181,16 @@ def test_sweep_formats(mixed_sweep, capsys, fmt):
         assert "frac. zeroed %" in out and "non-sink" not in out
 
 
+def test_a_refused_out_folder_never_says_resuming(mixed_sweep, capsys):
+    """A folder holding another sweep is refused before the banner could say it resumes."""
+    before = sorted(p.name for p in mixed_sweep.iterdir())
+    assert cli.main(["sweep", "--configs", "rev_s1", "--out", str(mixed_sweep), *TINY]) == 2
+    cap = capsys.readouterr()
+    assert "resuming" not in cap.out + cap.err and "pcast sweep:" not in cap.out
+    assert cap.err.startswith("pcast: error:") and "holds a different sweep" in cap.err
+    assert sorted(p.name for p in mixed_sweep.iterdir()) == before
+
+
 # --------------------------------------------------------------------------------------------
 # Results as data
 # --------------------------------------------------------------------------------------------

@@ -325,6 +325,10 @@ def run(args: argparse.Namespace) -> int:
         if info is not None and info.process_id != 0:  # every process computes; process 0 reports
             run_sweep(spec, out, chunk_size=chunk_size, progress=False)
             return 0
+        if resuming:  # a folder that would be refused is refused before the banner says it resumes
+            from pcast_jax.sweep.store import check_dir
+
+            check_dir(out, spec)
         where = "" if info is None else f" on {info.num_processes} processes ({info.global_devices} devices)"
         note(f"pcast sweep: {len(spec.configs)} configs x {len(spec.deltas)} delta x {len(spec.ns)} N x "
               f"{spec.seeds} seeds (q_len={spec.q_len}, d={spec.d}, k_sink={spec.k_sink}, "

@@ -27,7 +27,7 @@ from pcast_jax.fileio import atomic_write, clean_stale_temps, create_exclusive, 
 from pcast_jax.sweep.plan import Unit
 from pcast_jax.sweep.spec import FORMAT_VERSION, SweepResult, SweepSpec
 
-__all__ = ["claim_dir", "read_manifest", "check_layout", "chunk_path", "save_chunk", "load_chunk",
+__all__ = ["claim_dir", "check_dir", "read_manifest", "check_layout", "chunk_path", "save_chunk", "load_chunk",
            "empty_results", "fill", "check_finite_metrics", "skipped_metrics", "scan", "merge", "write_results",
            "load_result", "write_probe", "check_probes", "probe_path", "COORD_PREFIX"]
 
@@ -118,6 +118,27 @@ def claim_dir(out: Path, spec: SweepSpec, layout: dict) -> dict:
         pass
     except OSError as exc:
         raise PcastError(f"out_dir={str(out)!r} is not writable: {exc.strerror or exc}") from None
+    saved = _check_saved(out, spec)
+    for folder in (out, out / "chunks"):
+        clean_stale_temps(folder)
+    return saved["layout"]
+
+
+def check_dir(out: Path, spec: SweepSpec) -> dict:
+    """The manifest of ``out``, a folder that holds ``spec.json``, if it may resume ``spec``.
+
+    Nothing is left in it: the command line asks this before it says it resumes.
+
+    Raises:
+      PcastError: it is not writable, its spec.json is damaged, it holds another sweep, or one
+        started under another jax version.
+    """
+    out = Path(out)
+    _check_writable(out)
+    return _check_saved(out, spec)
+
+
+def _check_saved(out: Path, spec: SweepSpec) -> dict:
     saved = read_manifest(out)
     if saved["fingerprint"] != spec.fingerprint():
         old = saved["spec"].to_dict()
@@ -134,9 +155,7 @@ def claim_dir(out: Path, spec: SweepSpec, layout: dict) -> dict:
             "results are bit-identical within one jax version only, so chunks of two versions are never "
             f"mixed — resume under jax {started}, or use another output folder (load_result reads a "
             "finished folder under any version)")
-    for folder in (out, out / "chunks"):
-        clean_stale_temps(folder)
-    return saved["layout"]
+    return saved
 
 
 # --------------------------------------------------------------------------------------------
