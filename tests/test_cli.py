@@ -366,6 +366,122 @@ def test_old_spellings_are_refused_with_a_hint(argv, new, capsys):
     assert err.startswith("pcast: error: ") and new in err and err.count("\n") == 1
 
 
+def _parse(argv):
+    return cli.build_parser(argv).parse_args(argv)
+
+
+def test_list_flags_take_comma_lists(capsys):
+    args = _parse(["kernels", "--configs", "fa3,fwd_s1", "--backends", "triton,mosaic", "--num-warps", "4,8",
+                   "--num-stages", "2,3"])
+    assert (args.configs, args.backends, args.num_warps, args.num_stages) == (
+        ["fa3", "fwd_s1"], ["triton", "mosaic"], [4, 8], [2, 3])
+    assert capsys.readouterr().err == ""
+    args = _parse(["kernels"])
+    assert (args.configs, args.backends, args.num_warps) == (["fa3", "fwd_s1"], ["triton", "mosaic"], [None])
+
+
+def test_space_separated_lists_work_with_a_deprecation_line(capsys):
+    args = _parse(["kernels", "--configs", "fa3", "fwd_s1", "--num-warps", "4", "8,16", "--backends", "mosaic"])
+    assert (args.configs, args.num_warps, args.backends) == (["fa3", "fwd_s1"], [4, 8, 16], ["mosaic"])
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["pcast: warning: --configs fa3 fwd_s1 is deprecated and goes in pcast_jax 0.3: use --configs "
+                   "fa3,fwd_s1",
+                   "pcast: warning: --num-warps 4 8,16 is deprecated and goes in pcast_jax 0.3: use --num-warps "
+                   "4,8,16"]
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["kernels", "--backends", "triton,cuda"], "--backends"), (["kernels", "--num-warps", "4,x"], "--num-warps"),
+    (["kernels", "--configs", "fa3,,fwd_s1"], "--configs"),
+])
+def test_bad_list_items_are_refused_naming_the_flag(argv, option, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _parse(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pcast") and "error" in err and option in err and err.count("\n") == 1
+
+
+def test_list_flags_show_one_metavar_in_the_help(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["kernels", "--help"])
+    out = capsys.readouterr().out
+    assert "--configs PRESET[,PRESET]" in out and "[PRESET[,PRESET] ...]" not in out
+
+
+LONG_RUNNING = [["sweep"], ["whatif", "worst-delta"], ["whatif", "calibrate"], ["whatif", "dynamic"],
+                ["whatif", "report"], ["analyze", "t.npz"], ["model-report"], ["reproduce"]]
+
+
+@pytest.mark.parametrize("command", LONG_RUNNING, ids=" ".join)
+def test_one_progress_flag(command, capsys):
+    assert _parse(command).progress is None  # the default: decided by the terminal
+    assert _parse([*command, "--progress"]).progress is True
+    assert _parse([*command, "--no-progress"]).progress is False
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("command", [["analyze", "t.npz"], ["model-report"]], ids=" ".join)
+def test_quiet_still_works_with_a_deprecation_line(command, capsys):
+    assert _parse([*command, "--quiet"]).progress is False
+    assert capsys.readouterr().err == ("pcast: warning: --quiet is deprecated and goes in pcast_jax 0.3: "
+                                       "use --no-progress\n")
+
+
+def test_kernels_json_is_format_json(capsys):
+    assert _parse(["kernels"]).format == "table"
+    assert _parse(["kernels", "--format", "json"]).format == "json"
+    assert _parse(["kernels", "--json"]).format == "json"
+    assert "use --format json" in capsys.readouterr().err
+
+
+WORST = ["whatif", "worst-delta", "--configs", "fwd_s1", "--n", "256", "--q-len", "2", "--seeds", "2", "--steps", "3",
+         "--delta-range", "4:10", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def worst_rows():
+    from pcast_jax import whatif
+
+    r = whatif.worst_case_delta(PRESETS["fwd_s1"], 256, objective="total", delta_range=(4.0, 10.0), seeds=2,
+                                q_len=2, steps=3, base_seed=0)
+    return r.rows()
+
+
+def test_whatif_format_csv_and_json_print_only_the_rows(capsys, worst_rows):
+    assert cli.main([*WORST, "--format", "csv"]) == 0
+    cap = capsys.readouterr()
+    rows = list(csv.DictReader(io.StringIO(cap.out)))
+    assert [r["config"] for r in rows] == ["fwd_s1"] and list(rows[0]) == list(worst_rows[0])
+    assert float(rows[0]["worst_delta"]) == pytest.approx(worst_rows[0]["worst_delta"])
+    assert " s)" in cap.err and "|" not in cap.out
+    assert cli.main([*WORST, "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc[0]["config"] == "fwd_s1" and doc[0]["worst_delta"] == pytest.approx(worst_rows[0]["worst_delta"])
+    assert cli.main(WORST) == 0
+    assert "| config |" in capsys.readouterr().out  # the default: the table
+
+
+def test_whatif_out_file_and_the_old_csv_flag(tmp_path, capsys, worst_rows):
+    assert cli.main([*WORST, "--out", str(tmp_path / "rows.json")]) == 0
+    assert json.loads((tmp_path / "rows.json").read_text())[0]["config"] == "fwd_s1"
+    assert f"wrote {tmp_path / 'rows.json'}" in capsys.readouterr().out
+    assert cli.main([*WORST, "--out", str(tmp_path / "rows.csv")]) == 0
+    assert (tmp_path / "rows.csv").read_text().startswith("config,")
+    capsys.readouterr()
+    assert cli.main([*WORST, "--csv", str(tmp_path / "old.csv")]) == 0
+    def without_time(name):  # every column but the run time
+        return [{k: v for k, v in r.items() if k != "seconds"} for r in csv.DictReader((tmp_path / name).open())]
+
+    assert without_time("old.csv") == without_time("rows.csv")
+    assert f"use --out {tmp_path / 'old.csv'}" in capsys.readouterr().err
+    progress_on = [a for a in WORST if a != "--no-progress"]  # step lines would show any work begun
+    assert cli.main([*progress_on, "--out", str(tmp_path / "rows.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "--out=" in err and ".csv or .json" in err and "worst-delta fwd_s1" not in err
+    assert not (tmp_path / "rows.txt").exists()
+
+
 def test_whatif_subcommands_have_a_description(capsys):
     with pytest.raises(SystemExit):
         cli.main(["whatif", "dynamic", "--help"])

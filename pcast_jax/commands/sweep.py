@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None,
                         help="output folder (default sweeps/<fingerprint> under the current directory); "
                              "rerunning into the same folder resumes")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _options.add_progress_argument(parser)
     add_distributed_arguments(parser)
 
 
@@ -335,7 +335,9 @@ def run(args: argparse.Namespace) -> int:
              f"{'' if spec.sink_logit is None else f'sink_logit={spec.sink_logit}, '}sigma={spec.sigma:g}, "
               f"engine={spec.engine}{_nondefault(spec)}){where}{' - resuming' if resuming else ''}", flush=True)
         start = time.perf_counter()
-        progress = False if args.no_progress else (tty if info is not None else None)  # stderr is a pipe now
+        progress = args.progress
+        if progress is None and info is not None:  # stderr is a pipe now: ask the terminal this process had
+            progress = tty
         result = run_sweep(spec, out, chunk_size=chunk_size, progress=progress)
         elapsed = time.perf_counter() - start
         for line in format_rows(result, metrics, fmt):
