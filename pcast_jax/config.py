@@ -72,7 +72,11 @@ class KernelConfig:
         one scale S, or a block-scaled format (``"mxfp8"``, ``"mxfp4"``: 32 keys per E8M0 scale;
         ``"nvfp4"``: 16 keys per UE4M3 scale) applied to P·S along the key axis, each block's scale
         multiplied back after its P·V product. Block-scaled formats need blocks that tile
-        ``block_kv``, the multiply or exponent scale mode and the FP32 accumulator.
+        ``block_kv``, the multiply or exponent scale mode and the FP32 accumulator. An element
+        format may be given as its dtype (``jnp.float8_e5m2``, ``ml_dtypes.float8_e4m3fn``,
+        ``np.dtype(...)``); it is stored as its name (``"e5m2"``), so configs and sweep fingerprints
+        are the same either way. ``accumulator`` and ``qkv`` take dtypes likewise (float32, float16,
+        float8_e4m3fn).
       overflow: ``"satfinite"`` (Hopper cvt.rn.satfinite; what kernels do) or ``"nan"``.
       accumulator: ``"f32"``, or ``"f16"``: each block's P8·V product is rounded to float16 before
         it is added to the FP32 output (SageAttention2++'s ``fp32+fp16`` PV accumulation).
@@ -163,6 +167,9 @@ class KernelConfig:
         object.__setattr__(self, "scale", scale)
         check_choice("scale_mode", self.scale_mode, SCALE_MODES)
         object.__setattr__(self, "block_kv", check_int("block_kv", self.block_kv, min_value=1, max_value=1 << 16))
+        # a dtype (jnp.float8_e5m2, ml_dtypes.float8_e4m3fn, np.dtype(...)) is stored as its format's name
+        for key, names in (("p_format", numberline.P_FORMATS), ("accumulator", ACCUMULATORS), ("qkv", QKV_PRECISIONS)):
+            object.__setattr__(self, key, numberline.format_name(getattr(self, key), param=key, choices=names))
         check_choice("p_format", self.p_format.lower() if isinstance(self.p_format, str) else self.p_format,
                      numberline.P_FORMATS)
         check_choice("overflow", self.overflow, numberline.OVERFLOW_MODES)
