@@ -48,6 +48,49 @@ def test_to_string_round_trips_a_config_with_every_field_changed():
     assert text.startswith("name=all,") and "causal=true" in text
 
 
+def test_derived_names_spell_the_order_as_the_presets_do():
+    assert KernelConfig(scale=256.0).name == "fwd_s256" == PRESETS["fwd_s256"].name
+    assert KernelConfig(order="reverse", scale=256.0).name == "rev_s256" == PRESETS["rev_s256"].name
+    assert KernelConfig(scale_mode="dynamic", accumulator="f16").name == "fwd_sdyn_f16acc"
+
+
+#: Unnamed configs (derived names) and the fingerprint their sweep had when derived names spelled forward "for".
+_UNNAMED = (KernelConfig(scale=64.0), KernelConfig(kv_splits=8, split_layout="strided"),
+            KernelConfig(order="reverse", scale=256.0), KernelConfig(scale_mode="dynamic", accumulator="f16"))
+_UNNAMED_FINGERPRINT = "1e0530abba728dd6"
+
+
+def test_derived_names_keep_the_fingerprints_of_saved_sweeps():
+    spec = SweepSpec(configs=_UNNAMED, deltas=(7.0,), ns=(4096,), seeds=4)
+    assert spec.config_names == ("fwd_s64", "fwd_s1_split8s", "rev_s256", "fwd_sdyn_f16acc")
+    assert spec.fingerprint() == _UNNAMED_FINGERPRINT
+    saved = spec.to_dict()
+    assert [c["name"] for c in saved["configs"]] == ["for_s64", "for_s1_split8s", "rev_s256", "for_sdyn_f16acc"]
+    back = SweepSpec.from_dict(json.loads(json.dumps(saved)))  # a spec.json written before or after
+    assert back.config_names == spec.config_names and back.fingerprint() == _UNNAMED_FINGERPRINT
+    # a name given is written as given; the derived one's old spelling given by hand reads as derived
+    assert KernelConfig(scale=64.0, name="fwd_s64").to_dict()["name"] == "fwd_s64"
+    assert KernelConfig(scale=64.0, name="for_s64").name == "fwd_s64"
+    for cfg in _UNNAMED:  # to_string leaves a derived name out: read back, it is derived again
+        text = cfg.to_string()
+        assert "name=" not in text and KernelConfig.from_string(text).to_dict() == cfg.to_dict()
+    assert KernelConfig().to_string() == "order=forward" and KernelConfig.from_string("order=forward").name == "fwd_s1"
+
+
+def test_a_sweep_of_unnamed_configs_loads_under_either_spelling(tmp_path):
+    out = tmp_path / "sweep"
+    assert cli.main(["sweep", "--config", "scale=64", "--config", "order=reverse", "--out", str(out), *TINY]) == 0
+    assert load_result(out).spec.config_names == ("fwd_s64", "rev_s1")
+    assert '"name": "for_s64"' in (out / "spec.json").read_text()
+    with np.load(out / "results.npz") as z:  # results.npz as written before: the old spelling as coordinate
+        arrays = dict(z)
+    assert list(arrays["coord_config"]) == ["fwd_s64", "rev_s1"]
+    arrays["coord_config"] = np.asarray(["for_s64", "rev_s1"], np.str_)
+    np.savez(out / "results.npz", **arrays)
+    result = load_result(out)
+    assert result.spec.config_names == ("fwd_s64", "rev_s1") and result.get("mse", config="fwd_s64").size
+
+
 def _text(value) -> str:
     return ("true" if value else "false") if isinstance(value, bool) else str(value)
 

@@ -358,9 +358,16 @@ def load_result(out_dir: str | os.PathLike) -> SweepResult:
         raise PcastError(f"{str(path)!r} belongs to another sweep (fingerprint {str(tag)!r}) than its "
                          f"spec.json ({spec.fingerprint()}); refusing to mix results")
     want = {f"{COORD_PREFIX}{k}": v for k, v in SweepResult(spec, {}).coordinates().items()}
+    # config names as spec.json spells them: a derived name in its spelling before 0.2 (for_s64, now fwd_s64)
+    as_saved = {f"{COORD_PREFIX}config": np.asarray([c.to_dict()["name"] for c in spec.configs], np.str_)}
+
+    def same(got, ref):
+        return ref is not None and got.shape == ref.shape and got.dtype.kind == ref.dtype.kind and np.array_equal(
+            got, ref)
+
     for key in [k for k in data if k.startswith(COORD_PREFIX)]:  # absent in files written before they had them
         got, ref = data.pop(key), want.get(key)
-        if ref is None or got.shape != ref.shape or got.dtype.kind != ref.dtype.kind or not np.array_equal(got, ref):
+        if not (same(got, ref) or same(got, as_saved.get(key))):
             raise PcastError(f"{str(path)!r}: coordinate {key[len(COORD_PREFIX):]!r} = {got.tolist()!r} is not "
                              f"spec.json's {None if ref is None else ref.tolist()!r}; refusing to mix results")
     # results saved before the saturation metrics existed load with the metrics they hold
