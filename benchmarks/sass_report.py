@@ -3,7 +3,7 @@
 The same report as ``pcast kernels`` (options: ``--help``). Usage (repo root)::
 
     PYTHONPATH=. python benchmarks/sass_report.py
-    PYTHONPATH=. python benchmarks/sass_report.py --backends triton --configs fa3 --num-warps 4 8
+    PYTHONPATH=. python benchmarks/sass_report.py --backends triton --configs fa3 --num-warps 4,8
 """
 
 from __future__ import annotations

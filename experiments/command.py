@@ -14,6 +14,8 @@ import importlib.util
 import sys
 from typing import Sequence
 
+from pcast_jax.commands import _options
+
 __all__ = ["HELP", "add_arguments", "run", "main"]
 
 HELP = "Reproduce every table and figure of the paper into DIR/report.md."
@@ -35,11 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "formats and mma_accumulation about one each)")
     parser.add_argument("--fresh", action="store_true",
                         help="recompute every sweep instead of resuming from DIR/sweeps")
-    bar = parser.add_mutually_exclusive_group()
-    bar.add_argument("--progress", dest="progress", action="store_true", default=None,
-                     help="always show the sweep progress bar (default: when stderr is a terminal)")
-    bar.add_argument("--no-progress", dest="progress", action="store_false",
-                     help="never show the sweep progress bar")
+    _options.add_progress_argument(parser, "the sweeps' progress bar on stderr")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,7 +13,8 @@ import warnings
 
 from pcast_jax.errors import PcastError, check_choice
 
-__all__ = ["REMOVED_IN", "SIMULATOR_IMPLEMENTATIONS", "deprecated", "renamed", "simulator_implementation"]
+__all__ = ["REMOVED_IN", "SIMULATOR_IMPLEMENTATIONS", "deprecated", "deprecation_message", "renamed",
+           "simulator_implementation"]
 
 #: The version that drops the old names.
 REMOVED_IN = "0.3"
@@ -22,10 +23,14 @@ REMOVED_IN = "0.3"
 SIMULATOR_IMPLEMENTATIONS = ("xla", "scan")
 
 
+def deprecation_message(old: str, new: str) -> str:
+    """``"<old> is deprecated and goes in pcast_jax <version>: use <new>"``."""
+    return f"{old} is deprecated and goes in pcast_jax {REMOVED_IN}: use {new}"
+
+
 def deprecated(old: str, new: str, *, stacklevel: int = 3) -> None:
     """Warn that ``old`` is spelled ``new`` now."""
-    warnings.warn(f"{old} is deprecated and goes in pcast_jax {REMOVED_IN}: use {new}", DeprecationWarning,
-                  stacklevel=stacklevel)
+    warnings.warn(deprecation_message(old, new), DeprecationWarning, stacklevel=stacklevel)
 
 
 def renamed(**old_to_new: str):

@@ -44,8 +44,16 @@ ENTRY_POINT_GROUP = "pcast_jax.commands"
 PROVIDED_ELSEWHERE: dict[str, str] = {"reproduce": "pcast_experiments"}
 
 
+class _Formatter(argparse.HelpFormatter):
+    def _format_args(self, action, default_metavar):
+        if getattr(action, "comma_list", False):  # a comma list: nargs="+" only keeps the old spaced form
+            return self._metavar_formatter(action, default_metavar)(1)[0]
+        return super()._format_args(action, default_metavar)
+
+
 class _Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Formatter)
         super().__init__(*args, **kwargs)
         # a value that starts with '-' and a digit is a value (--delta -2:2:1, --sigma -1e3), as
         # Python 3.13 reads it; no option of pcast starts with '-' and a digit

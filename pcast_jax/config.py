@@ -59,6 +59,17 @@ RESCALE_THRESHOLD_MAX = 64.0
 _DEFAULT_BLOCK_KV = 64
 
 
+class _DerivedName(str):
+    """A name :meth:`KernelConfig.default_name` derived (none was given): written to ``to_dict`` in the
+    spelling derived names had before 0.2 (``for_`` for the forward order), so that sweep fingerprints
+    stay those of the sweeps already on disk."""
+
+    __slots__ = ()
+
+    def stored(self) -> str:
+        return "for" + self[3:] if self.startswith("fwd_") else str(self)
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class KernelConfig:
     """P-cast semantics of one FP8 attention kernel; validated on construction.
@@ -72,7 +83,11 @@ class KernelConfig:
         one scale S, or a block-scaled format (``"mxfp8"``, ``"mxfp4"``: 32 keys per E8M0 scale;
         ``"nvfp4"``: 16 keys per UE4M3 scale) applied to P·S along the key axis, each block's scale
         multiplied back after its P·V product. Block-scaled formats need blocks that tile
-        ``block_kv``, the multiply or exponent scale mode and the FP32 accumulator.
+        ``block_kv``, the multiply or exponent scale mode and the FP32 accumulator. An element
+        format may be given as its dtype (``jnp.float8_e5m2``, ``ml_dtypes.float8_e4m3fn``,
+        ``np.dtype(...)``); it is stored as its name (``"e5m2"``), so configs and sweep fingerprints
+        are the same either way. ``accumulator`` and ``qkv`` take dtypes likewise (float32, float16,
+        float8_e4m3fn).
       overflow: ``"satfinite"`` (Hopper cvt.rn.satfinite; what kernels do) or ``"nan"``.
       accumulator: ``"f32"``, or ``"f16"``: each block's P8·V product is rounded to float16 before
         it is added to the FP32 output (SageAttention2++'s ``fp32+fp16`` PV accumulation).
@@ -163,6 +178,9 @@ class KernelConfig:
         object.__setattr__(self, "scale", scale)
         check_choice("scale_mode", self.scale_mode, SCALE_MODES)
         object.__setattr__(self, "block_kv", check_int("block_kv", self.block_kv, min_value=1, max_value=1 << 16))
+        # a dtype (jnp.float8_e5m2, ml_dtypes.float8_e4m3fn, np.dtype(...)) is stored as its format's name
+        for key, names in (("p_format", numberline.P_FORMATS), ("accumulator", ACCUMULATORS), ("qkv", QKV_PRECISIONS)):
+            object.__setattr__(self, key, numberline.format_name(getattr(self, key), param=key, choices=names))
         check_choice("p_format", self.p_format.lower() if isinstance(self.p_format, str) else self.p_format,
                      numberline.P_FORMATS)
         check_choice("overflow", self.overflow, numberline.OVERFLOW_MODES)
@@ -211,8 +229,9 @@ class KernelConfig:
             raise PcastError(f"name={self.name!r} must be a string")
         if len(self.name) > 200 or not self.name.isprintable():  # it labels one-line errors and table cells
             raise PcastError(f"name={self.name[:40]!r} must be one printable line of at most 200 characters")
-        if not self.name:
-            object.__setattr__(self, "name", self.default_name())
+        if not self.name or self.name == _DerivedName(self.default_name()).stored():
+            # none given, or the old spelling of the derived one (a sweep saved before): derived
+            object.__setattr__(self, "name", _DerivedName(self.default_name()))
 
     def _check_sink_and_rescale(self) -> None:
         """Validates ``sink_mode`` and the lazy-rescale fields; unit and compensation normalised at τ = 0."""
@@ -264,16 +283,18 @@ class KernelConfig:
     def default_name(self) -> str:
         """``fwd_s1``-style label naming every field that differs from its default.
 
-        Order and scale always appear; then ``_exp`` (exponent mode), ``_b128`` (block_kv),
-        ``_e5m2`` (P format), ``_nan`` (overflow), ``_f16acc`` (with ``_r32`` for f16_round_keys and
-        ``_v2.25`` for v_channel_max), ``_qkv8`` / ``_qkv8h`` (E4M3 Q/K/V per tensor / per head),
+        Order (``fwd`` or ``rev``, as the presets spell it: an unnamed forward S=256 config is
+        ``fwd_s256``, like the preset) and scale always appear; then ``_exp`` (exponent mode),
+        ``_b128`` (block_kv), ``_e5m2`` (P format), ``_nan`` (overflow), ``_f16acc`` (with ``_r32``
+        for f16_round_keys and ``_v2.25`` for v_channel_max), ``_qkv8`` / ``_qkv8h`` (E4M3 Q/K/V per tensor / per head),
         ``_causal``, ``_split8`` / ``_split8s`` (kv_splits, contiguous / strided), ``_acc14`` (the
         MMA accumulator model, never promoted) / ``_acc14p128`` (promoted every 128 keys),
         ``_sinkinit`` / ``_sinkblock`` (sink_mode) and ``_tau4`` (lazy rescale, log2 units; ``n`` for
         natural units, ``c`` for the 2^-τ compensation). Two configs with different semantics never
         share a default name.
         """
-        parts = [self.order[:3], "sdyn" if self.scale_mode == "dynamic" else "s" + repr(self.scale).removesuffix(".0")]
+        parts = [{"forward": "fwd", "reverse": "rev"}[self.order],
+                 "sdyn" if self.scale_mode == "dynamic" else "s" + repr(self.scale).removesuffix(".0")]
         if self.scale_mode == "exponent":
             parts.append("exp")
         if self.block_kv != _DEFAULT_BLOCK_KV:
@@ -310,9 +331,14 @@ class KernelConfig:
         ``qkv_granularity`` is written only where it acts (E4M3 Q/K/V), so sweeps recorded before
         the field existed keep their fingerprints. Likewise ``kv_splits``, ``split_layout``,
         ``f16_round_keys``, ``v_channel_max``, ``mma_acc_bits``, ``mma_promote_keys``, ``sink_mode`` and the
-        lazy-rescale fields are written only when they differ from their defaults.
+        lazy-rescale fields are written only when they differ from their defaults. A derived name
+        (none was given) is written as derived names were spelled before 0.2, ``for_s64`` for what
+        is now ``fwd_s64`` (reading it back gives the derived name again): the fingerprints of sweeps
+        of unnamed configs did not change with the spelling.
         """
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if isinstance(self.name, _DerivedName):
+            d["name"] = self.name.stored()
         if self.qkv == "f32":
             del d["qkv_granularity"]
         for key in ("kv_splits", "split_layout", "f16_round_keys", "v_channel_max", "mma_acc_bits",
@@ -369,8 +395,12 @@ class KernelConfig:
 
     def to_string(self) -> str:
         """``"name=...,key=value,..."`` naming every field that differs from its default; :meth:`from_string`
-        reads it back to an equal config with the same name."""
-        parts = [f"name={self.name}"]
+        reads it back to an equal config with the same name.
+
+        A derived name (none was given) is left out, so that the config read back derives it again
+        (and keeps its fingerprint); ``order`` is written when no field differs (``"order=forward"``).
+        """
+        parts = [] if isinstance(self.name, _DerivedName) else [f"name={self.name}"]
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name == "name" or value == f.default:
@@ -382,7 +412,7 @@ class KernelConfig:
             else:
                 text = str(value)
             parts.append(f"{f.name}={text}")
-        return ",".join(parts)
+        return ",".join(parts or [f"order={self.order}"])
 
     @property
     def fmt(self) -> numberline.FP8Format:

@@ -46,6 +46,7 @@ import numpy as np
 from pcast_jax.errors import PcastError, check_choice, host_values
 from pcast_jax.numberline import (
     BLOCK_FORMATS,
+    DTYPE_NAMES,
     E2M1,
     E4M3,
     E4M3FNUZ,
@@ -61,6 +62,7 @@ from pcast_jax.numberline import (
     UE4M3,
     BlockFormat,
     FP8Format,
+    format_name,
     get_block_format,
     get_format,
 )
@@ -84,6 +86,8 @@ __all__ = [
     "BLOCK_FORMATS",
     "P_FORMATS",
     "get_block_format",
+    "DTYPE_NAMES",
+    "format_name",
     "block_quantize",
     "block_cast",
     "OVERFLOW_MODES",

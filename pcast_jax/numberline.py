@@ -14,11 +14,11 @@ import math
 import ml_dtypes
 import numpy as np
 
-from pcast_jax.errors import check_choice
+from pcast_jax.errors import PcastError, check_choice
 
 __all__ = ["OVERFLOW_MODES", "SCALE_MIN", "SCALE_MAX", "FP8Format", "BlockFormat", "E4M3", "E4M3FNUZ", "E5M2",
            "E2M1", "E8M0", "UE4M3", "FORMATS", "SCALE_FORMATS", "MXFP8", "MXFP4", "NVFP4", "BLOCK_FORMATS",
-           "P_FORMATS", "get_format", "get_block_format"]
+           "P_FORMATS", "DTYPE_NAMES", "FLOAT_DTYPE_NAMES", "format_name", "get_format", "get_block_format"]
 
 OVERFLOW_MODES = ("satfinite", "nan")
 #: Bounds on a static P scale S: S, 1/S and S·ℓ (ℓ ≤ N < 2^27) stay finite, nonzero float32 numbers.
@@ -127,12 +127,56 @@ NVFP4 = BlockFormat("nvfp4", E2M1, 16, UE4M3)
 BLOCK_FORMATS = {"mxfp8": MXFP8, "mxfp4": MXFP4, "nvfp4": NVFP4}
 #: Every name ``KernelConfig.p_format`` accepts.
 P_FORMATS = tuple(FORMATS) + tuple(BLOCK_FORMATS)
+#: The formats that have a dtype, by dtype: its canonical name (E4M3 and UE4M3 share float8_e4m3fn: "e4m3").
+DTYPE_NAMES = {E4M3.dtype: "e4m3", E4M3FNUZ.dtype: "e4m3fnuz", E5M2.dtype: "e5m2", E2M1.dtype: "e2m1",
+               E8M0.dtype: "e8m0"}
+#: The wide float dtypes that fields such as ``KernelConfig.accumulator`` and ``qkv`` name.
+FLOAT_DTYPE_NAMES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}
 
 
-def get_format(fmt: str | FP8Format, *, param: str = "fmt") -> FP8Format:
-    """Return the format for a name (``"e4m3"``, ``"e5m2"`` …) or pass a format through."""
+def _as_dtype(x) -> np.dtype | None:
+    """``x`` as a dtype if it is one (``np.dtype``, a scalar type: ``jnp.float8_e4m3fn``,
+    ``ml_dtypes.float8_e5m2``, ``np.float32``), else None."""
+    if isinstance(x, np.dtype):
+        return x
+    if isinstance(x, type):
+        try:
+            return np.dtype(x)
+        except TypeError:
+            return None
+    return None
+
+
+def format_name(fmt, *, param: str = "fmt", choices=None):
+    """A format given as a dtype → its canonical name; anything else is returned as it is.
+
+    ``jnp.float8_e4m3fn``, ``ml_dtypes.float8_e4m3fn`` and ``np.dtype(ml_dtypes.float8_e4m3fn)`` all
+    give ``"e4m3"`` (:data:`DTYPE_NAMES`; float32 and float16 give ``"f32"`` and ``"f16"``). ``choices``
+    are the names the parameter takes (default: every format with a dtype).
+
+    Raises:
+      PcastError: a dtype of no format ``param`` takes, naming ``param`` and the formats it takes.
+    """
+    dtype = _as_dtype(fmt)
+    if dtype is None:
+        return fmt
+    names = {**DTYPE_NAMES, **FLOAT_DTYPE_NAMES}
+    choices = tuple(DTYPE_NAMES.values()) if choices is None else tuple(choices)
+    name = names.get(dtype)
+    if name not in choices:
+        by_dtype = ", ".join(f"{d.name} ({n})" for d, n in names.items() if n in choices)
+        raise PcastError(f"{param}={fmt!r}: dtype {dtype.name} is not a format {param} takes; it takes "
+                         f"{', '.join(dict.fromkeys(choices))} by name" + (f", or the dtypes {by_dtype}" if by_dtype
+                                                                            else ""))
+    return name
+
+
+def get_format(fmt, *, param: str = "fmt") -> FP8Format:
+    """Return the format for a name (``"e4m3"``, ``"e5m2"`` …) or a dtype (``jnp.float8_e4m3fn``,
+    ``ml_dtypes.float8_e5m2``, ``np.dtype(...)``: :func:`format_name`), or pass a format through."""
     if isinstance(fmt, FP8Format):
         return fmt
+    fmt = format_name(fmt, param=param, choices=tuple(FORMATS) + tuple(SCALE_FORMATS))
     if isinstance(fmt, str) and fmt.lower() in SCALE_FORMATS:
         return SCALE_FORMATS[fmt.lower()]
     check_choice(param, str(fmt).lower() if isinstance(fmt, str) else fmt, tuple(FORMATS))
@@ -143,5 +187,6 @@ def get_block_format(fmt: str | BlockFormat, *, param: str = "fmt") -> BlockForm
     """Return the block-scaled format for a name (``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"``)."""
     if isinstance(fmt, BlockFormat):
         return fmt
+    fmt = format_name(fmt, param=param, choices=tuple(BLOCK_FORMATS))  # no block format has a dtype: refused
     check_choice(param, str(fmt).lower() if isinstance(fmt, str) else fmt, tuple(BLOCK_FORMATS))
     return BLOCK_FORMATS[fmt.lower()]

@@ -39,6 +39,7 @@ __all__ = [
     "check_published",
     "write_text",
     "write_csv",
+    "csv_text",
     "write_json",
     "json_value",
     "new_figure",
@@ -250,18 +251,24 @@ def write_csv(path, rows: Iterable[dict], columns: Sequence[str] | None = None, 
     all (a table of two kinds of rows) reads :data:`NO_SUCH_COLUMN`, or is an error with
     ``tidy=True`` (one kind of row per table: each row has every column).
     """
+    return write_text(path, csv_text(rows, columns, table=Path(path).stem, tidy=tidy))
+
+
+def csv_text(rows: Iterable[dict], columns: Sequence[str] | None = None, *, table: str = "rows",
+             tidy: bool = False) -> str:
+    """The CSV :func:`write_csv` writes, as a string (``table`` names the rows in its errors)."""
     rows = list(rows)
     if columns is None:
         columns = []
         for r in rows:
             columns.extend(k for k in r if k not in columns)
-    check_published(Path(path).stem, rows, columns, absent_ok=not tidy)
+    check_published(table, rows, columns, absent_ok=not tidy)
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(columns)
     for r in rows:
         w.writerow([_csv_value(r[k]) if k in r else NO_SUCH_COLUMN for k in columns])
-    return write_text(path, buf.getvalue())
+    return buf.getvalue()
 
 
 def json_value(x):

@@ -768,7 +768,8 @@ def block_collapse_fraction(delta, scale, *, fmt="nvfp4", n=4096, k_sink=4, sigm
     u = (jnp.arange(16, dtype=_float_dtype()) + 0.5) / 16.0  # midpoints of the fractional part
     if bf.is_mx:
         lu = ((emax + u) * LN2 - math.log(r_e)) / sg  # (16,)
-        f_block = _expect_over_max(lambda x: jnp.mean(norm.cdf(x[..., None] - lu), axis=-1), float(kb - 1))
+        f_block = _expect_over_max(lambda x: jnp.mean(norm.cdf(x[..., None] - lu.reshape((1,) * x.ndim + lu.shape)),
+                                                       axis=-1), float(kb - 1))
         f_block = jnp.broadcast_to(f_block, jnp.broadcast_shapes(d.shape, s.shape))
         frac = jnp.log2(s) - jnp.floor(jnp.log2(s))
         l_sink = ((emax + frac) * LN2 - math.log(r_e)) / sg

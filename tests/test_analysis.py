@@ -285,7 +285,7 @@ def test_report_and_cli(tmp_path, capsys):
     trace = planted(layers=2, batch=1)
     path = trace.save(tmp_path / "trace.npz")
     assert cli.main(["analyze", str(path), "--configs", "fwd_s1,rev_s256", "--out", str(tmp_path / "rep"),
-                     "--quiet"]) == 0
+                     "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("On this model (2 layers × 4 heads, 1 sequence of 96 tokens)")
     markdown = (tmp_path / "rep" / "analysis.md").read_text()

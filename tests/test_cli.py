@@ -48,6 +48,49 @@ def test_to_string_round_trips_a_config_with_every_field_changed():
     assert text.startswith("name=all,") and "causal=true" in text
 
 
+def test_derived_names_spell_the_order_as_the_presets_do():
+    assert KernelConfig(scale=256.0).name == "fwd_s256" == PRESETS["fwd_s256"].name
+    assert KernelConfig(order="reverse", scale=256.0).name == "rev_s256" == PRESETS["rev_s256"].name
+    assert KernelConfig(scale_mode="dynamic", accumulator="f16").name == "fwd_sdyn_f16acc"
+
+
+#: Unnamed configs (derived names) and the fingerprint their sweep had when derived names spelled forward "for".
+_UNNAMED = (KernelConfig(scale=64.0), KernelConfig(kv_splits=8, split_layout="strided"),
+            KernelConfig(order="reverse", scale=256.0), KernelConfig(scale_mode="dynamic", accumulator="f16"))
+_UNNAMED_FINGERPRINT = "1e0530abba728dd6"
+
+
+def test_derived_names_keep_the_fingerprints_of_saved_sweeps():
+    spec = SweepSpec(configs=_UNNAMED, deltas=(7.0,), ns=(4096,), seeds=4)
+    assert spec.config_names == ("fwd_s64", "fwd_s1_split8s", "rev_s256", "fwd_sdyn_f16acc")
+    assert spec.fingerprint() == _UNNAMED_FINGERPRINT
+    saved = spec.to_dict()
+    assert [c["name"] for c in saved["configs"]] == ["for_s64", "for_s1_split8s", "rev_s256", "for_sdyn_f16acc"]
+    back = SweepSpec.from_dict(json.loads(json.dumps(saved)))  # a spec.json written before or after
+    assert back.config_names == spec.config_names and back.fingerprint() == _UNNAMED_FINGERPRINT
+    # a name given is written as given; the derived one's old spelling given by hand reads as derived
+    assert KernelConfig(scale=64.0, name="fwd_s64").to_dict()["name"] == "fwd_s64"
+    assert KernelConfig(scale=64.0, name="for_s64").name == "fwd_s64"
+    for cfg in _UNNAMED:  # to_string leaves a derived name out: read back, it is derived again
+        text = cfg.to_string()
+        assert "name=" not in text and KernelConfig.from_string(text).to_dict() == cfg.to_dict()
+    assert KernelConfig().to_string() == "order=forward" and KernelConfig.from_string("order=forward").name == "fwd_s1"
+
+
+def test_a_sweep_of_unnamed_configs_loads_under_either_spelling(tmp_path):
+    out = tmp_path / "sweep"
+    assert cli.main(["sweep", "--config", "scale=64", "--config", "order=reverse", "--out", str(out), *TINY]) == 0
+    assert load_result(out).spec.config_names == ("fwd_s64", "rev_s1")
+    assert '"name": "for_s64"' in (out / "spec.json").read_text()
+    with np.load(out / "results.npz") as z:  # results.npz as written before: the old spelling as coordinate
+        arrays = dict(z)
+    assert list(arrays["coord_config"]) == ["fwd_s64", "rev_s1"]
+    arrays["coord_config"] = np.asarray(["for_s64", "rev_s1"], np.str_)
+    np.savez(out / "results.npz", **arrays)
+    result = load_result(out)
+    assert result.spec.config_names == ("fwd_s64", "rev_s1") and result.get("mse", config="fwd_s64").size
+
+
 def _text(value) -> str:
     return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
@@ -179,6 +222,16 @@ def test_sweep_formats(mixed_sweep, capsys, fmt):
         assert lines[0].startswith("| N | config |") and len(lines) == 8
     else:
         assert "frac. zeroed %" in out and "non-sink" not in out
+
+
+def test_a_refused_out_folder_never_says_resuming(mixed_sweep, capsys):
+    """A folder holding another sweep is refused before the banner could say it resumes."""
+    before = sorted(p.name for p in mixed_sweep.iterdir())
+    assert cli.main(["sweep", "--configs", "rev_s1", "--out", str(mixed_sweep), *TINY]) == 2
+    cap = capsys.readouterr()
+    assert "resuming" not in cap.out + cap.err and "pcast sweep:" not in cap.out
+    assert cap.err.startswith("pcast: error:") and "holds a different sweep" in cap.err
+    assert sorted(p.name for p in mixed_sweep.iterdir()) == before
 
 
 # --------------------------------------------------------------------------------------------
@@ -354,6 +407,122 @@ def test_old_spellings_are_refused_with_a_hint(argv, new, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("pcast: error: ") and new in err and err.count("\n") == 1
+
+
+def _parse(argv):
+    return cli.build_parser(argv).parse_args(argv)
+
+
+def test_list_flags_take_comma_lists(capsys):
+    args = _parse(["kernels", "--configs", "fa3,fwd_s1", "--backends", "triton,mosaic", "--num-warps", "4,8",
+                   "--num-stages", "2,3"])
+    assert (args.configs, args.backends, args.num_warps, args.num_stages) == (
+        ["fa3", "fwd_s1"], ["triton", "mosaic"], [4, 8], [2, 3])
+    assert capsys.readouterr().err == ""
+    args = _parse(["kernels"])
+    assert (args.configs, args.backends, args.num_warps) == (["fa3", "fwd_s1"], ["triton", "mosaic"], [None])
+
+
+def test_space_separated_lists_work_with_a_deprecation_line(capsys):
+    args = _parse(["kernels", "--configs", "fa3", "fwd_s1", "--num-warps", "4", "8,16", "--backends", "mosaic"])
+    assert (args.configs, args.num_warps, args.backends) == (["fa3", "fwd_s1"], [4, 8, 16], ["mosaic"])
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["pcast: warning: --configs fa3 fwd_s1 is deprecated and goes in pcast_jax 0.3: use --configs "
+                   "fa3,fwd_s1",
+                   "pcast: warning: --num-warps 4 8,16 is deprecated and goes in pcast_jax 0.3: use --num-warps "
+                   "4,8,16"]
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["kernels", "--backends", "triton,cuda"], "--backends"), (["kernels", "--num-warps", "4,x"], "--num-warps"),
+    (["kernels", "--configs", "fa3,,fwd_s1"], "--configs"),
+])
+def test_bad_list_items_are_refused_naming_the_flag(argv, option, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _parse(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pcast") and "error" in err and option in err and err.count("\n") == 1
+
+
+def test_list_flags_show_one_metavar_in_the_help(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["kernels", "--help"])
+    out = capsys.readouterr().out
+    assert "--configs PRESET[,PRESET]" in out and "[PRESET[,PRESET] ...]" not in out
+
+
+LONG_RUNNING = [["sweep"], ["whatif", "worst-delta"], ["whatif", "calibrate"], ["whatif", "dynamic"],
+                ["whatif", "report"], ["analyze", "t.npz"], ["model-report"], ["reproduce"]]
+
+
+@pytest.mark.parametrize("command", LONG_RUNNING, ids=" ".join)
+def test_one_progress_flag(command, capsys):
+    assert _parse(command).progress is None  # the default: decided by the terminal
+    assert _parse([*command, "--progress"]).progress is True
+    assert _parse([*command, "--no-progress"]).progress is False
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("command", [["analyze", "t.npz"], ["model-report"]], ids=" ".join)
+def test_quiet_still_works_with_a_deprecation_line(command, capsys):
+    assert _parse([*command, "--quiet"]).progress is False
+    assert capsys.readouterr().err == ("pcast: warning: --quiet is deprecated and goes in pcast_jax 0.3: "
+                                       "use --no-progress\n")
+
+
+def test_kernels_json_is_format_json(capsys):
+    assert _parse(["kernels"]).format == "table"
+    assert _parse(["kernels", "--format", "json"]).format == "json"
+    assert _parse(["kernels", "--json"]).format == "json"
+    assert "use --format json" in capsys.readouterr().err
+
+
+WORST = ["whatif", "worst-delta", "--configs", "fwd_s1", "--n", "256", "--q-len", "2", "--seeds", "2", "--steps", "3",
+         "--delta-range", "4:10", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def worst_rows():
+    from pcast_jax import whatif
+
+    r = whatif.worst_case_delta(PRESETS["fwd_s1"], 256, objective="total", delta_range=(4.0, 10.0), seeds=2,
+                                q_len=2, steps=3, base_seed=0)
+    return r.rows()
+
+
+def test_whatif_format_csv_and_json_print_only_the_rows(capsys, worst_rows):
+    assert cli.main([*WORST, "--format", "csv"]) == 0
+    cap = capsys.readouterr()
+    rows = list(csv.DictReader(io.StringIO(cap.out)))
+    assert [r["config"] for r in rows] == ["fwd_s1"] and list(rows[0]) == list(worst_rows[0])
+    assert float(rows[0]["worst_delta"]) == pytest.approx(worst_rows[0]["worst_delta"])
+    assert " s)" in cap.err and "|" not in cap.out
+    assert cli.main([*WORST, "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc[0]["config"] == "fwd_s1" and doc[0]["worst_delta"] == pytest.approx(worst_rows[0]["worst_delta"])
+    assert cli.main(WORST) == 0
+    assert "| config |" in capsys.readouterr().out  # the default: the table
+
+
+def test_whatif_out_file_and_the_old_csv_flag(tmp_path, capsys, worst_rows):
+    assert cli.main([*WORST, "--out", str(tmp_path / "rows.json")]) == 0
+    assert json.loads((tmp_path / "rows.json").read_text())[0]["config"] == "fwd_s1"
+    assert f"wrote {tmp_path / 'rows.json'}" in capsys.readouterr().out
+    assert cli.main([*WORST, "--out", str(tmp_path / "rows.csv")]) == 0
+    assert (tmp_path / "rows.csv").read_text().startswith("config,")
+    capsys.readouterr()
+    assert cli.main([*WORST, "--csv", str(tmp_path / "old.csv")]) == 0
+    def without_time(name):  # every column but the run time
+        return [{k: v for k, v in r.items() if k != "seconds"} for r in csv.DictReader((tmp_path / name).open())]
+
+    assert without_time("old.csv") == without_time("rows.csv")
+    assert f"use --out {tmp_path / 'old.csv'}" in capsys.readouterr().err
+    progress_on = [a for a in WORST if a != "--no-progress"]  # step lines would show any work begun
+    assert cli.main([*progress_on, "--out", str(tmp_path / "rows.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "--out=" in err and ".csv or .json" in err and "worst-delta fwd_s1" not in err
+    assert not (tmp_path / "rows.txt").exists()
 
 
 def test_whatif_subcommands_have_a_description(capsys):

@@ -31,8 +31,8 @@ def test_new_fields_keep_old_fingerprints_and_names():
     d = KernelConfig(scale=256.0).to_dict()
     assert not {"kv_splits", "split_layout", "f16_round_keys", "v_channel_max"} & set(d)
     assert KernelConfig(scale=256.0, order="reverse").name == "rev_s256"
-    assert KernelConfig(kv_splits=8).name == "for_s1_split8"
-    assert KernelConfig(kv_splits=8, split_layout="strided").name == "for_s1_split8s"
+    assert KernelConfig(kv_splits=8).name == "fwd_s1_split8"
+    assert KernelConfig(kv_splits=8, split_layout="strided").name == "fwd_s1_split8s"
     cfg = get_preset("trtllm_xqa_multiblock")
     assert KernelConfig.from_dict(cfg.to_dict()) == cfg and cfg.to_dict()["kv_splits"] == 6  # XQA_DECODE_LAUNCH
 

@@ -287,3 +287,67 @@ def test_unknown_overflow_mode_names_overflow():
     with pytest.raises(PcastError, match="overflow"):
         formats.cast(np.float32([1.0]), "e4m3", overflow="wrap")
     assert issubclass(PcastError, ValueError)
+
+
+# --------------------------------------------------------------------------------------------
+# A dtype wherever a format name is
+# --------------------------------------------------------------------------------------------
+
+_DTYPE_FORMS = {"jnp": lambda dt: getattr(jnp, dt.name), "ml_dtypes": lambda dt: getattr(ml_dtypes, dt.name),
+                "np.dtype": lambda dt: np.dtype(dt)}
+
+
+@pytest.mark.parametrize("form", _DTYPE_FORMS)
+@pytest.mark.parametrize("dtype, name", list(formats.DTYPE_NAMES.items()), ids=lambda x: str(x))
+def test_a_dtype_names_its_format(dtype, name, form):
+    from pcast_jax.config import KernelConfig
+    from pcast_jax.sweep import SweepSpec
+
+    given = _DTYPE_FORMS[form](dtype)
+    assert formats.format_name(given) == name
+    assert formats.get_format(given) is formats.get_format(name)
+    x = jnp.asarray([0.3, -1.7, 2.0**-12], jnp.float32)
+    assert np.array_equal(np.asarray(formats.cast(x, given)), np.asarray(formats.cast(x, name)), equal_nan=True)
+    if name not in formats.P_FORMATS:  # E8M0 is a scale format only
+        with pytest.raises(PcastError, match=r"p_format=.*dtype float8_e8m0fnu .*e4m3.*float8_e5m2 \(e5m2\)"):
+            KernelConfig(p_format=given)
+        return
+    cfg = KernelConfig(p_format=given)
+    ref = KernelConfig(p_format=name)
+    assert cfg.p_format == name and isinstance(cfg.p_format, str)
+    assert cfg == ref and hash(cfg) == hash(ref) and cfg.name == ref.name and cfg.to_dict() == ref.to_dict()
+    assert SweepSpec(configs=(cfg,), deltas=(7.0,), ns=(64,), seeds=1).fingerprint() == SweepSpec(
+        configs=(ref,), deltas=(7.0,), ns=(64,), seeds=1).fingerprint()
+
+
+@pytest.mark.parametrize("form", _DTYPE_FORMS)
+def test_qkv_and_accumulator_take_dtypes_too(form):
+    from pcast_jax.config import KernelConfig
+
+    e4m3 = _DTYPE_FORMS[form](np.dtype(ml_dtypes.float8_e4m3fn))
+    f16 = np.float16 if form == "ml_dtypes" else _DTYPE_FORMS[form](np.dtype(np.float16))  # a NumPy scalar type
+    cfg = KernelConfig(qkv=e4m3, accumulator=f16, block_kv=64)
+    assert (cfg.qkv, cfg.accumulator) == ("e4m3", "f16") and cfg == KernelConfig(qkv="e4m3", accumulator="f16",
+                                                                                  block_kv=64)
+
+
+@pytest.mark.parametrize("call, param", [
+    (lambda: formats.get_format(jnp.bfloat16), "fmt"),
+    (lambda: formats.get_format(np.dtype(np.float32), param="p_fmt"), "p_fmt"),
+    (lambda: formats.get_block_format(jnp.float8_e4m3fn), "fmt"),
+    (lambda: formats.cast(jnp.ones(2), np.int8), "fmt"),
+])
+def test_an_unknown_dtype_is_refused_naming_the_parameter_and_the_formats(call, param):
+    with pytest.raises(PcastError, match=rf"^{param}=.* is not a format {param} takes; it takes .*(e4m3|mxfp8)"):
+        call()
+
+
+@pytest.mark.parametrize("kwargs, param", [({"p_format": np.float32}, "p_format"),
+                                           ({"p_format": jnp.float8_e8m0fnu}, "p_format"),
+                                           ({"accumulator": jnp.float8_e4m3fn}, "accumulator"),
+                                           ({"qkv": jnp.bfloat16}, "qkv")])
+def test_kernel_config_refuses_a_dtype_of_no_format_it_takes(kwargs, param):
+    from pcast_jax.config import KernelConfig
+
+    with pytest.raises(PcastError, match=rf"^{param}=.*: dtype \w+ is not a format {param} takes; it takes "):
+        KernelConfig(**kwargs)

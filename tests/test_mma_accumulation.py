@@ -37,7 +37,7 @@ def test_defaults_leave_configs_and_fingerprints_as_they_were():
     cfg = KernelConfig()
     assert cfg.mma_acc_bits == 0 and cfg.mma_promote_keys == 0
     assert not {"mma_acc_bits", "mma_promote_keys"} & set(cfg.to_dict())
-    assert "mma" not in cfg.to_string() and cfg.name == "for_s1"
+    assert "mma" not in cfg.to_string() and cfg.name == "fwd_s1"
     assert SweepSpec(deltas=(7.0,), ns=(4096,), seeds=4).fingerprint() == "2e57d04c0d333895"
     # where the model is off, the promotion interval does not act: normalised away
     assert KernelConfig(mma_promote_keys=64) == KernelConfig()

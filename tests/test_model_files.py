@@ -308,7 +308,7 @@ def test_pcast_analyze_with_the_model_runs_end_to_end(tmp_path, monkeypatch, cap
     forward(params, cfg, tokens, attention_fn=rec.hook(), lengths=np.array([40, 30]))
     rec.trace(tokens=tokens).save(tmp_path / "trace.npz")
     assert cli.main(["analyze", str(tmp_path / "trace.npz"), "--configs", "fwd_s1,rev_s256", "--model", str(path),
-                     "--out", str(tmp_path / "rep"), "--quiet"]) == 0
+                     "--out", str(tmp_path / "rep"), "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("On this model (2 layers × 4 heads, 2 sequences of 40 tokens)")
     assert "End to end (FP32 perplexity" in printed and "`fwd_s1` KL" in printed
@@ -323,7 +323,7 @@ def test_model_report_runs_on_another_model(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     path = write_gguf(tmp_path / "tiny_qwen.gguf", hf_weights("qwen2", True, seed=5), "qwen2", tokenizer="llama")
-    assert cli.main(["model-report", "--model", str(path), "--quick", "--tokens", "48", "--quiet",
+    assert cli.main(["model-report", "--model", str(path), "--quick", "--tokens", "48", "--no-progress",
                      "--out", str(tmp_path / "rep")]) == 0
     text = (tmp_path / "rep" / "model_report.md").read_text()
     assert text.startswith("# Real model: tiny with simulated FP8 attention")

@@ -270,7 +270,7 @@ def test_forward_with_hook_matches_per_layer_simulation(model):
 
 def test_model_report_quick_writes_its_files(tmp_path, capsys):
     out = tmp_path / "rep"
-    assert cli_main(["model-report", "--quick", "--quiet", "--out", str(out)]) == 0
+    assert cli_main(["model-report", "--quick", "--no-progress", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert str(out / "model_report.md") in printed
     md = (out / "model_report.md").read_text()

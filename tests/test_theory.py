@@ -1,5 +1,6 @@
 """The paper's closed forms: known values, Monte Carlo, gradients, Appendix A, Theorems 6–7, CLI."""
 
+import json
 import math
 import re
 
@@ -428,6 +429,25 @@ def test_cli_theory_scale_256_and_448(capsys):
     assert abs(_num(w, "delta_c") - expect) < 1e-5
     x = _cli_values(capsys, "--delta", "7", "--scale", "512")
     assert _num(x, "dp(S)") == 0.25 and "Eq. (18)" in x["dp(S)"][0]
+
+
+@pytest.mark.parametrize("args", [["--delta", "7", "--scale", "448", "--ksink", "2"], ["--fmt", "mxfp8"],
+                                  ["--fmt", "mxfp4", "--scale", "64"]])
+def test_cli_theory_json_gives_the_same_numbers(capsys, args):
+    text = _cli_values(capsys, *args)
+    assert cli.main(["theory", *args, "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["inputs"]["scale"] == (float(args[args.index("--scale") + 1]) if "--scale" in args else 256.0)
+    assert list(doc["quantities"]) == list(text)
+    for label, (ref, value, meaning) in text.items():
+        got = doc["quantities"][label]
+        assert (got["reference"], got["meaning"]) == (ref, meaning)
+        if value in ("yes", "no"):
+            assert got["value"] is (value == "yes")
+        elif value.startswith("never"):
+            assert got["value"] is None
+        else:
+            assert isinstance(got["value"], float) and got["value"] == pytest.approx(float(value), rel=1e-6, abs=1e-6)
 
 
 @pytest.mark.parametrize("args, message", [

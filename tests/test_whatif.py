@@ -244,7 +244,7 @@ def test_bad_inputs_name_the_parameter(call, name):
 def test_cli_worst_delta_and_errors(capsys, tmp_path):
     out = tmp_path / "rows.csv"
     rc = cli.main(["whatif", "worst-delta", "--config", "fwd_s1", "--n", "1024", "--q-len", "8", "--seeds", "8",
-                   "--steps", "40", "--csv", str(out)])
+                   "--steps", "40", "--out", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
     assert "fwd_s1" in text and "exact_local_peak" in text

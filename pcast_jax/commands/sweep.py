@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None,
                         help="output folder (default sweeps/<fingerprint> under the current directory); "
                              "rerunning into the same folder resumes")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _options.add_progress_argument(parser)
     add_distributed_arguments(parser)
 
 
@@ -325,13 +325,19 @@ def run(args: argparse.Namespace) -> int:
         if info is not None and info.process_id != 0:  # every process computes; process 0 reports
             run_sweep(spec, out, chunk_size=chunk_size, progress=False)
             return 0
+        if resuming:  # a folder that would be refused is refused before the banner says it resumes
+            from pcast_jax.sweep.store import check_dir
+
+            check_dir(out, spec)
         where = "" if info is None else f" on {info.num_processes} processes ({info.global_devices} devices)"
         note(f"pcast sweep: {len(spec.configs)} configs x {len(spec.deltas)} delta x {len(spec.ns)} N x "
               f"{spec.seeds} seeds (q_len={spec.q_len}, d={spec.d}, k_sink={spec.k_sink}, "
              f"{'' if spec.sink_logit is None else f'sink_logit={spec.sink_logit}, '}sigma={spec.sigma:g}, "
               f"engine={spec.engine}{_nondefault(spec)}){where}{' - resuming' if resuming else ''}", flush=True)
         start = time.perf_counter()
-        progress = False if args.no_progress else (tty if info is not None else None)  # stderr is a pipe now
+        progress = args.progress
+        if progress is None and info is not None:  # stderr is a pipe now: ask the terminal this process had
+            progress = tty
         result = run_sweep(spec, out, chunk_size=chunk_size, progress=progress)
         elapsed = time.perf_counter() - start
         for line in format_rows(result, metrics, fmt):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 
 from pcast_jax import numberline
@@ -24,6 +25,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fmt", default="e4m3", choices=tuple(dict.fromkeys(numberline.P_FORMATS)),
                         help="format of the P cast: an element format (default e4m3, the paper's) or a "
                              "block-scaled one (mxfp8, mxfp4, nvfp4: their own closed forms)")
+    parser.add_argument("--format", choices=("text", "json"), default="text",
+                        help="output format: one quantity per line, or one JSON object with the same numbers "
+                             "(default text)")
+
+
+#: The value of a bound an MX format never reaches (its E8M0 scale cannot underflow: the bound lies
+#: below float32's range): printed as these words, null in JSON.
+NEVER = "never (E8M0 has no zero)"
 
 
 def _num(value) -> str:
@@ -33,8 +42,21 @@ def _num(value) -> str:
     return f"{v:.6f}"
 
 
+def _text(value) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return value if isinstance(value, str) else _num(value)
+
+
 def rows(*, delta: float, scale: float, k_sink: int, sigma: float, n: int, fmt: str):
-    """The printed table as ``(label, reference, value, meaning)`` tuples."""
+    """The printed table as ``(label, reference, value text, meaning)`` tuples."""
+    return [(label, ref, _text(value), meaning)
+            for label, ref, value, meaning in quantities(delta=delta, scale=scale, k_sink=k_sink, sigma=sigma,
+                                                         n=n, fmt=fmt)]
+
+
+def quantities(*, delta: float, scale: float, k_sink: int, sigma: float, n: int, fmt: str):
+    """``(label, reference, value, meaning)`` tuples: a float, a bool (power_of_two) or :data:`NEVER`."""
     from pcast_jax import theory  # imports JAX: here, so that `pcast theory --help` does not
 
     check_int("k_sink", k_sink, min_value=1)
@@ -60,29 +82,29 @@ def rows(*, delta: float, scale: float, k_sink: int, sigma: float, n: int, fmt: 
     best_dp_exp = f.mantissa_bits + 1
     dp_ref = "Def. 1, Eq. (17)" if scale <= f.max else "Remark 3, Eq. (18)"
     return [
-        ("delta_k", "Eq. (3)", _num(dk),
+        ("delta_k", "Eq. (3)", float(dk),
          f"expected max of the {k_sink} sink scores, in units of sigma"),
-        ("F(delta,S)", "Eq. (7)", _num(frac),
+        ("F(delta,S)", "Eq. (7)", float(frac),
          "fraction of non-sink P cast to zero, forward order (mean sink max)"),
-        ("F_spread(delta,S)", "Eq. (7) + spread", _num(frac_spread),
+        ("F_spread(delta,S)", "Eq. (7) + spread", float(frac_spread),
          "same, integrated over the per-row spread of the sink max"),
-        ("delta_c", "Eq. (7), Sec. 7.2", _num(delta_c),
+        ("delta_c", "Eq. (7), Sec. 7.2", float(delta_c),
          f"critical sink strength {rtz_exp} ln2 + ln S - sigma*delta_k, where F = 1/2"),
-        ("s_threshold", "Prop. 1, Eq. (6)", _num(s_thr),
+        ("s_threshold", "Prop. 1, Eq. (6)", float(s_thr),
          "forward order: a non-sink score s below this underflows"),
-        ("P_threshold", "Prop. 1, Eq. (5)", _num(p_thr),
+        ("P_threshold", "Prop. 1, Eq. (5)", float(p_thr),
          f"P <= 2^-{rtz_exp}/S casts to zero"),
-        ("dp(S)", dp_ref, _num(step),
+        ("dp(S)", dp_ref, float(step),
          f"worst-case quantization step of P in [0,1] (max LSB / S); minimum 2^-{best_dp_exp}"),
-        ("power_of_two", "Prop. 5", "yes" if exact else "no",
+        ("power_of_two", "Prop. 5", exact,
          "x*S and x*(1/S) exact in FP32" if exact else "x*S and x*(1/S) round in FP32"),
-        ("normal_coverage", "Sec. 5.3 (C3)", _num(coverage),
+        ("normal_coverage", "Sec. 5.3 (C3)", float(coverage),
          f"P below 2^-{normal_exp}/S lands in the subnormal range (smaller is better)"),
-        ("non_sink_mass", "Table 1", _num(mass),
+        ("non_sink_mass", "Table 1", float(mass),
          f"share of softmax mass on the {n - k_sink} non-sink tokens (N={n})"),
-        ("reverse_underflow", "Thm. 4, Eq. (14)", _num(rev),
+        ("reverse_underflow", "Thm. 4, Eq. (14)", float(rev),
          f"reverse order: P(non-sink P zeroed before the sink block), m = sqrt(2 ln(N-k)), N={n}"),
-        ("reverse_underflow_mean", "Thm. 4 + Eq. (3)", _num(rev_mean),
+        ("reverse_underflow_mean", "Thm. 4 + Eq. (3)", float(rev_mean),
          "same with m = exact E[max of N-k normals]"),
     ]
 
@@ -91,27 +113,34 @@ def _block_rows(theory, *, delta: float, scale: float, k_sink: int, sigma: float
     """The closed forms of a block-scaled P format (theory.block_*), as :func:`rows` prints them."""
     bf = numberline.BLOCK_FORMATS[fmt]
     common = dict(fmt=fmt, k_sink=k_sink, sigma=sigma)
-    never = "never (E8M0 has no zero)"  # the MX scale cannot underflow: its bound is below float32's range
     return [
-        ("F_block(delta,S)", "cf. Eq. (7)", _num(theory.block_collapse_fraction(delta, scale, n=n, **common)),
+        ("F_block(delta,S)", "cf. Eq. (7)", float(theory.block_collapse_fraction(delta, scale, n=n, **common)),
          f"fraction of non-sink P the {fmt} cast zeroes, forward order"),
-        ("delta_c_block", "cf. Eq. (7)", never if bf.is_mx else _num(theory.block_critical_delta(scale, **common)),
+        ("delta_c_block", "cf. Eq. (7)", NEVER if bf.is_mx else float(theory.block_critical_delta(scale, **common)),
          "sink strength at which the typical block's scale underflows"),
-        ("scale_underflow", "block scale", never if bf.is_mx else _num(theory.block_scale_underflow(scale, fmt=fmt)),
+        ("scale_underflow", "block scale", NEVER if bf.is_mx else float(theory.block_scale_underflow(scale, fmt=fmt)),
          "a block whose largest P (row max = 1) is at or below this is zeroed whole"),
-        ("element_threshold", "block element", _num(theory.block_element_threshold(1.0, fmt=fmt)),
+        ("element_threshold", "block element", float(theory.block_element_threshold(1.0, fmt=fmt)),
          f"in a block whose max is 1, elements at or below this cast to 0 ({bf.block} keys per "
          f"{bf.scale_fmt.name.upper()} scale)"),
-        ("dp_block", "cf. Def. 1", _num(theory.block_dp(fmt)),
+        ("dp_block", "cf. Def. 1", float(theory.block_dp(fmt)),
          "worst-case quantization step relative to the block max"),
-        ("non_sink_mass", "Table 1", _num(theory.non_sink_mass(delta, n=n, k_sink=k_sink, sigma=sigma)),
+        ("non_sink_mass", "Table 1", float(theory.non_sink_mass(delta, n=n, k_sink=k_sink, sigma=sigma)),
          f"share of softmax mass on the {n - k_sink} non-sink tokens (N={n})"),
     ]
 
 
 def run(args: argparse.Namespace) -> int:
-    table = rows(delta=args.delta, scale=args.scale, k_sink=args.k_sink, sigma=args.sigma,
-                 n=args.n, fmt=args.fmt)
+    inputs = dict(delta=args.delta, scale=args.scale, k_sink=args.k_sink, sigma=args.sigma, n=args.n, fmt=args.fmt)
+    if args.format == "json":
+        from pcast_jax import report
+
+        values = {label: {"value": None if value == NEVER else report.json_value(value), "reference": ref,
+                          "meaning": meaning}
+                  for label, ref, value, meaning in quantities(**inputs)}
+        print(json.dumps({"inputs": inputs, "quantities": values}, indent=2, ensure_ascii=False))
+        return 0
+    table = rows(**inputs)
     print(f"pcast theory: delta={args.delta:g} scale={args.scale:g} k_sink={args.k_sink} "
           f"sigma={args.sigma:g} n={args.n} fmt={args.fmt}")
     w_label = max(len(r[0]) for r in table)

@@ -9,6 +9,8 @@ scales) and ``report`` (all of them, markdown + figures).
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +22,8 @@ from pcast_jax.fileio import load_npy
 #: Largest ``--scores`` file read: 1 GiB (2^28 float32 logits).
 MAX_SCORES_BYTES = 2**30
 ANALYSES = ("validate", "worst-delta", "optimal-scale", "calibrate", "dynamic", "report")
+#: --format choices of the analyses (``report`` writes a folder: --out DIR).
+FORMATS = ("table", "csv", "json")
 
 
 def _common(p: argparse.ArgumentParser, *, n: int = 4096, seeds: int = 8) -> None:
@@ -27,8 +31,23 @@ def _common(p: argparse.ArgumentParser, *, n: int = 4096, seeds: int = 8) -> Non
     p.add_argument("--q-len", dest="q_len", type=int, default=32, help="query rows per instance (default 32)")
     p.add_argument("--seeds", type=int, default=seeds, help=f"seeds (instances) averaged (default {seeds})")
     p.add_argument("--base-seed", dest="base_seed", type=int, default=0, help="root PRNG seed (default 0)")
-    p.add_argument("--csv", default=None, help="also write the result rows to this CSV file")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar or step lines")
+    _output(p)
+
+
+def _progress(p: argparse.ArgumentParser) -> None:
+    _options.add_progress_argument(p, "progress on stderr; --progress: a bar even off a terminal",
+                                   "a bar on a terminal, step lines elsewhere")
+
+
+def _output(p: argparse.ArgumentParser) -> None:
+    """``--format`` (what is printed), ``--out FILE`` (where the rows go; ``--csv FILE`` before) and progress."""
+    p.add_argument("--format", choices=FORMATS, default="table",
+                   help="printed output: the table (default), or only the result rows as csv or json (the "
+                        "other lines go to stderr)")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="also write the result rows to FILE; .csv or .json picks the format")
+    _options.deprecated_flag(p, "--csv", "--out VALUE", dest="out", takes_value=True)
+    _progress(p)
 
 
 def _one_config(p: argparse.ArgumentParser, what: str) -> None:
@@ -92,8 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--q-len", dest="q_len", type=int, default=32, help="query rows per instance (default 32)")
     p.add_argument("--seeds", type=int, default=8, help="seeds (default 8)")
     p.add_argument("--base-seed", dest="base_seed", type=int, default=0, help="root PRNG seed (default 0)")
-    p.add_argument("--csv", default=None, help="also write the result rows to this CSV file")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar or step lines")
+    _output(p)
     _options.renamed(p, "--ns", "--n")
     _options.renamed(p, "--deltas", "--delta")
     _options.renamed(p, "--statics", "--configs")
@@ -102,14 +120,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="whatif-report", help="output folder (default whatif-report)")
     p.add_argument("--quick", action="store_true", help="small sizes (N = 1024, q_len = 8, few seeds)")
     p.add_argument("--base-seed", dest="base_seed", type=int, default=0, help="root PRNG seed (default 0)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar or step lines")
+    _progress(p)
 
 
-def _write_csv(path, rows: list[dict]) -> None:
-    """Write ``rows`` to ``path`` (atomically, through :func:`pcast_jax.report.write_csv`) and say so."""
+def _out_format(path) -> str | None:
+    """``--out FILE``'s format from its extension (checked before any work)."""
+    if path is None:
+        return None
+    ext = Path(path).suffix.lower().lstrip(".")
+    if ext not in ("csv", "json"):
+        raise PcastError(f"--out={str(path)!r} must end in .csv or .json (the extension picks the format)")
+    return ext
+
+
+class _Printer:
+    """What an analysis prints: with ``--format table`` everything on stdout; with csv or json only
+    the result rows there, every other line on stderr."""
+
+    def __init__(self, fmt: str):
+        self.fmt = fmt
+
+    def note(self, line: str) -> None:
+        print(line, file=sys.stdout if self.fmt == "table" else sys.stderr)
+
+    def table(self, rows: list[dict], columns=None) -> None:
+        from pcast_jax import whatif
+
+        if self.fmt == "table":
+            print(whatif.markdown_table(rows, columns))
+        elif self.fmt == "csv":
+            print(report.csv_text(rows), end="")
+        else:
+            print(json.dumps(report.json_value(rows), indent=1, ensure_ascii=False))
+
+
+def _write_rows(path, rows: list[dict], say) -> None:
+    """Write ``rows`` to ``path`` (atomically; its extension picks CSV or JSON) and say so."""
     if not path or not rows:
         return
-    print(f"wrote {report.write_csv(path, rows)}")
+    write = report.write_csv if _out_format(path) == "csv" else report.write_json
+    say(f"wrote {write(path, rows)}")
 
 
 def _ratio(num: float, den: float) -> str:
@@ -124,28 +174,30 @@ def run(args: argparse.Namespace) -> int:
     if analysis is None:
         raise PcastError(f"give an analysis: one of {', '.join(ANALYSES)}")
     t0 = time.perf_counter()
-    show = False if args.no_progress else None
-    with progress.reporting(f"pcast whatif {analysis}", show=show):
-        rows = _run(args, analysis)
+    printer = _Printer(getattr(args, "format", "table"))
     if analysis != "report":
-        _write_csv(args.csv, rows)
-    print(f"({time.perf_counter() - t0:.1f} s)")
+        _out_format(args.out)
+    with progress.reporting(f"pcast whatif {analysis}", show=args.progress):
+        rows = _run(args, analysis, printer)
+    if analysis != "report":
+        _write_rows(args.out, rows, printer.note)
+    printer.note(f"({time.perf_counter() - t0:.1f} s)")
     return 0
 
 
-def _run(args: argparse.Namespace, analysis: str) -> list[dict]:
+def _run(args: argparse.Namespace, analysis: str, printer: _Printer) -> list[dict]:
     from pcast_jax import whatif
     from pcast_jax.workloads import SinkWorkload
 
-    table = whatif.markdown_table
+    table = printer.table
     if analysis == "validate":
         sc = whatif.Scenario(config=_options.kernel("--config", args.config), n=args.n, q_len=args.q_len,
                              seeds=args.seeds, base_seed=args.base_seed)
         points = _options.floats("--points", args.points) if args.points else None
         rows = whatif.validate_gradients(sc, param=args.param, points=points, step=args.step,
                                          base={"delta": args.delta} if args.param != "delta" else None)
-        print(table(rows, ["point", "surrogate", "exact_mse", "value_rel_err", "exact_fd", "exact_fd_sem",
-                           "surrogate_grad", "grad_rel_err", "trustworthy"]))
+        table(rows, ["point", "surrogate", "exact_mse", "value_rel_err", "exact_fd", "exact_fd_sem",
+                           "surrogate_grad", "grad_rel_err", "trustworthy"])
     elif analysis == "worst-delta":
         lo_hi = _options.interval("--delta-range", args.delta_range)
         configs = _options.kernels_from_args(args, default_configs="fwd_s1,fwd_s256")
@@ -154,8 +206,8 @@ def _run(args: argparse.Namespace, analysis: str) -> list[dict]:
             r = whatif.worst_case_delta(cfg, args.n, objective=args.objective, delta_range=lo_hi, seeds=args.seeds,
                                         q_len=args.q_len, steps=args.steps, base_seed=args.base_seed)
             rows += r.rows()
-        print(table(rows, ["config", "objective", "worst_delta", "local_peak", "exact_local_peak",
-                           "exact_mse_at_peak", "exact_global_argmax", "delta_c", "peak_in_6_9", "finals"]))
+        table(rows, ["config", "objective", "worst_delta", "local_peak", "exact_local_peak",
+                           "exact_mse_at_peak", "exact_global_argmax", "delta_c", "peak_in_6_9", "finals"])
     elif analysis == "optimal-scale":
         sur = whatif.Surrogate(lsb_mode=args.surrogate, atoms="representable")
         kw = dict(config=_options.kernel("--config", args.config), delta=args.delta, seeds=args.seeds,
@@ -167,24 +219,24 @@ def _run(args: argparse.Namespace, analysis: str) -> list[dict]:
         else:
             r = whatif.optimal_scale(SinkWorkload(n=args.n, q_len=args.q_len), **kw)
         rows = r.rows()
-        print(f"{r.source}: Adam ({r.surrogate}) from log2 S = {r.start_log2_scale:g} ended at "
+        printer.note(f"{r.source}: Adam ({r.surrogate}) from log2 S = {r.start_log2_scale:g} ended at "
               f"log2 S = {r.continuous_log2_scale:.3f} (S = {2 ** r.continuous_log2_scale:.1f}); best neighbouring "
               f"power of two (exact) = {r.best_neighbour:g}; best power of two = {r.best_power:g}; "
               f"MSE(448)/MSE(256) = {_ratio(r.at_448, r.at_256)}")
-        print(table(rows, ["scale", "exact_mse", "rel_to_256", "dp", "normal_coverage"]))
+        table(rows, ["scale", "exact_mse", "rel_to_256", "dp", "normal_coverage"])
     elif analysis == "calibrate":
         r = whatif.calibrate_prop3(_options.kernel("--config", args.config), args.n,
                                    deltas=_options.floats("--delta", args.delta), seeds=args.seeds,
                                    target=args.target, q_len=args.q_len, steps=args.steps, base_seed=args.base_seed)
         rows = r.rows()
-        print(table(rows, ["model", "parameter", "mean", "sd_over_seeds", "boot95_lo", "boot95_hi"]))
+        table(rows, ["model", "parameter", "mean", "sd_over_seeds", "boot95_lo", "boot95_hi"])
     elif analysis == "dynamic":
         statics = tuple(_options.kernels_from_args(args, default_configs="fwd_s256,fwd_s448"))
         r = whatif.dynamic_vs_static(statics=statics, deltas=_options.floats("--delta", args.delta),
                                      ns=_options.ints("--n", args.n, min_value=1), seeds=args.seeds,
                                      metric=args.metric, q_len=args.q_len, base_seed=args.base_seed)
         rows = r.rows()
-        print(table(rows))
+        table(rows)
     else:  # report
         out = Path(args.out)
         rep = whatif.report(quick=args.quick, out_dir=out, base_seed=args.base_seed)

@@ -27,7 +27,7 @@ from pcast_jax.fileio import atomic_write, clean_stale_temps, create_exclusive, 
 from pcast_jax.sweep.plan import Unit
 from pcast_jax.sweep.spec import FORMAT_VERSION, SweepResult, SweepSpec
 
-__all__ = ["claim_dir", "read_manifest", "check_layout", "chunk_path", "save_chunk", "load_chunk",
+__all__ = ["claim_dir", "check_dir", "read_manifest", "check_layout", "chunk_path", "save_chunk", "load_chunk",
            "empty_results", "fill", "check_finite_metrics", "skipped_metrics", "scan", "merge", "write_results",
            "load_result", "write_probe", "check_probes", "probe_path", "COORD_PREFIX"]
 
@@ -118,6 +118,27 @@ def claim_dir(out: Path, spec: SweepSpec, layout: dict) -> dict:
         pass
     except OSError as exc:
         raise PcastError(f"out_dir={str(out)!r} is not writable: {exc.strerror or exc}") from None
+    saved = _check_saved(out, spec)
+    for folder in (out, out / "chunks"):
+        clean_stale_temps(folder)
+    return saved["layout"]
+
+
+def check_dir(out: Path, spec: SweepSpec) -> dict:
+    """The manifest of ``out``, a folder that holds ``spec.json``, if it may resume ``spec``.
+
+    Nothing is left in it: the command line asks this before it says it resumes.
+
+    Raises:
+      PcastError: it is not writable, its spec.json is damaged, it holds another sweep, or one
+        started under another jax version.
+    """
+    out = Path(out)
+    _check_writable(out)
+    return _check_saved(out, spec)
+
+
+def _check_saved(out: Path, spec: SweepSpec) -> dict:
     saved = read_manifest(out)
     if saved["fingerprint"] != spec.fingerprint():
         old = saved["spec"].to_dict()
@@ -134,9 +155,7 @@ def claim_dir(out: Path, spec: SweepSpec, layout: dict) -> dict:
             "results are bit-identical within one jax version only, so chunks of two versions are never "
             f"mixed — resume under jax {started}, or use another output folder (load_result reads a "
             "finished folder under any version)")
-    for folder in (out, out / "chunks"):
-        clean_stale_temps(folder)
-    return saved["layout"]
+    return saved
 
 
 # --------------------------------------------------------------------------------------------
@@ -339,9 +358,16 @@ def load_result(out_dir: str | os.PathLike) -> SweepResult:
         raise PcastError(f"{str(path)!r} belongs to another sweep (fingerprint {str(tag)!r}) than its "
                          f"spec.json ({spec.fingerprint()}); refusing to mix results")
     want = {f"{COORD_PREFIX}{k}": v for k, v in SweepResult(spec, {}).coordinates().items()}
+    # config names as spec.json spells them: a derived name in its spelling before 0.2 (for_s64, now fwd_s64)
+    as_saved = {f"{COORD_PREFIX}config": np.asarray([c.to_dict()["name"] for c in spec.configs], np.str_)}
+
+    def same(got, ref):
+        return ref is not None and got.shape == ref.shape and got.dtype.kind == ref.dtype.kind and np.array_equal(
+            got, ref)
+
     for key in [k for k in data if k.startswith(COORD_PREFIX)]:  # absent in files written before they had them
         got, ref = data.pop(key), want.get(key)
-        if ref is None or got.shape != ref.shape or got.dtype.kind != ref.dtype.kind or not np.array_equal(got, ref):
+        if not (same(got, ref) or same(got, as_saved.get(key))):
             raise PcastError(f"{str(path)!r}: coordinate {key[len(COORD_PREFIX):]!r} = {got.tolist()!r} is not "
                              f"spec.json's {None if ref is None else ref.tolist()!r}; refusing to mix results")
     # results saved before the saturation metrics existed load with the metrics they hold
