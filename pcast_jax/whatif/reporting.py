@@ -122,27 +122,28 @@ def report(*, quick: bool = False, out_dir=None, base_seed: int = 0, workers: in
                               surrogate=Surrogate(lsb_mode="staircase", atoms="representable"))
         return mean, stair
 
-    # (name, function, progress steps): longest first, so two workers finish together
-    jobs = [("validate_delta", lambda: validate_gradients(sc, param="delta", surrogates=surs),
-             validation.progress_steps(surs)),
-            # dMSE/dσ is dominated by where each sink P lands in its cell: resolving it takes twice the seeds
-            ("validate_sigma", lambda: validate_gradients(sc.replace(seeds=2 * z["seeds"]), param="sigma",
-                                                          surrogates=surs, step=0.1),
-             validation.progress_steps(surs)),
+    # (name, function, progress steps), longest first as measured at the quick size (optimal scale
+    # ~2x the others), so that two workers finish together
+    jobs = [("optimal_scale", optimal_pair, 2 * scale_search.STEPS),
             ("validate_log2_scale", lambda: validate_gradients(sc, param="log2_scale", surrogates=surs_rep),
              validation.progress_steps(surs_rep)),
-            ("optimal_scale", optimal_pair, 2 * scale_search.STEPS),
             ("calibrate_prop3", lambda: calibrate_prop3("fwd_s1", n, seeds=z["calib_seeds"], q_len=q,
                                                         steps=z["calib_steps"], bootstrap=z["bootstrap"],
                                                         base_seed=base_seed),
              calibration.progress_steps()),
-            ("dynamic", lambda: dynamic_vs_static(ns=z["dyn_ns"], seeds=z["dyn_seeds"], q_len=q, base_seed=base_seed),
-             dynamic.STEPS)]
+            ("validate_delta", lambda: validate_gradients(sc, param="delta", surrogates=surs),
+             validation.progress_steps(surs)),
+            # dMSE/dσ is dominated by where each sink P lands in its cell: resolving it takes twice the seeds
+            ("validate_sigma", lambda: validate_gradients(sc.replace(seeds=2 * z["seeds"]), param="sigma",
+                                                          surrogates=surs, step=0.1),
+             validation.progress_steps(surs))]
     for cfg in z["worst_configs"]:
         for obj in ("total", "collapse"):
             jobs.append((f"worst_delta {cfg} {obj}",
                          functools.partial(worst_case_delta, cfg, n, objective=obj, seeds=z["seeds"], q_len=q,
                                            steps=z["steps"], base_seed=base_seed), worst_case.STEPS))
+    jobs.append(("dynamic", lambda: dynamic_vs_static(ns=z["dyn_ns"], seeds=z["dyn_seeds"], q_len=q,
+                                                      base_seed=base_seed), dynamic.STEPS))
     # every step of every analysis, known before the first: the progress total never grows
     progress.fix(sum(j[2] for j in jobs) + (out_dir is not None))
     out, times = _run_jobs([(name, fn) for name, fn, _ in jobs], workers)
@@ -222,8 +223,8 @@ def report(*, quick: bool = False, out_dir=None, base_seed: int = 0, workers: in
 def _run_jobs(jobs, workers: int) -> tuple[dict, dict]:
     """Run ``(name, fn)`` jobs, ``workers`` at a time; return ({name: result}, {name: seconds}).
 
-    Each job runs in a copy of the caller's context (so it reports to the caller's progress); the
-    first error is raised once every started job has ended.
+    Each job runs in a copy of the caller's context (so it reports to the caller's progress). An
+    error is raised (the first in job order) after every job has run: the pool is not cut short.
     """
     def timed(fn):
         t = time.perf_counter()
