@@ -110,21 +110,35 @@ def _repeat_kv(x, n_heads: int):
     return jnp.repeat(x, n_heads // x.shape[1], axis=1)
 
 
-def kernel_inputs(q, k, v, cfg: KernelConfig | None, scale: float):
-    """Logits (B, N, T, S) and V (B, N, S, H) as the kernel sees them, for Q (B, N, T, H) and K, V (B, K, S, H).
+def kernel_operands(q, k, v, cfg: KernelConfig | None, scale: float):
+    """Q (B, N, T, H), K and V (B, N, S, H) as the kernel multiplies them, and the factor of Q·K.
 
-    E4M3 Q/K/V when ``cfg.qkv == "e4m3"`` (one scale per tensor or per (batch, head)); KV heads are
-    repeated for grouped-query attention.
+    E4M3 Q/K/V when ``cfg.qkv == "e4m3"`` (one scale per tensor or per (batch, head); the factor
+    carries the descales, shaped (1, 1, 1, 1) or (B, N, 1, 1)); KV heads are repeated for
+    grouped-query attention. :func:`kernel_logits` makes the logits of any rows of them.
     """
     n_heads = q.shape[1]
     if cfg is not None and cfg.qkv == "e4m3":
         (q, dq), (k, dk), (v, dv) = (engine.quantize_qkv(x, cfg.qkv_granularity) for x in (q, k, v))
         dk, dv = (_repeat_kv(jnp.broadcast_to(d, (d.shape[0], x.shape[1], 1, 1)), n_heads) for d, x in
                   ((dk, k), (dv, v)))
-        logits = jnp.einsum("bnth,bnsh->bnts", q, _repeat_kv(k, n_heads), precision="highest")
-        return engine.round_scores(logits * (dq * dk * scale)), _repeat_kv(v, n_heads) * dv
-    logits = jnp.einsum("bnth,bnsh->bnts", q, _repeat_kv(k, n_heads), precision="highest")
-    return engine.round_scores(logits * scale), _repeat_kv(v, n_heads)
+        return q, _repeat_kv(k, n_heads), _repeat_kv(v, n_heads) * dv, dq * dk * scale
+    return q, _repeat_kv(k, n_heads), _repeat_kv(v, n_heads), scale
+
+
+def kernel_logits(q, k, factor):
+    """The logits the kernel sees (rounded to float32 once) of :func:`kernel_operands`' Q and K."""
+    return engine.round_scores(jnp.einsum("bnth,bnsh->bnts", q, k, precision="highest") * factor)
+
+
+def kernel_inputs(q, k, v, cfg: KernelConfig | None, scale: float):
+    """Logits (B, N, T, S) and V (B, N, S, H) as the kernel sees them, for Q (B, N, T, H) and K, V (B, K, S, H).
+
+    E4M3 Q/K/V when ``cfg.qkv == "e4m3"`` (one scale per tensor or per (batch, head)); KV heads are
+    repeated for grouped-query attention.
+    """
+    q, k, v, factor = kernel_operands(q, k, v, cfg, scale)
+    return kernel_logits(q, k, factor), v
 
 
 def _visibility(shape, mask, causal: bool, alignment: str, q_lens, kv_lens, window):

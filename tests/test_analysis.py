@@ -198,6 +198,40 @@ def test_underflow_mass_per_scale_matches_float64_rows():
     assert stats["sink_mass"][0, 0] == pytest.approx(ref["sink_mass"], rel=2e-4)
 
 
+@pytest.mark.parametrize("config", ["fwd_s1", "fa3_splitkv", "e4m3 Q/K/V per head"])
+def test_head_metrics_on_row_chunks_equal_the_whole_layer(monkeypatch, config):
+    """head_metrics runs the kernel on chunks of each head's query rows (here 32, 32, 32 and a ragged 4)
+    with Q/K/V quantized over the whole layer: the metrics of heads_attention's whole-layer rows."""
+    from pcast_jax.analysis import heads
+    from pcast_jax.config import PRESETS
+
+    if config.startswith("e4m3"):
+        config = PRESETS["fwd_s1"].replace(qkv="e4m3", qkv_granularity="head", name="fwd_s1_q8")
+    tr = planted(layers=1, T=100)
+    q, k, v = (x[0, 0] for x in (tr.q, tr.k, tr.v))
+    sinks = sink_statistics(q[None], k[None])["sink_positions"][0]
+    monkeypatch.setattr(heads, "_CHUNK_BYTES", heads._BYTES_PER_SCORE * 100 * 40)
+    assert heads._rows_per_chunk(100, 100) == 32
+    got = heads.head_metrics(q, k, v, config, sinks)
+
+    is_sink = np.zeros((4, 100), bool)
+    np.put_along_axis(is_sink, sinks, True, axis=1)
+    res = heads.heads_attention(q, k, v, config, count_mask=~is_sink)
+    ref = np.asarray(heads._reference_jit(*(jnp.asarray(x) for x in (q, k, v))), np.float64)
+    out = np.asarray(res.out, np.float64)
+    counted = np.asarray(res.n_counted, np.float64)
+    zeroed = np.asarray(res.n_zeroed, np.float64)
+    valid = (np.arange(100)[None] >= sinks.max(-1)[:, None]) & (counted >= 16)
+    np.testing.assert_array_equal(got["rows_used"], valid.sum(-1))
+    np.testing.assert_allclose(got["mse"], np.mean((out - ref) ** 2, axis=(1, 2)), rtol=1e-5)
+    np.testing.assert_allclose(got["frac_zeroed_pooled"], zeroed.sum(-1) / counted.sum(-1), rtol=1e-6)
+    for name, rows in (("frac_zeroed", zeroed / np.maximum(counted, 1)),
+                       ("zeroed_mass", np.asarray(res.zeroed_mass, np.float64))):
+        np.testing.assert_allclose(got[name], np.where(valid, rows, 0).sum(-1) / valid.sum(-1), rtol=1e-5, atol=1e-9)
+    if config != "fa3_splitkv":  # the planted sink collapses some P under forward S = 1: the counts are exercised
+        assert got["frac_zeroed"].max() > 0
+
+
 def test_further_engine_fields_become_metrics_by_name():
     class Result(NamedTuple):
         out: jax.Array

@@ -66,7 +66,7 @@ from pcast_jax import engine as _engine
 from pcast_jax._compat import renamed, simulator_implementation
 from pcast_jax.config import KernelConfig, resolve
 from pcast_jax.errors import PcastError, check_choice, check_int
-from pcast_jax.nn import kernel_inputs
+from pcast_jax.nn import kernel_inputs, kernel_logits, kernel_operands
 
 __all__ = [
     "SINK_SELECTIONS", "SCALE_GRID", "HEAD_METRICS", "E2EMetrics", "expand_kv", "sink_statistics", "heads_attention",
@@ -284,30 +284,86 @@ def _reference(q, k, v):
 _reference_jit = jax.jit(_reference)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "min_keys"))
-def _layer_metrics(q, k, v, sink_positions, ref, *, config: KernelConfig, min_keys: int):
-    num_tokens = q.shape[0]
-    positions = jnp.arange(num_tokens)
-    is_sink = jnp.any(positions[None, :, None] == sink_positions[:, None, :], axis=-1)  # [Hq, T]
-    res = heads_attention(q, k, v, config, count_mask=~is_sink)
-    err = jnp.mean(jnp.square(res.out - ref), axis=(1, 2))
-    ref_sq = jnp.mean(jnp.square(ref), axis=(1, 2))
-    counted = res.n_counted.astype(jnp.float32)  # [Hq, T]: non-sink causal keys per row
-    valid = (positions[None, :] >= jnp.max(sink_positions, axis=-1)[:, None]) & (counted >= min_keys)
-    n_rows = jnp.sum(valid, axis=-1)
-    per_row = res.n_zeroed / jnp.maximum(counted, 1.0)
+#: What one compiled call of the simulated kernel may hold at once. XLA:CPU allocates a program's
+#: temporaries in one block per call; glibc serves a block above 32 MiB (its largest mmap threshold)
+#: with fresh pages from the kernel every time, which costs more than the arithmetic (measured: a
+#: layer of 9 heads × 1,024 tokens spent 0.17 s of 0.19 s faulting in 254 MiB). Chunks of a head's
+#: query rows whose temporaries stay below it reuse the freed memory: 2.5× faster per layer.
+_CHUNK_BYTES = 16 << 20
+#: Bytes of temporaries per score of the simulated kernel, an upper bound measured from XLA's
+#: ``memory_analysis`` (27 for a forward kernel, 43 for split-KV at 1,024 keys).
+_BYTES_PER_SCORE = 48
+
+
+def _rows_per_chunk(num_rows: int, num_keys: int) -> int:
+    """The query rows of one chunk: a power of two whose temporaries fit :data:`_CHUNK_BYTES`."""
+    rows = max(1, _CHUNK_BYTES // (_BYTES_PER_SCORE * max(num_keys, 1)))
+    return min(num_rows, 1 << (rows.bit_length() - 1))
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _layer_operands(q, k, v, *, config: KernelConfig):
+    """:func:`pcast_jax.nn.kernel_operands` of one layer ``[T, H, D]``: ``(q, k, v [Hq, T, D],
+    factor [Hq])`` (Q/K/V quantized over the whole layer, as the kernel's call sees it)."""
+    ops = kernel_operands(*(jnp.swapaxes(x, 0, 1)[None] for x in (q, k, v)), config, 1.0 / math.sqrt(q.shape[2]))
+    factor = jnp.broadcast_to(jnp.asarray(ops[3], jnp.float32).reshape(-1), (q.shape[1],))
+    return ops[0][0], ops[1][0], ops[2][0], factor
+
+
+@functools.partial(jax.jit, static_argnames=("rows", "config"))
+def _chunk_rows(operands, sink_positions, ref, head, row0, *, rows: int, config: KernelConfig):
+    """Per-row quantities of head ``head`` on its query rows ``row0 .. row0 + rows`` (the rows are
+    independent, so a chunk of rows gives those rows of the whole head's result): the logits of
+    those rows from :func:`_layer_operands`, then the kernel; ``ref [Hq, T, D]``,
+    ``sink_positions [Hq, k]``."""
+    q, k, v, factor = operands
+    num_keys, head_dim = k.shape[1], k.shape[2]
+    q_rows = lax.dynamic_slice(q, (head, row0, 0), (1, rows, head_dim))
+    s = kernel_logits(q_rows[None], lax.dynamic_slice_in_dim(k, head, 1)[None], factor[head])[0, 0]
+    r = lax.dynamic_slice(ref, (head, row0, 0), (1, rows, ref.shape[-1]))[0]
+    is_sink = jnp.any(jnp.arange(num_keys)[:, None] == sink_positions[head][None, :], axis=-1)
+    res = _engine.attention(s, v[head], config, implementation="xla", count_mask=~is_sink, q_offset=row0)
+    counted = res.n_counted.astype(jnp.float32)
+    out = {"sq_err": jnp.sum(jnp.square(res.out - r), axis=-1), "ref_sq": jnp.sum(jnp.square(r), axis=-1),
+           "n_zeroed": res.n_zeroed, "n_counted": res.n_counted, "zeroed_mass": res.zeroed_mass}
+    out.update(_further_row_metrics(res, counted))
+    return out
+
+
+def _layer_metrics(operands, sink_positions, ref, *, config: KernelConfig, min_keys: int) -> dict:
+    """:func:`head_metrics` from :func:`_layer_operands`: the kernel on chunks of each head's query
+    rows (:func:`_rows_per_chunk`), the row means on the host."""
+    num_heads, num_tokens, head_dim = operands[0].shape
+    step = _rows_per_chunk(num_tokens, num_tokens)
+    sink_positions = jnp.asarray(sink_positions, jnp.int32)
+    parts = [_chunk_rows(operands, sink_positions, ref, np.int32(h), np.int32(r0),
+                         rows=min(step, num_tokens - r0), config=config)
+             for h in range(num_heads) for r0 in range(0, num_tokens, step)]
+    parts = jax.device_get(parts)
+    rows = {name: np.concatenate([p[name] for p in parts]).reshape(num_heads, num_tokens) for name in parts[0]}
+    rows = {name: np.stack(x).astype(np.float64) for name, x in rows.items()}  # [Hq, T]
+    sink_positions = np.asarray(sink_positions)
+    counted = rows.pop("n_counted")
+    valid = (np.arange(num_tokens)[None, :] >= sink_positions.max(axis=-1)[:, None]) & (counted >= min_keys)
+    n_rows = valid.sum(axis=-1)
 
     def row_mean(x):
-        return jnp.where(n_rows > 0, jnp.sum(jnp.where(valid, x, 0.0), axis=-1)
-                         / jnp.maximum(n_rows, 1), jnp.nan)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(n_rows > 0, np.where(valid, x, 0.0).sum(axis=-1) / np.maximum(n_rows, 1),
+                            np.nan).astype(np.float32)
 
-    pooled = jnp.sum(res.n_zeroed, axis=-1) / jnp.maximum(jnp.sum(res.n_counted, axis=-1), 1)
+    err = rows.pop("sq_err").sum(axis=-1) / (num_tokens * head_dim)
+    ref_sq = rows.pop("ref_sq").sum(axis=-1) / (num_tokens * head_dim)
+    n_zeroed = rows.pop("n_zeroed")
+    with np.errstate(invalid="ignore", divide="ignore"):  # a head whose exact output is 0: inf or NaN, as before
+        rel_mse = err / ref_sq
     out = {
-        "mse": err, "ref_sq": ref_sq, "rel_mse": err / ref_sq,
-        "frac_zeroed": row_mean(per_row), "frac_zeroed_pooled": pooled.astype(jnp.float32),
-        "zeroed_mass": row_mean(res.zeroed_mass), "rows_used": n_rows.astype(jnp.int32),
+        "mse": err.astype(np.float32), "ref_sq": ref_sq.astype(np.float32), "rel_mse": rel_mse.astype(np.float32),
+        "frac_zeroed": row_mean(n_zeroed / np.maximum(counted, 1.0)),
+        "frac_zeroed_pooled": (n_zeroed.sum(axis=-1) / np.maximum(counted.sum(axis=-1), 1)).astype(np.float32),
+        "zeroed_mass": row_mean(rows.pop("zeroed_mass")), "rows_used": n_rows.astype(np.int32),
     }
-    out.update({name: row_mean(x) for name, x in _further_row_metrics(res, counted).items()})
+    out.update({name: row_mean(x) for name, x in rows.items()})
     return out
 
 
@@ -356,8 +412,8 @@ def head_metrics(q, k, v, config: str | KernelConfig, sink_positions, *,
     q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
     if reference is None:
         reference = _reference_jit(q, k, v)
-    out = _layer_metrics(q, k, v, sink_positions, reference, config=cfg, min_keys=min_keys)
-    return {name: np.asarray(val) for name, val in out.items()}
+    operands = _layer_operands(q, k, v, config=cfg)
+    return _layer_metrics(operands, sink_positions, reference, config=cfg, min_keys=min_keys)
 
 
 def analyze_trace(trace, configs: Sequence[str | KernelConfig], sink_positions, *,
