@@ -364,7 +364,7 @@ OLD_FINGERPRINT = "3bc40d3e05b79d78"  # SweepSpec(configs=<the 19 presets above>
 def test_reproduce_section_writes_finite_tables_and_figures(tmp_path):
     from pcast_experiments import kernels_2026 as k26
 
-    tiny = k26.Sizes(seeds=2, q_len=4, n=256, d=16, deltas_l=(5.0, 9.0, 13.0), sigmas=(1.0, 3.0))
+    tiny = k26.Sizes(seeds=2, q_len=4, n=256, d=16, deltas_l=(5.0, 9.0, 13.0), sigmas=(1.0, 3.0), model_tokens=24)
     md = k26.kernels_2026_section(tmp_path, sizes=tiny)
     for f in k26.FILES:
         assert (tmp_path / f).stat().st_size > 0, f
