@@ -113,8 +113,8 @@ def _repeat_kv(x, n_heads: int):
 def kernel_operands(q, k, v, cfg: KernelConfig | None, scale: float):
     """Q (B, N, T, H), K and V (B, N, S, H) as the kernel multiplies them, and the factor of Q·K.
 
-    E4M3 Q/K/V when ``cfg.qkv == "e4m3"`` (one scale per tensor or per (batch, head); the factor
-    carries the descales, shaped (1, 1, 1, 1) or (B, N, 1, 1)); KV heads are repeated for
+    The factor is ``scale``; with E4M3 Q/K/V (``cfg.qkv == "e4m3"``: one scale per tensor or per
+    (batch, head)) it carries the descales too, shaped (1, 1, 1, 1) or (B, N, 1, 1). KV heads are repeated for
     grouped-query attention. :func:`kernel_logits` makes the logits of any rows of them.
     """
     n_heads = q.shape[1]

@@ -340,8 +340,8 @@ def _layer_metrics(operands, sink_positions, ref, *, config: KernelConfig, min_k
                          rows=min(step, num_tokens - r0), config=config)
              for h in range(num_heads) for r0 in range(0, num_tokens, step)]
     parts = jax.device_get(parts)
-    rows = {name: np.concatenate([p[name] for p in parts]).reshape(num_heads, num_tokens) for name in parts[0]}
-    rows = {name: np.stack(x).astype(np.float64) for name, x in rows.items()}  # [Hq, T]
+    rows = {name: np.concatenate([p[name] for p in parts]).reshape(num_heads, num_tokens).astype(np.float64)
+            for name in parts[0]}  # [Hq, T]
     sink_positions = np.asarray(sink_positions)
     counted = rows.pop("n_counted")
     valid = (np.arange(num_tokens)[None, :] >= sink_positions.max(axis=-1)[:, None]) & (counted >= min_keys)
