@@ -222,28 +222,40 @@ class _Sweep:
 
 
 class _Measured:
-    """Per-seed values of one table's sweeps: ``get(metric, phase, label, n, delta)``."""
+    """Per-seed values of one table's sweeps: ``get(metric, phase, label, n, delta)``.
+
+    ``results[phase][name]`` is the sweep that ran config ``name`` (:func:`_run_phase`).
+    """
 
     def __init__(self, phases, results, configs):
         self.phases, self.results, self.configs = phases, results, configs
 
     def get(self, metric, phase, label, n, delta):
         name = self.phases[phase].alias[label]
-        return np.asarray(self.results[phase].get(metric, config=name, n=n, delta=delta), np.float64)
+        return np.asarray(self.results[phase][name].get(metric, config=name, n=n, delta=delta), np.float64)
 
     def config(self, phase, label) -> KernelConfig:
         return self.configs[phase][self.phases[phase].alias[label]]
 
-    def mse_ratio(self, phase, label, ref, n, delta) -> tuple[float, float, str]:
-        """Paired MSE(label) / MSE(ref) ± s.e. on the same seeds, and the metric it used.
+    def mse_metric(self, phase, label) -> str:
+        """``mse_expected`` (V averaged: the sampled MSE's mean, less variance) where it has the sampled
+        MSE's mean (:func:`pcast_jax.metrics.expected_is_exact`), else the sampled ``mse``."""
+        return "mse_expected" if expected_is_exact(self.config(phase, label)) else "mse"
 
-        ``mse_expected`` (V averaged: the same mean, less variance) where it is the same mean for
-        both configs (:func:`pcast_jax.metrics.expected_is_exact`), else the sampled ``mse``.
+    def mse(self, phase, label, n, delta) -> np.ndarray:
+        """Per-seed MSE of ``label`` by its :meth:`mse_metric`."""
+        return self.get(self.mse_metric(phase, label), phase, label, n, delta)
+
+    def mse_ratio(self, phase, label, ref, n, delta) -> tuple[float, float, str]:
+        """Paired MSE(label) / MSE(ref) ± s.e. on the same seeds, and the metrics it used.
+
+        Each side by its own :meth:`mse_metric`: both estimate their config's mean MSE from the same
+        seeds' scores, so the paired ratio of means is the ratio of MSEs either way. The metric reads
+        ``"mse / mse_expected"`` where the two differ.
         """
-        exact = expected_is_exact(self.config(phase, label)) and expected_is_exact(self.config(phase, ref))
-        metric = "mse_expected" if exact else "mse"
-        r, se = paired_ratio(self.get(metric, phase, label, n, delta), self.get(metric, phase, ref, n, delta))
-        return r, se, metric
+        r, se = paired_ratio(self.mse(phase, label, n, delta), self.mse(phase, ref, n, delta))
+        metrics = (self.mse_metric(phase, label), self.mse_metric(phase, ref))
+        return r, se, metrics[0] if metrics[0] == metrics[1] else " / ".join(metrics)
 
     def penalty(self, phase, label, table3, n, seeds) -> bool | None:
         """:func:`scale_penalty` of ``label`` against each Table 3 kernel ``table3`` of the phase."""
@@ -277,12 +289,9 @@ def measure(ctx: Context, *, seed_offset: int = 0) -> tuple[list[dict], list[dic
     subseq = {k: phases["decode"].add(xqa.replace(kv_splits=k, name=f"{xqa.name}_subseq{k}")) for k in SUBSEQ_GRID}
     tag = f"_seeds{seed_offset}" if seed_offset else ""
     results = {
-        "prefill": ctx.sweep("kernels_prefill" + tag, spec_for(
-            s, configs=tuple(phases["prefill"].configs), deltas=DELTAS, ns=s.ns_table3, seeds=s.seeds_table3,
-            seed_offset=seed_offset, expected_mse=True)),
-        "decode": ctx.sweep("kernels_decode" + tag, spec_for(
-            s, configs=tuple(phases["decode"].configs), deltas=DELTAS, ns=s.ns_table3, seeds=s.seeds_table3,
-            seed_offset=seed_offset, q_len=DECODE_Q_LEN, expected_mse=True)),
+        "prefill": _run_phase(ctx, "kernels_prefill", tag, phases["prefill"].configs, seed_offset=seed_offset),
+        "decode": _run_phase(ctx, "kernels_decode", tag, phases["decode"].configs, seed_offset=seed_offset,
+                             q_len=DECODE_Q_LEN),
     }
     m = _Measured(phases, results, {ph: {c.name: c for c in sw.configs} for ph, sw in phases.items()})
     t7, t10 = _dtag(DELTAS[0]), _dtag(DELTAS[1])
@@ -305,12 +314,13 @@ def measure(ctx: Context, *, seed_offset: int = 0) -> tuple[list[dict], list[dic
                        power_of_two=cfg.scale_mode == "dynamic" or cfg.scale_is_power_of_two,
                        scale_mode=cfg.scale_mode, block_kv=cfg.block_kv, kv_splits=cfg.kv_splits,
                        split_layout=cfg.split_layout if cfg.kv_splits > 1 else "none (one pass)",
-                       tile_source=f"B = {cfg.block_kv}: {TILE_SOURCE.get(base, 'assumption')}")
+                       tile_source=f"B = {cfg.block_kv}: {TILE_SOURCE.get(base, 'assumption')}",
+                       mse_metric=m.mse_metric(phase, label))
             for delta in DELTAS:
                 t = _dtag(delta)
                 row[f"zeroed_{t}_frac"], row[f"zeroed_sem_{t}_frac"] = mean_sem(
                     m.get("frac_zeroed", phase, label, n, delta))
-                row[f"mse_{t}"], row[f"mse_sem_{t}"] = mean_sem(m.get("mse", phase, label, n, delta))
+                row[f"mse_{t}"], row[f"mse_sem_{t}"] = mean_sem(m.mse(phase, label, n, delta))
                 row[f"zeroed_one_forward_pass_{t}_frac"] = float(np.mean(
                     m.get("frac_zeroed", phase, forward, n, delta)))
             rows.append(row)
@@ -320,8 +330,7 @@ def measure(ctx: Context, *, seed_offset: int = 0) -> tuple[list[dict], list[dic
     best = {}
     for row, phase, label, _ in ran:
         if row["in_table3"]:
-            mean = float(np.mean(m.get("mse_expected" if expected_is_exact(m.config(phase, label)) else "mse",
-                                       phase, label, row["n"], DELTAS[0])))
+            mean = float(np.mean(m.mse(phase, label, row["n"], DELTAS[0])))
             if (phase, row["n"]) not in best or mean < best[phase, row["n"]][0]:
                 best[phase, row["n"]] = (mean, label)
     table3 = {}  # (phase, N) -> the Table 3 kernels' labels
@@ -372,6 +381,27 @@ def measure(ctx: Context, *, seed_offset: int = 0) -> tuple[list[dict], list[dic
             for key in keys:
                 row.setdefault(key, "n/a: not run")
     return rows, study, m
+
+
+def _run_phase(ctx: Context, name: str, tag: str, configs, *, seed_offset: int, **workload) -> dict:
+    """A phase's configs swept on its seeds: config name → the sweep that ran it.
+
+    The configs whose expected MSE has the sampled MSE's mean (an FP32 accumulator:
+    :func:`pcast_jax.metrics.expected_is_exact`) run in ``name`` without V (no V drawn, no P·V
+    product: about half the time at these sizes); the others (SageAttention2++'s f16 accumulator)
+    run in ``name + "_sampled_v"``, which draws V for their sampled MSE. Both draw the same scores for
+    a seed, so every config of the phase is measured on the same instances.
+    """
+    s = ctx.sizes
+    out = {}
+    for suffix, sampled in (("", False), ("_sampled_v", True)):
+        group = tuple(c for c in configs if expected_is_exact(c) != sampled)
+        if group:
+            result = ctx.sweep(name + suffix + tag, spec_for(
+                s, configs=group, deltas=DELTAS, ns=s.ns_table3, seeds=s.seeds_table3, seed_offset=seed_offset,
+                expected_mse=True, sampled_mse=sampled, **workload))
+            out.update(dict.fromkeys((c.name for c in group), result))
+    return out
 
 
 def _protects(vs: float | None, vs_se: float, seeds: int) -> bool | None:
@@ -473,8 +503,11 @@ def run(ctx: Context) -> Section:
         f"Δ = {DELTAS[1]:g} it zeroes at most {SAFETY_NET:g}× what one forward pass of the same kernel "
         "zeroes (column \"/ one fwd pass\") — and *Suboptimal scale* if not. Both ratios are **paired** "
         "(the two configs on the same seeds), printed ± their delta-method standard error (the s.e. of "
-        "mean(a − R·b)/mean(b)); the MSE ratio uses the V-averaged expected MSE, which has the sampled "
-        "MSE's mean with less variance. A comparison is decided only when its threshold lies outside "
+        "mean(a − R·b)/mean(b)). MSE is the V-averaged expected MSE, which has the sampled MSE's mean "
+        "with less variance, for every preset with an FP32 accumulator (those sweeps draw no V); a preset "
+        "whose accumulator adds an error the expectation does not see (SageAttention2++'s f16) has the "
+        "sampled MSE, from a sweep of its own that draws V on the same seeds (column `mse_metric`). A "
+        "comparison is decided only when its threshold lies outside "
         f"value ± z·s.e., z the two-sided 95 % Student-t quantile (z = {z8:.2f} at {s.seeds_table3} seeds); "
         "otherwise the verdict reads *within noise at n seeds* and names what the noise leaves open. A "
         "finding marks each row whose (decided) verdict differs from the paper's. The markdown shows, per "
