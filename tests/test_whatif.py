@@ -308,3 +308,32 @@ def test_progress_total_is_fixed_and_says_time_left_when_threads_report():
     assert all("s left" in ln for ln in lines[1:])
     assert progress.steps_done() is None
 
+
+
+def test_report_jobs_stop_at_the_first_error_and_raise_it():
+    """An analysis that fails stops the ones not yet started; the first error in job order is raised."""
+    import threading
+
+    from pcast_jax.whatif import reporting
+
+    started, gate = [], threading.Event()
+
+    def job(name, fail=False):
+        def run():
+            started.append(name)
+            if fail:
+                raise ValueError(f"{name} failed")
+            gate.wait(5)  # the running job outlives the failure
+            return name
+        return run
+
+    jobs = [("slow", job("slow")), ("bad", job("bad", fail=True))] + [(f"later{i}", job(f"later{i}")) for i in range(4)]
+    timer = threading.Timer(0.5, gate.set)
+    timer.start()
+    with pytest.raises(ValueError, match="bad failed"):
+        reporting._run_jobs(jobs, workers=2)
+    timer.cancel()
+    assert "slow" in started and "bad" in started
+    assert len(started) < len(jobs), started  # the queued jobs never ran
+    out, seconds = reporting._run_jobs([("a", lambda: 1), ("b", lambda: 2)], workers=2)
+    assert out == {"a": 1, "b": 2} and set(seconds) == {"a", "b"}

@@ -223,8 +223,9 @@ def report(*, quick: bool = False, out_dir=None, base_seed: int = 0, workers: in
 def _run_jobs(jobs, workers: int) -> tuple[dict, dict]:
     """Run ``(name, fn)`` jobs, ``workers`` at a time; return ({name: result}, {name: seconds}).
 
-    Each job runs in a copy of the caller's context (so it reports to the caller's progress). An
-    error is raised (the first in job order) after every job has run: the pool is not cut short.
+    Each job runs in a copy of the caller's context (so it reports to the caller's progress). The
+    first error stops the jobs not yet started; the ones running finish (a thread cannot be cut
+    short), then the first error in job order is raised.
     """
     def timed(fn):
         t = time.perf_counter()
@@ -235,6 +236,13 @@ def _run_jobs(jobs, workers: int) -> tuple[dict, dict]:
     else:
         with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pcast-whatif") as pool:
             futs = {name: pool.submit(contextvars.copy_context().run, timed, fn) for name, fn in jobs}
+            _, pending = concurrent.futures.wait(futs.values(), return_when=concurrent.futures.FIRST_EXCEPTION)
+            for f in pending:
+                f.cancel()
+            concurrent.futures.wait([f for f in pending if not f.cancelled()])
+            failed = [f.exception() for f in futs.values() if not f.cancelled() and f.exception() is not None]
+            if failed:
+                raise failed[0]
             done = {name: f.result() for name, f in futs.items()}
     return {k: v[0] for k, v in done.items()}, {k: v[1] for k, v in done.items()}
 
