@@ -7,9 +7,61 @@ folder on ``sys.path``): ``oracle.py`` (the independent float64 Algorithm 1), ``
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
+
+from pcast_jax import cache
+
+#: The suite's compiled programs, kept between runs (most of a cold run is XLA compiling them).
+TEST_CACHE_DIR = cache.default_cache_dir().parent / "test-jax-cache"
+#: A folder past this size loses its least recently used entries, down to half of it, when a run starts.
+TEST_CACHE_MAX_BYTES = 2 << 30
+
+
+def pytest_configure(config):
+    """Every program the suite compiles goes through JAX's persistent compilation cache.
+
+    A test compiles small programs (a conformance cell about a dozen of 0.2 s each), so most of a
+    cold run is XLA compiling; a rerun loads the same programs, verified
+    (:class:`pcast_jax.cache.VerifiedCache`), from ``TEST_CACHE_DIR``
+    (``~/.cache/pcast_jax/test-jax-cache``), apart from the user's own cache. The loaded program is
+    the one XLA would compile: JAX's key covers the program, the JAX and jaxlib versions, the backend
+    and the compile options. ``PCAST_JAX_COMPILATION_CACHE=0`` runs the suite without it (every
+    program compiled); a path there puts it in that folder.
+
+    JAX's own size limit (``jax_compilation_cache_max_size``) scans the whole folder on every write,
+    which made a cold run of the suite slower the more it had written; the folder is trimmed here
+    instead, once per run, before any worker starts.
+    """
+    env = os.environ.get(cache.ENV_VAR, "").strip()
+    if env.lower() in cache._OFF:
+        cache.setup_compilation_cache()  # off for this run
+        return
+    path = env if env and env.lower() not in cache._ON else TEST_CACHE_DIR
+    if not hasattr(config, "workerinput"):  # the controlling process, or a run without workers
+        _trim(Path(path), TEST_CACHE_MAX_BYTES)
+    if cache.setup_compilation_cache(path=path) is not None:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+def _trim(folder: Path, max_bytes: int) -> None:
+    """Remove the least recently used entries of ``folder`` down to ``max_bytes // 2`` once it exceeds ``max_bytes``."""
+    try:
+        entries = [(p.stat(), p) for p in folder.iterdir() if p.is_file()]
+    except OSError:  # no folder yet (or not ours to read): nothing to trim
+        return
+    total = sum(st.st_size for st, _ in entries)
+    if total <= max_bytes:
+        return
+    for st, p in sorted(entries, key=lambda e: max(e[0].st_atime, e[0].st_mtime)):
+        if total <= max_bytes // 2:
+            break
+        p.unlink(missing_ok=True)
+        total -= st.st_size
 
 
 @pytest.fixture

@@ -251,3 +251,17 @@ def test_a_damaged_or_foreign_cache_entry_is_never_used_and_is_replaced_once(tmp
     replaced = _entry(a).stat().st_mtime_ns
     assert _program(a, 3)[:2] == (7.0, 1)  # replaced once: loaded again from now on
     assert _entry(a).stat().st_mtime_ns == replaced
+
+
+def test_the_suites_cache_folder_is_trimmed_to_half_its_limit_least_recently_used_first(tmp_path):
+    import conftest
+
+    for i in range(10):  # entry i last used at time 1000 + i
+        p = tmp_path / f"entry{i}-cache"
+        p.write_bytes(b"x" * 100)
+        os.utime(p, (1000 + i, 1000 + i))
+    conftest._trim(tmp_path, 1000)  # 1000 bytes exactly: under the limit, nothing removed
+    assert len(list(tmp_path.iterdir())) == 10
+    conftest._trim(tmp_path, 999)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"entry{i}-cache" for i in range(6, 10)]
+    conftest._trim(tmp_path / "missing", 1)  # no folder yet: nothing to do
