@@ -31,7 +31,9 @@ def pytest_configure(config):
     (``~/.cache/pcast_jax/test-jax-cache``), apart from the user's own cache. The loaded program is
     the one XLA would compile: JAX's key covers the program, the JAX and jaxlib versions, the backend
     and the compile options. ``PCAST_JAX_COMPILATION_CACHE=0`` runs the suite without it (every
-    program compiled); a path there puts it in that folder.
+    program compiled); a path there puts it in that folder. The commands and examples the suite runs
+    in child processes get the same folder through that variable (so a test run leaves the user's own
+    cache as it was).
 
     JAX's own size limit (``jax_compilation_cache_max_size``) scans the whole folder on every write,
     which made a cold run of the suite slower the more it had written; the folder is trimmed here
@@ -46,6 +48,7 @@ def pytest_configure(config):
         _trim(Path(path), TEST_CACHE_MAX_BYTES)
     if cache.setup_compilation_cache(path=path) is not None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        os.environ[cache.ENV_VAR] = str(path)  # the commands and examples the suite runs use it too
 
 
 def _trim(folder: Path, max_bytes: int) -> None:
