@@ -31,6 +31,8 @@ __all__ = ["ENV_VAR", "default_cache_dir", "setup_compilation_cache", "VerifiedC
 ENV_VAR = "PCAST_JAX_COMPILATION_CACHE"
 _OFF = {"0", "false", "off", "no"}
 _ON = {"", "1", "true", "on", "yes"}
+#: JAX's own variable for the shortest compile that is cached; where it is set, its value is kept.
+_MIN_TIME_VAR = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 _state: dict = {}
 
 
@@ -58,6 +60,8 @@ def setup_compilation_cache(enabled: bool | None = None, path: str | os.PathLike
       path: the folder (default: the variable's path, else :func:`default_cache_dir`).
 
     Only the first call that finds a usable folder sets it; JAX keeps the folder it starts with.
+    Programs that compile in under 0.5 s are not written, unless ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``
+    is set (then JAX's value from it is kept).
     """
     env = os.environ.get(ENV_VAR, "").strip()
     if enabled is False or (enabled is None and env.lower() in _OFF):
@@ -84,8 +88,9 @@ def setup_compilation_cache(enabled: bool | None = None, path: str | os.PathLike
         return None
     try:
         jax.config.update("jax_compilation_cache_dir", str(folder))
-        # the compiled chunks take seconds; tiny helper programs are not worth a file each
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        if _MIN_TIME_VAR not in os.environ:  # set through JAX's own variable: keep it
+            # the compiled chunks take seconds; tiny helper programs are not worth a file each
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     except Exception:  # noqa: BLE001 - a cache is never a reason to fail
         return None
     _state.pop("off", None)

@@ -48,7 +48,9 @@ def pytest_configure(config):
         _trim(Path(path), TEST_CACHE_MAX_BYTES)
     if cache.setup_compilation_cache(path=path) is not None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        os.environ[cache.ENV_VAR] = str(path)  # the commands and examples the suite runs use it too
+        # the commands and examples the suite runs use it too, for every program they compile
+        os.environ[cache.ENV_VAR] = str(path)
+        os.environ[cache._MIN_TIME_VAR] = "0"
 
 
 def _trim(folder: Path, max_bytes: int) -> None:

@@ -164,6 +164,9 @@ def test_cache_folder_and_switches(tmp_path, monkeypatch):
     assert cache.setup_compilation_cache(enabled=False) is None
 
 
+#: The variables a child process's cache settings come from (the suite sets them for its own children).
+_CACHE_VARS = (cache.ENV_VAR, "JAX_COMPILATION_CACHE_DIR", cache._MIN_TIME_VAR)
+
 _CACHED_RUN = """
 import json, sys
 import jax
@@ -188,7 +191,7 @@ def _cached_run(env, spec_kw):
 
 
 def test_second_process_loads_the_chunk_from_the_cache_and_unwritable_folder_is_ignored(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in (cache.ENV_VAR, "JAX_COMPILATION_CACHE_DIR")}
+    env = {k: v for k, v in os.environ.items() if k not in _CACHE_VARS}
     env.update(XDG_CACHE_HOME=str(tmp_path / "xdg"), JAX_PLATFORMS="cpu")
     kw = {**SPEC_KW, "configs": ("fwd_s1", "rev_s256", "fa3")}
     cold = _cached_run(env, kw)
@@ -216,7 +219,7 @@ print(float(jax.jit(lambda x: x * k + 1.0)(np.float32(2.0))), hits.count("/jax/c
 
 def _program(folder, k):
     """(result, cache hits, stderr) of x*k + 1 at x = 2, compiled through the cache in ``folder``."""
-    env = {k_: v for k_, v in os.environ.items() if k_ not in (cache.ENV_VAR, "JAX_COMPILATION_CACHE_DIR")}
+    env = {k_: v for k_, v in os.environ.items() if k_ not in _CACHE_VARS}
     proc = subprocess.run([sys.executable, "-c", _CACHE_PROGRAM, str(folder), str(k)], capture_output=True,
                           text=True, timeout=300, env={**env, "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -265,3 +268,22 @@ def test_the_suites_cache_folder_is_trimmed_to_half_its_limit_least_recently_use
     conftest._trim(tmp_path, 999)
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"entry{i}-cache" for i in range(6, 10)]
     conftest._trim(tmp_path / "missing", 1)  # no folder yet: nothing to do
+
+
+_MIN_TIME = """
+import sys, jax
+from pcast_jax import cache
+assert cache.setup_compilation_cache(True, sys.argv[1]) is not None
+print(jax.config.jax_persistent_cache_min_compile_time_secs)
+"""
+
+
+@pytest.mark.parametrize("value", [None, "0", "2.5"])
+def test_the_shortest_cached_compile_is_half_a_second_unless_set_through_jax(tmp_path, value):
+    env = {k: v for k, v in os.environ.items() if k not in _CACHE_VARS}
+    if value is not None:
+        env[cache._MIN_TIME_VAR] = value
+    proc = subprocess.run([sys.executable, "-c", _MIN_TIME, str(tmp_path / "c")], capture_output=True, text=True,
+                          timeout=300, env={**env, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float(proc.stdout.split()[-1]) == (0.5 if value is None else float(value))
