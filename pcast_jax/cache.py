@@ -52,6 +52,19 @@ def _writable(path: Path) -> bool:
         return False
 
 
+def _env_folder(default: str | os.PathLike | None = None) -> Path | None:
+    """The folder ``PCAST_JAX_COMPILATION_CACHE`` names; None where it turns the cache off.
+
+    Unset, empty or an "on" value (``1``, ``true``, …) names ``default`` (:func:`default_cache_dir` if None).
+    """
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env.lower() in _OFF:
+        return None
+    if env.lower() in _ON:
+        return Path(default) if default is not None else default_cache_dir()
+    return Path(env).expanduser()
+
+
 def setup_compilation_cache(enabled: bool | None = None, path: str | os.PathLike | None = None) -> Path | None:
     """Turn JAX's persistent compilation cache on (idempotent); return its folder, or None when off.
 
@@ -63,8 +76,8 @@ def setup_compilation_cache(enabled: bool | None = None, path: str | os.PathLike
     Programs that compile in under 0.5 s are not written, unless ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``
     is set (then JAX's value from it is kept).
     """
-    env = os.environ.get(ENV_VAR, "").strip()
-    if enabled is False or (enabled is None and env.lower() in _OFF):
+    named = _env_folder()
+    if enabled is False or (enabled is None and named is None):
         if "dir" not in _state:
             _state["off"] = True
         return None
@@ -81,9 +94,7 @@ def setup_compilation_cache(enabled: bool | None = None, path: str | os.PathLike
     if configured:  # the user set it through JAX: keep it
         _state["dir"] = Path(configured)
         return _state["dir"]
-    if path is None:
-        path = env if env and env.lower() not in _ON else default_cache_dir()
-    folder = Path(path).expanduser()
+    folder = Path(path).expanduser() if path is not None else (named or default_cache_dir())
     if not _writable(folder) or not _verify_entries():
         return None
     try:

@@ -39,17 +39,17 @@ def pytest_configure(config):
     which made a cold run of the suite slower the more it had written; the folder is trimmed here
     instead, once per run, before any worker starts.
     """
-    env = os.environ.get(cache.ENV_VAR, "").strip()
-    if env.lower() in cache._OFF:
+    path = cache._env_folder(TEST_CACHE_DIR)
+    if path is None:
         cache.setup_compilation_cache()  # off for this run
         return
-    path = env if env and env.lower() not in cache._ON else TEST_CACHE_DIR
     if not hasattr(config, "workerinput"):  # the controlling process, or a run without workers
-        _trim(Path(path), TEST_CACHE_MAX_BYTES)
-    if cache.setup_compilation_cache(path=path) is not None:
+        _trim(path, TEST_CACHE_MAX_BYTES)
+    folder = cache.setup_compilation_cache(path=path)
+    if folder is not None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         # the commands and examples the suite runs use it too, for every program they compile
-        os.environ[cache.ENV_VAR] = str(path)
+        os.environ[cache.ENV_VAR] = str(folder)
         os.environ[cache._MIN_TIME_VAR] = "0"
 
 

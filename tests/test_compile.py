@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -158,6 +159,17 @@ def test_cache_folder_and_switches(tmp_path, monkeypatch):
     blocker.write_text("")
     assert not cache._writable(blocker / "sub")  # a folder that cannot be made: no cache, no error
     assert cache._writable(tmp_path / "ok")
+    for value, folder in [("", tmp_path / "pcast_jax" / "jax-cache"), ("On", tmp_path / "pcast_jax" / "jax-cache"),
+                          ("0", None), (" off ", None), (str(tmp_path / "mine"), tmp_path / "mine")]:
+        monkeypatch.setenv(cache.ENV_VAR, value)
+        assert cache._env_folder() == folder, value
+    assert cache._env_folder(tmp_path / "d") == tmp_path / "mine"  # a named folder wins over the default
+    monkeypatch.setenv(cache.ENV_VAR, "~/mine")
+    assert cache._env_folder() == Path("~/mine").expanduser()
+    monkeypatch.setenv(cache.ENV_VAR, "0")
+    assert cache._env_folder(tmp_path / "d") is None  # off stays off whatever the default
+    monkeypatch.setenv(cache.ENV_VAR, "")
+    assert cache._env_folder(tmp_path / "d") == tmp_path / "d"
     monkeypatch.setattr(cache, "_state", {})
     monkeypatch.setenv(cache.ENV_VAR, "0")
     assert cache.setup_compilation_cache() is None
