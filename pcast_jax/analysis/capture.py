@@ -25,13 +25,14 @@ Calls that hit the same layer again (a second batch, or each sequence of a vmapp
 sequences to it. A call is recorded after it has run, so a call the attention refuses records
 nothing. What the layer lets each query see is recorded as parameters: the real tokens of each
 sequence (``Trace.lengths``, from ``query_seq_lengths``, ``key_value_seq_lengths`` or a padding
-mask) and the layer's local window (``Trace.local_window_size``, from ``local_window_size`` or a
-banded mask). Only causal self-attention within one local window over right-padded sequences can be
-recorded; anything else is refused naming the argument — a ``bias``, learned ``sinks``, a non-causal
-call, a decode step (fewer queries than keys), a ``mask`` that differs between heads or hides keys
-another way — at once for an eager call, at :meth:`Recorder.trace` under jit (where the call has
-already run; nothing of it is recorded). A ``scale`` other than 1/√D is folded into the recorded Q,
-so the trace's logits are always ``q·k / √D``.
+mask), the layer's local window (``Trace.local_window_size``, from ``local_window_size`` or a
+banded mask) and the drop-in's learned ``sinks`` (``Trace.sinks``). Only causal self-attention
+within one local window over right-padded sequences can be recorded; anything else is refused
+naming the argument — a ``bias``, a non-causal call, a decode step (fewer queries than keys), a
+``mask`` that differs between heads or hides keys another way — at once for an eager call, at
+:meth:`Recorder.trace` under jit (where the call has already run; nothing of it is recorded). A
+``scale`` other than 1/√D is folded into the recorded Q, so the trace's logits are always
+``q·k / √D``.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class Trace:
       tokens: optional ``[B, T]`` token ids (what an end-to-end comparison runs the model on).
       local_window_size: ``[L]`` each layer's local window: query ``i`` sees keys ``i − w … i``
         (−1: none, full causal attention); None reads as every layer without one.
+      sinks: optional ``[L, Hq]`` learned sink logits (gpt-oss ``sinks``: a softmax column with no
+        key) of each layer and query head; −inf: the layer has none. None: no layer has any.
     """
 
     q: np.ndarray
@@ -76,6 +79,7 @@ class Trace:
     layers: tuple[str, ...]
     tokens: np.ndarray | None = None
     local_window_size: np.ndarray | None = None
+    sinks: np.ndarray | None = None
 
     def __post_init__(self):
         _check_trace(self, "Trace")
@@ -108,6 +112,8 @@ class Trace:
                   "local_window_size": self.local_window_size}
         if self.tokens is not None:
             arrays["tokens"] = self.tokens
+        if self.sinks is not None:
+            arrays["sinks"] = self.sinks
         return atomic_write(path, lambda f: np.savez(f, **arrays))
 
 
@@ -150,6 +156,13 @@ def _check_trace(trace: Trace, where: str) -> None:
         raise PcastError(f"{where}: field 'local_window_size' must be {q.shape[0]} integers >= -1 (one per "
                          f"layer; -1: no window), got {windows.dtype} {windows.shape}")
     object.__setattr__(trace, "local_window_size", windows.astype(np.int64))
+    if trace.sinks is not None:
+        sinks = np.asarray(trace.sinks)
+        if sinks.shape != (q.shape[0], q.shape[3]) or not np.issubdtype(sinks.dtype, np.floating) \
+                or np.isnan(sinks).any() or np.isposinf(sinks).any():
+            raise PcastError(f"{where}: field 'sinks' must be {q.shape[0]}×{q.shape[3]} learned sink logits (one per "
+                             f"layer and query head; -inf: none), got {sinks.dtype} {sinks.shape}")
+        object.__setattr__(trace, "sinks", sinks.astype(np.float32))
 
 
 def load_trace(path) -> Trace:
@@ -174,6 +187,7 @@ def load_trace(path) -> Trace:
         object.__setattr__(trace, name, fields[name])
     object.__setattr__(trace, "tokens", fields.get("tokens"))
     object.__setattr__(trace, "local_window_size", fields.get("local_window_size"))
+    object.__setattr__(trace, "sinks", fields.get("sinks"))
     _check_trace(trace, f"trace file {path}")
     return trace
 
@@ -201,7 +215,7 @@ class Recorder:
         from pcast_jax import nn
 
         causal = is_causal or _config_causal(config)
-        _check_recordable("this call", query, key, bias=bias, causal=causal, mask=mask, sinks=kwargs.get("sinks"))
+        _check_recordable("this call", query, key, bias=bias, causal=causal, mask=mask)
         out = nn.dot_product_attention(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                                        query_seq_lengths=query_seq_lengths,
                                        key_value_seq_lengths=key_value_seq_lengths,
@@ -211,7 +225,8 @@ class Recorder:
             self._calls += 1
         try:
             self._record(name, query, key, value, scale=scale, causal=causal, mask=mask,
-                         query_lengths=query_seq_lengths, key_lengths=key_value_seq_lengths, window=local_window_size)
+                         query_lengths=query_seq_lengths, key_lengths=key_value_seq_lengths, window=local_window_size,
+                         sinks=kwargs.get("sinks"))
         except PcastError:
             with self._lock:  # a refused call takes no name
                 if self._calls == int(name[4:]) + 1:
@@ -286,6 +301,11 @@ class Recorder:
             for name in order:
                 parts = self._entries[name]
                 stacked[name] = [np.concatenate([p[i] for p in parts]) for i in range(5)]
+                learned = [p[5] for p in parts]
+                if any(not np.array_equal(x, learned[0]) for x in learned):
+                    raise PcastError(f"Recorder.trace: layer {_layer_label(name)} was called with different learned "
+                                     "sinks (argument 'sinks'); a trace records one set per layer")
+                stacked[name].append(learned[0])
         shapes = {name: tuple(x.shape for x in arrays[:3]) for name, arrays in stacked.items()}
         first = order[0]
         lengths = stacked[first][3]
@@ -300,13 +320,14 @@ class Recorder:
         if tokens is not None:
             tokens = np.asarray(tokens)
             tokens = tokens[None] if tokens.ndim == 1 else tokens
+        sinks = np.stack([stacked[name][5] for name in order])
         return Trace(q=q, k=k, v=v, lengths=lengths, layers=tuple(_layer_label(n) for n in order), tokens=tokens,
-                     local_window_size=windows)
+                     local_window_size=windows, sinks=sinks if np.isfinite(sinks).any() else None)
 
     # -- recording ---------------------------------------------------------------------------
 
     def _record(self, name, query, key, value, *, scale, causal: bool, mask=None, query_lengths=None,
-                key_lengths=None, window=None):
+                key_lengths=None, window=None, sinks=None):
         """Record a call that has run: its Q/K/V and what each query saw, as lengths and a window."""
         from pcast_jax import nn
 
@@ -329,12 +350,14 @@ class Recorder:
         if not any(isinstance(x, jax.core.Tracer) for x in (code, query, key, value)):
             if int(code):
                 raise PcastError(f"Recorder: layer {_layer_label(name)} {_REFUSALS[int(code)]}")
+        learned = (jnp.full((query.shape[2],), -jnp.inf, jnp.float32) if sinks is None
+                   else jnp.asarray(sinks, jnp.float32))
         index = jnp.asarray(0 if isinstance(name, str) else name, jnp.int32)  # a hook's layer may be traced
         jax.debug.callback(functools.partial(self._store, name if isinstance(name, str) else None), index,
                            query.astype(jnp.float32), key.astype(jnp.float32), value.astype(jnp.float32),
-                           lengths, windows, code)
+                           lengths, windows, learned, code)
 
-    def _store(self, name, index, q, k, v, lengths, windows, code):
+    def _store(self, name, index, q, k, v, lengths, windows, learned, code):
         name = name if name is not None else int(np.asarray(index))
         with self._lock:
             if int(code):
@@ -343,7 +366,7 @@ class Recorder:
             if name not in self._entries:
                 self._entries[name] = []
                 self._order.append(name)
-            self._entries[name].append(tuple(np.array(x) for x in (q, k, v, lengths, windows)))
+            self._entries[name].append(tuple(np.array(x) for x in (q, k, v, lengths, windows, learned)))
 
 
 #: Why a call's visibility cannot be recorded, by the code :func:`_visibility_parameters` returns.
@@ -392,15 +415,12 @@ def _layer_window(label: str, lengths, windows) -> int:
     return window
 
 
-def _check_recordable(name, query, key, *, bias, causal: bool, mask, sinks=None) -> None:
-    """What the recorder refuses before the call runs: a bias, learned sinks, cross-attention, no causal mask."""
+def _check_recordable(name, query, key, *, bias, causal: bool, mask) -> None:
+    """What the recorder refuses before the call runs: a bias, cross-attention, no causal mask."""
     label = _layer_label(name)
     if bias is not None:
         raise PcastError(f"Recorder: layer {label} got a bias; the analysis sees q·k/√D only, "
                          "so a biased attention cannot be recorded (argument 'bias')")
-    if sinks is not None:
-        raise PcastError(f"Recorder: layer {label} got learned sinks; the analysis does not model them yet, "
-                         "so the call cannot be recorded (argument 'sinks')")
     if not causal and mask is None:
         raise PcastError(f"Recorder: layer {label} is not causal; the analysis is of causal "
                          "self-attention (pass is_causal=True)")

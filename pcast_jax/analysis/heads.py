@@ -116,25 +116,30 @@ def _row_logits(q, k, head, row0, rows: int):
 
 
 @functools.partial(jax.jit, static_argnames=("rows",))
-def _received_rows(q, k, head, row0, length, window, *, rows: int):
+def _received_rows(q, k, head, row0, length, window, learned, *, rows: int):
     """Attention received per key from rows ``row0 .. row0 + rows`` (column sums of the softmax) and the
     mass those rows put on key 0."""
     scores = _row_logits(q, k, head, row0, rows)
     vis = visible_rows(row0, rows, scores.shape[-1], length, window)
-    probs = _softmax_rows(scores, vis)
+    probs = _softmax_rows(scores, vis, learned[head])
     return jnp.sum(probs, axis=0), jnp.sum(probs[:, 0])
 
 
-def _softmax_rows(scores, vis):
-    """Softmax over the visible keys of each row (a row with none: zeros)."""
+def _softmax_rows(scores, vis, learned=None):
+    """Softmax over the visible keys of each row (a row with none: zeros); a ``learned`` sink logit
+    (−inf: none; broadcasting against the rows) is a column with no key in the denominator."""
     masked = jnp.where(vis, scores, -jnp.inf)
     top = jnp.max(masked, axis=-1, keepdims=True)
-    weights = jnp.where(vis, jnp.exp(masked - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
-    return weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+    learned = jnp.full_like(top, -jnp.inf) if learned is None else jnp.broadcast_to(learned, top.shape)
+    top = jnp.maximum(top, learned)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    weights = jnp.where(vis, jnp.exp(masked - top), 0.0)
+    total = jnp.sum(weights, axis=-1, keepdims=True) + jnp.exp(learned - top)
+    return weights / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)
 
 
 @functools.partial(jax.jit, static_argnames=("rows",))
-def _statistic_rows(q, k, head, row0, length, window, sink_positions, min_keys, *, rows: int):
+def _statistic_rows(q, k, head, row0, length, window, learned, sink_positions, min_keys, *, rows: int):
     """Per-row sink statistics of head ``head`` on its query rows ``row0 .. row0 + rows``.
 
     Sums over non-sink keys are taken as (sum over visible keys) − (sum over the few sink columns), so
@@ -142,7 +147,7 @@ def _statistic_rows(q, k, head, row0, length, window, sink_positions, min_keys, 
     """
     scores = _row_logits(q, k, head, row0, rows)
     vis = visible_rows(row0, rows, scores.shape[-1], length, window)
-    probs = _softmax_rows(scores, vis)
+    probs = _softmax_rows(scores, vis, learned[head])
     sinks = sink_positions[head]
     sink_scores = scores[:, sinks]                                       # [rows, k]
     sink_visible = vis[:, sinks]                                         # [rows, k]
@@ -190,7 +195,7 @@ def _chunks(num_rows: int, step: int) -> list[tuple[int, int]]:
 
 
 def _layer_statistics(q, k, *, length: int, window: int, num_sinks: int, sink_selection: str,
-                      min_keys: int) -> dict[str, np.ndarray]:
+                      min_keys: int, learned=None) -> dict[str, np.ndarray]:
     """Per-head statistics of one layer, ``q [T, Hq, D]``, ``k [T, Hkv, D]``, on chunks of query rows.
 
     Two passes over the rows: the attention each key receives (which picks the sinks), then the
@@ -200,7 +205,7 @@ def _layer_statistics(q, k, *, length: int, window: int, num_sinks: int, sink_se
     qh = jnp.swapaxes(q, 0, 1)
     kh = jnp.swapaxes(expand_kv(k, num_heads), 0, 1)
     chunks = _chunks(num_tokens, _rows_per_chunk(num_tokens, num_tokens, _STAT_BYTES_PER_SCORE))
-    scalars = (np.int32(length), np.int32(window))
+    scalars = (np.int32(length), np.int32(window), learned_logits(learned, num_heads))
     parts = jax.device_get([_received_rows(qh, kh, np.int32(h), np.int32(r0), *scalars, rows=rows)
                             for h in range(num_heads) for r0, rows in chunks])
     received = np.stack([np.sum([parts[h * len(chunks) + c][0] for c in range(len(chunks))], axis=0)
@@ -231,6 +236,21 @@ def _layer_statistics(q, k, *, length: int, window: int, num_sinks: int, sink_se
     return out
 
 
+def learned_logits(sinks, num_heads: int) -> jax.Array:
+    """``[Hq]`` float32 learned sink logits of one layer (−inf: none) from None or ``[Hq]`` numbers."""
+    if sinks is None:
+        return jnp.full((num_heads,), -jnp.inf, jnp.float32)
+    sinks = np.asarray(sinks, np.float32)
+    if sinks.shape != (num_heads,) or np.isnan(sinks).any() or np.isposinf(sinks).any():
+        raise PcastError(f"sinks must hold {num_heads} learned sink logits (one per query head; -inf: none), "
+                         f"got {sinks.dtype} {sinks.shape}")
+    return jnp.asarray(sinks)
+
+
+def _has_learned(sinks) -> bool:
+    return sinks is not None and bool(np.isfinite(np.asarray(sinks, np.float32)).any())
+
+
 def layer_windows(local_window_size, num_layers: int) -> np.ndarray:
     """``[L]`` int64 left extents of each layer's local window (−1: none) from ``None``, one int for every
     layer, or one int (or None) per layer."""
@@ -249,7 +269,7 @@ def layer_windows(local_window_size, num_layers: int) -> np.ndarray:
 
 def sink_statistics(q, k, v=None, cfg=None, *, num_sinks: int = 1, sink_selection: str = "received",
                     min_keys: int = 16, length: int | None = None,
-                    local_window_size=None) -> dict[str, np.ndarray]:
+                    local_window_size=None, sinks=None) -> dict[str, np.ndarray]:
     """Per-layer, per-head sink statistics of a trace (see the module docstring for definitions).
 
     Args:
@@ -266,6 +286,8 @@ def sink_statistics(q, k, v=None, cfg=None, *, num_sinks: int = 1, sink_selectio
         length: the real tokens (right padding beyond is neither a query nor a key); default T.
         local_window_size: each layer's local window (query ``i`` sees keys ``i − w … i``): None,
             one int for every layer, or one int (or None) per layer, as :func:`layer_windows` reads it.
+        sinks: optional ``[L, Hq]`` learned sink logits (gpt-oss ``sinks``; −inf: none): a softmax
+            column with no key, in every probability here.
 
     Returns:
         dict of numpy arrays, each ``[L, H]`` unless noted: ``sink_positions [L, H, num_sinks]``,
@@ -298,7 +320,8 @@ def sink_statistics(q, k, v=None, cfg=None, *, num_sinks: int = 1, sink_selectio
     windows = layer_windows(local_window_size, layers)
     per_layer = [
         _layer_statistics(q[layer], k[layer], length=length, window=int(windows[layer]), num_sinks=num_sinks,
-                          sink_selection=sink_selection, min_keys=min_keys)
+                          sink_selection=sink_selection, min_keys=min_keys,
+                          learned=None if sinks is None else np.asarray(sinks)[layer])
         for layer in range(layers)
     ]
     return {name: np.stack([np.asarray(stats[name]) for stats in per_layer])
@@ -350,24 +373,25 @@ def heads_attention(q, k, v, config: str | KernelConfig, *, count_mask=None,
 
 
 @functools.partial(jax.jit, static_argnames=("rows",))
-def _reference_rows(q, k, v, row0, length, window, *, rows: int):
+def _reference_rows(q, k, v, row0, length, window, learned, *, rows: int):
     """Exact FP32 attention of query rows ``row0 .. row0 + rows`` of every head, ``q, k, v [Hq, T, D]``."""
     head_dim = q.shape[-1]
     q_rows = lax.dynamic_slice_in_dim(q, row0, rows, axis=1)
     s = jnp.einsum("hrd,hsd->hrs", q_rows, k, precision=_HIGHEST) / math.sqrt(head_dim)
-    probs = _softmax_rows(s, visible_rows(row0, rows, k.shape[1], length, window)[None])
+    probs = _softmax_rows(s, visible_rows(row0, rows, k.shape[1], length, window)[None], learned[:, None, None])
     return jnp.einsum("hrs,hsd->hrd", probs, v, precision=_HIGHEST)
 
 
-def _reference(q, k, v, *, length: int | None = None, window: int = -1) -> np.ndarray:
+def _reference(q, k, v, *, length: int | None = None, window: int = -1, sinks=None) -> np.ndarray:
     """Exact FP32 attention per head of one layer ``[T, H, D]``: ``[Hq, T, D]`` (rows past ``length``: 0),
     on chunks of query rows."""
     num_tokens, num_heads = q.shape[0], q.shape[1]
     qh, kh, vh = (jnp.swapaxes(expand_kv(jnp.asarray(x, jnp.float32), num_heads), 0, 1) for x in (q, k, v))
     length = num_tokens if length is None else length
     chunks = _chunks(num_tokens, _rows_per_chunk(num_tokens, num_heads * num_tokens, 8))
-    parts = jax.device_get([_reference_rows(qh, kh, vh, np.int32(r0), np.int32(length), np.int32(window), rows=rows)
-                            for r0, rows in chunks])
+    learned = learned_logits(sinks, num_heads)
+    parts = jax.device_get([_reference_rows(qh, kh, vh, np.int32(r0), np.int32(length), np.int32(window), learned,
+                                            rows=rows) for r0, rows in chunks])
     return jnp.asarray(np.concatenate(parts, axis=1))
 
 
@@ -402,8 +426,9 @@ def _layer_operands(q, k, v, *, config: KernelConfig):
     return ops[0][0], ops[1][0], ops[2][0], factor
 
 
-@functools.partial(jax.jit, static_argnames=("rows", "config"))
-def _chunk_rows(operands, sink_positions, ref, head, row0, length, window, *, rows: int, config: KernelConfig):
+@functools.partial(jax.jit, static_argnames=("rows", "config", "has_learned"))
+def _chunk_rows(operands, sink_positions, ref, head, row0, length, window, learned, *, rows: int,
+                config: KernelConfig, has_learned: bool):
     """Per-row quantities of head ``head`` on its query rows ``row0 .. row0 + rows`` (the rows are
     independent, so a chunk of rows gives those rows of the whole head's result): the logits of
     those rows from :func:`_layer_operands`, the keys the layer hides (:func:`visible_rows`) masked,
@@ -417,10 +442,11 @@ def _chunk_rows(operands, sink_positions, ref, head, row0, length, window, *, ro
     r = lax.dynamic_slice(ref, (head, row0, 0), (1, rows, ref.shape[-1]))[0]
     sinks = sink_positions[head]
     is_sink = jnp.any(jnp.arange(num_keys)[:, None] == sinks[None, :], axis=-1)
-    res = _engine.attention(s, v[head], config, implementation="xla", count_mask=~is_sink, q_offset=row0)
+    res = _engine.attention(s, v[head], config, implementation="xla", count_mask=~is_sink, q_offset=row0,
+                            sink_logit=learned[head] if has_learned else None)
     counted = jnp.sum(vis & ~is_sink[None, :], axis=-1)
     # Q/K/V as the kernel sees them, P in FP32: the Q/K/V quantization's share of the error.
-    qkv_only = jnp.einsum("rs,sd->rd", _softmax_rows(s, vis), v[head], precision=_HIGHEST)
+    qkv_only = jnp.einsum("rs,sd->rd", _softmax_rows(s, vis, learned[head]), v[head], precision=_HIGHEST)
     out = {"sq_err": jnp.sum(jnp.square(res.out - r), axis=-1), "ref_sq": jnp.sum(jnp.square(r), axis=-1),
            "qkv_sq_err": jnp.sum(jnp.square(qkv_only - r), axis=-1),
            "n_zeroed": res.n_zeroed, "n_counted": counted, "zeroed_mass": res.zeroed_mass}
@@ -429,14 +455,16 @@ def _chunk_rows(operands, sink_positions, ref, head, row0, length, window, *, ro
 
 
 def _layer_metrics(operands, sink_positions, ref, *, config: KernelConfig, min_keys: int, length: int,
-                   window: int) -> dict:
+                   window: int, sinks=None) -> dict:
     """:func:`head_metrics` from :func:`_layer_operands`: the kernel on chunks of each head's query
     rows (:func:`_rows_per_chunk`), the row means on the host."""
     num_heads, num_tokens, head_dim = operands[0].shape
     step = _rows_per_chunk(num_tokens, num_tokens)
     sink_positions = jnp.asarray(sink_positions, jnp.int32)
+    learned = learned_logits(sinks, num_heads)
     parts = [_chunk_rows(operands, sink_positions, ref, np.int32(h), np.int32(r0), np.int32(length),
-                         np.int32(window), rows=min(step, num_tokens - r0), config=config)
+                         np.int32(window), learned, rows=min(step, num_tokens - r0), config=config,
+                         has_learned=_has_learned(sinks))
              for h in range(num_heads) for r0 in range(0, num_tokens, step)]
     parts = jax.device_get(parts)
     rows = {name: np.concatenate([p[name] for p in parts]).reshape(num_heads, num_tokens) for name in parts[0]}
@@ -489,7 +517,7 @@ def _further_row_metrics(res, counted) -> dict:
 
 def head_metrics(q, k, v, config: str | KernelConfig, sink_positions, *,
                  min_keys: int = 16, reference=None, length: int | None = None,
-                 local_window_size: int | None = None) -> dict[str, np.ndarray]:
+                 local_window_size: int | None = None, sinks=None) -> dict[str, np.ndarray]:
     """Per-head P-cast metrics of one layer (definitions in the module docstring).
 
     Args:
@@ -503,6 +531,8 @@ def head_metrics(q, k, v, config: str | KernelConfig, sink_positions, *,
       length: the real tokens (right padding beyond is neither a query nor a key, and is left out
         of the Q/K/V quantization's scales); default T.
       local_window_size: the layer's local window (query ``i`` sees keys ``i − w … i``); None: none.
+      sinks: optional ``[Hq]`` learned sink logits (−inf: none), placed as the config's ``sink_mode``
+        says in the kernel, a column with no key in the reference.
 
     Returns:
       dict of ``[Hq]`` numpy arrays, keys :data:`HEAD_METRICS` and the engine's further per-row
@@ -521,15 +551,15 @@ def head_metrics(q, k, v, config: str | KernelConfig, sink_positions, *,
     real = (np.arange(num_tokens) < length)[:, None, None]
     q, k, v = (jnp.asarray(np.where(real, np.asarray(x, np.float32), 0.0)) for x in (q, k, v))
     if reference is None:
-        reference = _reference(q, k, v, length=length, window=window)
+        reference = _reference(q, k, v, length=length, window=window, sinks=sinks)
     operands = _layer_operands(q, k, v, config=cfg)
     return _layer_metrics(operands, sink_positions, reference, config=cfg, min_keys=min_keys, length=length,
-                          window=window)
+                          window=window, sinks=sinks)
 
 
 def analyze_trace(trace, configs: Sequence[str | KernelConfig], sink_positions, *,
                   min_keys: int = 16, progress=None, length: int | None = None,
-                  local_window_size=None) -> dict[str, np.ndarray]:
+                  local_window_size=None, sinks=None) -> dict[str, np.ndarray]:
     """:func:`head_metrics` for every configuration and layer of a trace.
 
     Args:
@@ -539,6 +569,7 @@ def analyze_trace(trace, configs: Sequence[str | KernelConfig], sink_positions, 
       progress: optional callable ``(config_name) -> None`` called before each configuration.
       length: the sequence's real tokens (default T).
       local_window_size: each layer's local window, as :func:`sink_statistics` takes it.
+      sinks: optional ``[L, Hq]`` learned sink logits (−inf: none).
 
     Returns:
       dict metric → ``[n_configs, L, Hq]`` numpy array (the keys of :func:`head_metrics`).
@@ -564,10 +595,12 @@ def analyze_trace(trace, configs: Sequence[str | KernelConfig], sink_positions, 
         for layer in range(np.shape(q)[0]):
             if layer not in layer_inputs:
                 qkv = tuple(jnp.asarray(np.where(real, np.asarray(x[layer], np.float32), 0.0)) for x in (q, k, v))
-                layer_inputs[layer] = qkv, _reference(*qkv, length=length, window=int(windows[layer]))
+                layer_inputs[layer] = qkv, _reference(*qkv, length=length, window=int(windows[layer]),
+                                                      sinks=None if sinks is None else sinks[layer])
             qkv, reference = layer_inputs[layer]
             layers.append(head_metrics(*qkv, cfg, sink_positions[layer], min_keys=min_keys, reference=reference,
-                                       length=length, local_window_size=int(windows[layer])))
+                                       length=length, local_window_size=int(windows[layer]),
+                                       sinks=None if sinks is None else sinks[layer]))
         per_config.append({m: np.stack([x[m] for x in layers]) for m in layers[0]})
     return {m: np.stack([pc[m] for pc in per_config]) for m in per_config[0]}
 

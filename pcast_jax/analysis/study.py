@@ -21,8 +21,9 @@ Judgements, each stated in the report, all on one criterion (:func:`meets_criter
   from another only in ``scale`` is one family), the kernel itself is simulated on the trace at
   ``scale`` = 1, 2, 4, … (:func:`scale_candidates`: up to the largest power of two whose applied
   scale stays within the P format's max), and the smallest candidate meeting the criterion is the
-  recommendation. The scan stops there; its rows are in the report. A configuration's own verdict
-  is the same computation, so the two cannot disagree.
+  recommendation, found by bisection (the zeroed mass falls and the clipped mass rises with the
+  scale); the candidates simulated are the scan's rows, in the report. A configuration's own
+  verdict is the same computation, so the two cannot disagree.
 * **Where the error comes from**: with E4M3 Q/K/V (``qkv="e4m3"``), ``rel_mse_qkv`` is the relative
   MSE of the same kernel with P in FP32 (its Q/K/V quantization alone), beside ``rel_mse``, the
   kernel's; the report says which dominates.
@@ -83,7 +84,7 @@ class ScaleScan:
     Attributes:
       family: the family's configuration at ``scale = 1`` (named after its first analysed member).
       members: names of the analysed configurations in the family.
-      rows: per candidate tried, in order: ``scale``, ``applied_scale``, ``zeroed_mass_max``,
+      rows: per candidate simulated, by scale: ``scale``, ``applied_scale``, ``zeroed_mass_max``,
         ``saturated_mass_max``, ``heads_over_limit``, ``meets`` (the criterion).
       recommended: the smallest candidate meeting the criterion, or None when none does.
     """
@@ -308,18 +309,20 @@ def _family_words(cfg: KernelConfig) -> str:
 
 def _scan_words(scan: ScaleScan, limit: float) -> str:
     names = ", ".join(f"`{m}`" for m in scan.members)
-    last = scan.rows[-1]
     if scan.recommended is None:
+        top = scan.rows[-1]
         return (f"Safe static scale for {names} ({_family_words(scan.family)}): none. No `scale` from 1 to "
-                f"{last['scale']:g} meets the criterion (at {last['scale']:g} the worst head loses "
-                f"{_pct(last['zeroed_mass_max'])} and clips {_pct(last['saturated_mass_max'])}): use the reverse "
+                f"{top['scale']:g} meets the criterion (at {top['scale']:g} the worst head loses "
+                f"{_pct(top['zeroed_mass_max'])} and clips {_pct(top['saturated_mass_max'])}): use the reverse "
                 "KV order or a dynamic scale.")
+    best = next(r for r in scan.rows if r["scale"] == scan.recommended)
     words = (f"Safe static scale for {names} ({_family_words(scan.family)}): `scale = {scan.recommended:g}`"
-             f" (P multiplied by {last['applied_scale']:g}), the smallest power of two whose simulated kernel meets "
-             f"the criterion: worst head loses {_pct(last['zeroed_mass_max'])}, clips "
-             f"{_pct(last['saturated_mass_max'])}")
-    if len(scan.rows) > 1:
-        prev = scan.rows[-2]
+             f" (P multiplied by {best['applied_scale']:g}), the smallest power of two whose simulated kernel meets "
+             f"the criterion: worst head loses {_pct(best['zeroed_mass_max'])}, clips "
+             f"{_pct(best['saturated_mass_max'])}")
+    below = [r for r in scan.rows if r["scale"] < scan.recommended]
+    if below:
+        prev = below[-1]
         words += (f"; at `scale = {prev['scale']:g}` it loses {_pct(prev['zeroed_mass_max'])} and clips "
                   f"{_pct(prev['saturated_mass_max'])}")
     return words + "."
@@ -402,7 +405,7 @@ def analyze(trace: Trace, configs: Sequence[str | KernelConfig], *, num_sinks: i
         q, k = trace.q[:, b], trace.k[:, b]
         say(f"sequence {b + 1}/{n_seq}: sink statistics ({trace.num_layers} layers, {n} tokens)")
         per_seq_stats.append(sink_statistics(q, k, num_sinks=num_sinks, min_keys=min(min_keys, n), length=n,
-                                             local_window_size=windows))
+                                             local_window_size=windows, sinks=trace.sinks))
     stats = {name: np.stack([s[name] for s in per_seq_stats]) for name in per_seq_stats[0]}
     heads = _run_kernels(trace, kernels, stats["sink_positions"], min_keys, say, start)
     if not np.isfinite(heads["zeroed_mass"]).any():
@@ -437,14 +440,21 @@ def _run_kernels(trace: Trace, kernels, sink_positions, min_keys: int, say, star
 
         per_seq.append(analyze_trace((trace.q[:, b], trace.k[:, b], trace.v[:, b]), kernels, sink_positions[b],
                                      min_keys=min_keys, progress=config_line, length=int(trace.lengths[b]),
-                                     local_window_size=trace.local_window_size))
+                                     local_window_size=trace.local_window_size, sinks=trace.sinks))
     return {name: np.stack([h[name] for h in per_seq], axis=1) for name in per_seq[0]}
 
 
 def _scale_scans(trace: Trace, kernels, heads: dict, sink_positions, min_keys: int, mass_limit: float, say,
                  start) -> tuple[ScaleScan, ...]:
-    """The safe-scale scan of each family of static-scale kernels (module docstring): candidates in
-    increasing order until one meets the criterion; an analysed kernel at a candidate is reused."""
+    """The safe-scale scan of each family of static-scale kernels (module docstring).
+
+    For a fixed kernel, P before the cast does not depend on ``scale``, and the cast is monotone: a P
+    zeroed at a scale is zeroed at every smaller one, a P clipped at a scale is clipped at every larger
+    one. So the worst head's zeroed mass falls and its clipped mass rises with the scale, the smallest
+    candidate meeting the criterion is the smallest whose zeroed mass is within the limit (if its
+    clipped mass is too, else none meets it), and a bisection over the candidates finds it: the
+    candidates simulated (an analysed kernel at a candidate is reused) are the scan's rows.
+    """
     families: dict = {}
     for ci, cfg in enumerate(kernels):
         if cfg.scale_mode != "dynamic":
@@ -452,25 +462,41 @@ def _scale_scans(trace: Trace, kernels, heads: dict, sink_positions, min_keys: i
     scans = []
     for family, members in families.items():
         label = kernels[members[0]].name
-        rows, recommended = [], None
-        for scale in scale_candidates(family):
-            candidate = family.replace(scale=scale, name=f"{label}@scale={scale:g}")
-            hit = [ci for ci, cfg in enumerate(kernels) if cfg == candidate]
-            if hit:
-                found = {m: a[hit[0]] for m, a in heads.items()}
+        candidates = scale_candidates(family)
+        rows: dict = {}
+
+        def row(index, family=family, label=label, rows=rows, candidates=candidates):
+            scale = candidates[index]
+            if scale not in rows:
+                candidate = family.replace(scale=scale, name=f"{label}@scale={scale:g}")
+                hit = [ci for ci, cfg in enumerate(kernels) if cfg == candidate]
+                if hit:
+                    found = {m: a[hit[0]] for m, a in heads.items()}
+                else:
+                    say(f"safe scale of {label}: scale = {scale:g} ({time.perf_counter() - start:.1f} s)")
+                    found = {m: a[0] for m, a in _run_kernels(trace, (candidate,), sink_positions, min_keys,
+                                                              lambda _line: None, start).items()}
+                worst = _worst(found, mass_limit, trace.layers)
+                rows[scale] = {"scale": scale, "applied_scale": candidate.effective_scale,
+                               "zeroed_mass_max": worst["zeroed_mass_max"],
+                               "saturated_mass_max": worst["saturated_mass_max"],
+                               "heads_over_limit": worst["heads_over_limit"],
+                               "meets": meets_criterion(worst["zeroed_mass_max"], worst["saturated_mass_max"],
+                                                        mass_limit)}
+            return rows[scale]
+
+        lo, hi = 0, len(candidates) - 1  # find the smallest candidate whose zeroed mass is within the limit
+        if row(hi)["zeroed_mass_max"] > mass_limit:
+            lo = hi + 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if row(mid)["zeroed_mass_max"] <= mass_limit:
+                hi = mid
             else:
-                say(f"safe scale of {label}: scale = {scale:g} ({time.perf_counter() - start:.1f} s)")
-                found = {m: a[0] for m, a in _run_kernels(trace, (candidate,), sink_positions, min_keys,
-                                                          lambda _line: None, start).items()}
-            worst = _worst(found, mass_limit, trace.layers)
-            meets = meets_criterion(worst["zeroed_mass_max"], worst["saturated_mass_max"], mass_limit)
-            rows.append({"scale": scale, "applied_scale": candidate.effective_scale,
-                         "zeroed_mass_max": worst["zeroed_mass_max"],
-                         "saturated_mass_max": worst["saturated_mass_max"],
-                         "heads_over_limit": worst["heads_over_limit"], "meets": meets})
-            if meets:
-                recommended = scale
-                break
+                lo = mid + 1
+        recommended = None
+        if lo < len(candidates) and row(lo)["meets"]:
+            recommended = candidates[lo]
         scans.append(ScaleScan(family=family.replace(name=label), members=tuple(kernels[ci].name for ci in members),
-                               rows=tuple(rows), recommended=recommended))
+                               rows=tuple(rows[k] for k in sorted(rows)), recommended=recommended))
     return tuple(scans)
