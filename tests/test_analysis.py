@@ -169,7 +169,9 @@ def test_trace_file_round_trip_and_damaged_files(tmp_path):
              "'lengths' must be 2 integers": damaged(lengths=np.array([96, 97])),
              "'layers' must hold 2 distinct": damaged(layers=np.array(["a", "a"])),
              "'k' .* do not match": damaged(k=trace.k[:, :, :50]),
-             "'format'": damaged(format=np.array("something else"))}
+             "'format'": damaged(format=np.array("something else")),
+             "'local_window_size' must be 2 integers": damaged(local_window_size=np.array([-2, 4])),
+             "'sinks' must be 2×4": damaged(sinks=np.full((2, 4), np.nan, np.float32))}
     for message, bad in cases.items():
         with pytest.raises(PcastError, match=message) as info:
             load_trace(bad)
@@ -269,7 +271,8 @@ def test_analyze_planted_sinks_verdicts_safe_scale_and_tables():
     assert rows["rev_s256"]["zeroed_mass_mean"] < rows["fwd_s1"]["zeroed_mass_mean"] / 10
     assert rows["rev_s256"]["verdict"] == "safe to serve" and rows["fwd_s1"]["verdict"] == "loses mass"
     scale = result.safe_scale("fwd_s1")
-    assert result.scans[0].members == ("fwd_s1",) and result.scans[0].rows[-1]["scale"] == scale
+    assert result.scans[0].members == ("fwd_s1",)
+    assert [r["meets"] for r in result.scans[0].rows] == [r["scale"] >= scale for r in result.scans[0].rows]
     summary = result.summary_lines()
     assert summary[0].startswith("On this model (2 layers × 4 heads, 2 sequences of 96 tokens), 4 of 8 heads")
     assert any(line.startswith("- `fwd_s1`: **loses mass**") for line in summary)
@@ -355,12 +358,13 @@ def check_own_model_page(scope: dict, printed: str, folder: Path) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def numpy_forward_losses(q, k, length, window, block, scale, min_keys):
+def numpy_forward_losses(q, k, length, window, block, scale, min_keys, learned=None):
     """Independent of the package: per query head of one layer, the zeroed and clipped mass of a
     forward-order kernel (KV blocks of ``block`` keys, running max over blocks, P·S cast to E4M3 by
     ml_dtypes), each a mean over the rows with >= min_keys visible non-sink keys; the sink is the key
     receiving the most attention. ``q [T, Hq, D]``, ``k [T, Hkv, D]``; keys ``i - window .. i``
-    (window < 0: all of ``0 .. i``) among the first ``length`` tokens."""
+    (window < 0: all of ``0 .. i``) among the first ``length`` tokens. ``learned [Hq]``: learned sink
+    logits, a softmax column with no key that the running max never sees (the epilogue placement)."""
     import ml_dtypes
 
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -370,8 +374,10 @@ def numpy_forward_losses(q, k, length, window, block, scale, min_keys):
     zeroed_out, clipped_out = [], []
     for h in range(num_heads):
         s = q[:length, h].astype(np.float64) @ k[:length, h // group].T.astype(np.float64) / math.sqrt(head_dim)
-        exact = np.where(vis, np.exp(np.where(vis, s, -np.inf) - np.where(vis, s, -np.inf).max(1, keepdims=True)), 0)
-        exact /= exact.sum(1, keepdims=True)
+        extra = -np.inf if learned is None else float(learned[h])
+        top = np.maximum(np.where(vis, s, -np.inf).max(1, keepdims=True), extra)
+        exact = np.where(vis, np.exp(np.where(vis, s, -np.inf) - top), 0)
+        exact /= exact.sum(1, keepdims=True) + np.exp(extra - top)
         sink = int(np.argmax(exact.sum(0)))
         s32 = s.astype(np.float32)
         m = np.full(length, -np.inf, np.float32)
@@ -397,8 +403,8 @@ def numpy_forward_losses(q, k, length, window, block, scale, min_keys):
 def numpy_safe_scale(trace, block, limit, min_keys, windows):
     """The smallest power of two 1..256 whose forward kernel keeps the worst head (per layer and head, a
     mean over sequences) at zeroed <= limit and clipped <= limit (None: none does); with the worst
-    zeroed mass of every scale tried."""
-    worst = {}
+    zeroed mass of every scale."""
+    worst, safe = {}, None
     for scale in [2.0 ** e for e in range(9)]:
         per_seq = [[numpy_forward_losses(trace.q[layer, b], trace.k[layer, b], int(trace.lengths[b]), windows[layer],
                                          block, scale, min_keys) for layer in range(trace.q.shape[0])]
@@ -406,9 +412,9 @@ def numpy_safe_scale(trace, block, limit, min_keys, windows):
         zeroed = np.nanmean([[z for z, _ in seq] for seq in per_seq], axis=0)
         clipped = np.nanmean([[c for _, c in seq] for seq in per_seq], axis=0)
         worst[scale] = float(np.nanmax(zeroed))
-        if np.nanmax(zeroed) <= limit and np.nanmax(clipped) <= limit:
-            return scale, worst
-    return None, worst
+        if safe is None and np.nanmax(zeroed) <= limit and np.nanmax(clipped) <= limit:
+            safe = scale
+    return safe, worst
 
 
 def character_trace(kind, *, T=128, D=16, seed=0):
@@ -455,21 +461,27 @@ def test_recommendation_is_what_its_own_kernel_rows_say(kind):
         assert (row["verdict"] == SAFE) == meets_criterion(row["zeroed_mass_max"], row["saturated_mass_max"], limit)
     summary = "\n".join(result.summary_lines())
     for scan in result.scans:
-        assert [r["meets"] for r in scan.rows] == [False] * (len(scan.rows) - 1) + [scan.recommended is not None]
-        for r in scan.rows:
+        for r in scan.rows:  # below the recommendation every simulated row fails, at it the row meets
             assert r["meets"] == meets_criterion(r["zeroed_mass_max"], r["saturated_mass_max"], limit)
+            assert not r["meets"] or (scan.recommended is not None and r["scale"] >= scan.recommended)
+        assert scan.recommended is None or any(r["meets"] and r["scale"] == scan.recommended for r in scan.rows)
         for cfg in result.configs:  # no analysed config of the family contradicts the recommendation
             if cfg.name not in scan.members or cfg.scale not in [r["scale"] for r in scan.rows]:
                 continue
             scanned = next(r for r in scan.rows if r["scale"] == cfg.scale)
             assert rows[cfg.name]["zeroed_mass_max"] == pytest.approx(scanned["zeroed_mass_max"], rel=1e-6, abs=1e-12)
-            assert (rows[cfg.name]["verdict"] == SAFE) == (cfg.scale == scan.recommended)
+            assert (rows[cfg.name]["verdict"] == SAFE) == scanned["meets"]
+            if scan.recommended is None or cfg.scale < scan.recommended:
+                assert rows[cfg.name]["verdict"] != SAFE
+            elif cfg.scale == scan.recommended:
+                assert rows[cfg.name]["verdict"] == SAFE
         if scan.recommended is not None:
             assert f"`scale = {scan.recommended:g}`" in summary
     forward = next(scan for scan in result.scans if "fwd_s1" in scan.members)
     assert forward.members == ("fwd_s1", "fwd_s256")
     want, worst = numpy_safe_scale(trace, 64, limit, 8, [-1])
     assert forward.recommended == want
+    assert all(np.diff(list(worst.values())) <= 1e-12)  # the bisection's premise: zeroed mass falls with S
     for r in forward.rows:
         assert r["zeroed_mass_max"] == pytest.approx(worst[r["scale"]], rel=2e-3, abs=1e-7)
     if kind in ("max not the sink", "no sink"):  # the closed form (running max at the sink's logit) would
@@ -543,8 +555,25 @@ def test_recorder_records_what_the_call_sees_or_refuses_it():
     per_head = jnp.broadcast_to(jnp.tril(jnp.ones((24, 24), bool)), (4, 24, 24)).at[1, 5, 0].set(False)
     with pytest.raises(PcastError, match="differs between heads"):
         rec.dot_product_attention(q, k, k, mask=per_head)
-    with pytest.raises(PcastError, match="'sinks'"):
-        rec.dot_product_attention(q, k, k, is_causal=True, sinks=jnp.zeros(4))
+
+
+def test_learned_sinks_are_recorded_and_analysed():
+    """The drop-in's learned sinks ride in the trace and act in the statistics, the kernel and the
+    reference: the zeroed mass is an independent NumPy kernel's with the sink column in the softmax."""
+    trace = character_trace("sink at 0")
+    q, k, v = (x[0] for x in (trace.q, trace.k, trace.v))
+    learned = np.array([8.0, 9.0, 10.0, 11.0], np.float32)
+    rec = Recorder()
+    rec.dot_product_attention(q, k, v, is_causal=True, sinks=learned)
+    recorded = rec.trace()
+    np.testing.assert_array_equal(recorded.sinks, learned[None])
+    result = analyze(recorded, ["fwd_s1"], min_keys=8)
+    want, _ = numpy_forward_losses(q[0], k[0], 128, -1, 64, 1.0, 8, learned=learned)
+    plain, _ = numpy_forward_losses(q[0], k[0], 128, -1, 64, 1.0, 8)
+    np.testing.assert_allclose(result.head_mean("zeroed_mass")[0, 0], want, rtol=2e-3, atol=1e-7)
+    assert np.all(want < 0.8 * plain)  # the learned sink takes a share of every row
+    assert result.config_rows()[0]["rel_mse_mean"] < 1e-2  # the reference has the sink too
+    assert np.all(result.stats["sink_mass"] < 0.9 * analyze(trace, ["fwd_s1"], min_keys=8).stats["sink_mass"])
 
 
 def test_statistics_and_reference_on_row_chunks_equal_one_chunk(monkeypatch):
