@@ -559,7 +559,7 @@ def head_metrics(q, k, v, config: str | KernelConfig, sink_positions, *,
 
 def analyze_trace(trace, configs: Sequence[str | KernelConfig], sink_positions, *,
                   min_keys: int = 16, progress=None, length: int | None = None,
-                  local_window_size=None, sinks=None) -> dict[str, np.ndarray]:
+                  local_window_size=None, sinks=None, references: dict | None = None) -> dict[str, np.ndarray]:
     """:func:`head_metrics` for every configuration and layer of a trace.
 
     Args:
@@ -570,6 +570,8 @@ def analyze_trace(trace, configs: Sequence[str | KernelConfig], sink_positions, 
       length: the sequence's real tokens (default T).
       local_window_size: each layer's local window, as :func:`sink_statistics` takes it.
       sinks: optional ``[L, Hq]`` learned sink logits (−inf: none).
+      references: optional dict that keeps each layer's padded Q/K/V and exact output between calls
+        on the same sequence (filled here; pass the same dict again to reuse them).
 
     Returns:
       dict metric → ``[n_configs, L, Hq]`` numpy array (the keys of :func:`head_metrics`).
@@ -586,7 +588,8 @@ def analyze_trace(trace, configs: Sequence[str | KernelConfig], sink_positions, 
     windows = layer_windows(local_window_size, np.shape(q)[0])
     real = (np.arange(num_tokens) < length)[:, None, None]
     per_config = []
-    layer_inputs = {}  # a layer's Q/K/V (padding zeroed) and exact output: the same for every configuration
+    layer_inputs = {} if references is None else references  # a layer's Q/K/V (padding zeroed) and exact
+    # output: the same for every configuration
     for config in configs:
         cfg = resolve(config)
         if progress is not None:

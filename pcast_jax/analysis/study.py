@@ -371,7 +371,7 @@ def analyze(trace: Trace, configs: Sequence[str | KernelConfig], *, num_sinks: i
         :func:`~pcast_jax.analysis.capture.load_trace`).
       configs: preset names (run at the trace's head dim, :func:`kernel_for`) or KernelConfigs.
       num_sinks, min_keys: as :func:`~pcast_jax.analysis.heads.sink_statistics`.
-      mass_limit: zeroed attention mass a head may lose (verdicts, safe scale), in (0, 1).
+      mass_limit: the limit of the one criterion (the worst head's zeroed and clipped mass), in (0, 1).
       logits_fn: optional ``logits_fn(config) -> [B, T, V]`` logits of the model on
         ``trace.tokens`` with every attention through ``config`` (``None``: exact FP32); given,
         the end-to-end metrics are computed (needs ``trace.tokens``).
@@ -407,11 +407,14 @@ def analyze(trace: Trace, configs: Sequence[str | KernelConfig], *, num_sinks: i
         per_seq_stats.append(sink_statistics(q, k, num_sinks=num_sinks, min_keys=min(min_keys, n), length=n,
                                              local_window_size=windows, sinks=trace.sinks))
     stats = {name: np.stack([s[name] for s in per_seq_stats]) for name in per_seq_stats[0]}
-    heads = _run_kernels(trace, kernels, stats["sink_positions"], min_keys, say, start)
+    references: dict = {}
+    heads = _run_kernels(trace, kernels, stats["sink_positions"], min_keys, say, start, references)
     if not np.isfinite(heads["zeroed_mass"]).any():
         raise PcastError(f"no head has a query row that sees min_keys={min_keys} keys besides its sink: "
                          "record more tokens or lower min_keys")
-    scans = _scale_scans(trace, kernels, heads, stats["sink_positions"], min_keys, mass_limit, say, start)
+    scans = _scale_scans(trace, kernels, heads, stats["sink_positions"], min_keys, mass_limit, say, start,
+                         references)
+    del references
     seconds = time.perf_counter() - start
     e2e = fp32 = None
     if logits_fn is not None:
@@ -427,9 +430,9 @@ def analyze(trace: Trace, configs: Sequence[str | KernelConfig], *, num_sinks: i
                     seconds=seconds)
 
 
-def _run_kernels(trace: Trace, kernels, sink_positions, min_keys: int, say, start) -> dict:
+def _run_kernels(trace: Trace, kernels, sink_positions, min_keys: int, say, start, references: dict) -> dict:
     """Every kernel on every sequence of the trace: ``{metric: [C, B, L, H]}`` (each sequence at its
-    length, each layer within its local window)."""
+    length, each layer within its local window); ``references`` keeps each sequence's exact outputs."""
     per_seq = []
     for b in range(trace.num_sequences):
         done = iter(range(1, len(kernels) + 1))
@@ -440,12 +443,13 @@ def _run_kernels(trace: Trace, kernels, sink_positions, min_keys: int, say, star
 
         per_seq.append(analyze_trace((trace.q[:, b], trace.k[:, b], trace.v[:, b]), kernels, sink_positions[b],
                                      min_keys=min_keys, progress=config_line, length=int(trace.lengths[b]),
-                                     local_window_size=trace.local_window_size, sinks=trace.sinks))
+                                     local_window_size=trace.local_window_size, sinks=trace.sinks,
+                                     references=references.setdefault(b, {})))
     return {name: np.stack([h[name] for h in per_seq], axis=1) for name in per_seq[0]}
 
 
 def _scale_scans(trace: Trace, kernels, heads: dict, sink_positions, min_keys: int, mass_limit: float, say,
-                 start) -> tuple[ScaleScan, ...]:
+                 start, references: dict) -> tuple[ScaleScan, ...]:
     """The safe-scale scan of each family of static-scale kernels (module docstring).
 
     For a fixed kernel, P before the cast does not depend on ``scale``, and the cast is monotone: a P
@@ -475,7 +479,7 @@ def _scale_scans(trace: Trace, kernels, heads: dict, sink_positions, min_keys: i
                 else:
                     say(f"safe scale of {label}: scale = {scale:g} ({time.perf_counter() - start:.1f} s)")
                     found = {m: a[0] for m, a in _run_kernels(trace, (candidate,), sink_positions, min_keys,
-                                                              lambda _line: None, start).items()}
+                                                              lambda _line: None, start, references).items()}
                 worst = _worst(found, mass_limit, trace.layers)
                 rows[scale] = {"scale": scale, "applied_scale": candidate.effective_scale,
                                "zeroed_mass_max": worst["zeroed_mass_max"],
