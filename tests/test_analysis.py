@@ -542,6 +542,13 @@ def test_recorder_records_what_the_call_sees_or_refuses_it():
     band = jnp.tril(jnp.ones((24, 24), bool)) & ~jnp.tril(jnp.ones((24, 24), bool), -6)
     rec.dot_product_attention(q, k, k, mask=band)
     np.testing.assert_array_equal(rec.trace().local_window_size, [5])
+    # one layer called with two different windows: refused at trace(), naming the argument
+    rec.clear()
+    layer = rec.attention_fn(name="banded")
+    layer(q, k, k, mask=band[None, None].astype(jnp.float32))
+    layer(q, k, k, mask=(jnp.tril(jnp.ones((24, 24), bool)) & ~jnp.tril(jnp.ones((24, 24), bool), -9))[None, None])
+    with pytest.raises(PcastError, match="layer banded was called with local windows \\[5, 8\\]"):
+        rec.trace()
     # what a trace cannot hold: a non-causal mask (eager: refused at once; under jit: at trace())
     rec.clear()
     with pytest.raises(PcastError, match="'mask'"):
