@@ -23,7 +23,7 @@ import re
 import sys
 from importlib import metadata
 
-from pcast_jax.cache import setup_compilation_cache
+from pcast_jax import cache
 
 #: Built-in sub-commands and their one-line help.
 COMMANDS: dict[str, str] = {
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pcast: error: {exc}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
-    setup_compilation_cache(enabled=False if args.no_compile_cache else None)
+    cache.enable(enabled=False if args.no_compile_cache else None)
     if not args.command:
         parser.print_help()
         return 0

