@@ -30,7 +30,6 @@ COMMANDS: dict[str, str] = {
     "theory": "Closed forms of the paper for one (Δ, S): δk, F(Δ,S), Δc, underflow threshold, dp(S).",
     "sweep": "Run a seed × Δ × N × config sweep with the simulator; results land on disk as chunks finish.",
     "whatif": "Differentiable what-if analyses: worst Δ, optimal S, Prop. 3 calibration, dynamic scale.",
-    "model-report": "Real-model (SmolLM2-135M) sink statistics, per-head P-cast error and perplexity.",
     "analyze": "Your model's captured Q/K/V trace: sinks, each kernel's P-cast loss per head, verdicts, safe scale.",
     "presets": "List the kernel presets and their P-cast configuration (--show NAME: one as key=value).",
     "plot": "Plot a finished sweep's metric against Δ or N (PNG, in the reproduction figures' style).",
@@ -41,7 +40,7 @@ COMMANDS: dict[str, str] = {
 ENTRY_POINT_GROUP = "pcast_jax.commands"
 #: Sub-commands this project's other packages add, and which package: named in the error when the
 #: package is not installed.
-PROVIDED_ELSEWHERE: dict[str, str] = {"reproduce": "pcast_experiments"}
+PROVIDED_ELSEWHERE: dict[str, str] = {"reproduce": "pcast_experiments", "model-report": "pcast_experiments"}
 
 
 class _Formatter(argparse.HelpFormatter):

@@ -573,7 +573,7 @@ def _png_size(path):
 
 
 def test_model_theory_has_no_empty_panel(tmp_path):
-    from pcast_jax.models import fp8_report
+    from pcast_experiments import model_report as fp8_report
 
     rows = [{"layer": i % 3, "measured_fwd_s1": x, "eq7_sigma_s1": x, "eq7_sigma1_s1": x * 0.8,
              "eq6_count_s1": x} for i, x in enumerate(np.linspace(0, 1, 9))]
@@ -587,7 +587,7 @@ def test_model_theory_has_no_empty_panel(tmp_path):
 
 
 def test_model_heatmaps_tick_both_signs_and_resist_one_extreme_head():
-    from pcast_jax.models import fp8_report
+    from pcast_experiments import model_report as fp8_report
 
     fig, axes = report.new_figure(ncols=2)
     ratio = np.array([[-0.4, 0.1, 1.6], [0.2, -0.1, 0.9]])
@@ -611,7 +611,7 @@ def test_model_heatmaps_tick_both_signs_and_resist_one_extreme_head():
 def test_model_per_layer_ratio_axis_reads_plain_numbers(monkeypatch, tmp_path):
     from types import SimpleNamespace
 
-    from pcast_jax.models import fp8_report
+    from pcast_experiments import model_report as fp8_report
 
     saved = []
     monkeypatch.setattr(report, "save_figure", lambda fig, path: saved.append(fig))
@@ -637,7 +637,7 @@ def test_paper_forward_s256_stays_visible_over_reverse_s256():
 def test_model_e2e_draws_no_bar_for_zero(tmp_path):
     from matplotlib.figure import Figure
 
-    from pcast_jax.models import fp8_report
+    from pcast_experiments import model_report as fp8_report
 
     fig = Figure()
     ax = fig.subplots()

@@ -12,6 +12,7 @@ require_model_extra()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from pcast_experiments import model_report as fp8_report  # noqa: E402
 from pcast_jax import engine  # noqa: E402
 from pcast_jax.cli import main as cli_main  # noqa: E402
 from pcast_jax.config import KernelConfig  # noqa: E402
@@ -20,7 +21,6 @@ from pcast_jax.models import (  # noqa: E402
     causal_attention,
     extract_qkv,
     forward,
-    fp8_report,  # noqa: E402
     load_model,
     load_tokenizer,
     sink_statistics,

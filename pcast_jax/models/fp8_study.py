@@ -5,7 +5,7 @@ the sink statistics, runs every configuration of :class:`ReportSizes` through th
 simulator per layer and head, and runs the whole model with each FP8 attention hook on the
 held-out text. It returns a :class:`ModelStudy`: the arrays, the end-to-end metrics and the rows
 of the report's CSV tables. Rendering (markdown, CSV files, figures) lives in
-:mod:`pcast_jax.models.fp8_report`.
+:mod:`pcast_experiments.model_report`.
 
 Texts (both Python standard-library source, identical on every machine with the same Python):
 
