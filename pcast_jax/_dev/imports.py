@@ -1,8 +1,9 @@
 """The package's import graph from the source's AST: cycles and arrows that run back up the layers.
 
-``python -m pcast_jax._dev.imports`` (in a source checkout) prints every cycle and every back-arrow and exits 1 if there is
-one. Every import counts, at module level or inside a function (an import deferred into a function is
-still an arrow); imports under ``if TYPE_CHECKING:`` do not, since they never run.
+``python -m pcast_jax._dev.imports`` (in a source checkout) prints every cycle and every back-arrow
+and exits 1 if there is one. Every import counts, at module level or inside a function (an import
+deferred into a function is still an arrow); imports under ``if TYPE_CHECKING:`` do not, since they
+never run.
 
 :data:`LAYERS` is the order ARCHITECTURE.md draws, top (imports nothing of ours) to bottom: a module
 may import modules of its own layer or of layers above it, never below.
