@@ -379,6 +379,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     """
     _check_inputs(query, key, value)
     impl = "xla" if implementation is None else implementation
+    if impl == "cudnn":
+        raise PcastError("implementation='cudnn' asks jax.nn for cuDNN's own kernel, which this simulator does not "
+                         "run; to see what cuDNN's FP8 attention does to P pass config='cudnn_fp8_tau0' (Hopper) "
+                         "or config='cudnn_fp8' (Blackwell, τ = 4) with implementation='xla' (pcast doctor "
+                         "--engine jax --backend cudnn says which)")
     check_choice("implementation", impl, IMPLEMENTATIONS)
     check_choice("gradient", gradient, GRADIENTS)
     check_choice("causal_alignment", causal_alignment, CAUSAL_ALIGNMENTS)
@@ -482,6 +487,8 @@ _FLAX_KWARGS = {"broadcast_dropout", "dropout_rng", "dropout_rate", "determinist
 
 
 def attention_weights(query, key, bias=None, mask=None, *, scale: float | None = None, is_causal: bool = False,
+                      query_seq_lengths=None, key_value_seq_lengths=None,
+                      local_window_size: int | tuple[int, int] | None = None,
                       config: str | KernelConfig | None = None, causal_alignment: str = "top_left"):
     """The attention weights ``(B, N, T, S)`` before and after the kernel's P-cast.
 
@@ -506,7 +513,9 @@ def attention_weights(query, key, bias=None, mask=None, *, scale: float | None =
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     bias4 = None if bias is None else _broadcast_4d("bias", bias, shape, jnp.float32)
     mask4 = None if mask is None else _broadcast_4d("mask", mask, shape, bool)
-    visible = _visibility(shape, mask4, causal, causal_alignment, None, None, None)
+    q_lens = _lengths("query_seq_lengths", query_seq_lengths, shape[0])
+    kv_lens = _lengths("key_value_seq_lengths", key_value_seq_lengths, shape[0])
+    visible = _visibility(shape, mask4, causal, causal_alignment, q_lens, kv_lens, _window(local_window_size))
     logits, _ = kernel_inputs(q, k, k, None, scale)
     probs = jax.nn.softmax(_masked(logits, bias4, visible, _MASKED), axis=-1)
     kernel = None
