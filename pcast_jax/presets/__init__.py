@@ -87,7 +87,8 @@ for _module in (paper, flashattention, flashinfer, trtllm, sageattention, hpc_op
 assert sorted(n for names in FAMILIES.values() for n in names) == sorted(PRESETS), "a preset without a family"
 
 #: KV tile B by head dim, read from each kernel's source (the FP8 forward path at that head dim).
-TILES_BY_HEAD_DIM: dict[str, dict[int, int]] = {**flashattention.TILES_BY_HEAD_DIM, **flashinfer.TILES_BY_HEAD_DIM}
+TILES_BY_HEAD_DIM: dict[str, dict[int, int]] = {**flashattention.TILES_BY_HEAD_DIM, **flashinfer.TILES_BY_HEAD_DIM,
+                                                 **trtllm.TILES_BY_HEAD_DIM}
 
 #: Where each kernel adds its FP8 P·V MMA results into exact FP32 registers, i.e. the
 #: ``mma_promote_keys`` its accumulator model takes: ``"never"`` (0: O lives in the wgmma accumulator
