@@ -465,3 +465,19 @@ def test_mi300_zeroes_as_an_e4m3fn_cast_at_twice_the_scale():
     with pytest.raises(PcastError, match="gpu"):
         amd.vllm_rocm_flash_scale(1.0, gpu="mi250")
 
+
+def test_sglang_split_count_follows_the_batch():
+    from pcast_jax.presets.sglang import SGLANG_DECODE_LAUNCH, SGLANG_MAX_KV_SPLITS, sglang_num_kv_splits
+
+    launch = SGLANG_DECODE_LAUNCH
+    assert PRESETS["sglang_triton_decode"].kv_splits == sglang_num_kv_splits(**launch) == SGLANG_MAX_KV_SPLITS
+    # batch 32 of 32 query / 8 KV heads on 132 SMs, 4096 keys: int(132 · log2(4096 / 64)) = 792 programs,
+    # 32 · ⌈32 / 4⌉ = 256 token programs, ⌈792 / 256⌉ = 4 splits of 1024 keys
+    assert sglang_num_kv_splits(**{**launch, "batch": 32}) == 4
+    counts = [sglang_num_kv_splits(**{**launch, "batch": b}) for b in (1, 2, 8, 16, 32, 64, 128, 512)]
+    assert counts == sorted(counts, reverse=True) and counts[-1] == 1
+    # without GQA every query head is its own program (token grid batch · heads): 64 × 8 heads = 16 × 32 heads
+    assert sglang_num_kv_splits(**{**launch, "num_heads": 8, "batch": 64}) == sglang_num_kv_splits(
+        **{**launch, "num_heads": 32, "num_kv_heads": 32, "batch": 16})
+    with pytest.raises(PcastError, match="num_kv_heads"):
+        sglang_num_kv_splits(**{**launch, "num_kv_heads": 64})
