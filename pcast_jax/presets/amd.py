@@ -54,7 +54,8 @@ _FA_TRITON_AMD = dict(order="forward", scale=1.0, scale_mode="multiply", block_k
 # - `if USE_FP8: p *= p_descale` then `acc += tl.dot(p.to(V_block_ptr.type.element_ty), v)`, with
 #   p_descale = 1 / p_scale set in _attention.forward: S = 1 / prob_scale, multiply mode; the epilogue
 #   multiplies acc by p_scale · v_scale (attn_fwd, acc_scale);
-# - the FP8 type is current_platform.fp8_dtype() (float8_e4m3fnuz on MI300);
+# - the FP8 type is current_platform.fp8_dtype() (float8_e4m3fnuz on MI300, float8_e4m3fn on MI355, as
+#   current_platform.is_fp8_fnuz() says: vLLM's platform code was not re-read, an assumption);
 # - BLOCK_N is autotuned over get_cdna_autotune_configs(): 64 in five of its eight configs, 128 in two,
 #   32 in one. B = 64 is an assumption.
 # The scale vLLM hands the kernel: vLLM's kv-cache scale loader
