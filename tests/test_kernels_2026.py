@@ -439,3 +439,45 @@ def test_gpu_check_cudnn_step_runs_on_cpu_with_a_stand_in():
     for scale_s in bench.CUDNN_SCALES:
         assert res[scale_s]["tau4"][1] == 0.0 < res[scale_s]["tau0"][1]
 
+
+
+def test_mi300_zeroes_as_an_e4m3fn_cast_at_twice_the_scale():
+    """Below saturation FNUZ(x) = FN(2x)/2: the MI300 preset's P-cast at S = 1 is MI355's at S = 2, bit for bit."""
+    from pcast_jax.presets import amd
+
+    s, v, mask = _instance(11, delta=7.0, k_sink=4)
+    mi300 = engine.attention(s, v, "fa_triton_amd_mi300", count_mask=mask)
+    fn_2s = engine.attention(s, v, PRESETS["fa_triton_amd_mi355"].replace(scale=2.0), count_mask=mask)
+    mi355 = engine.attention(s, v, "fa_triton_amd_mi355", count_mask=mask)
+    np.testing.assert_array_equal(np.asarray(mi300.out), np.asarray(fn_2s.out))
+    np.testing.assert_array_equal(np.asarray(mi300.n_zeroed), np.asarray(fn_2s.n_zeroed))
+    assert 0 < int(np.sum(mi300.n_zeroed)) < int(np.sum(mi355.n_zeroed))
+    # the common vLLM case (no prob_scale in the checkpoint) is the preset; a calibrated one is S = 1/prob_scale,
+    # halved again on FNUZ because vLLM's loader doubles prob_scale there
+    assert amd.vllm_rocm_flash_config(None) == PRESETS["vllm_rocm_flash_fp8"]
+    for p in (0.125, 0.3, 4.0):
+        assert amd.vllm_rocm_flash_config(p, gpu="mi355").scale * p == pytest.approx(1.0, rel=1e-7)
+        assert amd.vllm_rocm_flash_config(p).scale * 2 * p == pytest.approx(1.0, rel=1e-7)
+    assert amd.vllm_rocm_flash_config(0.25, gpu="mi355", block_kv=128).p_format == "e4m3"
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(PcastError, match="prob_scale"):
+            amd.vllm_rocm_flash_scale(bad)
+    with pytest.raises(PcastError, match="gpu"):
+        amd.vllm_rocm_flash_scale(1.0, gpu="mi250")
+
+
+def test_sglang_split_count_follows_the_batch():
+    from pcast_jax.presets.sglang import SGLANG_DECODE_LAUNCH, SGLANG_MAX_KV_SPLITS, sglang_num_kv_splits
+
+    launch = SGLANG_DECODE_LAUNCH
+    assert PRESETS["sglang_triton_decode"].kv_splits == sglang_num_kv_splits(**launch) == SGLANG_MAX_KV_SPLITS
+    # batch 32 of 32 query / 8 KV heads on 132 SMs, 4096 keys: int(132 · log2(4096 / 64)) = 792 programs,
+    # 32 · ⌈32 / 4⌉ = 256 token programs, ⌈792 / 256⌉ = 4 splits of 1024 keys
+    assert sglang_num_kv_splits(**{**launch, "batch": 32}) == 4
+    counts = [sglang_num_kv_splits(**{**launch, "batch": b}) for b in (1, 2, 8, 16, 32, 64, 128, 512)]
+    assert counts == sorted(counts, reverse=True) and counts[-1] == 1
+    # without GQA every query head is its own program (token grid batch · heads): 64 × 8 heads = 16 × 32 heads
+    assert sglang_num_kv_splits(**{**launch, "num_heads": 8, "batch": 64}) == sglang_num_kv_splits(
+        **{**launch, "num_heads": 32, "num_kv_heads": 32, "batch": 16})
+    with pytest.raises(PcastError, match="num_kv_heads"):
+        sglang_num_kv_splits(**{**launch, "num_kv_heads": 64})

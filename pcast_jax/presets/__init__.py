@@ -13,6 +13,7 @@ module                    presets
 ``cudnn``                 cuDNN FP8 / MXFP8 SDPA (JAX's and Transformer Engine's FP8 attention)
 ``vllm``                  vLLM's Triton unified attention and its FlashAttention-4 fork
 ``sglang``                SGLang's Triton decode
+``amd``                   FlashAttention's ROCm Triton backend, vLLM's ROCm Triton attention (MI300, MI355)
 ``modelopt``              NVIDIA Model Optimizer's NVFP4 P fake-quantization
 ``research``              designs no released kernel runs (per-block 2^k, MXFP8 P)
 ========================  =================================================================
@@ -28,6 +29,7 @@ import dataclasses
 from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError, check_choice, check_int
 from pcast_jax.presets import (
+    amd,
     cudnn,
     flashattention,
     flashinfer,
@@ -43,8 +45,8 @@ from pcast_jax.presets import (
 from pcast_jax.presets.trtllm import XQA_CTA_TILE_TOKENS, XQA_DECODE_LAUNCH, xqa_nb_sub_seq
 
 __all__ = ["get_preset", "preset_for", "resolve",
-           "PAPER_CONFIGS", "KERNEL_PRESETS", "BLOCK_SCALED_PRESETS", "KERNELS_2026", "PRESETS", "FAMILIES",
-           "TILES_BY_HEAD_DIM", "MMA_PROMOTION", "MMA_ACC_BITS_HOPPER", "mma_model", "XQA_CTA_TILE_TOKENS",
+           "PAPER_CONFIGS", "KERNEL_PRESETS", "BLOCK_SCALED_PRESETS", "KERNELS_2026", "AMD_PRESETS", "PRESETS",
+           "FAMILIES", "TILES_BY_HEAD_DIM", "MMA_PROMOTION", "MMA_ACC_BITS_HOPPER", "mma_model", "XQA_CTA_TILE_TOKENS",
            "XQA_DECODE_LAUNCH", "xqa_nb_sub_seq"]
 
 #: The paper's five configurations (§6.2, Table 2): Q, K, V in FP32, ℓ from pre-cast P, B = 64.
@@ -69,11 +71,15 @@ KERNELS_2026: dict[str, KernelConfig] = {**cudnn.KERNELS_2026, **flashattention.
                                          **vllm.KERNELS_2026, **flashinfer.KERNELS_2026,
                                          **trtllm.KERNELS_2026, **sglang.KERNELS_2026}
 
-PRESETS: dict[str, KernelConfig] = {**PAPER_CONFIGS, **KERNEL_PRESETS, **BLOCK_SCALED_PRESETS, **KERNELS_2026}
+#: FP8 attention on AMD GPUs (ROCm): MI300's E4M3FNUZ and MI355's E4M3, each citing its source.
+AMD_PRESETS: dict[str, KernelConfig] = dict(amd.PRESETS)
+
+PRESETS: dict[str, KernelConfig] = {**PAPER_CONFIGS, **KERNEL_PRESETS, **BLOCK_SCALED_PRESETS, **KERNELS_2026,
+                                    **AMD_PRESETS}
 
 #: Kernel family (module) → the names of its presets, in registry order.
 FAMILIES: dict[str, tuple[str, ...]] = {}
-for _module in (paper, flashattention, flashinfer, trtllm, sageattention, hpc_ops, cudnn, vllm, sglang, modelopt,
+for _module in (paper, flashattention, flashinfer, trtllm, sageattention, hpc_ops, cudnn, vllm, sglang, amd, modelopt,
                 research):
     _names = {**getattr(_module, "PRESETS", {}), **getattr(_module, "BLOCK_SCALED", {}),
               **getattr(_module, "KERNELS_2026", {})}
@@ -81,7 +87,8 @@ for _module in (paper, flashattention, flashinfer, trtllm, sageattention, hpc_op
 assert sorted(n for names in FAMILIES.values() for n in names) == sorted(PRESETS), "a preset without a family"
 
 #: KV tile B by head dim, read from each kernel's source (the FP8 forward path at that head dim).
-TILES_BY_HEAD_DIM: dict[str, dict[int, int]] = {**flashattention.TILES_BY_HEAD_DIM, **flashinfer.TILES_BY_HEAD_DIM}
+TILES_BY_HEAD_DIM: dict[str, dict[int, int]] = {**flashattention.TILES_BY_HEAD_DIM, **flashinfer.TILES_BY_HEAD_DIM,
+                                                 **trtllm.TILES_BY_HEAD_DIM}
 
 #: Where each kernel adds its FP8 P·V MMA results into exact FP32 registers, i.e. the
 #: ``mma_promote_keys`` its accumulator model takes: ``"never"`` (0: O lives in the wgmma accumulator
