@@ -33,7 +33,7 @@ __all__ = ["Deployment", "DEPLOYMENTS", "ENGINES", "GPUS", "KV_CACHE_DTYPES", "K
 GPUS = ("sm90", "sm100", "sm120", "gfx942", "gfx950")
 #: KV-cache dtypes with an FP8 attention path (``fp8`` is vLLM's name for E4M3).
 KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
-#: How a deployment sets the P scale S: ``"none"`` (fixed by the kernel), ``"prob_scale"`` (S = 1/prob_scale,
+#: How a deployment sets the P scale S: ``"none"`` (fixed by the kernel), ``"prob_scale"`` (S = factor/prob_scale,
 #: a checkpoint's calibrated scale) or ``"scale_s"`` (S = scale_s, the caller's argument).
 Knob = Literal["none", "prob_scale", "scale_s"]
 KNOBS = ("none", "prob_scale", "scale_s")
@@ -65,6 +65,9 @@ class Deployment:
     source: str
     #: what the user should know about this row (assumptions included)
     note: str = ""
+    #: with the ``prob_scale`` knob, S = knob_factor / prob_scale (vLLM doubles a checkpoint's prob_scale on
+    #: E4M3FNUZ GPUs: 0.5 there, :func:`pcast_jax.presets.amd.vllm_rocm_flash_scale`)
+    knob_factor: float = 1.0
 
     def __post_init__(self):
         check_choice("knob", self.knob, KNOBS)
@@ -86,6 +89,18 @@ DEPLOYMENTS: tuple[Deployment, ...] = (
                "vllm-project/vllm vllm/v1/attention/backends/triton_attn.py (current_platform.fp8_dtype() is "
                "float8_e4m3fnuz on MI300)", "E4M3FNUZ P: one binade less than E4M3, the collapse threshold "
                "moves by ln 2."),
+    Deployment("vllm", "rocm_flash", ("gfx942",), ("vllm_rocm_flash_fp8",), "prob_scale",
+               "vllm-project/vllm vllm/attention/ops/triton_flash_attention.py (attn_fwd: p *= p_descale; "
+               "acc_scale = p_scale * v_scale), kv-cache scale loader (prob_scale *= 2 on fnuz)",
+               "The one backend that scales P by the checkpoint's prob_scale: S = 1/(2·prob_scale) on MI300; "
+               "without a calibrated prob_scale S = 1 (vLLM warns 'Using uncalibrated q_scale 1.0 and/or "
+               "prob_scale 1.0 with fp8 attention'). Tile 64 is an assumption (autotuned).", knob_factor=0.5),
+    Deployment("flash-attention", "triton_amd", ("gfx942",), ("fa_triton_amd_mi300",), "none",
+               "Dao-AILab/flash-attention flash_attn/flash_attn_interface.py (FLASH_ATTENTION_TRITON_AMD_ENABLE "
+               "imports aiter's flash_attn_triton_amd)", "FP8_P_DESCALE is hard-wired off: S = 1, E4M3FNUZ P."),
+    Deployment("flash-attention", "triton_amd", ("gfx950",), ("fa_triton_amd_mi355",), "none",
+               "Dao-AILab/flash-attention flash_attn/flash_attn_interface.py (aiter's flash_attn_triton_amd)",
+               "FP8_P_DESCALE is hard-wired off: S = 1, E4M3 P."),
     Deployment("vllm", "flash_attn", ("sm90",), ("fa3", "fa3_splitkv"), "none",
                "vllm-project/flash-attention (vLLM's FA3 fork, hopper/)",
                "FA3's FP8 path folds S = 256 into the exponent and walks KV blocks in reverse."),
@@ -182,20 +197,20 @@ def checkpoint_scales(folder: str | os.PathLike) -> dict[str, dict[str, float]]:
     return found
 
 
-def scale_from_knob(knob: str, value: float) -> float:
-    """The P scale S a knob's value sets: S = 1/prob_scale, or S = scale_s."""
+def scale_from_knob(knob: str, value: float, factor: float = 1.0) -> float:
+    """The P scale S a knob's value sets: S = factor/prob_scale, or S = scale_s."""
     check_choice("knob", knob, KNOBS)
     if knob == "none":
         raise PcastError("this deployment has no P-scale knob")
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) or not (
             math.isfinite(float(value)) and float(value) > 0):
         raise PcastError(f"{knob}={value!r} must be a finite positive number")
-    return 1.0 / float(value) if knob == "prob_scale" else float(value)
+    return factor / float(value) if knob == "prob_scale" else float(value)
 
 
-def knob_from_scale(knob: str, scale: float) -> float:
+def knob_from_scale(knob: str, scale: float, factor: float = 1.0) -> float:
     """The knob's value that sets S (the inverse of :func:`scale_from_knob`)."""
-    return scale_from_knob(knob, scale) if knob == "prob_scale" else float(scale)
+    return scale_from_knob(knob, scale, factor) if knob == "prob_scale" else float(scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,8 +279,8 @@ def diagnose(deployment: Deployment, *, knob_value: float | None = None, scales:
 
     Args:
       deployment: a row of :data:`DEPLOYMENTS` (:func:`find`).
-      knob_value: the knob's value (``prob_scale`` or ``scale_s``); None: the value the engine uses
-        without one (1.0), or the checkpoint's ``prob_scale`` values in ``scales``.
+      knob_value: the knob's value (``prob_scale`` or ``scale_s``); None: the checkpoint's ``prob_scale``
+        values in ``scales``, else what the engine does without one (the preset as it is).
       scales: :func:`checkpoint_scales` of the deployed checkpoint.
       deltas: sink strengths Δ to test (the verdict takes the worst).
       n, seeds: KV length and seeds of the synthetic workload (q_len 8, d 16; four token sinks at the
@@ -291,14 +306,17 @@ def diagnose(deployment: Deployment, *, knob_value: float | None = None, scales:
     elif knob == "prob_scale" and scales.get("prob_scale"):
         found = sorted(set(scales["prob_scale"].values()))
         values = [found[0]] if len(found) == 1 else [found[0], found[-1]]
-    else:
-        values = [1.0]
+    else:  # the engine's own default: the preset as it is (S = 1 without a calibrated scale)
+        values = [None]
     configs, labels = [], []
     for name in deployment.presets:
         base = get_preset(name)
         for value in values:
-            cfg = base if value is None else base.replace(scale=scale_from_knob(knob, value),
-                                                           name=f"{name}@{knob}={value:g}")
+            if value is None:
+                cfg = base
+            else:
+                cfg = base.replace(scale=scale_from_knob(knob, value, deployment.knob_factor),
+                                   name=f"{name}@{knob}={value:g}")
             configs.append(cfg)
             labels.append((name, value))
     sim = _simulate(configs, tuple(float(d) for d in deltas), n=n, seeds=seeds, learned_sink=learned_sink)
@@ -333,14 +351,15 @@ def diagnose(deployment: Deployment, *, knob_value: float | None = None, scales:
         cand = _simulate(cand_cfgs, tuple(float(d) for d in deltas), n=n, seeds=seeds, learned_sink=learned_sink)
         for s in candidates:
             if all(_passes(cand[f"{name}@S={s:g}"].values()) for name in deployment.presets):
-                recommended = knob_from_scale(knob, s)
+                recommended = knob_from_scale(knob, s, deployment.knob_factor)
                 break
         what = "clips" if all(r["zeroed_mass"] <= ZEROED_MASS_LIMIT for r in bad) else "zeroes"
         if recommended is None:
             advice = (f"the cast {what} more than the limit from Δ = {collapse:g} and no power-of-two S from 1 to 2^15 "
                       f"meets the criterion on every Δ; narrow the Δ range to your model's (pcast analyze)")
         else:
+            scale = scale_from_knob(knob, recommended, deployment.knob_factor)
             advice = (f"the cast {what} more than the limit from Δ = {collapse:g}; set {knob} = {recommended:g} "
-                      f"(S = {scale_from_knob(knob, recommended):g}), the smallest power-of-two S whose simulation "
+                      f"(S = {scale:g}), the smallest power-of-two S whose simulation "
                       f"keeps both masses under the limit at every Δ by more than {Z:g} s.e.")
     return Diagnosis(deployment, tuple(rows), safe, collapse, recommended, advice, scales)

@@ -139,3 +139,20 @@ def test_doctor_prints_the_kernel_the_rows_and_the_verdict(tmp_path, capsys):
     assert got["safe"] is False and got["collapse_delta"] == 8.0 and got["knob"] == "none"
     assert all(r["verdict"] == "over" and r["zeroed_mass_sem"] >= 0 for r in got["rows"])
     assert {r["preset"] for r in got["rows"]} == {"vllm_triton_fp8", "vllm_triton_fp8_3d"}
+
+
+def test_vllm_rocm_flash_takes_the_checkpoints_prob_scale_doubled_on_mi300(tmp_path):
+    """The one backend whose P scale is the checkpoint's prob_scale: S = 1/(2·prob_scale) on MI300 (the loader
+    doubles it there), the preset as it is without one, and a recommendation written as a prob_scale."""
+    from pcast_jax.presets import amd
+
+    row = deployments.find("vllm", "rocm_flash", "gfx942")
+    assert row.knob == "prob_scale"
+    assert deployments.scale_from_knob("prob_scale", 0.25, row.knob_factor) == amd.vllm_rocm_flash_scale(0.25)
+    ckpt = _write_checkpoint(tmp_path / "ckpt", {"l0.prob_scale": np.array(1 / 512, np.float32)})
+    diag = deployments.diagnose(row, scales=deployments.checkpoint_scales(ckpt), deltas=(9.0,), seeds=2)
+    assert {r["scale"] for r in diag.rows} == {256.0} and {r["knob_value"] for r in diag.rows} == {1 / 512}
+    plain = deployments.diagnose(row, deltas=(9.0,), seeds=2)
+    assert {r["scale"] for r in plain.rows} == {1.0} and plain.safe is False
+    assert plain.recommended is not None
+    assert deployments.scale_from_knob("prob_scale", plain.recommended, row.knob_factor) >= 64

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         raise PcastError(f"{names}: {row.engine} {row.backend} sets the P scale through {through}")
     knob_value = next(iter(given.values()), None)
     if knob_value is not None:
-        deployments.scale_from_knob(row.knob, knob_value)  # refuses 0, NaN, negative values, naming the flag
+        deployments.scale_from_knob(row.knob, knob_value, row.knob_factor)  # refuses 0, NaN, negatives
     scales = deployments.checkpoint_scales(args.checkpoint) if args.checkpoint else {}
     diag = deployments.diagnose(row, knob_value=knob_value, scales=scales, deltas=deltas, seeds=seeds[0],
                                 learned_sink=args.learned_sink)
