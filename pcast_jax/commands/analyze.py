@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="attention mass the worst head may lose to zeroed P, and may have clipped, for a "
                              "kernel to be safe to serve; in (0, 1) (default 1e-3)")
     parser.add_argument("--num-sinks", default="1", metavar="K", help="sink keys per head (default 1)")
-    _options.add_progress_argument(parser, "progress lines on stderr", "on", quiet=True)
+    _options.add_progress_argument(parser, "progress lines on stderr", "on")
 
 
 def run(args: argparse.Namespace) -> int:
