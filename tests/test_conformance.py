@@ -41,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from collections.abc import Callable
 
 import jax
@@ -54,6 +53,7 @@ from pcast_jax.config import PRESETS, preset_for
 from pcast_jax.errors import PcastError
 
 import oracle
+from cases import FULL
 
 HEAD_DIMS = (64, 128, 256)
 S = 320  # keys: more than one tile of every preset, a multiple of none but 64, 160 and 320
@@ -62,10 +62,6 @@ N_HEADS, KV_HEADS = 2, 1
 N_SINKS = 2
 F32_MIN = float(np.finfo(np.float32).min)
 OUT_RTOL = 3e-6
-#: ``PCAST_JAX_TEST_FULL=1`` (``make test-full``): every preset × entry point × mask × head dim. Without
-#: it (``make test``, CI) each preset × entry point computes one call of masks at one head dim, taken in
-#: turn, and every refusal it owes; every mask and head dim is computed at least once per entry point.
-FULL = os.environ.get("PCAST_JAX_TEST_FULL", "0") not in ("", "0")
 
 
 # --------------------------------------------------------------------------------------------
