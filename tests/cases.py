@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from pcast_jax.config import KernelConfig
+
+#: ``PCAST_JAX_TEST_FULL=1`` (``make test-full``): the tests that walk a cross product of presets and
+#: axes walk all of it; without it (``make test``, CI) they walk a subset that still covers every preset
+#: and every value of each axis (the conformance matrix, the Pallas kernels' registry test).
+FULL = os.environ.get("PCAST_JAX_TEST_FULL", "0") not in ("", "0")
 
 
 def distinct_configs(configs: dict[str, KernelConfig]) -> list:

@@ -124,8 +124,9 @@ def test_reference_with_a_learned_sink_is_the_softmax_with_a_dropped_column():
     ref = np.asarray(engine.reference_attention(s * 0.0, v, sink_logit=sink))
     for mode, splits, factor in (("epilogue", 2, 1.0), ("init_max", 1, p8 / p), ("block_max", 2, p8 / p)):
         cfg = KernelConfig(sink_mode=mode, kv_splits=splits)
-        for name in engine.IMPLEMENTATIONS:
-            out = engine.attention(s * 0.0, v, cfg, implementation=name, sink_logit=sink).out
+        for name in engine.IMPLEMENTATIONS:  # jitted: one program each, where eager dispatch compiles every op
+            out = jax.jit(lambda s_, v_, c=cfg, i=name: engine.attention(s_, v_, c, implementation=i,
+                                                                          sink_logit=sink).out)(s * 0.0, v)
             np.testing.assert_allclose(np.asarray(out), ref * factor, rtol=2e-5, atol=1e-8, err_msg=f"{mode} {name}")
 
 
@@ -297,7 +298,8 @@ def test_drop_in_sinks_match_the_dropped_column_softmax_and_are_differentiable()
     p = jax.nn.softmax(jnp.concatenate([col, logits], -1), -1)[..., 1:]
     np.testing.assert_allclose(np.asarray(out), np.asarray(jnp.einsum("bnts,bsh->btnh", p, v[:, :, 0])),
                                rtol=1e-5, atol=1e-6)
-    sim = nn.dot_product_attention(q, k, v, sinks=sinks, is_causal=True, config="cudnn_fp8_tau0")
+    sim = jax.jit(lambda s_: nn.dot_product_attention(q, k, v, sinks=s_, is_causal=True,
+                                                      config="cudnn_fp8_tau0"))(sinks)
     assert bool(jnp.all(jnp.isfinite(sim)))
     g = jax.grad(lambda s_: jnp.sum(nn.dot_product_attention(q, k, v, sinks=s_, is_causal=True,
                                                             config="fwd_s256") ** 2))(sinks)
@@ -311,9 +313,14 @@ def test_drop_in_sinks_match_the_dropped_column_softmax_and_are_differentiable()
     rng = np.random.default_rng(3)
     q64, k64, v64 = (jnp.asarray(np.where(np.arange(64) == 0, 1.75, rng.integers(-7, 8, shape) / 4.0), jnp.float32)
                      for shape in ((1, 64, 2, 64), (1, 64, 1, 64), (1, 64, 1, 64)))
+
+    def drop_in(impl):  # jitted: one program each, where eager dispatch compiles every op
+        return jax.jit(lambda s_: nn.dot_product_attention(q64, k64, v64, sinks=s_, config="vllm_triton_fp8",
+                                                           implementation=impl))(sinks)
+
+    sim = drop_in("scan")
     for impl in ("triton", "mosaic"):
-        ker = nn.dot_product_attention(q64, k64, v64, sinks=sinks, config="vllm_triton_fp8", implementation=impl)
-        sim = nn.dot_product_attention(q64, k64, v64, sinks=sinks, config="vllm_triton_fp8", implementation="scan")
+        ker = drop_in(impl)
         np.testing.assert_allclose(np.asarray(ker), np.asarray(sim), rtol=1e-5, atol=1e-6, err_msg=impl)
 
 
