@@ -1,0 +1,417 @@
+"""Fit a kernel's P-cast to its outputs on the probes: candidate configs through the simulator.
+
+Each candidate is a :class:`~pcast_jax.config.KernelConfig` run by :func:`pcast_jax.engine.attention`
+on the probes' logits; its residual is ‖out − sim‖ / ‖out‖ over the probe rows. The fields are
+searched in groups, each group's candidates crossed while the other fields stay at the best so far:
+
+========================  ================================================  =====================
+group                     fields                                            first decided by
+========================  ================================================  =====================
+``cast``                  scale, scale_mode, p_format                       ``ladder`` rows alone
+``walk``                  order, block_kv                                   every row
+``split``                 kv_splits, split_layout                           every row
+``rescale``               rescale_threshold, rescale_unit, rescale_comp.    every row
+``sink``                  sink_mode (probes with sinks only)                every row
+``accumulator``           accumulator, f16_round_keys, v_channel_max        every row
+========================  ================================================  =====================
+
+Then every group is searched again around the best, and each field's evidence is read from the
+candidates of its group: the best residual among those with another value of the field (the
+runner-up) and which probe family it missed most. A value whose candidate fits within
+:func:`tolerance` of the best stays a candidate: a field with more than one is *undetermined*.
+
+Candidate values are a grid (powers of two for S, tiles in steps of 16 up to 256, 1–16 splits, τ
+of 0.75–8) joined with every value a preset in :data:`pcast_jax.presets.PRESETS` uses, so a preset
+added later is among the candidates. Simulations are cached per probe set and config, so fitting
+many kernels on the same probes simulates each candidate once.
+
+Not fitted (the probes cannot see them, or :class:`KernelConfig` has no field): the kernel's own
+Q/K/V quantization (the probes are exact in E4M3, so it is lossless), ``overflow`` (a NaN output is
+refused), the MMA accumulator model (``mma_acc_bits``), and ℓ summed from the cast P.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from pcast_jax.config import KernelConfig
+from pcast_jax.errors import PcastError, check_int
+from pcast_jax.fingerprint.probes import FAMILIES, LADDER_KEYS, N_KEYS, ProbeSet, probes
+from pcast_jax.fingerprint.result import FieldEvidence, Fingerprint
+
+__all__ = ["identify", "fit", "check_outputs", "simulate_outputs", "explain_preset", "GROUPS", "FIELDS", "FIT_LIMIT",
+           "tolerance", "candidate_values"]
+
+#: Field groups, searched in this order after ``cast``.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "cast": ("scale", "scale_mode", "p_format"),
+    "walk": ("order", "block_kv"),
+    "split": ("kv_splits", "split_layout"),
+    "rescale": ("rescale_threshold", "rescale_unit", "rescale_compensation"),
+    "sink": ("sink_mode",),
+    "accumulator": ("accumulator", "f16_round_keys", "v_channel_max"),
+}
+FIELDS: tuple[str, ...] = tuple(f for fields in GROUPS.values() for f in fields)
+#: Largest best residual that still counts as a fit: beyond it the outputs fit no candidate.
+FIT_LIMIT = 0.05
+#: Residual below which two candidates are the same function on the probes (float32 rounding).
+RESIDUAL_FLOOR = 1e-5
+#: Candidates of the ``cast`` group kept (by their ladder residual) for the search over every row.
+CAST_KEPT = 12
+
+_P_FORMATS = ("e4m3", "e4m3fnuz", "e5m2", "mxfp8", "nvfp4", "mxfp4", "e2m1")
+_TILES = tuple(range(16, 257, 16))
+_SPLITS = (2, 3, 4, 6, 8, 16)
+_TAUS = (0.75, 1.0, 2.0, 4.0, 8.0)
+
+
+def tolerance(best: float) -> float:
+    """Largest residual of a candidate that fits as well as the best one (``best``): 2·best + floor."""
+    return 2.0 * best + RESIDUAL_FLOOR
+
+
+def _registry() -> dict[str, KernelConfig]:
+    from pcast_jax.presets import PRESETS
+
+    return PRESETS
+
+
+def candidate_values(group: str) -> list[tuple]:
+    """The candidate value tuples of one group's fields (:data:`GROUPS`): the grid and the registry's."""
+    fields = GROUPS[group]
+    seen = {tuple(getattr(c, f) for f in fields) for c in _registry().values()}
+    if group == "cast":
+        scales = sorted({2.0**k for k in range(-2, 13)} | {c.scale for c in _registry().values()})
+        grid = {(s, m, p) for s in scales for m in ("multiply", "exponent") for p in _P_FORMATS}
+        grid |= {(1.0, "dynamic", p) for p in ("e4m3", "e4m3fnuz", "e5m2", "e2m1")}
+    elif group == "walk":
+        grid = {(o, b) for o in ("forward", "reverse") for b in _TILES}
+    elif group == "split":
+        grid = {(1, "contiguous")} | {(n, lay) for n in _SPLITS for lay in ("contiguous", "strided")}
+    elif group == "rescale":
+        grid = {(0.0, "log2", "none")} | {(t, u, c) for t in _TAUS for u in ("log2", "natural")
+                                          for c in ("none", "pow2")}
+    elif group == "sink":
+        grid = {("epilogue",), ("init_max",), ("block_max",)}
+    else:
+        grid = {("f32", 0, 0.0), ("f16", 0, 0.0), ("f16", 32, 0.0)}
+    return sorted(grid | seen, key=repr)
+
+
+def _variant(cfg: KernelConfig, group: str, values: tuple) -> KernelConfig | None:
+    """``cfg`` with one group's fields set to ``values`` (None when that combination is not a valid config)."""
+    changes = dict(zip(GROUPS[group], values))
+    if group == "rescale" and changes["rescale_compensation"] == "pow2":
+        # keep the P scale the kernel applies: S·2^-τ is what the ladder read
+        changes["scale"] = cfg.effective_scale * 2.0 ** changes["rescale_threshold"]
+    if group == "cast" and cfg.rescale_compensation == "pow2":
+        changes["scale"] = changes["scale"] * 2.0**cfg.rescale_threshold
+    try:
+        return dataclasses.replace(cfg, name="", **changes)
+    except PcastError:
+        return None
+
+
+@functools.lru_cache(maxsize=8)
+def _inputs(key: tuple) -> dict:
+    """Logits (F, H, T, N) and values (F, H, N, D) of the probes ``key`` names, and the ladder part."""
+    from pcast_jax import engine
+
+    head_dim, scale, causal, sinks, seed = key
+    ps = probes(head_dim, scale=scale, causal=causal, sinks=sinks, seed=seed)
+    q, k, v = (np.moveaxis(a, 2, 1) for a in (ps.q, ps.k, ps.v))  # (F, H, len, D)
+    scores, v_seen = engine.prepare_qkv(q, k, v, KernelConfig(), scale=ps.scale)
+    sink = None if ps.sinks is None else ps.sinks
+    return {"all": (scores, v_seen, sink),
+            "ladder": (scores[:1, :1], v_seen[:1, :1], None if sink is None else sink[:1])}
+
+
+_SIM_CACHE: dict = {}
+_MISSING = object()
+_SIM_CACHE_MAX = 4096
+
+
+def _simulate(key: tuple, part: str, cfg: KernelConfig) -> np.ndarray | None:
+    """The candidate's output on the probes (F, H, T, D) (or the ladder part), cached; None when the
+    simulator refuses it (a non-finite output)."""
+    from pcast_jax import engine
+
+    ck = (key, part, cfg)
+    hit = _SIM_CACHE.get(ck)
+    if hit is None:
+        scores, v, sink = _inputs(key)[part]
+        try:
+            hit = np.asarray(engine.attention(scores, v, cfg, sink_logit=sink).out)
+        except PcastError:  # an f16 accumulator that overflows on the probes
+            hit = None
+        if len(_SIM_CACHE) >= _SIM_CACHE_MAX:
+            _SIM_CACHE.pop(next(iter(_SIM_CACHE)))
+        _SIM_CACHE[ck] = hit
+    return hit
+
+
+def check_outputs(ps: ProbeSet, outputs, *, what: str = "outputs") -> np.ndarray:
+    """The kernel's outputs on ``ps`` as float32 (F, T, H, D); PcastError naming ``what`` otherwise."""
+    try:
+        out = np.asarray(outputs)
+    except Exception as exc:  # noqa: BLE001 - anything that is not an array
+        raise PcastError(f"{what} is not an array ({exc})") from None
+    if out.dtype.kind != "f" and str(out.dtype) != "bfloat16":
+        raise PcastError(f"{what}.dtype={out.dtype} must be a floating-point type (the attention output)")
+    if out.shape != ps.out_shape:
+        raise PcastError(f"{what}.shape={out.shape} must be the probes' query shape {ps.out_shape} "
+                         "(batch, tokens, heads, head_dim)")
+    out = out.astype(np.float32)
+    bad = ~np.isfinite(out)
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise PcastError(f"{what} holds {int(bad.sum())} NaN or inf values (first at {idx}, probe family "
+                         f"{FAMILIES[idx[0]]!r}): a kernel's output on the probes must be finite")
+    return out
+
+
+def _relative_errors(out: np.ndarray, sim: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per family: Σ r² and the count of elements where either side is nonzero, r = |o − s| / (|o| + |s|).
+
+    Each output element weighs alike, whatever its size: a probability read at e^-17 that the cast
+    zeroed counts as much as the dominant key's (r = 1 where one side is 0 and the other is not).
+    """
+    o, s = out.astype(np.float64), sim.astype(np.float64)
+    den = np.abs(o) + np.abs(s)
+    live = den > 0
+    r = np.where(live, np.abs(o - s) / np.where(live, den, 1.0), 0.0)
+    axes = tuple(range(1, o.ndim))
+    return np.sum(r * r, axis=axes), np.sum(live, axis=axes)
+
+
+class _Scorer:
+    """Residuals of candidates against one set of outputs, per probe family: the RMS relative error
+    over the output elements either side holds nonzero (:func:`_relative_errors`)."""
+
+    def __init__(self, ps: ProbeSet, out: np.ndarray):
+        self.key = ps.key
+        self.out = {"all": np.moveaxis(out, 2, 1), "ladder": np.moveaxis(out, 2, 1)[:1, :1]}
+        self.seen: dict[KernelConfig, tuple[float, np.ndarray]] = {}
+
+    def _errors(self, cfg: KernelConfig, part: str):
+        sim = _simulate(self.key, part, cfg)
+        if sim is None:  # the candidate's own output is not finite here: it cannot be the kernel
+            n = self.out[part].shape[0]
+            return np.ones(n), np.ones(n)
+        return _relative_errors(self.out[part], sim)
+
+    def residual(self, cfg: KernelConfig, part: str = "all") -> float:
+        if part == "all" and cfg in self.seen:
+            return self.seen[cfg][0]
+        sq, n = self._errors(cfg, part)
+        r = math.sqrt(float(sq.sum()) / max(int(n.sum()), 1))
+        if part == "all":
+            self.seen[cfg] = (r, np.sqrt(sq / np.maximum(n, 1)))
+        return r
+
+    def family_residuals(self, cfg: KernelConfig) -> np.ndarray:
+        self.residual(cfg)
+        return self.seen[cfg][1]
+
+
+def _blocks(cfg: KernelConfig) -> int:
+    return -(-N_KEYS // cfg.block_kv)
+
+
+def _group_candidates(best: KernelConfig, group: str, values=None) -> list[KernelConfig]:
+    out = []
+    for vals in values if values is not None else candidate_values(group):
+        if group == "split" and vals[0] > _blocks(best):
+            continue  # more splits than blocks: each runs one block, as kv_splits = n_blocks does
+        cfg = _variant(best, group, vals)
+        if cfg is not None and cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def _search(scorer: _Scorer, best: KernelConfig, group: str, values=None) -> KernelConfig:
+    cands = _group_candidates(best, group, values) + [best]
+    return min(cands, key=lambda c: (scorer.residual(c), _simplicity(c)))
+
+
+def _simplicity(cfg: KernelConfig) -> tuple:
+    """Ties go to the plainer config: defaults first, then smaller numbers."""
+    default = KernelConfig(causal=cfg.causal)
+    return (sum(getattr(cfg, f) != getattr(default, f) for f in FIELDS), cfg.kv_splits, cfg.rescale_threshold,
+            repr(cfg))
+
+
+def fit(ps: ProbeSet, outputs, *, calls: int = 0, seconds_calls: float = 0.0) -> Fingerprint:
+    """The P-cast fields that reproduce ``outputs``, a kernel's output on the probes ``ps``.
+
+    Args:
+      ps: the probes (:func:`pcast_jax.fingerprint.probes`).
+      outputs: the kernel's output on them, (batch, tokens, heads, head_dim) as the queries.
+      calls: how many black-box calls produced ``outputs`` (reported).
+      seconds_calls: seconds those calls took (reported).
+
+    Raises:
+      PcastError: outputs of the wrong shape or dtype, non-finite outputs, or outputs that fit no
+        candidate (best residual above :data:`FIT_LIMIT`; the message names it and the best config).
+    """
+    if not isinstance(ps, ProbeSet):
+        raise PcastError(f"probes={type(ps).__name__} must be a ProbeSet (pcast_jax.fingerprint.probes)")
+    t0 = time.perf_counter()
+    out = check_outputs(ps, outputs)
+    scorer = _Scorer(ps, out)
+    groups = [g for g in GROUPS if g != "sink" or ps.sinks is not None]
+    start = KernelConfig(causal=ps.causal)
+    cast = sorted(_group_candidates(start, "cast", _read_cast(ps, out)),
+                  key=lambda c: (scorer.residual(c, "ladder"), _simplicity(c)))
+    kept = [tuple(getattr(c, f) for f in GROUPS["cast"]) for c in cast[:CAST_KEPT]]
+    best = cast[0]
+    for _ in range(2):
+        for group in groups:
+            best = _search(scorer, best, group, kept if group == "cast" else None)
+    best_r = scorer.residual(best)
+    if best_r > FIT_LIMIT:
+        raise PcastError(f"outputs fit no candidate: the best residual is {best_r:.3g} (> {FIT_LIMIT:g}) for "
+                         f"{best.to_string()}; the kernel does something the candidates do not model")
+    fields: dict[str, FieldEvidence] = {}
+    tol = tolerance(best_r)
+    runner_cfg, runner_r = None, math.inf
+    for group in groups:
+        cands = _group_candidates(best, group, kept if group == "cast" else None)
+        for field in GROUPS[group]:
+            fields[field] = _evidence(scorer, best, cands, field, tol)
+        for c in cands:
+            r = scorer.residual(c)
+            if c != best and r < runner_r:
+                runner_cfg, runner_r = c, r
+    for field in FIELDS:
+        if field not in fields:  # sink_mode without sinks in the probes
+            fields[field] = FieldEvidence(field=field, value=getattr(best, field), determined=False,
+                                          candidates=tuple(sorted({c[0] for c in candidate_values("sink")})),
+                                          probe="", residual=best_r, runner_up=None, runner_up_residual=math.inf,
+                                          note="not probed: the probes have no learned sink (sinks=False)")
+    return Fingerprint(config=best, fields=fields, residual=best_r, runner_up=runner_cfg,
+                       runner_up_residual=runner_r, calls=calls, seconds_calls=seconds_calls,
+                       seconds_fit=time.perf_counter() - t0, candidates=len(scorer.seen),
+                       probe_key=ps.key)
+
+
+def _read_cast(ps: ProbeSet, out: np.ndarray) -> list[tuple]:
+    """The ``cast`` candidates whose S agrees with where the ladder's values stop surviving.
+
+    A ladder key at Δ below the row's max survives an element format's cast iff e^-Δ·S exceeds the
+    format's round-to-zero bound r (2^-10 for E4M3): the surviving and the collapsed reads bracket S
+    between r·e^Δ_survived and r·e^Δ_collapsed (a factor 2 of slack either side). Block-scaled formats
+    take their own scale per block, so their S is kept from the registry and the grid's 1.
+    """
+    from pcast_jax import numberline
+
+    scores = np.asarray(_inputs(ps.key)["ladder"][0])[0, 0]  # (T, N)
+    z = scores[:, :LADDER_KEYS] - scores[:, :1]  # Δ = −z ≥ 0
+    alive = np.abs(out[0, :, 0, :LADDER_KEYS]) > 0
+    delta = -z[:, 1:].astype(np.float64)
+    surv, dead = delta[alive[:, 1:]], delta[~alive[:, 1:]]
+    registry = {(c.scale, c.p_format) for c in _registry().values()}
+    keep = []
+    for vals in candidate_values("cast"):
+        scale, mode, fmt = vals
+        bf = numberline.BLOCK_FORMATS.get(fmt)
+        if mode == "dynamic":
+            keep.append(vals)
+            continue
+        if bf is not None:
+            if scale == 1.0 or (scale, fmt) in registry:
+                keep.append(vals)
+            continue
+        r = numberline.get_format(fmt).round_to_zero
+        lo = r * math.exp(surv.max()) / 2 if surv.size else 0.0
+        hi = r * math.exp(dead.min()) * 2 if dead.size else math.inf
+        if lo <= scale <= hi:
+            keep.append(vals)
+    return keep
+
+
+def _evidence(scorer: _Scorer, best: KernelConfig, cands: list[KernelConfig], field: str,
+              tol: float) -> FieldEvidence:
+    value = getattr(best, field)
+    best_r = scorer.residual(best)
+    left = {value}
+    runner, runner_r = None, math.inf
+    for c in cands:
+        other = getattr(c, field)
+        if other == value:
+            continue
+        r = scorer.residual(c)
+        if r <= tol:
+            left.add(other)
+        if r < runner_r:
+            runner, runner_r = c, r
+    probe = ""
+    if runner is not None:
+        gap = np.abs(scorer.family_residuals(runner) - scorer.family_residuals(best))
+        probe = FAMILIES[int(np.argmax(gap))]
+    note = ""
+    if field == "kv_splits" and value == _blocks(best):
+        more = {n for n, _ in candidate_values("split") if n > value}
+        if more:
+            left |= more
+            note = f"every split count from {value} runs one block of the probes' {value} per split"
+    return FieldEvidence(field=field, value=value, determined=len(left) == 1, note=note,
+                         candidates=tuple(sorted(left, key=repr)), probe=probe, residual=best_r,
+                         runner_up=None if runner is None else getattr(runner, field), runner_up_residual=runner_r)
+
+
+def identify(fn: Callable, *, head_dim: int, scale: float | None = None, causal: bool = False, sinks: bool = False,
+             seed: int = 0, max_calls: int = 4) -> Fingerprint:
+    """Reads a black-box FP8 attention's P-cast from its outputs on designed probes.
+
+    Args:
+      fn: ``fn(q, k, v)`` (or ``fn(q, k, v, sinks)`` with ``sinks=True``) returning
+        softmax(scale·q·kᵀ)·v as the kernel computes it, all in ``jax.nn``'s (batch, tokens, heads,
+        dim) layout; it gets NumPy float32 arrays and may return any array type NumPy reads.
+      head_dim: the kernel's head dim.
+      scale: the softmax scale ``fn`` applies (``jax.nn``'s 1/√head_dim when None).
+      causal: ``fn`` masks causally (bottom-right aligned).
+      sinks: ``fn`` takes learned sink logits, one per head.
+      seed: the probes' seed.
+      max_calls: most calls of ``fn`` allowed (the probes go in one batched call).
+
+    Returns:
+      A :class:`~pcast_jax.fingerprint.Fingerprint`: the config, each field's evidence, the residuals.
+    """
+    max_calls = check_int("max_calls", max_calls, min_value=1)
+    if not callable(fn):
+        raise PcastError(f"fn={fn!r} must be callable as fn(q, k, v){' or fn(q, k, v, sinks)' if sinks else ''}")
+    ps = probes(head_dim, scale=scale, causal=causal, sinks=sinks, seed=seed)
+    t0 = time.perf_counter()
+    out = fn(*ps.arrays())
+    out = np.asarray(out)
+    seconds = time.perf_counter() - t0
+    return fit(ps, out, calls=1, seconds_calls=seconds)
+
+
+
+def simulate_outputs(ps: ProbeSet, config) -> np.ndarray:
+    """A config's (or preset's) output on the probes, in their (batch, tokens, heads, dim) layout."""
+    from pcast_jax import engine
+    from pcast_jax.config import resolve
+
+    cfg = resolve(config)
+    q, k, v = (np.moveaxis(a, 2, 1) for a in (ps.q, ps.k, ps.v))
+    out = engine.attention_qkv(q, k, v, cfg, scale=ps.scale, sink_logit=ps.sinks).out
+    return np.moveaxis(np.asarray(out), 1, 2)
+
+
+def explain_preset(name: str, *, head_dim: int = 64, sinks: bool = False) -> Fingerprint:
+    """The fit of preset ``name``'s own simulated outputs (its tile for ``head_dim``): which of its
+    fields the probes decide and which they leave open."""
+    from pcast_jax.config import preset_for
+
+    cfg = dataclasses.replace(preset_for(name, head_dim), causal=False)
+    ps = probes(head_dim, sinks=sinks)
+    return fit(ps, simulate_outputs(ps, cfg), calls=0)
