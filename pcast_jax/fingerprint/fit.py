@@ -1,8 +1,9 @@
 """Fit a kernel's P-cast to its outputs on the probes: candidate configs through the simulator.
 
 Each candidate is a :class:`~pcast_jax.config.KernelConfig` run by :func:`pcast_jax.engine.attention`
-on the probes' logits; its residual is ‖out − sim‖ / ‖out‖ over the probe rows. The fields are
-searched in groups, each group's candidates crossed while the other fields stay at the best so far:
+on the probes' logits; its residual is the RMS of |o − s| / (|o| + |s|) over the output elements
+either side holds nonzero, so a probability read at e^-17 weighs as much as the dominant key's. The
+fields are searched in groups, each group's candidates crossed while the other fields stay at the best so far:
 
 ========================  ================================================  =====================
 group                     fields                                            first decided by
@@ -15,10 +16,17 @@ group                     fields                                            firs
 ``accumulator``           accumulator, f16_round_keys, v_channel_max        every row
 ========================  ================================================  =====================
 
-Then every group is searched again around the best, and each field's evidence is read from the
-candidates of its group: the best residual among those with another value of the field (the
-runner-up) and which probe family it missed most. A value whose candidate fits within
+The ``cast`` group is first decided on the ``ladder`` rows alone (every tile, order and split
+gives them the same output), its best candidates kept; then each pass searches ``walk``, ``split``,
+``rescale``, ``sink``, ``accumulator`` and ``cast`` in turn, twice. Then every group is searched
+again around the best, and each field's evidence is read from the candidates of its group: the best
+residual among those with another value of the field (the runner-up) and which probe family it
+missed most. A value whose candidate fits within
 :func:`tolerance` of the best stays a candidate: a field with more than one is *undetermined*.
+
+The ``walk`` group is first narrowed by a read: the tiles whose predicted collapse pattern best
+matches the ``walk`` rows (:func:`_read_walk`), :data:`WALK_KEPT` of them in both orders, are the
+ones simulated; the others are ruled out by that read alone.
 
 Candidate values are a grid (powers of two for S, tiles in steps of 16 up to 256, 1–16 splits, τ
 of 0.75–8) joined with every value a preset in :data:`pcast_jax.presets.PRESETS` uses, so a preset
@@ -38,11 +46,12 @@ import math
 import time
 from collections.abc import Callable
 
+import ml_dtypes
 import numpy as np
 
 from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError, check_int
-from pcast_jax.fingerprint.probes import FAMILIES, LADDER_KEYS, N_KEYS, ProbeSet, probes
+from pcast_jax.fingerprint.probes import FAMILIES, LADDER_KEYS, N_KEYS, ROWS, SEGMENTS, ProbeSet, probes
 from pcast_jax.fingerprint.result import FieldEvidence, Fingerprint
 
 __all__ = ["identify", "fit", "check_outputs", "simulate_outputs", "explain_preset", "GROUPS", "FIELDS", "FIT_LIMIT",
@@ -64,6 +73,8 @@ FIT_LIMIT = 0.05
 RESIDUAL_FLOOR = 1e-5
 #: Candidates of the ``cast`` group kept (by their ladder residual) for the search over every row.
 CAST_KEPT = 12
+#: Tiles kept (in both orders) by the ``walk`` rows' collapse pattern for simulation.
+WALK_KEPT = 4
 
 _P_FORMATS = ("e4m3", "e4m3fnuz", "e5m2", "mxfp8", "nvfp4", "mxfp4", "e2m1")
 _TILES = tuple(range(16, 257, 16))
@@ -87,7 +98,7 @@ def candidate_values(group: str) -> list[tuple]:
     fields = GROUPS[group]
     seen = {tuple(getattr(c, f) for f in fields) for c in _registry().values()}
     if group == "cast":
-        scales = sorted({2.0**k for k in range(-2, 13)} | {c.scale for c in _registry().values()})
+        scales = sorted({2.0**k for k in range(-8, 13)} | {c.scale for c in _registry().values()})
         grid = {(s, m, p) for s in scales for m in ("multiply", "exponent") for p in _P_FORMATS}
         grid |= {(1.0, "dynamic", p) for p in ("e4m3", "e4m3fnuz", "e5m2", "e2m1")}
     elif group == "walk":
@@ -137,23 +148,62 @@ _MISSING = object()
 _SIM_CACHE_MAX = 4096
 
 
-def _simulate(key: tuple, part: str, cfg: KernelConfig) -> np.ndarray | None:
-    """The candidate's output on the probes (F, H, T, D) (or the ladder part), cached; None when the
-    simulator refuses it (a non-finite output)."""
+@functools.cache
+def _compiled():
+    import jax
+
+    from pcast_jax import engine
+
+    return jax.jit(lambda scores, v, sink, cfg: engine.attention(scores, v, cfg, sink_logit=sink).out,
+                   static_argnames="cfg")
+
+
+def _simulate(key: tuple, part: str, cfg: KernelConfig, *, compiled: bool = False) -> np.ndarray | None:
+    """The candidate's output on the probes (F, H, T, D) (or the ladder part), cached; None when it is
+    not finite (an f16 accumulator that overflows).
+
+    ``compiled``: one program for this config (cheaper where the config brings shapes no candidate had:
+    another tile or split count); else op by op, whose compiled operations every config of the same
+    shapes reuses.
+    """
     from pcast_jax import engine
 
     ck = (key, part, cfg)
-    hit = _SIM_CACHE.get(ck)
-    if hit is None:
+    hit = _SIM_CACHE.get(ck, _MISSING)
+    if hit is _MISSING:
         scores, v, sink = _inputs(key)[part]
         try:
-            hit = np.asarray(engine.attention(scores, v, cfg, sink_logit=sink).out)
-        except PcastError:  # an f16 accumulator that overflows on the probes
+            if compiled:
+                hit = np.asarray(_compiled()(scores, v, sink, cfg=cfg))
+            else:
+                hit = np.asarray(engine.attention(scores, v, cfg, sink_logit=sink).out)
+        except PcastError:
+            hit = None
+        if hit is not None and not np.all(np.isfinite(hit)):
             hit = None
         if len(_SIM_CACHE) >= _SIM_CACHE_MAX:
             _SIM_CACHE.pop(next(iter(_SIM_CACHE)))
         _SIM_CACHE[ck] = hit
     return hit
+
+
+#: Output types a kernel may return, by name: the simulated outputs are rounded to it before comparing.
+OUTPUT_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
+                 "e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
+
+
+def output_dtype_name(dtype) -> str:
+    """The :data:`OUTPUT_DTYPES` name of ``dtype`` (a name or a dtype); PcastError naming ``output_dtype``."""
+    if isinstance(dtype, str) and dtype in OUTPUT_DTYPES:
+        return dtype
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    for name, known in OUTPUT_DTYPES.items():
+        if dt == np.dtype(known):
+            return name
+    raise PcastError(f"output_dtype={dtype!r} is not one of {', '.join(OUTPUT_DTYPES)}")
 
 
 def check_outputs(ps: ProbeSet, outputs, *, what: str = "outputs") -> np.ndarray:
@@ -162,7 +212,7 @@ def check_outputs(ps: ProbeSet, outputs, *, what: str = "outputs") -> np.ndarray
         out = np.asarray(outputs)
     except Exception as exc:  # noqa: BLE001 - anything that is not an array
         raise PcastError(f"{what} is not an array ({exc})") from None
-    if out.dtype.kind != "f" and str(out.dtype) != "bfloat16":
+    if out.dtype.kind != "f" and out.dtype not in [np.dtype(d) for d in OUTPUT_DTYPES.values()]:
         raise PcastError(f"{what}.dtype={out.dtype} must be a floating-point type (the attention output)")
     if out.shape != ps.out_shape:
         raise PcastError(f"{what}.shape={out.shape} must be the probes' query shape {ps.out_shape} "
@@ -194,16 +244,23 @@ class _Scorer:
     """Residuals of candidates against one set of outputs, per probe family: the RMS relative error
     over the output elements either side holds nonzero (:func:`_relative_errors`)."""
 
-    def __init__(self, ps: ProbeSet, out: np.ndarray):
+    def __init__(self, ps: ProbeSet, out: np.ndarray, output_dtype: str = "float32"):
         self.key = ps.key
+        self.dtype = OUTPUT_DTYPES[output_dtype]
         self.out = {"all": np.moveaxis(out, 2, 1), "ladder": np.moveaxis(out, 2, 1)[:1, :1]}
         self.seen: dict[KernelConfig, tuple[float, np.ndarray]] = {}
+        self.base: KernelConfig | None = None  # the search's shapes so far: other shapes are compiled whole
 
     def _errors(self, cfg: KernelConfig, part: str):
-        sim = _simulate(self.key, part, cfg)
+        base = self.base
+        compiled = base is not None and (cfg.block_kv, cfg.kv_splits) != (base.block_kv, base.kv_splits)
+        sim = _simulate(self.key, part, cfg, compiled=compiled)
         if sim is None:  # the candidate's own output is not finite here: it cannot be the kernel
             n = self.out[part].shape[0]
             return np.ones(n), np.ones(n)
+        if self.dtype is not np.float32:  # the kernel's output type, rounded as it rounds
+            top = float(ml_dtypes.finfo(self.dtype).max)
+            sim = np.clip(sim, -top, top).astype(self.dtype).astype(np.float32)
         return _relative_errors(self.out[part], sim)
 
     def residual(self, cfg: KernelConfig, part: str = "all") -> float:
@@ -236,6 +293,7 @@ def _group_candidates(best: KernelConfig, group: str, values=None) -> list[Kerne
 
 
 def _search(scorer: _Scorer, best: KernelConfig, group: str, values=None) -> KernelConfig:
+    scorer.base = best
     cands = _group_candidates(best, group, values) + [best]
     return min(cands, key=lambda c: (scorer.residual(c), _simplicity(c)))
 
@@ -247,12 +305,15 @@ def _simplicity(cfg: KernelConfig) -> tuple:
             repr(cfg))
 
 
-def fit(ps: ProbeSet, outputs, *, calls: int = 0, seconds_calls: float = 0.0) -> Fingerprint:
+def fit(ps: ProbeSet, outputs, *, output_dtype=None, calls: int = 0, seconds_calls: float = 0.0) -> Fingerprint:
     """The P-cast fields that reproduce ``outputs``, a kernel's output on the probes ``ps``.
 
     Args:
       ps: the probes (:func:`pcast_jax.fingerprint.probes`).
       outputs: the kernel's output on them, (batch, tokens, heads, head_dim) as the queries.
+      output_dtype: the type the kernel returned its output in (:data:`OUTPUT_DTYPES`: ``"bfloat16"``,
+        ``"float16"``, ``"e4m3"`` …): each candidate's output is rounded to it before comparing.
+        Default: ``outputs``' own dtype when it is one of those, else float32.
       calls: how many black-box calls produced ``outputs`` (reported).
       seconds_calls: seconds those calls took (reported).
 
@@ -263,17 +324,27 @@ def fit(ps: ProbeSet, outputs, *, calls: int = 0, seconds_calls: float = 0.0) ->
     if not isinstance(ps, ProbeSet):
         raise PcastError(f"probes={type(ps).__name__} must be a ProbeSet (pcast_jax.fingerprint.probes)")
     t0 = time.perf_counter()
+    if output_dtype is None:
+        dt = getattr(outputs, "dtype", None)
+        names = [n for n, d in OUTPUT_DTYPES.items() if dt is not None and np.dtype(dt) == np.dtype(d)]
+        output_dtype = names[0] if names else "float32"
+    output_dtype = output_dtype_name(output_dtype)
     out = check_outputs(ps, outputs)
-    scorer = _Scorer(ps, out)
+    scorer = _Scorer(ps, out, output_dtype)
     groups = [g for g in GROUPS if g != "sink" or ps.sinks is not None]
+    passes = groups[1:] + groups[:1]  # the cast read from the ladder first, searched again on every row last
     start = KernelConfig(causal=ps.causal)
-    cast = sorted(_group_candidates(start, "cast", _read_cast(ps, out)),
+    # the reads count zeros: an 8-bit output type zeroes small outputs itself, so they are not made
+    reads = np.dtype(OUTPUT_DTYPES[output_dtype]).itemsize > 1
+    cast = sorted(_group_candidates(start, "cast", _read_cast(ps, out) if reads else None),
                   key=lambda c: (scorer.residual(c, "ladder"), _simplicity(c)))
     kept = [tuple(getattr(c, f) for f in GROUPS["cast"]) for c in cast[:CAST_KEPT]]
     best = cast[0]
+    walk = _read_walk(ps, out) if reads else None
+    kept_values = {"cast": kept, "walk": walk}
     for _ in range(2):
-        for group in groups:
-            best = _search(scorer, best, group, kept if group == "cast" else None)
+        for group in passes:
+            best = _search(scorer, best, group, kept_values.get(group))
     best_r = scorer.residual(best)
     if best_r > FIT_LIMIT:
         raise PcastError(f"outputs fit no candidate: the best residual is {best_r:.3g} (> {FIT_LIMIT:g}) for "
@@ -281,8 +352,9 @@ def fit(ps: ProbeSet, outputs, *, calls: int = 0, seconds_calls: float = 0.0) ->
     fields: dict[str, FieldEvidence] = {}
     tol = tolerance(best_r)
     runner_cfg, runner_r = None, math.inf
+    scorer.base = best
     for group in groups:
-        cands = _group_candidates(best, group, kept if group == "cast" else None)
+        cands = _group_candidates(best, group, kept_values.get(group))
         for field in GROUPS[group]:
             fields[field] = _evidence(scorer, best, cands, field, tol)
         for c in cands:
@@ -336,6 +408,45 @@ def _read_cast(ps: ProbeSet, out: np.ndarray) -> list[tuple]:
     return keep
 
 
+def _read_walk(ps: ProbeSet, out: np.ndarray) -> list[tuple] | None:
+    """The ``walk`` candidates (order, tile) whose collapse pattern best matches the ``walk`` rows, or
+    None when those rows show no collapse (a scale so large, or a dynamic one, that nothing is zeroed).
+
+    In a walk row with readers at Δ_R = 17 below the dominant segment s, a reader segment reads 0 when
+    the cast saw the dominant's max: in forward order every key from the start of s's block on, in
+    reverse order every key up to the end of it. Each (order, tile) predicts that pattern; the
+    :data:`WALK_KEPT` tiles with the fewest mismatches, in both orders, are simulated.
+    """
+    rows = np.arange(1, ROWS, 2)  # Δ_R = 17
+    seg = rows // 2
+    width = N_KEYS // SEGMENTS
+    observed = out[1, rows, 0, :SEGMENTS] == 0  # (rows, segments)
+    others = np.arange(SEGMENTS)[None, :] != seg[:, None]
+    if not observed[others].any():
+        return None
+    first = np.arange(SEGMENTS) * width
+    last = first + width - 1
+    if ps.causal:  # keys past a row's position are masked: they read 0 in any config
+        visible_to = N_KEYS - ROWS + rows
+        masked = first[None, :] > visible_to[:, None]
+    else:
+        masked = np.zeros_like(observed)
+    scored = []
+    for order, tile in candidate_values("walk"):
+        start = (seg * width // tile) * tile
+        if order == "forward":
+            zero = first[None, :] >= start[:, None]
+        else:
+            zero = last[None, :] <= (start + tile - 1)[:, None]
+        scored.append((int(np.sum((zero | masked) != observed, where=others)), tile))
+    ranked = sorted(set(scored))
+    tiles = []
+    for _, tile in ranked:
+        if tile not in tiles:
+            tiles.append(tile)
+    return [(o, t) for t in tiles[:WALK_KEPT] for o in ("forward", "reverse")]
+
+
 def _evidence(scorer: _Scorer, best: KernelConfig, cands: list[KernelConfig], field: str,
               tol: float) -> FieldEvidence:
     value = getattr(best, field)
@@ -367,7 +478,7 @@ def _evidence(scorer: _Scorer, best: KernelConfig, cands: list[KernelConfig], fi
 
 
 def identify(fn: Callable, *, head_dim: int, scale: float | None = None, causal: bool = False, sinks: bool = False,
-             seed: int = 0, max_calls: int = 4) -> Fingerprint:
+             seed: int = 0, output_dtype=None, max_calls: int = 4) -> Fingerprint:
     """Reads a black-box FP8 attention's P-cast from its outputs on designed probes.
 
     Args:
@@ -379,6 +490,7 @@ def identify(fn: Callable, *, head_dim: int, scale: float | None = None, causal:
       causal: ``fn`` masks causally (bottom-right aligned).
       sinks: ``fn`` takes learned sink logits, one per head.
       seed: the probes' seed.
+      output_dtype: the type ``fn`` rounds its output to (see :func:`fit`; default: what it returns).
       max_calls: most calls of ``fn`` allowed (the probes go in one batched call).
 
     Returns:
@@ -390,9 +502,12 @@ def identify(fn: Callable, *, head_dim: int, scale: float | None = None, causal:
     ps = probes(head_dim, scale=scale, causal=causal, sinks=sinks, seed=seed)
     t0 = time.perf_counter()
     out = fn(*ps.arrays())
-    out = np.asarray(out)
+    try:
+        out = np.asarray(out)
+    except Exception as exc:  # noqa: BLE001 - whatever fn returned
+        raise PcastError(f"outputs: fn returned {type(out).__name__}, not an array ({exc})") from None
     seconds = time.perf_counter() - t0
-    return fit(ps, out, calls=1, seconds_calls=seconds)
+    return fit(ps, out, output_dtype=output_dtype, calls=1, seconds_calls=seconds)
 
 
 
