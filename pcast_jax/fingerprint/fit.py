@@ -18,7 +18,8 @@ group                     fields                                            firs
 
 The ``cast`` group is first decided on the ``ladder`` rows alone (every tile, order and split
 gives them the same output), its best candidates kept; then each pass searches ``walk``, ``split``,
-``rescale``, ``sink``, ``accumulator`` and ``cast`` in turn, twice. Then every group is searched
+``rescale``, ``sink``, ``accumulator`` and ``cast`` in turn, twice (once when the first pass fits
+exactly). Then every group is searched
 again around the best, and each field's evidence is read from the candidates of its group: the best
 residual among those with another value of the field (the runner-up) and which probe family it
 missed most. A value whose candidate fits within
@@ -294,8 +295,9 @@ def _group_candidates(best: KernelConfig, group: str, values=None) -> list[Kerne
 
 def _search(scorer: _Scorer, best: KernelConfig, group: str, values=None) -> KernelConfig:
     scorer.base = best
-    cands = _group_candidates(best, group, values) + [best]
-    return min(cands, key=lambda c: (scorer.residual(c), _simplicity(c)))
+    cands = [best] + _group_candidates(best, group, values)
+    # a tie keeps the config the search holds (its neighbours are simulated already), else the plainer
+    return min(cands, key=lambda c: (scorer.residual(c), c != best, _simplicity(c)))
 
 
 def _simplicity(cfg: KernelConfig) -> tuple:
@@ -345,6 +347,8 @@ def fit(ps: ProbeSet, outputs, *, output_dtype=None, calls: int = 0, seconds_cal
     for _ in range(2):
         for group in passes:
             best = _search(scorer, best, group, kept_values.get(group))
+        if scorer.residual(best) <= RESIDUAL_FLOOR:  # an exact fit: a second pass would find it again
+            break
     best_r = scorer.residual(best)
     if best_r > FIT_LIMIT:
         raise PcastError(f"outputs fit no candidate: the best residual is {best_r:.3g} (> {FIT_LIMIT:g}) for "
