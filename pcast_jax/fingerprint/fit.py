@@ -26,7 +26,7 @@ missed most. A value whose candidate fits within
 :func:`tolerance` of the best stays a candidate: a field with more than one is *undetermined*.
 
 The ``walk`` group is first narrowed by a read: the tiles whose predicted collapse pattern best
-matches the ``walk`` rows (:func:`_read_walk`), :data:`WALK_KEPT` of them in both orders, are the
+matches the ``walk`` rows (``_read_walk``), :data:`WALK_KEPT` of them in both orders, are the
 ones simulated; the others are ruled out by that read alone.
 
 Candidate values are a grid (powers of two for S, tiles in steps of 16 up to 256, 1–16 splits, τ
@@ -34,7 +34,7 @@ of 0.75–8) joined with every value a preset in :data:`pcast_jax.presets.PRESET
 added later is among the candidates. Simulations are cached per probe set and config, so fitting
 many kernels on the same probes simulates each candidate once.
 
-Not fitted (the probes cannot see them, or :class:`KernelConfig` has no field): the kernel's own
+Not fitted (the probes cannot see them, or :class:`~pcast_jax.config.KernelConfig` has no field): the kernel's own
 Q/K/V quantization (the probes are exact in E4M3, so it is lossless), ``overflow`` (a NaN output is
 refused), the MMA accumulator model (``mma_acc_bits``), and ℓ summed from the cast P.
 """
@@ -243,7 +243,7 @@ def _relative_errors(out: np.ndarray, sim: np.ndarray) -> tuple[np.ndarray, np.n
 
 class _Scorer:
     """Residuals of candidates against one set of outputs, per probe family: the RMS relative error
-    over the output elements either side holds nonzero (:func:`_relative_errors`)."""
+    over the output elements either side holds nonzero (``_relative_errors``)."""
 
     def __init__(self, ps: ProbeSet, out: np.ndarray, output_dtype: str = "float32"):
         self.key = ps.key
@@ -311,7 +311,7 @@ def fit(ps: ProbeSet, outputs, *, output_dtype=None, calls: int = 0, seconds_cal
     """The P-cast fields that reproduce ``outputs``, a kernel's output on the probes ``ps``.
 
     Args:
-      ps: the probes (:func:`pcast_jax.fingerprint.probes`).
+      ps: the probes (:func:`pcast_jax.fingerprint.probes.probes`).
       outputs: the kernel's output on them, (batch, tokens, heads, head_dim) as the queries.
       output_dtype: the type the kernel returned its output in (:data:`OUTPUT_DTYPES`: ``"bfloat16"``,
         ``"float16"``, ``"e4m3"`` …): each candidate's output is rounded to it before comparing.
@@ -498,7 +498,7 @@ def identify(fn: Callable, *, head_dim: int, scale: float | None = None, causal:
       max_calls: most calls of ``fn`` allowed (the probes go in one batched call).
 
     Returns:
-      A :class:`~pcast_jax.fingerprint.Fingerprint`: the config, each field's evidence, the residuals.
+      A :class:`~pcast_jax.fingerprint.result.Fingerprint`: the config, each field's evidence, the residuals.
     """
     max_calls = check_int("max_calls", max_calls, min_value=1)
     if not callable(fn):

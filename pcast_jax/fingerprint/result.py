@@ -1,4 +1,4 @@
-"""What :func:`~pcast_jax.fingerprint.identify` found: the config, each field's evidence, the residuals."""
+"""What :func:`~pcast_jax.fingerprint.fit.identify` found: the config, each field's evidence, the residuals."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ __all__ = ["FieldEvidence", "Fingerprint"]
 
 @dataclasses.dataclass(frozen=True)
 class FieldEvidence:
-    """How one :class:`KernelConfig` field was decided.
+    """How one :class:`~pcast_jax.config.KernelConfig` field was decided.
 
     Attributes:
       field: the field's name.
@@ -68,7 +68,7 @@ class Fingerprint:
     """A black-box kernel's P-cast as read from its outputs on the probes.
 
     Attributes:
-      config: the :class:`KernelConfig` whose simulation fits the outputs best; usable wherever a
+      config: the :class:`~pcast_jax.config.KernelConfig` whose simulation fits the outputs best; usable wherever a
         preset is. Undetermined fields hold the plainest of their candidates.
       fields: field name → :class:`FieldEvidence`.
       residual: ‖out − sim‖ / ‖out‖ of ``config`` over every probe row.
