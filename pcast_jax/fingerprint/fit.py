@@ -20,7 +20,7 @@ The ``cast`` group is first decided on the ``ladder`` rows alone (every tile, or
 gives them the same output), its best candidates kept; then each pass searches ``walk``, ``split``,
 ``rescale``, ``sink``, ``accumulator`` and ``cast`` in turn, twice (once when the first pass fits
 exactly). Then every group is searched
-again around the best, and each field's evidence is read from the candidates of its group: the best
+again around the best, and each field's evidence is read from every group's candidates around it: the best
 residual among those with another value of the field (the runner-up) and which probe family it
 missed most. A value whose candidate fits within
 :func:`tolerance` of the best stays a candidate: a field with more than one is *undetermined*.
@@ -28,6 +28,10 @@ missed most. A value whose candidate fits within
 The ``walk`` group is first narrowed by a read: the tiles whose predicted collapse pattern best
 matches the ``walk`` rows (``_read_walk``), :data:`WALK_KEPT` of them in both orders, are the
 ones simulated; the others are ruled out by that read alone.
+
+When that search does not fit exactly, it is run again from the ladder's best candidate of each
+other scale mode and P format that fits the ladder rows alike (at most :data:`RESTARTS` more): a
+block-scaled P (MXFP8) and the per-block 2^k scale read the same on one block and part only on many.
 
 Candidate values are a grid (powers of two for S, tiles in steps of 16 up to 256, 1–16 splits, τ
 of 0.75–8) joined with every value a preset in :data:`pcast_jax.presets.PRESETS` uses, so a preset
@@ -74,6 +78,8 @@ FIT_LIMIT = 0.05
 RESIDUAL_FLOOR = 1e-5
 #: Candidates of the ``cast`` group kept (by their ladder residual) for the search over every row.
 CAST_KEPT = 12
+#: Searches started from other ladder-tied casts when the first does not fit exactly.
+RESTARTS = 2
 #: Tiles kept (in both orders) by the ``walk`` rows' collapse pattern for simulation.
 WALK_KEPT = 4
 
@@ -342,13 +348,33 @@ def fit(ps: ProbeSet, outputs, *, output_dtype=None, calls: int = 0, seconds_cal
                   key=lambda c: (scorer.residual(c, "ladder"), _simplicity(c)))
     kept = [tuple(getattr(c, f) for f in GROUPS["cast"]) for c in cast[:CAST_KEPT]]
     best = cast[0]
+    ladder_r = scorer.residual(best, "ladder")
+    if ladder_r > FIT_LIMIT:  # one block, no order, tile or split: every kernel the candidates model fits here
+        raise PcastError(f"outputs fit no candidate: the best residual on the ladder rows is {ladder_r:.3g} "
+                         f"(> {FIT_LIMIT:g}) for {best.to_string()}; the kernel does something the candidates "
+                         "do not model")
     walk = _read_walk(ps, out) if reads else None
     kept_values = {"cast": kept, "walk": walk}
-    for _ in range(2):
-        for group in passes:
-            best = _search(scorer, best, group, kept_values.get(group))
-        if scorer.residual(best) <= RESIDUAL_FLOOR:  # an exact fit: a second pass would find it again
+    # other starts: the ladder's best of each other (scale mode, P format) that fits the ladder alike
+    tied = [c for c in cast if scorer.residual(c, "ladder") <= tolerance(ladder_r)]
+    starts, classes = [], set()
+    for c in tied:
+        if (c.scale_mode, c.p_format) not in classes:
+            classes.add((c.scale_mode, c.p_format))
+            starts.append(c)
+    found = None
+    for start_cfg in starts[:1 + RESTARTS]:
+        best = start_cfg
+        for _ in range(2):
+            for group in passes:
+                best = _search(scorer, best, group, kept_values.get(group))
+            if scorer.residual(best) <= RESIDUAL_FLOOR:  # an exact fit: a second pass would find it again
+                break
+        if found is None or scorer.residual(best) < scorer.residual(found):
+            found = best
+        if scorer.residual(found) <= RESIDUAL_FLOOR:
             break
+    best = found
     best_r = scorer.residual(best)
     if best_r > FIT_LIMIT:
         raise PcastError(f"outputs fit no candidate: the best residual is {best_r:.3g} (> {FIT_LIMIT:g}) for "
@@ -357,14 +383,16 @@ def fit(ps: ProbeSet, outputs, *, output_dtype=None, calls: int = 0, seconds_cal
     tol = tolerance(best_r)
     runner_cfg, runner_r = None, math.inf
     scorer.base = best
+    cands = []
     for group in groups:
-        cands = _group_candidates(best, group, kept_values.get(group))
-        for field in GROUPS[group]:
+        cands += [c for c in _group_candidates(best, group, kept_values.get(group)) if c not in cands]
+    for group in groups:
+        for field in GROUPS[group]:  # over every group's candidates: S·2^-τ is one function of S and τ
             fields[field] = _evidence(scorer, best, cands, field, tol)
-        for c in cands:
-            r = scorer.residual(c)
-            if c != best and r < runner_r:
-                runner_cfg, runner_r = c, r
+    for c in cands:
+        r = scorer.residual(c)
+        if c != best and r < runner_r:
+            runner_cfg, runner_r = c, r
     for field in FIELDS:
         if field not in fields:  # sink_mode without sinks in the probes
             fields[field] = FieldEvidence(field=field, value=getattr(best, field), determined=False,
