@@ -56,7 +56,7 @@ MMA_FIT_BITS = (0,) + tuple(range(10, 24))
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("timing", "table2", "mma", "cudnn", "all"), default="all")
+    parser.add_argument("--part", choices=("timing", "table2", "mma", "cudnn", "fingerprint", "all"), default="all")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny sizes, interpret mode, no GPU")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384], help="N = Lq for timing")
     parser.add_argument("--tokens", type=int, default=131072, help="batch·heads·N for timing (fills the chip)")
@@ -303,11 +303,68 @@ def run_cudnn(args) -> dict:
     return results
 
 
+#: ``scale_s`` values the fingerprint step reads JAX's cuDNN FP8 attention at.
+FINGERPRINT_SCALES = (1.0, 32.0)
+
+
+def cudnn_black_box(scale_s: float, scale: float, *, stand_in: bool):
+    """``fn(q, k, v)`` running JAX's cuDNN FP8 attention on FP8 copies of the probes (BTNH layout), its
+    output as cuDNN returns it (E4M3); ``stand_in``: the ``cudnn_fp8`` preset through the simulator
+    instead, its output rounded to E4M3 likewise (the harness without a GPU)."""
+    import ml_dtypes
+
+    from pcast_jax import fingerprint
+    from pcast_jax.jax_fp8 import cudnn_config
+
+    if stand_in:
+        cfg = cudnn_config(scale_s)
+
+        def fn(q, k, v):
+            ps = fingerprint.ProbeSet(q=q, k=k, v=v, sinks=None, scale=scale, causal=False, seed=0)
+            return fingerprint.simulate_outputs(ps, cfg).astype(ml_dtypes.float8_e4m3fn)
+
+        return fn
+    from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention
+
+    def fn(q, k, v):
+        q8, k8, v8 = (jnp.asarray(x).astype(jnp.float8_e4m3fn) for x in (q, k, v))
+        out, _, _ = cudnn_attention(q8, k8, v8, fp8_params=fp8_params(scale_s), scale=scale, use_fp8=True,
+                                    qkv_layout="BTNH")
+        return np.asarray(out)
+
+    return fn
+
+
+def run_fingerprint(args) -> dict:
+    """Fingerprints JAX's cuDNN FP8 attention at ``scale_s`` 1 and 32, beside the ``cudnn_fp8`` preset's
+    assumptions (B, τ, S_eff); on CPU (``--cpu-smoke``) a simulated stand-in takes its place."""
+    from pcast_jax import fingerprint
+    from pcast_jax.jax_fp8 import cudnn_config
+
+    head_dim = 64 if args.cpu_smoke else 128
+    scale = 0.125  # a power of two: the probes' logits stay exact
+    found = {}
+    for scale_s in FINGERPRINT_SCALES:
+        fn = cudnn_black_box(scale_s, scale, stand_in=args.cpu_smoke)
+        fp = fingerprint.identify(fn, head_dim=head_dim, scale=scale)
+        want = cudnn_config(scale_s)
+        found[scale_s] = fp
+        print(f"\n== fingerprint: JAX's cuDNN FP8 attention, scale_s={scale_s:g}, head dim {head_dim}"
+              + (" (stand-in: cuDNN not run)" if args.cpu_smoke else "") + " ==")
+        print(fp.summary())
+        print(f"cudnn_fp8 preset assumes: B={want.block_kv}, tau={want.rescale_threshold:g} ({want.rescale_unit}, "
+              f"compensation {want.rescale_compensation}), sink {want.sink_mode}, S_eff={want.effective_scale:g}; "
+              f"read: B={fp.config.block_kv}, tau={fp.config.rescale_threshold:g}, "
+              f"S_eff={fp.config.effective_scale:g}")
+    return found
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
     status = 0
-    for part, fn in (("timing", run_timing), ("table2", run_table2), ("mma", run_mma), ("cudnn", run_cudnn)):
+    for part, fn in (("timing", run_timing), ("table2", run_table2), ("mma", run_mma), ("cudnn", run_cudnn),
+                     ("fingerprint", run_fingerprint)):
         if args.part in (part, "all"):
             try:
                 fn(args)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared GPU check for the Pallas FP8 kernels (Hopper: H100/H200); every step has a
-# timeout, 8 minutes in all at most (each step also runs alone: python benchmarks/gpu_bench.py --part NAME).
+# timeout, 10 minutes in all at most (each step also runs alone: python benchmarks/gpu_bench.py --part NAME).
 # Needs jax 0.11.2 with CUDA plus chex, numpy, scipy, pytest already installed; no network.
 # Run from anywhere; it works in the repository root:
 #   bash benchmarks/gpu_check.sh                 # everything
@@ -13,7 +13,8 @@
 # and the fraction of the GPU's FP32 matmul rate on the same P·V products, (e) the FP8 MMA
 # accumulator's mantissa bits fitted to the Mosaic kernel's outputs (the simulator's
 # KernelConfig.mma_acc_bits model, 14 bits by assumption until this step has run on Hopper), (f) JAX's
-# own cuDNN FP8 attention beside the cuDNN presets: which lazy-rescale threshold reproduces it.
+# own cuDNN FP8 attention beside the cuDNN presets: which lazy-rescale threshold reproduces it, (g) the
+# same attention fingerprinted from its outputs on designed probes (pcast_jax.fingerprint).
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
@@ -62,6 +63,10 @@ timeout 60 "$PY" benchmarks/gpu_bench.py --part mma $SMOKE || status=1
 echo
 echo "== (f) JAX's own FP8 attention (cuDNN) beside the cuDNN presets (tau = 0 / 4 nats) =="
 timeout 60 "$PY" benchmarks/gpu_bench.py --part cudnn $SMOKE || status=1
+
+echo
+echo "== (g) fingerprint: JAX's cuDNN FP8 attention read from its outputs (scale_s 1 and 32) =="
+timeout 120 "$PY" benchmarks/gpu_bench.py --part fingerprint $SMOKE || status=1
 
 echo
 echo "gpu_check exit status: $status"

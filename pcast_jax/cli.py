@@ -36,6 +36,7 @@ COMMANDS: dict[str, str] = {
     "kernels": "Compile the Pallas FP8 kernels for Hopper without a GPU: registers, spills, FP8 wgmma use.",
     "jax-fp8": "What JAX's own FP8 attention (cuDNN FP8 SDPA) does to P for your scale_s, head dim and sinks.",
     "doctor": "From a deployment (engine, backend, GPU, checkpoint) to its kernel, a P-collapse verdict and the fix.",
+    "fingerprint": "Read a closed kernel's P-cast from its outputs on designed probes (probe, fit, --preset).",
 }
 #: Entry-point group through which other packages add sub-commands.
 ENTRY_POINT_GROUP = "pcast_jax.commands"

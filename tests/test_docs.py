@@ -38,6 +38,7 @@ PAGE_CHECKS = {
     "docs/guides/pallas.md": "test_pallas:check_pallas_page",
     "docs/guides/kernels_2026.md": "test_kernels_2026:check_kernels_2026_page",
     "docs/guides/paper.md": "test_theory:check_paper_page",
+    "docs/guides/fingerprint.md": "test_fingerprint:check_fingerprint_page",
 }
 
 

@@ -1,0 +1,562 @@
+"""Fit a kernel's P-cast to its outputs on the probes: candidate configs through the simulator.
+
+Each candidate is a :class:`~pcast_jax.config.KernelConfig` run by :func:`pcast_jax.engine.attention`
+on the probes' logits; its residual is the RMS of |o − s| / (|o| + |s|) over the output elements
+either side holds nonzero, so a probability read at e^-17 weighs as much as the dominant key's. The
+fields are searched in groups, each group's candidates crossed while the other fields stay at the best so far:
+
+========================  ================================================  =====================
+group                     fields                                            first decided by
+========================  ================================================  =====================
+``cast``                  scale, scale_mode, p_format                       ``ladder`` rows alone
+``walk``                  order, block_kv                                   every row
+``split``                 kv_splits, split_layout                           every row
+``rescale``               rescale_threshold, rescale_unit, rescale_comp.    every row
+``sink``                  sink_mode (probes with sinks only)                every row
+``accumulator``           accumulator, f16_round_keys, v_channel_max        every row
+========================  ================================================  =====================
+
+The ``cast`` group is first decided on the ``ladder`` rows alone (every tile, order and split
+gives them the same output), its best candidates kept; then each pass searches ``walk``, ``split``,
+``rescale``, ``sink``, ``accumulator`` and ``cast`` in turn, twice (once when the first pass fits
+exactly). Then every group is searched
+again around the best, and each field's evidence is read from every group's candidates around it: the best
+residual among those with another value of the field (the runner-up) and which probe family it
+missed most. A value whose candidate fits within
+:func:`tolerance` of the best stays a candidate: a field with more than one is *undetermined*.
+
+The ``walk`` group is first narrowed by a read: the tiles whose predicted collapse pattern best
+matches the ``walk`` rows (``_read_walk``), :data:`WALK_KEPT` of them in both orders, are the
+ones simulated; the others are ruled out by that read alone.
+
+When that search does not fit exactly, it is run again from the ladder's best candidate of each
+other scale mode and P format that fits the ladder rows alike (at most :data:`RESTARTS` more): a
+block-scaled P (MXFP8) and the per-block 2^k scale read the same on one block and part only on many.
+
+Candidate values are a grid (powers of two for S, tiles in steps of 16 up to 256, 1–16 splits, τ
+of 0.75–8) joined with every value a preset in :data:`pcast_jax.presets.PRESETS` uses, so a preset
+added later is among the candidates. Simulations are cached per probe set and config, so fitting
+many kernels on the same probes simulates each candidate once.
+
+Not fitted (the probes cannot see them, or :class:`~pcast_jax.config.KernelConfig` has no field): the kernel's own
+Q/K/V quantization (the probes are exact in E4M3, so it is lossless), ``overflow`` (a NaN output is
+refused), the MMA accumulator model (``mma_acc_bits``), and ℓ summed from the cast P.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable
+
+import ml_dtypes
+import numpy as np
+
+from pcast_jax.config import KernelConfig
+from pcast_jax.errors import PcastError, check_int
+from pcast_jax.fingerprint.probes import FAMILIES, LADDER_KEYS, N_KEYS, ROWS, SEGMENTS, ProbeSet, probes
+from pcast_jax.fingerprint.result import RESIDUAL_FLOOR, FieldEvidence, Fingerprint
+
+__all__ = ["identify", "fit", "check_outputs", "simulate_outputs", "explain_preset", "GROUPS", "FIELDS", "FIT_LIMIT",
+           "tolerance", "candidate_values"]
+
+#: Field groups, searched in this order after ``cast``.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "cast": ("scale", "scale_mode", "p_format"),
+    "walk": ("order", "block_kv"),
+    "split": ("kv_splits", "split_layout"),
+    "rescale": ("rescale_threshold", "rescale_unit", "rescale_compensation"),
+    "sink": ("sink_mode",),
+    "accumulator": ("accumulator", "f16_round_keys", "v_channel_max"),
+}
+FIELDS: tuple[str, ...] = tuple(f for fields in GROUPS.values() for f in fields)
+#: Largest best residual that still counts as a fit: beyond it the outputs fit no candidate.
+FIT_LIMIT = 0.05
+#: Candidates of the ``cast`` group kept (by their ladder residual) for the search over every row.
+CAST_KEPT = 12
+#: Searches started from other ladder-tied casts when the first does not fit exactly.
+RESTARTS = 2
+#: Tiles kept (in both orders) by the ``walk`` rows' collapse pattern for simulation.
+WALK_KEPT = 4
+
+_P_FORMATS = ("e4m3", "e4m3fnuz", "e5m2", "mxfp8", "nvfp4", "mxfp4", "e2m1")
+_TILES = tuple(range(16, 257, 16))
+_SPLITS = (2, 3, 4, 6, 8, 16)
+_TAUS = (0.75, 1.0, 2.0, 4.0, 8.0)
+
+
+def tolerance(best: float) -> float:
+    """Largest residual of a candidate that fits as well as the best one (``best``): 2·best + floor."""
+    return 2.0 * best + RESIDUAL_FLOOR
+
+
+def _registry() -> dict[str, KernelConfig]:
+    from pcast_jax.presets import PRESETS
+
+    return PRESETS
+
+
+def candidate_values(group: str) -> list[tuple]:
+    """The candidate value tuples of one group's fields (:data:`GROUPS`): the grid and the registry's."""
+    fields = GROUPS[group]
+    seen = {tuple(getattr(c, f) for f in fields) for c in _registry().values()}
+    if group == "cast":
+        scales = sorted({2.0**k for k in range(-8, 13)} | {c.scale for c in _registry().values()})
+        grid = {(s, m, p) for s in scales for m in ("multiply", "exponent") for p in _P_FORMATS}
+        grid |= {(1.0, "dynamic", p) for p in ("e4m3", "e4m3fnuz", "e5m2", "e2m1")}
+    elif group == "walk":
+        grid = {(o, b) for o in ("forward", "reverse") for b in _TILES}
+    elif group == "split":
+        grid = {(1, "contiguous")} | {(n, lay) for n in _SPLITS for lay in ("contiguous", "strided")}
+    elif group == "rescale":
+        grid = {(0.0, "log2", "none")} | {(t, u, c) for t in _TAUS for u in ("log2", "natural")
+                                          for c in ("none", "pow2")}
+    elif group == "sink":
+        grid = {("epilogue",), ("init_max",), ("block_max",)}
+    else:
+        grid = {("f32", 0, 0.0), ("f16", 0, 0.0), ("f16", 32, 0.0)}
+    return sorted(grid | seen, key=repr)
+
+
+def _variant(cfg: KernelConfig, group: str, values: tuple) -> KernelConfig | None:
+    """``cfg`` with one group's fields set to ``values`` (None when that combination is not a valid config)."""
+    changes = dict(zip(GROUPS[group], values))
+    if group == "rescale" and changes["rescale_compensation"] == "pow2":
+        # keep the P scale the kernel applies: S·2^-τ is what the ladder read
+        changes["scale"] = cfg.effective_scale * 2.0 ** changes["rescale_threshold"]
+    if group == "cast" and cfg.rescale_compensation == "pow2":
+        changes["scale"] = changes["scale"] * 2.0**cfg.rescale_threshold
+    try:
+        return dataclasses.replace(cfg, name="", **changes)
+    except PcastError:
+        return None
+
+
+@functools.lru_cache(maxsize=8)
+def _inputs(key: tuple) -> dict:
+    """Logits (F, H, T, N) and values (F, H, N, D) of the probes ``key`` names, and the ladder part."""
+    from pcast_jax import engine
+
+    head_dim, scale, causal, sinks, seed = key
+    ps = probes(head_dim, scale=scale, causal=causal, sinks=sinks, seed=seed)
+    q, k, v = (np.moveaxis(a, 2, 1) for a in (ps.q, ps.k, ps.v))  # (F, H, len, D)
+    scores, v_seen = engine.prepare_qkv(q, k, v, KernelConfig(), scale=ps.scale)
+    sink = None if ps.sinks is None else ps.sinks
+    return {"all": (scores, v_seen, sink),
+            "ladder": (scores[:1, :1], v_seen[:1, :1], None if sink is None else sink[:1])}
+
+
+_SIM_CACHE: dict = {}
+_MISSING = object()
+_SIM_CACHE_MAX = 4096
+
+
+@functools.cache
+def _compiled():
+    import jax
+
+    from pcast_jax import engine
+
+    return jax.jit(lambda scores, v, sink, cfg: engine.attention(scores, v, cfg, sink_logit=sink).out,
+                   static_argnames="cfg")
+
+
+def _simulate(key: tuple, part: str, cfg: KernelConfig, *, compiled: bool = False) -> np.ndarray | None:
+    """The candidate's output on the probes (F, H, T, D) (or the ladder part), cached; None when it is
+    not finite (an f16 accumulator that overflows).
+
+    ``compiled``: one program for this config (cheaper where the config brings shapes no candidate had:
+    another tile or split count); else op by op, whose compiled operations every config of the same
+    shapes reuses.
+    """
+    from pcast_jax import engine
+
+    ck = (key, part, cfg)
+    hit = _SIM_CACHE.get(ck, _MISSING)
+    if hit is _MISSING:
+        scores, v, sink = _inputs(key)[part]
+        try:
+            if compiled:
+                hit = np.asarray(_compiled()(scores, v, sink, cfg=cfg))
+            else:
+                hit = np.asarray(engine.attention(scores, v, cfg, sink_logit=sink).out)
+        except PcastError:
+            hit = None
+        if hit is not None and not np.all(np.isfinite(hit)):
+            hit = None
+        if len(_SIM_CACHE) >= _SIM_CACHE_MAX:
+            _SIM_CACHE.pop(next(iter(_SIM_CACHE)))
+        _SIM_CACHE[ck] = hit
+    return hit
+
+
+#: Output types a kernel may return, by name: the simulated outputs are rounded to it before comparing.
+OUTPUT_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
+                 "e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
+
+
+def output_dtype_name(dtype) -> str:
+    """The :data:`OUTPUT_DTYPES` name of ``dtype`` (a name or a dtype); PcastError naming ``output_dtype``."""
+    if isinstance(dtype, str) and dtype in OUTPUT_DTYPES:
+        return dtype
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    for name, known in OUTPUT_DTYPES.items():
+        if dt == np.dtype(known):
+            return name
+    raise PcastError(f"output_dtype={dtype!r} is not one of {', '.join(OUTPUT_DTYPES)}")
+
+
+def check_outputs(ps: ProbeSet, outputs, *, what: str = "outputs") -> np.ndarray:
+    """The kernel's outputs on ``ps`` as float32 (F, T, H, D); PcastError naming ``what`` otherwise."""
+    try:
+        out = np.asarray(outputs)
+    except Exception as exc:  # noqa: BLE001 - anything that is not an array
+        raise PcastError(f"{what} is not an array ({exc})") from None
+    if out.dtype.kind != "f" and out.dtype not in [np.dtype(d) for d in OUTPUT_DTYPES.values()]:
+        raise PcastError(f"{what}.dtype={out.dtype} must be a floating-point type (the attention output)")
+    if out.shape != ps.out_shape:
+        raise PcastError(f"{what}.shape={out.shape} must be the probes' query shape {ps.out_shape} "
+                         "(batch, tokens, heads, head_dim)")
+    out = out.astype(np.float32)
+    bad = ~np.isfinite(out)
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise PcastError(f"{what} holds {int(bad.sum())} NaN or inf values (first at {idx}, probe family "
+                         f"{FAMILIES[idx[0]]!r}): a kernel's output on the probes must be finite")
+    return out
+
+
+def _relative_errors(out: np.ndarray, sim: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per family: Σ r² and the count of elements where either side is nonzero, r = |o − s| / (|o| + |s|).
+
+    Each output element weighs alike, whatever its size: a probability read at e^-17 that the cast
+    zeroed counts as much as the dominant key's (r = 1 where one side is 0 and the other is not).
+    """
+    o, s = out.astype(np.float64), sim.astype(np.float64)
+    den = np.abs(o) + np.abs(s)
+    live = den > 0
+    r = np.where(live, np.abs(o - s) / np.where(live, den, 1.0), 0.0)
+    axes = tuple(range(1, o.ndim))
+    return np.sum(r * r, axis=axes), np.sum(live, axis=axes)
+
+
+class _Scorer:
+    """Residuals of candidates against one set of outputs, per probe family: the RMS relative error
+    over the output elements either side holds nonzero (``_relative_errors``)."""
+
+    def __init__(self, ps: ProbeSet, out: np.ndarray, output_dtype: str = "float32"):
+        self.key = ps.key
+        self.dtype = OUTPUT_DTYPES[output_dtype]
+        self.out = {"all": np.moveaxis(out, 2, 1), "ladder": np.moveaxis(out, 2, 1)[:1, :1]}
+        self.seen: dict[KernelConfig, tuple[float, np.ndarray]] = {}
+        self.base: KernelConfig | None = None  # the search's shapes so far: other shapes are compiled whole
+
+    def _errors(self, cfg: KernelConfig, part: str):
+        base = self.base
+        compiled = base is not None and (cfg.block_kv, cfg.kv_splits) != (base.block_kv, base.kv_splits)
+        sim = _simulate(self.key, part, cfg, compiled=compiled)
+        if sim is None:  # the candidate's own output is not finite here: it cannot be the kernel
+            n = self.out[part].shape[0]
+            return np.ones(n), np.ones(n)
+        if self.dtype is not np.float32:  # the kernel's output type, rounded as it rounds
+            top = float(ml_dtypes.finfo(self.dtype).max)
+            sim = np.clip(sim, -top, top).astype(self.dtype).astype(np.float32)
+        return _relative_errors(self.out[part], sim)
+
+    def residual(self, cfg: KernelConfig, part: str = "all") -> float:
+        if part == "all" and cfg in self.seen:
+            return self.seen[cfg][0]
+        sq, n = self._errors(cfg, part)
+        r = math.sqrt(float(sq.sum()) / max(int(n.sum()), 1))
+        if part == "all":
+            self.seen[cfg] = (r, np.sqrt(sq / np.maximum(n, 1)))
+        return r
+
+    def family_residuals(self, cfg: KernelConfig) -> np.ndarray:
+        self.residual(cfg)
+        return self.seen[cfg][1]
+
+
+def _blocks(cfg: KernelConfig) -> int:
+    return -(-N_KEYS // cfg.block_kv)
+
+
+def _group_candidates(best: KernelConfig, group: str, values=None) -> list[KernelConfig]:
+    out = []
+    for vals in values if values is not None else candidate_values(group):
+        if group == "split" and vals[0] > _blocks(best):
+            continue  # more splits than blocks: each runs one block, as kv_splits = n_blocks does
+        cfg = _variant(best, group, vals)
+        if cfg is not None and cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def _search(scorer: _Scorer, best: KernelConfig, group: str, values=None) -> KernelConfig:
+    scorer.base = best
+    cands = [best] + _group_candidates(best, group, values)
+    # a tie keeps the config the search holds (its neighbours are simulated already), else the plainer
+    return min(cands, key=lambda c: (scorer.residual(c), c != best, _simplicity(c)))
+
+
+def _simplicity(cfg: KernelConfig) -> tuple:
+    """Ties go to the plainer config: defaults first, then smaller numbers."""
+    default = KernelConfig(causal=cfg.causal)
+    return (sum(getattr(cfg, f) != getattr(default, f) for f in FIELDS), cfg.kv_splits, cfg.rescale_threshold,
+            repr(cfg))
+
+
+def fit(ps: ProbeSet, outputs, *, output_dtype=None, calls: int = 0, seconds_calls: float = 0.0) -> Fingerprint:
+    """The P-cast fields that reproduce ``outputs``, a kernel's output on the probes ``ps``.
+
+    Args:
+      ps: the probes (:func:`pcast_jax.fingerprint.probes.probes`).
+      outputs: the kernel's output on them, (batch, tokens, heads, head_dim) as the queries.
+      output_dtype: the type the kernel returned its output in (:data:`OUTPUT_DTYPES`: ``"bfloat16"``,
+        ``"float16"``, ``"e4m3"`` …): each candidate's output is rounded to it before comparing.
+        Default: ``outputs``' own dtype when it is one of those, else float32.
+      calls: how many black-box calls produced ``outputs`` (reported).
+      seconds_calls: seconds those calls took (reported).
+
+    Raises:
+      PcastError: outputs of the wrong shape or dtype, non-finite outputs, or outputs that fit no
+        candidate (best residual above :data:`FIT_LIMIT`; the message names it and the best config).
+    """
+    if not isinstance(ps, ProbeSet):
+        raise PcastError(f"probes={type(ps).__name__} must be a ProbeSet (pcast_jax.fingerprint.probes)")
+    t0 = time.perf_counter()
+    if output_dtype is None:
+        dt = getattr(outputs, "dtype", None)
+        names = [n for n, d in OUTPUT_DTYPES.items() if dt is not None and np.dtype(dt) == np.dtype(d)]
+        output_dtype = names[0] if names else "float32"
+    output_dtype = output_dtype_name(output_dtype)
+    out = check_outputs(ps, outputs)
+    scorer = _Scorer(ps, out, output_dtype)
+    groups = [g for g in GROUPS if g != "sink" or ps.sinks is not None]
+    passes = groups[1:] + groups[:1]  # the cast read from the ladder first, searched again on every row last
+    start = KernelConfig(causal=ps.causal)
+    # the reads count zeros: an 8-bit output type zeroes small outputs itself, so they are not made
+    reads = np.dtype(OUTPUT_DTYPES[output_dtype]).itemsize > 1
+    cast = sorted(_group_candidates(start, "cast", _read_cast(ps, out) if reads else None),
+                  key=lambda c: (scorer.residual(c, "ladder"), _simplicity(c)))
+    kept = [tuple(getattr(c, f) for f in GROUPS["cast"]) for c in cast[:CAST_KEPT]]
+    best = cast[0]
+    ladder_r = scorer.residual(best, "ladder")
+    if ladder_r > FIT_LIMIT:  # one block, no order, tile or split: every kernel the candidates model fits here
+        raise PcastError(f"outputs fit no candidate: the best residual on the ladder rows is {ladder_r:.3g} "
+                         f"(> {FIT_LIMIT:g}) for {best.to_string()}; the kernel does something the candidates "
+                         "do not model")
+    walk = _read_walk(ps, out) if reads else None
+    kept_values = {"cast": kept, "walk": walk}
+    # other starts: the ladder's best of each other (scale mode, P format) that fits the ladder alike
+    tied = [c for c in cast if scorer.residual(c, "ladder") <= tolerance(ladder_r)]
+    starts, classes = [], set()
+    for c in tied:
+        if (c.scale_mode, c.p_format) not in classes:
+            classes.add((c.scale_mode, c.p_format))
+            starts.append(c)
+    found = None
+    for start_cfg in starts[:1 + RESTARTS]:
+        best = start_cfg
+        for _ in range(2):
+            for group in passes:
+                best = _search(scorer, best, group, kept_values.get(group))
+            if scorer.residual(best) <= RESIDUAL_FLOOR:  # an exact fit: a second pass would find it again
+                break
+        if found is None or scorer.residual(best) < scorer.residual(found):
+            found = best
+        if scorer.residual(found) <= RESIDUAL_FLOOR:
+            break
+    best = found
+    best_r = scorer.residual(best)
+    if best_r > FIT_LIMIT:
+        raise PcastError(f"outputs fit no candidate: the best residual is {best_r:.3g} (> {FIT_LIMIT:g}) for "
+                         f"{best.to_string()}; the kernel does something the candidates do not model")
+    fields: dict[str, FieldEvidence] = {}
+    tol = tolerance(best_r)
+    runner_cfg, runner_r = None, math.inf
+    scorer.base = best
+    cands = []
+    for group in groups:
+        cands += [c for c in _group_candidates(best, group, kept_values.get(group)) if c not in cands]
+    for group in groups:
+        for field in GROUPS[group]:  # over every group's candidates: S·2^-τ is one function of S and τ
+            fields[field] = _evidence(scorer, best, cands, field, tol)
+    for c in cands:
+        r = scorer.residual(c)
+        if c != best and r < runner_r:
+            runner_cfg, runner_r = c, r
+    for field in FIELDS:
+        if field not in fields:  # sink_mode without sinks in the probes
+            fields[field] = FieldEvidence(field=field, value=getattr(best, field), determined=False,
+                                          candidates=tuple(sorted({c[0] for c in candidate_values("sink")})),
+                                          probe="", residual=best_r, runner_up=None, runner_up_residual=math.inf,
+                                          note="not probed: the probes have no learned sink (sinks=False)")
+    return Fingerprint(config=best, fields=fields, residual=best_r, runner_up=runner_cfg,
+                       runner_up_residual=runner_r, calls=calls, seconds_calls=seconds_calls,
+                       seconds_fit=time.perf_counter() - t0, candidates=len(scorer.seen),
+                       probe_key=ps.key)
+
+
+def _read_cast(ps: ProbeSet, out: np.ndarray) -> list[tuple]:
+    """The ``cast`` candidates whose S agrees with where the ladder's values stop surviving.
+
+    A ladder key at Δ below the row's max survives an element format's cast iff e^-Δ·S exceeds the
+    format's round-to-zero bound r (2^-10 for E4M3): the surviving and the collapsed reads bracket S
+    between r·e^Δ_survived and r·e^Δ_collapsed (a factor 2 of slack either side). Block-scaled formats
+    take their own scale per block, so their S is kept from the registry and the grid's 1.
+    """
+    from pcast_jax import numberline
+
+    scores = np.asarray(_inputs(ps.key)["ladder"][0])[0, 0]  # (T, N)
+    z = scores[:, :LADDER_KEYS] - scores[:, :1]  # Δ = −z ≥ 0
+    alive = np.abs(out[0, :, 0, :LADDER_KEYS]) > 0
+    delta = -z[:, 1:].astype(np.float64)
+    surv, dead = delta[alive[:, 1:]], delta[~alive[:, 1:]]
+    registry = {(c.scale, c.p_format) for c in _registry().values()}
+    keep = []
+    for vals in candidate_values("cast"):
+        scale, mode, fmt = vals
+        bf = numberline.BLOCK_FORMATS.get(fmt)
+        if mode == "dynamic":
+            keep.append(vals)
+            continue
+        if bf is not None:
+            if scale == 1.0 or (scale, fmt) in registry:
+                keep.append(vals)
+            continue
+        r = numberline.get_format(fmt).round_to_zero
+        lo = r * math.exp(surv.max()) / 2 if surv.size else 0.0
+        hi = r * math.exp(dead.min()) * 2 if dead.size else math.inf
+        if lo <= scale <= hi:
+            keep.append(vals)
+    return keep
+
+
+def _read_walk(ps: ProbeSet, out: np.ndarray) -> list[tuple] | None:
+    """The ``walk`` candidates (order, tile) whose collapse pattern best matches the ``walk`` rows, or
+    None when those rows show no collapse (a scale so large, or a dynamic one, that nothing is zeroed).
+
+    In a walk row with readers at Δ_R = 17 below the dominant segment s, a reader segment reads 0 when
+    the cast saw the dominant's max: in forward order every key from the start of s's block on, in
+    reverse order every key up to the end of it. Each (order, tile) predicts that pattern; the
+    :data:`WALK_KEPT` tiles with the fewest mismatches, in both orders, are simulated.
+    """
+    rows = np.arange(1, ROWS, 2)  # Δ_R = 17
+    seg = rows // 2
+    width = N_KEYS // SEGMENTS
+    observed = out[1, rows, 0, :SEGMENTS] == 0  # (rows, segments)
+    others = np.arange(SEGMENTS)[None, :] != seg[:, None]
+    if not observed[others].any():
+        return None
+    first = np.arange(SEGMENTS) * width
+    last = first + width - 1
+    if ps.causal:  # keys past a row's position are masked: they read 0 in any config
+        visible_to = N_KEYS - ROWS + rows
+        masked = first[None, :] > visible_to[:, None]
+    else:
+        masked = np.zeros_like(observed)
+    scored = []
+    for order, tile in candidate_values("walk"):
+        start = (seg * width // tile) * tile
+        if order == "forward":
+            zero = first[None, :] >= start[:, None]
+        else:
+            zero = last[None, :] <= (start + tile - 1)[:, None]
+        scored.append((int(np.sum((zero | masked) != observed, where=others)), tile))
+    ranked = sorted(set(scored))
+    tiles = []
+    for _, tile in ranked:
+        if tile not in tiles:
+            tiles.append(tile)
+    return [(o, t) for t in tiles[:WALK_KEPT] for o in ("forward", "reverse")]
+
+
+def _evidence(scorer: _Scorer, best: KernelConfig, cands: list[KernelConfig], field: str,
+              tol: float) -> FieldEvidence:
+    value = getattr(best, field)
+    best_r = scorer.residual(best)
+    left = {value}
+    runner, runner_r = None, math.inf
+    for c in cands:
+        other = getattr(c, field)
+        if other == value:
+            continue
+        r = scorer.residual(c)
+        if r <= tol:
+            left.add(other)
+        if r < runner_r:
+            runner, runner_r = c, r
+    probe = ""
+    if runner is not None:
+        gap = np.abs(scorer.family_residuals(runner) - scorer.family_residuals(best))
+        probe = FAMILIES[int(np.argmax(gap))]
+    note = ""
+    if field == "kv_splits" and value == _blocks(best):
+        more = {n for n, _ in candidate_values("split") if n > value}
+        if more:
+            left |= more
+            note = f"every split count from {value} runs one block of the probes' {value} per split"
+    return FieldEvidence(field=field, value=value, determined=len(left) == 1, note=note,
+                         candidates=tuple(sorted(left, key=repr)), probe=probe, residual=best_r,
+                         runner_up=None if runner is None else getattr(runner, field), runner_up_residual=runner_r)
+
+
+def identify(fn: Callable, *, head_dim: int, scale: float | None = None, causal: bool = False, sinks: bool = False,
+             seed: int = 0, output_dtype=None, max_calls: int = 4) -> Fingerprint:
+    """Reads a black-box FP8 attention's P-cast from its outputs on designed probes.
+
+    Args:
+      fn: ``fn(q, k, v)`` (or ``fn(q, k, v, sinks)`` with ``sinks=True``) returning
+        softmax(scale·q·kᵀ)·v as the kernel computes it, all in ``jax.nn``'s (batch, tokens, heads,
+        dim) layout; it gets NumPy float32 arrays and may return any array type NumPy reads.
+      head_dim: the kernel's head dim.
+      scale: the softmax scale ``fn`` applies (``jax.nn``'s 1/√head_dim when None).
+      causal: ``fn`` masks causally (bottom-right aligned).
+      sinks: ``fn`` takes learned sink logits, one per head.
+      seed: the probes' seed.
+      output_dtype: the type ``fn`` rounds its output to (see :func:`fit`; default: what it returns).
+      max_calls: most calls of ``fn`` allowed (the probes go in one batched call).
+
+    Returns:
+      A :class:`~pcast_jax.fingerprint.result.Fingerprint`: the config, each field's evidence, the residuals.
+    """
+    max_calls = check_int("max_calls", max_calls, min_value=1)
+    if not callable(fn):
+        raise PcastError(f"fn={fn!r} must be callable as fn(q, k, v){' or fn(q, k, v, sinks)' if sinks else ''}")
+    ps = probes(head_dim, scale=scale, causal=causal, sinks=sinks, seed=seed)
+    t0 = time.perf_counter()
+    out = fn(*ps.arrays())
+    try:
+        out = np.asarray(out)
+    except Exception as exc:  # noqa: BLE001 - whatever fn returned
+        raise PcastError(f"outputs: fn returned {type(out).__name__}, not an array ({exc})") from None
+    seconds = time.perf_counter() - t0
+    return fit(ps, out, output_dtype=output_dtype, calls=1, seconds_calls=seconds)
+
+
+
+def simulate_outputs(ps: ProbeSet, config) -> np.ndarray:
+    """A config's (or preset's) output on the probes, in their (batch, tokens, heads, dim) layout."""
+    from pcast_jax import engine
+    from pcast_jax.presets import resolve
+
+    cfg = resolve(config)
+    q, k, v = (np.moveaxis(a, 2, 1) for a in (ps.q, ps.k, ps.v))
+    out = engine.attention_qkv(q, k, v, cfg, scale=ps.scale, sink_logit=ps.sinks).out
+    return np.moveaxis(np.asarray(out), 1, 2)
+
+
+def explain_preset(name: str, *, head_dim: int = 64, sinks: bool = False) -> Fingerprint:
+    """The fit of preset ``name``'s own simulated outputs (its tile for ``head_dim``): which of its
+    fields the probes decide and which they leave open."""
+    from pcast_jax.presets import preset_for
+
+    cfg = dataclasses.replace(preset_for(name, head_dim), causal=False)
+    ps = probes(head_dim, sinks=sinks)
+    return fit(ps, simulate_outputs(ps, cfg), calls=0)
