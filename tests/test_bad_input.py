@@ -909,3 +909,43 @@ def test_one_seed_or_a_switched_off_metric_is_missing_never_nan(tmp_path, monkey
         (row,) = list(csv_.DictReader(f))
     assert row["mse_sem"] == "" and row["mse_expected_mean"] == "" and float(row["mse_mean"]) > 0, row
     assert "nan" not in (tmp_path / "o" / "summary.csv").read_text().lower()
+
+
+# --------------------------------------------------------------------------------------------
+# A non-finite learned sink under jax.jit: NaN rows in every config, never a finite number
+# --------------------------------------------------------------------------------------------
+
+_SINKS = np.array([NAN, INF, -INF, 0.5], np.float32)  # one per head: three non-finite, one finite
+
+
+def _jit_sink_attention(preset, implementation="xla"):
+    from pcast_jax import nn
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 8, 4, 4)).astype(np.float32) for _ in range(3))
+    fn = jax.jit(lambda q, k, v, s: nn.dot_product_attention(q, k, v, is_causal=True, config=preset, sinks=s,
+                                                             implementation=implementation))
+    return np.asarray(fn(q, k, v, _SINKS)), v
+
+
+@pytest.mark.parametrize("preset", [None, *PRESETS])
+def test_a_non_finite_sink_under_jit_gives_nan_in_every_config(preset):
+    out, v = _jit_sink_attention(preset)
+    assert np.isnan(out[..., :3, :]).all(), (preset, out[..., :3, :])
+    # the finite head is a convex combination of the values, scaled down by the sink's share
+    finite = out[..., 3, :]
+    assert np.isfinite(finite).all() and np.abs(finite).max() <= np.abs(v[..., 3, :]).max() * 1.01, preset
+
+
+@pytest.mark.parametrize("preset", ["fa3", "rev_s256", "flashinfer_sm90", "fa3_splitkv"])
+def test_a_non_finite_sink_under_jit_gives_nan_in_the_scan_engine(preset):
+    out, _ = _jit_sink_attention(preset, implementation="scan")
+    assert np.isnan(out[..., :3, :]).all() and np.isfinite(out[..., 3, :]).all(), preset
+
+
+def test_a_non_finite_sink_is_refused_eagerly():
+    from pcast_jax import nn
+
+    x = np.ones((1, 4, 4, 4), np.float32)
+    with pytest.raises(PcastError, match="sinks contains NaN or inf"):
+        nn.dot_product_attention(x, x, x, is_causal=True, config="fa3", sinks=_SINKS)
