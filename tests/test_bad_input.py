@@ -949,3 +949,37 @@ def test_a_non_finite_sink_is_refused_eagerly():
     x = np.ones((1, 4, 4, 4), np.float32)
     with pytest.raises(PcastError, match="sinks contains NaN or inf"):
         nn.dot_product_attention(x, x, x, is_causal=True, config="fa3", sinks=_SINKS)
+
+
+# --------------------------------------------------------------------------------------------
+# pcast analyze on the smallest valid trace: one layer, one head (a mean with no standard error)
+# --------------------------------------------------------------------------------------------
+
+
+def _one_head_trace(path, T=32, D=8):
+    from pcast_jax.analysis import Trace
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 1, T, 1, D)).astype(np.float32) for _ in range(3))
+    k[0, 0, 0] *= 6.0  # a sink key
+    Trace(q=q, k=k, v=v, lengths=np.array([T]), layers=("block0",)).save(path)
+    return path
+
+
+def test_analyze_of_one_layer_and_one_head_says_there_is_no_standard_error(tmp_path, capsys):
+    import csv as csv_
+
+    from pcast_jax import cli
+    from pcast_jax.stats import NO_SE
+
+    trace = _one_head_trace(tmp_path / "one.npz")
+    assert cli.main(["analyze", str(trace), "--configs", "fwd_s1,fa3", "--out", str(tmp_path / "a"),
+                     "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "nan" not in out.lower() and NO_SE in out, out
+    for name in ("analysis.md", "analysis_configs.csv"):
+        assert "nan" not in (tmp_path / "a" / name).read_text().lower(), name
+    with open(tmp_path / "a" / "analysis_configs.csv", newline="") as f:
+        rows = list(csv_.DictReader(f))
+    assert [r["heads"] for r in rows] == ["1", "1"]
+    assert all(r["zeroed_mass_sem"] == NO_SE and float(r["zeroed_mass_mean"]) >= 0.0 for r in rows), rows

@@ -207,7 +207,7 @@ class Analysis:
                 f"{_pct(self.mass_limit)} in {row['heads_over_limit']} of {row['heads']} heads (worst "
                 f"{_pct(row['zeroed_mass_max'])}, {row['worst_layer']} head {row['worst_head']}); relative "
                 f"output error {row['rel_mse_mean']:.2e}. Verdict: **{row['verdict']}** "
-                f"(zeroed mass {row['zeroed_mass_mean']:.2e} ± {row['zeroed_mass_sem']:.1e} vs limit "
+                f"(zeroed mass {row['zeroed_mass_mean']:.2e} {_stats.fmt_se(row['zeroed_mass_sem'])} vs limit "
                 f"{self.mass_limit:g})." + _saturation_words(row))
         lines.append("")
         scale = self.safe_scale()
