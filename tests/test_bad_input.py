@@ -983,3 +983,199 @@ def test_analyze_of_one_layer_and_one_head_says_there_is_no_standard_error(tmp_p
         rows = list(csv_.DictReader(f))
     assert [r["heads"] for r in rows] == ["1", "1"]
     assert all(r["zeroed_mass_sem"] == NO_SE and float(r["zeroed_mass_mean"]) >= 0.0 for r in rows), rows
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face checkpoints: every JSON read bounded, the safetensors layout validated, fields that
+# change the model refused; each damage one line naming the file and the field
+# --------------------------------------------------------------------------------------------
+
+import json  # noqa: E402
+import struct  # noqa: E402
+
+_HF_CONFIG = {"model_type": "llama", "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+              "vocab_size": 16, "max_position_embeddings": 32, "tie_word_embeddings": True}
+
+
+def _hf_tensors():
+    """A one-layer llama's weights under Hugging Face names (hidden 8, heads 2 × 4, one KV head)."""
+    shapes = {"model.embed_tokens.weight": (16, 8), "model.norm.weight": (8,),
+              "model.layers.0.input_layernorm.weight": (8,), "model.layers.0.post_attention_layernorm.weight": (8,),
+              "model.layers.0.self_attn.q_proj.weight": (8, 8), "model.layers.0.self_attn.k_proj.weight": (4, 8),
+              "model.layers.0.self_attn.v_proj.weight": (4, 8), "model.layers.0.self_attn.o_proj.weight": (8, 8),
+              "model.layers.0.mlp.gate_proj.weight": (8, 8), "model.layers.0.mlp.up_proj.weight": (8, 8),
+              "model.layers.0.mlp.down_proj.weight": (8, 8)}
+    rng = np.random.default_rng(0)
+    return {name: rng.normal(size=shape).astype(np.float32) * 0.1 for name, shape in shapes.items()}
+
+
+def _safetensors_bytes(tensors: dict, edit=None) -> bytes:
+    """A safetensors file from the format's definition; ``edit(header)`` changes the header first."""
+    header, blobs, offset = {}, [], 0
+    for name, value in tensors.items():
+        data = np.asarray(value, "<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(value.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    raw = json.dumps(header).encode() if edit is None else edit(header)
+    return struct.pack("<Q", len(raw)) + raw + b"".join(blobs)
+
+
+def _hf_folder(path, *, config=None, shards=None, edit=None):
+    """A checkpoint folder: config.json (``config`` merged in), one file or ``shards`` {file: names}."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({**_HF_CONFIG, **(config or {})}))
+    tensors = _hf_tensors()
+    if shards is None:
+        (path / "model.safetensors").write_bytes(_safetensors_bytes(tensors, edit))
+    else:
+        for file, names in shards.items():
+            (path / file).write_bytes(_safetensors_bytes({n: tensors[n] for n in names}))
+    return path
+
+
+def _edit_entry(key, value, name="model.norm.weight"):
+    def edit(header):
+        header[name][key] = value
+        return json.dumps(header).encode()
+    return edit
+
+
+def _two_halves():
+    names = list(_hf_tensors())
+    return {"a.safetensors": names[:6], "b.safetensors": names[5:]}  # names[5] in both
+
+
+def _index(folder_maker, weight_map_of):
+    def make(path):
+        names = list(_hf_tensors())
+        folder = _hf_folder(path, shards={"a.safetensors": names})
+        (folder / "model.safetensors.index.json").write_text(weight_map_of(names))
+        return folder
+    return make
+
+
+def _write_over(file, text):
+    def make(path):
+        folder = _hf_folder(path)
+        target = folder / file
+        target.unlink(missing_ok=True)
+        if text is None:
+            os.mkfifo(target)
+        else:
+            target.write_bytes(text.encode() if isinstance(text, str) else text)
+        return folder
+    return make
+
+
+def _deep_header(path):
+    folder = _hf_folder(path)
+    raw = b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
+    return folder
+
+
+def _truncated(path):
+    folder = _hf_folder(path)
+    raw = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(raw[:-40])
+    return folder
+
+
+def _long_digits_header(path):
+    return _hf_folder(path, edit=lambda h: json.dumps(h).replace('"shape": [8]', '"shape": [' + "9" * 5000 + "]")
+                      .encode())
+
+
+def _overlapping(header):
+    first = next(iter(header.values()))["data_offsets"]
+    header["model.norm.weight"]["data_offsets"] = [first[0], first[0] + 32]
+    return json.dumps(header).encode()
+
+
+#: (id, a function of a fresh folder path that writes the damaged checkpoint, substrings of the one line)
+HF_CASES = [
+    ("no_config_json", lambda p: (p.mkdir(), p)[1], ["no config.json"]),
+    ("config_not_json", _write_over("config.json", "{model_type: llama"), ["config.json is not valid JSON"]),
+    ("config_deep", _write_over("config.json", "[" * 100_000 + "]" * 100_000), ["config.json nests deeper than 16"]),
+    ("config_5000_digits", _write_over("config.json", '{"hidden_size": ' + "7" * 5000 + "}"),
+     ["config.json is not valid JSON", "digits"]),
+    ("config_fifo", _write_over("config.json", None), ["config.json is not a regular file"]),
+    ("config_layers_1e9", lambda p: _hf_folder(p, config={"num_hidden_layers": 1e9}),
+     ["config.json", "'num_hidden_layers' = 1000000000", "the budget is"]),
+    ("config_hidden_70_bits", lambda p: _hf_folder(p, config={"hidden_size": 2**70}),
+     ["config.json", "'hidden_size' = an integer of 71 bits"]),
+    ("config_rope_theta_inf", lambda p: _hf_folder(p, config={"rope_theta": 1e400}),
+     ["config.json", "'rope_theta' = inf", "finite"]),
+    ("llama_mlp_bias", lambda p: _hf_folder(p, config={"mlp_bias": True}), ["config.json", "'mlp_bias' = True"]),
+    ("qwen2_sliding_window", lambda p: _hf_folder(p, config={"model_type": "qwen2", "use_sliding_window": True}),
+     ["config.json", "'use_sliding_window' = True", "qwen2"]),
+    ("header_deep", _deep_header, ["model.safetensors: field 'header' nests deeper than 16"]),
+    ("header_5000_digits", _long_digits_header, ["model.safetensors: field 'header' is not valid JSON", "digits"]),
+    ("shape_not_a_list", lambda p: _hf_folder(p, edit=_edit_entry("shape", 16)), ["'model.norm.weight'",
+                                                                                  "field 'shape' = 16"]),
+    ("dtype_a_list", lambda p: _hf_folder(p, edit=_edit_entry("dtype", ["F32"])),
+     ["'model.norm.weight'", "field 'dtype' = ['F32']"]),
+    ("shape_product_overflows", lambda p: _hf_folder(p, edit=_edit_entry("shape", [2**40, 2**40])),
+     ["'model.norm.weight'", "field 'shape' = [1099511627776, 1099511627776]"]),
+    ("data_offsets_overlap", lambda p: _hf_folder(p, edit=_overlapping), ["model.safetensors", "invalid offset"]),
+    ("data_offsets_truncated", _truncated, ["model.safetensors", "field 'data_offsets'", "truncated"]),
+    ("shard_fifo", _write_over("model.safetensors", None), ["model.safetensors is not a regular file"]),
+    ("tensor_in_two_shards", lambda p: _hf_folder(p, shards=_two_halves()), ["is in two files", "a.safetensors",
+                                                                              "b.safetensors"]),
+    ("index_parent_path", _index(None, lambda ns: json.dumps({"weight_map": {n: "../x.safetensors" for n in ns}})),
+     ["model.safetensors.index.json", "'../x.safetensors', outside the checkpoint folder"]),
+    ("index_absolute_path", _index(None, lambda ns: json.dumps({"weight_map": {n: "/etc/x.safetensors" for n in ns}})),
+     ["model.safetensors.index.json", "outside the checkpoint folder"]),
+    ("index_deep", _index(None, lambda ns: '{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+     ["model.safetensors.index.json nests deeper than 16"]),
+    ("index_weight_map_a_list", _index(None, lambda ns: json.dumps({"weight_map": ns})),
+     ["model.safetensors.index.json", "field 'weight_map'"]),
+]
+
+
+@pytest.mark.parametrize("make, needles", [pytest.param(m, n, id=i) for i, m, n in HF_CASES])
+def test_damaged_hugging_face_checkpoints_give_one_line_naming_file_and_field(tmp_path, make, needles):
+    pytest.importorskip("safetensors")
+    from pcast_jax.models.hf_loader import read_hf_checkpoint
+
+    folder = make(tmp_path / "ckpt")
+    with pytest.raises(PcastError) as info:
+        read_hf_checkpoint(folder)
+    message = str(info.value)
+    assert "\n" not in message and str(folder) in message, message
+    for needle in needles:
+        assert needle in message, f"{needle!r} missing from {message!r}"
+
+
+def test_the_undamaged_checkpoint_of_the_hostile_cases_loads(tmp_path):
+    pytest.importorskip("safetensors")
+    from pcast_jax.models.hf_loader import read_hf_checkpoint
+
+    names = list(_hf_tensors())
+    for folder in (_hf_folder(tmp_path / "one"), _hf_folder(tmp_path / "two", shards={"a.safetensors": names[:6],
+                                                                                       "b.safetensors": names[6:]})):
+        cfg, flat = read_hf_checkpoint(folder)
+        assert cfg.num_layers == 1 and flat["layers.wk"].shape == (1, 4, 8)
+        np.testing.assert_array_equal(flat["final_norm"], _hf_tensors()["model.norm.weight"])
+
+
+@pytest.mark.parametrize("text, needle", [("{", "is not valid JSON"), ('{"model": 3}', "not a tokenizer"),
+                                          ("[" * 100_000, "nests deeper than 16")])
+def test_a_damaged_tokenizer_json_is_one_line_naming_it(tmp_path, text, needle):
+    pytest.importorskip("tokenizers")
+    from pcast_jax.models import load_tokenizer
+
+    folder = _write_over("tokenizer.json", text)(tmp_path / "ckpt")
+    with pytest.raises(PcastError, match=needle) as info:
+        load_tokenizer(folder)
+    assert "tokenizer.json" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_folder_without_config_json_is_named_as_a_checkpoint_folder(tmp_path):
+    from pcast_jax.models import load_model
+
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(PcastError, match="ckpt: no config.json"):
+        load_model(tmp_path / "ckpt")
