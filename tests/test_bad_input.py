@@ -72,6 +72,15 @@ def _reproduce():
     return importlib.import_module("pcast_experiments.registry").reproduce
 
 
+def _predict(**kw):
+    return importlib.import_module("pcast_jax.jax_fp8").predict(**{"seq_len": 256, "head_dim": 16, "seeds": 2, **kw})
+
+
+def _nn_attention(**kw):
+    x = np.ones((1, 4, 2, 8), np.float32)
+    return importlib.import_module("pcast_jax.nn").dot_product_attention(x, x, x, **kw)
+
+
 # (id, call, substrings the message must contain: the parameter, then the allowed range/choices)
 CASES = [
     # KernelConfig: the static scale S and every named choice
@@ -219,6 +228,27 @@ CASES = [
     ("kernel_dtype_float32", lambda: _fp8_attention(config="fwd_s1", implementation="triton", dtype=jnp.float32),
      ["q.dtype=float32", "float8_e4m3fn"]),
     ("kernel_backend_unknown", lambda: _fp8_attention(config="fwd_s1", implementation="cuda"), ["implementation='cuda'", "'mosaic', 'triton'"]),
+    # jax_fp8.predict: what a JAX user passes, every number checked where it enters; sizes against the budget
+    ("predict_scale_s_string", lambda: _predict(fp8_params={"scale_s": "2"}), ["fp8_params['scale_s']='2'", "real number"]),
+    ("predict_scale_s_complex", lambda: _predict(fp8_params={"scale_s": 2 + 1j}),
+     ["fp8_params['scale_s']=(2+1j)", "real number"]),
+    ("predict_scale_s_huge_integer", lambda: _predict(fp8_params={"scale_s": 10**400}),
+     ["fp8_params['scale_s']=1000000", "beyond float range"]),
+    ("predict_scale_s_complex_array", lambda: _predict(fp8_params={"scale_s": np.array([2 + 0j])}),
+     ["fp8_params['scale_s']", "real number", "complex128"]),
+    ("predict_base_seed_huge", lambda: _predict(base_seed=2**70), ["base_seed=1180591620717411303424", "<= 4294967295"]),
+    ("predict_q_len_huge", lambda: _predict(q_len=10**9), ["q_len=1000000000", "<= 1048576"]),
+    ("predict_over_the_memory_budget", lambda: _predict(seq_len=1 << 20, q_len=1 << 20, seeds=4096),
+     ["predict's simulation", "seq_len=1048576", "the budget is"]),
+    ("predict_sinks_complex", lambda: _predict(sinks=[1 + 2j, 3.0]), ["sinks=[(1+2j), 3.0]", "real numbers"]),
+    ("predict_sinks_text", lambda: _predict(sinks=np.array(["5"])), ["sinks=array(['5']", "real numbers"]),
+    ("memory_over_budget", lambda: plan.check_memory("a table of 10 bytes", 10, budget=4),
+     ["a table of 10 bytes needs", "the budget is"]),
+    # the drop-in's local window: positions are int32
+    ("local_window_beyond_int32", lambda: _nn_attention(local_window_size=2**40),
+     ["local_window_size=1099511627776", "<= 2147483647"]),
+    ("local_window_pair_beyond_int32", lambda: _nn_attention(local_window_size=(4, 2**31)),
+     ["local_window_size=2147483648", "<= 2147483647"]),
 ]
 
 
@@ -1179,3 +1209,130 @@ def test_a_folder_without_config_json_is_named_as_a_checkpoint_folder(tmp_path):
     (tmp_path / "ckpt").mkdir()
     with pytest.raises(PcastError, match="ckpt: no config.json"):
         load_model(tmp_path / "ckpt")
+
+
+# --------------------------------------------------------------------------------------------
+# jax_fp8 files and placeholders; pcast analyze / whatif report / reproduce refuse or say why first
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind, needle", [("complex", "real numbers"), ("pipe", "is not a regular file"),
+                                          ("pickle", "holds Python objects"), ("directory", "not a regular file")])
+def test_a_sinks_file_that_is_not_real_logits_is_refused_naming_it(tmp_path, kind, needle):
+    from pcast_jax import jax_fp8
+
+    path = tmp_path / "sinks.npy"
+    if kind == "complex":
+        np.save(path, np.array([4.0 + 1.0j, 2.0]))
+    elif kind == "pipe":
+        os.mkfifo(path)
+    elif kind == "pickle":
+        np.save(path, np.array([4.0, None], dtype=object), allow_pickle=True)
+    else:
+        path.mkdir()
+    with pytest.raises(PcastError, match=needle) as info:
+        jax_fp8.predict(seq_len=256, head_dim=16, seeds=2, sinks=str(path))
+    assert "\n" not in str(info.value) and ("sinks" in str(info.value))
+
+
+def test_jax_fp8_without_a_sink_prints_no_theory_figure(capsys):
+    from pcast_jax import cli, jax_fp8
+
+    r = jax_fp8.predict(seq_len=256, head_dim=16, seeds=2)
+    assert np.isnan(r.theory_frac_zeroed).all() and np.isfinite(r.frac_zeroed).all()
+    assert cli.main(["jax-fp8", "--seq-len", "256", "--head-dim", "16", "--seeds", "2"]) == 0
+    text = capsys.readouterr().out
+    assert jax_fp8.NO_THEORY in text and "theory 0.0" not in text and "nan" not in text.lower(), text
+    assert cli.main(["jax-fp8", "--seq-len", "256", "--head-dim", "16", "--seeds", "2", "--format", "json"]) == 0
+    (head,) = json.loads(capsys.readouterr().out)["heads"]
+    assert head["theory_frac_zeroed"] == jax_fp8.NO_THEORY and head["sink_logit"] is None
+    with_sink = jax_fp8.predict(seq_len=256, head_dim=16, seeds=2, sinks=[8.0])
+    assert 0.0 < with_sink.theory_frac_zeroed[0] <= 1.0 and "theory " in with_sink.summary()
+
+
+def test_jax_fp8_at_its_largest_seq_len_is_refused_within_the_budget_naming_it(capsys, monkeypatch):
+    from pcast_jax import cli
+    from pcast_jax.sweep import plan as plan_
+
+    monkeypatch.setattr(plan_, "default_budget", lambda: 2**30)  # a 1 GiB machine
+    assert cli.main(["jax-fp8", "--seq-len", "1048576"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "seq_len=1048576" in line and "the budget is 1 GiB" in line, line
+
+
+@pytest.fixture
+def no_analysis(monkeypatch):
+    import pcast_jax.analysis as analysis_mod
+    from pcast_jax import whatif
+
+    def refuse(*_a, **_k):
+        raise _Computed("work started before the arguments were checked")
+
+    monkeypatch.setattr(analysis_mod, "analyze", refuse)
+    monkeypatch.setattr(analysis_mod, "load_trace", refuse)
+    monkeypatch.setattr(whatif, "report", refuse)
+
+
+def _cli_error(capsys, argv) -> str:
+    from pcast_jax import cli
+
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pcast: error:"), err
+    return err[0]
+
+
+def test_analyze_out_an_existing_file_is_refused_before_any_work(tmp_path, capsys, no_analysis):
+    (tmp_path / "report.md").write_text("a file the user keeps")
+    line = _cli_error(capsys, ["analyze", str(tmp_path / "t.npz"), "--out", str(tmp_path / "report.md")])
+    assert "--out=" in line and "is an existing file" in line, line
+    assert (tmp_path / "report.md").read_text() == "a file the user keeps"
+    line = _cli_error(capsys, ["analyze", str(tmp_path / "t.npz"), "--out", str(tmp_path / "report.md" / "sub")])
+    assert "not a folder" in line, line
+
+
+def test_whatif_report_out_a_file_is_refused_before_any_work(tmp_path, capsys, no_analysis):
+    (tmp_path / "keep.csv").write_text("a,b\n")
+    line = _cli_error(capsys, ["whatif", "report", "--quick", "--out", str(tmp_path / "keep.csv")])
+    assert "--out=" in line and "is an existing file" in line, line
+
+
+def test_analyze_of_a_pipe_is_refused_without_reading_it(tmp_path, capsys, no_analysis):
+    os.mkfifo(tmp_path / "trace.npz")
+    line = _cli_error(capsys, ["analyze", str(tmp_path / "trace.npz"), "--out", str(tmp_path / "a")])
+    assert "trace file" in line and "is not a regular file" in line, line
+
+
+def test_analyze_with_a_model_that_did_not_make_the_trace_is_refused_before_the_analysis(tmp_path, capsys,
+                                                                                          monkeypatch):
+    pytest.importorskip("safetensors")
+    import pcast_jax.analysis as analysis_mod
+    from pcast_jax.analysis import Trace
+
+    monkeypatch.setattr(analysis_mod, "analyze", lambda *a, **k: (_ for _ in ()).throw(_Computed("analysed")))
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((2, 1, 16, 1, 8)).astype(np.float32), rng.standard_normal((2, 1, 16, 1, 8))
+    Trace(q=q, k=k.astype(np.float32), v=k.astype(np.float32), lengths=np.array([16]), layers=("a", "b"),
+          tokens=np.arange(16)[None] + 10).save(tmp_path / "t.npz")
+    model = _hf_folder(tmp_path / "ckpt")  # 1 layer, 2 query heads, 1 KV head, head dim 4, vocabulary 16
+    line = _cli_error(capsys, ["analyze", str(tmp_path / "t.npz"), "--model", str(model), "--out",
+                               str(tmp_path / "a"), "--no-progress"])
+    for needle in ("does not match the trace", "layers 1 vs 2", "query heads 2 vs 1", "head dim 4 vs 8",
+                   "token id 25 vs vocabulary 16"):
+        assert needle in line, line
+    assert "KV heads" not in line, line
+
+
+@pytest.mark.parametrize("flags", [dict(quick=True), dict(only=["table1"])])
+def test_reproduce_says_why_its_extras_are_not_run(tmp_path, monkeypatch, flags):
+    registry = importlib.import_module("pcast_experiments.registry")
+    monkeypatch.setattr(registry, "EXPERIMENTS", {"table1": registry.EXPERIMENTS["table1"]})
+    def run(_ctx):
+        raise _Computed("an experiment ran")
+
+    monkeypatch.setattr(registry, "_load", lambda name: type("Experiment", (), {"run": staticmethod(run)}))
+    lines = []
+    with pytest.raises(_Computed):  # the note comes first, before any experiment runs
+        registry.reproduce(tmp_path, extras=("whatif",), log=lines.append, **flags)
+    note = [line for line in lines if line.startswith("extra sections not run: whatif")]
+    assert len(note) == 1 and ("--quick" if flags.get("quick") else "--only") in note[0], lines

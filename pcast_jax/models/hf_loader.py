@@ -11,7 +11,7 @@ Weights keep the Hugging Face layout: ``[out, in]`` projections and Q/K for RoPE
 each head (``rope = "half"``). Anything the forward would not reproduce (``rope_scaling``, another
 activation, a llama ``attention_bias`` or ``mlp_bias``, a qwen2 ``use_sliding_window``) is refused
 naming the field; so is a model whose float32 weights exceed the memory budget
-(:func:`pcast_jax.sweep.plan.check_memory`).
+(:func:`pcast_jax.sweep.check_memory`).
 """
 
 from __future__ import annotations
