@@ -1336,3 +1336,26 @@ def test_reproduce_says_why_its_extras_are_not_run(tmp_path, monkeypatch, flags)
         registry.reproduce(tmp_path, extras=("whatif",), log=lines.append, **flags)
     note = [line for line in lines if line.startswith("extra sections not run: whatif")]
     assert len(note) == 1 and ("--quick" if flags.get("quick") else "--only") in note[0], lines
+
+
+def test_analyze_with_weights_beyond_float32s_working_range_is_refused_before_the_analysis(tmp_path, capsys,
+                                                                                           monkeypatch):
+    pytest.importorskip("safetensors")
+    import pcast_jax.analysis as analysis_mod
+    from pcast_jax.analysis import Trace
+
+    monkeypatch.setattr(analysis_mod, "analyze", lambda *a, **k: (_ for _ in ()).throw(_Computed("analysed")))
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((1, 1, 12, 2, 4)), rng.standard_normal((1, 1, 12, 1, 4))
+    Trace(q=q.astype(np.float32), k=k.astype(np.float32), v=k.astype(np.float32), lengths=np.array([12]),
+          layers=("a",), tokens=np.arange(12)[None]).save(tmp_path / "t.npz")
+
+    model = _hf_folder(tmp_path / "ckpt")
+    raw = bytearray((model / "model.safetensors").read_bytes())
+    length = int.from_bytes(raw[:8], "little")
+    start = 8 + length + json.loads(raw[8:8 + length])["model.norm.weight"]["data_offsets"][0]
+    raw[start:start + 8 * 4] = np.full(8, 3e38, "<f4").tobytes()  # the final norm at 3e38: finite, but h·E overflows
+    (model / "model.safetensors").write_bytes(bytes(raw))
+    line = _cli_error(capsys, ["analyze", str(tmp_path / "t.npz"), "--model", str(model), "--out",
+                               str(tmp_path / "a"), "--no-progress"])
+    assert "exact FP32 forward on the trace's tokens is not finite" in line and "3e+38" in line, line

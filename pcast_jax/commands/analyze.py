@@ -68,6 +68,9 @@ def _check_model_matches(cfg, trace, path) -> None:
 
 def _model_logits(path, trace):
     """``config -> logits`` of the model file on the trace's tokens (None: exact FP32)."""
+    import jax
+    import jax.numpy as jnp
+
     from pcast_jax.errors import PcastError
     from pcast_jax.models import FP8Attention, forward, load_model
 
@@ -75,9 +78,15 @@ def _model_logits(path, trace):
         raise PcastError("--model needs a trace with tokens (Recorder.trace(tokens=...))")
     cfg, params = load_model(path)
     _check_model_matches(cfg, trace, path)
+    exact = forward(params, cfg, trace.tokens, lengths=trace.lengths)  # checked once, before the analysis
+    if not bool(jnp.all(jnp.isfinite(exact))):
+        largest = max(float(jnp.max(jnp.abs(w))) for w in jax.tree_util.tree_leaves(params))
+        raise PcastError(f"--model={str(path)!r}: its exact FP32 forward on the trace's tokens is not finite "
+                         f"(largest |weight| = {largest:.3g}): the weights are out of float32's working range")
 
     def logits(config):
-        hook = None if config is None else FP8Attention(config=config)
-        return forward(params, cfg, trace.tokens, attention_fn=hook, lengths=trace.lengths)
+        if config is None:
+            return exact
+        return forward(params, cfg, trace.tokens, attention_fn=FP8Attention(config=config), lengths=trace.lengths)
 
     return logits
