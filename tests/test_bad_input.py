@@ -432,6 +432,11 @@ _CLI_CASES = {
     # filled in with a real path by the fixture: a folder under a regular file
     "sweep_out_under_a_file": (["sweep", "--n", "64", "--seeds", "1", "--out", "{afile}/sub"],
                                ["out_dir=", "afile/sub", "not writable"]),
+    # report folders are checked before any work; a model folder needs its config.json
+    "analyze_out_a_file": (["analyze", "{afile}", "--out", "{afile}"], ["--out=", "afile", "is an existing file"]),
+    "whatif_report_out_a_file": (["whatif", "report", "--quick", "--out", "{afile}"],
+                                 ["--out=", "afile", "is an existing file"]),
+    "jax_fp8_sinks_file_a_folder": (["jax-fp8", "--sinks", "{folder}.npy"], ["sinks file", "not a regular file"]),
 }
 
 
@@ -456,7 +461,9 @@ def _run_cli_cases(cases):
 def cli_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli")
     (tmp / "afile").write_text("a regular file")
-    cases = {name: ([a.replace("{afile}", str(tmp / "afile")) for a in argv], needles)
+    (tmp / "folder.npy").mkdir()
+    cases = {name: ([a.replace("{afile}", str(tmp / "afile")).replace("{folder}", str(tmp / "folder")) for a in argv],
+                    needles)
              for name, (argv, needles) in _CLI_CASES.items()}
     return cases, _run_cli_cases(cases)
 
