@@ -980,6 +980,19 @@ def test_a_non_finite_sink_under_jit_gives_nan_in_the_scan_engine(preset):
     assert np.isnan(out[..., :3, :]).all() and np.isfinite(out[..., 3, :]).all(), preset
 
 
+@pytest.mark.parametrize("backend", ["triton", "mosaic"])
+def test_a_non_finite_sink_under_jit_gives_nan_in_the_pallas_kernels(backend):
+    """The kernels (interpret mode without a GPU) agree with the simulator: NaN rows, the finite head finite."""
+    from pcast_jax import nn
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 64, 4, 64)).astype(np.float32) for _ in range(3))
+    fn = jax.jit(lambda q, k, v, s: nn.dot_product_attention(q, k, v, is_causal=True, config="fa3", sinks=s,
+                                                             implementation=backend))
+    out = np.asarray(fn(q, k, v, _SINKS))
+    assert np.isnan(out[..., :3, :]).all() and np.isfinite(out[..., 3, :]).all(), backend
+
+
 def test_a_non_finite_sink_is_refused_eagerly():
     from pcast_jax import nn
 
