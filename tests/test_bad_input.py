@@ -1270,7 +1270,7 @@ def test_jax_fp8_without_a_sink_prints_no_theory_figure(capsys):
     assert 0.0 < with_sink.theory_frac_zeroed[0] <= 1.0 and "theory " in with_sink.summary()
 
 
-def test_jax_fp8_at_its_largest_seq_len_is_refused_within_the_budget_naming_it(capsys, monkeypatch):
+def test_jax_fp8_beyond_the_memory_budget_is_refused_naming_the_size_and_the_budget(capsys, monkeypatch):
     from pcast_jax import cli
     from pcast_jax.sweep import plan as plan_
 
