@@ -42,6 +42,7 @@ BENCH_ARGS ?=
 benchmark: venv
 	$(PY) benchmarks/sweep_bench.py $(BENCH_ARGS)
 	$(PY) benchmarks/analysis_bench.py
+	$(PY) benchmarks/doctor_bench.py
 
 clean:
 	rm -rf $(VENV) .venv-jax-oldest results results-quick .pytest_cache docs/_build docs/_generated

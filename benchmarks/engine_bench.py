@@ -1,4 +1,4 @@
-"""Engine benchmark: the scan and the fast engine on the same sweep, in one run.
+"""Engine benchmark: the scan and the xla implementation on the same sweep, in one run.
 
 Workload (Table 2's operating point): 64 seeds × the paper's five configs at N = 4096, Δ = 7,
 q_len = 32, d = 128, B = 64. Every timing excludes the first call (compilation) and is the median
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pcast_jax import metrics
-from pcast_jax.config import PAPER_CONFIGS
+from pcast_jax.presets import PAPER_CONFIGS
 from pcast_jax.sweep import SweepSpec, compute_chunk, instance_key
 from pcast_jax.workloads import make_instance
 
@@ -71,18 +71,18 @@ def run(*, seeds: int, n: int, q_len: int, d: int, repeats: int) -> list[dict]:
                      "pv_gflops": pv_gflop * instances / seeds / timing["wall_s"] if pv else None})
 
     spec = dict(configs=CONFIGS, deltas=(7.0,), ns=(n,), seeds=seeds, q_len=q_len, d=d, expected_mse=False)
-    for eng in ("scan", "fast"):
-        s = SweepSpec(engine=eng, **spec)
+    for eng in ("scan", "xla"):
+        s = SweepSpec(implementation=eng, **spec)
         add("sweep chunk", eng, measure(lambda s=s: compute_chunk(s, n, 0, seeds), repeats))
     deltas = tuple(float(x) for x in range(4, 14))
-    for eng in ("scan", "fast"):  # Δ = 4..13 on the same draws: the engine's share grows tenfold
-        s = SweepSpec(engine=eng, **{**spec, "deltas": deltas})
+    for eng in ("scan", "xla"):  # Δ = 4..13 on the same draws: the engine's share grows tenfold
+        s = SweepSpec(implementation=eng, **{**spec, "deltas": deltas})
         add("sweep chunk, 10 deltas", eng, measure(lambda s=s: compute_chunk(s, n, 0, seeds), repeats),
             instances=seeds * len(deltas))
-    s = SweepSpec(engine="fast", **{**spec, "expected_mse": True})
-    add("sweep chunk + mse_expected", "fast", measure(lambda: compute_chunk(s, n, 0, seeds), repeats))
-    s = SweepSpec(engine="fast", **{**spec, "d": 1, "expected_mse": True})
-    add("sweep chunk, V-free (d=1)", "fast", measure(lambda: compute_chunk(s, n, 0, seeds), repeats), pv=False)
+    s = SweepSpec(implementation="xla", **{**spec, "expected_mse": True})
+    add("sweep chunk + mse_expected", "xla", measure(lambda: compute_chunk(s, n, 0, seeds), repeats))
+    s = SweepSpec(implementation="xla", **{**spec, "d": 1, "expected_mse": True})
+    add("sweep chunk, V-free (d=1)", "xla", measure(lambda: compute_chunk(s, n, 0, seeds), repeats), pv=False)
 
     workload = SweepSpec(**spec).workload(n)
     def drawn(k):
@@ -120,7 +120,7 @@ def format_rows(rows: list[dict]) -> list[str]:
     head = ("row", "engine", "median s", "cpu s", "inst/s", "P·V GFLOP/s", "fast/scan speed-up")
     table = []
     for r in rows:
-        ratio = f"{scan[r['row']] / r['wall_s']:.2f}x" if r["engine"] == "fast" and r["row"] in scan else ""
+        ratio = f"{scan[r['row']] / r['wall_s']:.2f}x" if r["engine"] == "xla" and r["row"] in scan else ""
         table.append((r["row"], r["engine"], f"{r['wall_s']:.3f}", f"{r['cpu_s']:.3f}",
                       f"{r['instances_per_s']:.1f}", "-" if r["pv_gflops"] is None else f"{r['pv_gflops']:.1f}",
                       ratio))

@@ -45,7 +45,8 @@ import numpy as np
 import pallas_kernels as pk
 from pallas_kernels.workloads import sink_qkv
 from pcast_jax import engine
-from pcast_jax.config import PAPER_CONFIGS, KernelConfig, preset_for
+from pcast_jax.config import KernelConfig
+from pcast_jax.presets import PAPER_CONFIGS, preset_for
 
 #: The paper's Table 2, N = 4096 column (MSE × 1e-5; Q, K, V in FP32, B = 64, q_len = 32).
 PAPER_TABLE2_N4096 = {"fwd_s1": 5.65, "rev_s1": 1.70, "fwd_s448": 1.81, "fwd_s256": 1.64, "rev_s256": 1.64}

@@ -3,7 +3,7 @@
 All on the same shapes, in one run (Table 2's operating point: the paper's five configs, N = 4096,
 Δ = 7, q_len = 32, d = 128):
 
-* ``instances_per_s`` — steady-state throughput of ``sweep.compute_chunk`` with the fast engine
+* ``instances_per_s`` — steady-state throughput of ``sweep.compute_chunk`` with the xla implementation
   (an instance is one (seed, Δ): the draws plus every config's metrics), median of ``--repeats``.
 * ``matmul_gflops`` — a plain batched FP32 matmul (precision highest) of the sweep's P·V products:
   per instance one (q, N) × (N, d) product for every config plus the reference.
@@ -29,7 +29,7 @@ All on the same shapes, in one run (Table 2's operating point: the paper's five 
   implementations: threefry2x32 as JAX lowers it on CPU (a loop over its round groups), the same
   bits with the hash unrolled (``threefry2x32_unrolled``, what the sweep draws), and philox4x32,
   rbg and unsafe_rbg (other bits: they would change every result).
-* ``breakdown`` — where one chunk's time goes: each part of the fast engine's chunk as a jitted
+* ``breakdown`` — where one chunk's time goes: each part of the xla implementation's chunk as a jitted
   function of its own on the same shapes, one instance at a time (as the sweep's loop runs them),
   timed interleaved with the whole chunk in the same run; ms per instance and fraction of the
   chunk. ``draws`` (scores and V normals; ``draws_bits`` their threefry bits alone),
@@ -181,13 +181,13 @@ def _prng(seeds: int, repeats: int) -> dict:
 
 
 def _breakdown(seeds: int, repeats: int) -> dict:
-    """ms per instance and fraction of the chunk of each part of the fast engine's chunk (see above)."""
+    """ms per instance and fraction of the chunk of each part of the xla implementation's chunk (see above)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from pcast_jax import block, engine, formats, metrics
-    from pcast_jax.config import resolve
+    from pcast_jax.presets import resolve
     from pcast_jax.sweep import SweepSpec, compute_chunk, instance_key
     from pcast_jax.workloads import make_instance, threefry_unrolled
 
@@ -199,7 +199,7 @@ def _breakdown(seeds: int, repeats: int) -> dict:
     inst = jax.jit(jax.vmap(lambda k: make_instance(instance_key(0, n, k), w, 7.0)))(keys)
     is_sink = np.asarray(inst.is_sink[0])
 
-    def probs(z, cfg):  # P and P·S of the fast engine: exp(Z − running max), in key order
+    def probs(z, cfg):  # P and P·S of the xla implementation: exp(Z − running max), in key order
         zb = z.reshape(z.shape[:-1] + (-1, cfg.block_kv))
         m_run = jax.lax.cummax(jnp.max(zb, axis=-1), axis=1, reverse=cfg.order == "reverse")
         return block.block_probs(zb, m_run, cfg)[:2]
@@ -543,7 +543,7 @@ def main() -> int:
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"sweep benchmark, {report['platform']} x{report['device_count']}: {len(CONFIGS)} configs, N={n}, "
           f"q={q}, d={d}, {seeds} seeds per chunk (medians of {args.repeats})")
-    rows = [("instances/s (fast engine, steady state)", f"{ips:.1f}"),
+    rows = [("instances/s (xla implementation, steady state)", f"{ips:.1f}"),
             ("P·V GFLOP/s in the sweep", f"{report['pv_gflops']:.1f}"),
             ("plain matmul GFLOP/s, same products", f"{report['matmul_gflops']:.1f}"),
             ("fraction of the FLOP bound", f"{report['flop_bound_fraction']:.2f}"),

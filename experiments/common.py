@@ -24,8 +24,8 @@ import jax
 import numpy as np
 
 from pcast_jax import report
-from pcast_jax.config import PAPER_CONFIGS
 from pcast_jax.errors import PcastError
+from pcast_jax.presets import PAPER_CONFIGS
 from pcast_jax.sweep import SweepResult, SweepSpec, plan_layout, run_sweep
 
 __all__ = [

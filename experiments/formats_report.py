@@ -30,9 +30,10 @@ import jax
 import numpy as np
 
 from pcast_jax import formats, report, theory
-from pcast_jax.config import BLOCK_SCALED_PRESETS, PAPER_CONFIGS, KernelConfig
+from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError
 from pcast_jax.metrics import expected_is_exact
+from pcast_jax.presets import BLOCK_SCALED_PRESETS, PAPER_CONFIGS
 from pcast_jax.stats import fmt_pm, mean_sem, paired_ratio
 from pcast_jax.sweep import SweepResult, SweepSpec, run_sweep
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from pcast_jax import report, theory
-from pcast_jax.config import KernelConfig, get_preset
-from pcast_jax.presets import KERNELS_2026
+from pcast_jax.config import KernelConfig
+from pcast_jax.presets import KERNELS_2026, get_preset
 from pcast_jax.stats import decide, fmt_pm, mean_sem, paired_ratio, z_value
 from pcast_jax.sweep import SweepResult, SweepSpec, run_sweep
 

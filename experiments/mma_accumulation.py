@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pcast_jax import engine, report
-from pcast_jax.config import MMA_ACC_BITS_HOPPER, get_preset
+from pcast_jax.presets import MMA_ACC_BITS_HOPPER, get_preset
 from pcast_jax.workloads import SinkWorkload, make_instance
 
 __all__ = ["NAME", "FILES", "TITLE", "DELTAS", "NS", "CONFIGS", "measure", "mma_section"]

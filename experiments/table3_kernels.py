@@ -6,7 +6,7 @@ where the kernel has one, otherwise :data:`NOT_RUN` and the reason). Each row: o
 fraction of non-sink P zeroed and the MSE at Δ = 7 and Δ = 10 (standard errors over seeds), the
 paper's Table 3 verdict, ours — derived from the numbers by the rule in :func:`verdict` — and a
 finding wherever the two differ. Kernel facts (order, S, tiles, splits) come from
-:data:`pcast_jax.config.KERNEL_PRESETS`, which cite each kernel's source.
+:data:`pcast_jax.presets.KERNEL_PRESETS`, which cite each kernel's source.
 
 Two sweeps, every preset on the same draws (Q/K/V in FP32, the paper's isolation of the P-cast):
 ``kernels_prefill`` (the report's workload, q_len query rows) and ``kernels_decode``
@@ -21,8 +21,9 @@ import dataclasses
 
 import numpy as np
 
-from pcast_jax.config import XQA_DECODE_LAUNCH, KernelConfig, get_preset, preset_for, xqa_nb_sub_seq
+from pcast_jax.config import KernelConfig
 from pcast_jax.metrics import expected_is_exact
+from pcast_jax.presets import XQA_DECODE_LAUNCH, get_preset, preset_for, xqa_nb_sub_seq
 from pcast_jax.stats import decide, fmt_pm, mean_sem, paired_ratio, z_value
 
 from .common import SINK_DELTA, Column, Context, Finding, Part, Section, Table, spec_for
@@ -59,7 +60,7 @@ class Kernel:
 
     ``decode`` names its decode-path preset, or is None with ``no_decode`` saying why. Both phases
     take the tile of the prefill preset at the workload's head dim (a split-KV launch runs the same
-    kernel, :data:`pcast_jax.config.TILES_BY_HEAD_DIM`).
+    kernel, :data:`pcast_jax.presets.TILES_BY_HEAD_DIM`).
     """
 
     label: str
@@ -94,7 +95,7 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("TensorRT-LLM XQA", "trtllm_xqa", "Fwd", "448", "Suboptimal scale", decode="trtllm_xqa_multiblock",
            note="a decode kernel: its prefill row is multi-block mode off (one CTA per row, the paper's "
                 f"reading); its decode row is multi-block mode ({get_preset('trtllm_xqa_multiblock').kv_splits} "
-                "sub-sequences, launchHopperF8MHA's count for config.XQA_DECODE_LAUNCH, dealt KV tiles "
+                "sub-sequences, launchHopperF8MHA's count for presets.XQA_DECODE_LAUNCH, dealt KV tiles "
                 "round-robin, each forward with its own max, LSE-merged)"),
     Kernel("SageAttention2", "sageattn2", "Fwd", "448", "Suboptimal scale",
            no_decode="no split-KV decode preset: SageAttention's decode path was not read from source",
@@ -116,7 +117,7 @@ TILE_SOURCE = {
     "flashinfer_sm90": "hopper/quantization/prefill_sm90.cuh CTA_KV, d = 128 (128 at d = 64/256)",
     "trtllm_xqa": "xqa/mha_sm90.cu gemm0CtaTileNbTokens = 64",
     "trtllm_xqa_multiblock": "xqa/mha_sm90.cu gemm0CtaTileNbTokens = 64; strided sub-sequences: "
-                             "launchHopperF8MHA's nbSubSeq for an assumed launch (config.XQA_DECODE_LAUNCH)",
+                             "launchHopperF8MHA's nbSubSeq for an assumed launch (presets.XQA_DECODE_LAUNCH)",
     "fa3_splitkv": "as fa3; 8 contiguous splits (assumed num_splits)",
     "sageattn2": "csrc/qattn/qk_int_sv_f8_cuda_sm90.cu CTA_K = 128 (lines 687, 863)",
     "sageattn2pp": ("csrc/qattn/sm89_qk_int8_sv_f8_accum_f16_fuse_v_scale_attn_inst_buf.cu CTA_K = 64; f16 "
@@ -486,7 +487,7 @@ def run(ctx: Context) -> Section:
     notes.append(
         f"XQA decode launch: `trtllm_xqa_multiblock` runs nbSubSeq = {get_preset('trtllm_xqa_multiblock').kv_splits}, "
         f"what `launchHopperF8MHA` (cpp/kernels/xqa/mha_sm90.cu) computes for {launch['sms']} SMs, batch "
-        f"{launch['batch']} × {launch['nb_k_heads']} KV heads (`pcast_jax.config.xqa_nb_sub_seq`); its verdict "
+        f"{launch['batch']} × {launch['nb_k_heads']} KV heads (`pcast_jax.presets.xqa_nb_sub_seq`); its verdict "
         "holds " + "; ".join(conditions.values()) + ".")
     z8 = z_value(s.seeds_table3)
     intro = (

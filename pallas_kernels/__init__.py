@@ -1,6 +1,6 @@
 """Pallas GPU FP8 attention kernels whose P-cast follows a :class:`pcast_jax.config.KernelConfig`.
 
-Two backends compute the same thing as the scan engine of :mod:`pcast_jax.engine`:
+Two backends compute the same thing as the scan implementation of :mod:`pcast_jax.engine`:
 
 * ``"mosaic"`` — Pallas Mosaic GPU for Hopper: TMA ring of K/Vᵀ slots, warp-specialized,
   FP8 ``wgmma`` for Q·Kᵀ and P8·V (:mod:`pallas_kernels.mosaic_gpu`);

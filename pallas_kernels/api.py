@@ -22,9 +22,10 @@ import numpy as np
 from pallas_kernels import mosaic_gpu, tiling, triton_gpu
 from pcast_jax import block
 from pcast_jax import engine as _engine
-from pcast_jax._compat import renamed, simulator_implementation
-from pcast_jax.config import MMA_K, KernelConfig, resolve
+from pcast_jax.config import MMA_K, KernelConfig
+from pcast_jax.engine import check_implementation
 from pcast_jax.errors import PcastError, check_choice, check_int, check_positive
+from pcast_jax.presets import resolve
 
 __all__ = [
     "BACKENDS",
@@ -38,6 +39,8 @@ __all__ = [
 ]
 
 BACKENDS = ("mosaic", "triton")
+#: Each backend's module: it owns its limits (``check_limits``) and its kernel.
+_KERNELS = {"mosaic": mosaic_gpu, "triton": triton_gpu}
 _F8 = jnp.dtype(jnp.float8_e4m3fn)
 #: Widest KV tile either backend runs (the wgmma N of Q·Kᵀ; Triton's largest tile so far).
 MAX_KV_TILE = 256
@@ -196,28 +199,7 @@ def _validate(q, k, v, cfg: KernelConfig, backend: str, softmax_scale, num_slots
     if tile > MAX_KV_TILE:
         raise PcastError(f"block_kv={block_kv} not supported by the {backend} backend: it needs a {tile}-key tile, "
                          f"the widest it runs is {MAX_KV_TILE} keys")
-    if backend == "mosaic":
-        if head_dim not in (64, 128):
-            raise PcastError(f"head_dim={head_dim} not supported by the mosaic backend: must be 64 or 128")
-        if q_len % mosaic_gpu.BLOCK_Q:
-            raise PcastError(f"q_len={q_len} not supported by the mosaic backend: must be a multiple of 64")
-        check_int("num_slots", num_slots, min_value=2, max_value=8)
-        slots = min(num_slots, tiling.n_blocks(n_kv, block_kv))
-        smem = mosaic_gpu.smem_bytes(mosaic_gpu.compute_warpgroups(q_len, head_dim, tile, slots), head_dim, tile, slots)
-        if smem > mosaic_gpu.SMEM_BYTES:
-            raise PcastError(
-                f"block_kv={block_kv} with head_dim={head_dim} and num_slots={num_slots} needs "
-                f"{smem} bytes of shared memory > {mosaic_gpu.SMEM_BYTES}: use a smaller block_kv or num_slots"
-            )
-    else:
-        if head_dim not in (32, 64, 128, 256):
-            raise PcastError(f"head_dim={head_dim} not supported by the triton backend: must be 32, 64, 128 or 256")
-        if q_len % 16:
-            raise PcastError(f"q_len={q_len} not supported by the triton backend: must be a multiple of 16")
-        keys = cfg.f16_round_keys
-        if keys & (keys - 1):
-            raise PcastError(f"f16_round_keys={keys} not supported by the triton backend: one P8·V dot per "
-                             "rounding group must span a power of two of keys (32, 64, 128, ...)")
+    _KERNELS[backend].check_limits(cfg, q_len=q_len, head_dim=head_dim, n_kv=n_kv, num_slots=num_slots)
     return head_dim, n_kv
 
 
@@ -304,7 +286,6 @@ def _run(q, k, v, q_descale, k_descale, v_descale, sinks, *, config, backend, in
     return out * out_factor, KernelStats(row_sum, n_zeroed)
 
 
-@renamed(backend="implementation", softmax_scale="scale")
 def fp8_attention(
     q,
     k,
@@ -343,11 +324,9 @@ def fp8_attention(
         ``split_layout``) runs one program per split over the blocks of
         :func:`pcast_jax.block.split_schedule`; the per-split O, m and ℓ are merged here by
         :func:`pcast_jax.block.merge_splits` (the combine step of flash-decoding).
-      implementation: ``"mosaic"`` (Pallas Mosaic GPU, Hopper wgmma + TMA) or ``"triton"``
-        (``backend=`` before: still accepted, with a DeprecationWarning).
+      implementation: ``"mosaic"`` (Pallas Mosaic GPU, Hopper wgmma + TMA) or ``"triton"``.
       interpret: run the kernel in Pallas interpret mode (works on CPU).
-      scale: the logit scale, 1/√d by default (``softmax_scale=`` before, still accepted with a
-        DeprecationWarning), as in :func:`jax.nn.dot_product_attention`.
+      scale: the logit scale, 1/√d by default, as in :func:`jax.nn.dot_product_attention`.
       q_descale, k_descale, v_descale: per-tensor dequantization scales (floats or 0-d arrays).
       return_stats: also return :class:`KernelStats` (ℓ and the per-row count of zeroed P).
       v_transposed: v is already (batch, kv_heads, d, N).
@@ -387,7 +366,6 @@ def fp8_attention(
 # --------------------------------------------------------------------------------------------
 
 
-@renamed(softmax_scale="scale", engine="implementation")
 def simulate_fp8_attention(
     q,
     k,
@@ -407,14 +385,13 @@ def simulate_fp8_attention(
     Scores = (Q8 · K8ᵀ in FP32) · (q_descale·k_descale·scale) and V = V8 · v_descale, the
     same path as ``pcast_jax.engine.prepare_qkv`` for ``qkv="e4m3"``; K/V heads are repeated for GQA. Arrays
     in the result carry the (batch, heads) leading dimensions. ``implementation``: the simulator's,
-    ``"scan"`` (default, block by block like the kernel) or ``"xla"``. (``softmax_scale=`` and
-    ``engine=`` are the old names, still accepted with a DeprecationWarning.)
+    ``"scan"`` (default, block by block like the kernel) or ``"xla"``.
     """
     cfg = resolve(config)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return _simulate(
         q, k, v, q_descale, k_descale, v_descale, count_mask, _check_sinks(sinks, q.shape[1]),
-        config=cfg, softmax_scale=scale, implementation=simulator_implementation(implementation),
+        config=cfg, softmax_scale=scale, implementation=check_implementation(implementation),
     )
 
 

@@ -7,7 +7,7 @@ a slot is full (TMA done) and when it is free (every compute warpgroup has consu
 
 Per KV block (``config.block_kv`` keys, on a tile of :func:`pallas_kernels.tiling.kv_tile` keys:
 block_kv rounded up to a multiple of 32, the extra keys masked) each compute warpgroup does
-Algorithm 1 exactly as ``pcast_jax.engine``'s scan engine does (every line of it from
+Algorithm 1 exactly as ``pcast_jax.engine``'s scan implementation does (every line of it from
 :mod:`pcast_jax.block`):
 
 * Z = (Q8 · K8ᵀ) · q_descale·k_descale·softmax_scale, an FP8 × FP8 → FP32 ``wgmma``;
@@ -39,6 +39,7 @@ from jax import lax
 from pallas_kernels import tiling
 from pcast_jax import block
 from pcast_jax.config import KernelConfig
+from pcast_jax.errors import PcastError, check_int
 
 __all__ = ["BLOCK_Q", "SMEM_BYTES", "compute_warpgroups", "mosaic_attention", "smem_bytes"]
 
@@ -47,6 +48,24 @@ BLOCK_Q = 64
 #: Shared memory one Hopper CTA may use (227 KiB).
 SMEM_BYTES = 232448
 _F8 = jnp.float8_e4m3fn
+
+
+def check_limits(cfg: KernelConfig, *, q_len: int, head_dim: int, n_kv: int, num_slots: int) -> None:
+    """What this backend runs: head dims 64 and 128, q_len a multiple of :data:`BLOCK_Q`, 2–8 TMA
+    slots, and a ring of KV tiles that fits :data:`SMEM_BYTES`. Raises PcastError naming the parameter."""
+    if head_dim not in (64, 128):
+        raise PcastError(f"head_dim={head_dim} not supported by the mosaic backend: must be 64 or 128")
+    if q_len % BLOCK_Q:
+        raise PcastError(f"q_len={q_len} not supported by the mosaic backend: must be a multiple of {BLOCK_Q}")
+    check_int("num_slots", num_slots, min_value=2, max_value=8)
+    tile = tiling.kv_tile("mosaic", cfg.block_kv)
+    slots = min(num_slots, tiling.n_blocks(n_kv, cfg.block_kv))
+    smem = smem_bytes(compute_warpgroups(q_len, head_dim, tile, slots), head_dim, tile, slots)
+    if smem > SMEM_BYTES:
+        raise PcastError(
+            f"block_kv={cfg.block_kv} with head_dim={head_dim} and num_slots={num_slots} needs "
+            f"{smem} bytes of shared memory > {SMEM_BYTES}: use a smaller block_kv or num_slots"
+        )
 
 
 def smem_bytes(compute_wgs: int, head_dim: int, tile: int, slots: int) -> int:

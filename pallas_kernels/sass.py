@@ -37,8 +37,9 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
-from pcast_jax.config import KernelConfig, resolve
+from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError, check_choice, check_int
+from pcast_jax.presets import resolve
 
 __all__ = [
     "PRODUCTS",

@@ -2,7 +2,7 @@
 
 One program per (batch, head, query block, KV split); it walks its KV blocks in the kernel's order
 (one split: all of them; split-KV: its row of :func:`pcast_jax.block.split_schedule`) with a
-``fori_loop`` and does Algorithm 1 per block exactly as ``pcast_jax.engine``'s scan engine does
+``fori_loop`` and does Algorithm 1 per block exactly as ``pcast_jax.engine``'s scan implementation does
 (every line of it from :mod:`pcast_jax.block`). A block of ``config.block_kv`` keys is computed on a
 power-of-two tile (:func:`pallas_kernels.tiling.kv_tile`: 224, 192 and 160 on 256 keys), the extra
 keys masked. With an f16 accumulator P8·V is one FP8 dot per
@@ -24,6 +24,7 @@ from jax import lax
 from pallas_kernels import tiling
 from pcast_jax import block
 from pcast_jax.config import KernelConfig
+from pcast_jax.errors import PcastError
 
 __all__ = ["triton_attention", "triton_block_q"]
 
@@ -86,6 +87,20 @@ else:  # pragma: no cover
 #: rows, else FA3's exponent mode at d = 128 (224 keys on a 256-key tile) spills 16 B at 8 warps
 #: (``pcast kernels --sass``: 255 registers; 64 rows: no spills).
 MAX_TILE_ELEMENTS = 128 * 128
+
+
+def check_limits(cfg: KernelConfig, *, q_len: int, head_dim: int, n_kv: int, num_slots: int) -> None:
+    """What this backend runs: head dims 32–256 (powers of two), q_len a multiple of 16, and f16
+    rounding groups of a power of two of keys. Raises PcastError naming the parameter."""
+    del n_kv, num_slots  # the Triton kernel pipelines by itself: no ring of KV tiles to size
+    if head_dim not in (32, 64, 128, 256):
+        raise PcastError(f"head_dim={head_dim} not supported by the triton backend: must be 32, 64, 128 or 256")
+    if q_len % 16:
+        raise PcastError(f"q_len={q_len} not supported by the triton backend: must be a multiple of 16")
+    keys = cfg.f16_round_keys
+    if keys & (keys - 1):
+        raise PcastError(f"f16_round_keys={keys} not supported by the triton backend: one P8·V dot per "
+                         "rounding group must span a power of two of keys (32, 64, 128, ...)")
 
 
 def triton_block_q(q_len: int, tile_kv: int = 128) -> int:

@@ -23,9 +23,9 @@ __version__ = "0.1.0"
 #: public name -> the submodule that defines it (a submodule itself when the name is one)
 _EXPORTS = {
     "KernelConfig": "pcast_jax.config",
-    "PRESETS": "pcast_jax.config",
-    "get_preset": "pcast_jax.config",
-    "preset_for": "pcast_jax.config",
+    "PRESETS": "pcast_jax.presets",
+    "get_preset": "pcast_jax.presets",
+    "preset_for": "pcast_jax.presets",
     "dot_product_attention": "pcast_jax.nn",
     "attention_weights": "pcast_jax.nn",
     "attention": "pcast_jax.engine",

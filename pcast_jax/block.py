@@ -8,7 +8,7 @@ Algorithm 1 of the paper, per query row and KV block j in the kernel's order::
     return O / (S ℓ)                                                          # line 12
 
 Each function below is one of those lines (its number in the docstring), with the config's scale
-mode, format, overflow and accumulator. The scan engine, the fast engine and both Pallas kernels
+mode, format, overflow and accumulator. The scan implementation, the xla implementation and both Pallas kernels
 (Mosaic GPU and Triton) call these functions, so the arithmetic exists in one place.
 
 Conventions, so that the same code traces in XLA and lowers in both Pallas backends:

@@ -1,8 +1,12 @@
-"""JAX's persistent compilation cache, on by default in a per-user folder.
+"""JAX's persistent compilation cache in a per-user folder: :func:`enable`.
 
 A sweep's chunk compiles once per shape (:mod:`pcast_jax.sweep.compute`); with this cache a second
 process with the same shapes (``pcast reproduce`` again, a test rerun) loads the compiled program
-from disk instead of compiling it.
+from disk instead of compiling it. The ``pcast`` command line (and so ``pcast reproduce``) turns it on;
+a library call never does, since it is JAX's global state: a script calls :func:`enable` itself::
+
+    from pcast_jax import cache
+    cache.enable()          # before the first compile; returns the folder, or None when off
 
 * Folder: ``$XDG_CACHE_HOME/pcast_jax/jax-cache`` (``~/.cache/pcast_jax/jax-cache`` without it).
 * ``PCAST_JAX_COMPILATION_CACHE``: ``0`` / ``false`` / ``off`` / ``no`` turns the cache off; a path
@@ -25,7 +29,7 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["ENV_VAR", "default_cache_dir", "setup_compilation_cache", "VerifiedCache"]
+__all__ = ["ENV_VAR", "default_cache_dir", "enable", "VerifiedCache"]
 
 #: Environment variable that turns the cache off (0) or names its folder.
 ENV_VAR = "PCAST_JAX_COMPILATION_CACHE"
@@ -65,8 +69,11 @@ def _env_folder(default: str | os.PathLike | None = None) -> Path | None:
     return Path(env).expanduser()
 
 
-def setup_compilation_cache(enabled: bool | None = None, path: str | os.PathLike | None = None) -> Path | None:
+def enable(enabled: bool | None = None, path: str | os.PathLike | None = None) -> Path | None:
     """Turn JAX's persistent compilation cache on (idempotent); return its folder, or None when off.
+
+    This changes JAX's configuration for the whole process (``jax_compilation_cache_dir``, the
+    shortest compile that is kept, and a cache that verifies each entry): call it once, first.
 
     Args:
       enabled: False turns it off for this process; None (default) follows ``PCAST_JAX_COMPILATION_CACHE``.

@@ -23,25 +23,25 @@ import re
 import sys
 from importlib import metadata
 
-from pcast_jax.cache import setup_compilation_cache
+from pcast_jax import cache
 
 #: Built-in sub-commands and their one-line help.
 COMMANDS: dict[str, str] = {
     "theory": "Closed forms of the paper for one (Δ, S): δk, F(Δ,S), Δc, underflow threshold, dp(S).",
     "sweep": "Run a seed × Δ × N × config sweep with the simulator; results land on disk as chunks finish.",
     "whatif": "Differentiable what-if analyses: worst Δ, optimal S, Prop. 3 calibration, dynamic scale.",
-    "model-report": "Real-model (SmolLM2-135M) sink statistics, per-head P-cast error and perplexity.",
     "analyze": "Your model's captured Q/K/V trace: sinks, each kernel's P-cast loss per head, verdicts, safe scale.",
     "presets": "List the kernel presets and their P-cast configuration (--show NAME: one as key=value).",
     "plot": "Plot a finished sweep's metric against Δ or N (PNG, in the reproduction figures' style).",
     "kernels": "Compile the Pallas FP8 kernels for Hopper without a GPU: registers, spills, FP8 wgmma use.",
     "jax-fp8": "What JAX's own FP8 attention (cuDNN FP8 SDPA) does to P for your scale_s, head dim and sinks.",
+    "doctor": "From a deployment (engine, backend, GPU, checkpoint) to its kernel, a P-collapse verdict and the fix.",
 }
 #: Entry-point group through which other packages add sub-commands.
 ENTRY_POINT_GROUP = "pcast_jax.commands"
 #: Sub-commands this project's other packages add, and which package: named in the error when the
 #: package is not installed.
-PROVIDED_ELSEWHERE: dict[str, str] = {"reproduce": "pcast_experiments"}
+PROVIDED_ELSEWHERE: dict[str, str] = {"reproduce": "pcast_experiments", "model-report": "pcast_experiments"}
 
 
 class _Formatter(argparse.HelpFormatter):
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pcast: error: {exc}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
-    setup_compilation_cache(enabled=False if args.no_compile_cache else None)
+    cache.enable(enabled=False if args.no_compile_cache else None)
     if not args.command:
         parser.print_help()
         return 0

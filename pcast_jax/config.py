@@ -1,4 +1,4 @@
-"""What an FP8 attention kernel does at the P-cast: :class:`KernelConfig` and the presets.
+"""What an FP8 attention kernel does at the P-cast: :class:`KernelConfig` (presets: :mod:`pcast_jax.presets`).
 
 Algorithm 1 of the paper, per query row and KV block j (in the kernel's order)::
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
+from typing import Literal
 
 import numpy as np
 
@@ -30,15 +31,28 @@ from pcast_jax import numberline
 from pcast_jax.errors import F32_MAX, PcastError, check_choice, check_int, check_positive
 
 __all__ = ["KernelConfig", "MMA_K", "QKV_GRANULARITIES", "SINK_MODES", "RESCALE_UNITS", "RESCALE_COMPENSATIONS",
-           "preset_for", "get_preset", "resolve"]
+           "Order", "ScaleMode", "Accumulator", "QKVPrecision", "QKVGranularity", "SplitLayout", "SinkMode",
+           "RescaleUnit", "RescaleCompensation"]
 
-ORDERS = ("forward", "reverse")
-SCALE_MODES = ("multiply", "exponent", "dynamic")
-ACCUMULATORS = ("f32", "f16")
+#: KV block orders (:attr:`KernelConfig.order`).
+Order = Literal["forward", "reverse"]
+ORDERS: tuple[str, ...] = typing.get_args(Order)
+#: Where S goes (:attr:`KernelConfig.scale_mode`).
+ScaleMode = Literal["multiply", "exponent", "dynamic"]
+SCALE_MODES: tuple[str, ...] = typing.get_args(ScaleMode)
+#: P·V accumulators (:attr:`KernelConfig.accumulator`).
+Accumulator = Literal["f32", "f16"]
+ACCUMULATORS: tuple[str, ...] = typing.get_args(Accumulator)
 SCALE_MIN, SCALE_MAX = numberline.SCALE_MIN, numberline.SCALE_MAX  # S, 1/S and S·ℓ stay in float32
-QKV_PRECISIONS = ("f32", "e4m3")
-QKV_GRANULARITIES = ("tensor", "head")
-SPLIT_LAYOUTS = ("contiguous", "strided")
+#: Q/K/V precisions (:attr:`KernelConfig.qkv`).
+QKVPrecision = Literal["f32", "e4m3"]
+QKV_PRECISIONS: tuple[str, ...] = typing.get_args(QKVPrecision)
+#: Where E4M3 Q/K/V scales live (:attr:`KernelConfig.qkv_granularity`).
+QKVGranularity = Literal["tensor", "head"]
+QKV_GRANULARITIES: tuple[str, ...] = typing.get_args(QKVGranularity)
+#: How split-KV deals blocks (:attr:`KernelConfig.split_layout`).
+SplitLayout = Literal["contiguous", "strided"]
+SPLIT_LAYOUTS: tuple[str, ...] = typing.get_args(SplitLayout)
 #: Keys one FP8 tensor-core MMA instruction covers (its K): Hopper ``wgmma`` with 8-bit operands
 #: has K × sizeof(e4m3) = 32 bytes (PTX ISA, wgmma shapes m64nNk32 for .e4m3/.e5m2); the
 #: ``mma.sync`` FP8 shape is m16n8k32. The MMA accumulator model rounds after every MMA_K keys.
@@ -46,12 +60,15 @@ MMA_K = 32
 #: Largest mantissa width of the MMA accumulator model (23 = FP32's, truncated instead of rounded).
 MMA_ACC_BITS_MAX = 23
 #: Where a kernel puts a learned sink logit s_L (gpt-oss ``sinks``: a softmax column with no value row).
-SINK_MODES = ("epilogue", "init_max", "block_max")
+SinkMode = Literal["epilogue", "init_max", "block_max"]
+SINK_MODES: tuple[str, ...] = typing.get_args(SinkMode)
 #: Units of the lazy-rescale threshold τ: log2 (FA4, FlashInfer CuTe-DSL: compared in the exp2 domain)
 #: or natural (cuDNN: compared with the logits themselves).
-RESCALE_UNITS = ("log2", "natural")
+RescaleUnit = Literal["log2", "natural"]
+RESCALE_UNITS: tuple[str, ...] = typing.get_args(RescaleUnit)
 #: ``"pow2"``: the P scale is S·2^-τ (cuDNN's compensation for a running max that lags by up to τ).
-RESCALE_COMPENSATIONS = ("none", "pow2")
+RescaleCompensation = Literal["none", "pow2"]
+RESCALE_COMPENSATIONS: tuple[str, ...] = typing.get_args(RescaleCompensation)
 #: Largest τ: exp(τ) (the most a stale P can exceed 1) stays finite in float32 in either unit.
 RESCALE_THRESHOLD_MAX = 64.0
 
@@ -59,114 +76,112 @@ RESCALE_THRESHOLD_MAX = 64.0
 _DEFAULT_BLOCK_KV = 64
 
 
-class _DerivedName(str):
-    """A name :meth:`KernelConfig.default_name` derived (none was given): written to ``to_dict`` in the
-    spelling derived names had before 0.2 (``for_`` for the forward order), so that sweep fingerprints
-    stay those of the sweeps already on disk."""
-
-    __slots__ = ()
-
-    def stored(self) -> str:
-        return "for" + self[3:] if self.startswith("fwd_") else str(self)
-
-
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class KernelConfig:
     """P-cast semantics of one FP8 attention kernel; validated on construction.
 
-    Attributes:
-      order: KV block order, ``"forward"`` (0 → N) or ``"reverse"`` (N → 0).
-      scale: the static P scale S, in [2^-100, 2^100]. ``"dynamic"`` mode ignores it.
-      scale_mode: ``"multiply"``, ``"exponent"`` or ``"dynamic"`` (module docstring).
-      block_kv: KV block size B. N that is not a multiple is padded with masked keys.
-      p_format: format of the P-cast: an element format (``"e4m3"``, ``"e5m2"``, ``"e2m1"``) with the
-        one scale S, or a block-scaled format (``"mxfp8"``, ``"mxfp4"``: 32 keys per E8M0 scale;
-        ``"nvfp4"``: 16 keys per UE4M3 scale) applied to P·S along the key axis, each block's scale
-        multiplied back after its P·V product. Block-scaled formats need blocks that tile
-        ``block_kv``, the multiply or exponent scale mode and the FP32 accumulator. An element
-        format may be given as its dtype (``jnp.float8_e5m2``, ``ml_dtypes.float8_e4m3fn``,
-        ``np.dtype(...)``); it is stored as its name (``"e5m2"``), so configs and sweep fingerprints
-        are the same either way. ``accumulator`` and ``qkv`` take dtypes likewise (float32, float16,
-        float8_e4m3fn).
-      overflow: ``"satfinite"`` (Hopper cvt.rn.satfinite; what kernels do) or ``"nan"``.
-      accumulator: ``"f32"``, or ``"f16"``: each block's P8·V product is rounded to float16 before
-        it is added to the FP32 output (SageAttention2++'s ``fp32+fp16`` PV accumulation).
-      qkv: ``"f32"`` keeps Q, K, V exact (isolates the P-cast, as the paper does); ``"e4m3"``
-        quantizes Q, K and V to E4M3 (scale = amax/max_E4M3) as production kernels do.
-      qkv_granularity: where the E4M3 Q/K/V scales live when ``qkv == "e4m3"``: ``"tensor"``
-        (one scale per tensor) or ``"head"`` (one per attention head). Ignored for FP32 Q/K/V.
-      causal: bottom-right aligned causal mask (query i of q_len sits at position N − q_len + i).
-      kv_splits: split-KV (flash-decoding / multi-block) parallelism: the KV blocks are dealt over
-        this many independent Algorithm-1 runs (1 = one run per row, as in the paper), merged at the
-        end by the FP32 log-sum-exp merge (:func:`pcast_jax.block.merge_splits`).
-      split_layout: ``"contiguous"`` (split s gets a contiguous range of ⌈n_blocks/kv_splits⌉ blocks,
-        FlashAttention-3 ``num_splits``, FlashInfer split-KV) or ``"strided"`` (block b goes to split
-        b mod kv_splits, TensorRT-LLM XQA multi-block mode). Each split visits its blocks in ``order``.
-      f16_round_keys: with the f16 accumulator, how many keys one f16 MMA covers: P8·V is rounded to
-        float16 after every ``f16_round_keys`` keys (the f16 partial sums chained inside the block)
-        and the block's f16 result is added to the FP32 output. 0 = once per block.
-      v_channel_max: with the f16 accumulator, V is scaled per channel (over the KV length) so that
-        max|V| = this value before the f16 accumulation, and the scale is multiplied back after it
-        (SageAttention2++ ``quant_v_scale_max``). 0 = V as it is.
-      mma_acc_bits: a *model* (not yet measured on a GPU) of the FP8 tensor core's "FP32" P·V
-        accumulator: 0 = exact FP32 (the paper's simulator). b in 1..23: the MMA's running P·V
-        partial sum keeps b explicit mantissa bits, truncated toward zero after every MMA K-step of
-        :data:`MMA_K` = 32 keys (assumption from the DeepSeek-V3 technical report §3.3.2: Hopper's
-        FP8 GEMM accumulation "retains around 14 bits"; SageAttention's ``sageattention/core.py``
-        calls it "FP32 (actually FP22)", i.e. 13 bits). Needs the FP32 accumulator, an element P
-        format and a ``block_kv`` that is a multiple of 32.
-      mma_promote_keys: with ``mma_acc_bits``, after how many keys the kernel promotes the MMA's
-        partial sum into exact FP32 registers (a fresh MMA accumulator then starts at 0). 0 = never:
-        O itself lives in the MMA accumulator across all KV blocks, α·O rescaled in place and every
-        block's products added by the MMA (FlashAttention-3, TensorRT-LLM XQA, hpc-ops before its
-        double-O accumulator). k > 0: a multiple of 32 that divides ``block_kv``; ``block_kv`` = one
-        fresh accumulator per KV tile added to FP32 O (hpc-ops now, SageAttention2 on SM90 with
-        ``pv_accum_dtype="fp32+fp32"``, this package's
-        Pallas kernels); smaller k as DeepGEMM promotes every 128 keys. The 0 (never) form cannot
-        take the dynamic scale mode (its 2^-k multiplies a block's product outside the MMA).
-      sink_mode: where the kernel puts a learned sink logit s_L (one per head, a softmax column with no
-        value row; the workload or the caller supplies it): ``"epilogue"`` — only in the final
-        denominator, ℓ += exp(s_L − m) (times S where ℓ holds S), the running max never sees it
-        (FlashInfer, TensorRT-LLM XQA / fmha_v2, FA3's vLLM fork, FA4, SGLang); ``"init_max"`` — as the
-        initial running max, m = s_L and ℓ = 1 before the first block (vLLM's Triton unified attention,
-        cuDNN's FP8 SDPA); ``"block_max"`` — folded into every block's max, ℓ gets it once
-        (vllm-gaudi). Split-KV: ``"init_max"`` and ``"epilogue"`` act in split 0 only (the merge adds the
-        sink once); ``"block_max"`` folds it into every split's max. Without a sink logit the field
-        does not act.
-      rescale_threshold: lazy rescale τ ≥ 0 (0 = Algorithm 1: the running max follows every block).
-        With τ > 0 the running max is raised only when a block's max exceeds it by more than τ
-        (in ``rescale_unit``); until then P = exp(Z − m) may exceed 1 and P·S may saturate at the
-        format's max, while ℓ keeps the unclipped P (FA4, FlashInfer SM100 CuTe-DSL, cuDNN).
-      rescale_unit: ``"log2"`` (τ compares (max − m)·log2 e, as FA4 does) or ``"natural"`` (cuDNN).
-      rescale_compensation: ``"none"``, or ``"pow2"``: the P scale applied is S·2^-τ (cuDNN), so the
-        largest P·S a lagging max allows is S·e^τ·2^-τ (natural units).
-      name: a label for reports, not part of the identity: two configs are equal (and hash alike)
-        when their semantics are, whatever their names. Empty → :meth:`default_name`.
-
-    Fields that do not act in a mode are normalised, so equality is semantic: the dynamic mode
-    sets ``scale`` to 1 and FP32 Q/K/V set ``qkv_granularity`` to ``"tensor"``.
+    Each field is documented where it is declared, grouped by what it describes. Fields that do not
+    act in a mode are normalised, so equality is semantic: the dynamic mode sets ``scale`` to 1 and
+    FP32 Q/K/V set ``qkv_granularity`` to ``"tensor"``.
     """
 
-    order: str = "forward"
-    scale: float = 1.0
-    scale_mode: str = "multiply"
+    # --- The walk over KV blocks (Algorithm 1's loop) ---------------------------------------------
+    #: KV block order, ``"forward"`` (0 → N) or ``"reverse"`` (N → 0).
+    order: Order = "forward"
+    #: KV block size B. N that is not a multiple is padded with masked keys.
     block_kv: int = _DEFAULT_BLOCK_KV
-    p_format: str = "e4m3"
-    overflow: str = "satfinite"
-    accumulator: str = "f32"
-    qkv: str = "f32"
-    qkv_granularity: str = "tensor"
+    #: Bottom-right aligned causal mask (query i of q_len sits at position N − q_len + i).
     causal: bool = False
-    kv_splits: int = 1
-    split_layout: str = "contiguous"
+
+    # --- The P scale S and where it goes ----------------------------------------------------------
+    #: The static P scale S, in [2^-100, 2^100]. The ``"dynamic"`` mode ignores it.
+    scale: float = 1.0
+    #: ``"multiply"`` (P·S after the exponential, ℓ from unscaled P), ``"exponent"`` (S folded into
+    #: the exponent, so ℓ holds S) or ``"dynamic"`` (per row and block the largest 2^k keeping
+    #: rowmax(P)·2^k ≤ the format's max); see the module docstring.
+    scale_mode: ScaleMode = "multiply"
+
+    # --- The cast itself --------------------------------------------------------------------------
+    #: Format of the P-cast: an element format (``"e4m3"``, ``"e5m2"``, ``"e2m1"``, …) with the one
+    #: scale S, or a block-scaled format (``"mxfp8"``, ``"mxfp4"``: 32 keys per E8M0 scale;
+    #: ``"nvfp4"``: 16 keys per UE4M3 scale) applied to P·S along the key axis, each block's scale
+    #: multiplied back after its P·V product. Block-scaled formats need blocks that tile ``block_kv``,
+    #: the multiply or exponent scale mode and the FP32 accumulator. A dtype (``jnp.float8_e5m2``,
+    #: ``ml_dtypes.float8_e4m3fn``) is stored as its format's name.
+    p_format: str = "e4m3"
+    #: ``"satfinite"`` (Hopper cvt.rn.satfinite; what kernels do) or ``"nan"``.
+    overflow: str = "satfinite"
+
+    # --- The P·V product and its accumulator -----------------------------------------------------
+    #: ``"f32"``, or ``"f16"``: each block's P8·V product is rounded to float16 before it is added to
+    #: the FP32 output (SageAttention2++'s ``fp32+fp16`` PV accumulation). A dtype is accepted.
+    accumulator: Accumulator = "f32"
+    #: With the f16 accumulator, how many keys one f16 MMA covers: P8·V is rounded to float16 after
+    #: every ``f16_round_keys`` keys and the block's f16 result added to the FP32 output. 0 = once per
+    #: block.
     f16_round_keys: int = 0
+    #: With the f16 accumulator, V is scaled per channel so that max|V| = this value before the f16
+    #: accumulation and the scale multiplied back after it (SageAttention2++ ``quant_v_scale_max``).
+    #: 0 = V as it is.
     v_channel_max: float = 0.0
+    #: A *model* (not measured on a GPU) of the FP8 tensor core's "FP32" P·V accumulator: 0 = exact
+    #: FP32. b in 1..23: the MMA's running partial sum keeps b explicit mantissa bits, truncated toward
+    #: zero after every K-step of :data:`MMA_K` = 32 keys (assumption from the DeepSeek-V3 technical
+    #: report §3.3.2, "retains around 14 bits"; SageAttention's ``sageattention/core.py`` calls it
+    #: "FP32 (actually FP22)"). Needs the FP32 accumulator, an element P format and ``block_kv`` a
+    #: multiple of 32.
     mma_acc_bits: int = 0
+    #: With ``mma_acc_bits``, after how many keys the partial sum is promoted into exact FP32 registers.
+    #: 0 = never: O lives in the MMA accumulator across all KV blocks (FlashAttention-3, TensorRT-LLM
+    #: XQA, hpc-ops before its double-O accumulator); k > 0: a multiple of 32 dividing ``block_kv``
+    #: (``block_kv`` = one fresh accumulator per KV tile: hpc-ops now, SageAttention2 on SM90 with
+    #: ``pv_accum_dtype="fp32+fp32"``, this package's Pallas kernels; DeepGEMM promotes every 128).
+    #: The never-promoted form cannot take the dynamic scale mode.
     mma_promote_keys: int = 0
-    sink_mode: str = "epilogue"
+
+    # --- Q, K and V as the kernel multiplies them -------------------------------------------------
+    #: ``"f32"`` keeps Q, K, V exact (isolates the P-cast, as the paper does); ``"e4m3"`` quantizes
+    #: them to E4M3 (scale = amax/max_E4M3) as production kernels do. A dtype is accepted.
+    qkv: QKVPrecision = "f32"
+    #: Where the E4M3 Q/K/V scales live when ``qkv == "e4m3"``: ``"tensor"`` (one per tensor) or
+    #: ``"head"`` (one per attention head). Ignored for FP32 Q/K/V.
+    qkv_granularity: QKVGranularity = "tensor"
+
+    # --- Split-KV (flash-decoding, multi-block) ---------------------------------------------------
+    #: The KV blocks are dealt over this many independent Algorithm-1 runs (1 = one run per row), merged
+    #: at the end by the FP32 log-sum-exp merge (:func:`pcast_jax.block.merge_splits`).
+    kv_splits: int = 1
+    #: ``"contiguous"`` (split s gets a contiguous range of ⌈n_blocks/kv_splits⌉ blocks: FlashAttention-3
+    #: ``num_splits``, FlashInfer split-KV) or ``"strided"`` (block b goes to split b mod kv_splits:
+    #: TensorRT-LLM XQA multi-block). Each split visits its blocks in ``order``.
+    split_layout: SplitLayout = "contiguous"
+
+    # --- Learned sinks ----------------------------------------------------------------------------
+    #: Where a learned sink logit s_L goes (one per head, a softmax column with no value row):
+    #: ``"epilogue"`` — only in the final denominator, ℓ += exp(s_L − m) (times S where ℓ holds S), the
+    #: running max never sees it (FlashInfer, TensorRT-LLM XQA / fmha_v2, FA3's vLLM fork, FA4,
+    #: SGLang); ``"init_max"`` — as the initial running max, m = s_L and ℓ = 1 before the first block
+    #: (vLLM's Triton unified attention, cuDNN's FP8 SDPA); ``"block_max"`` — folded into every
+    #: block's max, ℓ gets it once (vllm-gaudi). Split-KV: ``"init_max"`` and ``"epilogue"`` act in
+    #: split 0 only; ``"block_max"`` folds it into every split's max. Without a sink logit it does
+    #: not act.
+    sink_mode: SinkMode = "epilogue"
+
+    # --- Lazy rescale -----------------------------------------------------------------------------
+    #: τ ≥ 0 (0 = Algorithm 1: the running max follows every block). With τ > 0 the running max is
+    #: raised only when a block's max exceeds it by more than τ (in ``rescale_unit``); until then
+    #: P = exp(Z − m) may exceed 1 and P·S may saturate, while ℓ keeps the unclipped P (FA4,
+    #: FlashInfer SM100 CuTe-DSL, cuDNN).
     rescale_threshold: float = 0.0
-    rescale_unit: str = "log2"
-    rescale_compensation: str = "none"
+    #: ``"log2"`` (τ compares (max − m)·log2 e, as FA4 does) or ``"natural"`` (cuDNN).
+    rescale_unit: RescaleUnit = "log2"
+    #: ``"none"``, or ``"pow2"``: the P scale applied is S·2^-τ (cuDNN), so the largest P·S a lagging
+    #: max allows is S·e^τ·2^-τ (natural units).
+    rescale_compensation: RescaleCompensation = "none"
+
+    # --- Label ------------------------------------------------------------------------------------
+    #: A label for reports, not part of the identity: two configs are equal (and hash alike) when their
+    #: semantics are, whatever their names. Empty → :meth:`default_name`.
     name: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self):
@@ -229,9 +244,8 @@ class KernelConfig:
             raise PcastError(f"name={self.name!r} must be a string")
         if len(self.name) > 200 or not self.name.isprintable():  # it labels one-line errors and table cells
             raise PcastError(f"name={self.name[:40]!r} must be one printable line of at most 200 characters")
-        if not self.name or self.name == _DerivedName(self.default_name()).stored():
-            # none given, or the old spelling of the derived one (a sweep saved before): derived
-            object.__setattr__(self, "name", _DerivedName(self.default_name()))
+        if not self.name:
+            object.__setattr__(self, "name", self.default_name())
 
     def _check_sink_and_rescale(self) -> None:
         """Validates ``sink_mode`` and the lazy-rescale fields; unit and compensation normalised at τ = 0."""
@@ -328,23 +342,12 @@ class KernelConfig:
     def to_dict(self) -> dict:
         """Every field as a plain value; :meth:`from_dict` reads it back.
 
-        ``qkv_granularity`` is written only where it acts (E4M3 Q/K/V), so sweeps recorded before
-        the field existed keep their fingerprints. Likewise ``kv_splits``, ``split_layout``,
-        ``f16_round_keys``, ``v_channel_max``, ``mma_acc_bits``, ``mma_promote_keys``, ``sink_mode`` and the
-        lazy-rescale fields are written only when they differ from their defaults. A derived name
-        (none was given) is written as derived names were spelled before 0.2, ``for_s64`` for what
-        is now ``fwd_s64`` (reading it back gives the derived name again): the fingerprints of sweeps
-        of unnamed configs did not change with the spelling.
+        ``qkv_granularity`` is written only where it acts (E4M3 Q/K/V): two configs that compute the
+        same thing have one dict, and so one sweep fingerprint.
         """
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        if isinstance(self.name, _DerivedName):
-            d["name"] = self.name.stored()
         if self.qkv == "f32":
             del d["qkv_granularity"]
-        for key in ("kv_splits", "split_layout", "f16_round_keys", "v_channel_max", "mma_acc_bits",
-                    "mma_promote_keys", "sink_mode", "rescale_threshold", "rescale_unit", "rescale_compensation"):
-            if d[key] == _DEFAULTS[key]:
-                del d[key]
         return d
 
     @classmethod
@@ -400,7 +403,7 @@ class KernelConfig:
         A derived name (none was given) is left out, so that the config read back derives it again
         (and keeps its fingerprint); ``order`` is written when no field differs (``"order=forward"``).
         """
-        parts = [] if isinstance(self.name, _DerivedName) else [f"name={self.name}"]
+        parts = [] if self.name == self.default_name() else [f"name={self.name}"]
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name == "name" or value == f.default:
@@ -484,7 +487,6 @@ class KernelConfig:
         return f"{self.order}, {s}, B={self.block_kv}{tail}"
 
 
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(KernelConfig)}
 
 
 def _field_types(cls) -> dict[str, type]:
@@ -545,56 +547,3 @@ def _parse_field(key: str, raw: str, kind: type):
         return kind(raw)
     except (TypeError, ValueError) as exc:
         raise PcastError(f"{key}={raw!r}: {exc}") from None
-
-
-#: Names that live in :mod:`pcast_jax.presets` (the registry), importable from here as before.
-_PRESET_NAMES = ("PRESETS", "PAPER_CONFIGS", "KERNEL_PRESETS", "BLOCK_SCALED_PRESETS", "KERNELS_2026",
-                 "TILES_BY_HEAD_DIM", "MMA_PROMOTION", "MMA_ACC_BITS_HOPPER", "mma_model", "XQA_CTA_TILE_TOKENS",
-                 "XQA_DECODE_LAUNCH", "xqa_nb_sub_seq")
-
-
-def __getattr__(name: str):
-    if name in _PRESET_NAMES:
-        from pcast_jax import presets
-
-        return getattr(presets, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _registry() -> dict[str, KernelConfig]:
-    from pcast_jax.presets import PRESETS
-
-    return PRESETS
-
-
-def get_preset(name: str) -> KernelConfig:
-    """Look up a preset by name (see :data:`pcast_jax.presets.PRESETS`)."""
-    presets = _registry()
-    check_choice("preset", name, tuple(presets))
-    return presets[name]
-
-
-def preset_for(name: str, head_dim: int) -> KernelConfig:
-    """A preset with its KV tile resolved for ``head_dim`` (:data:`TILES_BY_HEAD_DIM`).
-
-    Presets without a head-dim table, or head dims the table lacks, keep their tile; the name
-    gains ``_d{head_dim}`` when the tile changes.
-    """
-    from pcast_jax.presets import TILES_BY_HEAD_DIM
-
-    cfg = get_preset(name)
-    check_int("head_dim", head_dim, min_value=1)
-    tiles = TILES_BY_HEAD_DIM.get(name, {})
-    dims = sorted(d for d in tiles if d >= head_dim)
-    if not dims or tiles[dims[0]] == cfg.block_kv:
-        return cfg
-    return dataclasses.replace(cfg, block_kv=tiles[dims[0]], name=f"{name}_d{head_dim}")
-
-
-def resolve(config: str | KernelConfig) -> KernelConfig:
-    """A preset name or a :class:`KernelConfig` → :class:`KernelConfig`."""
-    if isinstance(config, KernelConfig):
-        return config
-    if isinstance(config, str):
-        return get_preset(config)
-    raise PcastError(f"config={config!r} must be a preset name or a KernelConfig")

@@ -5,11 +5,11 @@ Two engines compute the same thing:
 * :func:`attention` with ``implementation="scan"`` — ``lax.scan`` over KV blocks in the kernel's
   order, Algorithm 1 line by line (running max m, correction α, row sum ℓ from pre-cast P, P-cast,
   P8·V, epilogue). This is the reference the Pallas kernels are checked against.
-* ``implementation="xla"`` (the default; the "fast engine") — the same numbers without the
+* ``implementation="xla"`` (the default) — the same numbers without the
   sequential loop: the running maximum after each block is a cumulative max over block maxima, so
   every block's P and its cast are computed at once, and the α chain collapses to one factor
   exp(m_b − m_final) per block. One batched contraction replaces the per-block updates. It equals
-  the scan engine to FP32 rounding (the α products are rounded in a different order); the cast
+  the scan implementation to FP32 rounding (the α products are rounded in a different order); the cast
   inputs, and so every zeroed P, are identical.
 
 Scores are logits with the softmax scale already applied, shape ``(..., q_len, N)``; V is
@@ -22,16 +22,17 @@ zeroed mass of 0, as the kernels do.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+import typing
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pcast_jax import block, formats
-from pcast_jax._compat import SIMULATOR_IMPLEMENTATIONS, renamed, simulator_implementation
-from pcast_jax.config import QKV_GRANULARITIES, KernelConfig, resolve
+from pcast_jax.config import QKV_GRANULARITIES, KernelConfig
 from pcast_jax.errors import PcastError, check_choice, check_int, check_positive
+from pcast_jax.presets import resolve
 
 __all__ = [
     "AttentionResult",
@@ -46,13 +47,20 @@ __all__ = [
     "quantize_qkv",
     "prepare_qkv",
     "round_scores",
-    "ENGINES",
     "IMPLEMENTATIONS",
+    "Implementation",
+    "check_implementation",
 ]
 
-ENGINES = ("scan", "fast")  # the sweep spec's names (SweepSpec.engine); functions take IMPLEMENTATIONS
 #: What computes :func:`attention`: ``"xla"`` (vectorized, the default) or ``"scan"`` (block by block).
-IMPLEMENTATIONS = SIMULATOR_IMPLEMENTATIONS
+Implementation = Literal["xla", "scan"]
+IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(Implementation)
+
+
+def check_implementation(value) -> str:
+    """``value`` if it is one of :data:`IMPLEMENTATIONS`, else a :class:`PcastError` naming it."""
+    check_choice("implementation", value, IMPLEMENTATIONS)
+    return value
 
 
 class AttentionResult(NamedTuple):
@@ -333,7 +341,7 @@ def _loss_stats(z, p, ps, counted, decay, cfg: KernelConfig, axes) -> _Stats:
 
 
 def _fast_parts(scores, counted, cfg: KernelConfig, cast_fn=None, sink=None):
-    """Everything of the fast engine except the contraction with V (shared with the weights).
+    """Everything of the xla implementation except the contraction with V (shared with the weights).
 
     Works in key order on a (..., q, n_blocks, B) view of the scores, so no data moves: the
     running max after each block in the kernel's order is a cumulative max of the block maxima
@@ -399,7 +407,7 @@ def _fast_split_parts(scores, counted, cfg: KernelConfig, cast_fn=None, sink=Non
 
 
 def _merge_fast(m_s, ell_s, o_s, stats: _Stats, cfg, sink=None):
-    """block.merge_splits on the fast engine's (..., q, splits[, d]) layout; masses merged alike."""
+    """block.merge_splits on the xla implementation's (..., q, splits[, d]) layout; masses merged alike."""
     out, ell, (lz, ls) = block.merge_splits(
         jnp.moveaxis(m_s, -1, 0), jnp.moveaxis(ell_s, -1, 0), jnp.moveaxis(o_s, -2, 0), cfg,
         extra=(jnp.moveaxis(stats.zeroed, -1, 0), jnp.moveaxis(stats.saturated, -1, 0)), sink=sink)
@@ -450,7 +458,7 @@ def _fast_split_engine(scores, v, counted, cfg: KernelConfig, sink=None):
 
 
 class WeightsResult(NamedTuple):
-    """The fast engine's effective weights and per-row statistics (see :func:`weights_and_stats`).
+    """The xla implementation's effective weights and per-row statistics (see :func:`weights_and_stats`).
 
     Attributes:
       weights: (..., q_len, N) W, the kernel output being W · V (FP32 accumulator).
@@ -472,7 +480,7 @@ def weights_and_stats(scores, config, *, count_mask=None, q_offset: int | None =
                       cast_fn=None, sink_logit=None) -> WeightsResult:
     """:func:`effective_weights` together with ℓ and the zeroed counts of :func:`attention`.
 
-    Everything the fast engine knows before the contraction with V: for an FP32 accumulator the
+    Everything the xla implementation knows before the contraction with V: for an FP32 accumulator the
     output is ``weights @ v`` (equal to :func:`attention`'s to FP32 rounding), so several configs
     can share one matrix product with V (what :func:`pcast_jax.metrics.evaluate` does).
     """
@@ -517,7 +525,6 @@ def effective_weights(scores, config, *, q_offset: int | None = None, cast_fn=No
     return weights_and_stats(scores, config, q_offset=q_offset, cast_fn=cast_fn, sink_logit=sink_logit).weights
 
 
-@renamed(engine="implementation")
 def attention(
     scores,
     v,
@@ -535,8 +542,7 @@ def attention(
       v: (..., N, d) values as the kernel sees them (already dequantized if FP8).
       config: a preset name or :class:`KernelConfig`.
       implementation: ``"xla"`` (vectorized, the default) or ``"scan"`` (block by block, the
-        reference); they agree to FP32 rounding. (Named ``engine=`` before, with ``"fast"`` for
-        ``"xla"``: both still work, with a DeprecationWarning.)
+        reference); they agree to FP32 rounding.
       count_mask: optional (N,) bool, positions counted in ``n_zeroed``/``zeroed_mass``
         (e.g. the non-sink positions); all positions by default.
       q_offset: position of query row 0 for the causal mask (default N − q_len).
@@ -545,11 +551,11 @@ def attention(
         with no value row, placed as ``config.sink_mode`` says.
     """
     cfg = resolve(config)
-    impl = simulator_implementation(implementation)
+    impl = check_implementation(implementation)
     scores, v, counted = _prepare(scores, v, cfg, count_mask, q_offset)
     sink = _sink_rows(sink_logit, scores.shape[:-1])
     # The never-promoted MMA accumulator model truncates O itself after every 32 keys, a chain through
-    # every block that the fast engine's one weighted sum cannot express: both engines run the scan.
+    # every block that the xla implementation's one weighted sum cannot express: both engines run the scan.
     chained = cfg.mma_acc_bits and not cfg.mma_promote_keys
     fn = _scan_engine if impl == "scan" or chained else _fast_engine
     return _check_output(fn(scores, v, counted, cfg, sink), v, cfg)
@@ -638,7 +644,6 @@ def round_scores(scores):
     return jax.lax.optimization_barrier(scores)
 
 
-@renamed(softmax_scale="scale")
 def prepare_qkv(q, k, v, config, *, scale: float | None = None):
     """Scores and V as the kernel sees them for Q (..., q_len, d), K and V (..., N, d).
 
@@ -675,11 +680,10 @@ def prepare_qkv(q, k, v, config, *, scale: float | None = None):
     return round_scores(s * scale), v
 
 
-@renamed(softmax_scale="scale", engine="implementation")
 def attention_qkv(q, k, v, config, *, scale=None, implementation: str = "xla", count_mask=None,
                   q_offset=None, sink_logit=None) -> AttentionResult:
     """:func:`attention` from Q, K, V (see :func:`prepare_qkv` for the FP8 Q/K/V path)."""
     cfg = resolve(config)
     scores, v_seen = prepare_qkv(q, k, v, cfg, scale=scale)
-    return attention(scores, v_seen, cfg, implementation=simulator_implementation(implementation),
+    return attention(scores, v_seen, cfg, implementation=check_implementation(implementation),
                      count_mask=count_mask, q_offset=q_offset, sink_logit=sink_logit)

@@ -20,105 +20,18 @@ Every metric is a mean over the instance's query rows:
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
 from pcast_jax import engine as _engine
-from pcast_jax._compat import renamed, simulator_implementation
-from pcast_jax.config import KernelConfig, resolve
+from pcast_jax.config import KernelConfig
+from pcast_jax.engine import check_implementation
 from pcast_jax.errors import PcastError
+from pcast_jax.presets import resolve
+from pcast_jax.quantities import CONFIG_METRICS, METRICS, QUANTITIES, Quantity, axis_label, describe
 
-__all__ = ["METRICS", "CONFIG_METRICS", "SATURATION_METRICS", "Quantity", "QUANTITIES", "describe", "axis_label",
+__all__ = ["METRICS", "CONFIG_METRICS", "Quantity", "QUANTITIES", "describe", "axis_label",
            "evaluate", "expected_is_exact"]
-
-CONFIG_METRICS = ("mse", "mse_expected", "frac_zeroed", "zeroed_mass", "frac_saturated", "saturated_mass")
-METRICS = CONFIG_METRICS + ("nonsink_mass",)
-#: Metrics added after sweeps were first saved: a results folder from before holds none of them.
-SATURATION_METRICS = ("frac_saturated", "saturated_mass")
-
-
-@dataclasses.dataclass(frozen=True)
-class Quantity:
-    """What one metric or coordinate of a sweep is: a short name for axes, its unit, one sentence.
-
-    ``units`` follows the CF conventions: ``"1"`` for a fraction or any other dimensionless number,
-    None for a label (a config name), which has no unit.
-    """
-
-    long_name: str
-    units: str | None
-    description: str
-
-    def attrs(self) -> dict[str, str]:
-        """The attributes an xarray variable or a pandas column gets (``units`` left out for a label)."""
-        out = {"long_name": self.long_name}
-        if self.units is not None:
-            out["units"] = self.units
-        out["description"] = self.description
-        return out
-
-
-#: Every metric and coordinate of a sweep's results (:meth:`pcast_jax.sweep.SweepResult.to_xarray`
-#: attaches these as attributes). V is in units of V (σ_V = 1 by default), so an MSE of outputs is in V²;
-#: scores and Δ are logits, natural-log units of probability ratios (nats).
-QUANTITIES: dict[str, Quantity] = {
-    "mse": Quantity("output MSE vs FP32 reference", "V²",
-                    "Mean over query rows and head dimensions of (O_kernel − O_ref)², O_ref the FP32 softmax "
-                    "output; NaN when the sweep does not sample V."),
-    "mse_expected": Quantity("expected output MSE (V averaged)", "V²",
-                             "σ_V² Σ_j (W_j − P_j)² averaged over query rows: the MSE's mean given the scores, "
-                             "without the noise of the V draw; NaN when the sweep skips it."),
-    "frac_zeroed": Quantity("fraction of non-sink P cast to zero", "1",
-                            "Fraction of the non-sink probabilities P > 0 that the FP8 cast sets to 0 (Eq. (7))."),
-    "zeroed_mass": Quantity("probability mass cast to zero", "1",
-                            "Exact softmax probability carried by the non-sink values the cast sets to 0, "
-                            "mean over query rows."),
-    "frac_saturated": Quantity("fraction of P saturated by the cast", "1",
-                               "Fraction of visible P values (sinks included) whose P·S exceeded the format's "
-                               "maximum and were clipped by the cast."),
-    "saturated_mass": Quantity("probability mass saturated by the cast", "1",
-                               "Exact softmax probability carried by the saturated values, mean over query rows."),
-    "nonsink_mass": Quantity("non-sink probability mass", "1",
-                             "Exact softmax probability on non-sink keys in the FP32 reference (causal if the "
-                             "config is), mean over query rows."),
-    "n": Quantity("KV length N", "keys", "Number of keys (and values) each query row attends to."),
-    "config": Quantity("kernel configuration", None, "Name of the simulated kernel configuration (a preset "
-                                                       "name or KernelConfig.name)."),
-    "config_spec": Quantity("kernel configuration (full)", None,
-                            "The kernel configuration in KernelConfig.to_string form, which parses back to it."),
-    "delta": Quantity("sink strength Δ", "nats",
-                      "Logit added to every sink key's score: a sink score is Δ + σz, a non-sink score σz."),
-    "seed": Quantity("seed index", "1", "Index of the random draw (scores, V); the same seed gives the same "
-                                        "draws at every Δ."),
-}
-
-
-def describe(name: str) -> dict[str, str]:
-    """``long_name``, ``units`` (absent for a label) and ``description`` of a metric or coordinate.
-
-    Also a metric's summary columns: ``mse_mean`` and ``mse_sem`` describe as ``mse`` (mean or
-    standard error over seeds, same unit).
-    """
-    base, kind = name, ""
-    for suffix, word in (("_mean", "mean over seeds of "), ("_sem", "standard error over seeds of ")):
-        if name.endswith(suffix) and name[: -len(suffix)] in METRICS:
-            base, kind = name[: -len(suffix)], word
-    if base not in QUANTITIES:
-        raise PcastError(f"{name!r} is not a sweep metric or coordinate; known: {', '.join(QUANTITIES)}")
-    q = QUANTITIES[base]
-    if kind:
-        q = Quantity(kind + q.long_name, q.units, f"{kind[0].upper()}{kind[1:]}{q.long_name}. {q.description}")
-    return q.attrs()
-
-
-def axis_label(name: str) -> str:
-    """An axis label: the long name with the unit in brackets (none for a dimensionless number)."""
-    a = describe(name)
-    units = a.get("units")
-    return a["long_name"] if units in (None, "1") else f"{a['long_name']} [{units}]"
-
 
 def expected_is_exact(config: KernelConfig | str) -> bool:
     """Whether ``mse_expected`` has the same mean as ``mse`` for ``config``.
@@ -131,7 +44,6 @@ def expected_is_exact(config: KernelConfig | str) -> bool:
     return cfg.accumulator == "f32" and not cfg.mma_acc_bits
 
 
-@renamed(engine="implementation")
 def evaluate(instance, configs: tuple[KernelConfig | str, ...], *, implementation: str = "xla",
              sigma_v: float = 1.0, expected: bool = True, sampled: bool = True) -> dict[str, jnp.ndarray]:
     """All metrics of one instance for every config; values shaped (len(configs),).
@@ -141,23 +53,23 @@ def evaluate(instance, configs: tuple[KernelConfig | str, ...], *, implementatio
     ``mse_expected`` (reported as NaN then, never as a made-up number). A causal config is
     compared with the causal FP32 reference, and its ``nonsink_mass`` is that reference's.
 
-    With the fast engine, a config with an FP32 accumulator has output W·V
+    With the xla implementation, a config with an FP32 accumulator has output W·V
     (:func:`pcast_jax.engine.weights_and_stats`), so its error is (W − P)·V: the weights are
     computed once for ``mse`` and ``mse_expected``, and all such configs share one matrix product
     with V (no separate reference product, no cancellation between two outputs).
 
     ``sampled=False`` skips ``mse`` (NaN) and never touches V (``instance.v`` may be None): every
     config's statistics then come from :func:`pcast_jax.engine.weights_and_stats`, which needs
-    the fast engine. The other metrics equal the sampled evaluation's: the zeroed fraction and the
+    the xla implementation. The other metrics equal the sampled evaluation's: the zeroed fraction and the
     masses bit for bit, ``mse_expected`` to float32 rounding (XLA may fuse its sums differently
     without the product; most values, and at Table 2's shapes all of the paper's configs', agree
     bit for bit).
     """
     scores, v, is_sink = instance.scores, instance.v, instance.is_sink
     sink = getattr(instance, "sink_logit", None)
-    impl = simulator_implementation(implementation)
+    impl = check_implementation(implementation)
     if not sampled and impl != "xla":
-        raise PcastError(f"sampled=False takes every metric from the fast engine's weights; "
+        raise PcastError(f"sampled=False takes every metric from the xla implementation's weights; "
                          f"implementation={impl!r} needs V (use implementation='xla', or sample V)")
     if sampled and v is None:
         raise PcastError("instance.v is None: mse needs V (draw it, or pass sampled=False)")

@@ -25,8 +25,8 @@ tokamax's ``implementation=`` selector), plus ``config``, the FP8 kernel whose P
   rounding); a preset name or :class:`~pcast_jax.config.KernelConfig` runs the simulated kernel
   per head: its KV order, block size, scale S and mode, cast, accumulator, and (``qkv="e4m3"``) E4M3
   Q/K/V with one scale per tensor or per head. A preset name takes the KV tile of the input's head
-  dim (:func:`pcast_jax.config.preset_for`: ``"fa3"`` runs B = 160 at H = 64, 224 at H = 128).
-* ``implementation``: ``"xla"`` (default: the fast engine, vectorized), ``"scan"`` (the
+  dim (:func:`pcast_jax.presets.preset_for`: ``"fa3"`` runs B = 160 at H = 64, 224 at H = 128).
+* ``implementation``: ``"xla"`` (default: vectorized), ``"scan"`` (the
   block-by-block reference engine), or a Pallas FP8 kernel, ``"mosaic"`` (Hopper) or ``"triton"``
   (run in interpret mode when no GPU is present). The kernels take E4M3 Q/K/V (quantized here per
   tensor) and accept no ``bias``, ``mask``, lengths or window (refused with a PcastError).
@@ -58,8 +58,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pcast_jax import block, engine
-from pcast_jax.config import KernelConfig, get_preset, preset_for, resolve
+from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError, check_choice, check_int, check_positive
+from pcast_jax.presets import get_preset, preset_for, resolve
 
 __all__ = ["IMPLEMENTATIONS", "GRADIENTS", "CAUSAL_ALIGNMENTS", "attention_fn", "attention_weights",
            "dot_product_attention", "kernel_inputs"]
@@ -363,7 +364,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
       return_residual: also return the log-sum-exp of the logits the kernel sees, ``(B, T, N)``
         (``(T, N)`` unbatched); −inf for a row with nothing visible under a config.
       config: ``None`` (exact FP32), a preset name (its KV tile resolved for the head dim ``H``,
-        :func:`pcast_jax.config.preset_for`) or a :class:`KernelConfig` (used as it is).
+        :func:`pcast_jax.presets.preset_for`) or a :class:`KernelConfig` (used as it is).
       gradient: ``"ste"`` (straight-through, default) or ``"smooth"``.
       smooth_temperature: τ of the smooth gradient's underflow gate, in units of the logits.
       causal_alignment: ``"top_left"`` (query ``i`` sees keys ``≤ i``: jax.nn's mask) or
@@ -380,6 +381,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     """
     _check_inputs(query, key, value)
     impl = "xla" if implementation is None else implementation
+    if impl == "cudnn":
+        raise PcastError("implementation='cudnn' asks jax.nn for cuDNN's own kernel, which this simulator does not "
+                         "run; to see what cuDNN's FP8 attention does to P pass config='cudnn_fp8_tau0' (Hopper) "
+                         "or config='cudnn_fp8' (Blackwell, τ = 4) with implementation='xla' (pcast doctor "
+                         "--engine jax --backend cudnn says which)")
     check_choice("implementation", impl, IMPLEMENTATIONS)
     check_choice("gradient", gradient, GRADIENTS)
     check_choice("causal_alignment", causal_alignment, CAUSAL_ALIGNMENTS)
@@ -483,6 +489,8 @@ _FLAX_KWARGS = {"broadcast_dropout", "dropout_rng", "dropout_rate", "determinist
 
 
 def attention_weights(query, key, bias=None, mask=None, *, scale: float | None = None, is_causal: bool = False,
+                      query_seq_lengths=None, key_value_seq_lengths=None,
+                      local_window_size: int | tuple[int, int] | None = None,
                       config: str | KernelConfig | None = None, causal_alignment: str = "top_left"):
     """The attention weights ``(B, N, T, S)`` before and after the kernel's P-cast.
 
@@ -507,7 +515,9 @@ def attention_weights(query, key, bias=None, mask=None, *, scale: float | None =
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     bias4 = None if bias is None else _broadcast_4d("bias", bias, shape, jnp.float32)
     mask4 = None if mask is None else _broadcast_4d("mask", mask, shape, bool)
-    visible = _visibility(shape, mask4, causal, causal_alignment, None, None, None)
+    q_lens = _lengths("query_seq_lengths", query_seq_lengths, shape[0])
+    kv_lens = _lengths("key_value_seq_lengths", key_value_seq_lengths, shape[0])
+    visible = _visibility(shape, mask4, causal, causal_alignment, q_lens, kv_lens, _window(local_window_size))
     logits, _ = kernel_inputs(q, k, k, None, scale)
     probs = jax.nn.softmax(_masked(logits, bias4, visible, _MASKED), axis=-1)
     kernel = None

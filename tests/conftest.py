@@ -41,11 +41,11 @@ def pytest_configure(config):
     """
     path = cache._env_folder(TEST_CACHE_DIR)
     if path is None:
-        cache.setup_compilation_cache()  # off for this run
+        cache.enable()  # off for this run
         return
     if not hasattr(config, "workerinput"):  # the controlling process, or a run without workers
         _trim(path, TEST_CACHE_MAX_BYTES)
-    folder = cache.setup_compilation_cache(path=path)
+    folder = cache.enable(path=path)
     if folder is not None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         # the commands and examples the suite runs use it too, for every program they compile

@@ -203,7 +203,7 @@ def test_head_metrics_on_row_chunks_equal_the_whole_layer(monkeypatch, config):
     """head_metrics runs the kernel on chunks of each head's query rows (here 32, 32, 32 and a ragged 4)
     with Q/K/V quantized over the whole layer: the metrics of heads_attention's whole-layer rows."""
     from pcast_jax.analysis import heads
-    from pcast_jax.config import PRESETS
+    from pcast_jax.presets import PRESETS
 
     if config.startswith("e4m3"):
         config = PRESETS["fwd_s1"].replace(qkv="e4m3", qkv_granularity="head", name="fwd_s1_q8")

@@ -23,8 +23,9 @@ import numpy as np
 import pytest
 
 from pcast_jax import engine, formats, sweep, workloads
-from pcast_jax.config import KernelConfig, get_preset, resolve
+from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError
+from pcast_jax.presets import get_preset, resolve
 
 import oracle
 
@@ -169,7 +170,7 @@ CASES = [
     ("sweep_seed_indices_beyond_uint32", lambda: _spec(seed_offset=2**32 - 1), ["seed_offset=4294967295", "<= 4294967294"]),
     ("sweep_config_unknown", lambda: _spec(configs=("fwd_s1", "fa5")), ["preset='fa5'", "'rev_s256'"]),
     ("sweep_config_names_repeat", lambda: _spec(configs=("fa3", KernelConfig(name="fa3"))), ["unique names", "fa3"]),
-    ("sweep_engine_unknown", lambda: _spec(engine="gpu"), ["engine='gpu'", "'scan', 'fast'"]),
+    ("sweep_implementation_unknown", lambda: _spec(implementation="gpu"), ["implementation='gpu'", "'xla', 'scan'"]),
     ("sweep_n_zero", lambda: _spec(ns=(64, 0)), ["n=0", ">= 1"]),
     ("sweep_k_sink_above_n", lambda: _spec(ns=(64, 3)), ["k_sink=4", "<= 3"]),
     ("sweep_expected_mse_not_bool", lambda: _spec(expected_mse="no"), ["expected_mse='no'", "True or False"]),
@@ -417,7 +418,7 @@ _CLI_CASES = {
     "sweep_config_unknown": (["sweep", "--configs", "fwd_s1,fa5"], ["--configs", "'fa5'", "choose from"]),
     "sweep_delta_nan": (["sweep", "--delta", "5,nan"], ["--delta", "nan", "finite"]),
     "sweep_seeds_zero": (["sweep", "--seeds", "0"], ["--seeds", ">= 1"]),
-    "sweep_engine_unknown": (["sweep", "--engine", "gpu"], ["--engine", "'gpu'", "fast"]),
+    "sweep_implementation_unknown": (["sweep", "--implementation", "gpu"], ["--implementation", "'gpu'", "xla"]),
     # a kernel's numbers: a power's base > 0 and -2^2 is -(2^2), as written in mathematics
     "config_scale_negative_root": (["sweep", "--config", "scale=-2^0.5"], ["scale=-1.414", "> 0"]),
     "config_scale_zero_power": (["sweep", "--config", "scale=0^-1"], ["scale='0^-1'", "base > 0"]),
@@ -534,7 +535,7 @@ def test_largest_accepted_sigma_v_and_delta_give_finite_sweep_metrics():
 # Every number a sweep writes is finite, or the run says why (never a silent NaN or inf)
 # --------------------------------------------------------------------------------------------
 
-from pcast_jax.config import PRESETS  # noqa: E402
+from pcast_jax.presets import PRESETS  # noqa: E402
 
 
 def test_every_preset_is_finite_and_sane_at_the_largest_sigma():

@@ -11,9 +11,11 @@ import pytest
 
 from pcast_jax import cli, report
 from pcast_jax.commands import _options
-from pcast_jax.config import PRESETS, KernelConfig
+from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError
+from pcast_jax.presets import PRESETS
 from pcast_jax.sweep import SweepSpec, load_result
+from pcast_jax.sweep.spec import FORMAT_VERSION
 
 # --------------------------------------------------------------------------------------------
 # KernelConfig.from_string / to_string
@@ -54,41 +56,37 @@ def test_derived_names_spell_the_order_as_the_presets_do():
     assert KernelConfig(scale_mode="dynamic", accumulator="f16").name == "fwd_sdyn_f16acc"
 
 
-#: Unnamed configs (derived names) and the fingerprint their sweep had when derived names spelled forward "for".
+#: Unnamed configs: each gets a name derived from its fields, spelled like the presets.
 _UNNAMED = (KernelConfig(scale=64.0), KernelConfig(kv_splits=8, split_layout="strided"),
             KernelConfig(order="reverse", scale=256.0), KernelConfig(scale_mode="dynamic", accumulator="f16"))
-_UNNAMED_FINGERPRINT = "1e0530abba728dd6"
 
 
-def test_derived_names_keep_the_fingerprints_of_saved_sweeps():
+def test_derived_names_are_written_and_read_back_as_they_are():
     spec = SweepSpec(configs=_UNNAMED, deltas=(7.0,), ns=(4096,), seeds=4)
     assert spec.config_names == ("fwd_s64", "fwd_s1_split8s", "rev_s256", "fwd_sdyn_f16acc")
-    assert spec.fingerprint() == _UNNAMED_FINGERPRINT
     saved = spec.to_dict()
-    assert [c["name"] for c in saved["configs"]] == ["for_s64", "for_s1_split8s", "rev_s256", "for_sdyn_f16acc"]
-    back = SweepSpec.from_dict(json.loads(json.dumps(saved)))  # a spec.json written before or after
-    assert back.config_names == spec.config_names and back.fingerprint() == _UNNAMED_FINGERPRINT
-    # a name given is written as given; the derived one's old spelling given by hand reads as derived
+    assert [c["name"] for c in saved["configs"]] == list(spec.config_names)
+    back = SweepSpec.from_dict(json.loads(json.dumps(saved)))
+    assert back.config_names == spec.config_names and back.fingerprint() == spec.fingerprint()
     assert KernelConfig(scale=64.0, name="fwd_s64").to_dict()["name"] == "fwd_s64"
-    assert KernelConfig(scale=64.0, name="for_s64").name == "fwd_s64"
     for cfg in _UNNAMED:  # to_string leaves a derived name out: read back, it is derived again
         text = cfg.to_string()
         assert "name=" not in text and KernelConfig.from_string(text).to_dict() == cfg.to_dict()
     assert KernelConfig().to_string() == "order=forward" and KernelConfig.from_string("order=forward").name == "fwd_s1"
 
 
-def test_a_sweep_of_unnamed_configs_loads_under_either_spelling(tmp_path):
+def test_a_folder_of_another_results_format_is_refused(tmp_path, capsys):
     out = tmp_path / "sweep"
     assert cli.main(["sweep", "--config", "scale=64", "--config", "order=reverse", "--out", str(out), *TINY]) == 0
     assert load_result(out).spec.config_names == ("fwd_s64", "rev_s1")
-    assert '"name": "for_s64"' in (out / "spec.json").read_text()
-    with np.load(out / "results.npz") as z:  # results.npz as written before: the old spelling as coordinate
-        arrays = dict(z)
-    assert list(arrays["coord_config"]) == ["fwd_s64", "rev_s1"]
-    arrays["coord_config"] = np.asarray(["for_s64", "rev_s1"], np.str_)
-    np.savez(out / "results.npz", **arrays)
-    result = load_result(out)
-    assert result.spec.config_names == ("fwd_s64", "rev_s1") and result.get("mse", config="fwd_s64").size
+    manifest = json.loads((out / "spec.json").read_text())
+    manifest["format_version"] = 1
+    (out / "spec.json").write_text(json.dumps(manifest))
+    with pytest.raises(PcastError, match="format version 1.*results are recomputable: rerun"):
+        load_result(out)
+    capsys.readouterr()
+    assert cli.main(["sweep", "--config", "scale=64", "--config", "order=reverse", "--out", str(out), *TINY]) == 2
+    assert "results are recomputable" in capsys.readouterr().err
 
 
 def _text(value) -> str:
@@ -240,7 +238,7 @@ def test_a_refused_out_folder_never_says_resuming(mixed_sweep, capsys):
 
 
 def test_fingerprint_is_unchanged():
-    assert SweepSpec(deltas=(7.0,), ns=(4096,), seeds=4).fingerprint() == "2e57d04c0d333895"
+    assert SweepSpec(deltas=(7.0,), ns=(4096,), seeds=4).fingerprint() == "109b3b7528d3467c"
 
 
 def test_to_dataframe_is_long_format(mixed_sweep):
@@ -282,7 +280,7 @@ def test_to_xarray_describes_every_variable_and_coordinate(mixed_sweep):
     # flags are booleans, the sink positions the keys that are sinks (k_sink = 4 by default)
     assert ds.attrs["expected_mse"] is True and ds.attrs["sampled_mse"] is True
     assert ds.attrs["sink_positions"].dtype == np.int64 and ds.attrs["sink_positions"].tolist() == [0, 1, 2, 3]
-    assert ds.attrs["jax_version"] and ds.attrs["format_version"] == 1
+    assert ds.attrs["jax_version"] and ds.attrs["format_version"] == FORMAT_VERSION
 
 
 def test_to_dataframe_attrs_describe_the_columns(mixed_sweep):
@@ -299,22 +297,19 @@ def test_to_dataframe_attrs_describe_the_columns(mixed_sweep):
         describe("bogus")
 
 
-def test_results_written_before_the_metadata_still_load(mixed_sweep, tmp_path):
-    """A folder from before the saturation metrics and coordinates: it loads and describes what it holds."""
+def test_results_without_every_metric_or_their_fingerprint_are_refused(mixed_sweep, tmp_path):
+    """A results.npz that lacks a metric or its fingerprint is not this sweep's: refused, named."""
     import shutil
 
-    out = tmp_path / "old"
+    out = tmp_path / "partial"
     shutil.copytree(mixed_sweep, out)
     with np.load(out / "results.npz") as z:
-        entries = {k: z[k] for k in z.files if not k.startswith("coord_") and k not in ("frac_saturated",
-                                                                                          "saturated_mass")}
-    with open(out / "results.npz", "wb") as f:
-        np.savez(f, **entries)
-    result = load_result(out)
-    ds = result.to_xarray()
-    assert "frac_saturated" not in ds and ds["zeroed_mass"].attrs["units"] == "1"
-    assert result.spec.fingerprint() == load_result(mixed_sweep).spec.fingerprint()
-    assert set(result.to_dataframe().attrs["variables"]) >= {"mse", "nonsink_mass"}
+        entries = {k: z[k] for k in z.files}
+    for drop in ("saturated_mass", "fingerprint"):
+        with open(out / "results.npz", "wb") as f:
+            np.savez(f, **{k: v for k, v in entries.items() if k != drop})
+        with pytest.raises(PcastError, match="results.npz"):
+            load_result(out)
 
 
 def test_missing_data_extra_names_it(mixed_sweep, monkeypatch):
@@ -353,7 +348,7 @@ def test_summary_csv_carries_the_workload(mixed_sweep):
     with open(mixed_sweep / "summary.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 6
-    for col in ("q_len", "d", "k_sink", "sink_positions", "sigma", "sigma_v", "base_seed", "engine"):
+    for col in ("q_len", "d", "k_sink", "sink_positions", "sigma", "sigma_v", "base_seed", "implementation"):
         assert col in rows[0], col
     assert rows[0]["q_len"] == "2" and rows[0]["d"] == "4"
 
@@ -423,14 +418,11 @@ def test_list_flags_take_comma_lists(capsys):
     assert (args.configs, args.backends, args.num_warps) == (["fa3", "fwd_s1"], ["triton", "mosaic"], [None])
 
 
-def test_space_separated_lists_work_with_a_deprecation_line(capsys):
-    args = _parse(["kernels", "--configs", "fa3", "fwd_s1", "--num-warps", "4", "8,16", "--backends", "mosaic"])
-    assert (args.configs, args.num_warps, args.backends) == (["fa3", "fwd_s1"], [4, 8, 16], ["mosaic"])
-    err = capsys.readouterr().err.splitlines()
-    assert err == ["pcast: warning: --configs fa3 fwd_s1 is deprecated and goes in pcast_jax 0.3: use --configs "
-                   "fa3,fwd_s1",
-                   "pcast: warning: --num-warps 4 8,16 is deprecated and goes in pcast_jax 0.3: use --num-warps "
-                   "4,8,16"]
+def test_space_separated_lists_are_refused_with_the_comma_spelling(capsys):
+    with pytest.raises(SystemExit) as exc:
+        _parse(["kernels", "--configs", "fa3", "fwd_s1"])
+    assert exc.value.code == 2
+    assert "--configs fa3,fwd_s1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, option", [
@@ -465,17 +457,18 @@ def test_one_progress_flag(command, capsys):
 
 
 @pytest.mark.parametrize("command", [["analyze", "t.npz"], ["model-report"]], ids=" ".join)
-def test_quiet_still_works_with_a_deprecation_line(command, capsys):
-    assert _parse([*command, "--quiet"]).progress is False
-    assert capsys.readouterr().err == ("pcast: warning: --quiet is deprecated and goes in pcast_jax 0.3: "
-                                       "use --no-progress\n")
+def test_quiet_is_not_a_flag(command, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _parse([*command, "--quiet"])
+    assert exc.value.code == 2 and "--quiet" in capsys.readouterr().err
 
 
 def test_kernels_json_is_format_json(capsys):
     assert _parse(["kernels"]).format == "table"
     assert _parse(["kernels", "--format", "json"]).format == "json"
-    assert _parse(["kernels", "--json"]).format == "json"
-    assert "use --format json" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        _parse(["kernels", "--json"])
+    assert exc.value.code == 2 and "use --format json" in capsys.readouterr().err
 
 
 WORST = ["whatif", "worst-delta", "--configs", "fwd_s1", "--n", "256", "--q-len", "2", "--seeds", "2", "--steps", "3",
@@ -512,12 +505,10 @@ def test_whatif_out_file_and_the_old_csv_flag(tmp_path, capsys, worst_rows):
     assert cli.main([*WORST, "--out", str(tmp_path / "rows.csv")]) == 0
     assert (tmp_path / "rows.csv").read_text().startswith("config,")
     capsys.readouterr()
-    assert cli.main([*WORST, "--csv", str(tmp_path / "old.csv")]) == 0
-    def without_time(name):  # every column but the run time
-        return [{k: v for k, v in r.items() if k != "seconds"} for r in csv.DictReader((tmp_path / name).open())]
-
-    assert without_time("old.csv") == without_time("rows.csv")
-    assert f"use --out {tmp_path / 'old.csv'}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*WORST, "--csv", str(tmp_path / "old.csv")])
+    assert exc.value.code == 2 and "use --out FILE.csv" in capsys.readouterr().err
+    assert not (tmp_path / "old.csv").exists()
     progress_on = [a for a in WORST if a != "--no-progress"]  # step lines would show any work begun
     assert cli.main([*progress_on, "--out", str(tmp_path / "rows.txt")]) == 2
     err = capsys.readouterr().err
@@ -582,7 +573,7 @@ def _png_size(path):
 
 
 def test_model_theory_has_no_empty_panel(tmp_path):
-    from pcast_jax.models import fp8_report
+    from pcast_experiments import model_report as fp8_report
 
     rows = [{"layer": i % 3, "measured_fwd_s1": x, "eq7_sigma_s1": x, "eq7_sigma1_s1": x * 0.8,
              "eq6_count_s1": x} for i, x in enumerate(np.linspace(0, 1, 9))]
@@ -596,7 +587,7 @@ def test_model_theory_has_no_empty_panel(tmp_path):
 
 
 def test_model_heatmaps_tick_both_signs_and_resist_one_extreme_head():
-    from pcast_jax.models import fp8_report
+    from pcast_experiments import model_report as fp8_report
 
     fig, axes = report.new_figure(ncols=2)
     ratio = np.array([[-0.4, 0.1, 1.6], [0.2, -0.1, 0.9]])
@@ -620,7 +611,7 @@ def test_model_heatmaps_tick_both_signs_and_resist_one_extreme_head():
 def test_model_per_layer_ratio_axis_reads_plain_numbers(monkeypatch, tmp_path):
     from types import SimpleNamespace
 
-    from pcast_jax.models import fp8_report
+    from pcast_experiments import model_report as fp8_report
 
     saved = []
     monkeypatch.setattr(report, "save_figure", lambda fig, path: saved.append(fig))
@@ -646,7 +637,7 @@ def test_paper_forward_s256_stays_visible_over_reverse_s256():
 def test_model_e2e_draws_no_bar_for_zero(tmp_path):
     from matplotlib.figure import Figure
 
-    from pcast_jax.models import fp8_report
+    from pcast_experiments import model_report as fp8_report
 
     fig = Figure()
     ax = fig.subplots()

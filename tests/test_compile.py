@@ -25,8 +25,8 @@ def _same_bits(a, b, label=""):
 
 
 def test_fingerprint_of_the_default_spec_is_unchanged():
-    assert SweepSpec(deltas=(7.0,), ns=(4096,), seeds=4).fingerprint() == "2e57d04c0d333895"
-    assert "micro_batch" not in SweepSpec().to_dict()
+    assert SweepSpec(deltas=(7.0,), ns=(4096,), seeds=4).fingerprint() == "109b3b7528d3467c"
+    assert SweepSpec().to_dict()["micro_batch"] == 1  # every field is written
     batched = SweepSpec(micro_batch=4)
     assert batched.fingerprint() != SweepSpec().fingerprint()
     assert SweepSpec.from_dict(batched.to_dict()) == batched
@@ -172,8 +172,8 @@ def test_cache_folder_and_switches(tmp_path, monkeypatch):
     assert cache._env_folder(tmp_path / "d") == tmp_path / "d"
     monkeypatch.setattr(cache, "_state", {})
     monkeypatch.setenv(cache.ENV_VAR, "0")
-    assert cache.setup_compilation_cache() is None
-    assert cache.setup_compilation_cache(enabled=False) is None
+    assert cache.enable() is None
+    assert cache.enable(enabled=False) is None
 
 
 #: The variables a child process's cache settings come from (the suite sets them for its own children).
@@ -187,8 +187,8 @@ hits = []
 jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name))
 from pcast_jax.sweep import SweepSpec, run_sweep
 from pcast_jax.sweep.compute import chunk_metrics
+folder = cache.enable()
 run_sweep(SweepSpec(**json.loads(sys.argv[1])), progress=False)
-folder = cache.setup_compilation_cache()
 print(json.dumps({"dir": None if folder is None else str(folder), "config": jax.config.jax_compilation_cache_dir,
                   "hits": hits.count("/jax/compilation_cache/cache_hits")}))
 """
@@ -219,10 +219,10 @@ def test_second_process_loads_the_chunk_from_the_cache_and_unwritable_folder_is_
 
 _CACHE_PROGRAM = """
 import sys, jax, numpy as np
-from pcast_jax.cache import setup_compilation_cache
+from pcast_jax.cache import enable
 hits = []
 jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name))
-assert setup_compilation_cache(True, sys.argv[1]) is not None
+assert enable(True, sys.argv[1]) is not None
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 k = float(sys.argv[2])
 print(float(jax.jit(lambda x: x * k + 1.0)(np.float32(2.0))), hits.count("/jax/compilation_cache/cache_hits"))
@@ -285,7 +285,7 @@ def test_the_suites_cache_folder_is_trimmed_to_half_its_limit_least_recently_use
 _MIN_TIME = """
 import sys, jax
 from pcast_jax import cache
-assert cache.setup_compilation_cache(True, sys.argv[1]) is not None
+assert cache.enable(True, sys.argv[1]) is not None
 print(jax.config.jax_persistent_cache_min_compile_time_secs)
 """
 
@@ -299,3 +299,30 @@ def test_the_shortest_cached_compile_is_half_a_second_unless_set_through_jax(tmp
                           timeout=300, env={**env, "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float(proc.stdout.split()[-1]) == (0.5 if value is None else float(value))
+
+
+_UNTOUCHED_RUN = """
+import jax
+import numpy as np
+before = dict(jax.config.values)
+from jax._src import compilation_cache as cc
+cache_before = (cc._cache, getattr(cc, "_cache_initialized", None))
+import pcast_jax as pj
+from pcast_jax.sweep import SweepSpec, run_sweep
+run_sweep(SweepSpec(configs=("fwd_s1",), ns=(64,), seeds=2, q_len=2, d=4), progress=False)
+q = np.ones((1, 8, 2, 4), np.float32)
+pj.dot_product_attention(q, q, q, config="fa3").block_until_ready()
+changed = {k: (before.get(k), v) for k, v in jax.config.values.items() if before.get(k) != v}
+assert not changed, changed
+assert (cc._cache, getattr(cc, "_cache_initialized", None)) == cache_before
+assert jax.config.jax_compilation_cache_dir is None
+print("untouched")
+"""
+
+
+def test_library_calls_leave_jax_config_and_its_cache_untouched():
+    """run_sweep and the drop-in change no JAX option and no cache (the command line turns the cache on)."""
+    env = {k: v for k, v in os.environ.items() if k not in _CACHE_VARS}
+    proc = subprocess.run([sys.executable, "-c", _UNTOUCHED_RUN], env={**env, "JAX_PLATFORMS": "cpu"},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("untouched"), proc.stderr[-3000:]

@@ -2,7 +2,7 @@
 
 The matrix a user walks, in one place:
 
-* presets: every entry of :data:`pcast_jax.config.PRESETS` (a preset added there is covered with no
+* presets: every entry of :data:`pcast_jax.presets.PRESETS` (a preset added there is covered with no
   edit here);
 * entry points (:data:`ENTRIES`): the simulator from scores (``engine.attention``, scan and fast),
   from Q/K/V (``engine.attention_qkv``), the drop-in ``dot_product_attention`` with each
@@ -19,7 +19,7 @@ point owes are listed in its ``refuses``), or returns a finite output equal to t
 float64 oracle (``tests/oracle.py``, which imports nothing from the package) within FP32 rounding
 plus the slack of values within rounding of a decision point. The expected config is the
 documented one: a preset name given to the drop-in paths runs the tile of the head dim
-(:func:`pcast_jax.config.preset_for`); the scores paths run the preset as given.
+(:func:`pcast_jax.presets.preset_for`); the scores paths run the preset as given.
 
 The inputs make the logits exact in float32 whatever the summation order: Q and K hold multiples of
 1/4 in [−1.75, 1.75] (products are multiples of 1/16; sums stay below 2^24 of them), so the only
@@ -45,8 +45,8 @@ import numpy as np
 import pytest
 
 from pcast_jax import engine, nn
-from pcast_jax.config import PRESETS, preset_for
 from pcast_jax.errors import PcastError
+from pcast_jax.presets import PRESETS, preset_for
 
 import oracle
 

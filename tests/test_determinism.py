@@ -11,14 +11,14 @@ What is bit-identical, and what is equal only to FP32 rounding (and why):
   than vmapping them: XLA:CPU emits shape-dependent code for reductions and exponentials, so the
   same instance inside vmapped batches of different sizes can differ in the last bit.
 * jit vs eager: equal to a few ULPs, not bitwise. XLA:CPU contracts ``a * b + c`` into one
-  fused multiply-add inside a jitted computation (the scan engine's α updates, the exponent
+  fused multiply-add inside a jitted computation (the scan implementation's α updates, the exponent
   mode's ``exp2(z·log2e − c)``), computes ``x / d`` with d broadcast along rows as ``x · (1/d)``
   in some fusion contexts (the epilogue O / (S·ℓ)), and orders reductions by what it fused. The
   two tests after the tolerance test pin down the first two causes. The zeroed counts are
   identical, and the cast itself is bit-identical in every mode; ÷S after it is too when S = 2^k
   (Prop. 5), and within one ULP otherwise.
-* Scan vs fast engine: identical cast inputs, so identical ``n_zeroed``; the outputs agree to
-  FP32 rounding only, because the fast engine applies exp(m_b − m_final) once per block where the
+* Scan vs xla implementation: identical cast inputs, so identical ``n_zeroed``; the outputs agree to
+  FP32 rounding only, because the xla implementation applies exp(m_b − m_final) once per block where the
   scan multiplies the α factors one after another, and sums ℓ and P8·V in another order.
 * The sweep: one end-to-end check that 1 and 4 (forced host) devices with different chunk sizes
   give bit-identical results, and that a sweep value equals the instance evaluated on its own.
@@ -39,7 +39,7 @@ import numpy as np
 import pytest
 
 from pcast_jax import engine, formats, metrics, sweep, workloads
-from pcast_jax.config import PRESETS, get_preset
+from pcast_jax.presets import PRESETS, get_preset
 
 # every scale mode, both orders, the f16 accumulator, and each engine at least twice
 PAIRS = [("fwd_s1", "scan"), ("rev_s256", "xla"), ("fa3", "scan"), ("sageattn2pp", "xla"),

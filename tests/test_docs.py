@@ -6,7 +6,7 @@
   ``<!-- not-run: REASON -->``; the reason must be given, and the count of such blocks is held low.
 * Every shell line of a page (in a ```sh, ```bash or ```console block) that starts with ``pcast `` or
   ``.venv/bin/pcast `` is parsed by the real ``pcast`` parser (parsed only, never run), so a renamed,
-  removed or deprecated (it warns) flag fails here; so is every inline ```pcast …``` in the text that
+  removed flag fails here; so is every inline ```pcast …``` in the text that
   passes an option and holds no placeholder (``[...]``, ``{a,b}``, ``…``); one without options must name a sub-command.
 * A page whose printed values matter has a check in the test file of its subject (``PAGE_CHECKS``),
   called with the page's namespace and output after its blocks ran.
@@ -162,7 +162,6 @@ def test_page_pcast_lines_parse(page):
                 parser.parse_args(argv)
         except SystemExit as exc:  # --help and --version end parsing with status 0
             assert exc.code == 0, f"{_id(page)}:{line}: pcast {shlex.join(argv)}: {out.getvalue().strip()}"
-        # a deprecated spelling parses, with a warning: the pages show the current one
         assert "pcast: warning:" not in out.getvalue(), f"{_id(page)}:{line}: {out.getvalue().strip()}"
 
 

@@ -1,8 +1,8 @@
-"""The simulator: fast engine ≡ scan engine on every preset, W·V ≡ fast, semantics, Tables 1 and 2.
+"""The simulator: xla implementation ≡ scan implementation on every preset, W·V ≡ fast, semantics, Tables 1 and 2.
 
 Tolerances: the two engines compute identical cast inputs (so identical zeroed counts) and differ
 only in the order FP32 products and sums are rounded (the α chain is one factor exp(m_b − m_final)
-per block in the fast engine, a running product in the scan engine). Measured: |Δout| ≤ 2e-6·max|out|
+per block in the xla implementation, a running product in the scan implementation). Measured: |Δout| ≤ 2e-6·max|out|
 and |Δℓ|/ℓ ≤ 4e-7 on the workloads below; the asserted bounds are 1e-5.
 
 Most tests share one batch shape (6 instances × 8 queries × N = 1000, d = 32) and one compiled
@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from pcast_jax import block, engine, metrics, theory
-from pcast_jax.config import PRESETS, KernelConfig, resolve
+from pcast_jax.config import KernelConfig
+from pcast_jax.presets import PRESETS, resolve
 from pcast_jax.sweep import SweepSpec, run_sweep
 from pcast_jax.workloads import SinkWorkload, make_instance
 
@@ -93,7 +94,7 @@ def assert_engines_agree(fast, scan, f16_bound=None):
 
 
 # --------------------------------------------------------------------------------------------
-# fast ≡ scan
+# xla ≡ scan
 # --------------------------------------------------------------------------------------------
 
 

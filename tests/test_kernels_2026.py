@@ -20,9 +20,10 @@ import pytest
 from scipy import stats
 
 import pcast_jax as pj
-from pcast_jax import engine, jax_fp8, metrics, nn, presets, theory
-from pcast_jax.config import PRESETS, KernelConfig
+from pcast_jax import engine, jax_fp8, nn, presets, theory
+from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError
+from pcast_jax.presets import PRESETS
 
 import oracle
 
@@ -91,7 +92,7 @@ def test_the_grid_saturates_and_zeroes_somewhere():
 
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_every_preset_with_a_learned_sink_matches_the_oracle(preset):
-    """Every preset, with one learned sink logit per head and a masked row, through the fast engine."""
+    """Every preset, with one learned sink logit per head and a masked row, through the xla implementation."""
     cfg = PRESETS[preset]
     s, v, mask = _instance(2, delta=6.0, k_sink=3)
     s = s.copy()
@@ -253,34 +254,16 @@ def test_fa4_history_saturation_metric_in_a_sweep():
     vals = compute_chunk(spec, 1024, 0, 2)
     sat = np.asarray(vals["frac_saturated"])  # (seeds, deltas, configs)
     assert np.all(sat[..., 0] > 0) and np.all(sat[..., 1:] == 0)
-    assert set(metrics.SATURATION_METRICS) <= set(vals)
+    assert {"frac_saturated", "saturated_mass"} <= set(vals)
 
 
-def test_old_results_without_saturation_metrics_load(tmp_path):
-    spec = pj.SweepSpec(configs=("fwd_s1",), deltas=(7.0,), ns=(256,), seeds=2, q_len=4, d=8)
-    res = pj.run_sweep(spec, out_dir=tmp_path / "s", progress=False)
-    path = tmp_path / "s" / "results.npz"
-    with np.load(path) as z:
-        data = {k: z[k] for k in z.files if k.removeprefix("m_") not in metrics.SATURATION_METRICS}
-    np.savez(path, **data)
-    old = pj.load_result(tmp_path / "s")
-    np.testing.assert_array_equal(old.get("frac_zeroed", config="fwd_s1"), res.get("frac_zeroed", config="fwd_s1"))
-    assert "frac_saturated" not in old.data
-
-
-# --------------------------------------------------------------------------------------------
-# Presets, cuDNN / JAX's FP8 attention, the drop-in's sinks
-# --------------------------------------------------------------------------------------------
-
-
-def test_preset_registry_is_one_home_and_keeps_old_fingerprints():
+def test_preset_registry_is_one_home_and_keeps_its_fingerprint():
     assert sorted(n for names in presets.FAMILIES.values() for n in names) == sorted(PRESETS)
-    # the Table 3-era presets kept their identity when they moved into presets/: a sweep over them has
-    # the fingerprint it had before the move
+    # a change to any of these presets' semantics (or to the results format) changes this fingerprint
     old = ("fwd_s1", "rev_s1", "fwd_s448", "fwd_s256", "rev_s256", "fa3", "fa4", "flashinfer_sm90", "trtllm_xqa",
            "trtllm_xqa_multiblock", "fa3_splitkv", "sageattn2", "sageattn2pp", "hpc_ops_prior", "hpc_ops",
            "dynamic_pow2", "sageattn3", "nvfp4_fakequant", "mxfp8_p")
-    assert pj.SweepSpec(configs=old).fingerprint() == OLD_FINGERPRINT
+    assert pj.SweepSpec(configs=old).fingerprint() == PINNED_FINGERPRINT
     for name in presets.KERNELS_2026:
         assert name not in old and PRESETS[name].name == name
 
@@ -358,7 +341,7 @@ def test_e4m3fnuz_moves_the_threshold_by_ln2():
     fnuz, _ = _sweep_fraction(PRESETS["vllm_triton_fp8_rocm"], 11 * math.log(2), n=2048, seeds=2)
     fn, _ = _sweep_fraction(PRESETS["vllm_triton_fp8"], 11 * math.log(2), n=2048, seeds=2)
     assert fnuz == pytest.approx(0.5, abs=0.03) and fn > 0.7
-OLD_FINGERPRINT = "3bc40d3e05b79d78"  # SweepSpec(configs=<the 19 presets above>) before presets/ existed
+PINNED_FINGERPRINT = "2c49ac6b43060d0b"  # SweepSpec(configs=<the 19 presets above>), results format 2
 
 
 def test_reproduce_section_writes_finite_tables_and_figures(tmp_path):
@@ -456,3 +439,45 @@ def test_gpu_check_cudnn_step_runs_on_cpu_with_a_stand_in():
     for scale_s in bench.CUDNN_SCALES:
         assert res[scale_s]["tau4"][1] == 0.0 < res[scale_s]["tau0"][1]
 
+
+
+def test_mi300_zeroes_as_an_e4m3fn_cast_at_twice_the_scale():
+    """Below saturation FNUZ(x) = FN(2x)/2: the MI300 preset's P-cast at S = 1 is MI355's at S = 2, bit for bit."""
+    from pcast_jax.presets import amd
+
+    s, v, mask = _instance(11, delta=7.0, k_sink=4)
+    mi300 = engine.attention(s, v, "fa_triton_amd_mi300", count_mask=mask)
+    fn_2s = engine.attention(s, v, PRESETS["fa_triton_amd_mi355"].replace(scale=2.0), count_mask=mask)
+    mi355 = engine.attention(s, v, "fa_triton_amd_mi355", count_mask=mask)
+    np.testing.assert_array_equal(np.asarray(mi300.out), np.asarray(fn_2s.out))
+    np.testing.assert_array_equal(np.asarray(mi300.n_zeroed), np.asarray(fn_2s.n_zeroed))
+    assert 0 < int(np.sum(mi300.n_zeroed)) < int(np.sum(mi355.n_zeroed))
+    # the common vLLM case (no prob_scale in the checkpoint) is the preset; a calibrated one is S = 1/prob_scale,
+    # halved again on FNUZ because vLLM's loader doubles prob_scale there
+    assert amd.vllm_rocm_flash_config(None) == PRESETS["vllm_rocm_flash_fp8"]
+    for p in (0.125, 0.3, 4.0):
+        assert amd.vllm_rocm_flash_config(p, gpu="mi355").scale * p == pytest.approx(1.0, rel=1e-7)
+        assert amd.vllm_rocm_flash_config(p).scale * 2 * p == pytest.approx(1.0, rel=1e-7)
+    assert amd.vllm_rocm_flash_config(0.25, gpu="mi355", block_kv=128).p_format == "e4m3"
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(PcastError, match="prob_scale"):
+            amd.vllm_rocm_flash_scale(bad)
+    with pytest.raises(PcastError, match="gpu"):
+        amd.vllm_rocm_flash_scale(1.0, gpu="mi250")
+
+
+def test_sglang_split_count_follows_the_batch():
+    from pcast_jax.presets.sglang import SGLANG_DECODE_LAUNCH, SGLANG_MAX_KV_SPLITS, sglang_num_kv_splits
+
+    launch = SGLANG_DECODE_LAUNCH
+    assert PRESETS["sglang_triton_decode"].kv_splits == sglang_num_kv_splits(**launch) == SGLANG_MAX_KV_SPLITS
+    # batch 32 of 32 query / 8 KV heads on 132 SMs, 4096 keys: int(132 · log2(4096 / 64)) = 792 programs,
+    # 32 · ⌈32 / 4⌉ = 256 token programs, ⌈792 / 256⌉ = 4 splits of 1024 keys
+    assert sglang_num_kv_splits(**{**launch, "batch": 32}) == 4
+    counts = [sglang_num_kv_splits(**{**launch, "batch": b}) for b in (1, 2, 8, 16, 32, 64, 128, 512)]
+    assert counts == sorted(counts, reverse=True) and counts[-1] == 1
+    # without GQA every query head is its own program (token grid batch · heads): 64 × 8 heads = 16 × 32 heads
+    assert sglang_num_kv_splits(**{**launch, "num_heads": 8, "batch": 64}) == sglang_num_kv_splits(
+        **{**launch, "num_heads": 32, "num_kv_heads": 32, "batch": 16})
+    with pytest.raises(PcastError, match="num_kv_heads"):
+        sglang_num_kv_splits(**{**launch, "num_kv_heads": 64})

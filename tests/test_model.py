@@ -284,8 +284,8 @@ def test_decode_view_equals_the_last_rows_of_full_causal_attention(model):
 
 def test_decode_rows_and_summary_pair_each_phase_with_its_config():
     """The decode view's CSV rows and summary: one row per (kernel, phase, layer, head), ratios decode / prefill."""
-    from pcast_jax.config import get_preset
     from pcast_jax.models.fp8_study import QUICK, ModelStudy
+    from pcast_jax.presets import get_preset
 
     rng = np.random.default_rng(0)
     layers, heads = 3, 4

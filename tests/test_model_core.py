@@ -9,11 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pcast_jax.config import get_preset
 from pcast_jax.errors import PcastError
 from pcast_jax.models import gguf_loader
 from pcast_jax.models.fp8 import FP8Attention, compare_logits, end_to_end
-from pcast_jax.models.gguf_loader import LlamaConfig
 from pcast_jax.models.llama import (
     apply_rope,
     causal_attention,
@@ -23,7 +21,9 @@ from pcast_jax.models.llama import (
     next_token_loss,
     rope_angles,
 )
+from pcast_jax.models.llama_common import LlamaConfig
 from pcast_jax.models.traces import sink_statistics
+from pcast_jax.presets import get_preset
 
 TINY = LlamaConfig(num_layers=2, hidden_size=32, intermediate_size=48, num_heads=4,
                    num_kv_heads=2, head_dim=8, rope_base=10000.0, rope_dim=8, rms_eps=1e-5,

@@ -12,21 +12,22 @@ require_model_extra()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from pcast_experiments import model_report as fp8_report  # noqa: E402
 from pcast_jax import engine  # noqa: E402
 from pcast_jax.cli import main as cli_main  # noqa: E402
-from pcast_jax.config import KernelConfig, get_preset  # noqa: E402
+from pcast_jax.config import KernelConfig  # noqa: E402
 from pcast_jax.errors import PcastError  # noqa: E402
 from pcast_jax.models import (  # noqa: E402
     causal_attention,
     extract_qkv,
     forward,
-    fp8_report,  # noqa: E402
     load_model,
     load_tokenizer,
     sink_statistics,
     stdlib_text_tokens,
 )
 from pcast_jax.models.fp8 import FP8Attention, compare_logits, end_to_end, head_metrics, heads_attention  # noqa: E402
+from pcast_jax.presets import get_preset  # noqa: E402
 
 pytestmark = pytest.mark.model
 
@@ -156,7 +157,7 @@ def test_fp8_qkv_per_tensor_vs_per_head_scales():
     FP8Attention(config=get_preset("rev_s256").replace(block_kv=16), implementation="scan"),
     FP8Attention.from_preset("rev_s256", qkv="e4m3", qkv_granularity="head"),
     FP8Attention.from_preset("fwd_s1", qkv="e4m3", p_cast=False),
-], ids=lambda h: f"{h.name}-{h.engine}-{h.p_cast}")
+], ids=lambda h: f"{h.name}-{h.implementation}-{h.p_cast}")
 def test_hook_on_a_padded_batch_equals_each_sequence_alone(hook):
     seqs = [synthetic_qkv(seed, tokens=32, logit_scale=2.0) for seed in (5, 6)]
     q, k, v = (jnp.stack(x) for x in zip(*seqs))
@@ -300,15 +301,14 @@ def test_model_report_bad_tokens_and_missing_extra(tmp_path, capsys, monkeypatch
     assert not (tmp_path / "y").exists()
 
 
-def test_old_parameter_names_still_work_with_a_deprecation_warning():
-    """One vocabulary: qkv= and implementation= (fp8_qkv= and engine= / "fast" warn, then work)."""
+def test_one_vocabulary_and_old_names_are_refused():
+    """qkv= and implementation=; fp8_qkv= and engine= are not parameters, "fast" not an implementation."""
     import pytest
 
-    with pytest.warns(DeprecationWarning, match="fp8_qkv"):
-        old = FP8Attention.from_preset("rev_s256", fp8_qkv=True)
-    assert old == FP8Attention.from_preset("rev_s256", qkv="e4m3")
-    with pytest.warns(DeprecationWarning, match="engine"):
-        hook = FP8Attention.from_preset("fwd_s1", engine="scan")
-    assert hook == FP8Attention.from_preset("fwd_s1", implementation="scan")
-    with pytest.warns(DeprecationWarning, match="'xla'"):
-        assert FP8Attention.from_preset("fwd_s1", implementation="fast").implementation == "xla"
+    with pytest.raises(TypeError, match="fp8_qkv"):
+        FP8Attention.from_preset("rev_s256", fp8_qkv=True)
+    with pytest.raises(TypeError, match="engine"):
+        FP8Attention.from_preset("fwd_s1", engine="scan")
+    with pytest.raises(PcastError, match="implementation='fast'.*'xla', 'scan'"):
+        FP8Attention.from_preset("fwd_s1", implementation="fast")
+

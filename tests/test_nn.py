@@ -308,3 +308,25 @@ def test_traced_scale_under_jit_works_and_gets_a_gradient():
     np.testing.assert_allclose(float(f(jnp.float32(0.2))), float(direct), rtol=1e-6)
     g = jax.grad(f)(jnp.float32(0.2))
     assert bool(jnp.isfinite(g)) and float(g) != 0.0
+
+
+def test_attention_weights_take_the_drop_ins_window_and_lengths():
+    """probs · V with a local window and key lengths is jax.nn's output with the same arguments."""
+    rng = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 6, 2, 8)), jnp.float32) for _ in range(3))
+    kv_lens = jnp.array([6, 4], jnp.int32)
+    probs, kernel = pj.attention_weights(q, k, local_window_size=(2, 0), key_value_seq_lengths=kv_lens,
+                                         is_causal=True, config="fwd_s1")
+    want = jax.nn.dot_product_attention(q, k, v, local_window_size=(2, 0), key_value_seq_lengths=kv_lens,
+                                        is_causal=True)
+    got = jnp.einsum("bnts,bsnh->btnh", probs, v)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+    assert float(jnp.max(jnp.abs(jnp.triu(probs[0, 0], 1)))) == 0.0  # causal
+    assert float(jnp.max(jnp.abs(probs[0, 0, 5, :3]))) == 0.0  # the window hides keys more than 2 back
+    assert kernel.shape == probs.shape
+
+
+def test_implementation_cudnn_names_the_simulated_presets():
+    q = jnp.ones((1, 4, 1, 8), jnp.float32)
+    with pytest.raises(PcastError, match="implementation='cudnn'.*cudnn_fp8_tau0.*cudnn_fp8"):
+        pj.dot_product_attention(q, q, q, implementation="cudnn", config="fa3")

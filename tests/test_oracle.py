@@ -1,6 +1,6 @@
 """Every preset against the independent float64 Algorithm 1 (tests/oracle.py).
 
-The scan engine, the fast engine and both Pallas kernels share ``pcast_jax.block``; these tests
+The scan implementation, the xla implementation and both Pallas kernels share ``pcast_jax.block``; these tests
 check that shared code against an implementation that shares nothing with the package. The
 oracle itself is checked first against the FP8 number line of ml_dtypes (every code) and the
 paper's facts (126 positive values, max 448, round-to-zero at 2^-10).
@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from pcast_jax import engine
-from pcast_jax.config import PRESETS, KernelConfig, mma_model
+from pcast_jax.config import KernelConfig
+from pcast_jax.presets import PRESETS, mma_model
 
 import oracle
 from cases import distinct_configs

@@ -1,4 +1,4 @@
-"""Pallas FP8 kernels ≡ the scan engine of ``pcast_jax.engine``, on the same FP8 values.
+"""Pallas FP8 kernels ≡ the scan implementation of ``pcast_jax.engine``, on the same FP8 values.
 
 Each kernel test class has ``INTERPRET = False`` (runs on a CUDA GPU, skipped without one) and
 an ``...Interpret`` subclass that runs the same tests in Pallas interpret mode on CPU.
@@ -31,8 +31,8 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels.workloads import sink_qkv
-from pcast_jax.config import KERNEL_PRESETS, PAPER_CONFIGS, PRESETS, get_preset, preset_for
 from pcast_jax.errors import PcastError
+from pcast_jax.presets import KERNEL_PRESETS, PAPER_CONFIGS, PRESETS, get_preset, preset_for
 
 import oracle
 from cases import gpu_bench
@@ -166,7 +166,7 @@ class TestMosaicKernel:
     @pytest.mark.parametrize("name,head_dim", _registry_cases())
     def test_preset_matches_simulator_and_oracle(self, name, head_dim):
         """Every preset at its own KV block (FA3: 224 at d = 128, 160 at d = 64; FlashInfer: 192):
-        kernel ≡ scan engine at Δ = 7 and 10, and ≡ the float64 oracle at Δ = 7, over N = 300 keys."""
+        kernel ≡ scan implementation at Δ = 7 and 10, and ≡ the float64 oracle at Δ = 7, over N = 300 keys."""
         cfg = preset_for(name, head_dim)
         w, out, stats = self.check_config(cfg, n=N_RAGGED, deltas=(7.0, 10.0), head_dim=head_dim)
         self.assert_matches_oracle(w, cfg, out, stats)

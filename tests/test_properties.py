@@ -40,7 +40,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from pcast_jax import engine, formats, workloads
-from pcast_jax.config import KernelConfig, get_preset
+from pcast_jax.config import KernelConfig
+from pcast_jax.presets import get_preset
 
 E4M3 = formats.E4M3
 FMT = st.sampled_from(["e4m3", "e5m2"])

@@ -147,8 +147,8 @@ def _check_appendix_a_matches_paper(quick_report):
 def _check_table3_kernels(quick_report):
     """Table 3 as the kernels run: a prefill and a decode row per kernel, our verdict from the numbers."""
     from pcast_experiments import table3_kernels as t3
-    from pcast_jax.config import get_preset, preset_for
     from pcast_jax.metrics import expected_is_exact
+    from pcast_jax.presets import get_preset, preset_for
 
     rows = _rows(quick_report / "table3_kernels.csv")
     for col in ("implementation", "phase", "preset", "order", "scale", "block_kv", "kv_splits", "paper_status",

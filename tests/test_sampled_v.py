@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from pcast_jax import cli, metrics, workloads
-from pcast_jax.config import PRESETS
 from pcast_jax.errors import PcastError
+from pcast_jax.presets import PRESETS
 from pcast_jax.sweep import SweepSpec, estimate_instance_bytes, instance_key, run_sweep
 
 KW = dict(deltas=(5.0, 9.0), ns=(512,), seeds=3, q_len=4, d=8)
@@ -19,16 +19,16 @@ def _bits(x):
 
 
 def test_the_default_keeps_its_fingerprint_and_the_option_round_trips():
-    assert SweepSpec(deltas=(7.0,), ns=(4096,), seeds=4).fingerprint() == "2e57d04c0d333895"
-    assert "sampled_mse" not in SweepSpec().to_dict()
+    assert SweepSpec(deltas=(7.0,), ns=(4096,), seeds=4).fingerprint() == "109b3b7528d3467c"
+    assert SweepSpec().to_dict()["sampled_mse"] is True
     free = SweepSpec(sampled_mse=False)
     assert free.fingerprint() != SweepSpec().fingerprint()
     assert SweepSpec.from_dict(free.to_dict()) == free
     assert estimate_instance_bytes(free, 4096) < estimate_instance_bytes(SweepSpec(), 4096)
     with pytest.raises(PcastError, match="sampled_mse=1 must be True or False"):
         SweepSpec(sampled_mse=1)
-    with pytest.raises(PcastError, match="sampled_mse=False.*engine='scan'"):
-        SweepSpec(sampled_mse=False, engine="scan")
+    with pytest.raises(PcastError, match="sampled_mse=False.*implementation='scan'"):
+        SweepSpec(sampled_mse=False, implementation="scan")
 
 
 def test_make_instance_without_v_draws_the_same_scores():
@@ -122,7 +122,7 @@ def test_cli_without_sampled_v_prints_the_v_averaged_mse(tmp_path, capsys):
 @pytest.mark.parametrize("extra, words", [
     (["--no-sampled-mse", "--metrics", "mse"], "'mse' is not computed with --no-sampled-mse"),
     (["--no-expected-mse", "--metrics", "mse_expected"], "'mse_expected' is not computed with --no-expected-mse"),
-    (["--no-sampled-mse", "--engine", "scan"], "--no-sampled-mse takes every metric"),
+    (["--no-sampled-mse", "--implementation", "scan"], "--no-sampled-mse takes every metric"),
     (["--micro-batch", "0"], "--micro-batch"),
     (["--micro-batch", "two"], "--micro-batch"),
 ])

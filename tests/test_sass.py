@@ -14,7 +14,7 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import sass
-from pcast_jax.config import get_preset, preset_for
+from pcast_jax.presets import get_preset, preset_for
 
 #: FA3's P-cast at a 128-key block (the preset's own block at d = 128 is 224; see OWN_TILES).
 FA3_128 = get_preset("fa3").replace(block_kv=128, name="fa3")

@@ -211,7 +211,7 @@ def test_different_spec_in_same_folder_is_refused(tmp_path, spec):
     with pytest.raises(PcastError, match="seeds"):
         run_sweep(other, out, progress=False)
     with pytest.raises(PcastError, match="different sweep"):
-        run_sweep(SweepSpec(**{**SPEC_KW, "engine": "scan"}), out, progress=False)
+        run_sweep(SweepSpec(**{**SPEC_KW, "implementation": "scan"}), out, progress=False)
 
 
 def test_too_small_memory_budget_fails_before_any_work(tmp_path, spec, monkeypatch):
@@ -301,12 +301,12 @@ def test_cli_sweep_options(tmp_path, capsys):
     out = tmp_path / "custom"
     args = ["sweep", "--configs", "fa3", "--delta", "6,8", "--n", "300", "--seeds", "2", "--seed-offset", "4",
             "--base-seed", "9", "--q-len", "3", "--d", "4", "--sink-positions", "0,1,150", "--sigma", "1.5",
-            "--engine", "scan", "--chunk-size", "1", "--no-expected-mse", "--out", str(out), "--no-progress"]
+            "--implementation", "scan", "--chunk-size", "1", "--no-expected-mse", "--out", str(out), "--no-progress"]
     assert cli.main(args) == 0
     res = load_result(out)
     s = res.spec
     assert (s.deltas, s.ns, s.seeds, s.seed_offset, s.base_seed, s.q_len, s.d) == ((6.0, 8.0), (300,), 2, 4, 9, 3, 4)
-    assert (s.sink_positions, s.sigma, s.engine, s.expected_mse) == ((0, 1, 150), 1.5, "scan", False)
+    assert (s.sink_positions, s.sigma, s.implementation, s.expected_mse) == ((0, 1, 150), 1.5, "scan", False)
     assert np.all(np.isnan(res.data["mse_expected"]))
     assert json.loads((out / "spec.json").read_text())["layout"]["chunk_size"] == 1
 
@@ -314,7 +314,7 @@ def test_cli_sweep_options(tmp_path, capsys):
 @pytest.mark.parametrize("option, value", [
     ("--delta", "5:x"), ("--delta", "9:5:1"), ("--delta", "5:9:0"), ("--delta", "1,,2"), ("--delta", "nan"),
     ("--n", "abc"), ("--n", "0"), ("--configs", "fwd_s1,nope"), ("--seeds", "0"), ("--seeds", "2.5"),
-    ("--q-len", "-1"), ("--d", "x"), ("--sigma", "0"), ("--engine", "slow"), ("--chunk-size", "0"),
+    ("--q-len", "-1"), ("--d", "x"), ("--sigma", "0"), ("--implementation", "slow"), ("--chunk-size", "0"),
     ("--sink-positions", "0,400"), ("--k-sink", "-2"), ("--seed-offset", "-1"),
 ])
 def test_cli_sweep_bad_values_exit_2_naming_the_option(tmp_path, capsys, option, value):
@@ -336,7 +336,7 @@ def test_cli_sweep_distributed_options_are_checked_before_any_work(tmp_path, cap
 
 
 def test_cli_presets(capsys):
-    from pcast_jax.config import PRESETS
+    from pcast_jax.presets import PRESETS
 
     assert cli.main(["presets"]) == 0
     text = capsys.readouterr().out
@@ -346,12 +346,12 @@ def test_cli_presets(capsys):
 
 
 def test_micro_batch_is_picked_for_the_device_and_a_saved_spec_keeps_its_own():
-    """1 on CPU (the fingerprints of CPU sweeps do not change); on an accelerator the largest power of two
+    """1 on CPU; on an accelerator the largest power of two
     whose instances take 1/8 of its memory, capped by the seeds; a spec read back never re-picks."""
     from pcast_jax.sweep.spec import auto_micro_batch
 
     spec = SweepSpec(seeds=20)
-    assert spec.micro_batch == 1 and "micro_batch" not in spec.to_dict()
+    assert spec.micro_batch == 1 and spec.to_dict()["micro_batch"] == 1
     assert auto_micro_batch(spec, backend="gpu", memory_bytes=140 << 30) == 32  # 20 seeds → 32
     assert auto_micro_batch(SweepSpec(seeds=1000), backend="gpu", memory_bytes=140 << 30) == 256
     huge = SweepSpec(seeds=1000, ns=(1 << 20,))
@@ -384,11 +384,11 @@ def test_planner_estimate_covers_what_xla_allocates_and_not_much_more():
              "fa4_pr2717", "cudnn_fp8", "dynamic_pow2", "vllm_triton_fp8_3d")
     assert set(kinds) <= set(PRESETS)
     specs = [SweepSpec(configs=kinds, ns=(2048,), q_len=16, d=64, seeds=1), SweepSpec(ns=(4096,), seeds=1),
-             SweepSpec(ns=(4096,), seeds=1, engine="scan"), SweepSpec(ns=(4096,), seeds=1, sampled_mse=False)]
+             SweepSpec(ns=(4096,), seeds=1, implementation="scan"), SweepSpec(ns=(4096,), seeds=1, sampled_mse=False)]
     got = [compiled_bytes(spec, spec.ns[0]) for spec in specs]
     for spec, nbytes in zip(specs, got):
         ratio = estimate_instance_bytes(spec, spec.ns[0]) / nbytes
-        assert 1.0 <= ratio <= 2.0, (spec.config_names, spec.engine, spec.sampled_mse, ratio)
+        assert 1.0 <= ratio <= 2.0, (spec.config_names, spec.implementation, spec.sampled_mse, ratio)
     assert compiled_bytes(SweepSpec(ns=(4096,), seeds=16), 4096) < 1.05 * got[1]
     big = SweepSpec(ns=(1 << 20,), seeds=64)  # N = 1M fits a 6 GiB budget, all 64 seeds in one chunk
     assert sweep_mod.plan_layout(big, n_devices=1, memory_budget=6 << 30)["chunk_size"] == 64

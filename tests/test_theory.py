@@ -259,6 +259,39 @@ def test_reverse_underflow_distribution_matches_simulation():
     assert abs(model - measured) < 0.12 * measured
 
 
+@pytest.mark.parametrize("block_kv", [64, 224])
+def test_reverse_s256_zeroes_only_the_sink_block_as_the_closed_form_says(block_kv):
+    """Reverse + S = 256 through the simulator: nothing zeroed before the sink's block, and in it the
+    share (B − k)/(N − k) · F(Δ, 256) of all non-sink keys (Theorem 4's gap)."""
+    from pcast_jax import engine
+    from pcast_jax.presets import PRESETS
+
+    rows, n, k = 1024, 512, 4  # the per-row fraction is skewed: enough rows for its s.e. to hold
+    rng = np.random.default_rng(block_kv)
+    cfg = PRESETS["rev_s256"].replace(block_kv=block_kv)
+    v = rng.standard_normal((n, 8)).astype(np.float32)
+    in_block = np.zeros(n, bool)
+    in_block[k:block_kv] = True
+    before = np.ones(n, bool)
+    before[:block_kv] = False
+    deltas = np.array([10.0, 12.0])
+    s = rng.standard_normal((2, rows, n))
+    s[..., :k] += deltas[:, None, None]
+    s = s.astype(np.float32)
+    assert int(np.sum(engine.attention(s, v, cfg, count_mask=before).n_zeroed)) == 0
+    block = np.asarray(engine.attention(s, v, cfg, count_mask=in_block).n_zeroed) / (n - k)  # (2, rows)
+    for delta, got in zip(deltas, block):
+        model = float(theory.sink_block_collapse_fraction(delta, 256.0, n=n, block_kv=block_kv, k_sink=k))
+        se = got.std(ddof=1) / math.sqrt(rows)
+        assert abs(got.mean() - model) < 4 * se + 1e-5, (delta, got.mean(), model)
+    # the closed form: the block's share of the non-sink keys times F integrated over the sink max
+    f = float(theory.collapse_fraction_spread(12.0, 256.0))
+    assert float(theory.sink_block_collapse_fraction(12.0, n=n, block_kv=block_kv)) == pytest.approx(
+        (block_kv - k) / (n - k) * f, rel=1e-6)
+    # one block holds every key (B ≥ N): all non-sink keys share the sink's block
+    assert float(theory.sink_block_collapse_fraction(30.0, n=50, block_kv=block_kv)) == pytest.approx(1.0, abs=1e-6)
+
+
 # ------------------------------------------------------------------------------------------
 # Prop. 5, dp(S), Theorems 6–7.
 # ------------------------------------------------------------------------------------------
@@ -365,6 +398,8 @@ def test_theorem7_characterization():
     (lambda: theory.pre_sink_max(4, k_sink=4), "n"),
     (lambda: theory.reverse_underflow_prob(4096, 256.0, max_model="bogus"), "max_model"),
     (lambda: theory.reverse_underflow_prob(4096, 0.0), "scale"),
+    (lambda: theory.sink_block_collapse_fraction(10.0, block_kv=2), "block_kv"),
+    (lambda: theory.sink_block_collapse_fraction(10.0, n=4), "n"),
     (lambda: theory.dp(0.0), "scale"),
     (lambda: theory.dp_table([1.0, -2.0]), "scale"),
     (lambda: theory.normal_coverage(-1.0), "scale"),

@@ -270,7 +270,7 @@ def test_markdown_table_formats_rows():
 
 
 def test_worst_case_delta_accepts_block_scaled_p_and_reports_the_block_scale_threshold():
-    from pcast_jax.config import get_preset
+    from pcast_jax.presets import get_preset
     r = whatif.worst_case_delta("nvfp4_fakequant", 256, steps=3, seeds=1, q_len=4, grid_step=1.0, refine_step=0.5)
     cfg = get_preset("nvfp4_fakequant")
     assert r.critical_delta == pytest.approx(float(theory.block_critical_delta(cfg.scale, fmt="nvfp4")))

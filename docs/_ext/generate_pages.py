@@ -4,6 +4,7 @@
   its fields, the source citation written beside it in its family module, and its KV tile by head dim.
 * ``_generated/examples.md``: each ``examples/*.py`` (its docstring as text, then the file).
 * ``_generated/exports.md``: the names ``import pcast_jax`` offers and where each is documented.
+* ``_generated/metrics.md``: every metric and coordinate of a sweep (:data:`pcast_jax.quantities.QUANTITIES`).
 
 A file is rewritten only when its text changes, so an unchanged page is not rebuilt.
 """
@@ -88,7 +89,7 @@ def preset_pages() -> list[str]:
         if tiled:
             dims = sorted({d for n in tiled for d in TILES_BY_HEAD_DIM[n]})
             out += ["", "## KV tile (`block_kv`) by head dim", "",
-                    "What {py:func}`pcast_jax.config.preset_for` runs at each head dim (other presets keep "
+                    "What {py:func}`pcast_jax.presets.preset_for` runs at each head dim (other presets keep "
                     "their `block_kv` at every head dim).", "",
                     "| preset | " + " | ".join(f"d = {d}" for d in dims) + " |", "|---|" + "---|" * len(dims)]
             for n in tiled:
@@ -144,7 +145,17 @@ def exports_page() -> None:
     _write(OUT / "exports.md", text)
 
 
+def metrics_page() -> None:
+    from pcast_jax.quantities import QUANTITIES
+
+    rows = [f"| `{name}` | {q.kind} | {q.long_name} | {q.units or '—'} | {q.direction} | {q.description} |"
+            for name, q in QUANTITIES.items()]
+    head = ["| name | kind | long name | unit | better | meaning |", "|---|---|---|---|---|---|"]
+    _write(OUT / "metrics.md", "\n".join(head + rows) + "\n")
+
+
 def setup(app):
+    metrics_page()
     preset_pages()
     examples_page()
     exports_page()

@@ -303,7 +303,7 @@ def _recording_hook(recorder: Recorder, attention_fn, q, k, v, layer, valid=None
 def _config_causal(config) -> bool:
     if config is None:
         return False
-    from pcast_jax.config import resolve
+    from pcast_jax.presets import resolve
 
     return bool(resolve(config).causal)
 

@@ -63,10 +63,11 @@ import numpy as np
 from jax import lax
 
 from pcast_jax import engine as _engine
-from pcast_jax._compat import renamed, simulator_implementation
-from pcast_jax.config import KernelConfig, resolve
+from pcast_jax.config import KernelConfig
+from pcast_jax.engine import check_implementation
 from pcast_jax.errors import PcastError, check_choice, check_int
 from pcast_jax.nn import kernel_inputs, kernel_logits, kernel_operands
+from pcast_jax.presets import resolve
 
 __all__ = [
     "SINK_SELECTIONS", "SCALE_GRID", "HEAD_METRICS", "E2EMetrics", "expand_kv", "sink_statistics", "heads_attention",
@@ -239,7 +240,6 @@ def _scores_and_values(q, k, v, cfg: KernelConfig):
     return logits[0], v_seen[0]
 
 
-@renamed(engine="implementation")
 def heads_attention(q, k, v, config: str | KernelConfig, *, count_mask=None,
                     implementation: str = "xla") -> _engine.AttentionResult:
     """The simulated kernel on every query head of one layer (full causal self-attention).
@@ -256,7 +256,7 @@ def heads_attention(q, k, v, config: str | KernelConfig, *, count_mask=None,
       :class:`pcast_jax.engine.AttentionResult` with a leading head axis (``out [Hq, T, D]``).
     """
     cfg = dataclasses.replace(resolve(config), causal=True)
-    impl = simulator_implementation(implementation)
+    impl = check_implementation(implementation)
     if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape or q.shape[0] != k.shape[0] \
             or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
         raise PcastError(f"q must be [T, Hq, D] and k, v [T, Hkv, D] with Hq a multiple of Hkv; "

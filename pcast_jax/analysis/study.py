@@ -34,8 +34,9 @@ import numpy as np
 from pcast_jax import stats as _stats
 from pcast_jax.analysis.capture import Trace
 from pcast_jax.analysis.heads import SCALE_GRID, E2EMetrics, analyze_trace, compare_logits, sink_statistics
-from pcast_jax.config import KernelConfig, get_preset, preset_for, resolve
+from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError, check_f32, check_int
+from pcast_jax.presets import get_preset, preset_for, resolve
 
 __all__ = ["SINK_MASS_MIN", "Analysis", "analyze", "kernel_for"]
 
@@ -47,7 +48,7 @@ _VERDICTS = {True: "loses mass", False: "safe", None: "within noise"}
 
 
 def kernel_for(config: str | KernelConfig, head_dim: int) -> KernelConfig:
-    """A preset name at its KV tile for ``head_dim`` (:func:`pcast_jax.config.preset_for`); a
+    """A preset name at its KV tile for ``head_dim`` (:func:`pcast_jax.presets.preset_for`); a
     :class:`KernelConfig` equal to a preset of the same name likewise; any other config as given."""
     if isinstance(config, str):
         return preset_for(config, head_dim)

@@ -5,15 +5,13 @@
   kernels as ``[[kernel]]`` tables with the same keys.
 * ``--delta`` and ``--n`` take one value, a list ``5,7,9`` or a range ``start:stop:step`` (stop
   included); an interval is ``lo:hi``.
-* Every list-valued flag takes a comma list (``--configs fa3,fwd_s1``, ``--num-warps 4,8``); the
-  space-separated form some took before (``--configs fa3 fwd_s1``) works until
-  :data:`pcast_jax._compat.REMOVED_IN` with a ``pcast: warning:`` line on stderr.
+* Every list-valued flag takes a comma list (``--configs fa3,fwd_s1``, ``--num-warps 4,8``); several
+  values after one flag (``--configs fa3 fwd_s1``) are refused with the comma spelling.
 * ``--progress/--no-progress`` on every long-running command (default: a bar, or progress lines,
   when stderr is a terminal; see each command's help).
 * ``--format`` picks what is printed on stdout, ``--out`` where files go (a folder, or one file whose
   extension picks its format).
-* A renamed flag is refused with a one-line hint to its new spelling (exit status 2); a deprecated
-  one still works and prints a ``pcast: warning:`` line naming its new spelling.
+* A renamed flag is refused with a one-line hint to its new spelling (exit status 2).
 
 Every error names the option.
 """
@@ -27,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from pcast_jax._compat import deprecation_message
-from pcast_jax.config import PRESETS, KernelConfig
+from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError, check_f32
 from pcast_jax.fileio import load_toml
+from pcast_jax.presets import PRESETS
 
 RANGE_HELP = "one value, a list 5,7,9, or start:stop:step with stop included (4:13:1 is 4, 5, …, 13)"
 CONFIG_HELP = ("one kernel as key=value pairs, e.g. 'name=mine,order=reverse,scale=64,block_kv=128,"
@@ -231,21 +229,10 @@ def renamed(parser: argparse.ArgumentParser, old: str, new: str) -> None:
     parser.add_argument(old, action=_Renamed, new=new, dest=f"_renamed_{old.strip('-').replace('-', '_')}")
 
 
-# --------------------------------------------------------------------------------------------
-# Deprecated spellings: they work, with one line on stderr
-# --------------------------------------------------------------------------------------------
-
-
-def warn_deprecated(old: str, new: str) -> None:
-    """``pcast: warning: <old> is deprecated and goes in pcast_jax 0.3: use <new>`` on stderr."""
-    sys.stderr.write(f"pcast: warning: {deprecation_message(old, new)}\n")
-    sys.stderr.flush()
-
-
 class _CommaList(argparse.Action):
-    """A list flag: ``--flag a,b``. Several values after the flag (``--flag a b``, the old form) are
-    read as one list, with a deprecation line. Each item is converted by ``item_type`` and checked
-    against ``item_choices``; the result is a list."""
+    """A list flag: ``--flag a,b``; several values after the flag (``--flag a b``) are refused with
+    the comma spelling. Each item is converted by ``item_type`` and checked against
+    ``item_choices``; the result is a list."""
 
     comma_list = True  # the ``pcast`` help shows one METAVAR, not nargs="+"'s METAVAR [METAVAR ...]
 
@@ -255,7 +242,7 @@ class _CommaList(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         if len(values) > 1:
-            warn_deprecated(f"{option_string} {' '.join(values)}", f"{option_string} {','.join(values)}")
+            raise argparse.ArgumentError(self, f"takes one comma list: {option_string} {','.join(values)}")
         out = []
         for text in values:
             try:
@@ -279,33 +266,8 @@ def add_list_argument(parser: argparse.ArgumentParser, flag: str, *, item_type=s
     parser.add_argument(flag, action=_CommaList, item_type=item_type, item_choices=choices, **kw)
 
 
-class _Deprecated(argparse.Action):
-    """A flag kept for one version: it sets ``dest`` to ``const`` and prints a deprecation line."""
-
-    def __init__(self, option_strings, dest, *, new: str, const=None, nargs=0, **kw):
-        self.new = new
-        super().__init__(option_strings, dest, nargs=nargs, const=const, help=argparse.SUPPRESS, **kw)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        warn_deprecated(option_string, self.new.replace("VALUE", str(values)))
-        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
-
-
-def deprecated_flag(parser: argparse.ArgumentParser, old: str, new: str, *, dest: str, const=None,
-                    takes_value: bool = False) -> None:
-    """``old`` still works, as ``new`` (``VALUE`` in ``new`` stands for the value given), with a
-    deprecation line: it stores ``const`` (a switch) or its value (``takes_value``) in ``dest``."""
-    parser.add_argument(old, action=_Deprecated, new=new, dest=dest, const=const,
-                        nargs=None if takes_value else 0, default=argparse.SUPPRESS)
-
-
 def add_progress_argument(parser: argparse.ArgumentParser, what: str = "a progress bar on stderr",
-                          default: str = "when stderr is a terminal", *, quiet: bool = False) -> None:
-    """``--progress/--no-progress`` (``args.progress``: True, False or None for the default).
-
-    ``quiet``: the old ``--quiet`` of this command keeps working, as ``--no-progress``.
-    """
+                          default: str = "when stderr is a terminal") -> None:
+    """``--progress/--no-progress`` (``args.progress``: True, False or None for the default)."""
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help=f"{what} (default: {default})")
-    if quiet:
-        deprecated_flag(parser, "--quiet", "--no-progress", dest="progress", const=False)

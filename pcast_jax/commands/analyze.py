@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mass-limit", default="1e-3", metavar="X",
                         help="attention mass a head may lose to the cast, in (0, 1) (default 1e-3)")
     parser.add_argument("--num-sinks", default="1", metavar="K", help="sink keys per head (default 1)")
-    _options.add_progress_argument(parser, "progress lines on stderr", "on", quiet=True)
+    _options.add_progress_argument(parser, "progress lines on stderr", "on")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from pcast_jax.commands import _options
-from pcast_jax.config import preset_for
+from pcast_jax.presets import preset_for
 
 HELP = "Compile the Pallas FP8 kernels for Hopper without a GPU: registers, spills, FP8 wgmma use."
 
@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "pipeline), ahead of time for an H100: needs jax-cuda12-plugin, no GPU")
     parser.add_argument("--format", choices=("table", "json"), default="table",
                         help="printed output: the aligned table, or one JSON object per row (default table)")
-    _options.deprecated_flag(parser, "--json", "--format json", dest="format", const="json")
+    _options.renamed(parser, "--json", "--format json")
 
 
 def run(args: argparse.Namespace) -> int:

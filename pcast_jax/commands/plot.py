@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from pcast_jax.commands import _options
+from pcast_jax.quantities import METRICS
 
 HELP = "Plot a finished sweep's metric against Δ or N (PNG, PDF or SVG, in the reproduction figures' style)."
 _COORDS = ("config", "n", "delta")
@@ -15,9 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("sweep_dir", metavar="SWEEP_DIR", help="a finished sweep's folder (pcast sweep --out)")
     parser.add_argument("--x", default="delta", choices=("delta", "n"),
                         help="horizontal axis; it needs two or more values in the sweep (default delta)")
-    parser.add_argument("--y", default="mse",
-                        help="metric: mse, mse_expected, frac_zeroed, zeroed_mass, frac_saturated, saturated_mass "
-                             "or nonsink_mass (default mse)")
+    parser.add_argument("--y", default="mse", help=f"metric: {', '.join(METRICS)} (default mse)")
     parser.add_argument("--configs", default=None, help="comma-separated config names to draw (default all)")
     parser.add_argument("--hue", default="config", choices=_COORDS,
                         help="coordinate the line colours follow (default config)")
@@ -35,7 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pcast_jax import report
     from pcast_jax.errors import PcastError
-    from pcast_jax.metrics import METRICS
     from pcast_jax.sweep import load_result
 
     if args.y not in METRICS:

@@ -38,7 +38,7 @@ def show(name: str) -> list[str]:
     """``NAME``'s ``--config`` string, then every field with its value (one per line)."""
     import dataclasses
 
-    from pcast_jax.config import get_preset
+    from pcast_jax.presets import get_preset
 
     cfg = get_preset(name)
     lines = [cfg.to_string(), ""]

@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sink-logit", default=None,
                         help="a learned sink (one logit, no value row) above the non-sink mean: a number, or 'delta' "
                              "to sweep it as Δ (with --k-sink 0); placed as each config's sink_mode says")
-    parser.add_argument("--engine", default="fast", help="simulator engine: fast or scan (default fast)")
+    parser.add_argument("--implementation", default="xla",
+                        help="what computes the simulated kernel: xla (vectorized, default) or scan (block by block)")
     parser.add_argument("--micro-batch", default="auto",
                         help="seeds per vmapped step of the compiled chunk (default auto: 1 on CPU, one seed at a "
                              "time; on a GPU or TPU the largest power of two whose instances take 1/8 of the "
@@ -68,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip the V-averaged mse_expected metric")
     parser.add_argument("--no-sampled-mse", action="store_true",
                         help="draw no V and skip the sampled-V mse (about 3x the instances/s; mse_expected has "
-                             "the same mean with lower variance; fast engine only)")
+                             "the same mean with lower variance; --implementation xla only)")
     parser.add_argument("--metrics", default=None,
                         help=f"comma-separated metrics to print (default {','.join(DEFAULT_METRICS)}, "
                              "mse_expected for mse without sampled V; "
@@ -104,17 +105,17 @@ def spec_from_args(args: argparse.Namespace, *, backend_ready: bool = True):
     touched yet) checks every option but puts 1 for ``--micro-batch auto``; the spec is built again
     once the runtime runs.
     """
-    from pcast_jax.engine import ENGINES
+    from pcast_jax.engine import IMPLEMENTATIONS
     from pcast_jax.sweep import SweepSpec
     from pcast_jax.workloads import SIGMA_MAX, SIGMA_V_MAX
 
     configs = tuple(_options.kernels_from_args(args, default_configs=DEFAULT_CONFIGS))
-    engine = str(args.engine).strip()
-    if engine not in ENGINES:
-        raise PcastError(f"--engine={args.engine!r} must be one of {', '.join(ENGINES)}")
-    if args.no_sampled_mse and engine != "fast":
-        raise PcastError(f"--no-sampled-mse takes every metric from the fast engine's weights; "
-                         f"--engine={engine} needs V (use --engine fast)")
+    implementation = str(args.implementation).strip()
+    if implementation not in IMPLEMENTATIONS:
+        raise PcastError(f"--implementation={args.implementation!r} must be one of {', '.join(IMPLEMENTATIONS)}")
+    if args.no_sampled_mse and implementation != "xla":
+        raise PcastError(f"--no-sampled-mse takes every metric from the xla implementation's weights; "
+                         f"--implementation={implementation} needs V (use --implementation xla)")
     ns = _options.ints("--n", args.n, min_value=1)
     sink_positions = None
     if args.sink_positions is not None:
@@ -140,7 +141,7 @@ def spec_from_args(args: argparse.Namespace, *, backend_ready: bool = True):
         sink_positions=sink_positions,
         sigma=_float("--sigma", args.sigma, positive=True, max_abs=SIGMA_MAX),
         sigma_v=_float("--sigma-v", args.sigma_v, positive=True, max_abs=SIGMA_V_MAX),
-        engine=engine,
+        implementation=implementation,
         expected_mse=not args.no_expected_mse,
         sampled_mse=not args.no_sampled_mse,
         micro_batch=(None if backend_ready else 1) if args.micro_batch.strip() == "auto" else _int(
@@ -333,7 +334,8 @@ def run(args: argparse.Namespace) -> int:
         note(f"pcast sweep: {len(spec.configs)} configs x {len(spec.deltas)} delta x {len(spec.ns)} N x "
               f"{spec.seeds} seeds (q_len={spec.q_len}, d={spec.d}, k_sink={spec.k_sink}, "
              f"{'' if spec.sink_logit is None else f'sink_logit={spec.sink_logit}, '}sigma={spec.sigma:g}, "
-              f"engine={spec.engine}{_nondefault(spec)}){where}{' - resuming' if resuming else ''}", flush=True)
+              f"implementation={spec.implementation}{_nondefault(spec)}){where}"
+              f"{' - resuming' if resuming else ''}", flush=True)
         start = time.perf_counter()
         progress = args.progress
         if progress is None and info is not None:  # stderr is a pipe now: ask the terminal this process had

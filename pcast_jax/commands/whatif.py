@@ -46,7 +46,7 @@ def _output(p: argparse.ArgumentParser) -> None:
                         "other lines go to stderr)")
     p.add_argument("--out", default=None, metavar="FILE",
                    help="also write the result rows to FILE; .csv or .json picks the format")
-    _options.deprecated_flag(p, "--csv", "--out VALUE", dest="out", takes_value=True)
+    _options.renamed(p, "--csv", "--out FILE.csv")
     _progress(p)
 
 

@@ -15,7 +15,6 @@ from pcast_jax.models.fp8 import FP8Attention, analyze_trace, end_to_end
 from pcast_jax.models.gguf_loader import (
     INSTALL_HINT,
     GGUFTokenizer,
-    LlamaConfig,
     cache_dir,
     default_gguf_path,
     load_model,
@@ -32,6 +31,7 @@ from pcast_jax.models.llama import (
     greedy_generate,
     next_token_loss,
 )
+from pcast_jax.models.llama_common import LlamaConfig
 from pcast_jax.models.text import STDLIB_FILES, stdlib_source, stdlib_text_tokens
 from pcast_jax.models.traces import SINK_SELECTIONS, QKVTrace, extract_qkv, sink_statistics
 

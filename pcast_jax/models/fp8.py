@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 
 from pcast_jax import engine as _engine
-from pcast_jax._compat import deprecated, simulator_implementation
 from pcast_jax.analysis.heads import (
     HEAD_METRICS,
     E2EMetrics,
@@ -38,11 +37,13 @@ from pcast_jax.analysis.heads import (
     heads_attention,
     validate_lengths,
 )
-from pcast_jax.config import QKV_GRANULARITIES, QKV_PRECISIONS, KernelConfig, get_preset, preset_for, resolve
+from pcast_jax.config import QKV_GRANULARITIES, QKV_PRECISIONS, KernelConfig
+from pcast_jax.engine import check_implementation
 from pcast_jax.errors import PcastError, check_choice
-from pcast_jax.models.gguf_loader import LlamaConfig
 from pcast_jax.models.llama import _validate, forward
+from pcast_jax.models.llama_common import LlamaConfig
 from pcast_jax.nn import dot_product_attention
+from pcast_jax.presets import get_preset, preset_for, resolve
 
 __all__ = [
     "QKV_GRANULARITIES",
@@ -70,8 +71,6 @@ class FP8Attention:
         (P-cast only); ``config.replace(qkv="e4m3")`` adds FP8 Q/K/V, with one scale per layer
         input or, with ``qkv_granularity="head"``, one per head.
       implementation: ``"xla"`` (default, the vectorized simulator) or ``"scan"`` (block by block).
-        ``engine=`` (with ``"fast"`` for ``"xla"``) is its old name: it still works, with a
-        DeprecationWarning.
       p_cast: ``False`` skips the kernel: exact FP32 causal softmax on the scores and values the
         kernel would see (with ``qkv="e4m3"``: the Q/K/V quantization floor alone).
     """
@@ -80,41 +79,31 @@ class FP8Attention:
     implementation: str = "xla"
     p_cast: bool = True
     #: the preset the config came from (set when ``config`` is a preset name): its KV tile is then
-    #: resolved for the head dim at each call (:func:`pcast_jax.config.preset_for`)
+    #: resolved for the head dim at each call (:func:`pcast_jax.presets.preset_for`)
     preset: str = ""
-    engine: dataclasses.InitVar[str | None] = None  # the old name of ``implementation``
 
-    def __post_init__(self, engine=None):
-        if engine is not None:
-            deprecated("FP8Attention(engine=...)", "implementation=")
-            object.__setattr__(self, "implementation", engine)
+    def __post_init__(self):
         if isinstance(self.config, str) and not self.preset:
             object.__setattr__(self, "preset", self.config)
         if self.preset:
             get_preset(self.preset)
         object.__setattr__(self, "config", dataclasses.replace(resolve(self.config), causal=True))
-        object.__setattr__(self, "implementation", simulator_implementation(self.implementation))
+        object.__setattr__(self, "implementation", check_implementation(self.implementation))
         if not isinstance(self.p_cast, bool):
             raise PcastError(f"p_cast={self.p_cast!r} must be True or False")
 
     @classmethod
     def from_preset(cls, name: str | KernelConfig, *, qkv: str = "f32", qkv_granularity: str = "tensor",
-                    fp8_qkv: bool | None = None, **kwargs) -> "FP8Attention":
+                    **kwargs) -> "FP8Attention":
         """Hook for a preset; ``qkv="e4m3"`` also quantizes Q/K/V to E4M3.
 
         A convenience that sets the config's ``qkv`` and ``qkv_granularity`` fields (``"tensor"``:
         one scale per layer input, ``"head"``: one per head). The hook's label is the preset's
         name, with ``+qkv8`` (per tensor) or ``+qkv8h`` (per head) appended when Q/K/V are
-        quantized; the label is for display only. ``fp8_qkv=True`` is the old spelling of
-        ``qkv="e4m3"`` (DeprecationWarning).
+        quantized; the label is for display only.
         """
         cfg = resolve(name)
         check_choice("qkv_granularity", qkv_granularity, QKV_GRANULARITIES)
-        if fp8_qkv is not None:
-            deprecated("FP8Attention.from_preset(fp8_qkv=...)", "qkv='e4m3' (or 'f32')")
-            if not isinstance(fp8_qkv, bool):
-                raise PcastError(f"fp8_qkv={fp8_qkv!r} must be True or False")
-            qkv = "e4m3" if fp8_qkv else "f32"
         check_choice("qkv", qkv, QKV_PRECISIONS)
         if qkv == "e4m3":
             suffix = "+qkv8h" if qkv_granularity == "head" else "+qkv8"

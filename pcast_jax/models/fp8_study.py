@@ -5,7 +5,7 @@ the sink statistics, runs every configuration of :class:`ReportSizes` through th
 simulator per layer and head, and runs the whole model with each FP8 attention hook on the
 held-out text. It returns a :class:`ModelStudy`: the arrays, the end-to-end metrics and the rows
 of the report's CSV tables. Rendering (markdown, CSV files, figures) lives in
-:mod:`pcast_jax.models.fp8_report`.
+:mod:`pcast_experiments.model_report`.
 
 Texts (both Python standard-library source, identical on every machine with the same Python):
 
@@ -38,9 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pcast_jax.config import KERNEL_PRESETS, PAPER_CONFIGS, KernelConfig, get_preset, preset_for, resolve
+from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError, check_int
 from pcast_jax.models.fp8 import E2EMetrics, FP8Attention
+from pcast_jax.presets import KERNEL_PRESETS, PAPER_CONFIGS, get_preset, preset_for, resolve
 
 __all__ = ["HELDOUT_FILES", "MAX_TOKENS", "SCALES", "DECODE_PAIRS", "DECODE_METRICS", "ReportSizes", "FULL",
            "QUICK", "Stopwatch", "ModelStudy", "run_study", "heldout_tokens", "describe", "safe_ratio",
@@ -179,7 +180,7 @@ def safe_ratio(a, b) -> float:
 def decode_pair_configs(pairs, head_dim: int) -> list[tuple[str, KernelConfig, KernelConfig]]:
     """(label, prefill config, decode config) per pair, both with the prefill preset's tile at ``head_dim``.
 
-    A split-KV launch runs the kernel's own tile (:func:`pcast_jax.config.preset_for`).
+    A split-KV launch runs the kernel's own tile (:func:`pcast_jax.presets.preset_for`).
     """
     out = []
     for label, prefill, decode in pairs:

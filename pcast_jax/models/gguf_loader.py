@@ -16,7 +16,6 @@ forward pass can ``lax.scan`` over them.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import importlib
@@ -33,10 +32,10 @@ import numpy as np
 
 from pcast_jax.errors import PcastError
 from pcast_jax.fileio import atomic_write, clean_stale_temps
+from pcast_jax.models.llama_common import LlamaConfig, expected_shapes
 
 __all__ = [
     "INSTALL_HINT",
-    "LlamaConfig",
     "GGUFTokenizer",
     "require_model_extra",
     "default_gguf_path",
@@ -68,83 +67,6 @@ _LAYER_TENSORS = {
     "ffn_up.weight": "w_up",
     "ffn_down.weight": "w_down",
 }
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class LlamaConfig:
-    """Hyper-parameters of a llama-architecture model, read from GGUF fields.
-
-    Attributes:
-        num_layers: ``llama.block_count``.
-        hidden_size: ``llama.embedding_length``.
-        intermediate_size: ``llama.feed_forward_length`` (SwiGLU width).
-        num_heads: ``llama.attention.head_count`` (query heads, Hq).
-        num_kv_heads: ``llama.attention.head_count_kv`` (Hkv; query head h uses kv head
-            ``h // (Hq // Hkv)``).
-        head_dim: per-head dimension D (``llama.attention.key_length`` if present, else
-            ``hidden_size // num_heads``).
-        rope_base: ``llama.rope.freq_base``.
-        rope_dim: ``llama.rope.dimension_count`` (rotated dims per head; equals head_dim here).
-        rms_eps: ``llama.attention.layer_norm_rms_epsilon``.
-        vocab_size: number of token embeddings.
-        context_length: ``llama.context_length`` (longest sequence the model was trained for).
-        tied_embeddings: True when the file has no ``output.weight`` and the token embedding
-            matrix doubles as the output head.
-        name: ``general.name``.
-        architecture: ``general.architecture`` (``"llama"`` or ``"qwen2"``; for a Hugging Face
-            checkpoint, ``model_type``).
-        rope: RoPE convention of the stored Q/K weights: ``"adjacent"`` (llama GGUF, permuted for
-            llama.cpp) or ``"half"`` (qwen2 GGUF: llama.cpp's NeoX RoPE; every Hugging Face file).
-        qkv_bias: the Q/K/V projections carry biases (qwen2).
-    """
-
-    num_layers: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_base: float
-    rope_dim: int
-    rms_eps: float
-    vocab_size: int
-    context_length: int
-    tied_embeddings: bool
-    name: str = ""
-    architecture: str = "llama"
-    rope: str = "adjacent"
-    qkv_bias: bool = False
-
-    def __post_init__(self):
-        for field in ("num_layers", "hidden_size", "intermediate_size", "num_heads",
-                      "num_kv_heads", "head_dim", "rope_dim", "vocab_size", "context_length"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise PcastError(f"{field}={value!r} must be a positive integer")
-        if self.num_heads % self.num_kv_heads:
-            raise PcastError(f"num_heads={self.num_heads} must be a multiple of "
-                             f"num_kv_heads={self.num_kv_heads}")
-        if self.rope_dim != self.head_dim or self.head_dim % 2:
-            raise PcastError(
-                f"rope_dim={self.rope_dim} must equal head_dim={self.head_dim} and be even")
-        for field in ("rms_eps", "rope_base"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-                raise PcastError(f"{field}={value!r} must be a finite positive number")
-        if self.rope not in ("adjacent", "half"):
-            raise PcastError(f"rope={self.rope!r} is not one of ('adjacent', 'half')")
-
-    @property
-    def group_size(self) -> int:
-        """Query heads per KV head (Hq / Hkv)."""
-        return self.num_heads // self.num_kv_heads
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> "LlamaConfig":
-        return cls(**json.loads(text))
 
 
 def require_model_extra() -> Any:
@@ -426,21 +348,6 @@ def _tensor_shape(tensor) -> tuple[int, ...]:
     return tuple(int(x) for x in reversed(list(tensor.shape)))
 
 
-def _expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Flat parameter name → shape (the layer tensors per layer, without the leading L)."""
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    shapes = {"embed": (cfg.vocab_size, d), "final_norm": (d,),
-              "layers.attn_norm": (d,), "layers.wq": (q_dim, d), "layers.wk": (kv_dim, d),
-              "layers.wv": (kv_dim, d), "layers.wo": (d, q_dim), "layers.mlp_norm": (d,),
-              "layers.w_gate": (f, d), "layers.w_up": (f, d), "layers.w_down": (d, f)}
-    if cfg.qkv_bias:
-        shapes.update({"layers.bq": (q_dim,), "layers.bk": (kv_dim,), "layers.bv": (kv_dim,)})
-    if not cfg.tied_embeddings:
-        shapes["output"] = (cfg.vocab_size, d)
-    return shapes
-
-
 #: GGUF tensor names of the flat parameters (``{i}``: the layer).
 _GGUF_NAMES = {"embed": "token_embd.weight", "final_norm": "output_norm.weight", "output": "output.weight",
                **{f"layers.{key}": f"blk.{{i}}.{suffix}" for suffix, key in _LAYER_TENSORS.items()},
@@ -459,7 +366,7 @@ def _read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, np.ndarray], str]:
     tensors = {t.name: t for t in reader.tensors}
     cfg = _config_from_reader(reader, set(tensors), where)
     wanted = {}
-    for key, shape in _expected_shapes(cfg).items():
+    for key, shape in expected_shapes(cfg).items():
         layers = range(cfg.num_layers) if key.startswith("layers.") else [None]
         for i in layers:
             name = _GGUF_NAMES[key].format(i=i)
@@ -485,7 +392,7 @@ def _read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, np.ndarray], str]:
         return values.reshape(_tensor_shape(t))
 
     flat = {}
-    for key in _expected_shapes(cfg):
+    for key in expected_shapes(cfg):
         if key.startswith("layers."):
             flat[key] = np.stack([dequant(_GGUF_NAMES[key].format(i=i)) for i in range(cfg.num_layers)])
         else:
@@ -499,7 +406,7 @@ def _read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, np.ndarray], str]:
 
 
 def _check_shapes(cfg: LlamaConfig, flat: dict[str, np.ndarray]) -> None:
-    for key, shape in _expected_shapes(cfg).items():
+    for key, shape in expected_shapes(cfg).items():
         if key.startswith("layers."):
             shape = (cfg.num_layers,) + shape
         if key not in flat or flat[key].shape != shape:

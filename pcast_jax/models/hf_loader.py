@@ -23,7 +23,7 @@ import numpy as np
 
 from pcast_jax import fileio
 from pcast_jax.errors import PcastError
-from pcast_jax.models.gguf_loader import LlamaConfig, _expected_shapes
+from pcast_jax.models.llama_common import LlamaConfig, expected_shapes
 
 __all__ = ["HF_ARCHITECTURES", "is_hf_checkpoint", "read_hf_checkpoint"]
 
@@ -261,7 +261,7 @@ def read_hf_checkpoint(folder) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
     headers: dict = {}
     files = _tensor_files(folder, headers)
     flat = {}
-    for key, shape in _expected_shapes(cfg).items():
+    for key, shape in expected_shapes(cfg).items():
         per_layer = key.startswith("layers.")
         names = [_HF_NAMES[key].format(i=i) for i in range(cfg.num_layers)] if per_layer else [_HF_NAMES[key]]
         arrays = []

@@ -59,7 +59,7 @@ from pcast_jax.analysis.heads import check_scored as _check_scored
 from pcast_jax.analysis.heads import expand_kv, scored_positions
 from pcast_jax.analysis.heads import validate_lengths as _validate_lengths
 from pcast_jax.errors import PcastError, check_choice, check_int
-from pcast_jax.models.gguf_loader import LlamaConfig
+from pcast_jax.models.llama_common import LlamaConfig
 
 __all__ = [
     "ROPE_CONVENTIONS",

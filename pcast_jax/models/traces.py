@@ -12,8 +12,8 @@ from typing import NamedTuple
 import jax
 
 from pcast_jax.analysis.heads import SINK_SELECTIONS, sink_statistics
-from pcast_jax.models.gguf_loader import LlamaConfig
 from pcast_jax.models.llama import causal_attention, forward_with_aux
+from pcast_jax.models.llama_common import LlamaConfig
 
 __all__ = ["QKVTrace", "SINK_SELECTIONS", "extract_qkv", "sink_statistics"]
 

@@ -13,6 +13,7 @@ module                    presets
 ``cudnn``                 cuDNN FP8 / MXFP8 SDPA (JAX's and Transformer Engine's FP8 attention)
 ``vllm``                  vLLM's Triton unified attention and its FlashAttention-4 fork
 ``sglang``                SGLang's Triton decode
+``amd``                   FlashAttention's ROCm Triton backend, vLLM's ROCm Triton attention (MI300, MI355)
 ``modelopt``              NVIDIA Model Optimizer's NVFP4 P fake-quantization
 ``research``              designs no released kernel runs (per-block 2^k, MXFP8 P)
 ========================  =================================================================
@@ -25,9 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from pcast_jax.config import KernelConfig, get_preset
-from pcast_jax.errors import PcastError
+from pcast_jax.config import KernelConfig
+from pcast_jax.errors import PcastError, check_choice, check_int
 from pcast_jax.presets import (
+    amd,
     cudnn,
     flashattention,
     flashinfer,
@@ -42,8 +44,9 @@ from pcast_jax.presets import (
 )
 from pcast_jax.presets.trtllm import XQA_CTA_TILE_TOKENS, XQA_DECODE_LAUNCH, xqa_nb_sub_seq
 
-__all__ = ["PAPER_CONFIGS", "KERNEL_PRESETS", "BLOCK_SCALED_PRESETS", "KERNELS_2026", "PRESETS", "FAMILIES",
-           "TILES_BY_HEAD_DIM", "MMA_PROMOTION", "MMA_ACC_BITS_HOPPER", "mma_model", "XQA_CTA_TILE_TOKENS",
+__all__ = ["get_preset", "preset_for", "resolve",
+           "PAPER_CONFIGS", "KERNEL_PRESETS", "BLOCK_SCALED_PRESETS", "KERNELS_2026", "AMD_PRESETS", "PRESETS",
+           "FAMILIES", "TILES_BY_HEAD_DIM", "MMA_PROMOTION", "MMA_ACC_BITS_HOPPER", "mma_model", "XQA_CTA_TILE_TOKENS",
            "XQA_DECODE_LAUNCH", "xqa_nb_sub_seq"]
 
 #: The paper's five configurations (§6.2, Table 2): Q, K, V in FP32, ℓ from pre-cast P, B = 64.
@@ -52,7 +55,7 @@ PAPER_CONFIGS: dict[str, KernelConfig] = dict(paper.PRESETS)
 _TABLE3 = {**flashattention.PRESETS, **flashinfer.PRESETS, **trtllm.PRESETS, **sageattention.PRESETS,
            **hpc_ops.PRESETS, **research.PRESETS}
 #: Production kernels of the paper's Table 3 era, each following its public source (see the notes in
-#: each entry). Tiles are those at head dim 128; :func:`~pcast_jax.config.preset_for` resolves them for
+#: each entry). Tiles are those at head dim 128; :func:`preset_for` resolves them for
 #: another head dim.
 KERNEL_PRESETS: dict[str, KernelConfig] = {name: _TABLE3[name] for name in (
     "fa3", "fa4", "flashinfer_sm90", "trtllm_xqa", "trtllm_xqa_multiblock", "fa3_splitkv", "sageattn2",
@@ -68,11 +71,15 @@ KERNELS_2026: dict[str, KernelConfig] = {**cudnn.KERNELS_2026, **flashattention.
                                          **vllm.KERNELS_2026, **flashinfer.KERNELS_2026,
                                          **trtllm.KERNELS_2026, **sglang.KERNELS_2026}
 
-PRESETS: dict[str, KernelConfig] = {**PAPER_CONFIGS, **KERNEL_PRESETS, **BLOCK_SCALED_PRESETS, **KERNELS_2026}
+#: FP8 attention on AMD GPUs (ROCm): MI300's E4M3FNUZ and MI355's E4M3, each citing its source.
+AMD_PRESETS: dict[str, KernelConfig] = dict(amd.PRESETS)
+
+PRESETS: dict[str, KernelConfig] = {**PAPER_CONFIGS, **KERNEL_PRESETS, **BLOCK_SCALED_PRESETS, **KERNELS_2026,
+                                    **AMD_PRESETS}
 
 #: Kernel family (module) → the names of its presets, in registry order.
 FAMILIES: dict[str, tuple[str, ...]] = {}
-for _module in (paper, flashattention, flashinfer, trtllm, sageattention, hpc_ops, cudnn, vllm, sglang, modelopt,
+for _module in (paper, flashattention, flashinfer, trtllm, sageattention, hpc_ops, cudnn, vllm, sglang, amd, modelopt,
                 research):
     _names = {**getattr(_module, "PRESETS", {}), **getattr(_module, "BLOCK_SCALED", {}),
               **getattr(_module, "KERNELS_2026", {})}
@@ -80,7 +87,8 @@ for _module in (paper, flashattention, flashinfer, trtllm, sageattention, hpc_op
 assert sorted(n for names in FAMILIES.values() for n in names) == sorted(PRESETS), "a preset without a family"
 
 #: KV tile B by head dim, read from each kernel's source (the FP8 forward path at that head dim).
-TILES_BY_HEAD_DIM: dict[str, dict[int, int]] = {**flashattention.TILES_BY_HEAD_DIM, **flashinfer.TILES_BY_HEAD_DIM}
+TILES_BY_HEAD_DIM: dict[str, dict[int, int]] = {**flashattention.TILES_BY_HEAD_DIM, **flashinfer.TILES_BY_HEAD_DIM,
+                                                 **trtllm.TILES_BY_HEAD_DIM}
 
 #: Where each kernel adds its FP8 P·V MMA results into exact FP32 registers, i.e. the
 #: ``mma_promote_keys`` its accumulator model takes: ``"never"`` (0: O lives in the wgmma accumulator
@@ -135,3 +143,33 @@ def mma_model(name: str, bits: int = MMA_ACC_BITS_HOPPER) -> KernelConfig:
                          f"one: {', '.join(MMA_PROMOTION)}")
     promote = 0 if MMA_PROMOTION[name] == "never" else cfg.block_kv
     return dataclasses.replace(cfg, mma_acc_bits=bits, mma_promote_keys=promote, name=f"{name}_mma{bits}")
+
+
+def get_preset(name: str) -> KernelConfig:
+    """Look up a preset by name (see :data:`pcast_jax.presets.PRESETS`)."""
+    check_choice("preset", name, tuple(PRESETS))
+    return PRESETS[name]
+
+
+def preset_for(name: str, head_dim: int) -> KernelConfig:
+    """A preset with its KV tile resolved for ``head_dim`` (:data:`TILES_BY_HEAD_DIM`).
+
+    Presets without a head-dim table, or head dims the table lacks, keep their tile; the name
+    gains ``_d{head_dim}`` when the tile changes.
+    """
+    cfg = get_preset(name)
+    check_int("head_dim", head_dim, min_value=1)
+    tiles = TILES_BY_HEAD_DIM.get(name, {})
+    dims = sorted(d for d in tiles if d >= head_dim)
+    if not dims or tiles[dims[0]] == cfg.block_kv:
+        return cfg
+    return dataclasses.replace(cfg, block_kv=tiles[dims[0]], name=f"{name}_d{head_dim}")
+
+
+def resolve(config: str | KernelConfig) -> KernelConfig:
+    """A preset name or a :class:`KernelConfig` → :class:`KernelConfig`."""
+    if isinstance(config, KernelConfig):
+        return config
+    if isinstance(config, str):
+        return get_preset(config)
+    raise PcastError(f"config={config!r} must be a preset name or a KernelConfig")

@@ -54,6 +54,14 @@ PRESETS: dict[str, KernelConfig] = {
     ),
 }
 
+#: KV tile B by head dim. TensorRT-LLM fmha_v2's FP8 context kernel as FlashInfer generates it
+#: (flashinfer-ai/flashinfer commit fb28d72, flashinfer/jit/attention/fmha_v2/fmha_library.py): on SM90 the
+#: kernel is warp-specialized for head_size ≥ 32 (line 183), and the e4m3 branch (line 265) sets
+#: kv_loop_step = 256 at d ≤ 64 (line 267) and at d ≤ 128 (line 274), 128 above (line 289; FP8 pads a head
+#: dim above 128 to 256, lines 238-241). The non-warp-specialized path (other SMs, lines 302-323) is not
+#: modelled.
+TILES_BY_HEAD_DIM: dict[str, dict[int, int]] = {"trtllm_fmha_v2": {64: 256, 128: 256, 256: 128}}
+
 KERNELS_2026: dict[str, KernelConfig] = {
     # TensorRT-LLM fmha_v2 FP8 context attention, as vendored by FlashInfer (commit fb28d72, csrc/fmha_v2):
     # Softmax_fp_quant_scale<e4m3_t> = 256 (fmha/numeric_types.h lines 48-53), folded into the exponent as
@@ -61,7 +69,7 @@ KERNELS_2026: dict[str, KernelConfig] = {
     # (compute.h line 351); no lazy rescale. A learned sink enters the denominator only, multiplied by 256
     # in the e4m3 epilogue (epilogue.h lines 1152-1164). Its optional skip-softmax (a tile skipped when
     # exp(local max − running max) < λ/N for every row of the warpgroup, compute.h lines 282-285, adding to
-    # neither O nor ℓ) is off by default and not modelled. The KV tile was not found: B = 128 is an assumption.
-    "trtllm_fmha_v2": KernelConfig(order="forward", scale=256.0, scale_mode="exponent", block_kv=128,
+    # neither O nor ℓ) is off by default and not modelled. B = 256 at d = 128 (TILES_BY_HEAD_DIM).
+    "trtllm_fmha_v2": KernelConfig(order="forward", scale=256.0, scale_mode="exponent", block_kv=256,
                                    name="trtllm_fmha_v2"),
 }

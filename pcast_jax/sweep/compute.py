@@ -2,7 +2,7 @@
 
 An instance's scores and V are drawn from :func:`~pcast_jax.sweep.spec.instance_key` once per seed
 and shared by every Δ and config. What is compiled depends on the shapes only (:class:`ChunkShape`:
-configs, workload, engine, N, micro-batch); the seed indices, the base seed and the Δ values are
+configs, workload, implementation, N, micro-batch); the seed indices, the base seed and the Δ values are
 traced arguments, so another seed range, base seed or set of Δ values of the same shapes reuses
 the compiled program (and JAX's persistent cache, :mod:`pcast_jax.cache`, keeps it across processes).
 
@@ -50,7 +50,7 @@ class ChunkShape:
 
     configs: tuple
     workload: SinkWorkload
-    engine: str
+    implementation: str
     expected_mse: bool
     micro_batch: int = 1
     sampled_mse: bool = True
@@ -58,7 +58,7 @@ class ChunkShape:
 
 def chunk_shape(spec: SweepSpec, n: int) -> ChunkShape:
     """The :class:`ChunkShape` of ``spec``'s chunks at KV length ``n``."""
-    return ChunkShape(configs=tuple(spec.configs), workload=spec.workload(n), engine=spec.engine,
+    return ChunkShape(configs=tuple(spec.configs), workload=spec.workload(n), implementation=spec.implementation,
                       expected_mse=spec.expected_mse, micro_batch=spec.micro_batch, sampled_mse=spec.sampled_mse)
 
 
@@ -93,7 +93,7 @@ def _per_seed(shape: ChunkShape, base_seed, deltas):
     def per_seed(seed):
         base = make_instance(instance_key(base_seed, w.n, seed), w, 0.0, draw_v=shape.sampled_mse)
 
-        impl = "scan" if shape.engine == "scan" else "xla"  # the spec's "fast" is the xla implementation
+        impl = shape.implementation
 
         def per_delta(delta):
             inst = base._replace(scores=base.scores + jnp.where(base.is_sink, delta, 0.0))

@@ -8,7 +8,6 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from pcast_jax.cache import setup_compilation_cache
 from pcast_jax.sweep.compute import compute_chunk
 from pcast_jax.sweep.plan import plan_layout, units
 from pcast_jax.sweep.progress import progress_bar
@@ -33,7 +32,6 @@ def run_sweep_local(
     are read first and only the missing ones are computed, each written as soon as it finishes.
     """
     check_spec(spec)
-    setup_compilation_cache()
     devices = list(devices or jax.devices())
     layout = plan_layout(spec, n_devices=len(devices), chunk_size=chunk_size, memory_budget=memory_budget)
     out = None if out_dir is None else Path(out_dir)

@@ -36,7 +36,6 @@ import numpy as np
 from jax._src import distributed as _jax_distributed
 from jax.experimental import multihost_utils
 
-from pcast_jax.cache import setup_compilation_cache
 from pcast_jax.errors import (  # the timeouts live there so that the command line's help needs no JAX
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
@@ -571,7 +570,6 @@ def run_sweep_distributed(spec: SweepSpec, out_dir: str | os.PathLike | None = N
         folder holds another sweep or is not shared by every process, or one process failed.
     """
     check_spec(spec)
-    setup_compilation_cache()
     pid, nproc = jax.process_index(), jax.process_count()
     _check_identity(spec)
     fp = spec.fingerprint()

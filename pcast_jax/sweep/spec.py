@@ -19,10 +19,11 @@ import jaxlib
 import numpy as np
 
 from pcast_jax import __version__
-from pcast_jax.config import KernelConfig, resolve
-from pcast_jax.engine import ENGINES
+from pcast_jax.config import KernelConfig
+from pcast_jax.engine import IMPLEMENTATIONS
 from pcast_jax.errors import PcastError, check_choice, check_finite, check_int
 from pcast_jax.fileio import atomic_write
+from pcast_jax.presets import resolve
 from pcast_jax.stats import summary_cells
 from pcast_jax.workloads import DELTA_MAX, SinkWorkload
 
@@ -30,8 +31,9 @@ __all__ = ["FORMAT_VERSION", "SIMULATOR_VERSION", "SweepSpec", "SweepResult", "c
            "auto_micro_batch",
            "estimate_instance_bytes", "software_identity"]
 
-#: Version of the files a sweep writes (spec.json, chunks, results.npz).
-FORMAT_VERSION = 1
+#: Version of the files a sweep writes (spec.json, chunks, results.npz). A folder of another version
+#: is refused (its results are recomputable), never read through a conversion.
+FORMAT_VERSION = 2
 #: Bump whenever the simulator's numbers change (engine, workloads, metrics): saved chunks of an
 #: older version then no longer match the fingerprint and are recomputed instead of resumed.
 SIMULATOR_VERSION = 3  # 2: per-instance loops instead of vmap (last-bit changes); 3: causal nonsink_mass from
@@ -50,20 +52,20 @@ class SweepSpec:
       seed_offset: index of the first seed.
       base_seed: the root PRNG seed.
       q_len, d, k_sink, sink_positions, sigma, sigma_v, sink_logit: the synthetic workload
-        (:class:`SinkWorkload`; ``sink_logit`` left out of :meth:`to_dict` when None).
-      engine: ``"fast"`` or ``"scan"``.
+        (:class:`SinkWorkload`).
+      implementation: ``"xla"`` (vectorized, the default) or ``"scan"`` (block by block), as in
+        :func:`pcast_jax.engine.attention`.
       expected_mse: also compute ``mse_expected`` (cheap; NaN when off).
       sampled_mse: draw V and compute ``mse`` (True, the default). False: no V is drawn and no
         P·V product computed (``mse`` is NaN), about 3× the instances per second on CPU; every
         other metric is the same (``mse_expected``, same mean, lower variance, is usually the one
-        to use then). Needs the fast engine. Left out of :meth:`to_dict` at True.
+        to use then). Needs ``implementation="xla"``.
       micro_batch: seeds per step of the compiled chunk. 1: one seed at a time through a loop (what a
         CPU wants). M > 1: vmapped groups of exactly M seeds (fewer, larger steps for a GPU or TPU);
         results are bit-identical for every chunking and device count at a given M on one device
         kind, but their low-order bits differ from M = 1 (XLA compiles a batch's reductions
         differently). None (the default): :func:`auto_micro_batch` picks it from the default
-        backend, 1 on CPU; the value picked is part of the spec (``spec.json``, the banner). Left
-        out of :meth:`to_dict` at 1, so the fingerprints of earlier sweeps do not change.
+        backend, 1 on CPU; the value picked is part of the spec (``spec.json``, the banner).
     """
 
     configs: tuple = ("fwd_s1", "rev_s1", "fwd_s448", "fwd_s256", "rev_s256")
@@ -78,7 +80,7 @@ class SweepSpec:
     sink_positions: tuple | None = None
     sigma: float = 1.0
     sigma_v: float = 1.0
-    engine: str = "fast"
+    implementation: str = "xla"
     expected_mse: bool = True
     micro_batch: int | None = None
     sampled_mse: bool = True
@@ -120,13 +122,13 @@ class SweepSpec:
                 hasattr(self.sink_positions, "__iter__"):
             object.__setattr__(self, "sink_positions", tuple(
                 int(p) if isinstance(p, np.integer) else p for p in self.sink_positions))
-        check_choice("engine", self.engine, ENGINES)
+        check_choice("implementation", self.implementation, IMPLEMENTATIONS)
         for name in ("expected_mse", "sampled_mse"):
             if not isinstance(getattr(self, name), bool):
                 raise PcastError(f"{name}={getattr(self, name)!r} must be True or False")
-        if not self.sampled_mse and self.engine != "fast":
-            raise PcastError(f"sampled_mse=False takes every metric from the fast engine's weights; "
-                             f"engine={self.engine!r} needs V (use engine='fast')")
+        if not self.sampled_mse and self.implementation != "xla":
+            raise PcastError(f"sampled_mse=False takes every metric from the xla implementation's weights; "
+                             f"implementation={self.implementation!r} needs V (use implementation='xla')")
         if self.micro_batch is None:
             object.__setattr__(self, "micro_batch", auto_micro_batch(self))
         object.__setattr__(self, "micro_batch", check_int("micro_batch", self.micro_batch, min_value=1,
@@ -151,15 +153,11 @@ class SweepSpec:
         d["deltas"] = list(self.deltas)
         d["ns"] = list(self.ns)
         d["sink_positions"] = None if self.sink_positions is None else list(self.sink_positions)
-        for name, default in (("micro_batch", 1), ("sampled_mse", True), ("sink_logit", None)):
-            if d[name] == default:  # defaults keep the fingerprints of sweeps made before they existed
-                del d[name]
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "SweepSpec":
         d = dict(d)
-        d.setdefault("micro_batch", 1)  # to_dict leaves out 1: a saved spec never means "pick one here"
         d["configs"] = tuple(KernelConfig.from_dict(c) for c in d["configs"])
         d["deltas"] = tuple(d["deltas"])
         d["ns"] = tuple(d["ns"])
@@ -298,7 +296,7 @@ class SweepResult:
         s = self.spec
         return {"q_len": s.q_len, "d": s.d, "k_sink": s.k_sink,
                 "sink_positions": " ".join(map(str, self.sink_positions())),
-                "sigma": s.sigma, "sigma_v": s.sigma_v, "base_seed": s.base_seed, "engine": s.engine,
+                "sigma": s.sigma, "sigma_v": s.sigma_v, "base_seed": s.base_seed, "implementation": s.implementation,
                 **({} if s.sink_logit is None else {"sink_logit": s.sink_logit})}
 
     def attrs(self) -> dict:

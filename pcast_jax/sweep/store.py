@@ -79,6 +79,11 @@ def read_manifest(out: Path) -> dict:
         saved = load_json(path, what=f"out_dir={str(out)!r}: spec.json")  # bounded in size and depth
     except PcastError as exc:
         raise PcastError(f"{exc}: spec.json is unreadable or damaged; delete the folder or use another one") from None
+    version = saved.get("format_version") if isinstance(saved, dict) else None
+    if isinstance(saved, dict) and version != FORMAT_VERSION:
+        raise PcastError(f"out_dir={str(out)!r} holds results of format version {version!r}, and this pcast_jax "
+                         f"reads version {FORMAT_VERSION}: results are recomputable: rerun with the same "
+                         "parameters and another --out folder (or delete this one)")
     try:
         if not isinstance(saved, dict) or not isinstance(saved.get("spec"), dict):
             raise PcastError("it holds no sweep spec")
@@ -353,25 +358,22 @@ def load_result(out_dir: str | os.PathLike) -> SweepResult:
     saved = read_manifest(out)
     spec = saved["spec"]
     data = load_npz(path, what=f"{str(path)!r}", max_bytes=_npz_bound(spec, _result_shape(spec)))
-    tag = data.pop("fingerprint", None)  # absent in files written before results carried it
-    if tag is not None and str(tag) != spec.fingerprint():
+    tag = data.pop("fingerprint", None)
+    if tag is None or str(tag) != spec.fingerprint():
         raise PcastError(f"{str(path)!r} belongs to another sweep (fingerprint {str(tag)!r}) than its "
                          f"spec.json ({spec.fingerprint()}); refusing to mix results")
     want = {f"{COORD_PREFIX}{k}": v for k, v in SweepResult(spec, {}).coordinates().items()}
-    # config names as spec.json spells them: a derived name in its spelling before 0.2 (for_s64, now fwd_s64)
-    as_saved = {f"{COORD_PREFIX}config": np.asarray([c.to_dict()["name"] for c in spec.configs], np.str_)}
 
     def same(got, ref):
         return ref is not None and got.shape == ref.shape and got.dtype.kind == ref.dtype.kind and np.array_equal(
             got, ref)
 
-    for key in [k for k in data if k.startswith(COORD_PREFIX)]:  # absent in files written before they had them
+    for key in [k for k in data if k.startswith(COORD_PREFIX)]:
         got, ref = data.pop(key), want.get(key)
-        if not (same(got, ref) or same(got, as_saved.get(key))):
+        if not same(got, ref):
             raise PcastError(f"{str(path)!r}: coordinate {key[len(COORD_PREFIX):]!r} = {got.tolist()!r} is not "
                              f"spec.json's {None if ref is None else ref.tolist()!r}; refusing to mix results")
-    # results saved before the saturation metrics existed load with the metrics they hold
-    if not set(metrics.METRICS) - set(metrics.SATURATION_METRICS) <= set(data) <= set(metrics.METRICS):
+    if set(data) != set(metrics.METRICS):
         raise PcastError(f"{str(path)!r} holds {sorted(data)}, not the sweep's metrics {sorted(metrics.METRICS)}")
     shape = _result_shape(spec)
     for m, v in data.items():

@@ -19,8 +19,8 @@ import numpy as np
 import optax
 
 from pcast_jax import theory
-from pcast_jax.config import resolve
 from pcast_jax.errors import PcastError, check_choice, check_int, check_positive
+from pcast_jax.presets import resolve
 from pcast_jax.sweep import SweepSpec, instance_key, run_sweep
 from pcast_jax.whatif import progress
 from pcast_jax.whatif.objective import Scenario, _grid, _static_config, _thetas

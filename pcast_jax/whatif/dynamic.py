@@ -11,8 +11,9 @@ import time
 
 import numpy as np
 
-from pcast_jax.config import KernelConfig, resolve
+from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError, check_choice, check_int
+from pcast_jax.presets import resolve
 from pcast_jax.stats import mean_sem
 from pcast_jax.sweep import SweepSpec, run_sweep
 from pcast_jax.whatif import progress

@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pcast_jax import engine as _engine
-from pcast_jax.config import KernelConfig, resolve
+from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError, check_choice, check_int, check_positive
+from pcast_jax.presets import resolve
 from pcast_jax.stats import mean_sem
 from pcast_jax.sweep import instance_key
 from pcast_jax.whatif.surrogates import PARTS, Surrogate, as_surrogate, make_cast_fn

@@ -18,8 +18,9 @@ import numpy as np
 import optax
 
 from pcast_jax import formats, theory
-from pcast_jax.config import KernelConfig, resolve
+from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError, check_finite, check_int, check_positive
+from pcast_jax.presets import resolve
 from pcast_jax.whatif import progress
 from pcast_jax.whatif.objective import Scenario, _check_scores, _scores_mses, _seed_mses, _static_config
 from pcast_jax.whatif.surrogates import Surrogate, as_surrogate

@@ -18,8 +18,8 @@ import numpy as np
 import optax
 
 from pcast_jax import theory
-from pcast_jax.config import resolve
 from pcast_jax.errors import PcastError, check_choice, check_finite, check_int, check_positive
+from pcast_jax.presets import resolve
 from pcast_jax.whatif import progress
 from pcast_jax.whatif.objective import Scenario, _grid, _seed_mses, _thetas
 from pcast_jax.whatif.surrogates import Surrogate, as_surrogate

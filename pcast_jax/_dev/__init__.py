@@ -1,0 +1,1 @@
+"""Checks of the code's own shape, run by the tests (not part of the public API)."""

@@ -1,0 +1,112 @@
+"""FP8 attention on AMD GPUs (ROCm): FlashAttention's Triton backend and vLLM's ROCm Triton attention.
+
+MI300 (gfx942) runs FP8 as ``float8_e4m3fnuz`` (exponent bias 8, max 240, no −0 or inf: values at or
+below 2^-11 round to zero, one binade less than E4M3FN); MI355 (gfx950) runs OCP ``float8_e4m3fn``.
+Below saturation a FNUZ cast of x equals an FN cast of 2x halved, so a P-cast at scale S on MI300 zeroes
+what an FN cast at S/2 zeroes: the collapse threshold moves from 10 ln 2 to 11 ln 2.
+
+Not modelled (no :class:`~pcast_jax.config.KernelConfig` field expresses it yet):
+
+* aiter's own Triton MHA FP8 (``aiter.ops.triton.mha``; ROCm/aiter commit e404860,
+  ``aiter/ops/triton/_triton_kernels/attention/mha.py``) scales each BLOCK_M × BLOCK_N tile of P by
+  FP8_MAX / amax(tile): one scale, not a power of two, shared by every query row of the tile. The
+  per-row power-of-two ``scale_mode="dynamic"`` is a different mechanism, so no preset stands for it.
+* vLLM's ROCm Triton attention with a calibrated ``prob_scale`` other than 1: expressible as a
+  config (:func:`vllm_rocm_flash_config`), not a preset, since the value is the checkpoint's.
+* The FP8_MAX clamp of vLLM's FP8 output path (``USE_FP8_OUT``) acts on O, not on P.
+
+aiter's unified attention (the ROCm port of vLLM's) is ``vllm_triton_fp8_rocm`` in :mod:`.vllm`.
+"""
+
+from __future__ import annotations
+
+from pcast_jax.config import KernelConfig
+from pcast_jax.errors import PcastError, check_choice, check_positive
+
+#: GPU generation → the FP8 type the kernels below cast P to (see each preset's note for the source).
+FP8_FORMAT_BY_GPU = {"mi300": "e4m3fnuz", "mi355": "e4m3"}
+
+# FlashAttention's ROCm Triton backend: upstream flash_attn/flash_attn_interface.py imports flash_attn_2 from
+# aiter's flash_attn_triton_amd when FLASH_ATTENTION_TRITON_AMD_ENABLE=TRUE. Read in ROCm/aiter at commit
+# e404860, aiter/ops/triton/_triton_kernels/flash_attn_triton_amd/fwd_prefill.py:
+# - forward KV order: `for start_n in tl.range(block_min, block_max, BLOCK_N, ...)` (line 321);
+# - BLOCK_N: autotuning is on by default (FLASH_ATTENTION_TRITON_AMD_AUTOTUNE defaults to "1", utils.py
+#   lines 121-126); get_fwd_prefill_configs then offers gfx942 BLOCK_N 64 only (lines 145-170) and gfx950
+#   64 in three of its four configs, 128 in the fourth (lines 102-144); with autotuning off both get 64
+#   (lines 42-55). B = 64 (on MI355 an assumption: the autotuner's pick is not in the source);
+# - exact per-tile max m_ij = max(m_i, rowmax(qk)) (line 464), ℓ from the FP32 P before any cast (line 479):
+#   scale_mode "multiply";
+# - P is cast to V's FP8 type with no scale, `tl.dot(p.to(v.type.element_ty), v) * v_descale` (line 614):
+#   S = 1. The scaled branch (compute_fp8_scaling_factors) sits behind FP8_P_DESCALE (lines 606-612),
+#   which the launcher passes as False (line 1942);
+# - Q/K/V descales default to 1.0 with a warning when not given (lines 1730-1747).
+# The FP8 type: utils.py lines 71-76 recommend float8_e4m3fnuz for float8_e4m3fn on gfx942 (the launcher
+# warns on another dtype, fwd_prefill.py lines 1723-1728); gfx950 has no replacement (OCP e4m3).
+# Assumption: the caller passes the recommended dtype. The kernel takes no learned sink: sink_mode keeps
+# its default.
+_FA_TRITON_AMD = dict(order="forward", scale=1.0, scale_mode="multiply", block_kv=64)
+
+# vLLM's ROCm Triton flash attention (vllm-project/vllm commit 00158f9,
+# vllm/attention/ops/triton_flash_attention.py), run with kv_cache_dtype="fp8" and fp8_scales =
+# (q_scale, k_scale, v_scale, prob_scale):
+# - _attn_fwd_inner walks `for start_n in range(block_min, block_max, BLOCK_N)` (forward; full blocks first,
+#   then the masked ones, both ascending), exact per-tile max, l_ij = sum(p) before the scale;
+# - `if USE_FP8: p *= p_descale` then `acc += tl.dot(p.to(V_block_ptr.type.element_ty), v)`, with
+#   p_descale = 1 / p_scale set in _attention.forward: S = 1 / prob_scale, multiply mode; the epilogue
+#   multiplies acc by p_scale · v_scale (attn_fwd, acc_scale);
+# - the FP8 type is current_platform.fp8_dtype() (float8_e4m3fnuz on MI300, float8_e4m3fn on MI355, as
+#   current_platform.is_fp8_fnuz() says: vLLM's platform code was not re-read, an assumption);
+# - BLOCK_N is autotuned over get_cdna_autotune_configs(): 64 in five of its eight configs, 128 in two,
+#   32 in one. B = 64 is an assumption.
+# The scale vLLM hands the kernel: vLLM's kv-cache scale loader
+# (vllm/model_executor/layers/quantization/kv_cache.py, BaseKVCacheMethod.process_weights_after_loading)
+# keeps prob_scale = 1.0 when the checkpoint has none (it then warns "Using uncalibrated q_scale 1.0 and/or
+# prob_scale 1.0 with fp8 attention") and doubles a checkpoint's prob_scale on FNUZ platforms.
+_VLLM_ROCM_FLASH = dict(order="forward", scale_mode="multiply", block_kv=64)
+
+PRESETS: dict[str, KernelConfig] = {
+    # FlashAttention's ROCm Triton backend on MI300 (gfx942, float8_e4m3fnuz): forward, B = 64, S = 1.
+    "fa_triton_amd_mi300": KernelConfig(**_FA_TRITON_AMD, p_format=FP8_FORMAT_BY_GPU["mi300"],
+                                        name="fa_triton_amd_mi300"),
+    # The same on MI355 (gfx950, OCP float8_e4m3fn); B = 64 assumed (its autotuner may pick 128). The same
+    # semantics as the paper's fwd_s1.
+    "fa_triton_amd_mi355": KernelConfig(**_FA_TRITON_AMD, p_format=FP8_FORMAT_BY_GPU["mi355"],
+                                        name="fa_triton_amd_mi355"),
+    # vLLM's ROCm Triton flash attention on MI300 with a checkpoint that has no prob_scale (S = 1 / 1.0 = 1):
+    # the same semantics as fa_triton_amd_mi300 at B = 64; they part once prob_scale is calibrated
+    # (vllm_rocm_flash_config) or the autotuner picks BLOCK_N 128.
+    "vllm_rocm_flash_fp8": KernelConfig(**_VLLM_ROCM_FLASH, scale=1.0, p_format=FP8_FORMAT_BY_GPU["mi300"],
+                                        name="vllm_rocm_flash_fp8"),
+}
+
+
+def vllm_rocm_flash_scale(prob_scale: float | None, *, gpu: str = "mi300") -> float:
+    """The P scale S vLLM's ROCm Triton flash attention casts with, from a checkpoint's ``prob_scale``.
+
+    ``None`` (the checkpoint has none) → S = 1. Otherwise the loader doubles ``prob_scale`` on FNUZ
+    platforms (``gpu="mi300"``) and the kernel multiplies P by 1 / ``prob_scale``: S = 1 / (2·prob_scale) on
+    MI300, 1 / prob_scale on MI355. Sources beside ``_VLLM_ROCM_FLASH`` in this module.
+    """
+    check_choice("gpu", gpu, tuple(FP8_FORMAT_BY_GPU))
+    if prob_scale is None:
+        return 1.0
+    prob_scale = check_positive("prob_scale", prob_scale, float32=True)
+    loaded = 2.0 * prob_scale if FP8_FORMAT_BY_GPU[gpu] == "e4m3fnuz" else prob_scale
+    scale = 1.0 / loaded
+    if not 2.0**-100 <= scale <= 2.0**100:
+        raise PcastError(f"prob_scale={prob_scale!r} gives the P scale 1/prob_scale = {scale!r}, outside "
+                         f"[2^-100, 2^100]")
+    return scale
+
+
+def vllm_rocm_flash_config(prob_scale: float | None, *, gpu: str = "mi300", block_kv: int = 64) -> KernelConfig:
+    """vLLM's ROCm Triton flash attention as a config for a checkpoint's ``prob_scale`` on ``gpu``.
+
+    S from :func:`vllm_rocm_flash_scale`, the FP8 type from :data:`FP8_FORMAT_BY_GPU`, ``block_kv`` the
+    autotuned BLOCK_N (64, 128 or 32). ``vllm_rocm_flash_config(None)`` equals the ``vllm_rocm_flash_fp8``
+    preset. The name records the inputs, e.g. ``vllm_rocm_flash_mi300_prob0.25``.
+    """
+    scale = vllm_rocm_flash_scale(prob_scale, gpu=gpu)
+    cfg = KernelConfig(**{**_VLLM_ROCM_FLASH, "block_kv": block_kv}, scale=scale, p_format=FP8_FORMAT_BY_GPU[gpu])
+    suffix = "" if prob_scale is None else f"_prob{prob_scale:g}"
+    return cfg.replace(name=f"vllm_rocm_flash_{gpu}{suffix}")

@@ -1,0 +1,158 @@
+"""pcast doctor: the deployment table, a checkpoint's scales, and the verdict and fix held to the oracle."""
+
+import json
+
+import numpy as np
+import pytest
+
+from pcast_jax import cli, deployments
+from pcast_jax.errors import PcastError
+from pcast_jax.presets import PRESETS, get_preset
+
+import oracle
+
+
+@pytest.mark.parametrize("row", deployments.DEPLOYMENTS, ids=lambda d: f"{d.engine}-{d.backend}-{d.gpus[0]}")
+def test_every_row_is_found_and_names_real_presets(row):
+    for gpu in row.gpus:
+        assert deployments.find(row.engine, row.backend, gpu) is row
+    assert all(name in PRESETS for name in row.presets) and row.source
+
+
+def test_an_unknown_combination_is_refused_with_the_known_ones():
+    with pytest.raises(PcastError, match="no known FP8 attention.*known for vllm: .*triton_attn"):
+        deployments.find("vllm", "xformers", "sm90")
+    with pytest.raises(PcastError, match="gpu='sm75'.*sm90"):
+        deployments.find("vllm", "triton_attn", "sm75")
+    with pytest.raises(PcastError, match="engine='ollama'"):
+        deployments.find("ollama", "x", "sm90")
+    with pytest.raises(PcastError, match="kv_cache_dtype='fp8_e5m2'"):
+        deployments.find("vllm", "triton_attn", "sm90", "fp8_e5m2")
+
+
+def _oracle_masses(cfg, delta, seeds=4):
+    """Zeroed and clipped mass (mean over rows and draws) of the float64 Algorithm 1, on its own draws."""
+    rng = np.random.default_rng(1)
+    zeroed, clipped = [], []
+    for _ in range(seeds):
+        s, v, mask = oracle.sink_scores(rng, q=8, n=4096, d=16, delta=delta)
+        r = oracle.attention(s.astype(np.float64), v.astype(np.float64), count_mask=mask,
+                             **oracle.config_kwargs(cfg))
+        zeroed.append(r.zeroed_mass.mean())
+        clipped.append(r.saturated_mass.mean())
+    return float(np.mean(zeroed)), float(np.mean(clipped))
+
+
+def test_the_verdict_and_the_recommended_scale_s_agree_with_the_oracle():
+    """JAX's cuDNN FP8 attention on Hopper at Δ = 2 and 9: the oracle sees the doctor's collapse, meets the
+    criterion at the recommended scale_s, and does not at half of it (the recommendation is the smallest
+    power of two that passes with a margin of 2 s.e., so the oracle's own draws agree with it)."""
+    row = deployments.find("jax", "cudnn", "sm90")
+    deltas = (2.0, 9.0)
+    diag = deployments.diagnose(row, deltas=deltas)
+    base = get_preset(row.presets[0])
+    limit_z, limit_c = deployments.ZEROED_MASS_LIMIT, deployments.CLIPPED_MASS_LIMIT
+
+    def passes(scale):
+        return all(z <= limit_z and c <= limit_c for z, c in
+                   (_oracle_masses(base.replace(scale=scale), d) for d in deltas))
+
+    at_one = {d: _oracle_masses(base, d) for d in deltas}
+    assert diag.safe is False and diag.collapse_delta == 9.0
+    assert [r["verdict"] for r in diag.rows] == ["under", "over"]
+    assert at_one[2.0][0] <= limit_z < at_one[9.0][0]  # the oracle sees the same collapse
+    rec = diag.recommended
+    assert rec is not None and passes(rec) and not passes(rec / 2)
+    assert f"scale_s = {rec:g}" in diag.advice
+    # the report never contradicts itself: the rows at the current setting exceed the limit where it says
+    assert any(r["zeroed_mass"] > limit_z and r["delta"] == 9.0 for r in diag.rows)
+
+
+def test_a_safe_deployment_says_so_and_recommends_nothing():
+    diag = deployments.diagnose(deployments.find("flash-attention", "fa3", "sm90"), deltas=(4.0, 8.0))
+    assert diag.safe is True and diag.recommended is None and "nothing to change" in diag.advice
+    for r in diag.rows:
+        z, c = _oracle_masses(get_preset("fa3"), r["delta"], seeds=2)
+        assert z <= deployments.ZEROED_MASS_LIMIT and c <= deployments.CLIPPED_MASS_LIMIT
+
+
+def _write_checkpoint(folder, tensors):
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    folder.mkdir(exist_ok=True)
+    safetensors_numpy.save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+def test_checkpoint_scales_read_only_the_scale_tensors(tmp_path):
+    ckpt = _write_checkpoint(tmp_path / "ckpt", {
+        "model.layers.0.self_attn.prob_scale": np.array(0.5, np.float32),
+        "model.layers.1.self_attn.prob_scale": np.array(0.25, np.float32),
+        "model.layers.0.self_attn.k_scale": np.array([2.0], np.float32),
+        "model.layers.0.self_attn.q_proj.weight": np.ones((4, 4), np.float32)})
+    scales = deployments.checkpoint_scales(ckpt)
+    assert scales["prob_scale"] == {"model.layers.0.self_attn.prob_scale": 0.5,
+                                    "model.layers.1.self_attn.prob_scale": 0.25}
+    assert scales["k_scale"] == {"model.layers.0.self_attn.k_scale": 2.0} and scales["v_scale"] == {}
+    assert deployments.scale_from_knob("prob_scale", 0.25) == 4.0
+    assert deployments.knob_from_scale("prob_scale", 4.0) == 0.25
+
+
+@pytest.mark.parametrize("bad", [np.nan, 0.0, -1.0, np.inf])
+def test_a_checkpoint_scale_that_is_not_positive_and_finite_is_refused(tmp_path, bad):
+    ckpt = _write_checkpoint(tmp_path / "ckpt", {"a.prob_scale": np.array(bad, np.float32)})
+    with pytest.raises(PcastError, match="model.safetensors: tensor 'a.prob_scale'.*finite positive"):
+        deployments.checkpoint_scales(ckpt)
+
+
+def test_checkpoint_folder_errors_name_the_folder(tmp_path):
+    with pytest.raises(PcastError, match="is not a folder"):
+        deployments.checkpoint_scales(tmp_path / "missing")
+    with pytest.raises(PcastError, match="holds no \\*.safetensors"):
+        deployments.checkpoint_scales(tmp_path)
+    (tmp_path / "x.safetensors").write_bytes(b"\x00" * 20)
+    with pytest.raises(PcastError, match="x.safetensors: not a readable safetensors file"):
+        deployments.checkpoint_scales(tmp_path)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--engine", "vllm", "--backend", "nope", "--gpu", "sm90"], ["no known FP8 attention", "triton_attn"]),
+    (["--engine", "vllm", "--backend", "triton_attn", "--gpu", "sm90", "--prob-scale", "0.5"],
+     ["--prob-scale", "fixed by the kernel"]),
+    (["--engine", "jax", "--backend", "cudnn", "--gpu", "sm90", "--scale-s", "0"], ["scale_s=0.0", "positive"]),
+    (["--engine", "jax", "--backend", "cudnn", "--gpu", "sm90", "--seeds", "1"], ["--seeds", "standard error"]),
+])
+def test_doctor_refuses_bad_input_in_one_line(argv, words, capsys):
+    assert cli.main(["doctor", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and all(w in err for w in words), err
+
+
+def test_doctor_prints_the_kernel_the_rows_and_the_verdict(tmp_path, capsys):
+    assert cli.main(["doctor", "--engine", "vllm", "--backend", "triton_attn", "--gpu", "sm90",
+                     "--delta", "8", "--seeds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "runs: vllm_triton_fp8, vllm_triton_fp8_3d" in out and "Verdict: P-collapse" in out
+    assert "no setting of this backend avoids it" in out
+    assert cli.main(["doctor", "--engine", "vllm", "--backend", "triton_attn", "--gpu", "sm90",
+                     "--delta", "8", "--seeds", "2", "--format", "json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["safe"] is False and got["collapse_delta"] == 8.0 and got["knob"] == "none"
+    assert all(r["verdict"] == "over" and r["zeroed_mass_sem"] >= 0 for r in got["rows"])
+    assert {r["preset"] for r in got["rows"]} == {"vllm_triton_fp8", "vllm_triton_fp8_3d"}
+
+
+def test_vllm_rocm_flash_takes_the_checkpoints_prob_scale_doubled_on_mi300(tmp_path):
+    """The one backend whose P scale is the checkpoint's prob_scale: S = 1/(2·prob_scale) on MI300 (the loader
+    doubles it there), the preset as it is without one, and a recommendation written as a prob_scale."""
+    from pcast_jax.presets import amd
+
+    row = deployments.find("vllm", "rocm_flash", "gfx942")
+    assert row.knob == "prob_scale"
+    assert deployments.scale_from_knob("prob_scale", 0.25, row.knob_factor) == amd.vllm_rocm_flash_scale(0.25)
+    ckpt = _write_checkpoint(tmp_path / "ckpt", {"l0.prob_scale": np.array(1 / 512, np.float32)})
+    diag = deployments.diagnose(row, scales=deployments.checkpoint_scales(ckpt), deltas=(9.0,), seeds=2)
+    assert {r["scale"] for r in diag.rows} == {256.0} and {r["knob_value"] for r in diag.rows} == {1 / 512}
+    plain = deployments.diagnose(row, deltas=(9.0,), seeds=2)
+    assert {r["scale"] for r in plain.rows} == {1.0} and plain.safe is False
+    assert plain.recommended is not None
+    assert deployments.scale_from_knob("prob_scale", plain.recommended, row.knob_factor) >= 64
