@@ -122,7 +122,7 @@ def _config(folder: Path) -> LlamaConfig:
 
     per_layer = cfg.num_layers  # each "layers." tensor is stacked over the layers
     count = sum(math.prod(shape) * (per_layer if key.startswith("layers.") else 1)
-                for key, shape in _expected_shapes(cfg).items())
+                for key, shape in expected_shapes(cfg).items())
     check_memory(f"{where}: the model's float32 weights ({count} values, field 'num_hidden_layers' = "
                  f"{cfg.num_layers})", 4 * count)
     return cfg
