@@ -14,8 +14,7 @@ import numpy as np
 
 from pcast_jax.errors import PcastError
 
-__all__ = ["mean_sem", "summary_cells", "sem", "paired_ratio", "z_value", "decide", "CONFIDENCE", "fmt_pm", "fmt_se",
-           "NO_SE"]
+__all__ = ["mean_sem", "summary_cells", "sem", "paired_ratio", "z_value", "decide", "CONFIDENCE", "fmt_pm", "NO_SE"]
 
 #: Two-sided confidence level of a decided comparison (:func:`z_value`).
 CONFIDENCE = 0.95
@@ -104,11 +103,6 @@ def decide(value: float, se: float, threshold: float, z: float) -> bool | None:
 
 #: What a published standard error says where there is none (a mean of fewer than 2 values).
 NO_SE = "n/a: fewer than 2 values, no standard error"
-
-
-def fmt_se(se: float, digits: int = 1) -> str:
-    """``± se`` in scientific notation (``± 1.2e-03``), or in words where there is none (NaN)."""
-    return f"± {se:.{digits}e}" if math.isfinite(se) else f"({NO_SE})"
 
 
 def fmt_pm(value: float, se: float, digits: int = 3, suffix: str = "") -> str:

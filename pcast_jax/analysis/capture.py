@@ -16,15 +16,23 @@ layer is:
 
 * ``rec.hook(...)``: the model's layer index (the hook's ``layer`` argument);
 * ``rec.attention_fn(...)``: one layer per function the recorder hands out (one per Flax layer
-  built with it), named ``name`` or ``layer<i>`` in the order they were made;
+  built with it), named ``name`` or ``layer<i>`` in the order they were made (a ``name`` already
+  handed out is refused: two layers never merge);
 * ``rec.dot_product_attention``: one layer per call, in call order (``call<i>``), so record one
   forward pass.
 
 Calls that hit the same layer again (a second batch, or each sequence of a vmapped model) add
-sequences to it. Only causal self-attention is analysed, so a call must be causal (``is_causal`` or a
-causal config; hooks are causal by contract) with as many keys as queries; a ``bias`` is refused
-(the analysis would not see it). A ``scale`` other than 1/√D is folded into the recorded Q, so the
-trace's logits are always ``q·k / √D``.
+sequences to it. A call is recorded after it has run, so a call the attention refuses records
+nothing. What the layer lets each query see is recorded as parameters: the real tokens of each
+sequence (``Trace.lengths``, from ``query_seq_lengths``, ``key_value_seq_lengths`` or a padding
+mask), the layer's local window (``Trace.local_window_size``, from ``local_window_size`` or a
+banded mask) and the drop-in's learned ``sinks`` (``Trace.sinks``). Only causal self-attention
+within one local window over right-padded sequences can be recorded; anything else is refused
+naming the argument — a ``bias``, a non-causal call, a decode step (fewer queries than keys), a
+``mask`` that differs between heads or hides keys another way — at once for an eager call, at
+:meth:`Recorder.trace` under jit (where the call has already run; nothing of it is recorded). A
+``scale`` other than 1/√D is folded into the recorded Q, so the trace's logits are always
+``q·k / √D``.
 """
 
 from __future__ import annotations
@@ -58,6 +66,10 @@ class Trace:
       lengths: ``[B]`` real tokens of each sequence (right padding beyond).
       layers: ``L`` layer names.
       tokens: optional ``[B, T]`` token ids (what an end-to-end comparison runs the model on).
+      local_window_size: ``[L]`` each layer's local window: query ``i`` sees keys ``i − w … i``
+        (−1: none, full causal attention); None reads as every layer without one.
+      sinks: optional ``[L, Hq]`` learned sink logits (gpt-oss ``sinks``: a softmax column with no
+        key) of each layer and query head; −inf: the layer has none. None: no layer has any.
     """
 
     q: np.ndarray
@@ -66,6 +78,8 @@ class Trace:
     lengths: np.ndarray
     layers: tuple[str, ...]
     tokens: np.ndarray | None = None
+    local_window_size: np.ndarray | None = None
+    sinks: np.ndarray | None = None
 
     def __post_init__(self):
         _check_trace(self, "Trace")
@@ -94,9 +108,12 @@ class Trace:
 
         path = Path(path)
         arrays = {"format": np.array(_FORMAT), "dims": np.array(TRACE_DIMS), "q": self.q, "k": self.k,
-                  "v": self.v, "lengths": self.lengths, "layers": np.array(self.layers)}
+                  "v": self.v, "lengths": self.lengths, "layers": np.array(self.layers),
+                  "local_window_size": self.local_window_size}
         if self.tokens is not None:
             arrays["tokens"] = self.tokens
+        if self.sinks is not None:
+            arrays["sinks"] = self.sinks
         return atomic_write(path, lambda f: np.savez(f, **arrays))
 
 
@@ -133,6 +150,19 @@ def _check_trace(trace: Trace, where: str) -> None:
             raise PcastError(f"{where}: field 'tokens' must be integers of shape {q.shape[1:3]}, "
                              f"got {tokens.dtype} {tokens.shape}")
         object.__setattr__(trace, "tokens", tokens)
+    windows = np.full(q.shape[0], -1, np.int64) if trace.local_window_size is None \
+        else np.asarray(trace.local_window_size)
+    if windows.shape != (q.shape[0],) or not np.issubdtype(windows.dtype, np.integer) or windows.min() < -1:
+        raise PcastError(f"{where}: field 'local_window_size' must be {q.shape[0]} integers >= -1 (one per "
+                         f"layer; -1: no window), got {windows.dtype} {windows.shape}")
+    object.__setattr__(trace, "local_window_size", windows.astype(np.int64))
+    if trace.sinks is not None:
+        sinks = np.asarray(trace.sinks)
+        if sinks.shape != (q.shape[0], q.shape[3]) or not np.issubdtype(sinks.dtype, np.floating) \
+                or np.isnan(sinks).any() or np.isposinf(sinks).any():
+            raise PcastError(f"{where}: field 'sinks' must be {q.shape[0]}×{q.shape[3]} learned sink logits (one per "
+                             f"layer and query head; -inf: none), got {sinks.dtype} {sinks.shape}")
+        object.__setattr__(trace, "sinks", sinks.astype(np.float32))
 
 
 def load_trace(path) -> Trace:
@@ -156,6 +186,8 @@ def load_trace(path) -> Trace:
     for name in ("q", "k", "v", "lengths", "layers"):
         object.__setattr__(trace, name, fields[name])
     object.__setattr__(trace, "tokens", fields.get("tokens"))
+    object.__setattr__(trace, "local_window_size", fields.get("local_window_size"))
+    object.__setattr__(trace, "sinks", fields.get("sinks"))
     _check_trace(trace, f"trace file {path}")
     return trace
 
@@ -165,42 +197,71 @@ class Recorder:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._entries: dict = {}      # layer key -> list of (q, k, v, lengths) numpy, batched
+        self._entries: dict = {}      # layer key -> list of (q, k, v, lengths, windows) numpy, batched
         self._order: list = []        # layer keys in first-seen order
+        self._refused: dict = {}      # layer key -> why a call under jit could not be recorded
         self._made = 0                # attention_fn layers handed out
+        self._names: set = set()      # attention_fn layer names handed out
         self._calls = 0               # dot_product_attention calls seen
         self._hooks: dict = {}
 
     # -- the three entry points ------------------------------------------------------------
 
     def dot_product_attention(self, query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
-                              key_value_seq_lengths=None, config=None, **kwargs):
-        """:func:`pcast_jax.dot_product_attention` (same arguments) that records its inputs first."""
+                              query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+                              config=None, **kwargs):
+        """:func:`pcast_jax.dot_product_attention` (same arguments) that records its inputs once the
+        call has run (a call it refuses records nothing)."""
         from pcast_jax import nn
 
+        causal = is_causal or _config_causal(config)
+        _check_recordable("this call", query, key, bias=bias, causal=causal, mask=mask)
+        out = nn.dot_product_attention(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+                                       query_seq_lengths=query_seq_lengths,
+                                       key_value_seq_lengths=key_value_seq_lengths,
+                                       local_window_size=local_window_size, config=config, **kwargs)
         with self._lock:
             name = f"call{self._calls}"
             self._calls += 1
-        causal = is_causal or _config_causal(config)
-        self._record(name, query, key, value, bias=bias, scale=scale, causal=causal,
-                     lengths=key_value_seq_lengths)
-        return nn.dot_product_attention(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-                                        key_value_seq_lengths=key_value_seq_lengths, config=config, **kwargs)
+        try:
+            self._record(name, query, key, value, scale=scale, causal=causal, mask=mask,
+                         query_lengths=query_seq_lengths, key_lengths=key_value_seq_lengths, window=local_window_size,
+                         sinks=kwargs.get("sinks"))
+        except PcastError:
+            with self._lock:  # a refused call takes no name
+                if self._calls == int(name[4:]) + 1:
+                    self._calls -= 1
+            raise
+        return out
 
     def attention_fn(self, config=None, *, name: str | None = None, **kwargs):
-        """:func:`pcast_jax.nn.attention_fn` (same arguments) that records; one layer per function."""
+        """:func:`pcast_jax.nn.attention_fn` (same arguments) that records; one layer per function
+        (a ``name`` already handed out is refused: two layers never merge into one)."""
         from pcast_jax import nn
 
         inner = nn.attention_fn(config, **kwargs)
         with self._lock:
-            layer_name = name if name is not None else f"layer{self._made}"
+            if name is not None:
+                if not isinstance(name, str) or not name or name in self._names:
+                    raise PcastError(f"Recorder.attention_fn: name={name!r} " + (
+                        "is already a layer of this recorder (two layers would merge into one); give each "
+                        "layer its own name" if name in self._names else "must be a non-empty string"))
+                layer_name = name
+            else:
+                while f"layer{self._made}" in self._names:
+                    self._made += 1
+                layer_name = f"layer{self._made}"
             self._made += 1
+            self._names.add(layer_name)
         causal_config = _config_causal(config)
 
         def fn(query, key, value, bias=None, mask=None, **kw):
-            self._record(layer_name, query, key, value, bias=bias, scale=None,
-                         causal=bool(kw.get("is_causal", False)) or causal_config, lengths=None)
-            return inner(query, key, value, bias, mask, **kw)
+            causal = bool(kw.get("is_causal", False)) or causal_config
+            bool_mask = None if mask is None else jnp.asarray(mask) != 0  # flax: nonzero = attend
+            _check_recordable(layer_name, query, key, bias=bias, causal=causal, mask=mask)
+            out = inner(query, key, value, bias, mask, **kw)
+            self._record(layer_name, query, key, value, scale=None, causal=causal, mask=bool_mask)
+            return out
 
         return fn
 
@@ -221,12 +282,17 @@ class Recorder:
         with self._lock:
             self._entries.clear()
             self._order.clear()
+            self._refused.clear()
             self._calls = 0
 
     def trace(self, *, tokens=None) -> Trace:
         """The recorded calls as a :class:`Trace`; ``tokens [B, T]`` optionally ride along."""
         jax.effects_barrier()
         with self._lock:
+            if self._refused:
+                name, why = next(iter(self._refused.items()))
+                raise PcastError(f"Recorder.trace: layer {_layer_label(name)} {why} (under jit the call ran; "
+                                 "nothing of it was recorded)")
             order = sorted(self._order, key=_layer_sort_key)
             if not order:
                 raise PcastError("Recorder.trace: nothing was recorded (run the model through the recorder's "
@@ -234,70 +300,151 @@ class Recorder:
             stacked = {}
             for name in order:
                 parts = self._entries[name]
-                stacked[name] = [np.concatenate([p[i] for p in parts]) for i in range(4)]
+                stacked[name] = [np.concatenate([p[i] for p in parts]) for i in range(5)]
+                learned = [p[5] for p in parts]
+                if any(not np.array_equal(x, learned[0]) for x in learned):
+                    raise PcastError(f"Recorder.trace: layer {_layer_label(name)} was called with different learned "
+                                     "sinks (argument 'sinks'); a trace records one set per layer")
+                stacked[name].append(learned[0])
         shapes = {name: tuple(x.shape for x in arrays[:3]) for name, arrays in stacked.items()}
         first = order[0]
-        for name in order:
-            if shapes[name] != shapes[first]:
-                raise PcastError(f"Recorder.trace: layer {_layer_label(name)} recorded q/k/v of shapes "
-                                 f"{shapes[name]}, layer {_layer_label(first)} {shapes[first]}; every layer must "
-                                 "see the same sequences (record one forward pass, or call clear() between)")
         lengths = stacked[first][3]
+        for name in order:
+            if shapes[name] != shapes[first] or not np.array_equal(stacked[name][3], lengths):
+                raise PcastError(f"Recorder.trace: layer {_layer_label(name)} recorded q/k/v of shapes "
+                                 f"{shapes[name]} and lengths {stacked[name][3].tolist()}, layer "
+                                 f"{_layer_label(first)} {shapes[first]} and {lengths.tolist()}; every layer must "
+                                 "see the same sequences (record one forward pass, or call clear() between)")
+        windows = np.array([_layer_window(_layer_label(name), stacked[name][3], stacked[name][4]) for name in order])
         q, k, v = (np.stack([stacked[name][i] for name in order]) for i in range(3))
         if tokens is not None:
             tokens = np.asarray(tokens)
             tokens = tokens[None] if tokens.ndim == 1 else tokens
-        return Trace(q=q, k=k, v=v, lengths=lengths, layers=tuple(_layer_label(n) for n in order), tokens=tokens)
+        sinks = np.stack([stacked[name][5] for name in order])
+        return Trace(q=q, k=k, v=v, lengths=lengths, layers=tuple(_layer_label(n) for n in order), tokens=tokens,
+                     local_window_size=windows, sinks=sinks if np.isfinite(sinks).any() else None)
 
     # -- recording ---------------------------------------------------------------------------
 
-    def _record(self, name, query, key, value, *, bias, scale, causal: bool, lengths, valid=None):
-        if bias is not None:
-            raise PcastError(f"Recorder: layer {_layer_label(name)} got a bias; the analysis sees q·k/√D only, "
-                             "so a biased attention cannot be recorded")
-        if not causal:
-            raise PcastError(f"Recorder: layer {_layer_label(name)} is not causal; the analysis is of causal "
-                             "self-attention (pass is_causal=True)")
+    def _record(self, name, query, key, value, *, scale, causal: bool, mask=None, query_lengths=None,
+                key_lengths=None, window=None, sinks=None):
+        """Record a call that has run: its Q/K/V and what each query saw, as lengths and a window."""
+        from pcast_jax import nn
+
         query, key, value = (jnp.asarray(x) for x in (query, key, value))
         if query.ndim == 3:
             query, key, value = query[None], key[None], value[None]
-        if query.shape[1] != key.shape[1]:
-            raise PcastError(f"Recorder: layer {_layer_label(name)} has {query.shape[1]} queries and {key.shape[1]} "
-                             "keys; only self-attention (as many keys as queries, no decode step) is recorded")
         head_dim = query.shape[-1]
         if scale is not None:
             query = query * (jnp.asarray(scale, jnp.float32) * math.sqrt(head_dim))
         batch, num_tokens = query.shape[:2]
-        if valid is not None:
-            lengths = jnp.sum(jnp.asarray(valid, jnp.int32), axis=-1).reshape(batch)
-        elif lengths is None:
-            lengths = jnp.full((batch,), num_tokens, jnp.int32)
+        heads = 1
+        if mask is not None:
+            mask = jnp.asarray(mask, bool)
+            heads = mask.shape[-3] if mask.ndim >= 3 else 1
+        shape = (batch, heads, num_tokens, num_tokens)
+        visible = nn._visibility(shape, None if mask is None else nn._broadcast_4d("mask", mask, shape, bool), causal,
+                                 "top_left", nn._lengths("query_seq_lengths", query_lengths, batch),
+                                 nn._lengths("key_value_seq_lengths", key_lengths, batch), nn._window(window))
+        lengths, windows, code = _visibility_parameters(visible)
+        if not any(isinstance(x, jax.core.Tracer) for x in (code, query, key, value)):
+            if int(code):
+                raise PcastError(f"Recorder: layer {_layer_label(name)} {_REFUSALS[int(code)]}")
+        learned = (jnp.full((query.shape[2],), -jnp.inf, jnp.float32) if sinks is None
+                   else jnp.asarray(sinks, jnp.float32))
         index = jnp.asarray(0 if isinstance(name, str) else name, jnp.int32)  # a hook's layer may be traced
         jax.debug.callback(functools.partial(self._store, name if isinstance(name, str) else None), index,
                            query.astype(jnp.float32), key.astype(jnp.float32), value.astype(jnp.float32),
-                           jnp.asarray(lengths, jnp.int32))
+                           lengths, windows, learned, code)
 
-    def _store(self, name, index, q, k, v, lengths):
+    def _store(self, name, index, q, k, v, lengths, windows, learned, code):
         name = name if name is not None else int(np.asarray(index))
         with self._lock:
+            if int(code):
+                self._refused.setdefault(name, _REFUSALS[int(code)])
+                return
             if name not in self._entries:
                 self._entries[name] = []
                 self._order.append(name)
-            self._entries[name].append(tuple(np.array(x) for x in (q, k, v, lengths)))
+            self._entries[name].append(tuple(np.array(x) for x in (q, k, v, lengths, windows, learned)))
+
+
+#: Why a call's visibility cannot be recorded, by the code :func:`_visibility_parameters` returns.
+_REFUSALS = {
+    1: "got a mask that differs between heads; a trace records one visibility per layer (argument 'mask')",
+    2: ("lets its queries see keys that causal self-attention over right-padded sequences, within one local "
+        "window, does not (arguments 'mask', 'is_causal', 'local_window_size', lengths); the analysis would "
+        "see other keys than the layer, so the call is not recorded"),
+    3: "has a sequence with fewer than 2 real tokens (arguments 'mask', lengths): nothing to analyse",
+}
+
+
+def _visibility_parameters(visible):
+    """``visible [B, N, T, T]`` bool → ``(lengths [B], windows [B], code)``: the real tokens of each sequence,
+    the longest reach back of its queries when that is below ``length − 1`` (a binding local window; −1:
+    none), and 0 when causal attention over those tokens within that window is exactly ``visible`` on
+    every real query row, else the :data:`_REFUSALS` code."""
+    same_heads = jnp.all(visible == visible[:, :1])
+    vis = visible[:, 0]
+    num_tokens = vis.shape[-1]
+    idx = jnp.arange(num_tokens)
+    lengths = jnp.max(jnp.where(jnp.any(vis, axis=1), idx + 1, 0), axis=-1)                 # [B]
+    real_row = idx[None, :] < lengths[:, None]                                              # [B, T]
+    reach = jnp.where(jnp.any(vis, axis=-1) & real_row, idx[None, :] - jnp.argmax(vis, axis=-1), 0)
+    left = jnp.max(reach, axis=-1)
+    windows = jnp.where(left < lengths - 1, left, -1)
+    i, j = idx[:, None], idx[None, :]
+    w = windows[:, None, None]
+    rebuilt = (j <= i) & (j < lengths[:, None, None]) & ((w < 0) | (i - j <= w))
+    exact = jnp.all(jnp.where(real_row[:, :, None], vis == rebuilt, True))
+    code = jnp.where(~same_heads, 1, jnp.where(~exact, 2, jnp.where(jnp.min(lengths) < 2, 3, 0)))
+    return lengths.astype(jnp.int32), windows.astype(jnp.int32), code.astype(jnp.int32)
+
+
+def _layer_window(label: str, lengths, windows) -> int:
+    """One layer's window from its sequences' (each binding window equal; a sequence whose queries all see
+    back to key 0 is at most window + 1 long), else a PcastError naming ``local_window_size``."""
+    binding = {int(w) for w in windows if w >= 0}
+    if len(binding) > 1:
+        raise PcastError(f"Recorder.trace: layer {label} was called with local windows {sorted(binding)}; a trace "
+                         "records one local_window_size per layer")
+    window = binding.pop() if binding else -1
+    if window >= 0 and any(w < 0 and n - 1 > window for n, w in zip(lengths, windows)):
+        raise PcastError(f"Recorder.trace: layer {label} has a local window of {window} in one call and none in "
+                         "another (argument 'local_window_size'); a trace records one per layer")
+    return window
+
+
+def _check_recordable(name, query, key, *, bias, causal: bool, mask) -> None:
+    """What the recorder refuses before the call runs: a bias, cross-attention, no causal mask."""
+    label = _layer_label(name)
+    if bias is not None:
+        raise PcastError(f"Recorder: layer {label} got a bias; the analysis sees q·k/√D only, "
+                         "so a biased attention cannot be recorded (argument 'bias')")
+    if not causal and mask is None:
+        raise PcastError(f"Recorder: layer {label} is not causal; the analysis is of causal "
+                         "self-attention (pass is_causal=True)")
+    if jnp.ndim(query) not in (3, 4) or jnp.ndim(query) != jnp.ndim(key):
+        return  # the attention itself refuses these shapes
+    if jnp.shape(query)[-3] != jnp.shape(key)[-3]:
+        raise PcastError(f"Recorder: layer {label} has {jnp.shape(query)[-3]} queries and {jnp.shape(key)[-3]} "
+                         "keys; only self-attention (as many keys as queries, no decode step) is recorded")
 
 
 def _recording_hook(recorder: Recorder, attention_fn, q, k, v, layer, valid=None):
-    """The hook :meth:`Recorder.hook` returns: record ``[T, H, D]`` q/k/v under the layer index, then attend."""
-    recorder._record(layer, q, k, v, bias=None, scale=None, causal=True, lengths=None,
-                     valid=None if valid is None else jnp.asarray(valid)[None])
+    """The hook :meth:`Recorder.hook` returns: attend, then record ``[T, H, D]`` q/k/v under the layer index."""
     if attention_fn is None:
         from pcast_jax import nn
 
         mask = None if valid is None else jnp.asarray(valid, bool)[None, None, :]
-        return nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
-    if valid is None:
-        return attention_fn(q, k, v, layer)
-    return attention_fn(q, k, v, layer, valid=valid)
+        out = nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
+    elif valid is None:
+        out = attention_fn(q, k, v, layer)
+    else:
+        out = attention_fn(q, k, v, layer, valid=valid)
+    recorder._record(layer, q, k, v, scale=None, causal=True,
+                     mask=None if valid is None else jnp.asarray(valid, bool)[None, None, None, :])
+    return out
 
 
 def _config_causal(config) -> bool:

@@ -35,19 +35,26 @@ rows ``i`` that see every sink and at least ``min_keys`` non-sink keys:
 
 Definitions used in the reports
 -------------------------------
+* **Visible keys** of query row ``i``: what the layer lets it see — causal (``j ≤ i``), within
+  the layer's local window (``i − j ≤ w``) when it has one, and inside the sequence's real tokens
+  (``length``; right padding is neither a query nor a key). Every statistic, simulated kernel and
+  reference here uses them; a kernel simulation sees the hidden keys as masked (−inf logits).
 * **Non-sink position** of a head: every key position except the head's ``num_sinks`` sink
   positions from :func:`sink_statistics` (by default the single key receiving the
   most attention).
 * **Fraction of non-sink P zeroed** (``frac_zeroed``): for each query row ``i``, the share of its
-  non-sink causal keys ``j ≤ i`` whose P was positive before the cast and 0 after it; averaged
-  over the rows that see every sink and at least ``min_keys`` non-sink keys (the rows that
-  :func:`sink_statistics` averages over, so the two are comparable). ``frac_zeroed_pooled``
-  pools the counts of all rows instead.
+  non-sink visible keys whose P was positive before the cast and 0 after it; averaged over the
+  rows with at least ``min_keys`` non-sink visible keys (whether or not they see the sink: a row
+  past a local window loses mass too). ``frac_zeroed_pooled`` pools the counts of all rows instead.
 * **zeroed_mass**: exact FP32 softmax probability carried by the zeroed positions, averaged over
-  the same rows.
-* **MSE**: mean over rows and head dimensions of ``(O − O_ref)²``, O_ref the exact FP32 causal
+  the same rows; ``saturated_mass`` likewise for the keys whose P·S the cast clips.
+* **MSE**: mean over rows and head dimensions of ``(O − O_ref)²``, O_ref the exact FP32
   attention on the FP32 Q/K/V; **relative MSE** = MSE / mean(O_ref²) (V of a real model is not
   unit-variance, so the absolute MSE is not comparable with the paper's σ_V = 1 numbers).
+  ``rel_mse_qkv``: the relative MSE of the same Q/K/V as the kernel sees them (E4M3 when the config
+  quantizes them) with P in FP32 — the Q/K/V quantization's share (0 for FP32 Q/K/V).
+* Every per-row quantity is computed on chunks of query rows, so memory stays at a few
+  ``[rows, T]`` arrays per call whatever the sequence length.
 """
 
 from __future__ import annotations
@@ -79,7 +86,7 @@ SINK_SELECTIONS = ("received", "first")
 #: per-row count ``n_<what>`` or mass ``<what>_mass`` the engine's result carries comes as
 #: ``frac_<what>`` (of the visible keys) / ``<what>_mass`` beside them: ``frac_saturated`` and
 #: ``saturated_mass`` (P·S clipped at the format's max).
-HEAD_METRICS = ("mse", "ref_sq", "rel_mse", "frac_zeroed", "frac_zeroed_pooled", "zeroed_mass",
+HEAD_METRICS = ("mse", "ref_sq", "rel_mse", "rel_mse_qkv", "frac_zeroed", "frac_zeroed_pooled", "zeroed_mass",
                 "rows_used")
 #: The scales S of ``sink_statistics``' ``underflow_mass`` (powers of two up to 256, and 448, the
 #: largest S at which P·S ≤ 1·S stays inside E4M3 without saturating).
@@ -92,94 +99,178 @@ def expand_kv(kv: jax.Array, num_heads: int) -> jax.Array:
     return jnp.repeat(kv, num_heads // kv.shape[1], axis=1)
 
 
-def _head_statistics(q, k, *, num_sinks: int, sink_selection: str, min_keys: int):
-    """Sink statistics of one head: ``q, k [T, D]`` (post-RoPE) -> dict of scalars.
+def visible_rows(row0, rows: int, num_keys: int, length, window):
+    """``[rows, N]`` bool: query ``row0 + r`` sees key ``j`` (causal, ``j ≤ i``; within the local window
+    ``i − j ≤ window`` when ``window ≥ 0``; both ``i`` and ``j`` below ``length``, the real tokens)."""
+    i = row0 + jnp.arange(rows)[:, None]
+    j = jnp.arange(num_keys)[None, :]
+    vis = (j <= i) & (i < length) & (j < length)
+    return vis & ((window < 0) | (i - j <= window))
 
-    Sums over non-sink keys are taken as (sum over causal keys) - (sum over the few sink
-    columns), so each quantity costs one fused pass over the ``[T, T]`` logits.
+
+def _row_logits(q, k, head, row0, rows: int):
+    """FP32 logits ``[rows, N]`` of head ``head``'s query rows ``row0 .. row0 + rows``; ``q, k [Hq, T, D]``."""
+    head_dim = q.shape[-1]
+    q_rows = lax.dynamic_slice(q, (head, row0, 0), (1, rows, head_dim))[0]
+    k_head = lax.dynamic_index_in_dim(k, head, keepdims=False)
+    return jnp.einsum("td,sd->ts", q_rows, k_head, precision=_HIGHEST) / math.sqrt(head_dim)
+
+
+@functools.partial(jax.jit, static_argnames=("rows",))
+def _received_rows(q, k, head, row0, length, window, learned, *, rows: int):
+    """Attention received per key from rows ``row0 .. row0 + rows`` (column sums of the softmax) and the
+    mass those rows put on key 0."""
+    scores = _row_logits(q, k, head, row0, rows)
+    vis = visible_rows(row0, rows, scores.shape[-1], length, window)
+    probs = _softmax_rows(scores, vis, learned[head])
+    return jnp.sum(probs, axis=0), jnp.sum(probs[:, 0])
+
+
+def _softmax_rows(scores, vis, learned=None):
+    """Softmax over the visible keys of each row (a row with none: zeros); a ``learned`` sink logit
+    (−inf: none; broadcasting against the rows) is a column with no key in the denominator."""
+    masked = jnp.where(vis, scores, -jnp.inf)
+    top = jnp.max(masked, axis=-1, keepdims=True)
+    learned = jnp.full_like(top, -jnp.inf) if learned is None else jnp.broadcast_to(learned, top.shape)
+    top = jnp.maximum(top, learned)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    weights = jnp.where(vis, jnp.exp(masked - top), 0.0)
+    total = jnp.sum(weights, axis=-1, keepdims=True) + jnp.exp(learned - top)
+    return weights / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)
+
+
+@functools.partial(jax.jit, static_argnames=("rows",))
+def _statistic_rows(q, k, head, row0, length, window, learned, sink_positions, min_keys, *, rows: int):
+    """Per-row sink statistics of head ``head`` on its query rows ``row0 .. row0 + rows``.
+
+    Sums over non-sink keys are taken as (sum over visible keys) − (sum over the few sink columns), so
+    each quantity costs one fused pass over the chunk's ``[rows, T]`` logits.
     """
-    num_tokens, head_dim = q.shape
-    positions = jnp.arange(num_tokens)
-    scores = jnp.einsum("td,sd->ts", q, k, precision=_HIGHEST) / math.sqrt(head_dim)
-    causal = positions[None, :] <= positions[:, None]
-    masked = jnp.where(causal, scores, -jnp.inf)
-    weights = jnp.exp(masked - jnp.max(masked, axis=-1, keepdims=True))
-    inv_norm = 1.0 / jnp.sum(weights, axis=-1)                           # [T]
-    received = jnp.sum(weights * inv_norm[:, None], axis=0) / num_tokens  # [T]
-    if sink_selection == "received":
-        _, sink_positions = lax.top_k(received, num_sinks)
-        sink_positions = jnp.sort(sink_positions)
-    else:
-        sink_positions = jnp.arange(num_sinks)
-    sink_scores = scores[:, sink_positions]                              # [T, k]
-    sink_visible = sink_positions[None, :] <= positions[:, None]         # [T, k]
-    n_other = positions + 1 - jnp.sum(sink_visible, axis=-1)             # [T]
-    valid_row = (positions >= sink_positions[-1]) & (n_other >= min_keys)
+    scores = _row_logits(q, k, head, row0, rows)
+    vis = visible_rows(row0, rows, scores.shape[-1], length, window)
+    probs = _softmax_rows(scores, vis, learned[head])
+    sinks = sink_positions[head]
+    sink_scores = scores[:, sinks]                                       # [rows, k]
+    sink_visible = vis[:, sinks]                                         # [rows, k]
+    n_other = jnp.sum(vis, axis=-1) - jnp.sum(sink_visible, axis=-1)     # [rows]
+    valid_row = jnp.all(sink_visible, axis=-1) & (n_other >= min_keys)
     safe_n = jnp.maximum(n_other, 1)
 
     def other_sum(full, sink_part):
-        """Row sum over non-sink causal keys of an elementwise function of the logits."""
+        """Row sum over non-sink visible keys of an elementwise function of the logits."""
         extra = (None,) * (full.ndim - 2)
-        return (jnp.sum(jnp.where(causal[(...,) + extra], full, 0.0), axis=1)
+        return (jnp.sum(jnp.where(vis[(...,) + extra], full, 0.0), axis=1)
                 - jnp.sum(jnp.where(sink_visible[(...,) + extra], sink_part, 0.0), axis=1))
 
     other_mean = other_sum(scores, sink_scores) / safe_n
     centered = lambda x: (x - other_mean[:, None]) ** 2  # noqa: E731
-    other_std = jnp.sqrt(jnp.maximum(other_sum(centered(scores), centered(sink_scores)), 0.0)
-                         / safe_n)
+    other_std = jnp.sqrt(jnp.maximum(other_sum(centered(scores), centered(sink_scores)), 0.0) / safe_n)
     sink_max = jnp.max(jnp.where(sink_visible, sink_scores, -jnp.inf), axis=-1)
     gap = jnp.where(valid_row, sink_max - other_mean, 0.0)
     gap_sigma = jnp.where(valid_row, gap / jnp.maximum(other_std, 1e-12), 0.0)
-    sink_mass_rows = jnp.sum(jnp.where(sink_visible, weights[:, sink_positions], 0.0),
-                             axis=-1) * inv_norm
+    sink_mass_rows = jnp.sum(jnp.where(sink_visible, probs[:, sinks], 0.0), axis=-1)
     # Eq. (6) with the running max at the sink max (forward order, sink in the first block):
     # a non-sink P = exp(s - m) is zeroed by the E4M3 cast with scale S iff s < m - 10 ln2 - ln S.
-    below = {}
-    probs = weights * inv_norm[:, None]
-    sink_probs = probs[:, sink_positions]
+    sink_probs = probs[:, sinks]
     thresholds = sink_max[:, None] - 10 * math.log(2) - jnp.log(jnp.asarray(SCALE_GRID, jnp.float32))
     under_mass = other_sum(
         jnp.where(scores[:, :, None] < thresholds[:, None, :], probs[:, :, None], 0.0),
         jnp.where(sink_scores[:, :, None] < thresholds[:, None, :], sink_probs[:, :, None], 0.0))
+    below = {}
     for scale in (1, 256):
         threshold = (sink_max - 10 * math.log(2) - math.log(scale))[:, None]
         below[scale] = other_sum((scores < threshold).astype(jnp.float32),
                                  (sink_scores < threshold).astype(jnp.float32)) / safe_n
-    n_rows = jnp.sum(valid_row)
+    return {"valid": valid_row, "delta": gap, "delta_sigma": gap_sigma, "sigma": other_std,
+            "sink_mass": sink_mass_rows, "underflow_s1": below[1], "underflow_s256": below[256],
+            "underflow_mass": under_mass}
 
-    def row_mean(x):
-        total = jnp.sum(jnp.where(valid_row, x, 0.0))
-        return jnp.where(n_rows > 0, total / jnp.maximum(n_rows, 1), jnp.nan)
-
-    return {
-        "sink_positions": sink_positions.astype(jnp.int32),
-        "delta": row_mean(gap),
-        "delta_sigma": row_mean(gap_sigma),
-        "sigma": row_mean(other_std),
-        "sink_mass": row_mean(sink_mass_rows),
-        "underflow_s1": row_mean(below[1]),
-        "underflow_s256": row_mean(below[256]),
-        "underflow_mass": jax.vmap(row_mean, in_axes=1)(under_mass),
-        "position0_mass": jnp.mean(weights[:, 0] * inv_norm),
-        "top_received": jnp.max(received),
-        "rows_used": n_rows.astype(jnp.int32),
-    }
+#: Bytes of temporaries per logit of the sink statistics' row chunks (the ``[rows, T, len(SCALE_GRID)]``
+#: underflow masses dominate).
+_STAT_BYTES_PER_SCORE = 16 * (len(SCALE_GRID) + 6)
 
 
-@functools.partial(jax.jit, static_argnames=("num_sinks", "sink_selection", "min_keys"))
-def _layer_statistics(q, k, *, num_sinks: int, sink_selection: str, min_keys: int):
-    """Per-head statistics of one layer, ``q [T, Hq, D]``, ``k [T, Hkv, D]``.
+def _chunks(num_rows: int, step: int) -> list[tuple[int, int]]:
+    """``(row0, rows)`` of the query-row chunks of ``step`` rows (the last one ragged)."""
+    return [(r0, min(step, num_rows - r0)) for r0 in range(0, num_rows, step)]
 
-    Heads run one after another (``lax.map``), so memory stays at a few ``[T, T]`` arrays.
+
+def _layer_statistics(q, k, *, length: int, window: int, num_sinks: int, sink_selection: str,
+                      min_keys: int, learned=None) -> dict[str, np.ndarray]:
+    """Per-head statistics of one layer, ``q [T, Hq, D]``, ``k [T, Hkv, D]``, on chunks of query rows.
+
+    Two passes over the rows: the attention each key receives (which picks the sinks), then the
+    per-row statistics given the sinks; memory stays at a few ``[rows, T]`` arrays.
     """
-    k = expand_kv(k, q.shape[1])
-    per_head = functools.partial(_head_statistics, num_sinks=num_sinks,
-                                 sink_selection=sink_selection, min_keys=min_keys)
-    return lax.map(lambda qk: per_head(*qk), (jnp.swapaxes(q, 0, 1), jnp.swapaxes(k, 0, 1)))
+    num_tokens, num_heads = q.shape[0], q.shape[1]
+    qh = jnp.swapaxes(q, 0, 1)
+    kh = jnp.swapaxes(expand_kv(k, num_heads), 0, 1)
+    chunks = _chunks(num_tokens, _rows_per_chunk(num_tokens, num_tokens, _STAT_BYTES_PER_SCORE))
+    scalars = (np.int32(length), np.int32(window), learned_logits(learned, num_heads))
+    parts = jax.device_get([_received_rows(qh, kh, np.int32(h), np.int32(r0), *scalars, rows=rows)
+                            for h in range(num_heads) for r0, rows in chunks])
+    received = np.stack([np.sum([parts[h * len(chunks) + c][0] for c in range(len(chunks))], axis=0)
+                         for h in range(num_heads)]).astype(np.float64) / length   # [Hq, T]
+    position0 = np.array([sum(float(parts[h * len(chunks) + c][1]) for c in range(len(chunks)))
+                          for h in range(num_heads)]) / length
+    if sink_selection == "received":  # the most-received keys, the lower position first on a tie
+        sink_positions = np.sort(np.argsort(-received, axis=-1, kind="stable")[:, :num_sinks], axis=-1)
+    else:
+        sink_positions = np.broadcast_to(np.arange(num_sinks), (num_heads, num_sinks))
+    sink_positions = sink_positions.astype(np.int32)
+    rows_out = jax.device_get([_statistic_rows(qh, kh, np.int32(h), np.int32(r0), *scalars,
+                                               jnp.asarray(sink_positions), np.int32(min_keys), rows=rows)
+                               for h in range(num_heads) for r0, rows in chunks])
+    per_head = [{name: np.concatenate([rows_out[h * len(chunks) + c][name] for c in range(len(chunks))])
+                 for name in rows_out[0]} for h in range(num_heads)]
+    out = {"sink_positions": sink_positions}
+    for name in ("delta", "delta_sigma", "sigma", "sink_mass", "underflow_s1", "underflow_s256", "underflow_mass"):
+        values = []
+        for rows in per_head:
+            valid = rows["valid"]
+            x = rows[name].astype(np.float64)
+            values.append(np.sum(x[valid], axis=0) / valid.sum() if valid.any() else np.full(x.shape[1:], np.nan))
+        out[name] = np.stack(values).astype(np.float32)
+    out["position0_mass"] = position0.astype(np.float32)
+    out["top_received"] = received.max(axis=-1).astype(np.float32)
+    out["rows_used"] = np.array([rows["valid"].sum() for rows in per_head], np.int32)
+    return out
 
 
-def sink_statistics(q, k, v=None, cfg=None, *, num_sinks: int = 1,
-                    sink_selection: str = "received", min_keys: int = 16) -> dict[str, np.ndarray]:
+def learned_logits(sinks, num_heads: int) -> jax.Array:
+    """``[Hq]`` float32 learned sink logits of one layer (−inf: none) from None or ``[Hq]`` numbers."""
+    if sinks is None:
+        return jnp.full((num_heads,), -jnp.inf, jnp.float32)
+    sinks = np.asarray(sinks, np.float32)
+    if sinks.shape != (num_heads,) or np.isnan(sinks).any() or np.isposinf(sinks).any():
+        raise PcastError(f"sinks must hold {num_heads} learned sink logits (one per query head; -inf: none), "
+                         f"got {sinks.dtype} {sinks.shape}")
+    return jnp.asarray(sinks)
+
+
+def _has_learned(sinks) -> bool:
+    return sinks is not None and bool(np.isfinite(np.asarray(sinks, np.float32)).any())
+
+
+def layer_windows(local_window_size, num_layers: int) -> np.ndarray:
+    """``[L]`` int64 left extents of each layer's local window (−1: none) from ``None``, one int for every
+    layer, or one int (or None) per layer."""
+    if local_window_size is None:
+        return np.full(num_layers, -1, np.int64)
+    if isinstance(local_window_size, (int, np.integer)):
+        local_window_size = [local_window_size] * num_layers
+    values = list(np.asarray(local_window_size, dtype=object).reshape(-1))
+    if len(values) != num_layers:
+        raise PcastError(f"local_window_size must hold one entry per layer ({num_layers}), got {len(values)}")
+    out = np.empty(num_layers, np.int64)
+    for i, value in enumerate(values):
+        out[i] = -1 if value is None else check_int("local_window_size", value, min_value=-1, max_value=2**31 - 1)
+    return out
+
+
+def sink_statistics(q, k, v=None, cfg=None, *, num_sinks: int = 1, sink_selection: str = "received",
+                    min_keys: int = 16, length: int | None = None,
+                    local_window_size=None, sinks=None) -> dict[str, np.ndarray]:
     """Per-layer, per-head sink statistics of a trace (see the module docstring for definitions).
 
     Args:
@@ -193,6 +284,11 @@ def sink_statistics(q, k, v=None, cfg=None, *, num_sinks: int = 1,
         sink_selection: ``"received"`` (top positions by mean attention received) or
             ``"first"`` (positions ``0 .. num_sinks-1``).
         min_keys: rows with fewer non-sink keys than this are skipped (their std is noise).
+        length: the real tokens (right padding beyond is neither a query nor a key); default T.
+        local_window_size: each layer's local window (query ``i`` sees keys ``i − w … i``): None,
+            one int for every layer, or one int (or None) per layer, as :func:`layer_windows` reads it.
+        sinks: optional ``[L, Hq]`` learned sink logits (gpt-oss ``sinks``; −inf: none): a softmax
+            column with no key, in every probability here.
 
     Returns:
         dict of numpy arrays, each ``[L, H]`` unless noted: ``sink_positions [L, H, num_sinks]``,
@@ -203,7 +299,8 @@ def sink_statistics(q, k, v=None, cfg=None, *, num_sinks: int = 1,
         the P values an E4M3 cast with scale S zeroes when the running max sits at the sink,
         Eq. 6), ``underflow_mass [L, H, len(SCALE_GRID)]`` (the exact softmax mass those zeroed
         P carry, per scale of :data:`SCALE_GRID`), ``rows_used``.
-        Rows-based entries are NaN for a head with no usable row.
+        Rows-based entries are NaN for a head with no usable row. The rows are taken in chunks
+        (memory a few ``[rows, T]`` arrays, whatever T).
     """
     del v
     q = jnp.asarray(q)
@@ -220,9 +317,12 @@ def sink_statistics(q, k, v=None, cfg=None, *, num_sinks: int = 1,
     check_choice("sink_selection", sink_selection, SINK_SELECTIONS)
     num_sinks = check_int("num_sinks", num_sinks, min_value=1, max_value=num_tokens - 1)
     min_keys = check_int("min_keys", min_keys, min_value=1, max_value=num_tokens)
+    length = num_tokens if length is None else check_int("length", length, min_value=2, max_value=num_tokens)
+    windows = layer_windows(local_window_size, layers)
     per_layer = [
-        _layer_statistics(q[layer], k[layer], num_sinks=num_sinks, sink_selection=sink_selection,
-                          min_keys=min_keys)
+        _layer_statistics(q[layer], k[layer], length=length, window=int(windows[layer]), num_sinks=num_sinks,
+                          sink_selection=sink_selection, min_keys=min_keys,
+                          learned=None if sinks is None else np.asarray(sinks)[layer])
         for layer in range(layers)
     ]
     return {name: np.stack([np.asarray(stats[name]) for stats in per_layer])
@@ -272,16 +372,32 @@ def heads_attention(q, k, v, config: str | KernelConfig, *, count_mask=None,
     return jax.vmap(one)(scores, v_seen, jnp.asarray(count_mask, bool))
 
 
-def _reference(q, k, v):
-    """Exact FP32 causal attention per head: ``[Hq, T, D]``."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    k = expand_kv(k, num_heads)
-    v = expand_kv(v, num_heads)
-    s = jnp.einsum("thd,shd->hts", q, k, precision=_HIGHEST) / math.sqrt(head_dim)
-    return _engine.reference_attention(s, jnp.swapaxes(v, 0, 1), causal=True, q_offset=0)
+@functools.partial(jax.jit, static_argnames=("rows",))
+def _reference_rows(q, k, v, row0, length, window, learned, *, rows: int):
+    """Exact FP32 attention of query rows ``row0 .. row0 + rows`` of every head, ``q, k, v [Hq, T, D]``."""
+    head_dim = q.shape[-1]
+    q_rows = lax.dynamic_slice_in_dim(q, row0, rows, axis=1)
+    s = jnp.einsum("hrd,hsd->hrs", q_rows, k, precision=_HIGHEST) / math.sqrt(head_dim)
+    probs = _softmax_rows(s, visible_rows(row0, rows, k.shape[1], length, window)[None], learned[:, None, None])
+    return jnp.einsum("hrs,hsd->hrd", probs, v, precision=_HIGHEST)
 
 
-_reference_jit = jax.jit(_reference)
+def _reference(q, k, v, *, length: int | None = None, window: int = -1, sinks=None) -> np.ndarray:
+    """Exact FP32 attention per head of one layer ``[T, H, D]``: ``[Hq, T, D]`` (rows past ``length``: 0),
+    on chunks of query rows."""
+    num_tokens, num_heads = q.shape[0], q.shape[1]
+    qh, kh, vh = (jnp.swapaxes(expand_kv(jnp.asarray(x, jnp.float32), num_heads), 0, 1) for x in (q, k, v))
+    length = num_tokens if length is None else length
+    chunks = _chunks(num_tokens, _rows_per_chunk(num_tokens, num_heads * num_tokens, 8))
+    learned = learned_logits(sinks, num_heads)
+    parts = jax.device_get([_reference_rows(qh, kh, vh, np.int32(r0), np.int32(length), np.int32(window), learned,
+                                            rows=rows) for r0, rows in chunks])
+    return jnp.asarray(np.concatenate(parts, axis=1))
+
+
+def _reference_jit(q, k, v):
+    """:func:`_reference` of full causal attention (kept for callers of the whole-layer form)."""
+    return _reference(q, k, v)
 
 
 #: What one compiled call of the simulated kernel may hold at once. XLA:CPU allocates a program's
@@ -295,9 +411,9 @@ _CHUNK_BYTES = 16 << 20
 _BYTES_PER_SCORE = 48
 
 
-def _rows_per_chunk(num_rows: int, num_keys: int) -> int:
+def _rows_per_chunk(num_rows: int, num_keys: int, bytes_per_score: int = _BYTES_PER_SCORE) -> int:
     """The query rows of one chunk: a power of two whose temporaries fit :data:`_CHUNK_BYTES`."""
-    rows = max(1, _CHUNK_BYTES // (_BYTES_PER_SCORE * max(num_keys, 1)))
+    rows = max(1, _CHUNK_BYTES // (bytes_per_score * max(num_keys, 1)))
     return min(num_rows, 1 << (rows.bit_length() - 1))
 
 
@@ -310,41 +426,51 @@ def _layer_operands(q, k, v, *, config: KernelConfig):
     return ops[0][0], ops[1][0], ops[2][0], factor
 
 
-@functools.partial(jax.jit, static_argnames=("rows", "config"))
-def _chunk_rows(operands, sink_positions, ref, head, row0, *, rows: int, config: KernelConfig):
+@functools.partial(jax.jit, static_argnames=("rows", "config", "has_learned"))
+def _chunk_rows(operands, sink_positions, ref, head, row0, length, window, learned, *, rows: int,
+                config: KernelConfig, has_learned: bool):
     """Per-row quantities of head ``head`` on its query rows ``row0 .. row0 + rows`` (the rows are
     independent, so a chunk of rows gives those rows of the whole head's result): the logits of
-    those rows from :func:`_layer_operands`, then the kernel; ``ref [Hq, T, D]``,
-    ``sink_positions [Hq, k]``."""
+    those rows from :func:`_layer_operands`, the keys the layer hides (:func:`visible_rows`) masked,
+    then the kernel; ``ref [Hq, T, D]``, ``sink_positions [Hq, k]``."""
     q, k, v, factor = operands
     num_keys, head_dim = k.shape[1], k.shape[2]
     q_rows = lax.dynamic_slice(q, (head, row0, 0), (1, rows, head_dim))
     s = kernel_logits(q_rows[None], lax.dynamic_slice_in_dim(k, head, 1)[None], factor[head])[0, 0]
+    vis = visible_rows(row0, rows, num_keys, length, window)
+    s = jnp.where(vis, s, -jnp.inf)
     r = lax.dynamic_slice(ref, (head, row0, 0), (1, rows, ref.shape[-1]))[0]
-    is_sink = jnp.any(jnp.arange(num_keys)[:, None] == sink_positions[head][None, :], axis=-1)
-    res = _engine.attention(s, v[head], config, implementation="xla", count_mask=~is_sink, q_offset=row0)
-    counted = res.n_counted.astype(jnp.float32)
+    sinks = sink_positions[head]
+    is_sink = jnp.any(jnp.arange(num_keys)[:, None] == sinks[None, :], axis=-1)
+    res = _engine.attention(s, v[head], config, implementation="xla", count_mask=~is_sink, q_offset=row0,
+                            sink_logit=learned[head] if has_learned else None)
+    counted = jnp.sum(vis & ~is_sink[None, :], axis=-1)
+    # Q/K/V as the kernel sees them, P in FP32: the Q/K/V quantization's share of the error.
+    qkv_only = jnp.einsum("rs,sd->rd", _softmax_rows(s, vis, learned[head]), v[head], precision=_HIGHEST)
     out = {"sq_err": jnp.sum(jnp.square(res.out - r), axis=-1), "ref_sq": jnp.sum(jnp.square(r), axis=-1),
-           "n_zeroed": res.n_zeroed, "n_counted": res.n_counted, "zeroed_mass": res.zeroed_mass}
-    out.update(_further_row_metrics(res, counted))
+           "qkv_sq_err": jnp.sum(jnp.square(qkv_only - r), axis=-1),
+           "n_zeroed": res.n_zeroed, "n_counted": counted, "zeroed_mass": res.zeroed_mass}
+    out.update(_further_row_metrics(res._replace(n_counted=counted), counted.astype(jnp.float32)))
     return out
 
 
-def _layer_metrics(operands, sink_positions, ref, *, config: KernelConfig, min_keys: int) -> dict:
+def _layer_metrics(operands, sink_positions, ref, *, config: KernelConfig, min_keys: int, length: int,
+                   window: int, sinks=None) -> dict:
     """:func:`head_metrics` from :func:`_layer_operands`: the kernel on chunks of each head's query
     rows (:func:`_rows_per_chunk`), the row means on the host."""
     num_heads, num_tokens, head_dim = operands[0].shape
     step = _rows_per_chunk(num_tokens, num_tokens)
     sink_positions = jnp.asarray(sink_positions, jnp.int32)
-    parts = [_chunk_rows(operands, sink_positions, ref, np.int32(h), np.int32(r0),
-                         rows=min(step, num_tokens - r0), config=config)
+    learned = learned_logits(sinks, num_heads)
+    parts = [_chunk_rows(operands, sink_positions, ref, np.int32(h), np.int32(r0), np.int32(length),
+                         np.int32(window), learned, rows=min(step, num_tokens - r0), config=config,
+                         has_learned=_has_learned(sinks))
              for h in range(num_heads) for r0 in range(0, num_tokens, step)]
     parts = jax.device_get(parts)
-    rows = {name: np.concatenate([p[name] for p in parts]).reshape(num_heads, num_tokens).astype(np.float64)
-            for name in parts[0]}  # [Hq, T]
-    sink_positions = np.asarray(sink_positions)
+    rows = {name: np.concatenate([p[name] for p in parts]).reshape(num_heads, num_tokens) for name in parts[0]}
+    rows = {name: x.astype(np.float64) for name, x in rows.items()}  # [Hq, T]
     counted = rows.pop("n_counted")
-    valid = (np.arange(num_tokens)[None, :] >= sink_positions.max(axis=-1)[:, None]) & (counted >= min_keys)
+    valid = (counted >= min_keys) & (np.arange(num_tokens) < length)[None, :]
     n_rows = valid.sum(axis=-1)
 
     def row_mean(x):
@@ -352,13 +478,16 @@ def _layer_metrics(operands, sink_positions, ref, *, config: KernelConfig, min_k
             return np.where(n_rows > 0, np.where(valid, x, 0.0).sum(axis=-1) / np.maximum(n_rows, 1),
                             np.nan).astype(np.float32)
 
-    err = rows.pop("sq_err").sum(axis=-1) / (num_tokens * head_dim)
-    ref_sq = rows.pop("ref_sq").sum(axis=-1) / (num_tokens * head_dim)
+    err = rows.pop("sq_err").sum(axis=-1) / (length * head_dim)
+    ref_sq = rows.pop("ref_sq").sum(axis=-1) / (length * head_dim)
+    qkv_err = rows.pop("qkv_sq_err").sum(axis=-1) / (length * head_dim)
     n_zeroed = rows.pop("n_zeroed")
     with np.errstate(invalid="ignore", divide="ignore"):  # a head whose exact output is 0: inf or NaN, as before
         rel_mse = err / ref_sq
+        rel_mse_qkv = qkv_err / ref_sq
     out = {
         "mse": err.astype(np.float32), "ref_sq": ref_sq.astype(np.float32), "rel_mse": rel_mse.astype(np.float32),
+        "rel_mse_qkv": rel_mse_qkv.astype(np.float32),
         "frac_zeroed": row_mean(n_zeroed / np.maximum(counted, 1.0)),
         "frac_zeroed_pooled": (n_zeroed.sum(axis=-1) / np.maximum(counted.sum(axis=-1), 1)).astype(np.float32),
         "zeroed_mass": row_mean(rows.pop("zeroed_mass")), "rows_used": n_rows.astype(np.int32),
@@ -387,7 +516,8 @@ def _further_row_metrics(res, counted) -> dict:
 
 
 def head_metrics(q, k, v, config: str | KernelConfig, sink_positions, *,
-                 min_keys: int = 16, reference=None) -> dict[str, np.ndarray]:
+                 min_keys: int = 16, reference=None, length: int | None = None,
+                 local_window_size: int | None = None, sinks=None) -> dict[str, np.ndarray]:
     """Per-head P-cast metrics of one layer (definitions in the module docstring).
 
     Args:
@@ -398,6 +528,11 @@ def head_metrics(q, k, v, config: str | KernelConfig, sink_positions, *,
       min_keys: rows with fewer non-sink keys are left out of the row means.
       reference: optional ``[Hq, T, D]`` exact FP32 output of this layer (computed when not given;
         :func:`analyze_trace` computes it once per layer for every configuration).
+      length: the real tokens (right padding beyond is neither a query nor a key, and is left out
+        of the Q/K/V quantization's scales); default T.
+      local_window_size: the layer's local window (query ``i`` sees keys ``i − w … i``); None: none.
+      sinks: optional ``[Hq]`` learned sink logits (−inf: none), placed as the config's ``sink_mode``
+        says in the kernel, a column with no key in the reference.
 
     Returns:
       dict of ``[Hq]`` numpy arrays, keys :data:`HEAD_METRICS` and the engine's further per-row
@@ -409,15 +544,22 @@ def head_metrics(q, k, v, config: str | KernelConfig, sink_positions, *,
     if sink_positions.ndim != 2 or sink_positions.shape[0] != np.shape(q)[1]:
         raise PcastError(f"sink_positions.shape={sink_positions.shape} must be [Hq, k] with "
                          f"Hq={np.shape(q)[1]}")
-    q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
+    num_tokens = np.shape(q)[0]
+    length = num_tokens if length is None else check_int("length", length, min_value=1, max_value=num_tokens)
+    window = -1 if local_window_size is None else check_int("local_window_size", local_window_size, min_value=-1,
+                                                             max_value=2**31 - 1)
+    real = (np.arange(num_tokens) < length)[:, None, None]
+    q, k, v = (jnp.asarray(np.where(real, np.asarray(x, np.float32), 0.0)) for x in (q, k, v))
     if reference is None:
-        reference = _reference_jit(q, k, v)
+        reference = _reference(q, k, v, length=length, window=window, sinks=sinks)
     operands = _layer_operands(q, k, v, config=cfg)
-    return _layer_metrics(operands, sink_positions, reference, config=cfg, min_keys=min_keys)
+    return _layer_metrics(operands, sink_positions, reference, config=cfg, min_keys=min_keys, length=length,
+                          window=window, sinks=sinks)
 
 
 def analyze_trace(trace, configs: Sequence[str | KernelConfig], sink_positions, *,
-                  min_keys: int = 16, progress=None) -> dict[str, np.ndarray]:
+                  min_keys: int = 16, progress=None, length: int | None = None,
+                  local_window_size=None, sinks=None, references: dict | None = None) -> dict[str, np.ndarray]:
     """:func:`head_metrics` for every configuration and layer of a trace.
 
     Args:
@@ -425,6 +567,11 @@ def analyze_trace(trace, configs: Sequence[str | KernelConfig], sink_positions, 
       configs: preset names or :class:`KernelConfig` objects.
       sink_positions: ``[L, Hq, k]`` from :func:`sink_statistics`.
       progress: optional callable ``(config_name) -> None`` called before each configuration.
+      length: the sequence's real tokens (default T).
+      local_window_size: each layer's local window, as :func:`sink_statistics` takes it.
+      sinks: optional ``[L, Hq]`` learned sink logits (−inf: none).
+      references: optional dict that keeps each layer's padded Q/K/V and exact output between calls
+        on the same sequence (filled here; pass the same dict again to reuse them).
 
     Returns:
       dict metric → ``[n_configs, L, Hq]`` numpy array (the keys of :func:`head_metrics`).
@@ -436,18 +583,27 @@ def analyze_trace(trace, configs: Sequence[str | KernelConfig], sink_positions, 
     if sink_positions.shape[:2] != (np.shape(q)[0], np.shape(q)[2]):
         raise PcastError(f"sink_positions.shape={sink_positions.shape} must be [L, Hq, k] = "
                          f"[{np.shape(q)[0]}, {np.shape(q)[2]}, k]")
+    num_tokens = np.shape(q)[1]
+    length = num_tokens if length is None else check_int("length", length, min_value=1, max_value=num_tokens)
+    windows = layer_windows(local_window_size, np.shape(q)[0])
+    real = (np.arange(num_tokens) < length)[:, None, None]
     per_config = []
-    references = {}  # the exact output of a layer: the same for every configuration
+    layer_inputs = {} if references is None else references  # a layer's Q/K/V (padding zeroed) and exact
+    # output: the same for every configuration
     for config in configs:
         cfg = resolve(config)
         if progress is not None:
             progress(cfg.name)
         layers = []
         for layer in range(np.shape(q)[0]):
-            if layer not in references:
-                references[layer] = _reference_jit(*(jnp.asarray(x[layer], jnp.float32) for x in (q, k, v)))
-            layers.append(head_metrics(q[layer], k[layer], v[layer], cfg, sink_positions[layer],
-                                       min_keys=min_keys, reference=references[layer]))
+            if layer not in layer_inputs:
+                qkv = tuple(jnp.asarray(np.where(real, np.asarray(x[layer], np.float32), 0.0)) for x in (q, k, v))
+                layer_inputs[layer] = qkv, _reference(*qkv, length=length, window=int(windows[layer]),
+                                                      sinks=None if sinks is None else sinks[layer])
+            qkv, reference = layer_inputs[layer]
+            layers.append(head_metrics(*qkv, cfg, sink_positions[layer], min_keys=min_keys, reference=reference,
+                                       length=length, local_window_size=int(windows[layer]),
+                                       sinks=None if sinks is None else sinks[layer]))
         per_config.append({m: np.stack([x[m] for x in layers]) for m in layers[0]})
     return {m: np.stack([pc[m] for pc in per_config]) for m in per_config[0]}
 

@@ -15,25 +15,24 @@ import numpy as np
 
 from pcast_jax import report
 from pcast_jax import stats as _stats
-from pcast_jax.analysis.heads import SCALE_GRID
 from pcast_jax.analysis.study import SINK_MASS_MIN, Analysis
 
 __all__ = ["write_report", "NO_ROWS"]
 
 #: What a per-head cell says when the head had no query row to average over.
-NO_ROWS = "n/a: no query row sees the sink and min_keys other keys"
+NO_ROWS = "n/a: no query row sees the sink and min_keys other keys (statistics) or min_keys keys besides it (kernel)"
 #: The y floor of the zeroed-mass panel (a mass of 0 is drawn there).
 _MASS_FLOOR = 1e-9
-
-
-def _cells(row: dict) -> dict:
-    return {k: (NO_ROWS if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
 
 
 def _config_cells(row: dict) -> dict:
     """A configuration row as published: a standard error over fewer than 2 heads says so in words."""
     return {k: (_stats.NO_SE if k.endswith("_sem") and isinstance(v, float) and not math.isfinite(v) else v)
             for k, v in row.items()}
+
+
+def _cells(row: dict) -> dict:
+    return {k: (NO_ROWS if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
 
 
 def _figure(analysis: Analysis, path: Path) -> Path:
@@ -66,30 +65,38 @@ def write_report(analysis: Analysis, out_dir, *, title: str = "P-cast analysis")
     report.write_csv(out / "analysis_configs.csv", rows)
     report.write_csv(out / "analysis_heads.csv", [_cells(r) for r in analysis.head_rows()])
     _figure(analysis, out / "analysis_layers.png")
-    columns = [("config", "config"), ("frac_zeroed_mean", "non-sink P zeroed", report.fmt_pct),
-               ("zeroed_mass_mean", "zeroed mass (mean)", report.fmt_sci),
-               ("zeroed_mass_max", "worst head", report.fmt_sci),
-               ("heads_over_limit", "heads over limit", str), ("rel_mse_mean", "rel. output MSE", report.fmt_sci),
-               ("verdict", "verdict")]
+    columns = [("config", "config"), ("verdict", "verdict"),
+               ("zeroed_mass_max", "worst head: zeroed mass", report.fmt_sci),
+               ("saturated_mass_max", "worst head: clipped mass", report.fmt_sci),
+               ("heads_over_limit", "heads failing", str),
+               ("zeroed_mass_mean", "zeroed mass (mean over heads)", report.fmt_sci),
+               ("frac_zeroed_mean", "non-sink P zeroed", report.fmt_pct),
+               ("rel_mse_mean", "relative MSE", report.fmt_sci)]
+    if any(c.qkv == "e4m3" for c in analysis.configs):
+        columns.append(("rel_mse_qkv_mean", "relative MSE, P in FP32 (Q/K/V quantization alone)", report.fmt_sci))
     extra = [k for k in rows[0] if k.endswith("_mean") and k[:-5] not in
-             ("frac_zeroed", "zeroed_mass", "rel_mse", "mse")]
-    columns[-1:-1] = [(k, k[:-5].replace("_", " "), report.fmt_sci) for k in extra]
+             ("frac_zeroed", "zeroed_mass", "rel_mse", "rel_mse_qkv", "mse")]
+    columns += [(k, k[:-5].replace("_", " ") + " (mean)", report.fmt_sci) for k in extra]
     if analysis.e2e is not None:
         columns += [("kl", "KL (nats/token)", report.fmt_sci), ("top1_agree", "top-1 agreement", report.fmt_pct),
                     ("perplexity", "perplexity", lambda x: f"{x:.3f}")]
-    worst = analysis.worst_underflow_mass()
-    scale_rows = [{"scale": f"S = {s:g}", "mass": float(m)} for s, m in zip(SCALE_GRID, worst)]
+    scan_rows = [{"kernel": ", ".join(scan.members), "scale": f"{r['scale']:g}", "applied": f"{r['applied_scale']:g}",
+                  "zeroed": r["zeroed_mass_max"], "clipped": r["saturated_mass_max"],
+                  "failing": r["heads_over_limit"], "meets": "yes" if r["meets"] else "no"}
+                 for scan in analysis.scans for r in scan.rows]
+    scan_table = (report.markdown_table(scan_rows, [
+        ("kernel", "kernel"), ("scale", "scale"), ("applied", "P multiplied by"),
+        ("zeroed", "worst head: zeroed mass", report.fmt_sci), ("clipped", "worst head: clipped mass", report.fmt_sci),
+        ("failing", "heads failing", str), ("meets", "meets the criterion")], name="analysis_scales")
+        if scan_rows else "No configuration analysed has a static scale.")
     lines = [f"# {title}", "", *analysis.summary_lines(), "",
              "## Per configuration", "",
-             "Means over the heads of every layer (each head averaged over the sequences). The verdict compares "
-             f"the mean zeroed mass with the limit {analysis.mass_limit:g} ± z standard errors over heads: "
-             "*safe* below, *loses mass* above, *within noise* when the interval straddles it.", "",
+             analysis.criterion_line() + " Means over heads are beside the worst heads, for reference.", "",
              report.markdown_table(rows, columns, name="analysis_configs"), "",
              "## Safe scale", "",
-             "Worst head's zeroed mass for a forward-order kernel (running max at the sink) with static scale S, "
-             "measured on the trace's logits:", "",
-             report.markdown_table(scale_rows, [("scale", "scale"), ("mass", "worst head's zeroed mass",
-                                                                     report.fmt_sci)], name="analysis_scales"), "",
+             "Each kernel family with a static scale, simulated on this trace at scale = 1, 2, 4, … until one meets "
+             "the criterion (the smallest that does is the recommendation):", "",
+             scan_table, "",
              "## Per layer", "", "![sink mass and zeroed mass per layer](analysis_layers.png)", "",
              f"Per head: `analysis_heads.csv` (a head with no usable query row says `{NO_ROWS}`); per "
              f"configuration: `analysis_configs.csv`. Analysis time {analysis.seconds:.1f} s.", ""]

@@ -7,18 +7,26 @@ returns an :class:`Analysis`: per sequence, layer and head the sink statistics
 further per-row count or mass the engine reports); optionally, given the model as a function from
 a configuration to logits, the end-to-end effect (KL, top-1 agreement, perplexity).
 
-Judgements, each stated in the report:
+Judgements, each stated in the report, all on one criterion (:func:`meets_criterion`):
 
 * **Sink head**: a head whose sinks receive at least :data:`SINK_MASS_MIN` of the attention
   (mean over query rows and sequences).
-* **Verdict of a kernel**: its zeroed mass per head (the exact softmax mass the cast zeroes; mean
-  over sequences), averaged over all heads, against ``mass_limit``: ``"loses mass"`` when the mean
-  minus z standard errors (over heads, 95 % two-sided Student t) is above the limit, ``"safe"``
-  when the mean plus z s.e. is below it, else ``"within noise"`` (:func:`pcast_jax.stats.decide`).
-* **Safe scale**: the smallest S of :data:`~pcast_jax.analysis.heads.SCALE_GRID` at which a
-  forward-order kernel (running max at the sink) zeroes at most ``mass_limit`` of the mass in
-  every head: measured on the trace's logits (``sink_statistics``' ``underflow_mass``), no
-  Gaussian assumption.
+* **The criterion**: per head, the zeroed mass (the exact softmax mass of non-sink keys the cast
+  zeroes) and the clipped mass (the mass of keys whose P·S the cast saturates at the format's max),
+  each a mean over the head's query rows and then over sequences; a kernel meets the criterion when
+  the **worst head's** zeroed mass and the worst head's clipped mass are both at most ``mass_limit``.
+* **Verdict of a kernel**: ``"safe to serve"`` when it meets the criterion, else what fails:
+  ``"loses mass"`` (zeroed), ``"clips mass"`` (clipped), or both.
+* **Safe scale**: per kernel family with a static scale (every analysed configuration that differs
+  from another only in ``scale`` is one family), the kernel itself is simulated on the trace at
+  ``scale`` = 1, 2, 4, … (:func:`scale_candidates`: up to the largest power of two whose applied
+  scale stays within the P format's max), and the smallest candidate meeting the criterion is the
+  recommendation, found by bisection (the zeroed mass falls and the clipped mass rises with the
+  scale); the candidates simulated are the scan's rows, in the report. A configuration's own
+  verdict is the same computation, so the two cannot disagree.
+* **Where the error comes from**: with E4M3 Q/K/V (``qkv="e4m3"``), ``rel_mse_qkv`` is the relative
+  MSE of the same kernel with P in FP32 (its Q/K/V quantization alone), beside ``rel_mse``, the
+  kernel's; the report says which dominates.
 """
 
 from __future__ import annotations
@@ -38,13 +46,54 @@ from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError, check_f32, check_int
 from pcast_jax.presets import get_preset, preset_for, resolve
 
-__all__ = ["SINK_MASS_MIN", "Analysis", "analyze", "kernel_for"]
+__all__ = ["SINK_MASS_MIN", "Analysis", "ScaleScan", "analyze", "kernel_for", "meets_criterion", "scale_candidates"]
 
 #: A head is a sink head when its sinks receive at least this share of the attention.
 SINK_MASS_MIN = 0.5
 #: Per-head quantities that are bookkeeping, not results (left out of the per-config means).
 _BOOKKEEPING = ("rows_used", "ref_sq", "frac_zeroed_pooled")
-_VERDICTS = {True: "loses mass", False: "safe", None: "within noise"}
+SAFE = "safe to serve"
+
+
+def meets_criterion(zeroed_mass_max: float, saturated_mass_max: float, mass_limit: float) -> bool:
+    """The one criterion of verdicts and safe scales: the worst head's zeroed mass and the worst head's
+    clipped (saturated) mass are both at most ``mass_limit``."""
+    return bool(zeroed_mass_max <= mass_limit and saturated_mass_max <= mass_limit)
+
+
+def verdict(zeroed_mass_max: float, saturated_mass_max: float, mass_limit: float) -> str:
+    """``"safe to serve"``, or what fails the criterion: ``"loses mass"``, ``"clips mass"`` or both."""
+    if meets_criterion(zeroed_mass_max, saturated_mass_max, mass_limit):
+        return SAFE
+    fails = [word for word, mass in (("loses", zeroed_mass_max), ("clips", saturated_mass_max)) if mass > mass_limit]
+    return " and ".join(fails) + " mass"
+
+
+def scale_candidates(config: KernelConfig) -> tuple[float, ...]:
+    """The ``scale`` values a safe-scale scan tries: 1, 2, 4, … up to the largest power of two whose
+    applied scale (:attr:`KernelConfig.effective_scale`, S·2^-τ under cuDNN's compensation) is at
+    most the P format's largest finite value (448 for E4M3: 1 … 256)."""
+    applied_per_unit = config.replace(scale=1.0).effective_scale
+    top = max(0, math.floor(math.log2(config.fmt.max / applied_per_unit)))
+    return tuple(float(2 ** e) for e in range(top + 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleScan:
+    """One kernel family's safe-scale scan (the kernel simulated on the trace per candidate scale).
+
+    Attributes:
+      family: the family's configuration at ``scale = 1`` (named after its first analysed member).
+      members: names of the analysed configurations in the family.
+      rows: per candidate simulated, by scale: ``scale``, ``applied_scale``, ``zeroed_mass_max``,
+        ``saturated_mass_max``, ``heads_over_limit``, ``meets`` (the criterion).
+      recommended: the smallest candidate meeting the criterion, or None when none does.
+    """
+
+    family: KernelConfig
+    members: tuple[str, ...]
+    rows: tuple[dict, ...]
+    recommended: float | None
 
 
 def kernel_for(config: str | KernelConfig, head_dim: int) -> KernelConfig:
@@ -72,7 +121,9 @@ class Analysis:
       stats: sink statistics, each ``[B, L, H]`` (``sink_positions [B, L, H, k]``,
         ``underflow_mass [B, L, H, len(SCALE_GRID)]``).
       heads: per-head P-cast metrics, each ``[C, B, L, H]``.
-      mass_limit: the zeroed-mass limit of the verdicts and the safe scale.
+      mass_limit: the limit of the criterion (zeroed and clipped mass of the worst head).
+      scans: the safe-scale scan of each kernel family with a static scale.
+      local_window_size: ``[L]`` each layer's local window (−1: none), as analysed.
       e2e: ``{config name: E2EMetrics}`` when the model was given, else None.
       e2e_fp32: the FP32 model's own metrics (its perplexity), or None.
       seconds: wall time of the analysis (without the end-to-end runs).
@@ -84,6 +135,8 @@ class Analysis:
     stats: dict
     heads: dict
     mass_limit: float
+    scans: tuple[ScaleScan, ...] = ()
+    local_window_size: np.ndarray | None = None
     e2e: dict | None = None
     e2e_fp32: E2EMetrics | None = None
     seconds: float = 0.0
@@ -101,22 +154,28 @@ class Analysis:
         return _nanmean(self.heads[metric], axis=1)
 
     def worst_underflow_mass(self) -> np.ndarray:
-        """``[len(SCALE_GRID)]``: per scale, the largest forward-order zeroed mass of any head."""
+        """``[len(SCALE_GRID)]``: per scale, the largest zeroed mass of any head that the closed form
+        (running max at the sink's logit) predicts; a guide beside the scans, never the decision."""
         return np.nanmax(_nanmean(self.stats["underflow_mass"], axis=0), axis=(0, 1))
 
-    def safe_scale(self) -> float | None:
-        """The smallest S of ``SCALE_GRID`` keeping every head's forward-order zeroed mass ≤ the limit."""
-        for scale, mass in zip(SCALE_GRID, self.worst_underflow_mass()):
-            if mass <= self.mass_limit:
-                return float(scale)
-        return None
+    def safe_scale(self, config: str | None = None) -> float | None:
+        """The recommended ``scale`` of the family of ``config`` (a name; default: the first family
+        scanned): the smallest candidate whose simulated kernel meets the criterion, or None."""
+        for scan in self.scans:
+            if config is None or config in scan.members:
+                return scan.recommended
+        raise PcastError(f"safe_scale: config={config!r} has no scan (a static-scale config analysed here: "
+                         f"{[m for sc in self.scans for m in sc.members]})")
+
+    def worst(self, ci: int) -> dict:
+        """Configuration ``ci``'s worst heads: zeroed and clipped mass (each head a mean over sequences),
+        where, and how many heads fail the criterion."""
+        return _worst({m: a[ci] for m, a in self.heads.items()}, self.mass_limit, self.layers)
 
     def config_rows(self) -> list[dict]:
         """One row per configuration: every per-head metric's mean over heads (and its s.e.), the
-        worst head's zeroed mass, how many heads exceed the limit, the verdict."""
+        worst head's zeroed and clipped mass, how many heads fail the criterion, the verdict."""
         rows = []
-        n_heads = self.heads["zeroed_mass"].shape[2] * self.heads["zeroed_mass"].shape[3]
-        z = _stats.z_value(n_heads)
         for ci, cfg in enumerate(self.configs):
             row = {"config": cfg.name}
             for metric in self.heads:
@@ -125,13 +184,8 @@ class Analysis:
                 per_head = self.head_mean(metric)[ci].ravel()
                 per_head = per_head[np.isfinite(per_head)]
                 row[f"{metric}_mean"], row[f"{metric}_sem"] = _stats.mean_sem(per_head)
-            mass = self.head_mean("zeroed_mass")[ci]
-            layer, head = np.unravel_index(np.nanargmax(mass), mass.shape)
-            row.update(zeroed_mass_max=float(mass[layer, head]), worst_layer=self.layers[layer],
-                       worst_head=int(head), heads_over_limit=int(np.sum(mass > self.mass_limit)),
-                       heads=n_heads)
-            row["verdict"] = _VERDICTS[_stats.decide(row["zeroed_mass_mean"], row["zeroed_mass_sem"],
-                                                     self.mass_limit, z)]
+            row.update(self.worst(ci))
+            row["verdict"] = verdict(row["zeroed_mass_max"], row["saturated_mass_max"], self.mass_limit)
             if self.e2e is not None:
                 m = self.e2e[cfg.name]
                 row.update(kl=m.kl, kl_max=m.kl_max, top1_agree=m.top1_agree, perplexity=m.perplexity)
@@ -187,8 +241,16 @@ class Analysis:
         return xr.Dataset(data, coords=coords, attrs={"mass_limit": self.mass_limit,
                                                       "sink_mass_min": SINK_MASS_MIN})
 
+    def criterion_line(self) -> str:
+        """The criterion of every verdict and safe scale, in words."""
+        return (f"A kernel is *safe to serve* here when its worst head loses at most {_pct(self.mass_limit)} of the "
+                f"attention mass to zeroed P and has at most {_pct(self.mass_limit)} clipped at the format's max "
+                "(each head: mean over its query rows and the sequences); safe scales are found by simulating "
+                "that kernel on this trace.")
+
     def summary_lines(self) -> list[str]:
-        """The answer in words, first: sinks, each kernel's loss and verdict, the safe scale, end to end."""
+        """The answer in words, first: sinks, the criterion, each kernel's verdict and why, the safe
+        scales, end to end."""
         sink = self.sink_heads()
         n_layers, n_heads = sink.shape
         delta = _nanmean(self.stats["delta"], axis=0)[sink]
@@ -201,37 +263,84 @@ class Analysis:
         else:
             sinks = f"none of the {sink.size} heads has a sink (no key takes ≥ {SINK_MASS_MIN:.0%} of the attention)"
         lines = [f"On this model ({n_layers} layers × {n_heads} heads, {seq}), {sinks}.", ""]
-        for row in self.config_rows():
-            lines.append(
-                f"- `{row['config']}` zeroes {_pct(row['frac_zeroed_mean'])} of the non-sink P, "
-                f"{_pct(row['zeroed_mass_mean'])} of the attention mass (mean over heads); more than "
-                f"{_pct(self.mass_limit)} in {row['heads_over_limit']} of {row['heads']} heads (worst "
-                f"{_pct(row['zeroed_mass_max'])}, {row['worst_layer']} head {row['worst_head']}); relative "
-                f"output error {row['rel_mse_mean']:.2e}. Verdict: **{row['verdict']}** "
-                f"(zeroed mass {row['zeroed_mass_mean']:.2e} {_stats.fmt_se(row['zeroed_mass_sem'])} vs limit "
-                f"{self.mass_limit:g})." + _saturation_words(row))
-        lines.append("")
-        scale = self.safe_scale()
-        if scale is None:
-            lines.append(f"No scale up to S = {SCALE_GRID[-1]} keeps every head's forward-order zeroed mass "
-                         f"≤ {_pct(self.mass_limit)}: use reverse KV order or a dynamic scale.")
-        else:
-            lines.append(f"Safe static scale: a forward-order kernel keeps every head's zeroed mass ≤ "
-                         f"{_pct(self.mass_limit)} from S = {scale:g} on.")
+        windows = self.local_window_size
+        if windows is not None and (windows >= 0).any():
+            lines += [f"{int((windows >= 0).sum())} of {n_layers} layers attend within a local window "
+                      f"({', '.join(sorted({str(int(w)) for w in windows if w >= 0}))} keys back); the analysis "
+                      "sees what they see.", ""]
         if self.e2e is not None:
-            parts = [f"`{name}` KL {m.kl:.2e} nats/token, top-1 {m.top1_agree:.1%}, perplexity {m.perplexity:.3f}"
-                     for name, m in self.e2e.items()]
-            lines.append(f"End to end (FP32 perplexity {self.e2e_fp32.perplexity:.3f}): " + "; ".join(parts) + ".")
+            parts = [f"`{name}` KL {m.kl:.2e} nats/token, top-1 agreement {m.top1_agree:.1%}, perplexity "
+                     f"{m.perplexity:.3f}" for name, m in self.e2e.items()]
+            lines += [f"End to end (FP32 perplexity {self.e2e_fp32.perplexity:.3f}): " + "; ".join(parts) + ".", ""]
+        lines += [self.criterion_line(), ""]
+        for cfg, row in zip(self.configs, self.config_rows()):
+            lines.append(
+                f"- `{row['config']}`: **{row['verdict']}**. Its worst head loses "
+                f"{_pct(row['zeroed_mass_max'])} of the mass to zeroed P ({row['worst_layer']} head "
+                f"{row['worst_head']}) and clips "
+                f"{_pct(row['saturated_mass_max'])}; {row['heads_over_limit']} of {row['heads']} heads fail the "
+                f"criterion. Mean over heads: {_pct(row['zeroed_mass_mean'])} of the mass zeroed "
+                f"({_pct(row['frac_zeroed_mean'])} of the non-sink P), relative MSE {row['rel_mse_mean']:.2e}."
+                + _share_words(cfg, row))
+        lines.append("")
+        lines += [_scan_words(scan, self.mass_limit) for scan in self.scans]
+        if not self.scans:
+            lines.append("No configuration analysed has a static scale to recommend.")
         return lines
 
 
-def _saturation_words(row: dict) -> str:
-    """`` It also saturates …`` when the engine reports saturation and the kernel has any."""
-    mass = row.get("saturated_mass_mean", 0.0)
-    if not mass > 0:
+def _share_words(cfg: KernelConfig, row: dict) -> str:
+    """With E4M3 Q/K/V: which part of the error dominates, the P-cast or the Q/K/V quantization."""
+    if cfg.qkv != "e4m3":
         return ""
-    return (f" It also saturates {_pct(row['frac_saturated_mean'])} of the visible P (sinks included), "
-            f"carrying {_pct(mass)} of the mass: P·S above the format's max is clipped.")
+    total, qkv = row["rel_mse_mean"], row["rel_mse_qkv_mean"]
+    part = "the Q/K/V quantization" if qkv >= total / 2 else "the P-cast"
+    return (f" Its Q/K/V are quantized to E4M3: {part} dominates (relative MSE with P in FP32, Q/K/V quantization "
+            f"alone: {qkv:.2e}; with the P-cast too: {total:.2e}).")
+
+
+def _family_words(cfg: KernelConfig) -> str:
+    words = f"{cfg.order} order, B = {cfg.block_kv}, {cfg.scale_mode} mode"
+    if cfg.rescale_threshold:
+        words += f", lazy rescale τ = {cfg.rescale_threshold:g} ({cfg.rescale_unit})"
+    if cfg.p_format != "e4m3":
+        words += f", P in {cfg.p_format}"
+    return words
+
+
+def _scan_words(scan: ScaleScan, limit: float) -> str:
+    names = ", ".join(f"`{m}`" for m in scan.members)
+    if scan.recommended is None:
+        top = scan.rows[-1]
+        return (f"Safe static scale for {names} ({_family_words(scan.family)}): none. No `scale` from 1 to "
+                f"{top['scale']:g} meets the criterion (at {top['scale']:g} the worst head loses "
+                f"{_pct(top['zeroed_mass_max'])} and clips {_pct(top['saturated_mass_max'])}): use the reverse "
+                "KV order or a dynamic scale.")
+    best = next(r for r in scan.rows if r["scale"] == scan.recommended)
+    words = (f"Safe static scale for {names} ({_family_words(scan.family)}): `scale = {scan.recommended:g}`"
+             f" (P multiplied by {best['applied_scale']:g}), the smallest power of two whose simulated kernel meets "
+             f"the criterion: worst head loses {_pct(best['zeroed_mass_max'])}, clips "
+             f"{_pct(best['saturated_mass_max'])}")
+    below = [r for r in scan.rows if r["scale"] < scan.recommended]
+    if below:
+        prev = below[-1]
+        words += (f"; at `scale = {prev['scale']:g}` it loses {_pct(prev['zeroed_mass_max'])} and clips "
+                  f"{_pct(prev['saturated_mass_max'])}")
+    return words + "."
+
+
+def _worst(heads: dict, limit: float, layers) -> dict:
+    """The worst heads of one configuration's ``{metric: [B, L, H]}``: zeroed and clipped mass (each head
+    a mean over sequences), where the worst zeroed head is, how many heads fail the criterion."""
+    zeroed = _nanmean(heads["zeroed_mass"], axis=0)
+    clipped = _nanmean(heads["saturated_mass"], axis=0) if "saturated_mass" in heads else np.zeros_like(zeroed)
+    clipped = np.nan_to_num(clipped, nan=0.0)
+    filled = np.where(np.isfinite(zeroed), zeroed, -np.inf)
+    layer, head = np.unravel_index(np.argmax(filled), zeroed.shape)
+    return {"zeroed_mass_max": float(np.nanmax(zeroed)), "saturated_mass_max": float(np.max(clipped)),
+            "worst_layer": layers[layer], "worst_head": int(head),
+            "heads_over_limit": int(np.sum((np.nan_to_num(zeroed, nan=0.0) > limit) | (clipped > limit))),
+            "heads": int(zeroed.size)}
 
 
 def _nanmean(x, axis=None):
@@ -263,7 +372,7 @@ def analyze(trace: Trace, configs: Sequence[str | KernelConfig], *, num_sinks: i
         :func:`~pcast_jax.analysis.capture.load_trace`).
       configs: preset names (run at the trace's head dim, :func:`kernel_for`) or KernelConfigs.
       num_sinks, min_keys: as :func:`~pcast_jax.analysis.heads.sink_statistics`.
-      mass_limit: zeroed attention mass a head may lose (verdicts, safe scale), in (0, 1).
+      mass_limit: the limit of the one criterion (the worst head's zeroed and clipped mass), in (0, 1).
       logits_fn: optional ``logits_fn(config) -> [B, T, V]`` logits of the model on
         ``trace.tokens`` with every attention through ``config`` (``None``: exact FP32); given,
         the end-to-end metrics are computed (needs ``trace.tokens``).
@@ -289,26 +398,24 @@ def analyze(trace: Trace, configs: Sequence[str | KernelConfig], *, num_sinks: i
         raise PcastError("logits_fn needs the trace's tokens (Recorder.trace(tokens=...))")
     say = progress or (lambda _line: None)
     start = time.perf_counter()
-    per_seq_stats, per_seq_heads = [], []
+    windows = trace.local_window_size
+    per_seq_stats = []
     n_seq = trace.num_sequences
     for b in range(n_seq):
-        q, k, v = trace.sequence(b)
-        say(f"sequence {b + 1}/{n_seq}: sink statistics ({trace.num_layers} layers, {q.shape[1]} tokens)")
-        st = sink_statistics(q, k, num_sinks=num_sinks, min_keys=min(min_keys, q.shape[1]))
-        done = iter(range(1, len(kernels) + 1))
-
-        def config_line(name, b=b, done=done):
-            say(f"sequence {b + 1}/{n_seq}: config {next(done)}/{len(kernels)} {name} "
-                f"({time.perf_counter() - start:.1f} s)")
-
-        per_seq_heads.append(analyze_trace((q, k, v), kernels, st["sink_positions"], min_keys=min_keys,
-                                           progress=config_line))
-        per_seq_stats.append(st)
+        n = int(trace.lengths[b])
+        q, k = trace.q[:, b], trace.k[:, b]
+        say(f"sequence {b + 1}/{n_seq}: sink statistics ({trace.num_layers} layers, {n} tokens)")
+        per_seq_stats.append(sink_statistics(q, k, num_sinks=num_sinks, min_keys=min(min_keys, n), length=n,
+                                             local_window_size=windows, sinks=trace.sinks))
     stats = {name: np.stack([s[name] for s in per_seq_stats]) for name in per_seq_stats[0]}
-    heads = {name: np.stack([h[name] for h in per_seq_heads], axis=1) for name in per_seq_heads[0]}
+    references: dict = {}
+    heads = _run_kernels(trace, kernels, stats["sink_positions"], min_keys, say, start, references)
     if not np.isfinite(heads["zeroed_mass"]).any():
-        raise PcastError(f"no head has a query row that sees its sink and min_keys={min_keys} other keys: "
+        raise PcastError(f"no head has a query row that sees min_keys={min_keys} keys besides its sink: "
                          "record more tokens or lower min_keys")
+    scans = _scale_scans(trace, kernels, heads, stats["sink_positions"], min_keys, mass_limit, say, start,
+                         references)
+    del references
     seconds = time.perf_counter() - start
     e2e = fp32 = None
     if logits_fn is not None:
@@ -320,4 +427,81 @@ def analyze(trace: Trace, configs: Sequence[str | KernelConfig], *, num_sinks: i
             say(f"end to end: config {i + 1}/{len(kernels)} {cfg.name}")
             e2e[cfg.name] = compare_logits(ref, logits_fn(cfg), trace.tokens, lengths=trace.lengths)
     return Analysis(layers=trace.layers, configs=kernels, lengths=trace.lengths, stats=stats, heads=heads,
-                    mass_limit=mass_limit, e2e=e2e, e2e_fp32=fp32, seconds=seconds)
+                    mass_limit=mass_limit, scans=scans, local_window_size=windows, e2e=e2e, e2e_fp32=fp32,
+                    seconds=seconds)
+
+
+def _run_kernels(trace: Trace, kernels, sink_positions, min_keys: int, say, start, references: dict) -> dict:
+    """Every kernel on every sequence of the trace: ``{metric: [C, B, L, H]}`` (each sequence at its
+    length, each layer within its local window); ``references`` keeps each sequence's exact outputs."""
+    per_seq = []
+    for b in range(trace.num_sequences):
+        done = iter(range(1, len(kernels) + 1))
+
+        def config_line(name, b=b, done=done):
+            say(f"sequence {b + 1}/{trace.num_sequences}: config {next(done)}/{len(kernels)} {name} "
+                f"({time.perf_counter() - start:.1f} s)")
+
+        per_seq.append(analyze_trace((trace.q[:, b], trace.k[:, b], trace.v[:, b]), kernels, sink_positions[b],
+                                     min_keys=min_keys, progress=config_line, length=int(trace.lengths[b]),
+                                     local_window_size=trace.local_window_size, sinks=trace.sinks,
+                                     references=references.setdefault(b, {})))
+    return {name: np.stack([h[name] for h in per_seq], axis=1) for name in per_seq[0]}
+
+
+def _scale_scans(trace: Trace, kernels, heads: dict, sink_positions, min_keys: int, mass_limit: float, say,
+                 start, references: dict) -> tuple[ScaleScan, ...]:
+    """The safe-scale scan of each family of static-scale kernels (module docstring).
+
+    For a fixed kernel, P before the cast does not depend on ``scale``, and the cast is monotone: a P
+    zeroed at a scale is zeroed at every smaller one, a P clipped at a scale is clipped at every larger
+    one. So the worst head's zeroed mass falls and its clipped mass rises with the scale, the smallest
+    candidate meeting the criterion is the smallest whose zeroed mass is within the limit (if its
+    clipped mass is too, else none meets it), and a bisection over the candidates finds it: the
+    candidates simulated (an analysed kernel at a candidate is reused) are the scan's rows.
+    """
+    families: dict = {}
+    for ci, cfg in enumerate(kernels):
+        if cfg.scale_mode != "dynamic":
+            families.setdefault(cfg.replace(scale=1.0), []).append(ci)
+    scans = []
+    for family, members in families.items():
+        label = kernels[members[0]].name
+        candidates = scale_candidates(family)
+        rows: dict = {}
+
+        def row(index, family=family, label=label, rows=rows, candidates=candidates):
+            scale = candidates[index]
+            if scale not in rows:
+                candidate = family.replace(scale=scale, name=f"{label}@scale={scale:g}")
+                hit = [ci for ci, cfg in enumerate(kernels) if cfg == candidate]
+                if hit:
+                    found = {m: a[hit[0]] for m, a in heads.items()}
+                else:
+                    say(f"safe scale of {label}: scale = {scale:g} ({time.perf_counter() - start:.1f} s)")
+                    found = {m: a[0] for m, a in _run_kernels(trace, (candidate,), sink_positions, min_keys,
+                                                              lambda _line: None, start, references).items()}
+                worst = _worst(found, mass_limit, trace.layers)
+                rows[scale] = {"scale": scale, "applied_scale": candidate.effective_scale,
+                               "zeroed_mass_max": worst["zeroed_mass_max"],
+                               "saturated_mass_max": worst["saturated_mass_max"],
+                               "heads_over_limit": worst["heads_over_limit"],
+                               "meets": meets_criterion(worst["zeroed_mass_max"], worst["saturated_mass_max"],
+                                                        mass_limit)}
+            return rows[scale]
+
+        lo, hi = 0, len(candidates) - 1  # find the smallest candidate whose zeroed mass is within the limit
+        if row(hi)["zeroed_mass_max"] > mass_limit:
+            lo = hi + 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if row(mid)["zeroed_mass_max"] <= mass_limit:
+                hi = mid
+            else:
+                lo = mid + 1
+        recommended = None
+        if lo < len(candidates) and row(lo)["meets"]:
+            recommended = candidates[lo]
+        scans.append(ScaleScan(family=family.replace(name=label), members=tuple(kernels[ci].name for ci in members),
+                               rows=tuple(rows[k] for k in sorted(rows)), recommended=recommended))
+    return tuple(scans)

@@ -23,7 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "checkpoint folder): adds KL, top-1 agreement and "
                              "perplexity per kernel, run on the trace's tokens")
     parser.add_argument("--mass-limit", default="1e-3", metavar="X",
-                        help="attention mass a head may lose to the cast, in (0, 1) (default 1e-3)")
+                        help="attention mass the worst head may lose to zeroed P, and may have clipped, for a "
+                             "kernel to be safe to serve; in (0, 1) (default 1e-3)")
     parser.add_argument("--num-sinks", default="1", metavar="K", help="sink keys per head (default 1)")
     _options.add_progress_argument(parser, "progress lines on stderr", "on")
 
