@@ -157,6 +157,10 @@ def reproduce(out_dir, *, quick: bool = False, only: Sequence[str] | None = None
     t_all, c_all = time.perf_counter(), time.process_time()
     log(f"pcast reproduce: {'QUICK (reduced sizes)' if quick else 'full paper sizes'}, "
         f"{len(names)} experiment(s) → {out}/ on {jax.device_count()} {jax.default_backend()} device(s)")
+    if extras and (only or quick):
+        log(f"extra sections not run: {', '.join(extras)} (studies beyond the paper are appended to a full run "
+            f"only, not with {'--only' if only else '--quick'}; `pcast whatif report` and `pcast model-report` "
+            "run the what-if and real-model studies alone)")
     sections: list[Section] = []
     timings: dict[str, dict] = {}
     for i, name in enumerate(names, 1):

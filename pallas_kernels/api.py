@@ -245,7 +245,8 @@ def _check_sinks(sinks, heads: int):
                          f"logit per query head; got {arr.dtype} {arr.shape}")
     if not isinstance(arr, jax.core.Tracer) and not bool(jnp.all(jnp.isfinite(arr))):
         raise PcastError("sinks contains NaN or inf: learned sink logits must be finite")
-    return arr.astype(jnp.float32)
+    # traced (under jax.jit): a non-finite sink makes its head's rows NaN, as in the simulator
+    return jnp.where(jnp.isfinite(arr), arr, jnp.nan).astype(jnp.float32)
 
 
 @functools.partial(

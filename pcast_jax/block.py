@@ -387,10 +387,11 @@ def epilogue_divisor(row_sum, cfg: KernelConfig):
     """Line 12's divisor: S·ℓ in the multiply mode; ℓ where ℓ holds S or S was undone per block.
 
     A row with no visible key has ℓ = 0 (and O = 0): its divisor is 1, so its output is 0, as
-    FlashAttention's epilogue gives (``inv_sum = sum == 0 ? 1 : 1 / sum``), never 0/0.
+    FlashAttention's epilogue gives (``inv_sum = sum == 0 ? 1 : 1 / sum``), never 0/0. Only an exact
+    zero is replaced: a NaN ℓ (a NaN learned sink under ``jax.jit``) stays NaN in the output.
     """
     div = jnp.float32(cfg.effective_scale) * row_sum if cfg.scale_mode == "multiply" else row_sum
-    return jnp.where(div > 0.0, div, 1.0)
+    return jnp.where(div == 0.0, 1.0, div)
 
 
 def finalize(o, row_sum, cfg: KernelConfig):
@@ -399,8 +400,11 @@ def finalize(o, row_sum, cfg: KernelConfig):
 
 
 def row_share(x, row_sum):
-    """x / ℓ per row, 0 where ℓ = 0 (a row with no visible key): e.g. the zeroed share of the mass."""
-    return x / jnp.where(row_sum > 0.0, row_sum, 1.0)
+    """x / ℓ per row, 0 where ℓ = 0 (a row with no visible key): e.g. the zeroed share of the mass.
+
+    A NaN ℓ stays NaN (only an exact zero is replaced), as in :func:`epilogue_divisor`.
+    """
+    return x / jnp.where(row_sum == 0.0, 1.0, row_sum)
 
 
 def kv_block(step, n_steps, cfg: KernelConfig):

@@ -151,7 +151,9 @@ def _sink_rows(sink_logit, rows_shape):
                          f"{tuple(rows_shape[:-1])} of the scores (one logit per head)") from None
     if _concrete(s) and not bool(jnp.all(jnp.isfinite(s))):
         raise PcastError("sink_logit contains NaN or inf: a learned sink logit must be finite")
-    return s
+    # Under jax.jit nothing can be refused: a non-finite sink makes its rows NaN in every config (an
+    # inf sink would otherwise give 0 or NaN depending on where the kernel puts it).
+    return jnp.where(jnp.isfinite(s), s, jnp.nan)
 
 
 def _batch_shape(param: str, *shapes) -> tuple[int, ...]:

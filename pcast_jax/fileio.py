@@ -35,8 +35,8 @@ import numpy as np
 from pcast_jax.errors import PcastError
 
 __all__ = ["atomic_write", "create_exclusive", "temp_prefix", "temp_owner", "clean_stale_temps",
-           "STALE_TEMP_S", "read_bounded", "load_json", "load_toml", "load_npy", "load_npz", "MAX_TEXT_BYTES",
-           "MAX_TOML_BYTES", "MAX_DEPTH"]
+           "STALE_TEMP_S", "check_regular", "read_bounded", "load_json", "parse_json", "load_toml", "load_npy",
+           "load_npz", "MAX_TEXT_BYTES", "MAX_TOML_BYTES", "MAX_DEPTH"]
 
 #: Largest JSON file read (spec.json): 4 MiB, thousands of kernels.
 MAX_TEXT_BYTES = 4 * 2**20
@@ -199,26 +199,44 @@ def _size_text(n: int) -> str:
     return f"{n / 2**20:.3g} MiB" if n >= 2**20 else f"{n} bytes"
 
 
-def read_bounded(path, *, what: str, max_bytes: int) -> bytes:
-    """The bytes of regular file ``path``, refused (naming ``what``) when larger than ``max_bytes``.
+def check_regular(path, *, what: str) -> int:
+    """The size of regular file ``path``; a directory, device, pipe or missing file is refused in one line.
 
-    A directory, a device (``/dev/zero``), a pipe or a missing file is refused with one line; never
-    more than ``max_bytes`` + 1 bytes are read, whatever the file claims or does while it is read.
+    The file is opened without blocking (a pipe would wait for a writer forever) and never read.
     """
+    with _open_regular(path, what) as f:
+        return os.fstat(f.fileno()).st_size
+
+
+def _open_regular(path, what: str):
     try:  # non-blocking: opening a pipe must not wait for a writer
-        with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise PcastError(f"{what} is not a regular file (a directory, device or pipe)")
-            if st.st_size > max_bytes:
-                raise PcastError(f"{what} is {_size_text(st.st_size)}; at most {_size_text(max_bytes)} is read")
-            data = f.read(max_bytes + 1)
+        f = os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb")
     except FileNotFoundError:
         raise PcastError(f"{what} does not exist") from None
     except IsADirectoryError:
         raise PcastError(f"{what} is not a regular file (a directory, device or pipe)") from None
     except OSError as exc:
         raise PcastError(f"{what} cannot be read ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        f.close()
+        raise PcastError(f"{what} is not a regular file (a directory, device or pipe)")
+    return f
+
+
+def read_bounded(path, *, what: str, max_bytes: int) -> bytes:
+    """The bytes of regular file ``path``, refused (naming ``what``) when larger than ``max_bytes``.
+
+    A directory, a device (``/dev/zero``), a pipe or a missing file is refused with one line; never
+    more than ``max_bytes`` + 1 bytes are read, whatever the file claims or does while it is read.
+    """
+    with _open_regular(path, what) as f:
+        st = os.fstat(f.fileno())
+        if st.st_size > max_bytes:
+            raise PcastError(f"{what} is {_size_text(st.st_size)}; at most {_size_text(max_bytes)} is read")
+        try:
+            data = f.read(max_bytes + 1)
+        except OSError as exc:
+            raise PcastError(f"{what} cannot be read ({exc.strerror or exc})") from None
     if len(data) > max_bytes:
         raise PcastError(f"{what} grew past {_size_text(max_bytes)} while it was read")
     return data
@@ -265,12 +283,20 @@ def _check_depth(text: str, what: str, *, toml: bool) -> None:
 
 def load_json(path, *, what: str, max_bytes: int = MAX_TEXT_BYTES):
     """The JSON document in ``path``: bounded in size and depth (:func:`read_bounded`), one-line errors."""
-    text = _text(read_bounded(path, what=what, max_bytes=max_bytes), what)
+    return parse_json(read_bounded(path, what=what, max_bytes=max_bytes), what=what)
+
+
+def parse_json(data: bytes, *, what: str):
+    """The JSON document in ``data`` (read with a bound already), refused past :data:`MAX_DEPTH` levels.
+
+    Damage, an integer of more digits than Python converts, or nesting is one line naming ``what``.
+    """
+    text = _text(data, what)
     _check_depth(text, what, toml=False)
     try:
         return json.loads(text)
     except (ValueError, RecursionError) as exc:
-        raise PcastError(f"{what} is not valid JSON ({exc})") from None
+        raise PcastError(f"{what} is not valid JSON ({' '.join(str(exc).split())})") from None
 
 
 def load_toml(path, *, what: str, max_bytes: int = MAX_TOML_BYTES) -> dict:

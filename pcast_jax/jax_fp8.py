@@ -24,7 +24,7 @@ import numpy as np
 from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError, check_finite, check_int, check_positive
 
-__all__ = ["JaxFP8Prediction", "cudnn_config", "predict", "scale_s_from"]
+__all__ = ["JaxFP8Prediction", "NO_THEORY", "cudnn_config", "predict", "scale_s_from", "theory_text"]
 
 #: Head dims cuDNN's FP8 SDPA takes through JAX (``fused_attention_stablehlo.py``, the FP8 checks at
 #: lines 370-377, commit cec06d1): ≤ 256 and a multiple of 16 for inference; training needs 128.
@@ -41,10 +41,14 @@ def scale_s_from(fp8_params) -> float:
     except (KeyError, IndexError, TypeError):
         raise PcastError("fp8_params has no 'scale_s' entry: the P scale cuDNN's FP8 attention applies "
                          "(jax._src.cudnn.fused_attention_stablehlo.FP8Params)") from None
-    arr = np.asarray(value, dtype=np.float64)
+    if isinstance(value, (int, float, complex, str, bytes)) or value is None:
+        return check_positive("fp8_params['scale_s']", value)  # a str, complex or 10**400 named here
+    arr = np.asarray(value)
     if arr.size != 1:
         raise PcastError(f"fp8_params['scale_s'] must be one number, got shape {arr.shape}")
-    return check_positive("fp8_params['scale_s']", float(arr.reshape(())))
+    if arr.dtype.kind not in "biufV":  # V: ml_dtypes' bfloat16 and float8 kinds
+        raise PcastError(f"fp8_params['scale_s'] must be a real number, got an array of {arr.dtype}")
+    return check_positive("fp8_params['scale_s']", float(arr.astype(np.float64).reshape(())))
 
 
 def cudnn_config(scale_s: float = 1.0, *, rescale_threshold: float = 4.0, mxfp8: bool = False) -> KernelConfig:
@@ -70,7 +74,9 @@ class JaxFP8Prediction:
       config: the kernel's :class:`KernelConfig`.
       sinks: (H,) the learned sink logits asked about (NaN-free; 0-length when none).
       theory_frac_zeroed: (H,) non-sink P zeroed by the sink as the initial running max,
-        :func:`pcast_jax.theory.learned_sink_collapse_fraction` at S_eff = scale_s·2^-τ.
+        :func:`pcast_jax.theory.learned_sink_collapse_fraction` at S_eff = scale_s·2^-τ; NaN for
+        a head without a learned sink, where that closed form does not apply (:meth:`summary`
+        and ``pcast jax-fp8`` say so in words).
       frac_zeroed, zeroed_mass, frac_saturated, saturated_mass: (H,) simulated on N(0, σ²)
         logits (the kernel's simulator, mean over ``seeds`` draws), with their standard errors in
         ``sem``.
@@ -108,13 +114,22 @@ class JaxFP8Prediction:
         for h, sink in enumerate(self.sinks):
             what = "no learned sink" if np.isneginf(sink) else f"sink logit {sink:g}"
             lines.append(f"head {h}: {what}: {100 * self.frac_zeroed[h]:.1f}% of non-sink P zeroed "
-                         f"(theory {100 * self.theory_frac_zeroed[h]:.1f}%), carrying "
+                         f"({theory_text(self.theory_frac_zeroed[h])}), carrying "
                          f"{100 * self.zeroed_mass[h]:.2f}% of the probability; "
                          f"{100 * self.frac_saturated[h]:.3f}% saturated.")
         lines.append(f"Safe choice: scale_s = {self.safe_scale_s:g} (the largest power of two that cannot saturate "
                      f"at this tau); half the non-sink P is then zeroed only from a sink logit of "
                      f"{self.safe_critical_delta:.2f} on.")
         return "\n".join(lines)
+
+
+#: What the closed form says for a head without a learned sink.
+NO_THEORY = "theory: n/a, its closed form is for a learned sink as the initial running max"
+
+
+def theory_text(frac: float) -> str:
+    """``theory 12.3%``, or :data:`NO_THEORY` where there is no closed form (NaN: no learned sink)."""
+    return NO_THEORY if math.isnan(frac) else f"theory {100 * frac:.1f}%"
 
 
 def predict(*, fp8_params=None, scale_s: float | None = None, head_dim: int = 128, seq_len: int = 4096,
@@ -131,7 +146,9 @@ def predict(*, fp8_params=None, scale_s: float | None = None, head_dim: int = 12
         in the units of the scaled logits above the non-sink mean; None: one head without a sink.
       rescale_threshold: cuDNN's τ in nats (4: its reference's default; ``CUDNN_RESCALE_THRESHOLD``).
       mxfp8: the MXFP8 SDPA variant (fixed S = 16, no compensation).
-      q_len, sigma, seeds, base_seed: the synthetic logits the simulation draws (N(0, σ²)).
+      q_len, sigma, seeds, base_seed: the synthetic logits the simulation draws (N(0, σ²)); the seeds
+        run one after another, and one seed's logits (heads × q_len × seq_len) must fit the memory
+        budget (:func:`pcast_jax.sweep.check_memory`).
     """
     from pcast_jax import theory
 
@@ -144,12 +161,19 @@ def predict(*, fp8_params=None, scale_s: float | None = None, head_dim: int = 12
                          f"(≤ {_MAX_HEAD_DIM})")
     seq_len = check_int("seq_len", seq_len, min_value=1, max_value=1 << 20)
     seeds = check_int("seeds", seeds, min_value=2, max_value=4096)
+    q_len = check_int("q_len", q_len, min_value=1, max_value=1 << 20)
+    base_seed = check_int("base_seed", base_seed, min_value=0, max_value=2**32 - 1)
     cfg = cudnn_config(s, rescale_threshold=rescale_threshold, mxfp8=mxfp8)
     sink_arr = _sinks(sinks)
+    from pcast_jax.sweep.plan import check_memory
+
+    heads = max(sink_arr.size, 1)
+    check_memory(f"predict's simulation ({heads} heads × q_len={q_len} × seq_len={seq_len} logits, one seed "
+                 "at a time)", heads * q_len * seq_len * _BYTES_PER_LOGIT)
     frac, lz, fs, ls, sem = _simulate(cfg, sink_arr, seq_len=seq_len, q_len=q_len, d=head_dim, sigma=sigma,
                                       seeds=seeds, base_seed=base_seed)
     theory_frac = np.asarray(theory.learned_sink_collapse_fraction(sink_arr, cfg.effective_scale, sigma=sigma),
-                             np.float64) if sink_arr.size else np.zeros(1)
+                             np.float64) if sink_arr.size else np.full(1, np.nan)
     comp = cfg.rescale_compensation
     safe = float(theory.saturation_free_scale(cfg.rescale_threshold, unit="natural", compensation=comp))
     safe_eff = safe * (2.0 ** -cfg.rescale_threshold if comp == "pow2" else 1.0)
@@ -168,9 +192,12 @@ def _sinks(sinks) -> np.ndarray:
     if isinstance(sinks, str):
         sinks = _read_sinks_file(sinks)
     try:
-        arr = np.asarray(sinks, dtype=np.float64).reshape(-1)
+        raw = np.asarray(sinks)
+        if raw.dtype.kind in "cSUO":  # complex, text, objects: never silently cut to a real part
+            raise TypeError
+        arr = raw.astype(np.float64).reshape(-1)
     except (TypeError, ValueError):
-        raise PcastError(f"sinks={sinks!r} must be numbers (one learned sink logit per head)") from None
+        raise PcastError(f"sinks={_short(sinks)} must be real numbers (one learned sink logit per head)") from None
     if arr.size == 0 or arr.size > 4096:
         raise PcastError(f"sinks must hold 1 to 4096 logits (one per head), got {arr.size}")
     if not np.all(np.isfinite(arr)) or np.any(np.abs(arr) > 1e4):
@@ -183,20 +210,21 @@ _SINKS_FILE_MAX_BYTES = 1 << 16
 
 
 def _read_sinks_file(path: str) -> np.ndarray:
-    """Sink logits from a ``.npy`` file, its size checked before it is read; PcastError naming it."""
-    import os
+    """Sink logits from a ``.npy`` file (a regular file, bounded, no pickles); PcastError naming it."""
+    from pcast_jax import fileio
 
-    try:
-        size = os.stat(path).st_size
-    except OSError as exc:
-        raise PcastError(f"sinks file {path!r}: {exc.strerror or exc}") from None
-    if size > _SINKS_FILE_MAX_BYTES:
-        raise PcastError(f"sinks file {path!r} has {size} bytes, more than the {_SINKS_FILE_MAX_BYTES} a .npy of "
-                         "per-head logits needs")
-    try:
-        return np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as exc:
-        raise PcastError(f"sinks file {path!r} is not a .npy array of numbers ({exc})") from None
+    return fileio.load_npy(path, what=f"sinks file {path!r}", max_bytes=_SINKS_FILE_MAX_BYTES)
+
+
+def _short(x) -> str:
+    text = repr(x)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+#: Bytes the simulation holds per logit of one seed (the scores, P, its scaled and cast copies, the
+#: masks, the statistics' temporaries): peak memory measured at 48 and 37 bytes per logit on CPU
+#: (q_len 32, seq_len 65536 and 262144); the bound leaves room above that.
+_BYTES_PER_LOGIT = 64
 
 
 def _simulate(cfg: KernelConfig, sinks: np.ndarray, *, seq_len, q_len, d, sigma, seeds, base_seed):
@@ -219,7 +247,10 @@ def _simulate(cfg: KernelConfig, sinks: np.ndarray, *, seq_len, q_len, d, sigma,
         return jnp.stack([m[k][0] for k in ("frac_zeroed", "zeroed_mass", "frac_saturated", "saturated_mass")])
 
     keys = jax.random.split(jax.random.PRNGKey(base_seed), seeds)
-    vals = np.asarray(jax.jit(jax.vmap(jax.vmap(one, (None, 0)), (0, None)))(keys, heads), np.float64)  # (seeds, H, 4)
+    per_seed = jax.vmap(one, (None, 0))  # every head of one seed at once; the seeds one after another, so
+    # the memory held is one seed's (what predict checks against the budget), whatever ``seeds`` is
+    vals = np.asarray(jax.jit(lambda ks, hs: jax.lax.map(lambda key: per_seed(key, hs), ks))(keys, heads),
+                      np.float64)  # (seeds, H, 4)
     mean = vals.mean(axis=0)
     sem = vals.std(axis=0, ddof=1) / math.sqrt(seeds)
     names = ("frac_zeroed", "zeroed_mass", "frac_saturated", "saturated_mass")

@@ -314,8 +314,10 @@ def _window(local_window_size):
     if local_window_size is None:
         return None
     w = (local_window_size, local_window_size) if isinstance(local_window_size, int) else local_window_size
-    try:
-        left, right = (check_int("local_window_size", x, min_value=0) for x in w)
+    try:  # positions are int32: a window as wide as any sequence is at most 2^31 - 1
+        left, right = (check_int("local_window_size", x, min_value=0, max_value=2**31 - 1) for x in w)
+    except PcastError:
+        raise
     except (TypeError, ValueError):
         raise PcastError(f"local_window_size={local_window_size!r} must be an int or a (left, right) pair "
                          "of ints >= 0") from None

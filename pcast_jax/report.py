@@ -18,6 +18,7 @@ import csv
 import io
 import json
 import math
+import os
 import platform
 import re
 import sys
@@ -29,6 +30,7 @@ from pcast_jax.errors import PcastError
 from pcast_jax.fileio import atomic_write
 
 __all__ = [
+    "check_out_dir",
     "fmt_num",
     "fmt_sci",
     "fmt_pct",
@@ -214,6 +216,26 @@ def markdown_table(rows: Sequence[dict], columns: Sequence, *, align: str | None
 # --------------------------------------------------------------------------------------------
 # Files
 # --------------------------------------------------------------------------------------------
+
+
+def check_out_dir(out, option: str = "--out") -> Path:
+    """``out`` as a report folder to be written, or a PcastError naming ``option`` — before any work.
+
+    Refused: an existing file (the report is a folder of files), a path under a file, a folder that
+    exists and cannot be written, or one whose nearest existing parent cannot be written. Nothing is
+    created here.
+    """
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise PcastError(f"{option}={str(out)!r} is an existing file; the report is a folder of files: name a folder")
+    for folder in (path, *path.absolute().parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise PcastError(f"{option}={str(out)!r} lies under {str(folder)!r}, which is not a folder")
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise PcastError(f"{option}={str(out)!r}: {str(folder)!r} is not writable")
+            break
+    return path
 
 
 def _atomic(path: Path, data: bytes) -> Path:

@@ -14,7 +14,7 @@ import numpy as np
 
 from pcast_jax.errors import PcastError
 
-__all__ = ["mean_sem", "summary_cells", "sem", "paired_ratio", "z_value", "decide", "CONFIDENCE", "fmt_pm"]
+__all__ = ["mean_sem", "summary_cells", "sem", "paired_ratio", "z_value", "decide", "CONFIDENCE", "fmt_pm", "NO_SE"]
 
 #: Two-sided confidence level of a decided comparison (:func:`z_value`).
 CONFIDENCE = 0.95
@@ -99,6 +99,10 @@ def decide(value: float, se: float, threshold: float, z: float) -> bool | None:
     if value + z * se < threshold or (se == 0 and value <= threshold):
         return False
     return None
+
+
+#: What a published standard error says where there is none (a mean of fewer than 2 values).
+NO_SE = "n/a: fewer than 2 values, no standard error"
 
 
 def fmt_pm(value: float, se: float, digits: int = 3, suffix: str = "") -> str:

@@ -73,6 +73,15 @@ def _reproduce():
     return importlib.import_module("pcast_experiments.registry").reproduce
 
 
+def _predict(**kw):
+    return importlib.import_module("pcast_jax.jax_fp8").predict(**{"seq_len": 256, "head_dim": 16, "seeds": 2, **kw})
+
+
+def _nn_attention(**kw):
+    x = np.ones((1, 4, 2, 8), np.float32)
+    return importlib.import_module("pcast_jax.nn").dot_product_attention(x, x, x, **kw)
+
+
 # (id, call, substrings the message must contain: the parameter, then the allowed range/choices)
 CASES = [
     # KernelConfig: the static scale S and every named choice
@@ -220,6 +229,27 @@ CASES = [
     ("kernel_dtype_float32", lambda: _fp8_attention(config="fwd_s1", implementation="triton", dtype=jnp.float32),
      ["q.dtype=float32", "float8_e4m3fn"]),
     ("kernel_backend_unknown", lambda: _fp8_attention(config="fwd_s1", implementation="cuda"), ["implementation='cuda'", "'mosaic', 'triton'"]),
+    # jax_fp8.predict: what a JAX user passes, every number checked where it enters; sizes against the budget
+    ("predict_scale_s_string", lambda: _predict(fp8_params={"scale_s": "2"}), ["fp8_params['scale_s']='2'", "real number"]),
+    ("predict_scale_s_complex", lambda: _predict(fp8_params={"scale_s": 2 + 1j}),
+     ["fp8_params['scale_s']=(2+1j)", "real number"]),
+    ("predict_scale_s_huge_integer", lambda: _predict(fp8_params={"scale_s": 10**400}),
+     ["fp8_params['scale_s']=1000000", "beyond float range"]),
+    ("predict_scale_s_complex_array", lambda: _predict(fp8_params={"scale_s": np.array([2 + 0j])}),
+     ["fp8_params['scale_s']", "real number", "complex128"]),
+    ("predict_base_seed_huge", lambda: _predict(base_seed=2**70), ["base_seed=1180591620717411303424", "<= 4294967295"]),
+    ("predict_q_len_huge", lambda: _predict(q_len=10**9), ["q_len=1000000000", "<= 1048576"]),
+    ("predict_over_the_memory_budget", lambda: _predict(seq_len=1 << 20, q_len=1 << 20, seeds=4096),
+     ["predict's simulation", "seq_len=1048576", "the budget is"]),
+    ("predict_sinks_complex", lambda: _predict(sinks=[1 + 2j, 3.0]), ["sinks=[(1+2j), 3.0]", "real numbers"]),
+    ("predict_sinks_text", lambda: _predict(sinks=np.array(["5"])), ["sinks=array(['5']", "real numbers"]),
+    ("memory_over_budget", lambda: plan.check_memory("a table of 10 bytes", 10, budget=4),
+     ["a table of 10 bytes needs", "the budget is"]),
+    # the drop-in's local window: positions are int32
+    ("local_window_beyond_int32", lambda: _nn_attention(local_window_size=2**40),
+     ["local_window_size=1099511627776", "<= 2147483647"]),
+    ("local_window_pair_beyond_int32", lambda: _nn_attention(local_window_size=(4, 2**31)),
+     ["local_window_size=2147483648", "<= 2147483647"]),
 ]
 
 
@@ -403,6 +433,11 @@ _CLI_CASES = {
     # filled in with a real path by the fixture: a folder under a regular file
     "sweep_out_under_a_file": (["sweep", "--n", "64", "--seeds", "1", "--out", "{afile}/sub"],
                                ["out_dir=", "afile/sub", "not writable"]),
+    # report folders are checked before any work; a model folder needs its config.json
+    "analyze_out_a_file": (["analyze", "{afile}", "--out", "{afile}"], ["--out=", "afile", "is an existing file"]),
+    "whatif_report_out_a_file": (["whatif", "report", "--quick", "--out", "{afile}"],
+                                 ["--out=", "afile", "is an existing file"]),
+    "jax_fp8_sinks_file_a_folder": (["jax-fp8", "--sinks", "{folder}.npy"], ["sinks file", "not a regular file"]),
 }
 
 
@@ -427,7 +462,9 @@ def _run_cli_cases(cases):
 def cli_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli")
     (tmp / "afile").write_text("a regular file")
-    cases = {name: ([a.replace("{afile}", str(tmp / "afile")) for a in argv], needles)
+    (tmp / "folder.npy").mkdir()
+    cases = {name: ([a.replace("{afile}", str(tmp / "afile")).replace("{folder}", str(tmp / "folder")) for a in argv],
+                    needles)
              for name, (argv, needles) in _CLI_CASES.items()}
     return cases, _run_cli_cases(cases)
 
@@ -910,3 +947,436 @@ def test_one_seed_or_a_switched_off_metric_is_missing_never_nan(tmp_path, monkey
         (row,) = list(csv_.DictReader(f))
     assert row["mse_sem"] == "" and row["mse_expected_mean"] == "" and float(row["mse_mean"]) > 0, row
     assert "nan" not in (tmp_path / "o" / "summary.csv").read_text().lower()
+
+
+# --------------------------------------------------------------------------------------------
+# A non-finite learned sink under jax.jit: NaN rows in every config, never a finite number
+# --------------------------------------------------------------------------------------------
+
+_SINKS = np.array([NAN, INF, -INF, 0.5], np.float32)  # one per head: three non-finite, one finite
+
+
+def _jit_sink_attention(preset, implementation="xla"):
+    from pcast_jax import nn
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 8, 4, 4)).astype(np.float32) for _ in range(3))
+    fn = jax.jit(lambda q, k, v, s: nn.dot_product_attention(q, k, v, is_causal=True, config=preset, sinks=s,
+                                                             implementation=implementation))
+    return np.asarray(fn(q, k, v, _SINKS)), v
+
+
+@pytest.mark.parametrize("preset", [None, *PRESETS])
+def test_a_non_finite_sink_under_jit_gives_nan_in_every_config(preset):
+    out, v = _jit_sink_attention(preset)
+    assert np.isnan(out[..., :3, :]).all(), (preset, out[..., :3, :])
+    # the finite head is a convex combination of the values, scaled down by the sink's share
+    finite = out[..., 3, :]
+    assert np.isfinite(finite).all() and np.abs(finite).max() <= np.abs(v[..., 3, :]).max() * 1.01, preset
+
+
+@pytest.mark.parametrize("preset", ["fa3", "rev_s256", "flashinfer_sm90", "fa3_splitkv"])
+def test_a_non_finite_sink_under_jit_gives_nan_in_the_scan_engine(preset):
+    out, _ = _jit_sink_attention(preset, implementation="scan")
+    assert np.isnan(out[..., :3, :]).all() and np.isfinite(out[..., 3, :]).all(), preset
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic"])
+def test_a_non_finite_sink_under_jit_gives_nan_in_the_pallas_kernels(backend):
+    """The kernels (interpret mode without a GPU) agree with the simulator: NaN rows, the finite head finite."""
+    from pcast_jax import nn
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 64, 4, 64)).astype(np.float32) for _ in range(3))
+    fn = jax.jit(lambda q, k, v, s: nn.dot_product_attention(q, k, v, is_causal=True, config="fa3", sinks=s,
+                                                             implementation=backend))
+    out = np.asarray(fn(q, k, v, _SINKS))
+    assert np.isnan(out[..., :3, :]).all() and np.isfinite(out[..., 3, :]).all(), backend
+
+
+def test_a_non_finite_sink_is_refused_eagerly():
+    from pcast_jax import nn
+
+    x = np.ones((1, 4, 4, 4), np.float32)
+    with pytest.raises(PcastError, match="sinks contains NaN or inf"):
+        nn.dot_product_attention(x, x, x, is_causal=True, config="fa3", sinks=_SINKS)
+
+
+# --------------------------------------------------------------------------------------------
+# pcast analyze on the smallest valid trace: one layer, one head (a mean with no standard error)
+# --------------------------------------------------------------------------------------------
+
+
+def _one_head_trace(path, T=32, D=8):
+    from pcast_jax.analysis import Trace
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 1, T, 1, D)).astype(np.float32) for _ in range(3))
+    k[0, 0, 0] *= 6.0  # a sink key
+    Trace(q=q, k=k, v=v, lengths=np.array([T]), layers=("block0",)).save(path)
+    return path
+
+
+def test_analyze_of_one_layer_and_one_head_says_there_is_no_standard_error(tmp_path, capsys):
+    import csv as csv_
+
+    from pcast_jax import cli
+    from pcast_jax.stats import NO_SE
+
+    trace = _one_head_trace(tmp_path / "one.npz")
+    assert cli.main(["analyze", str(trace), "--configs", "fwd_s1,fa3", "--out", str(tmp_path / "a"),
+                     "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "nan" not in out.lower(), out
+    for name in ("analysis.md", "analysis_configs.csv"):
+        assert "nan" not in (tmp_path / "a" / name).read_text().lower(), name
+    with open(tmp_path / "a" / "analysis_configs.csv", newline="") as f:
+        rows = list(csv_.DictReader(f))
+    assert [r["heads"] for r in rows] == ["1", "1"]
+    assert all(r["zeroed_mass_sem"] == NO_SE and float(r["zeroed_mass_mean"]) >= 0.0 for r in rows), rows
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face checkpoints: every JSON read bounded, the safetensors layout validated, fields that
+# change the model refused; each damage one line naming the file and the field
+# --------------------------------------------------------------------------------------------
+
+import json  # noqa: E402
+import struct  # noqa: E402
+
+_HF_CONFIG = {"model_type": "llama", "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+              "vocab_size": 16, "max_position_embeddings": 32, "tie_word_embeddings": True}
+
+
+def _hf_tensors():
+    """A one-layer llama's weights under Hugging Face names (hidden 8, heads 2 × 4, one KV head)."""
+    shapes = {"model.embed_tokens.weight": (16, 8), "model.norm.weight": (8,),
+              "model.layers.0.input_layernorm.weight": (8,), "model.layers.0.post_attention_layernorm.weight": (8,),
+              "model.layers.0.self_attn.q_proj.weight": (8, 8), "model.layers.0.self_attn.k_proj.weight": (4, 8),
+              "model.layers.0.self_attn.v_proj.weight": (4, 8), "model.layers.0.self_attn.o_proj.weight": (8, 8),
+              "model.layers.0.mlp.gate_proj.weight": (8, 8), "model.layers.0.mlp.up_proj.weight": (8, 8),
+              "model.layers.0.mlp.down_proj.weight": (8, 8)}
+    rng = np.random.default_rng(0)
+    return {name: rng.normal(size=shape).astype(np.float32) * 0.1 for name, shape in shapes.items()}
+
+
+def _safetensors_bytes(tensors: dict, edit=None) -> bytes:
+    """A safetensors file from the format's definition; ``edit(header)`` changes the header first."""
+    header, blobs, offset = {}, [], 0
+    for name, value in tensors.items():
+        data = np.asarray(value, "<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(value.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    raw = json.dumps(header).encode() if edit is None else edit(header)
+    return struct.pack("<Q", len(raw)) + raw + b"".join(blobs)
+
+
+def _hf_folder(path, *, config=None, shards=None, edit=None):
+    """A checkpoint folder: config.json (``config`` merged in), one file or ``shards`` {file: names}."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({**_HF_CONFIG, **(config or {})}))
+    tensors = _hf_tensors()
+    if shards is None:
+        (path / "model.safetensors").write_bytes(_safetensors_bytes(tensors, edit))
+    else:
+        for file, names in shards.items():
+            (path / file).write_bytes(_safetensors_bytes({n: tensors[n] for n in names}))
+    return path
+
+
+def _edit_entry(key, value, name="model.norm.weight"):
+    def edit(header):
+        header[name][key] = value
+        return json.dumps(header).encode()
+    return edit
+
+
+def _two_halves():
+    names = list(_hf_tensors())
+    return {"a.safetensors": names[:6], "b.safetensors": names[5:]}  # names[5] in both
+
+
+def _index(folder_maker, weight_map_of):
+    def make(path):
+        names = list(_hf_tensors())
+        folder = _hf_folder(path, shards={"a.safetensors": names})
+        (folder / "model.safetensors.index.json").write_text(weight_map_of(names))
+        return folder
+    return make
+
+
+def _write_over(file, text):
+    def make(path):
+        folder = _hf_folder(path)
+        target = folder / file
+        target.unlink(missing_ok=True)
+        if text is None:
+            os.mkfifo(target)
+        else:
+            target.write_bytes(text.encode() if isinstance(text, str) else text)
+        return folder
+    return make
+
+
+def _deep_header(path):
+    folder = _hf_folder(path)
+    raw = b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
+    return folder
+
+
+def _truncated(path):
+    folder = _hf_folder(path)
+    raw = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(raw[:-40])
+    return folder
+
+
+def _long_digits_header(path):
+    return _hf_folder(path, edit=lambda h: json.dumps(h).replace('"shape": [8]', '"shape": [' + "9" * 5000 + "]")
+                      .encode())
+
+
+def _overlapping(header):
+    first = next(iter(header.values()))["data_offsets"]
+    header["model.norm.weight"]["data_offsets"] = [first[0], first[0] + 32]
+    return json.dumps(header).encode()
+
+
+#: (id, a function of a fresh folder path that writes the damaged checkpoint, substrings of the one line)
+HF_CASES = [
+    ("no_config_json", lambda p: (p.mkdir(), p)[1], ["no config.json"]),
+    ("config_not_json", _write_over("config.json", "{model_type: llama"), ["config.json is not valid JSON"]),
+    ("config_deep", _write_over("config.json", "[" * 100_000 + "]" * 100_000), ["config.json nests deeper than 16"]),
+    ("config_5000_digits", _write_over("config.json", '{"hidden_size": ' + "7" * 5000 + "}"),
+     ["config.json is not valid JSON", "digits"]),
+    ("config_fifo", _write_over("config.json", None), ["config.json is not a regular file"]),
+    ("config_layers_1e9", lambda p: _hf_folder(p, config={"num_hidden_layers": 1e9}),
+     ["config.json", "'num_hidden_layers' = 1000000000", "the budget is"]),
+    ("config_hidden_70_bits", lambda p: _hf_folder(p, config={"hidden_size": 2**70}),
+     ["config.json", "'hidden_size' = an integer of 71 bits"]),
+    ("config_rope_theta_inf", lambda p: _hf_folder(p, config={"rope_theta": 1e400}),
+     ["config.json", "'rope_theta' = inf", "finite"]),
+    ("llama_mlp_bias", lambda p: _hf_folder(p, config={"mlp_bias": True}), ["config.json", "'mlp_bias' = True"]),
+    ("qwen2_sliding_window", lambda p: _hf_folder(p, config={"model_type": "qwen2", "use_sliding_window": True}),
+     ["config.json", "'use_sliding_window' = True", "qwen2"]),
+    ("header_deep", _deep_header, ["model.safetensors: field 'header' nests deeper than 16"]),
+    ("header_5000_digits", _long_digits_header, ["model.safetensors: field 'header' is not valid JSON", "digits"]),
+    ("shape_not_a_list", lambda p: _hf_folder(p, edit=_edit_entry("shape", 16)), ["'model.norm.weight'",
+                                                                                  "field 'shape' = 16"]),
+    ("dtype_a_list", lambda p: _hf_folder(p, edit=_edit_entry("dtype", ["F32"])),
+     ["'model.norm.weight'", "field 'dtype' = ['F32']"]),
+    ("shape_product_overflows", lambda p: _hf_folder(p, edit=_edit_entry("shape", [2**40, 2**40])),
+     ["'model.norm.weight'", "field 'shape' = [1099511627776, 1099511627776]"]),
+    ("data_offsets_overlap", lambda p: _hf_folder(p, edit=_overlapping), ["model.safetensors", "invalid offset"]),
+    ("data_offsets_truncated", _truncated, ["model.safetensors", "field 'data_offsets'", "truncated"]),
+    ("shard_fifo", _write_over("model.safetensors", None), ["model.safetensors is not a regular file"]),
+    ("tensor_in_two_shards", lambda p: _hf_folder(p, shards=_two_halves()), ["is in two files", "a.safetensors",
+                                                                              "b.safetensors"]),
+    ("index_parent_path", _index(None, lambda ns: json.dumps({"weight_map": {n: "../x.safetensors" for n in ns}})),
+     ["model.safetensors.index.json", "'../x.safetensors', outside the checkpoint folder"]),
+    ("index_absolute_path", _index(None, lambda ns: json.dumps({"weight_map": {n: "/etc/x.safetensors" for n in ns}})),
+     ["model.safetensors.index.json", "outside the checkpoint folder"]),
+    ("index_deep", _index(None, lambda ns: '{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+     ["model.safetensors.index.json nests deeper than 16"]),
+    ("index_weight_map_a_list", _index(None, lambda ns: json.dumps({"weight_map": ns})),
+     ["model.safetensors.index.json", "field 'weight_map'"]),
+]
+
+
+@pytest.mark.parametrize("make, needles", [pytest.param(m, n, id=i) for i, m, n in HF_CASES])
+def test_damaged_hugging_face_checkpoints_give_one_line_naming_file_and_field(tmp_path, make, needles):
+    pytest.importorskip("safetensors")
+    from pcast_jax.models.hf_loader import read_hf_checkpoint
+
+    folder = make(tmp_path / "ckpt")
+    with pytest.raises(PcastError) as info:
+        read_hf_checkpoint(folder)
+    message = str(info.value)
+    assert "\n" not in message and str(folder) in message, message
+    for needle in needles:
+        assert needle in message, f"{needle!r} missing from {message!r}"
+
+
+def test_the_undamaged_checkpoint_of_the_hostile_cases_loads(tmp_path):
+    pytest.importorskip("safetensors")
+    from pcast_jax.models.hf_loader import read_hf_checkpoint
+
+    names = list(_hf_tensors())
+    for folder in (_hf_folder(tmp_path / "one"), _hf_folder(tmp_path / "two", shards={"a.safetensors": names[:6],
+                                                                                       "b.safetensors": names[6:]})):
+        cfg, flat = read_hf_checkpoint(folder)
+        assert cfg.num_layers == 1 and flat["layers.wk"].shape == (1, 4, 8)
+        np.testing.assert_array_equal(flat["final_norm"], _hf_tensors()["model.norm.weight"])
+
+
+@pytest.mark.parametrize("text, needle", [("{", "is not valid JSON"), ('{"model": 3}', "not a tokenizer"),
+                                          ("[" * 100_000, "nests deeper than 16")])
+def test_a_damaged_tokenizer_json_is_one_line_naming_it(tmp_path, text, needle):
+    pytest.importorskip("tokenizers")
+    from pcast_jax.models import load_tokenizer
+
+    folder = _write_over("tokenizer.json", text)(tmp_path / "ckpt")
+    with pytest.raises(PcastError, match=needle) as info:
+        load_tokenizer(folder)
+    assert "tokenizer.json" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_folder_without_config_json_is_named_as_a_checkpoint_folder(tmp_path):
+    from pcast_jax.models import load_model
+
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(PcastError, match="ckpt: no config.json"):
+        load_model(tmp_path / "ckpt")
+
+
+# --------------------------------------------------------------------------------------------
+# jax_fp8 files and placeholders; pcast analyze / whatif report / reproduce refuse or say why first
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind, needle", [("complex", "real numbers"), ("pipe", "is not a regular file"),
+                                          ("pickle", "holds Python objects"), ("directory", "not a regular file")])
+def test_a_sinks_file_that_is_not_real_logits_is_refused_naming_it(tmp_path, kind, needle):
+    from pcast_jax import jax_fp8
+
+    path = tmp_path / "sinks.npy"
+    if kind == "complex":
+        np.save(path, np.array([4.0 + 1.0j, 2.0]))
+    elif kind == "pipe":
+        os.mkfifo(path)
+    elif kind == "pickle":
+        np.save(path, np.array([4.0, None], dtype=object), allow_pickle=True)
+    else:
+        path.mkdir()
+    with pytest.raises(PcastError, match=needle) as info:
+        jax_fp8.predict(seq_len=256, head_dim=16, seeds=2, sinks=str(path))
+    assert "\n" not in str(info.value) and ("sinks" in str(info.value))
+
+
+def test_jax_fp8_without_a_sink_prints_no_theory_figure(capsys):
+    from pcast_jax import cli, jax_fp8
+
+    r = jax_fp8.predict(seq_len=256, head_dim=16, seeds=2)
+    assert np.isnan(r.theory_frac_zeroed).all() and np.isfinite(r.frac_zeroed).all()
+    assert cli.main(["jax-fp8", "--seq-len", "256", "--head-dim", "16", "--seeds", "2"]) == 0
+    text = capsys.readouterr().out
+    assert jax_fp8.NO_THEORY in text and "theory 0.0" not in text and "nan" not in text.lower(), text
+    assert cli.main(["jax-fp8", "--seq-len", "256", "--head-dim", "16", "--seeds", "2", "--format", "json"]) == 0
+    (head,) = json.loads(capsys.readouterr().out)["heads"]
+    assert head["theory_frac_zeroed"] == jax_fp8.NO_THEORY and head["sink_logit"] is None
+    with_sink = jax_fp8.predict(seq_len=256, head_dim=16, seeds=2, sinks=[8.0])
+    assert 0.0 < with_sink.theory_frac_zeroed[0] <= 1.0 and "theory " in with_sink.summary()
+
+
+def test_jax_fp8_beyond_the_memory_budget_is_refused_naming_the_size_and_the_budget(capsys, monkeypatch):
+    from pcast_jax import cli
+    from pcast_jax.sweep import plan as plan_
+
+    monkeypatch.setattr(plan_, "default_budget", lambda: 2**30)  # a 1 GiB machine
+    assert cli.main(["jax-fp8", "--seq-len", "1048576"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "seq_len=1048576" in line and "the budget is 1 GiB" in line, line
+
+
+@pytest.fixture
+def no_analysis(monkeypatch):
+    import pcast_jax.analysis as analysis_mod
+    from pcast_jax import whatif
+
+    def refuse(*_a, **_k):
+        raise _Computed("work started before the arguments were checked")
+
+    monkeypatch.setattr(analysis_mod, "analyze", refuse)
+    monkeypatch.setattr(analysis_mod, "load_trace", refuse)
+    monkeypatch.setattr(whatif, "report", refuse)
+
+
+def _cli_error(capsys, argv) -> str:
+    from pcast_jax import cli
+
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pcast: error:"), err
+    return err[0]
+
+
+def test_analyze_out_an_existing_file_is_refused_before_any_work(tmp_path, capsys, no_analysis):
+    (tmp_path / "report.md").write_text("a file the user keeps")
+    line = _cli_error(capsys, ["analyze", str(tmp_path / "t.npz"), "--out", str(tmp_path / "report.md")])
+    assert "--out=" in line and "is an existing file" in line, line
+    assert (tmp_path / "report.md").read_text() == "a file the user keeps"
+    line = _cli_error(capsys, ["analyze", str(tmp_path / "t.npz"), "--out", str(tmp_path / "report.md" / "sub")])
+    assert "not a folder" in line, line
+
+
+def test_whatif_report_out_a_file_is_refused_before_any_work(tmp_path, capsys, no_analysis):
+    (tmp_path / "keep.csv").write_text("a,b\n")
+    line = _cli_error(capsys, ["whatif", "report", "--quick", "--out", str(tmp_path / "keep.csv")])
+    assert "--out=" in line and "is an existing file" in line, line
+
+
+def test_analyze_of_a_pipe_is_refused_without_reading_it(tmp_path, capsys, no_analysis):
+    os.mkfifo(tmp_path / "trace.npz")
+    line = _cli_error(capsys, ["analyze", str(tmp_path / "trace.npz"), "--out", str(tmp_path / "a")])
+    assert "trace file" in line and "is not a regular file" in line, line
+
+
+def test_analyze_with_a_model_that_did_not_make_the_trace_is_refused_before_the_analysis(tmp_path, capsys,
+                                                                                          monkeypatch):
+    pytest.importorskip("safetensors")
+    import pcast_jax.analysis as analysis_mod
+    from pcast_jax.analysis import Trace
+
+    monkeypatch.setattr(analysis_mod, "analyze", lambda *a, **k: (_ for _ in ()).throw(_Computed("analysed")))
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((2, 1, 16, 1, 8)).astype(np.float32), rng.standard_normal((2, 1, 16, 1, 8))
+    Trace(q=q, k=k.astype(np.float32), v=k.astype(np.float32), lengths=np.array([16]), layers=("a", "b"),
+          tokens=np.arange(16)[None] + 10).save(tmp_path / "t.npz")
+    model = _hf_folder(tmp_path / "ckpt")  # 1 layer, 2 query heads, 1 KV head, head dim 4, vocabulary 16
+    line = _cli_error(capsys, ["analyze", str(tmp_path / "t.npz"), "--model", str(model), "--out",
+                               str(tmp_path / "a"), "--no-progress"])
+    for needle in ("does not match the trace", "layers 1 vs 2", "query heads 2 vs 1", "head dim 4 vs 8",
+                   "token id 25 vs vocabulary 16"):
+        assert needle in line, line
+    assert "KV heads" not in line, line
+
+
+@pytest.mark.parametrize("flags", [dict(quick=True), dict(only=["table1"])])
+def test_reproduce_says_why_its_extras_are_not_run(tmp_path, monkeypatch, flags):
+    registry = importlib.import_module("pcast_experiments.registry")
+    monkeypatch.setattr(registry, "EXPERIMENTS", {"table1": registry.EXPERIMENTS["table1"]})
+    def run(_ctx):
+        raise _Computed("an experiment ran")
+
+    monkeypatch.setattr(registry, "_load", lambda name: type("Experiment", (), {"run": staticmethod(run)}))
+    lines = []
+    with pytest.raises(_Computed):  # the note comes first, before any experiment runs
+        registry.reproduce(tmp_path, extras=("whatif",), log=lines.append, **flags)
+    note = [line for line in lines if line.startswith("extra sections not run: whatif")]
+    assert len(note) == 1 and ("--quick" if flags.get("quick") else "--only") in note[0], lines
+
+
+def test_analyze_with_weights_beyond_float32s_working_range_is_refused_before_the_analysis(tmp_path, capsys,
+                                                                                           monkeypatch):
+    pytest.importorskip("safetensors")
+    import pcast_jax.analysis as analysis_mod
+    from pcast_jax.analysis import Trace
+
+    monkeypatch.setattr(analysis_mod, "analyze", lambda *a, **k: (_ for _ in ()).throw(_Computed("analysed")))
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((1, 1, 12, 2, 4)), rng.standard_normal((1, 1, 12, 1, 4))
+    Trace(q=q.astype(np.float32), k=k.astype(np.float32), v=k.astype(np.float32), lengths=np.array([12]),
+          layers=("a",), tokens=np.arange(12)[None]).save(tmp_path / "t.npz")
+
+    model = _hf_folder(tmp_path / "ckpt")
+    raw = bytearray((model / "model.safetensors").read_bytes())
+    length = int.from_bytes(raw[:8], "little")
+    start = 8 + length + json.loads(raw[8:8 + length])["model.norm.weight"]["data_offsets"][0]
+    raw[start:start + 8 * 4] = np.full(8, 3e38, "<f4").tobytes()  # the final norm at 3e38: finite, but h·E overflows
+    (model / "model.safetensors").write_bytes(bytes(raw))
+    line = _cli_error(capsys, ["analyze", str(tmp_path / "t.npz"), "--model", str(model), "--out",
+                               str(tmp_path / "a"), "--no-progress"])
+    assert "exact FP32 forward on the trace's tokens is not finite" in line and "3e+38" in line, line

@@ -241,6 +241,7 @@ def test_bad_arguments_are_refused(kwargs, match):
 
 
 def test_cli_arguments():
+    before = signal.getsignal(signal.SIGINT)  # ignored when the tests were started under nohup or in the background
     parser = argparse.ArgumentParser()
     add_distributed_arguments(parser)
     assert init_from_args(parser.parse_args([])) is None  # single process: nothing started
@@ -256,7 +257,34 @@ def test_cli_arguments():
         init_from_args(parser.parse_args(["--coordinator", "h:1", "--num-processes", "2", "--process-id", "1",
                                           "--heartbeat-timeout", "0"]))
     # Refused arguments change nothing in the calling process: no signal handlers taken over.
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+_IGNORED_SIGINT_PROBE = """
+import signal, sys
+from pcast_jax.sweep import multihost
+assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+taken = multihost.take_signals(lambda *a: None)
+print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN, [signal.Signals(s).name for s in taken])
+"""
+
+
+def _ignoring_sigint(*argv):
+    """Python run with ``argv`` as under nohup: SIGINT ignored before it starts (set, then exec)."""
+    launch = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+              "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+    return [sys.executable, "-c", launch, *argv]
+
+
+def test_an_inherited_ignored_sigint_stays_ignored():
+    """Under nohup or as a background job SIGINT arrives ignored: the run keeps it so, SIGTERM is still taken."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    probe = subprocess.run(_ignoring_sigint("-c", _IGNORED_SIGINT_PROBE), capture_output=True, text=True,
+                           env=env, timeout=120)
+    assert probe.returncode == 0 and probe.stdout.split() == ["True", "['SIGTERM']"], probe
+    cli = subprocess.run(_ignoring_sigint("-m", "pcast_jax.cli", "theory", "--delta", "5"), capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert cli.returncode == 0 and "Traceback" not in cli.stderr and cli.stdout.strip(), cli
 
 
 def test_single_process_call_matches_run_sweep(tmp_path, reference):

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from pcast_jax import report
+from pcast_jax import stats as _stats
 from pcast_jax.analysis.study import SINK_MASS_MIN, Analysis
 
 __all__ = ["write_report", "NO_ROWS"]
@@ -22,6 +23,12 @@ __all__ = ["write_report", "NO_ROWS"]
 NO_ROWS = "n/a: no query row sees the sink and min_keys other keys (statistics) or min_keys keys besides it (kernel)"
 #: The y floor of the zeroed-mass panel (a mass of 0 is drawn there).
 _MASS_FLOOR = 1e-9
+
+
+def _config_cells(row: dict) -> dict:
+    """A configuration row as published: a standard error over fewer than 2 heads says so in words."""
+    return {k: (_stats.NO_SE if k.endswith("_sem") and isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in row.items()}
 
 
 def _cells(row: dict) -> dict:
@@ -54,7 +61,7 @@ def _figure(analysis: Analysis, path: Path) -> Path:
 def write_report(analysis: Analysis, out_dir, *, title: str = "P-cast analysis") -> Path:
     """Write the report files into ``out_dir``; returns the markdown file's path."""
     out = Path(out_dir)
-    rows = analysis.config_rows()
+    rows = [_config_cells(r) for r in analysis.config_rows()]
     report.write_csv(out / "analysis_configs.csv", rows)
     report.write_csv(out / "analysis_heads.csv", [_cells(r) for r in analysis.head_rows()])
     _figure(analysis, out / "analysis_layers.png")

@@ -187,7 +187,7 @@ def supervise(args: argparse.Namespace) -> int | None:
     JAX work: a forked copy of a threaded process can deadlock), returns None and does nothing:
     the command then runs unsupervised in this process. Bad arguments are refused before any fork.
     """
-    from pcast_jax.sweep.multihost import check_start_arguments
+    from pcast_jax.sweep.multihost import check_start_arguments, take_signals
 
     explicit, timeouts = _start_arguments(args)
     check_start_arguments(*explicit, **timeouts)
@@ -210,8 +210,7 @@ def supervise(args: argparse.Namespace) -> int | None:
         except ProcessLookupError:  # it has just ended; its status follows
             pass
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, forward)
+    take_signals(forward)
     transcript = collections.deque(maxlen=2000)
     saw_error = _relay(read_fd, transcript)
     _, status = os.waitpid(child, 0)

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from pcast_jax import fileio, report
 from pcast_jax.commands import _options
 
 DEFAULT_CONFIGS = "fwd_s1,fwd_s256,rev_s256,fa3,fa3_splitkv"
@@ -38,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
     mass_limit = _options.number("--mass-limit", args.mass_limit, positive=True)
     num_sinks = _options.integer("--num-sinks", args.num_sinks, min_value=1)
     log = (lambda _line: None) if args.progress is False else (lambda line: print(line, file=sys.stderr, flush=True))
+    report.check_out_dir(args.out)
+    fileio.check_regular(args.trace, what=f"trace file {args.trace}")  # a pipe would block the reader
     trace = load_trace(args.trace)
     logits_fn = None if args.model is None else _model_logits(args.model, trace)
     result = analyze(trace, kernels, num_sinks=num_sinks, mass_limit=mass_limit, logits_fn=logits_fn,
@@ -48,17 +51,43 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_model_matches(cfg, trace, path) -> None:
+    """The model must be the one that made the trace: its layers, heads, KV heads, head dim, vocabulary."""
+    from pcast_jax.errors import PcastError
+
+    L, _, _, hq, d = trace.q.shape
+    hkv = trace.k.shape[3]
+    pairs = [("layers", cfg.num_layers, L), ("query heads", cfg.num_heads, hq), ("KV heads", cfg.num_kv_heads, hkv),
+             ("head dim", cfg.head_dim, d)]
+    wrong = [f"{name} {got} vs {want}" for name, got, want in pairs if got != want]
+    if trace.tokens is not None and int(trace.tokens.max()) >= cfg.vocab_size:
+        wrong.append(f"token id {int(trace.tokens.max())} vs vocabulary {cfg.vocab_size}")
+    if wrong:
+        raise PcastError(f"--model={str(path)!r} does not match the trace ({', '.join(wrong)}: model vs trace); "
+                         "give the model the trace was recorded from")
+
+
 def _model_logits(path, trace):
     """``config -> logits`` of the model file on the trace's tokens (None: exact FP32)."""
+    import jax
+    import jax.numpy as jnp
+
     from pcast_jax.errors import PcastError
     from pcast_jax.models import FP8Attention, forward, load_model
 
     if trace.tokens is None:
         raise PcastError("--model needs a trace with tokens (Recorder.trace(tokens=...))")
     cfg, params = load_model(path)
+    _check_model_matches(cfg, trace, path)
+    exact = forward(params, cfg, trace.tokens, lengths=trace.lengths)  # checked once, before the analysis
+    if not bool(jnp.all(jnp.isfinite(exact))):
+        largest = max(float(jnp.max(jnp.abs(w))) for w in jax.tree_util.tree_leaves(params))
+        raise PcastError(f"--model={str(path)!r}: its exact FP32 forward on the trace's tokens is not finite "
+                         f"(largest |weight| = {largest:.3g}): the weights are out of float32's working range")
 
     def logits(config):
-        hook = None if config is None else FP8Attention(config=config)
-        return forward(params, cfg, trace.tokens, attention_fn=hook, lengths=trace.lengths)
+        if config is None:
+            return exact
+        return forward(params, cfg, trace.tokens, attention_fn=FP8Attention(config=config), lengths=trace.lengths)
 
     return logits

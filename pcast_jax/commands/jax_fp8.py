@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     heads = []
     for h in range(len(r.sinks)):
         heads.append({"sink_logit": None if r.sinks[h] == float("-inf") else float(r.sinks[h]),
-                      "theory_frac_zeroed": float(r.theory_frac_zeroed[h]),
+                      "theory_frac_zeroed": (jax_fp8.NO_THEORY if math.isnan(r.theory_frac_zeroed[h])
+                                             else float(r.theory_frac_zeroed[h])),
                       **{k: float(getattr(r, k)[h]) for k in ("frac_zeroed", "zeroed_mass", "frac_saturated",
                                                                "saturated_mass")},
                       **{f"{k}_sem": float(v[h]) for k, v in r.sem.items()}})

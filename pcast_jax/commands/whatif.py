@@ -177,6 +177,8 @@ def run(args: argparse.Namespace) -> int:
     printer = _Printer(getattr(args, "format", "table"))
     if analysis != "report":
         _out_format(args.out)
+    else:
+        report.check_out_dir(args.out)
     with progress.reporting(f"pcast whatif {analysis}", show=args.progress):
         rows = _run(args, analysis, printer)
     if analysis != "report":

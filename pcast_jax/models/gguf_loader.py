@@ -472,11 +472,32 @@ def load_model(gguf_path=None, *, use_cache: bool = True) -> tuple[LlamaConfig, 
     """
     from pcast_jax.models.hf_loader import is_hf_checkpoint, read_hf_checkpoint
 
-    if gguf_path is not None and is_hf_checkpoint(gguf_path):
-        cfg, flat = read_hf_checkpoint(gguf_path)
+    if gguf_path is not None and (is_hf_checkpoint(gguf_path) or Path(gguf_path).is_dir()):
+        cfg, flat = read_hf_checkpoint(gguf_path)  # a folder without config.json is refused naming it
         return cfg, _to_pytree(flat)
     cfg, flat, _ = _load_flat(gguf_path, use_cache=use_cache)
     return cfg, _to_pytree(flat)
+
+
+#: Largest tokenizer.json read (large vocabularies take tens of MiB).
+_MAX_TOKENIZER_BYTES = 256 * 2**20
+
+
+def _hf_tokenizer_text(path: Path) -> str:
+    """The text of a checkpoint's ``tokenizer.json``, bounded and checked by the tokenizers library."""
+    from pcast_jax import fileio
+
+    what = f"{path}"
+    text = fileio.read_bounded(path, what=what, max_bytes=_MAX_TOKENIZER_BYTES)
+    fileio.parse_json(text, what=what)  # nesting and damage: one line naming the file
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_str(text.decode("utf-8"))
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library's own error types
+        raise PcastError(f"{what}: not a tokenizer the tokenizers library reads "
+                         f"({' '.join(str(exc).split())[:200]})") from None
+    return text.decode("utf-8")
 
 
 def load_tokenizer(gguf_path=None, *, use_cache: bool = True) -> GGUFTokenizer:
@@ -484,11 +505,11 @@ def load_tokenizer(gguf_path=None, *, use_cache: bool = True) -> GGUFTokenizer:
     tokens and scores), or of a Hugging Face checkpoint folder (its ``tokenizer.json``)."""
     from pcast_jax.models.hf_loader import is_hf_checkpoint
 
-    if gguf_path is not None and is_hf_checkpoint(gguf_path):
+    if gguf_path is not None and (is_hf_checkpoint(gguf_path) or Path(gguf_path).is_dir()):
         path = Path(gguf_path) / "tokenizer.json"
-        if not path.is_file():
+        if not path.exists():
             raise PcastError(f"Hugging Face checkpoint {gguf_path}: tokenizer.json is missing")
-        return GGUFTokenizer(json.dumps({"tokenizer": path.read_text(encoding="utf-8"), "bos_id": -1, "eos_id": -1}))
+        return GGUFTokenizer(json.dumps({"tokenizer": _hf_tokenizer_text(path), "bos_id": -1, "eos_id": -1}))
     require_model_extra()
     path = _resolve_path(gguf_path)
     target = _cache_path(path)

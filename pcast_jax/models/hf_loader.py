@@ -2,22 +2,26 @@
 
 A folder holding ``config.json`` and either ``model.safetensors``, or the shards that
 ``model.safetensors.index.json`` maps every tensor to (any other ``*.safetensors`` files are
-read when there is neither). The safetensors format is read here directly (an 8-byte header
-length, a JSON header, raw little-endian data): F32, F16 and BF16 tensors, memory-mapped, each
-checked against the config's shape before it is read. Weights keep the Hugging Face layout:
-``[out, in]`` projections and Q/K for RoPE on the halves of each head (``rope = "half"``).
-Anything the forward would not reproduce (``rope_scaling``, another activation, a llama
-``attention_bias``) is refused naming the field.
+read when there is neither). Every JSON document (``config.json``, the index, each file's header) is
+read with the bounds of :mod:`pcast_jax.fileio` (size, nesting depth); the ``safetensors`` library
+validates each file's layout (offsets in order, not overlapping, inside the file; shapes whose size
+overflows) before F32, F16 and BF16 tensors are memory-mapped, each checked against the config's
+shape. A tensor found in two files and an index naming a file outside the folder are refused.
+Weights keep the Hugging Face layout: ``[out, in]`` projections and Q/K for RoPE on the halves of
+each head (``rope = "half"``). Anything the forward would not reproduce (``rope_scaling``, another
+activation, a llama ``attention_bias`` or ``mlp_bias``, a qwen2 ``use_sliding_window``) is refused
+naming the field; so is a model whose float32 weights exceed the memory budget
+(:func:`pcast_jax.sweep.check_memory`).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 
+from pcast_jax import fileio
 from pcast_jax.errors import PcastError
 from pcast_jax.models.llama_common import LlamaConfig, expected_shapes
 
@@ -27,6 +31,8 @@ __all__ = ["HF_ARCHITECTURES", "is_hf_checkpoint", "read_hf_checkpoint"]
 HF_ARCHITECTURES = {"llama": False, "qwen2": True}
 _DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": None}
 _MAX_HEADER = 100 * 2**20
+#: Largest integer field of config.json (a count or size): int32, what the forward indexes with.
+_MAX_FIELD = 2**31 - 1
 
 #: Flat parameter name → Hugging Face tensor name (``{i}``: the layer).
 _HF_NAMES = {
@@ -49,11 +55,14 @@ def is_hf_checkpoint(path) -> bool:
 
 
 def _config(folder: Path) -> LlamaConfig:
-    where = f"{folder / 'config.json'}"
-    try:
-        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PcastError(f"{where}: not a readable JSON file ({exc})") from None
+    if not folder.is_dir():
+        raise PcastError(f"Hugging Face checkpoint {folder}: not a folder")
+    path = folder / "config.json"
+    where = f"{path}"
+    if not path.exists():
+        raise PcastError(f"Hugging Face checkpoint {folder}: no config.json (a checkpoint folder holds "
+                         "config.json and *.safetensors files)")
+    raw = fileio.load_json(path, what=where)
     if not isinstance(raw, dict):
         raise PcastError(f"{where}: must hold a JSON object")
 
@@ -63,11 +72,17 @@ def _config(folder: Path) -> LlamaConfig:
                 raise PcastError(f"{where}: field {key!r} is missing")
             return default
         value = raw[key]
-        ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-              and value > 0 and (kind is float or float(value).is_integer()))
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or (isinstance(value, int) and value.bit_length() > 64):
+            ok = False
+        else:
+            ok = math.isfinite(value) and value > 0 and \
+                (kind is float or (float(value).is_integer() and value <= _MAX_FIELD))
         if not ok:
-            raise PcastError(f"{where}: field {key!r} = {value!r} must be a finite positive "
-                             f"{'number' if kind is float else 'integer'}")
+            shown = f"an integer of {value.bit_length()} bits" if isinstance(value, int) \
+                and value.bit_length() > 64 else repr(value)
+            raise PcastError(f"{where}: field {key!r} = {shown} must be a finite positive "
+                             f"{'number' if kind is float else f'integer <= {_MAX_FIELD}'}")
         return kind(value)
 
     arch = raw.get("model_type")
@@ -78,8 +93,12 @@ def _config(folder: Path) -> LlamaConfig:
         raise PcastError(f"{where}: field 'rope_scaling' = {raw['rope_scaling']!r} is not supported (plain RoPE only)")
     if raw.get("hidden_act", "silu") != "silu":
         raise PcastError(f"{where}: field 'hidden_act' = {raw['hidden_act']!r} is not supported (silu only)")
-    if arch == "llama" and raw.get("attention_bias", False):
-        raise PcastError(f"{where}: field 'attention_bias' = true is not supported for llama")
+    # fields that change the model: refused where the forward would not reproduce them
+    for key, archs in (("attention_bias", ("llama",)), ("mlp_bias", ("llama", "qwen2")),
+                       ("use_sliding_window", ("qwen2", "llama"))):
+        if arch in archs and raw.get(key, False) not in (False, None):
+            raise PcastError(f"{where}: field {key!r} = {raw[key]!r} is not supported for {arch} "
+                             "(the forward has no such layers)")
     heads = get("num_attention_heads")
     hidden = get("hidden_size")
     if hidden % heads and "head_dim" not in raw:
@@ -93,72 +112,135 @@ def _config(folder: Path) -> LlamaConfig:
     tied = raw.get("tie_word_embeddings", False)
     if not isinstance(tied, bool):
         raise PcastError(f"{where}: field 'tie_word_embeddings' = {tied!r} must be true or false")
-    return LlamaConfig(
+    cfg = LlamaConfig(
         num_layers=get("num_hidden_layers"), hidden_size=hidden, intermediate_size=get("intermediate_size"),
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rope_base=get("rope_theta", 10000.0, kind=float),
         rope_dim=head_dim, rms_eps=get("rms_norm_eps", kind=float), vocab_size=get("vocab_size"),
         context_length=get("max_position_embeddings"), tied_embeddings=tied, name=str(raw.get("_name_or_path", "")),
         architecture=arch, rope="half", qkv_bias=HF_ARCHITECTURES[arch])
+    from pcast_jax.sweep.plan import check_memory
+
+    per_layer = cfg.num_layers  # each "layers." tensor is stacked over the layers
+    count = sum(math.prod(shape) * (per_layer if key.startswith("layers.") else 1)
+                for key, shape in expected_shapes(cfg).items())
+    check_memory(f"{where}: the model's float32 weights ({count} values, field 'num_hidden_layers' = "
+                 f"{cfg.num_layers})", 4 * count)
+    return cfg
 
 
 def _header(path: Path) -> tuple[dict, int]:
-    """The JSON header of a safetensors file and where its data starts."""
-    size = path.stat().st_size
+    """The JSON header of a safetensors file and where its data starts, the layout validated.
+
+    Each tensor's fields are checked here (naming the field); the ``safetensors`` library then
+    validates the layout (offsets contiguous, not overlapping, inside the file; sizes that overflow).
+    """
+    where = f"safetensors file {path}"
+    size = fileio.check_regular(path, what=where)  # a pipe is refused before it is opened for reading
     with open(path, "rb") as handle:
         head = handle.read(8)
         if len(head) < 8:
-            raise PcastError(f"safetensors file {path}: field 'header length' is truncated")
+            raise PcastError(f"{where}: field 'header length' is truncated")
         length = int.from_bytes(head, "little")
         if length > min(size - 8, _MAX_HEADER):
-            raise PcastError(f"safetensors file {path}: field 'header length' = {length} exceeds the file")
-        try:
-            header = json.loads(handle.read(length).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise PcastError(f"safetensors file {path}: field 'header' is not JSON ({exc})") from None
+            raise PcastError(f"{where}: field 'header length' = {length} exceeds the file")
+        header = fileio.parse_json(handle.read(length), what=f"{where}: field 'header'")
     if not isinstance(header, dict):
-        raise PcastError(f"safetensors file {path}: field 'header' must be a JSON object")
+        raise PcastError(f"{where}: field 'header' must be a JSON object")
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        at = f"{where}: tensor {name!r}"
+        if not isinstance(entry, dict):
+            raise PcastError(f"{at} must be a JSON object with 'dtype', 'shape' and 'data_offsets'")
+        shape, dtype, offsets = entry.get("shape"), entry.get("dtype"), entry.get("data_offsets")
+        if not isinstance(dtype, str):
+            raise PcastError(f"{at}: field 'dtype' = {dtype!r} must be a string (F32, F16 or BF16)")
+        if not (isinstance(shape, list) and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x
+                                                for x in shape)):
+            raise PcastError(f"{at}: field 'shape' = {shape!r} must be a list of integers >= 0")
+        if math.prod(shape) > size:  # a value takes at least a byte
+            raise PcastError(f"{at}: field 'shape' = {shape} holds more values than the file "
+                             f"({size} bytes)")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(x, int) for x in offsets)):
+            raise PcastError(f"{at}: field 'data_offsets' = {offsets!r} must be two integers")
+        if not 0 <= offsets[0] <= offsets[1] <= size - 8 - length:
+            raise PcastError(f"{at}: field 'data_offsets' = {offsets} is not inside the file's "
+                             f"{size - 8 - length} data bytes (a truncated file?)")
+    _validate_layout(path, where)
     return header, 8 + length
 
 
-def _tensor_files(folder: Path) -> dict[str, Path]:
-    """Tensor name → the safetensors file holding it."""
+def _validate_layout(path: Path, where: str) -> None:
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise PcastError("reading a Hugging Face checkpoint needs the safetensors package "
+                         "(pip install 'pcast_jax[model]')") from None
+    try:
+        with safe_open(str(path), framework="numpy"):
+            pass
+    except Exception as exc:  # noqa: BLE001 - the library's own error type (SafetensorError)
+        raise PcastError(f"{where}: {' '.join(str(exc).split())}") from None
+
+
+def _shard(folder: Path, index: Path, file) -> Path:
+    """The file an index entry names, refused unless it is a plain name of a file inside ``folder``."""
+    if not isinstance(file, str) or not file:
+        raise PcastError(f"{index}: field 'weight_map' names {file!r}, not a file name")
+    path = folder / file
+    if Path(file).is_absolute() or ".." in Path(file).parts or not path.resolve().is_relative_to(folder.resolve()):
+        raise PcastError(f"{index}: field 'weight_map' names {file!r}, outside the checkpoint folder")
+    return path
+
+
+def _tensor_files(folder: Path, headers: dict) -> dict[str, Path]:
+    """Tensor name → the safetensors file holding it (every file's header read into ``headers``)."""
     index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            return {str(name): folder / str(file) for name, file in weight_map.items()}
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-            raise PcastError(f"{index}: field 'weight_map' is missing or damaged ({exc})") from None
-    files = [folder / "model.safetensors"] if (folder / "model.safetensors").is_file() \
-        else sorted(folder.glob("*.safetensors"))
+    weight_map = None
+    if index.exists():
+        raw = fileio.load_json(index, what=f"{index}")
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(weight_map, dict):
+            raise PcastError(f"{index}: field 'weight_map' is missing or not a JSON object")
+        files = sorted({_shard(folder, index, file) for file in weight_map.values()})
+    elif (folder / "model.safetensors").exists():
+        files = [folder / "model.safetensors"]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise PcastError(f"Hugging Face checkpoint {folder}: no *.safetensors file")
-    out = {}
+    out: dict[str, Path] = {}
     for file in files:
-        out.update({name: file for name in _header(file)[0] if name != "__metadata__"})
+        if not file.exists():
+            raise PcastError(f"safetensors file {file} (named by {index.name}) does not exist")
+        headers[file] = _header(file)
+        for name in headers[file][0]:
+            if name == "__metadata__":
+                continue
+            if name in out:
+                raise PcastError(f"Hugging Face checkpoint {folder}: tensor {name!r} is in two files, "
+                                 f"{out[name].name} and {file.name}")
+            out[name] = file
+    if weight_map is not None:
+        return {str(name): _shard(folder, index, file) for name, file in weight_map.items()}
     return out
 
 
 def _read_tensor(file: Path, name: str, shape: tuple[int, ...], headers: dict) -> np.ndarray:
-    if file not in headers:
-        if not file.is_file():
-            raise PcastError(f"safetensors file {file} (holding {name!r}) does not exist")
-        headers[file] = _header(file)
     header, start = headers[file]
     entry = header.get(name)
     where = f"safetensors file {file}: tensor {name!r}"
     if not isinstance(entry, dict):
         raise PcastError(f"{where} is missing")
-    dtype = entry.get("dtype")
+    dtype = entry["dtype"]
     if dtype not in _DTYPES:
         raise PcastError(f"{where}: field 'dtype' = {dtype!r} is not read (F32, F16 or BF16)")
-    if tuple(entry.get("shape", ())) != shape:
-        raise PcastError(f"{where}: field 'shape' = {entry.get('shape')}, expected {list(shape)}")
-    offsets = entry.get("data_offsets")
+    if tuple(entry["shape"]) != shape:
+        raise PcastError(f"{where}: field 'shape' = {entry['shape']}, expected {list(shape)}")
+    offsets = entry["data_offsets"]
     itemsize = 4 if dtype == "F32" else 2
-    count = int(np.prod(shape))
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(x, int) for x in offsets)
-            and 0 <= offsets[0] and offsets[1] - offsets[0] == count * itemsize
+    count = math.prod(shape)
+    if not (0 <= offsets[0] and offsets[1] - offsets[0] == count * itemsize
             and start + offsets[1] <= file.stat().st_size):
         raise PcastError(f"{where}: field 'data_offsets' = {offsets} does not hold {count} {dtype} values "
                          "inside the file")
@@ -176,8 +258,8 @@ def read_hf_checkpoint(folder) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
     """(config, flat name → float32 array) of a Hugging Face llama or qwen2 checkpoint folder."""
     folder = Path(folder)
     cfg = _config(folder)
-    files = _tensor_files(folder)
     headers: dict = {}
+    files = _tensor_files(folder, headers)
     flat = {}
     for key, shape in expected_shapes(cfg).items():
         per_layer = key.startswith("layers.")

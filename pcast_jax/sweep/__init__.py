@@ -24,7 +24,7 @@ from pcast_jax.errors import PcastError, check_int, check_positive
 from pcast_jax.sweep.compute import compute_chunk
 from pcast_jax.sweep.local import run_sweep_local
 from pcast_jax.sweep.multihost import ProcessInfo, init_distributed, process_info, run_sweep_distributed
-from pcast_jax.sweep.plan import plan_layout
+from pcast_jax.sweep.plan import check_memory, plan_layout
 from pcast_jax.sweep.spec import (
     SIMULATOR_VERSION,
     SweepResult,
@@ -35,7 +35,7 @@ from pcast_jax.sweep.spec import (
 )
 from pcast_jax.sweep.store import load_result
 
-__all__ = ["SweepSpec", "SweepResult", "run_sweep", "plan_layout", "compute_chunk", "instance_key",
+__all__ = ["SweepSpec", "SweepResult", "run_sweep", "plan_layout", "check_memory", "compute_chunk", "instance_key",
            "estimate_instance_bytes", "load_result", "SIMULATOR_VERSION", "ProcessInfo", "init_distributed",
            "process_info", "run_sweep_distributed"]
 

@@ -67,7 +67,7 @@ from pcast_jax.sweep.store import (
 
 __all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT_HEARTBEAT_TIMEOUT_S", "MAX_TIMEOUT_S", "ProcessInfo",
            "check_start_arguments", "exit_run", "init_distributed", "is_agreed", "peer_notice", "process_info",
-           "run_sweep_distributed", "watch_run"]
+           "run_sweep_distributed", "take_signals", "watch_run"]
 
 _WATCH_INTERVAL_S = 0.25  # how often a process looks for another process's failure notice
 _NOTICE_DIR = "pcast_failed/"  # key-value directory where a failing process leaves its one line
@@ -381,27 +381,39 @@ def _leave_notice(message: str) -> None:
 def watch_run(supervisor: int | None = None) -> None:
     """Make this process of a multi-process run stop at once, cleanly, when it or another one fails.
 
-    Call it from the main thread before :func:`init_distributed` (the command line does); it turns
-    off JAX's preemption service, which would otherwise take SIGTERM. Ctrl-C
-    (SIGINT) and SIGTERM end this process through :func:`exit_run` (exit status 130 or 143) even
-    while it waits in native code, and leave a notice for the other processes; a watcher thread
-    ends this process with :data:`~pcast_jax.errors.EXIT_PEER_FAILED` as soon as another process
-    leaves such a notice, or when the process ``supervisor`` (the one that started this one) is
-    gone. Processes that end without a notice (killed, crashed, hung) are found by JAX's heartbeat
-    (``heartbeat_timeout_s`` of :func:`init_distributed`), which aborts the others natively.
+    Call it from the main thread before :func:`init_distributed` (the command line does); it turns off
+    JAX's preemption service, which would otherwise take SIGTERM. Ctrl-C (SIGINT) and SIGTERM end this
+    process through :func:`exit_run` (exit status 130 or 143) even while it waits in native code (one
+    inherited as ignored stays ignored: :func:`take_signals`), and leave a notice for the other
+    processes; a watcher thread ends this process with :data:`~pcast_jax.errors.EXIT_PEER_FAILED` as
+    soon as another process leaves such a notice, or when the process ``supervisor`` (the one that
+    started this one) is gone. Processes that end without a notice (killed, crashed, hung) are found by
+    JAX's heartbeat (``heartbeat_timeout_s`` of :func:`init_distributed`), which aborts the others
+    natively.
     """
     # JAX's preemption service would take SIGTERM over natively (as a notice to checkpoint, the run
     # going on); a sweep has no use for it: every finished chunk is already on disk.
     jax.config.update("jax_enable_preemption_service", False)
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, _on_signal)
+    take_signals(_on_signal)
     # The C-level handler writes each signal here at once; the main thread may be inside a native
     # call for minutes before Python's handler would run.
     signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     threading.Thread(target=_watch_signals, args=(read_fd,), name="pcast-signals", daemon=True).start()
     threading.Thread(target=_watch_others, args=(supervisor,), name="pcast-peers", daemon=True).start()
+
+
+def take_signals(handler) -> tuple[int, ...]:
+    """Handle SIGINT and SIGTERM with ``handler``, except a signal this process inherited as ignored.
+
+    A command started under ``nohup`` or as a background job of a shell inherits SIGINT ignored:
+    whoever started it asked that Ctrl-C not reach it, so it keeps ignoring it. Returns the signals taken.
+    """
+    taken = tuple(s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not signal.SIG_IGN)
+    for signum in taken:
+        signal.signal(signum, handler)
+    return taken
 
 
 def _on_signal(signum, _frame=None) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 from pcast_jax.errors import PcastError, check_int, check_positive
 from pcast_jax.sweep.spec import SweepSpec, estimate_instance_bytes
 
-__all__ = ["Unit", "default_budget", "plan_layout", "plan_process_layout", "units", "plan_calls",
+__all__ = ["Unit", "default_budget", "check_memory", "plan_layout", "plan_process_layout", "units", "plan_calls",
            "seed_indices", "call_seeds"]
 
 
@@ -47,6 +47,20 @@ def default_budget() -> int:
     except (ValueError, OSError, AttributeError):
         total = 8 << 30
     return int(total * 0.25)
+
+
+def check_memory(what: str, nbytes: int, *, budget: int | None = None) -> int:
+    """``nbytes``, or a PcastError naming ``what``, its size and the budget when it needs more.
+
+    The one memory bound of the package for work sized by its input: ``budget`` defaults to
+    :func:`default_budget` (half the device's memory, a quarter of the host's on CPU). Call it with
+    the bytes the work will hold at once, before any of it is allocated.
+    """
+    limit = default_budget() if budget is None else int(budget)
+    if nbytes > limit:
+        raise PcastError(f"{what} needs {nbytes / 2**30:.3g} GiB of memory; the budget is "
+                         f"{limit / 2**30:.3g} GiB (half the device's memory, a quarter of the host's on CPU)")
+    return int(nbytes)
 
 
 #: Bytes one (seed, Δ, config) adds to a chunk: its metrics as float32, twice (device and host copy).
