@@ -422,12 +422,15 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     kv_lens = _lengths("key_value_seq_lengths", key_value_seq_lengths, b)
     window = _window(local_window_size)
     if sinks is not None:
+        # a concrete array (also one a jitted caller closes over) is checked on the host; a traced one
+        # cannot be, and a non-finite traced sink gives NaN rows (engine._sink_rows)
+        concrete = None if isinstance(sinks, jax.core.Tracer) else np.asarray(sinks)
         sinks = jnp.asarray(sinks)
         if sinks.shape != (n,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
             raise PcastError(f"sinks must be a floating-point array of shape (N,) = ({n},): one learned sink logit "
                              f"per query head; got {sinks.dtype} {sinks.shape}")
         sinks = sinks.astype(jnp.float32)
-        if not isinstance(sinks, jax.core.Tracer) and not bool(jnp.all(jnp.isfinite(sinks))):
+        if concrete is not None and not np.all(np.isfinite(concrete)):
             raise PcastError("sinks contains NaN or inf: learned sink logits must be finite")
 
     if impl in _KERNELS:

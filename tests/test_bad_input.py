@@ -1380,3 +1380,33 @@ def test_analyze_with_weights_beyond_float32s_working_range_is_refused_before_th
     line = _cli_error(capsys, ["analyze", str(tmp_path / "t.npz"), "--model", str(model), "--out",
                                str(tmp_path / "a"), "--no-progress"])
     assert "exact FP32 forward on the trace's tokens is not finite" in line and "3e+38" in line, line
+
+
+def test_damaged_trace_files_give_one_line_naming_the_file(tmp_path):
+    """load_trace reads through the bounded .npz reader: a truncated trace (the commonest damage), a plain
+    .npy, a 0-d ``dims``, a declared shape past the memory budget and a missing file are one PcastError each."""
+    from pcast_jax.analysis.capture import Trace, load_trace
+
+    rng = np.random.default_rng(0)
+    q = rng.normal(size=(1, 1, 8, 2, 4)).astype(np.float32)
+    k = rng.normal(size=(1, 1, 8, 1, 4)).astype(np.float32)
+    Trace(q=q, k=k, v=k, lengths=np.array([8]), layers=("l0",)).save(tmp_path / "t.npz")
+    assert load_trace(tmp_path / "t.npz").q.shape == q.shape
+    raw = (tmp_path / "t.npz").read_bytes()
+    (tmp_path / "trunc.npz").write_bytes(raw[: len(raw) // 2])
+    np.save(tmp_path / "plain.npy", np.zeros(3))
+    with np.load(tmp_path / "t.npz") as z:
+        fields = dict(z)
+    np.savez(tmp_path / "dims0.npz", **{**fields, "dims": np.array("x")})
+    header = np.lib.format.header_data_from_array_1_0(np.zeros(1, np.float32))
+    import io
+    import zipfile
+    with zipfile.ZipFile(tmp_path / "huge.npz", "w") as zf:  # a header declaring 2^40 float32 values
+        buf = io.BytesIO()
+        np.lib.format.write_array_header_1_0(buf, {**header, "shape": (1 << 40,)})
+        zf.writestr("q.npy", buf.getvalue())
+    for name, words in [("trunc.npz", "not a readable .npz"), ("plain.npy", "not a readable .npz"),
+                        ("dims0.npz", "field 'dims'"), ("huge.npz", "huge.npz"), ("missing.npz", "does not exist")]:
+        with pytest.raises(PcastError, match="trace file") as exc:
+            load_trace(tmp_path / name)
+        assert words in str(exc.value) and "\n" not in str(exc.value), (name, str(exc.value))

@@ -330,3 +330,16 @@ def test_implementation_cudnn_names_the_simulated_presets():
     q = jnp.ones((1, 4, 1, 8), jnp.float32)
     with pytest.raises(PcastError, match="implementation='cudnn'.*cudnn_fp8_tau0.*cudnn_fp8"):
         pj.dot_product_attention(q, q, q, implementation="cudnn", config="fa3")
+
+
+def test_sinks_a_jitted_caller_closes_over_are_checked_and_used():
+    """A concrete sinks array captured by a jitted function: the same output as passing it, and a NaN in
+    it is refused when the function is traced (no TracerBoolConversionError)."""
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 8, 2, 16)), jnp.float32)
+    sinks = jnp.array([1.0, -2.0], jnp.float32)
+    direct = pj.dot_product_attention(q, q, q, sinks=sinks, config="fa3")
+    closed = jax.jit(lambda x: pj.dot_product_attention(x, x, x, sinks=sinks, config="fa3"))(q)
+    np.testing.assert_allclose(np.asarray(closed), np.asarray(direct), rtol=1e-6, atol=1e-7)
+    bad = jnp.array([1.0, jnp.nan], jnp.float32)
+    with pytest.raises(PcastError, match="sinks contains NaN"):
+        jax.jit(lambda x: pj.dot_product_attention(x, x, x, sinks=bad, config="fa3"))(q)

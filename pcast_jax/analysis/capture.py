@@ -167,20 +167,19 @@ def _check_trace(trace: Trace, where: str) -> None:
 
 def load_trace(path) -> Trace:
     """Read a trace written by :meth:`Trace.save`; a damaged file raises a PcastError naming it and the field."""
+    from pcast_jax import fileio
+    from pcast_jax.sweep.plan import default_budget
+
     path = Path(path)
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            fields = {name: data[name] for name in data.files}
-    except FileNotFoundError:
-        raise PcastError(f"trace file {path}: not found") from None
-    except (OSError, ValueError, EOFError) as exc:
-        raise PcastError(f"trace file {path}: not a readable .npz trace ({exc})") from None
+    # bounded: the file, each member's declared size and each header are checked before anything is
+    # inflated (a truncated zip, a pickle, a pipe or a huge declared shape is one line naming the file)
+    fields = fileio.load_npz(path, what=f"trace file {path}", max_bytes=default_budget())
     for name in ("format", "q", "k", "v", "lengths", "layers"):
         if name not in fields:
             raise PcastError(f"trace file {path}: field {name!r} is missing (write traces with Trace.save)")
     if str(fields["format"]) != _FORMAT:
         raise PcastError(f"trace file {path}: field 'format' is {str(fields['format'])!r}, expected {_FORMAT!r}")
-    if "dims" in fields and tuple(str(x) for x in fields["dims"]) != TRACE_DIMS:
+    if "dims" in fields and (fields["dims"].ndim != 1 or tuple(str(x) for x in fields["dims"]) != TRACE_DIMS):
         raise PcastError(f"trace file {path}: field 'dims' is {fields['dims'].tolist()}, expected {list(TRACE_DIMS)}")
     trace = Trace.__new__(Trace)
     for name in ("q", "k", "v", "lengths", "layers"):
