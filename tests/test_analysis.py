@@ -179,7 +179,7 @@ def test_trace_file_round_trip_and_damaged_files(tmp_path):
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
     with pytest.raises(PcastError, match="junk.npz"):
         load_trace(tmp_path / "junk.npz")
-    with pytest.raises(PcastError, match="not found"):
+    with pytest.raises(PcastError, match="does not exist"):
         load_trace(tmp_path / "absent.npz")
 
 

@@ -27,10 +27,10 @@ from pcast_jax.workloads import SinkWorkload, make_instance
 # --------------------------------------------------------------------------------------------
 
 
-def test_new_fields_keep_old_fingerprints_and_names():
+def test_split_and_f16_fields_keep_the_default_fingerprint_and_names():
     assert SweepSpec(deltas=(7.0,), ns=(4096,), seeds=4).fingerprint() == "109b3b7528d3467c"
     d = KernelConfig(scale=256.0).to_dict()
-    assert not {"kv_splits", "split_layout", "f16_round_keys", "v_channel_max"} & set(d)
+    assert (d["kv_splits"], d["split_layout"], d["f16_round_keys"], d["v_channel_max"]) == (1, "contiguous", 0, 0.0)
     assert KernelConfig(scale=256.0, order="reverse").name == "rev_s256"
     assert KernelConfig(kv_splits=8).name == "fwd_s1_split8"
     assert KernelConfig(kv_splits=8, split_layout="strided").name == "fwd_s1_split8s"

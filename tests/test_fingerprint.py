@@ -357,7 +357,7 @@ def test_gpu_check_fingerprint_step_reads_a_simulated_cudnn(capsys):
 def check_fingerprint_page(scope: dict, printed: str, folder) -> None:
     """docs/guides/fingerprint.md, after tests/test_docs.py ran its blocks: what the page says they print."""
     lines = printed.splitlines()
-    assert lines[0] == "order=reverse,scale=32,block_kv=96", lines[0]
+    assert lines[0] == "order=reverse,block_kv=96,scale=32", lines[0]
     assert lines[1].startswith("order = 'reverse' (decided by the ") and "fits" in lines[1], lines[1]
     assert lines[2].startswith("block_kv = 96 (decided by the ") and "fits" in lines[2], lines[2]
     assert lines[3] == "1 call"
