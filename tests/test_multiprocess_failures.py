@@ -50,7 +50,13 @@ def _start(out: Path, port: int, process_id: int, *, devices: int = 1, init_s: f
            "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(num_processes),
            "--process-id", str(process_id)]
     return subprocess.Popen(cmd, env=_env(devices, out.parent), stdout=stdout, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, preexec_fn=_default_sigint)
+
+
+def _default_sigint() -> None:
+    """In the child: Ctrl-C as a terminal delivers it, whatever the suite inherited (a suite started under
+    nohup or as a background job ignores SIGINT, and a command that inherits that keeps ignoring it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.fixture

@@ -352,9 +352,12 @@ class Recorder:
         learned = (jnp.full((query.shape[2],), -jnp.inf, jnp.float32) if sinks is None
                    else jnp.asarray(sinks, jnp.float32))
         index = jnp.asarray(0 if isinstance(name, str) else name, jnp.int32)  # a hook's layer may be traced
+        # ordered: under the model's vmap over sequences the calls arrive in sequence order (an unordered
+        # callback may run the batch's elements in any order, and the trace would pair them with the
+        # wrong tokens)
         jax.debug.callback(functools.partial(self._store, name if isinstance(name, str) else None), index,
                            query.astype(jnp.float32), key.astype(jnp.float32), value.astype(jnp.float32),
-                           lengths, windows, learned, code)
+                           lengths, windows, learned, code, ordered=True)
 
     def _store(self, name, index, q, k, v, lengths, windows, learned, code):
         name = name if name is not None else int(np.asarray(index))
