@@ -22,12 +22,13 @@ from typing import Literal
 import numpy as np
 
 from pcast_jax.config import KernelConfig
-from pcast_jax.errors import PcastError, check_choice
+from pcast_jax.errors import PcastError, check_choice, check_int
 from pcast_jax.presets import get_preset
 from pcast_jax.stats import decide, mean_sem
 
 __all__ = ["Deployment", "DEPLOYMENTS", "ENGINES", "GPUS", "KV_CACHE_DTYPES", "KNOBS", "find", "checkpoint_scales",
-           "scale_from_knob", "knob_from_scale", "Diagnosis", "diagnose", "ZEROED_MASS_LIMIT", "CLIPPED_MASS_LIMIT"]
+           "scale_from_knob", "knob_from_scale", "SCALE_RANGE", "Diagnosis", "diagnose", "ZEROED_MASS_LIMIT",
+           "CLIPPED_MASS_LIMIT"]
 
 #: GPU architectures: NVIDIA compute capabilities and AMD gfx targets.
 GPUS = ("sm90", "sm100", "sm120", "gfx942", "gfx950")
@@ -162,39 +163,49 @@ _SCALE_NAMES = ("q_scale", "k_scale", "v_scale", "prob_scale")
 def checkpoint_scales(folder: str | os.PathLike) -> dict[str, dict[str, float]]:
     """The attention scales a checkpoint folder holds: ``{"prob_scale": {tensor name: value}, ...}``.
 
-    Reads only tensors whose names end in ``q_scale``, ``k_scale``, ``v_scale`` or ``prob_scale`` from
-    the folder's ``*.safetensors`` files (through the ``safetensors`` library; never the weights). A
-    scale that is not one finite positive number is refused, naming the tensor and the file.
+    Reads only tensors whose names end in ``q_scale``, ``k_scale``, ``v_scale`` or ``prob_scale`` (never
+    the weights), from ``model.safetensors``, the shards ``model.safetensors.index.json`` names or else
+    every ``*.safetensors`` file, through :mod:`pcast_jax.safetensors_files` (headers bounded, layout
+    validated by the ``safetensors`` library; a pipe, an index entry outside the folder or a tensor in two
+    files refused). A scale that is not one F32, F16 or BF16 number in :data:`SCALE_RANGE` is refused,
+    naming the tensor and the file.
     """
+    from pcast_jax import safetensors_files
+
     path = Path(folder)
     if not path.is_dir():
         raise PcastError(f"checkpoint={str(path)!r} is not a folder (a Hugging Face checkpoint folder with "
                          "*.safetensors files)")
-    files = sorted(p for p in path.glob("*.safetensors") if p.is_file())
-    if not files:
+    if not any(path.glob("*.safetensors")):
         raise PcastError(f"checkpoint={str(path)!r} holds no *.safetensors file")
-    try:
-        from safetensors import SafetensorError, safe_open
-    except ImportError:
-        raise PcastError("reading a checkpoint's scales needs the safetensors package: "
-                         "pip install 'pcast_jax[model]'") from None
+    headers: dict = {}
+    files = safetensors_files.tensor_files(path, headers)
     found: dict[str, dict[str, float]] = {name: {} for name in _SCALE_NAMES}
-    for file in files:
-        try:
-            with safe_open(str(file), framework="numpy") as f:
-                for key in f.keys():
-                    kind = next((n for n in _SCALE_NAMES if key == n or key.endswith("." + n)), None)
-                    if kind is None:
-                        continue
-                    value = np.asarray(f.get_tensor(key), dtype=np.float64)
-                    if value.size != 1 or not math.isfinite(float(value.reshape(-1)[0])) or float(
-                            value.reshape(-1)[0]) <= 0:
-                        raise PcastError(f"{file.name}: tensor {key!r} = {value.reshape(-1)[:4].tolist()} must be "
-                                         "one finite positive number")
-                    found[kind][key] = float(value.reshape(-1)[0])
-        except (SafetensorError, OSError, ValueError, TypeError) as exc:
-            raise PcastError(f"{file}: not a readable safetensors file ({exc})") from None
+    for key in sorted(files):
+        kind = next((n for n in _SCALE_NAMES if key == n or key.endswith("." + n)), None)
+        if kind is None:
+            continue
+        file = files[key]
+        if file not in headers:  # named by the index only
+            headers[file] = safetensors_files.header(file)
+        value = safetensors_files.read_tensor(file, key, headers)
+        where = f"safetensors file {file}: tensor {key!r}"
+        if value.size != 1:
+            raise PcastError(f"{where}: field 'shape' = {list(value.shape)} must hold one number (a per-tensor scale)")
+        found[kind][key] = _check_scale(f"{where}: value", float(value.reshape(-1)[0]))
     return found
+
+
+#: Range of a scale read or given (prob_scale, scale_s, q/k/v scales): S = factor/prob_scale then stays in
+#: a kernel's scale range [2^-100, 2^100] for the factors of :data:`DEPLOYMENTS` (1 or 2).
+SCALE_RANGE = (2.0**-90, 2.0**90)
+
+
+def _check_scale(what: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) or not (
+            math.isfinite(float(value)) and SCALE_RANGE[0] <= float(value) <= SCALE_RANGE[1]):
+        raise PcastError(f"{what}={value!r} must be a finite positive number in [2^-90, 2^90]")
+    return float(value)
 
 
 def scale_from_knob(knob: str, value: float, factor: float = 1.0) -> float:
@@ -202,10 +213,8 @@ def scale_from_knob(knob: str, value: float, factor: float = 1.0) -> float:
     check_choice("knob", knob, KNOBS)
     if knob == "none":
         raise PcastError("this deployment has no P-scale knob")
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) or not (
-            math.isfinite(float(value)) and float(value) > 0):
-        raise PcastError(f"{knob}={value!r} must be a finite positive number")
-    return factor / float(value) if knob == "prob_scale" else float(value)
+    value = _check_scale(knob, value)
+    return factor / value if knob == "prob_scale" else value
 
 
 def knob_from_scale(knob: str, scale: float, factor: float = 1.0) -> float:
@@ -283,7 +292,7 @@ def diagnose(deployment: Deployment, *, knob_value: float | None = None, scales:
         values in ``scales``, else what the engine does without one (the preset as it is).
       scales: :func:`checkpoint_scales` of the deployed checkpoint.
       deltas: sink strengths Δ to test (the verdict takes the worst).
-      n, seeds: KV length and seeds of the synthetic workload (q_len 8, d 16; four token sinks at the
+      n, seeds: KV length and seeds (2 to 256) of the synthetic workload (q_len 8, d 16; four token sinks at the
         front, or a learned sink logit Δ with ``learned_sink``).
 
     Returns:
@@ -291,9 +300,14 @@ def diagnose(deployment: Deployment, *, knob_value: float | None = None, scales:
       the mean over query rows at every Δ; the recommendation is the smallest power-of-two S (as the
       knob's value) whose simulation meets it, computed only when the current setting does not.
     """
+    if not isinstance(deployment, Deployment):
+        raise PcastError(f"deployment={deployment!r} must be a Deployment (a row of DEPLOYMENTS: deployments.find)")
     scales = scales or {}
-    if not deltas:
-        raise PcastError("deltas must hold at least one value")
+    if isinstance(deltas, (str, bytes)) or not isinstance(deltas, (tuple, list, np.ndarray)) or not len(deltas):
+        raise PcastError(f"deltas={deltas!r} must hold at least one value (a tuple of numbers)")
+    seeds = check_int("seeds", seeds, min_value=2, max_value=256)  # a verdict needs a standard error
+    if not isinstance(learned_sink, bool):
+        raise PcastError(f"learned_sink={learned_sink!r} must be True or False")
     knob = deployment.knob
     values: list[float | None]
     if knob == "none":
@@ -302,7 +316,7 @@ def diagnose(deployment: Deployment, *, knob_value: float | None = None, scales:
                              "the kernel); leave the knob unset")
         values = [None]
     elif knob_value is not None:
-        values = [float(knob_value)]
+        values = [_check_scale(knob, knob_value)]
     elif knob == "prob_scale" and scales.get("prob_scale"):
         found = sorted(set(scales["prob_scale"].values()))
         values = [found[0]] if len(found) == 1 else [found[0], found[-1]]

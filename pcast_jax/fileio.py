@@ -3,7 +3,9 @@
 Writes: a reader never sees a half-written file, whatever kills the writer. Temporary files are
 named ``.<name>.<host>.<pid>.<random>.tmp`` beside their target: unique per process and call, and
 telling :func:`clean_stale_temps` whose they are, so that leftovers of a killed writer can be
-removed without touching the files of a writer that still runs.
+removed without touching the files of a writer that still runs. A folder of files that belong
+together (a report) is written as a set by :func:`write_set`: staged whole in such a temporary
+folder beside it, then renamed in, so an error while writing leaves the previous set as it was.
 
 Reads (:func:`read_bounded`, :func:`load_json`, :func:`load_toml`, :func:`load_npy`,
 :func:`load_npz`): a file is opened only if it is a regular file no larger than its bound, at most
@@ -21,6 +23,7 @@ import json
 import math
 import os
 import re
+import shutil
 import socket
 import stat
 import struct
@@ -34,7 +37,7 @@ import numpy as np
 
 from pcast_jax.errors import PcastError
 
-__all__ = ["atomic_write", "create_exclusive", "temp_prefix", "temp_owner", "clean_stale_temps",
+__all__ = ["atomic_write", "create_exclusive", "write_set", "temp_prefix", "temp_owner", "clean_stale_temps",
            "STALE_TEMP_S", "check_regular", "read_bounded", "load_json", "parse_json", "load_toml", "load_npy",
            "load_npz", "MAX_TEXT_BYTES", "MAX_TOML_BYTES", "MAX_DEPTH"]
 
@@ -87,10 +90,11 @@ def _alive(pid: int) -> bool:
 
 
 def clean_stale_temps(folder, *, max_age_s: float = STALE_TEMP_S) -> list[Path]:
-    """Remove temporary files in ``folder`` left behind by writers that were killed.
+    """Remove temporary files (and :func:`write_set`'s staging folders) in ``folder`` left behind by
+    writers that were killed.
 
-    A file written on this host by a process that no longer exists is removed at once; any other
-    ``.*.tmp`` file (another host's, or of an older naming) only once it is older than
+    One written on this host by a process that no longer exists is removed at once; any other
+    ``.*.tmp`` entry (another host's, or of an older naming) only once it is older than
     ``max_age_s``, since its writer may still be running. Errors are ignored (best effort).
 
     Returns:
@@ -114,6 +118,9 @@ def clean_stale_temps(folder, *, max_age_s: float = STALE_TEMP_S) -> list[Path]:
             if stale and entry.is_file(follow_symlinks=False):
                 os.unlink(entry.path)
                 removed.append(Path(entry.path))
+            elif stale and owner is not None and entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+                removed.append(Path(entry.path))
         except OSError:
             pass
     return removed
@@ -127,6 +134,11 @@ def _write_temp(path: Path, writer, text: bool) -> str:
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_umask())
+    except OSError as exc:
+        _unlink(tmp)
+        if exc.filename is None and exc.errno is not None:  # a failed write names no file: name the target
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        raise
     except BaseException:
         _unlink(tmp)
         raise
@@ -188,6 +200,59 @@ def create_exclusive(path, writer, *, text: bool = False) -> Path:
         return path
     finally:
         _unlink(tmp)
+
+
+def write_set(folder, writer, *, what: str = "--out") -> Path:
+    """Write the files ``writer(staging)`` creates in ``staging`` into ``folder``, as a set or not at all.
+
+    ``staging`` is a new temporary folder beside ``folder`` (in its parent, so on the same file
+    system). Once ``writer`` has returned, a ``folder`` that does not exist yet is the staging folder
+    renamed (one rename: all files or none); into an existing ``folder`` each staged file is renamed
+    over its namesake, so files of ``folder`` the set does not hold are kept. Any error while
+    writing (a full disk, a refused number) removes the staging folder and leaves ``folder`` as it
+    was; an ``OSError`` becomes one :class:`~pcast_jax.errors.PcastError` line naming ``what``, the
+    folder and the file.
+
+    Returns:
+      ``folder`` as a Path.
+    """
+    folder = Path(folder)
+    parent = folder.absolute().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        clean_stale_temps(parent)
+        staging = Path(tempfile.mkdtemp(dir=parent, prefix=temp_prefix(folder.name), suffix=".tmp"))
+    except OSError as exc:
+        raise _set_error(what, folder, exc) from None
+    moved: list[str] = []
+    try:
+        writer(staging)
+        os.chmod(staging, 0o777 & ~_umask())
+        try:
+            os.rename(staging, folder)  # a new folder: the whole set at once
+            return folder
+        except OSError:
+            if not folder.is_dir():
+                raise
+        names = sorted(os.listdir(staging))
+        for name in names:  # an existing folder: each file over its namesake
+            os.replace(staging / name, folder / name)
+            moved.append(name)
+        return folder
+    except OSError as exc:
+        raise _set_error(what, folder, exc, staging, moved) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _set_error(what: str, folder: Path, exc: OSError, staging: Path | None = None, moved=()) -> PcastError:
+    name = str(exc.filename or "")
+    if staging is not None and name.startswith(str(staging)):
+        name = str(folder) + name[len(str(staging)):]  # the file as it would have been named
+    where = f" ({name})" if name else ""
+    kept = (f"{len(moved)} of its files were replaced ({', '.join(moved)}), the others are as they were" if moved
+            else "what it held before is unchanged")
+    return PcastError(f"{what}={str(folder)!r} was not written: {exc.strerror or exc}{where}; {kept}")
 
 
 # --------------------------------------------------------------------------------------------

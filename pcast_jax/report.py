@@ -31,6 +31,7 @@ from pcast_jax.fileio import atomic_write
 
 __all__ = [
     "check_out_dir",
+    "check_out_file",
     "fmt_num",
     "fmt_sci",
     "fmt_pct",
@@ -228,12 +229,25 @@ def check_out_dir(out, option: str = "--out") -> Path:
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise PcastError(f"{option}={str(out)!r} is an existing file; the report is a folder of files: name a folder")
-    for folder in (path, *path.absolute().parents):
+    return _check_writable_under(path, (path, *path.absolute().parents), option)
+
+
+def check_out_file(out, option: str = "--out") -> Path:
+    """``out`` as a file to be written (replaced if it exists), or a PcastError naming ``option`` — before
+    any work: a folder, a path under a file, or one whose nearest existing parent cannot be written."""
+    path = Path(out)
+    if path.is_dir():
+        raise PcastError(f"{option}={str(out)!r} is a folder; name a file")
+    return _check_writable_under(path, path.absolute().parents, option)
+
+
+def _check_writable_under(path: Path, folders, option: str) -> Path:
+    for folder in folders:
         if folder.exists():
             if not folder.is_dir():
-                raise PcastError(f"{option}={str(out)!r} lies under {str(folder)!r}, which is not a folder")
+                raise PcastError(f"{option}={str(path)!r} lies under {str(folder)!r}, which is not a folder")
             if not os.access(folder, os.W_OK | os.X_OK):
-                raise PcastError(f"{option}={str(out)!r}: {str(folder)!r} is not writable")
+                raise PcastError(f"{option}={str(path)!r}: {str(folder)!r} is not writable")
             break
     return path
 

@@ -276,7 +276,8 @@ def test_guarantees_page_counts_the_cases_of_this_file():
 
     text = " ".join((Path(__file__).parents[1] / "docs" / "guarantees.md").read_text().split())
     found = re.search(r"(\d+) kinds of bad input to the Python API and (\d+) on the `pcast` command line", text)
-    assert found and (int(found[1]), int(found[2])) == (len(CASES), len(_CLI_CASES)), found
+    counts = (len(CASES) + len(SURFACE_CASES), len(_CLI_CASES) + len(SURFACE_CLI_CASES))
+    assert found and (int(found[1]), int(found[2])) == counts, (found, counts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1410,3 +1411,532 @@ def test_damaged_trace_files_give_one_line_naming_the_file(tmp_path):
         with pytest.raises(PcastError, match="trace file") as exc:
             load_trace(tmp_path / name)
         assert words in str(exc.value) and "\n" not in str(exc.value), (name, str(exc.value))
+
+
+# --------------------------------------------------------------------------------------------
+# Finite but huge trace values: refused at load, naming the file, the field and the layer
+# --------------------------------------------------------------------------------------------
+
+
+def _trace_fields(T=8, D=4):
+    rng = np.random.default_rng(0)
+    q = rng.uniform(-1, 1, (2, 1, T, 2, D)).astype(np.float32)
+    k, v = (rng.uniform(-1, 1, (2, 1, T, 1, D)).astype(np.float32) for _ in range(2))
+    return dict(q=q, k=k, v=v, lengths=np.array([T]), layers=("l0", "l1"))
+
+
+@pytest.mark.parametrize("change, needles", [
+    (dict(q=1e10, k=1e10), ["fields 'q' and 'k' of layer 'l1'", "logits up to", "2^40"]),
+    (dict(q=1e25), ["fields 'q' and 'k' of layer 'l1'", "2^40"]),
+    (dict(v=3e38), ["field 'v' of layer 'l1'", "e+38", "[2^-32, 2^40]"]),
+    (dict(v=1e-30), ["field 'v' of layer 'l1'", "[2^-32, 2^40]"]),
+    (dict(sinks=1e20), ["field 'sinks'", "2^40"]),
+])
+def test_huge_trace_values_are_refused_at_load_naming_file_field_and_layer(tmp_path, change, needles):
+    from pcast_jax.analysis.capture import Trace, load_trace
+
+    fields = _trace_fields()
+    with np.load(_save_raw_trace(tmp_path / "ok.npz", fields)) as z:
+        raw = dict(z)
+    for name, factor in change.items():
+        if name == "sinks":
+            raw["sinks"] = np.full((2, 2), factor, np.float32)
+        else:
+            raw[name][1] *= np.float32(factor)
+    np.savez(tmp_path / "huge.npz", **raw)
+    with pytest.raises(PcastError) as info:
+        load_trace(tmp_path / "huge.npz")
+    message = str(info.value)
+    assert "\n" not in message and "huge.npz" in message, message
+    for needle in needles:
+        assert needle in message, message
+    with pytest.raises(PcastError, match="Trace: field"):  # the same check guards a Trace built in memory
+        Trace(**{k: (raw[k] if k in ("q", "k", "v") else v) for k, v in fields.items()},
+              sinks=raw.get("sinks"))
+
+
+def _save_raw_trace(path, fields):
+    from pcast_jax.analysis.capture import Trace
+
+    return Trace(**fields).save(path)
+
+
+def test_the_largest_accepted_trace_values_give_finite_analysis_numbers():
+    """Logits just under 2^40 and |v| at both ends of [2^-32, 2^40]: every published number is finite."""
+    import math as math_
+
+    from pcast_jax.analysis import Trace, analyze
+
+    rng = np.random.default_rng(0)
+    T, D = 48, 8
+    q = rng.uniform(-1, 1, (2, 1, T, 2, D)).astype(np.float32)
+    k, v = (rng.uniform(-1, 1, (2, 1, T, 1, D)).astype(np.float32) for _ in range(2))
+    q[0, 0, 0, 0, 0] = k[0, 0, 0, 0, 0] = 1.0
+    q[0] *= np.float32(2.0**20 / math_.sqrt(D) * 0.99)
+    k[0] *= np.float32(2.0**20)
+    v[0] *= np.float32(2.0**40)
+    v[1] *= np.float32(2.0**-32)
+    v[0, 0, 0, 0, 0], v[1, 0, 0, 0, 0] = 2.0**40, 2.0**-32
+    result = analyze(Trace(q=q, k=k, v=v, lengths=np.array([T]), layers=("big", "small")),
+                     ["fwd_s1", KernelConfig(qkv="e4m3")], progress=lambda _line: None)
+    rows = result.config_rows() + result.head_rows()
+    bad = [(r.get("config"), key) for r in rows for key, x in r.items()
+           if isinstance(x, float) and not math_.isfinite(x) and not key.endswith("_sem")]
+    assert not bad, bad
+    assert all(r["rel_mse_mean"] > 0 for r in result.config_rows())
+
+
+# --------------------------------------------------------------------------------------------
+# Report folders are written as a set: a full disk mid-write leaves the previous report as it was
+# --------------------------------------------------------------------------------------------
+
+
+def _full_disk_at(monkeypatch, name):
+    """Make the report writer fail with ENOSPC on the file called ``name``, after writing part of it."""
+    import errno
+
+    from pcast_jax import report
+
+    real = report.atomic_write
+
+    def writer(path, write, **kw):
+        if os.path.basename(path) != name:
+            return real(path, write, **kw)
+
+        def partial(f):
+            f.write(b"config,")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        return real(path, partial)
+
+    monkeypatch.setattr(report, "atomic_write", writer)
+
+
+def _folder_bytes(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_a_full_disk_in_the_middle_of_analyze_out_leaves_the_previous_report(tmp_path, capsys, monkeypatch):
+    from pcast_jax import cli
+
+    trace = _one_head_trace(tmp_path / "one.npz")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "notes.txt").write_text("the user's own file")
+    argv = ["analyze", str(trace), "--configs", "fwd_s1,fa3", "--out", str(tmp_path / "a"), "--no-progress"]
+    assert cli.main(argv) == 0
+    before = _folder_bytes(tmp_path / "a")
+    assert {"analysis.md", "analysis_configs.csv", "analysis_heads.csv", "analysis_layers.png",
+            "notes.txt"} <= set(before)
+    capsys.readouterr()
+    _full_disk_at(monkeypatch, "analysis_heads.csv")
+    line = _cli_error(capsys, argv)
+    assert "--out=" in line and os.strerror(28) in line and str(tmp_path / "a" / "analysis_heads.csv") in line, line
+    assert "unchanged" in line, line
+    assert _folder_bytes(tmp_path / "a") == before
+    line = _cli_error(capsys, argv[:-3] + ["--out", str(tmp_path / "new"), "--no-progress"])
+    assert str(tmp_path / "new") in line, line
+    assert not (tmp_path / "new").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "one.npz"]  # no staging folder left
+
+
+def test_write_set_replaces_the_set_keeps_other_files_and_cleans_a_killed_writers_staging(tmp_path):
+    from pcast_jax import fileio
+
+    out = tmp_path / "r"
+    fileio.write_set(out, lambda d: [(d / n).write_text("1") for n in ("a", "b")])
+    assert _folder_bytes(out) == {"a": b"1", "b": b"1"} and oct(out.stat().st_mode & 0o777) != "0o700"
+    (out / "mine").write_text("kept")
+    fileio.write_set(out, lambda d: (d / "a").write_text("2"))
+    assert _folder_bytes(out) == {"a": b"2", "b": b"1", "mine": b"kept"}
+
+    def fails(d):
+        (d / "a").write_text("3")
+        raise PcastError("a refused number")
+
+    with pytest.raises(PcastError, match="a refused number"):
+        fileio.write_set(out, fails)
+    assert _folder_bytes(out) == {"a": b"2", "b": b"1", "mine": b"kept"}
+    stale = tmp_path / (fileio.temp_prefix("r").replace(str(os.getpid()), "999999999") + "x.tmp")
+    stale.mkdir()
+    (stale / "a").write_text("left by a killed writer")
+    fileio.write_set(out, lambda d: (d / "b").write_text("3"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+
+
+# --------------------------------------------------------------------------------------------
+# pcast doctor and pcast fingerprint: hostile checkpoints, probe and output files, flags
+# --------------------------------------------------------------------------------------------
+
+_ST_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "int32": "I32", "bool": "BOOL"}
+
+
+def _scales_file(path, tensors: dict, edit=None):
+    """A safetensors file of ``tensors`` (name → NumPy array of any dtype), from the format's definition."""
+    header, blobs, offset = {}, [], 0
+    for name, value in tensors.items():
+        value = np.asarray(value)
+        data = value.astype(value.dtype.newbyteorder("<")).tobytes()
+        header[name] = {"dtype": _ST_DTYPES[value.dtype.name], "shape": list(value.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    raw = json.dumps(header if edit is None else edit(header)).encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
+    return path.parent
+
+
+def _ckpt_scale(value):
+    return lambda p: _scales_file(p / "model.safetensors", {"model.layers.0.self_attn.prob_scale": value,
+                                                            "model.layers.0.self_attn.q_proj.weight": np.ones(4)})
+
+
+def _ckpt_fifo(p):
+    p.mkdir()
+    os.mkfifo(p / "a.safetensors")
+    return p
+
+
+def _ckpt_index(weight_map):
+    def make(p):
+        folder = _scales_file(p / "a.safetensors", {"x.prob_scale": np.float32(0.5)})
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        return folder
+    return make
+
+
+def _ckpt_files(**files):
+    def make(p):
+        p.mkdir()
+        for name, data in files.items():
+            (p / name.replace("_", ".")).write_bytes(data)
+        return p
+    return make
+
+
+def _ckpt_two_files(p):
+    _scales_file(p / "a.safetensors", {"x.prob_scale": np.float32(0.5)})
+    return _scales_file(p / "b.safetensors", {"x.prob_scale": np.float32(0.25)})
+
+
+def _scales(make):
+    def call(tmp_path):
+        from pcast_jax import deployments
+
+        deployments.checkpoint_scales(make(tmp_path / "ckpt"))
+    return call
+
+
+def _probes_file(tmp_path, change=None, drop=()):
+    """A probes file of ``pcast fingerprint probe`` (head dim 36), ``change`` {key: value} edited into it."""
+    from pcast_jax import fingerprint
+
+    fingerprint.probes(36).save(tmp_path / "good.npz")
+    if change is None and not drop:
+        return tmp_path / "good.npz"
+    with np.load(tmp_path / "good.npz") as z:
+        data = {k: v for k, v in z.items() if k not in drop}
+    data.update(change or {})
+    np.savez(tmp_path / "probes.npz", **data)
+    return tmp_path / "probes.npz"
+
+
+def _load_probes(change=None, drop=(), raw=None):
+    def call(tmp_path):
+        from pcast_jax import fingerprint
+
+        path = _probes_file(tmp_path, change, drop)
+        if raw is not None:
+            path = raw(tmp_path, path)
+        fingerprint.ProbeSet.load(path)
+    return call
+
+
+def _truncate(tmp_path, path):
+    data = path.read_bytes()
+    (tmp_path / "cut.npz").write_bytes(data[: len(data) // 3])
+    return tmp_path / "cut.npz"
+
+
+def _fifo_instead(tmp_path, path):
+    os.mkfifo(tmp_path / "pipe.npz")
+    return tmp_path / "pipe.npz"
+
+
+def _fit_outputs(transform):
+    def call(tmp_path):
+        from pcast_jax import fingerprint
+
+        ps = fingerprint.probes(36)
+        fingerprint.fit(ps, transform(np.zeros(ps.out_shape, np.float32)))
+    return call
+
+
+def _with_inf(out):
+    out = out.copy()
+    out[2, 5, 0, 1] = -np.inf
+    return out
+
+
+def _outputs_file(write):
+    def call(tmp_path):
+        from pcast_jax.commands.fingerprint import load_outputs
+
+        load_outputs(str(write(tmp_path)))
+    return call
+
+
+def _npy_object(tmp_path):
+    np.save(tmp_path / "o.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    return tmp_path / "o.npy"
+
+
+def _npy_truncated(tmp_path):
+    np.save(tmp_path / "o.npy", np.zeros((3, 64, 1, 36), np.float32))
+    data = (tmp_path / "o.npy").read_bytes()
+    (tmp_path / "o.npy").write_bytes(data[:200])
+    return tmp_path / "o.npy"
+
+
+def _npz_empty(tmp_path):
+    np.savez(tmp_path / "o.npz")
+    return tmp_path / "o.npz"
+
+
+def _diagnose(**kw):
+    def call(_tmp_path):
+        from pcast_jax import deployments
+
+        row = kw.pop("row", None) or deployments.find("jax", "cudnn", "sm90")
+        deployments.diagnose(row, **kw)
+    return call
+
+
+def _api(call):
+    return lambda _tmp_path: call()
+
+
+def _deployments():
+    return importlib.import_module("pcast_jax.deployments")
+
+
+def _fingerprint():
+    return importlib.import_module("pcast_jax.fingerprint")
+
+
+#: (id, a function of a fresh tmp_path that makes the hostile input and calls the API, substrings)
+SURFACE_CASES = [
+    # pcast doctor's checkpoint folder: only q/k/v/prob_scale tensors are read, through safetensors_files
+    ("ckpt_missing_folder", _scales(lambda p: p), ["checkpoint=", "is not a folder"]),
+    ("ckpt_a_file", _scales(lambda p: (p.write_text("x"), p)[1]), ["checkpoint=", "is not a folder"]),
+    ("ckpt_empty_folder", _scales(lambda p: (p.mkdir(), p)[1]), ["holds no *.safetensors file"]),
+    ("ckpt_no_safetensors", _scales(_ckpt_files(model_bin=b"\0" * 64, README_md=b"hi")),
+     ["holds no *.safetensors file"]),
+    ("ckpt_text_named_safetensors", _scales(_ckpt_files(model_safetensors=b"not a safetensors file")),
+     ["model.safetensors: field 'header length'", "exceeds the file"]),
+    ("ckpt_header_not_json", _scales(_ckpt_files(model_safetensors=struct.pack("<Q", 4) + b"{x:1")),
+     ["model.safetensors: field 'header' is not valid JSON"]),
+    ("ckpt_header_deep", _scales(_ckpt_files(model_safetensors=struct.pack("<Q", 2000) + b"[" * 1000 + b"]" * 1000)),
+     ["model.safetensors: field 'header' nests deeper than 16"]),
+    ("ckpt_header_a_list", _scales(_ckpt_files(model_safetensors=struct.pack("<Q", 2) + b"[]")),
+     ["model.safetensors: field 'header' must be a JSON object"]),
+    ("ckpt_fifo", _scales(_ckpt_fifo), ["a.safetensors is not a regular file"]),
+    ("ckpt_folder_named_safetensors", _scales(lambda p: ((p / "a.safetensors").mkdir(parents=True), p)[1]),
+     ["a.safetensors is not a regular file"]),
+    ("ckpt_index_parent_path", _scales(_ckpt_index({"x.prob_scale": "../a.safetensors"})),
+     ["model.safetensors.index.json", "'../a.safetensors', outside the checkpoint folder"]),
+    ("ckpt_index_absolute_path", _scales(_ckpt_index({"x.prob_scale": "/etc/passwd"})),
+     ["model.safetensors.index.json", "outside the checkpoint folder"]),
+    ("ckpt_index_missing_shard", _scales(_ckpt_index({"x.prob_scale": "c.safetensors"})),
+     ["c.safetensors (named by model.safetensors.index.json) does not exist"]),
+    ("ckpt_index_weight_map_a_list", _scales(_ckpt_index(["x.prob_scale"])),
+     ["model.safetensors.index.json", "field 'weight_map'"]),
+    ("ckpt_scale_in_two_files", _scales(_ckpt_two_files), ["'x.prob_scale' is in two files", "a.safetensors",
+                                                           "b.safetensors"]),
+    ("ckpt_scale_int32", _scales(_ckpt_scale(np.int32(1))), ["prob_scale'", "field 'dtype' = 'I32'", "F32"]),
+    ("ckpt_scale_bool", _scales(_ckpt_scale(np.bool_(True))), ["prob_scale'", "field 'dtype' = 'BOOL'"]),
+    ("ckpt_scale_float64", _scales(_ckpt_scale(np.float64(0.5))), ["prob_scale'", "field 'dtype' = 'F64'"]),
+    ("ckpt_scale_two_values", _scales(_ckpt_scale(np.float32([0.5, 0.25]))),
+     ["prob_scale'", "field 'shape' = [2]", "one number"]),
+    ("ckpt_scale_empty", _scales(_ckpt_scale(np.zeros(0, np.float32))), ["prob_scale'", "field 'shape' = [0]"]),
+    ("ckpt_scale_zero", _scales(_ckpt_scale(np.float32(0.0))), ["prob_scale': value=0.0", "finite positive"]),
+    ("ckpt_scale_negative", _scales(_ckpt_scale(np.float32(-0.5))), ["prob_scale': value=-0.5", "[2^-90, 2^90]"]),
+    ("ckpt_scale_nan", _scales(_ckpt_scale(np.float32(np.nan))), ["prob_scale'", "non-finite"]),
+    ("ckpt_scale_inf", _scales(_ckpt_scale(np.float16(np.inf))), ["prob_scale'", "non-finite"]),
+    ("ckpt_scale_huge", _scales(_ckpt_scale(np.float32(3e38))), ["prob_scale': value=3.", "[2^-90, 2^90]"]),
+    ("ckpt_scale_subnormal", _scales(_ckpt_scale(np.float32(1e-40))), ["prob_scale': value=", "[2^-90, 2^90]"]),
+    ("ckpt_scale_offsets_outside", _scales(lambda p: _scales_file(
+        p / "model.safetensors", {"a.k_scale": np.float32(1.0)},
+        edit=lambda h: {"a.k_scale": {**h["a.k_scale"], "data_offsets": [0, 400]}})),
+     ["'a.k_scale'", "field 'data_offsets' = [0, 400]"]),
+    # the deployment table, the knob and the simulation's arguments
+    ("doctor_engine_unknown", _api(lambda: _deployments().find("vllm2", "triton_attn", "sm90")),
+     ["engine='vllm2'", "'vllm'"]),
+    ("doctor_gpu_unknown", _api(lambda: _deployments().find("vllm", "triton_attn", "sm80")), ["gpu='sm80'", "'sm90'"]),
+    ("doctor_kv_dtype_unknown", _api(lambda: _deployments().find("vllm", "triton_attn", "sm90", "fp8_e5m2")),
+     ["kv_cache_dtype='fp8_e5m2'", "'fp8'"]),
+    ("doctor_backend_unknown", _api(lambda: _deployments().find("sglang", "nope", "sm90")),
+     ["backend='nope'", "known for sglang"]),
+    ("doctor_engine_not_a_string", _api(lambda: _deployments().find(None, "cudnn", "sm90")), ["engine=None"]),
+    ("knob_value_a_string", _api(lambda: _deployments().scale_from_knob("prob_scale", "0.5")),
+     ["prob_scale='0.5'", "finite positive"]),
+    ("knob_value_beyond_range", _api(lambda: _deployments().scale_from_knob("scale_s", 2.0**100)),
+     ["scale_s=1.2676506002282294e+30", "[2^-90, 2^90]"]),
+    ("knob_unknown", _api(lambda: _deployments().scale_from_knob("tau", 1.0)), ["knob='tau'", "'prob_scale'"]),
+    ("diagnose_not_a_deployment", _diagnose(row="fa3"), ["deployment='fa3'", "deployments.find"]),
+    ("diagnose_no_deltas", _diagnose(deltas=()), ["deltas", "at least one"]),
+    ("diagnose_one_seed", _diagnose(seeds=1), ["seeds=1", ">= 2"]),
+    ("diagnose_seeds_beyond_range", _diagnose(seeds=1000), ["seeds=1000", "<= 256"]),
+    ("diagnose_delta_nan", _diagnose(deltas=(4.0, NAN)), ["delta", "finite"]),
+    ("diagnose_learned_sink_not_bool", _diagnose(learned_sink="yes"), ["learned_sink='yes'", "True or False"]),
+    ("diagnose_knob_value_negative", _diagnose(knob_value=-2.0), ["scale_s=-2.0", "finite positive"]),
+    # pcast fingerprint: probes, probe files, outputs and output files
+    ("probes_head_dim_below", _api(lambda: _fingerprint().probes(35)), ["head_dim=35", ">= 36"]),
+    ("probes_head_dim_above", _api(lambda: _fingerprint().probes(4097)), ["head_dim=4097", "<= 4096"]),
+    ("probes_head_dim_bool", _api(lambda: _fingerprint().probes(True)), ["head_dim=True", "integer"]),
+    ("probes_scale_zero", _api(lambda: _fingerprint().probes(64, scale=0.0)), ["scale=0.0", "[2^-20, 2^20]"]),
+    ("probes_scale_a_string", _api(lambda: _fingerprint().probes(64, scale="x")), ["scale='x'", "real number"]),
+    ("probes_seed_negative", _api(lambda: _fingerprint().probes(64, seed=-1)), ["seed=-1", ">= 0"]),
+    ("probes_causal_not_bool", _api(lambda: _fingerprint().probes(64, causal=1)), ["causal=1", "True or False"]),
+    ("probes_file_missing", _load_probes(raw=lambda t, p: t / "missing.npz"), ["probes file", "does not exist"]),
+    ("probes_file_fifo", _load_probes(raw=_fifo_instead), ["probes file", "pipe.npz", "not a regular file"]),
+    ("probes_file_a_folder", _load_probes(raw=lambda t, p: t), ["probes file", "not a regular file"]),
+    ("probes_file_truncated", _load_probes(raw=_truncate), ["probes file", "cut.npz", "not a readable .npz"]),
+    ("probes_file_other_version", _load_probes({"format": np.array("pcast_fingerprint_probes_v0")}),
+     ["probes file", "was not written by 'pcast fingerprint probe'"]),
+    ("probes_file_tag_an_array", _load_probes({"format": np.array(["pcast_fingerprint_probes_v1"] * 2)}),
+     ["probes file", "no format tag"]),
+    ("probes_file_no_seed", _load_probes(drop=("seed",)), ["probes file", "lacks scale, causal, seed or q"]),
+    ("probes_file_seed_negative", _load_probes({"seed": np.int64(-1)}), ["probes file", "probes.npz", "seed=-1"]),
+    ("probes_file_scale_nan", _load_probes({"scale": np.float64(NAN)}), ["probes file", "probes.npz", "scale=nan"]),
+    ("probes_file_head_dim_8", _load_probes({"q": np.zeros((3, 64, 1, 8), np.float32)}),
+     ["probes file", "probes.npz", "head_dim=8"]),
+    ("probes_file_v_edited", _load_probes({"v": np.zeros((3, 512, 1, 36), np.float32)}),
+     ["probes file", "v is not the probes"]),
+    ("probes_file_pickle", _load_probes({"q": np.array([None], dtype=object)}),
+     ["probes file", "Python objects"]),
+    ("fit_outputs_complex", _fit_outputs(lambda o: o + 1j), ["outputs.dtype=complex", "floating-point"]),
+    ("fit_outputs_bool", _fit_outputs(lambda o: o > 0), ["outputs.dtype=bool", "floating-point"]),
+    ("fit_outputs_strings", _fit_outputs(lambda o: o.astype(str)), ["outputs.dtype=<U", "floating-point"]),
+    ("fit_outputs_inf", _fit_outputs(_with_inf), ["outputs holds 1 NaN or inf", "(2, 5, 0, 1)", "'ramp'"]),
+    ("fit_outputs_heads_first", _fit_outputs(lambda o: np.swapaxes(o, 1, 2)), ["outputs.shape=(3, 1, 64, 36)",
+                                                                              "(3, 64, 1, 36)"]),
+    ("fit_outputs_not_an_array", _fit_outputs(lambda o: [[1.0], [2.0, 3.0]]), ["outputs", "not an array"]),
+    ("fit_output_dtype_unknown", _api(lambda: _fingerprint().fit(_fingerprint().probes(36), np.zeros(
+        (3, 64, 1, 36), np.float32), output_dtype="int8")), ["output_dtype='int8'", "bfloat16"]),
+    ("fit_probes_a_path", _api(lambda: _fingerprint().fit("probes.npz", np.zeros(3))), ["probes=str", "ProbeSet"]),
+    ("outputs_npy_pickle", _outputs_file(_npy_object), ["outputs file", "o.npy", "Python objects"]),
+    ("outputs_npy_truncated", _outputs_file(_npy_truncated), ["outputs file", "o.npy", "truncated"]),
+    ("outputs_npz_empty", _outputs_file(_npz_empty), ["outputs file", "holds nothing", "'out'"]),
+    ("outputs_fifo", _outputs_file(lambda t: (os.mkfifo(t / "o.npz"), t / "o.npz")[1]),
+     ["outputs file", "not a regular file"]),
+    ("identify_fn_returns_a_string", _api(lambda: _fingerprint().identify(lambda q, k, v: "done", head_dim=36)),
+     ["outputs.dtype=<U4", "floating-point"]),
+    ("explain_preset_unknown", _api(lambda: _fingerprint().explain_preset("fa5")), ["preset='fa5'", "'fa3'"]),
+]
+
+
+@pytest.mark.parametrize("call, needles", [pytest.param(c, n, id=i) for i, c, n in SURFACE_CASES])
+def test_hostile_doctor_and_fingerprint_input_gives_one_clear_error(tmp_path, call, needles):
+    pytest.importorskip("safetensors")
+    with pytest.raises(PcastError) as info:
+        call(tmp_path)
+    message = str(info.value)
+    assert "\n" not in message, message
+    for needle in needles:
+        assert needle in message, f"{needle!r} missing from {message!r}"
+
+
+#: ``pcast fingerprint probe`` up to its ``--out`` value (a later ``--head-dim`` wins).
+_PROBE = ["fingerprint", "probe", "--head-dim", "36", "--out"]
+
+
+#: (id, a function of tmp_path giving the argv (files made), substrings of the one ``pcast: error:`` line)
+#: ``pcast doctor`` on JAX's cuDNN attention on Hopper: what most doctor cases below break in one flag.
+_CUDNN = ["doctor", "--engine", "jax", "--backend", "cudnn", "--gpu", "sm90"]
+
+SURFACE_CLI_CASES = [
+    ("doctor_engine_unknown", lambda t: ["doctor", "--engine", "vllm2", "--backend", "x", "--gpu", "sm90"],
+     ["engine='vllm2'"]),
+    ("doctor_gpu_unknown", lambda t: ["doctor", "--engine", "vllm", "--backend", "triton_attn", "--gpu", "h100"],
+     ["gpu='h100'", "sm90"]),
+    ("doctor_kv_dtype_unknown", lambda t: [*_CUDNN, "--kv-cache-dtype", "int8"], ["kv_cache_dtype='int8'"]),
+    ("doctor_seeds_257", lambda t: [*_CUDNN, "--seeds", "257"], ["--seeds='257'", "[2, 256]"]),
+    ("doctor_seeds_a_list", lambda t: [*_CUDNN, "--seeds", "2,3"], ["--seeds='2,3'", "one integer"]),
+    ("doctor_seeds_a_word", lambda t: [*_CUDNN, "--seeds", "many"], ["--seeds", "many"]),
+    ("doctor_delta_nan", lambda t: [*_CUDNN, "--delta", "4,nan"], ["--delta", "nan", "finite"]),
+    ("doctor_delta_beyond_float32", lambda t: [*_CUDNN, "--delta", "1e39"], ["delta", "1e+39"]),
+    ("doctor_delta_too_many", lambda t: [*_CUDNN, "--delta", "0:100:1"], ["--delta", "64"]),
+    ("doctor_prob_scale_tiny", lambda t: ["doctor", "--engine", "vllm", "--backend", "rocm_flash", "--gpu", "gfx942",
+                                          "--prob-scale", "1e-39"], ["prob_scale=1e-39", "[2^-90, 2^90]"]),
+    ("doctor_scale_s_inf", lambda t: [*_CUDNN, "--scale-s", "inf"], ["scale_s=inf", "finite positive"]),
+    ("doctor_checkpoint_missing", lambda t: [*_CUDNN, "--checkpoint", str(t / "nope")], ["checkpoint=", "is not a folder"]),
+    ("doctor_checkpoint_fifo", lambda t: [*_CUDNN, "--checkpoint", str(_ckpt_fifo(t / "c"))],
+     ["a.safetensors is not a regular file"]),
+    ("doctor_checkpoint_scale_nan", lambda t: ["doctor", "--engine", "vllm", "--backend", "rocm_flash", "--gpu",
+                                               "gfx942", "--checkpoint", str(_ckpt_scale(np.float32(NAN))(t / "c"))],
+     ["prob_scale'", "non-finite"]),
+    ("probe_head_dim_8", lambda t: _PROBE + [str(t / "p.npz"), "--head-dim", "8"], ["head_dim=8", ">= 36"]),
+    ("probe_head_dim_a_word", lambda t: ["fingerprint", "probe", "--head-dim", "wide", "--out", str(t / "p.npz")],
+     ["--head-dim", "'wide'"]),
+    ("probe_scale_nan", lambda t: _PROBE + [str(t / "p.npz"), "--scale", "nan"], ["scale=nan"]),
+    ("probe_seed_beyond_int32", lambda t: _PROBE + [str(t / "p.npz"), "--seed", str(2**31)],
+     ["seed=2147483648", "<= 2147483647"]),
+    ("probe_out_a_folder", lambda t: _PROBE + [str(t)], ["--out=", "is a folder; name a file"]),
+    ("probe_out_under_a_file", lambda t: _PROBE + [str(_probes_file(t) / "p.npz")],
+     ["--out=", "good.npz", "not a folder"]),
+    ("fit_probes_fifo", lambda t: ["fingerprint", "fit", str(_fifo_instead(t, None)), str(_probes_file(t))],
+     ["probes file", "not a regular file"]),
+    ("fit_outputs_missing", lambda t: ["fingerprint", "fit", str(_probes_file(t)), str(t / "none.npz")],
+     ["outputs file", "does not exist"]),
+    ("fit_outputs_truncated", lambda t: ["fingerprint", "fit", str(_probes_file(t)), str(_truncate(t, _probes_file(t)))],
+     ["outputs file", "cut.npz", "not a readable .npz"]),
+    ("fit_outputs_the_probes", lambda t: ["fingerprint", "fit", str(_probes_file(t)), str(_probes_file(t))],
+     ["outputs file", "save the kernel's output as 'out'"]),
+    ("fit_output_dtype_unknown", lambda t: ["fingerprint", "fit", "p.npz", "o.npz", "--output-dtype", "int8"],
+     ["--output-dtype", "'int8'"]),
+    ("fingerprint_preset_unknown", lambda t: ["fingerprint", "--preset", "fa5"], ["preset='fa5'"]),
+    ("fingerprint_preset_head_dim_8", lambda t: ["fingerprint", "--preset", "fa3", "--head-dim", "8"],
+     ["head_dim=8"]),
+]
+
+
+@pytest.mark.parametrize("make, needles", [pytest.param(m, n, id=i) for i, m, n in SURFACE_CLI_CASES])
+def test_hostile_doctor_and_fingerprint_flags_exit_2_with_one_line(tmp_path, capsys, make, needles):
+    pytest.importorskip("safetensors")
+    from pcast_jax import cli
+
+    argv = make(tmp_path)
+    capsys.readouterr()
+    try:
+        status = cli.main(argv)
+    except SystemExit as exc:  # the argument parser's own refusal
+        status = exc.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and err[0].startswith("pcast"), (status, err)
+    line = err[0]
+    for needle in needles:
+        assert needle in line, f"{needle!r} missing from {line!r}"
+
+
+def test_whatif_report_out_is_written_as_a_set(tmp_path, capsys, monkeypatch):
+    """``pcast whatif report --out DIR`` goes through the same set write (the analyses faked: no work)."""
+    from pcast_jax import cli, whatif
+    from pcast_jax.whatif.reporting import WhatIfReport
+
+    def fake_report(*, quick, out_dir, base_seed):
+        (out_dir / "whatif_gradients.png").write_bytes(b"png")
+        return WhatIfReport(markdown="# what-if", tables={"validate": [{"config": "fwd_s1", "x": 1.0}]},
+                            figures=[out_dir / "whatif_gradients.png"], seconds={})
+
+    monkeypatch.setattr(whatif, "report", fake_report)
+    argv = ["whatif", "report", "--quick", "--out", str(tmp_path / "w"), "--no-progress"]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert str(tmp_path / "w" / "whatif_validate.csv") in printed and ".tmp" not in printed, printed
+    before = _folder_bytes(tmp_path / "w")
+    assert set(before) == {"whatif.md", "whatif_validate.csv", "whatif_gradients.png"}
+    _full_disk_at(monkeypatch, "whatif_validate.csv")
+    line = _cli_error(capsys, argv)
+    assert "--out=" in line and str(tmp_path / "w" / "whatif_validate.csv") in line and "unchanged" in line, line
+    assert _folder_bytes(tmp_path / "w") == before and sorted(p.name for p in tmp_path.iterdir()) == ["w"]

@@ -100,7 +100,7 @@ def test_checkpoint_scales_read_only_the_scale_tensors(tmp_path):
 @pytest.mark.parametrize("bad", [np.nan, 0.0, -1.0, np.inf])
 def test_a_checkpoint_scale_that_is_not_positive_and_finite_is_refused(tmp_path, bad):
     ckpt = _write_checkpoint(tmp_path / "ckpt", {"a.prob_scale": np.array(bad, np.float32)})
-    with pytest.raises(PcastError, match="model.safetensors: tensor 'a.prob_scale'.*finite positive"):
+    with pytest.raises(PcastError, match="model.safetensors: tensor 'a.prob_scale'.*(finite positive|non-finite)"):
         deployments.checkpoint_scales(ckpt)
 
 
@@ -110,7 +110,7 @@ def test_checkpoint_folder_errors_name_the_folder(tmp_path):
     with pytest.raises(PcastError, match="holds no \\*.safetensors"):
         deployments.checkpoint_scales(tmp_path)
     (tmp_path / "x.safetensors").write_bytes(b"\x00" * 20)
-    with pytest.raises(PcastError, match="x.safetensors: not a readable safetensors file"):
+    with pytest.raises(PcastError, match="x.safetensors: field 'header' is not valid JSON"):
         deployments.checkpoint_scales(tmp_path)
 
 

@@ -21,7 +21,8 @@ import sys
 #: names load lazily on first use, so it imports nothing of ours when it runs) and matches only itself.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("pcast_jax", "pcast_jax.errors", "pcast_jax._dev"),
-    ("pcast_jax.numberline", "pcast_jax.stats", "pcast_jax.fileio", "pcast_jax.quantities"),
+    ("pcast_jax.numberline", "pcast_jax.stats", "pcast_jax.fileio", "pcast_jax.safetensors_files",
+     "pcast_jax.quantities"),
     ("pcast_jax.formats",),
     ("pcast_jax.theory", "pcast_jax.config"),
     ("pcast_jax.presets",),

@@ -49,11 +49,19 @@ import numpy as np
 
 from pcast_jax.errors import PcastError
 
-__all__ = ["Trace", "Recorder", "load_trace", "TRACE_DIMS"]
+__all__ = ["Trace", "Recorder", "load_trace", "TRACE_DIMS", "LOGIT_MAX", "VALUE_RANGE"]
 
 #: The axes of a trace's ``q``, ``k`` and ``v``.
 TRACE_DIMS = ("layer", "sequence", "token", "head", "dim")
 _FORMAT = "pcast_jax.trace/1"
+#: Largest logit bound ``√D · max|q| · max|k|`` (≥ every |q·k/√D|) of a layer that is analysed, 2^40. The
+#: analysis squares centred logits and sums them over a row's keys: (2·2^40)² · 2^24 keys = 2^106, 2^22
+#: below float32's largest value (2^128), and the dot products' partial sums stay under √D · 2^40.
+LOGIT_MAX = 2.0**40
+#: Range of a layer's largest |v| that is analysed, [2^-32, 2^40]. The MSEs square outputs (convex
+#: combinations of V rows) and sum them over rows and dims: (2·2^40)² · 2^36 = 2^118 stays finite, and
+#: 2^-64 squares leave the relative errors' squares (~2^-104) above float32's smallest normal (2^-126).
+VALUE_RANGE = (2.0**-32, 2.0**40)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -134,6 +142,7 @@ def _check_trace(trace: Trace, where: str) -> None:
     for name in ("q", "k", "v"):
         if not np.all(np.isfinite(getattr(trace, name))):
             raise PcastError(f"{where}: field {name!r} holds a non-finite value")
+    _check_working_range(q, k, v, trace.layers, where)
     lengths = np.asarray(trace.lengths)
     if lengths.shape != (q.shape[1],) or not np.issubdtype(lengths.dtype, np.integer) \
             or lengths.min() < 2 or lengths.max() > q.shape[2]:
@@ -162,7 +171,29 @@ def _check_trace(trace: Trace, where: str) -> None:
                 or np.isnan(sinks).any() or np.isposinf(sinks).any():
             raise PcastError(f"{where}: field 'sinks' must be {q.shape[0]}×{q.shape[3]} learned sink logits (one per "
                              f"layer and query head; -inf: none), got {sinks.dtype} {sinks.shape}")
+        if (np.abs(sinks[np.isfinite(sinks)]) > LOGIT_MAX).any():
+            raise PcastError(f"{where}: field 'sinks' holds |sink logit| up to "
+                             f"{np.abs(sinks[np.isfinite(sinks)]).max():.3g}; at most 2^40 = {LOGIT_MAX:.3g} is "
+                             "analysed in float32 (like the logits q·k/√D)")
         object.__setattr__(trace, "sinks", sinks.astype(np.float32))
+
+
+def _check_working_range(q, k, v, layers, where: str) -> None:
+    """Each layer's logits and values inside float32's working range (:data:`LOGIT_MAX`, :data:`VALUE_RANGE`),
+    checked on per-layer maxima (O(size), no T×T array); a PcastError naming the field and the layer."""
+    names = [str(x) for x in np.asarray(layers).reshape(-1)]
+    q_max, k_max, v_max = (np.abs(x).max(axis=(1, 2, 3, 4)).astype(np.float64) for x in (q, k, v))
+    bound = math.sqrt(q.shape[4]) * q_max * k_max
+    for i in range(q.shape[0]):
+        label = repr(names[i]) if i < len(names) else str(i)
+        if bound[i] > LOGIT_MAX:
+            raise PcastError(f"{where}: fields 'q' and 'k' of layer {label} give logits up to {bound[i]:.3g} "
+                             f"(√D·max|q|·max|k|, max|q| = {q_max[i]:.3g}, max|k| = {k_max[i]:.3g}); at most "
+                             f"2^40 = {LOGIT_MAX:.3g} is analysed in float32 (it squares logits)")
+        if not VALUE_RANGE[0] <= v_max[i] <= VALUE_RANGE[1]:
+            raise PcastError(f"{where}: field 'v' of layer {label} has largest |v| = {v_max[i]:.3g}; it must lie in "
+                             f"[2^-32, 2^40] = [{VALUE_RANGE[0]:.3g}, {VALUE_RANGE[1]:.3g}] for the MSEs "
+                             "(squares of outputs) to stay finite and nonzero in float32")
 
 
 def load_trace(path) -> Trace:

@@ -1,7 +1,8 @@
 """The markdown report of an :class:`~pcast_jax.analysis.study.Analysis`: words first, then tables and figures.
 
-Written through :mod:`pcast_jax.report` (atomic files; every published cell finite or a reason in
-words): ``analysis.md``, ``analysis_configs.csv`` (one row per configuration),
+Written through :mod:`pcast_jax.report` (every published cell finite or a reason in words), as a
+set (:func:`pcast_jax.fileio.write_set`: all files or none, an error leaves the previous report as it
+was): ``analysis.md``, ``analysis_configs.csv`` (one row per configuration),
 ``analysis_heads.csv`` (one row per configuration, sequence, layer and head),
 ``analysis_layers.png`` (sink mass per layer and head; zeroed mass per layer and configuration).
 """
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pcast_jax import report
+from pcast_jax import fileio, report
 from pcast_jax import stats as _stats
 from pcast_jax.analysis.study import SINK_MASS_MIN, Analysis
 
@@ -58,9 +59,14 @@ def _figure(analysis: Analysis, path: Path) -> Path:
     return report.save_figure(fig, path)
 
 
-def write_report(analysis: Analysis, out_dir, *, title: str = "P-cast analysis") -> Path:
-    """Write the report files into ``out_dir``; returns the markdown file's path."""
-    out = Path(out_dir)
+def write_report(analysis: Analysis, out_dir, *, title: str = "P-cast analysis", what: str = "out_dir") -> Path:
+    """Write the report files into ``out_dir`` as a set (all or none; ``what`` names the folder in an
+    error); returns the markdown file's path."""
+    out = fileio.write_set(out_dir, lambda staging: _write_files(analysis, staging, title), what=what)
+    return out / "analysis.md"
+
+
+def _write_files(analysis: Analysis, out: Path, title: str) -> None:
     rows = [_config_cells(r) for r in analysis.config_rows()]
     report.write_csv(out / "analysis_configs.csv", rows)
     report.write_csv(out / "analysis_heads.csv", [_cells(r) for r in analysis.head_rows()])
@@ -100,4 +106,4 @@ def write_report(analysis: Analysis, out_dir, *, title: str = "P-cast analysis")
              "## Per layer", "", "![sink mass and zeroed mass per layer](analysis_layers.png)", "",
              f"Per head: `analysis_heads.csv` (a head with no usable query row says `{NO_ROWS}`); per "
              f"configuration: `analysis_configs.csv`. Analysis time {analysis.seconds:.1f} s.", ""]
-    return report.write_text(out / "analysis.md", "\n".join(lines))
+    report.write_text(out / "analysis.md", "\n".join(lines))

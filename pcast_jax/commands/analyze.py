@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     logits_fn = None if args.model is None else _model_logits(args.model, trace)
     result = analyze(trace, kernels, num_sinks=num_sinks, mass_limit=mass_limit, logits_fn=logits_fn,
                      progress=log)
-    path = write_report(result, Path(args.out), title=f"P-cast analysis of {Path(args.trace).name}")
+    path = write_report(result, Path(args.out), title=f"P-cast analysis of {Path(args.trace).name}", what="--out")
     print("\n".join(result.summary_lines()))
     print(f"report written to {path}")
     return 0

@@ -76,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
     from pcast_jax.errors import PcastError
 
     if args.action == "probe":
+        from pcast_jax import report
+
+        report.check_out_file(args.out)
         ps = fingerprint.probes(args.head_dim, scale=args.scale, causal=args.causal, sinks=args.sinks,
                                 seed=args.seed)
         ps.save(args.out)

@@ -17,7 +17,7 @@ from pathlib import Path
 from pcast_jax import report
 from pcast_jax.commands import _options
 from pcast_jax.errors import PcastError
-from pcast_jax.fileio import load_npy
+from pcast_jax.fileio import load_npy, write_set
 
 #: Largest ``--scores`` file read: 1 GiB (2^28 float32 logits).
 MAX_SCORES_BYTES = 2**30
@@ -130,6 +130,7 @@ def _out_format(path) -> str | None:
     ext = Path(path).suffix.lower().lstrip(".")
     if ext not in ("csv", "json"):
         raise PcastError(f"--out={str(path)!r} must end in .csv or .json (the extension picks the format)")
+    report.check_out_file(path)
     return ext
 
 
@@ -240,11 +241,17 @@ def _run(args: argparse.Namespace, analysis: str, printer: _Printer) -> list[dic
         rows = r.rows()
         table(rows)
     else:  # report
-        out = Path(args.out)
-        rep = whatif.report(quick=args.quick, out_dir=out, base_seed=args.base_seed)
-        md_path = report.write_text(out / "whatif.md", rep.markdown)
-        for path in rep.write_tables(out):
-            print(f"wrote {path}")
-        print(f"wrote {md_path} and {len(rep.figures)} figures")
+        out, written = Path(args.out), {}
+
+        def write(staging: Path) -> None:  # the folder is written as a set: all files or none
+            rep = whatif.report(quick=args.quick, out_dir=staging, base_seed=args.base_seed)
+            report.write_text(staging / "whatif.md", rep.markdown)
+            written["tables"] = [path.name for path in rep.write_tables(staging)]
+            written["figures"] = len(rep.figures)
+
+        write_set(out, write, what="--out")
+        for name in written["tables"]:
+            print(f"wrote {out / name}")
+        print(f"wrote {out / 'whatif.md'} and {written['figures']} figures")
         rows = []
     return rows

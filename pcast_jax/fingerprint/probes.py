@@ -140,7 +140,10 @@ class ProbeSet:
             d = int(data["q"].shape[-1])
         except (KeyError, TypeError, ValueError, IndexError):
             raise PcastError(f"probes file {str(path)!r} lacks scale, causal, seed or q") from None
-        fresh = probes(d, scale=scale, causal=causal, sinks="sinks" in data, seed=seed)
+        try:
+            fresh = probes(d, scale=scale, causal=causal, sinks="sinks" in data, seed=seed)
+        except PcastError as exc:  # the file's values out of range: name the file
+            raise PcastError(f"probes file {str(path)!r}: {exc}") from None
         for name, want in zip(("q", "k", "v", "sinks"), fresh.arrays() + (None,) * (4 - len(fresh.arrays()))):
             if want is None:
                 continue
