@@ -45,7 +45,8 @@ from pcast_jax.presets import (
 from pcast_jax.presets.trtllm import XQA_CTA_TILE_TOKENS, XQA_DECODE_LAUNCH, xqa_nb_sub_seq
 
 __all__ = ["get_preset", "preset_for", "resolve",
-           "PAPER_CONFIGS", "KERNEL_PRESETS", "BLOCK_SCALED_PRESETS", "KERNELS_2026", "AMD_PRESETS", "PRESETS",
+           "PAPER_CONFIGS", "KERNEL_PRESETS", "BLOCK_SCALED_PRESETS", "SINKS_AND_RESCALE_PRESETS", "AMD_PRESETS",
+           "PRESETS",
            "FAMILIES", "TILES_BY_HEAD_DIM", "MMA_PROMOTION", "MMA_ACC_BITS_HOPPER", "mma_model", "XQA_CTA_TILE_TOKENS",
            "XQA_DECODE_LAUNCH", "xqa_nb_sub_seq"]
 
@@ -67,22 +68,22 @@ BLOCK_SCALED_PRESETS: dict[str, KernelConfig] = {**sageattention.BLOCK_SCALED, *
                                                  **research.BLOCK_SCALED}
 
 #: The FP8 attention served and trained with in 2026: learned sinks, lazy rescale, cuDNN, Blackwell.
-KERNELS_2026: dict[str, KernelConfig] = {**cudnn.KERNELS_2026, **flashattention.KERNELS_2026,
-                                         **vllm.KERNELS_2026, **flashinfer.KERNELS_2026,
-                                         **trtllm.KERNELS_2026, **sglang.KERNELS_2026}
+SINKS_AND_RESCALE_PRESETS: dict[str, KernelConfig] = {
+    **cudnn.SINKS_AND_RESCALE, **flashattention.SINKS_AND_RESCALE, **vllm.SINKS_AND_RESCALE,
+    **flashinfer.SINKS_AND_RESCALE, **trtllm.SINKS_AND_RESCALE, **sglang.SINKS_AND_RESCALE}
 
 #: FP8 attention on AMD GPUs (ROCm): MI300's E4M3FNUZ and MI355's E4M3, each citing its source.
 AMD_PRESETS: dict[str, KernelConfig] = dict(amd.PRESETS)
 
-PRESETS: dict[str, KernelConfig] = {**PAPER_CONFIGS, **KERNEL_PRESETS, **BLOCK_SCALED_PRESETS, **KERNELS_2026,
-                                    **AMD_PRESETS}
+PRESETS: dict[str, KernelConfig] = {**PAPER_CONFIGS, **KERNEL_PRESETS, **BLOCK_SCALED_PRESETS,
+                                    **SINKS_AND_RESCALE_PRESETS, **AMD_PRESETS}
 
 #: Kernel family (module) → the names of its presets, in registry order.
 FAMILIES: dict[str, tuple[str, ...]] = {}
 for _module in (paper, flashattention, flashinfer, trtllm, sageattention, hpc_ops, cudnn, vllm, sglang, amd, modelopt,
                 research):
     _names = {**getattr(_module, "PRESETS", {}), **getattr(_module, "BLOCK_SCALED", {}),
-              **getattr(_module, "KERNELS_2026", {})}
+              **getattr(_module, "SINKS_AND_RESCALE", {})}
     FAMILIES[_module.__name__.rsplit(".", 1)[1]] = tuple(n for n in PRESETS if n in _names)
 assert sorted(n for names in FAMILIES.values() for n in names) == sorted(PRESETS), "a preset without a family"
 

@@ -62,7 +62,7 @@ PRESETS: dict[str, KernelConfig] = {
 #: modelled.
 TILES_BY_HEAD_DIM: dict[str, dict[int, int]] = {"trtllm_fmha_v2": {64: 256, 128: 256, 256: 128}}
 
-KERNELS_2026: dict[str, KernelConfig] = {
+SINKS_AND_RESCALE: dict[str, KernelConfig] = {
     # TensorRT-LLM fmha_v2 FP8 context attention, as vendored by FlashInfer (commit fb28d72, csrc/fmha_v2):
     # Softmax_fp_quant_scale<e4m3_t> = 256 (fmha/numeric_types.h lines 48-53), folded into the exponent as
     # max − log 256 (fmha/warpspec/epilogue.h ~lines 817-825), so ℓ sums the ×256 values; forward KV order
