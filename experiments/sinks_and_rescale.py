@@ -24,11 +24,11 @@ import numpy as np
 
 from pcast_jax import report, theory
 from pcast_jax.config import KernelConfig
-from pcast_jax.presets import SINKS_AND_RESCALE_PRESETS, get_preset
+from pcast_jax.presets import get_preset, tagged
 from pcast_jax.stats import decide, fmt_pm, mean_sem, paired_ratio, z_value
 from pcast_jax.sweep import SweepResult, SweepSpec, run_sweep
 
-__all__ = ["NAME", "TITLE", "FILES", "Sizes", "FULL", "QUICK", "sinks_and_rescale_section"]
+__all__ = ["NAME", "TITLE", "FILES", "Sizes", "FULL", "QUICK", "PRESETS_STUDIED", "sinks_and_rescale_section"]
 
 NAME = "sinks_and_rescale"
 TITLE = ("Learned sinks and lazy rescale in FP8 attention kernels, and cuDNN (our own analysis, beyond the "
@@ -79,6 +79,8 @@ _PLACEMENTS = tuple(
 _TAUS = (0.0, 0.75, 2.0, 4.0)
 #: The reference of study 3's ratios: the paper's best static configuration.
 _BEST = "rev_s256"
+#: Study 3's presets: every preset tagged "sinks_and_rescale", in registry order.
+PRESETS_STUDIED = tuple(tagged("sinks_and_rescale"))
 
 
 def _run(spec: SweepSpec, out: Path, tag: str, quick: bool) -> SweepResult:
@@ -145,13 +147,13 @@ def _verdict(zeroed: float, saturated: float, ratio: float, ratio_se: float, see
 
 
 def _presets_study(sz: Sizes, out: Path, quick: bool) -> list[dict]:
-    names = (_BEST, *SINKS_AND_RESCALE_PRESETS)
+    names = (_BEST, *PRESETS_STUDIED)
     rows = []
     for kind, kw in (("token sinks (k = 4)", {"k_sink": 4}), ("learned sink", {"k_sink": 0, "sink_logit": "delta"})):
         spec = SweepSpec(configs=names, deltas=(7.0, 10.0), ns=(sz.n,), seeds=sz.seeds, q_len=sz.q_len, d=sz.d,
                          sampled_mse=False, **kw)
         res = _run(spec, out, "presets-" + kind.split()[0], quick)
-        for name in SINKS_AND_RESCALE_PRESETS:
+        for name in PRESETS_STUDIED:
             cfg = get_preset(name)
             for dl in spec.deltas:
                 m = {k: res.get(k, config=name, n=sz.n, delta=dl) for k in

@@ -149,7 +149,7 @@ def _sweep_fraction(cfg, delta_l, *, n=4096, seeds=4):
 
 def test_initial_max_collapse_does_not_depend_on_kv_order():
     """Reverse order is no fix once the sink is the initial max: the zeroed sets are the same."""
-    base = presets.SINKS_AND_RESCALE_PRESETS["vllm_triton_fp8"]
+    base = presets.get_preset("vllm_triton_fp8")
     s, v, mask = _instance(4)
     fwd = engine.attention(s, v, base, sink_logit=9.0)
     rev = engine.attention(s, v, base.replace(order="reverse"), sink_logit=9.0)
@@ -181,7 +181,7 @@ def test_s256_threshold_sits_at_10ln2_plus_ln256(order):
 @pytest.mark.parametrize("segments", [2, 4, 8])
 def test_split_kv_divides_the_collapse_by_the_segments(segments):
     """Only segment 0 starts from the sink: F ≈ F_L / n_segments (vLLM's 3-D path)."""
-    cfg = presets.SINKS_AND_RESCALE_PRESETS["vllm_triton_fp8"].replace(kv_splits=segments)
+    cfg = presets.get_preset("vllm_triton_fp8").replace(kv_splits=segments)
     one, _ = _sweep_fraction(cfg.replace(kv_splits=1), 9.0)
     split, _ = _sweep_fraction(cfg, 9.0)
     pred = float(theory.learned_sink_collapse_fraction(9.0, 1.0, n_segments=segments))
@@ -265,7 +265,7 @@ def test_preset_registry_is_one_home_and_keeps_its_fingerprint():
            "trtllm_xqa_multiblock", "fa3_splitkv", "sageattn2", "sageattn2pp", "hpc_ops_prior", "hpc_ops",
            "dynamic_pow2", "sageattn3", "nvfp4_fakequant", "mxfp8_p")
     assert pj.SweepSpec(configs=old).fingerprint() == PINNED_FINGERPRINT
-    for name in presets.SINKS_AND_RESCALE_PRESETS:
+    for name in presets.tagged("sinks_and_rescale"):
         assert name not in old and PRESETS[name].name == name
 
 

@@ -41,7 +41,7 @@ import numpy as np
 from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError, check_int
 from pcast_jax.models.fp8 import E2EMetrics, FP8Attention
-from pcast_jax.presets import KERNEL_PRESETS, PAPER_CONFIGS, get_preset, preset_for, resolve
+from pcast_jax.presets import get_preset, preset_for, resolve, tagged
 
 __all__ = ["HELDOUT_FILES", "MAX_TOKENS", "SCALES", "DECODE_PAIRS", "DECODE_METRICS", "ReportSizes", "FULL",
            "QUICK", "Stopwatch", "ModelStudy", "run_study", "heldout_tokens", "describe", "safe_ratio",
@@ -83,7 +83,7 @@ DECODE_METRICS = ("mse", "ref_sq", "frac_zeroed", "zeroed_mass")
 
 
 # the paper's configurations and the E4M3 kernels (block-scaled P formats are not in this study yet)
-_PRESET_HOOKS = tuple(FP8Attention.from_preset(name) for name in {**PAPER_CONFIGS, **KERNEL_PRESETS})
+_PRESET_HOOKS = tuple(FP8Attention.from_preset(name) for name in (*tagged("paper"), *tagged("table3")))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
