@@ -57,9 +57,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pcast_jax import block, engine
+from pcast_jax import engine, nn_common
 from pcast_jax.config import KernelConfig
-from pcast_jax.errors import PcastError, check_choice, check_int, check_positive
+from pcast_jax.errors import PcastError, check_choice, check_positive
 from pcast_jax.presets import get_preset, preset_for, resolve
 
 __all__ = ["IMPLEMENTATIONS", "GRADIENTS", "CAUSAL_ALIGNMENTS", "attention_fn", "attention_weights",
@@ -99,14 +99,6 @@ def _as_bnth(x):
     return jnp.swapaxes(jnp.asarray(x, jnp.float32), 1, 2)
 
 
-def _broadcast_4d(name: str, x, shape, dtype):
-    x = jnp.asarray(x, dtype)
-    try:
-        return jnp.broadcast_to(x, shape)
-    except ValueError:
-        raise PcastError(f"{name}.shape={x.shape} does not broadcast to (B, N, T, S) = {shape}") from None
-
-
 def _repeat_kv(x, n_heads: int):
     return jnp.repeat(x, n_heads // x.shape[1], axis=1)
 
@@ -140,34 +132,6 @@ def kernel_inputs(q, k, v, cfg: KernelConfig | None, scale: float):
     """
     q, k, v, factor = kernel_operands(q, k, v, cfg, scale)
     return kernel_logits(q, k, factor), v
-
-
-def _visibility(shape, mask, causal: bool, alignment: str, q_lens, kv_lens, window):
-    """(B, N, T, S) bool: True where a query sees a key (None when every key is visible).
-
-    ``mask`` (B, N, T, S) bool or None; causal and the local window are measured from query
-    position ``i`` (top-left, as ``jax.nn``) or ``i + S − T`` (bottom-right, as the kernels);
-    ``q_lens`` / ``kv_lens`` (B,) hide padded query rows and keys.
-    """
-    b, _, t, s = shape
-    parts = [] if mask is None else [mask]
-    q_pos = jnp.arange(t)[:, None] + (s - t if alignment == "bottom_right" else 0)
-    k_pos = jnp.arange(s)[None, :]
-    if causal:
-        parts.append(block.visible(q_pos, k_pos)[None, None])
-    if window is not None:
-        left, right = window
-        parts.append(((q_pos <= k_pos + left) & (q_pos >= k_pos - right))[None, None])
-    if q_lens is not None:
-        parts.append((jnp.arange(t)[None, :, None] < q_lens[:, None, None])[:, None])
-    if kv_lens is not None:
-        parts.append((jnp.arange(s)[None, None, :] < kv_lens[:, None, None])[:, None])
-    if not parts:
-        return None
-    vis = parts[0]
-    for x in parts[1:]:
-        vis = vis & x
-    return jnp.broadcast_to(vis, shape)
 
 
 def _masked(logits, bias, visible, fill):
@@ -300,30 +264,6 @@ def _resolve_config(config, head_dim: int) -> KernelConfig | None:
     return resolve(config)
 
 
-def _lengths(name: str, x, batch: int):
-    """``query_seq_lengths`` / ``key_value_seq_lengths``: an integer (B,) array (jax.nn's int32)."""
-    if x is None:
-        return None
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.integer) or x.shape != (batch,):
-        raise PcastError(f"{name} must be an integer array of shape (B,) = ({batch},), got {x.dtype} {x.shape}")
-    return x.astype(jnp.int32)
-
-
-def _window(local_window_size):
-    if local_window_size is None:
-        return None
-    w = (local_window_size, local_window_size) if isinstance(local_window_size, int) else local_window_size
-    try:  # positions are int32: a window as wide as any sequence is at most 2^31 - 1
-        left, right = (check_int("local_window_size", x, min_value=0, max_value=2**31 - 1) for x in w)
-    except PcastError:
-        raise
-    except (TypeError, ValueError):
-        raise PcastError(f"local_window_size={local_window_size!r} must be an int or a (left, right) pair "
-                         "of ints >= 0") from None
-    return left, right
-
-
 def _check_scale(scale, head_dim: int):
     """1/√H by default; a number > 0 (a Python float, its float32 value), or a traced scalar as it is."""
     if scale is None:
@@ -416,11 +356,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     b, n, t, _ = q.shape
     s = k.shape[2]
     shape = (b, n, t, s)
-    bias4 = None if bias is None else _broadcast_4d("bias", bias, shape, jnp.float32)
-    mask4 = None if mask is None else _broadcast_4d("mask", mask, shape, bool)
-    q_lens = _lengths("query_seq_lengths", query_seq_lengths, b)
-    kv_lens = _lengths("key_value_seq_lengths", key_value_seq_lengths, b)
-    window = _window(local_window_size)
+    bias4 = None if bias is None else nn_common.broadcast_4d("bias", bias, shape, jnp.float32)
+    mask4 = None if mask is None else nn_common.broadcast_4d("mask", mask, shape, bool)
+    q_lens = nn_common.seq_lengths("query_seq_lengths", query_seq_lengths, b)
+    kv_lens = nn_common.seq_lengths("key_value_seq_lengths", key_value_seq_lengths, b)
+    window = nn_common.local_window(local_window_size)
     if sinks is not None:
         # a concrete array (also one a jitted caller closes over) is checked on the host; a traced one
         # cannot be, and a non-finite traced sink gives NaN rows (engine._sink_rows)
@@ -451,7 +391,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
         out = jnp.swapaxes(out, 1, 2).astype(query.dtype)
         return out[0] if unbatched else out
 
-    visible = _visibility(shape, mask4, causal, causal_alignment, q_lens, kv_lens, window)
+    visible = nn_common.visibility(shape, mask4, causal, causal_alignment, q_lens, kv_lens, window)
     if cfg is None:
         out = _exact(q, k, v, bias4, visible, scale, False, sinks)
         if q_lens is not None:  # jax.nn zeroes the padded query rows
@@ -516,11 +456,12 @@ def attention_weights(query, key, bias=None, mask=None, *, scale: float | None =
     causal = is_causal or (cfg is not None and cfg.causal)
     q, k = _as_bnth(query), _as_bnth(key)
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    bias4 = None if bias is None else _broadcast_4d("bias", bias, shape, jnp.float32)
-    mask4 = None if mask is None else _broadcast_4d("mask", mask, shape, bool)
-    q_lens = _lengths("query_seq_lengths", query_seq_lengths, shape[0])
-    kv_lens = _lengths("key_value_seq_lengths", key_value_seq_lengths, shape[0])
-    visible = _visibility(shape, mask4, causal, causal_alignment, q_lens, kv_lens, _window(local_window_size))
+    bias4 = None if bias is None else nn_common.broadcast_4d("bias", bias, shape, jnp.float32)
+    mask4 = None if mask is None else nn_common.broadcast_4d("mask", mask, shape, bool)
+    q_lens = nn_common.seq_lengths("query_seq_lengths", query_seq_lengths, shape[0])
+    kv_lens = nn_common.seq_lengths("key_value_seq_lengths", key_value_seq_lengths, shape[0])
+    window = nn_common.local_window(local_window_size)
+    visible = nn_common.visibility(shape, mask4, causal, causal_alignment, q_lens, kv_lens, window)
     logits, _ = kernel_inputs(q, k, k, None, scale)
     probs = jax.nn.softmax(_masked(logits, bias4, visible, _MASKED), axis=-1)
     kernel = None

@@ -328,7 +328,7 @@ class Recorder:
     def _record(self, name, query, key, value, *, scale, causal: bool, mask=None, query_lengths=None,
                 key_lengths=None, window=None, sinks=None):
         """Record a call that has run: its Q/K/V and what each query saw, as lengths and a window."""
-        from pcast_jax import nn
+        from pcast_jax import nn_common
 
         query, key, value = (jnp.asarray(x) for x in (query, key, value))
         if query.ndim == 3:
@@ -342,9 +342,10 @@ class Recorder:
             mask = jnp.asarray(mask, bool)
             heads = mask.shape[-3] if mask.ndim >= 3 else 1
         shape = (batch, heads, num_tokens, num_tokens)
-        visible = nn._visibility(shape, None if mask is None else nn._broadcast_4d("mask", mask, shape, bool), causal,
-                                 "top_left", nn._lengths("query_seq_lengths", query_lengths, batch),
-                                 nn._lengths("key_value_seq_lengths", key_lengths, batch), nn._window(window))
+        visible = nn_common.visibility(
+            shape, None if mask is None else nn_common.broadcast_4d("mask", mask, shape, bool), causal, "top_left",
+            nn_common.seq_lengths("query_seq_lengths", query_lengths, batch),
+            nn_common.seq_lengths("key_value_seq_lengths", key_lengths, batch), nn_common.local_window(window))
         lengths, windows, code = _visibility_parameters(visible)
         if not any(isinstance(x, jax.core.Tracer) for x in (code, query, key, value)):
             if int(code):

@@ -329,7 +329,7 @@ def sink_statistics(q, k, v=None, cfg=None, *, num_sinks: int = 1, sink_selectio
             for name in per_layer[0]}
 
 
-def _scores_and_values(q, k, v, cfg: KernelConfig):
+def scores_and_values(q, k, v, cfg: KernelConfig):
     """Per-head logits ``[Hq, T, T]`` (1/√D applied, no mask) and values ``[Hq, T, D]``.
 
     Exactly what :func:`pcast_jax.nn.dot_product_attention` feeds the kernel (FP32 Q/K/V, or E4M3
@@ -361,7 +361,7 @@ def heads_attention(q, k, v, config: str | KernelConfig, *, count_mask=None,
             or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
         raise PcastError(f"q must be [T, Hq, D] and k, v [T, Hkv, D] with Hq a multiple of Hkv; "
                          f"got {q.shape}, {k.shape}, {v.shape}")
-    scores, v_seen = _scores_and_values(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32),
+    scores, v_seen = scores_and_values(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32),
                                         jnp.asarray(v, jnp.float32), cfg)
 
     def one(s, vh, cm):

@@ -357,7 +357,7 @@ def _pct(x: float) -> str:
 
 
 def _optional(module: str):
-    from pcast_jax.sweep.spec import _optional as optional
+    from pcast_jax.sweep.spec import optional
 
     return optional(module)
 

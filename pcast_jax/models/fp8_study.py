@@ -199,11 +199,11 @@ def decode_pair_configs(pairs, head_dim: int) -> list[tuple[str, KernelConfig, K
 def _decode_layer(q, k, v, sink_positions, *, config: KernelConfig, rows: int):
     """One layer's decode view: the last ``rows`` queries of ``q [T, Hq, D]`` against ``k, v [T, Hkv, D]``."""
     from pcast_jax import engine
-    from pcast_jax.models.fp8 import _scores_and_values
+    from pcast_jax.analysis.heads import scores_and_values
 
     num_tokens = q.shape[0]
     q_offset = num_tokens - rows
-    scores, v_seen = _scores_and_values(q[q_offset:], k, v, config)  # [Hq, rows, T], [Hq, T, D]
+    scores, v_seen = scores_and_values(q[q_offset:], k, v, config)  # [Hq, rows, T], [Hq, T, D]
     positions = jnp.arange(num_tokens)
     counted = ~jnp.any(positions[None, :, None] == sink_positions[:, None, :], axis=-1)  # [Hq, T]
     cfg = config.replace(causal=True)
