@@ -87,7 +87,8 @@ class FP8Attention:
             object.__setattr__(self, "preset", self.config)
         if self.preset:
             get_preset(self.preset)
-        object.__setattr__(self, "config", dataclasses.replace(resolve(self.config), causal=True))
+        cfg = resolve(self.config)
+        object.__setattr__(self, "config", cfg.replace(causal=True, name=cfg.name))
         object.__setattr__(self, "implementation", check_implementation(self.implementation))
         if not isinstance(self.p_cast, bool):
             raise PcastError(f"p_cast={self.p_cast!r} must be True or False")
