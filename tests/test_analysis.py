@@ -2,6 +2,7 @@
 
 import csv
 import math
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -16,6 +17,7 @@ from pcast_jax import cli
 from pcast_jax import nn as pnn
 from pcast_jax.analysis import Recorder, Trace, analyze, compare_logits, load_trace, sink_statistics, write_report
 from pcast_jax.analysis.heads import SCALE_GRID, _further_row_metrics
+from pcast_jax.analysis.report import NO_ROWS
 from pcast_jax.errors import PcastError
 from pcast_jax.models import FP8Attention, extract_qkv, forward
 
@@ -605,3 +607,70 @@ def test_statistics_and_reference_on_row_chunks_equal_one_chunk(monkeypatch):
     for name, value in metrics.items():
         np.testing.assert_allclose(again[name], value, rtol=1e-5, atol=1e-9, err_msg=name)
     assert np.all(ref[:, 90:] == 0) and metrics["zeroed_mass"].max() > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Everyday use: the names passed, coordinates, JSON, figures without matplotlib
+# ----------------------------------------------------------------------------------------------
+
+
+def test_json_report_has_the_numbers_of_the_csv_and_the_words(tmp_path, capsys, monkeypatch):
+    """`pcast analyze --format json` prints analysis.json: per configuration the numbers of
+    analysis_configs.csv (bit for bit), the verdicts and safe scales the words print, a non-finite
+    number as null with its reason; a preset passed as `fa3` stays `fa3` (head dim 16 runs its
+    160-key tile, a column beside it), and the data set is keyed and indexed by what was passed."""
+    import json
+
+    from pcast_jax import stats
+    from pcast_jax.analysis.report import NO_FIGURES
+
+    trace = planted(layers=1, batch=2)
+    path = trace.save(tmp_path / "trace.npz")
+    out = tmp_path / "rep"
+    assert cli.main(["analyze", str(path), "--configs", "fwd_s1,fa3", "--out", str(out), "--format", "json",
+                     "--no-progress"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data == json.loads((out / "analysis.json").read_text())
+    with open(out / "analysis_configs.csv") as f:
+        csv_rows = list(csv.DictReader(f))
+    assert [r["config"] for r in data["configs"]] == [r["config"] for r in csv_rows] == ["fwd_s1", "fa3"]
+    assert [r["block_kv"] for r in data["configs"]] == [64, 160]  # FA3's tile at d <= 64
+    compared = 0
+    for row, cells in zip(data["configs"], csv_rows):
+        for key, text in cells.items():
+            value = row[key]
+            if value is None:  # non-finite: null in JSON, the reason in words in the CSV and beside it
+                assert text == row["null_reasons"][key] and text in (NO_ROWS, stats.NO_SE)
+            elif isinstance(value, float):
+                assert value == float(text), key
+                compared += 1
+    assert compared >= 10
+    markdown = (out / "analysis.md").read_text()
+    for row in data["configs"]:
+        assert data["verdicts"][row["config"]] == row["verdict"] and f"`{row['config']}`: **{row['verdict']}**" \
+            in markdown
+    for scan in data["scans"]:
+        assert scan["recommended"] == data["safe_scale"][scan["members"][0]]
+        assert f"`scale = {scan['recommended']:g}`" in markdown
+    assert data["criterion"]["mass_limit"] == 1e-3 and data["criterion"]["text"] in markdown
+    assert "NaN" not in (out / "analysis.json").read_text() and "Infinity" not in (out / "analysis.json").read_text()
+    assert (out / "analysis_decision.png").stat().st_size > 1000
+    # the data set: keyed by the name passed, the tile as a coordinate, every dimension indexed
+    result = analyze(trace, ["fwd_s1", "fa3"], min_keys=16)
+    ds = result.to_xarray()
+    assert int(ds["block_kv"].sel(config="fa3")) == 160
+    assert list(ds["sequence"].values) == [0, 1] and list(ds["head"].values) == [0, 1, 2, 3]
+    np.testing.assert_array_equal(ds["zeroed_mass"].sel(config="fa3", sequence=1, head=2).values,
+                                  result.heads["zeroed_mass"][1, 1, :, 2])
+    # without matplotlib: every other file is written, the words say which extra to install
+    for name in [n for n in sys.modules if n == "matplotlib" or n.startswith("matplotlib.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    bare = tmp_path / "bare"
+    assert cli.main(["analyze", str(path), "--configs", "fwd_s1", "--out", str(bare), "--no-progress"]) == 0
+    assert NO_FIGURES in capsys.readouterr().out
+    assert {p.name for p in bare.iterdir()} == {"analysis.md", "analysis.json", "analysis_configs.csv",
+                                                 "analysis_heads.csv"}
+    assert "pcast_jax[plots]" in (bare / "analysis.md").read_text()
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["analyze", str(path), "--format", "yaml", "--out", str(bare)])
+    assert exc.value.code == 2

@@ -116,7 +116,8 @@ class Analysis:
 
     Attributes:
       layers: the trace's layer names (``L``).
-      configs: the configurations, at the trace's head dim.
+      configs: the configurations, at the trace's head dim (each named as passed; its ``block_kv`` the KV
+        tile that runs at that head dim).
       lengths: ``[B]`` tokens of each sequence.
       stats: sink statistics, each ``[B, L, H]`` (``sink_positions [B, L, H, k]``,
         ``underflow_mass [B, L, H, len(SCALE_GRID)]``).
@@ -177,7 +178,7 @@ class Analysis:
         worst head's zeroed and clipped mass, how many heads fail the criterion, the verdict."""
         rows = []
         for ci, cfg in enumerate(self.configs):
-            row = {"config": cfg.name}
+            row = {"config": cfg.name, "block_kv": cfg.block_kv}
             for metric in self.heads:
                 if metric in _BOOKKEEPING:
                     continue
@@ -219,7 +220,12 @@ class Analysis:
     def to_xarray(self):
         """An ``xarray.Dataset``: every metric over (config, sequence, layer, head), every sink
         statistic over (sequence, layer, head) (``underflow_mass`` also over ``scale``), the
-        end-to-end metrics over config when present (needs the ``data`` extra)."""
+        end-to-end metrics over config when present (needs the ``data`` extra).
+
+        Every dimension has a coordinate: ``config`` the names passed to :func:`analyze`
+        (``ds.sel(config="fa3")``), with ``block_kv`` (the KV tile that ran at the trace's head dim)
+        and ``config_spec`` beside it; ``sequence`` and ``head`` their indices (``length`` beside
+        ``sequence``); ``layer`` the trace's layer names; ``scale`` :data:`SCALE_GRID`."""
         xr = _optional("xarray")
         dims = ("sequence", "layer", "head")
         data = {m: (("config",) + dims, np.asarray(v)) for m, v in self.heads.items()}
@@ -237,6 +243,8 @@ class Analysis:
                                                                for c in self.config_names]))
         coords = {"config": self.config_names, "layer": list(self.layers), "scale": list(SCALE_GRID),
                   "config_spec": ("config", [c.to_string() for c in self.configs]),
+                  "block_kv": ("config", [c.block_kv for c in self.configs]),
+                  "sequence": np.arange(len(self.lengths)), "head": np.arange(self.heads["zeroed_mass"].shape[-1]),
                   "length": ("sequence", self.lengths)}
         return xr.Dataset(data, coords=coords, attrs={"mass_limit": self.mass_limit,
                                                       "sink_mass_min": SINK_MASS_MIN})

@@ -189,7 +189,7 @@ def decode_pair_configs(pairs, head_dim: int) -> list[tuple[str, KernelConfig, K
         for c in (prefill, decode):
             cfg = resolve(c)
             if cfg.block_kv != block_kv:
-                cfg = cfg.replace(block_kv=block_kv, name=f"{cfg.name}_d{head_dim}")
+                cfg = cfg.replace(block_kv=block_kv, name=cfg.name)
             cfgs.append(cfg)
         out.append((label, *cfgs))
     return out
