@@ -360,13 +360,14 @@ def check_own_model_page(scope: dict, printed: str, folder: Path) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def numpy_forward_losses(q, k, length, window, block, scale, min_keys, learned=None):
+def numpy_forward_losses(q, k, length, window, block, scale, min_keys, learned=None, cap=None):
     """Independent of the package: per query head of one layer, the zeroed and clipped mass of a
     forward-order kernel (KV blocks of ``block`` keys, running max over blocks, P·S cast to E4M3 by
     ml_dtypes), each a mean over the rows with >= min_keys visible non-sink keys; the sink is the key
     receiving the most attention. ``q [T, Hq, D]``, ``k [T, Hkv, D]``; keys ``i - window .. i``
     (window < 0: all of ``0 .. i``) among the first ``length`` tokens. ``learned [Hq]``: learned sink
-    logits, a softmax column with no key that the running max never sees (the epilogue placement)."""
+    logits, a softmax column with no key that the running max never sees (the epilogue placement).
+    ``cap``: a logit soft cap, every logit ``cap·tanh(logit/cap)``."""
     import ml_dtypes
 
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -376,6 +377,7 @@ def numpy_forward_losses(q, k, length, window, block, scale, min_keys, learned=N
     zeroed_out, clipped_out = [], []
     for h in range(num_heads):
         s = q[:length, h].astype(np.float64) @ k[:length, h // group].T.astype(np.float64) / math.sqrt(head_dim)
+        s = s if cap is None else cap * np.tanh(s / cap)
         extra = -np.inf if learned is None else float(learned[h])
         top = np.maximum(np.where(vis, s, -np.inf).max(1, keepdims=True), extra)
         exact = np.where(vis, np.exp(np.where(vis, s, -np.inf) - top), 0)
@@ -674,3 +676,28 @@ def test_json_report_has_the_numbers_of_the_csv_and_the_words(tmp_path, capsys, 
     with pytest.raises(SystemExit) as exc:
         cli.main(["analyze", str(path), "--format", "yaml", "--out", str(bare)])
     assert exc.value.code == 2
+
+
+def test_soft_capped_layer_is_recorded_and_analysed_with_capped_logits(tmp_path):
+    """A layer with logits_soft_cap, recorded through the drop-in: the trace keeps the cap (through its
+    file too), and the statistics, kernel and reference see cap·tanh(logit/cap): the zeroed mass is an
+    independent NumPy kernel's on the capped logits, not on the raw ones."""
+    trace = character_trace("sink at 0")
+    q, k, v = (x[0] for x in (trace.q, trace.k, trace.v))
+    rec = Recorder()
+    out = rec.dot_product_attention(q, k, v, is_causal=True, logits_soft_cap=20.0)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(
+        pnn.dot_product_attention(q, k, v, is_causal=True, logits_soft_cap=20.0)))
+    recorded = load_trace(rec.trace().save(tmp_path / "capped.npz"))
+    np.testing.assert_array_equal(recorded.logits_soft_cap, [20.0])
+    result = analyze(recorded, ["fwd_s1"], min_keys=8)
+    want, _ = numpy_forward_losses(q[0], k[0], 128, -1, 64, 1.0, 8, cap=20.0)
+    raw, _ = numpy_forward_losses(q[0], k[0], 128, -1, 64, 1.0, 8)
+    got = result.head_mean("zeroed_mass")[0, 0]
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=1e-7)
+    assert want.min() > 1e-3 and np.all(np.abs(raw - want) > 0.2 * want)  # the cap changes the answer
+    assert result.config_rows()[0]["rel_mse_mean"] < 1e-2  # the reference is capped too
+    assert "1 of 1 layers soft-cap their logits (cap·tanh(logit/cap), cap = 20)" in "\n".join(result.summary_lines())
+    with pytest.raises(PcastError, match="logits_soft_cap"):
+        Trace(q=trace.q, k=trace.k, v=trace.v, lengths=trace.lengths, layers=trace.layers,
+              logits_soft_cap=np.array([np.nan], np.float32))

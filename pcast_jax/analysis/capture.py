@@ -26,7 +26,8 @@ sequences to it. A call is recorded after it has run, so a call the attention re
 nothing. What the layer lets each query see is recorded as parameters: the real tokens of each
 sequence (``Trace.lengths``, from ``query_seq_lengths``, ``key_value_seq_lengths`` or a padding
 mask), the layer's local window (``Trace.local_window_size``, from ``local_window_size`` or a
-banded mask) and the drop-in's learned ``sinks`` (``Trace.sinks``). Only causal self-attention
+banded mask), the drop-in's learned ``sinks`` (``Trace.sinks``) and the layer's ``logits_soft_cap``
+(``Trace.logits_soft_cap``: the drop-in's or ``attention_fn``'s argument). Only causal self-attention
 within one local window over right-padded sequences can be recorded; anything else is refused
 naming the argument — a ``bias``, a non-causal call, a decode step (fewer queries than keys), a
 ``mask`` that differs between heads or hides keys another way — at once for an eager call, at
@@ -70,6 +71,8 @@ class Trace:
         (−1: none, full causal attention); None reads as every layer without one.
       sinks: optional ``[L, Hq]`` learned sink logits (gpt-oss ``sinks``: a softmax column with no
         key) of each layer and query head; −inf: the layer has none. None: no layer has any.
+      logits_soft_cap: optional ``[L]`` each layer's logit soft cap (the logits are
+        ``cap·tanh(logits/cap)``; 0: none). None: no layer has one.
     """
 
     q: np.ndarray
@@ -80,6 +83,7 @@ class Trace:
     tokens: np.ndarray | None = None
     local_window_size: np.ndarray | None = None
     sinks: np.ndarray | None = None
+    logits_soft_cap: np.ndarray | None = None
 
     def __post_init__(self):
         _check_trace(self, "Trace")
@@ -114,6 +118,8 @@ class Trace:
             arrays["tokens"] = self.tokens
         if self.sinks is not None:
             arrays["sinks"] = self.sinks
+        if self.logits_soft_cap is not None:
+            arrays["logits_soft_cap"] = self.logits_soft_cap
         return atomic_write(path, lambda f: np.savez(f, **arrays))
 
 
@@ -163,6 +169,13 @@ def _check_trace(trace: Trace, where: str) -> None:
             raise PcastError(f"{where}: field 'sinks' must be {q.shape[0]}×{q.shape[3]} learned sink logits (one per "
                              f"layer and query head; -inf: none), got {sinks.dtype} {sinks.shape}")
         object.__setattr__(trace, "sinks", sinks.astype(np.float32))
+    if trace.logits_soft_cap is not None:
+        caps = np.asarray(trace.logits_soft_cap)
+        if caps.shape != (q.shape[0],) or not np.issubdtype(caps.dtype, np.floating) or not np.all(np.isfinite(caps)) \
+                or caps.min() < 0:
+            raise PcastError(f"{where}: field 'logits_soft_cap' must be {q.shape[0]} finite numbers >= 0 (one per "
+                             f"layer; 0: none), got {caps.dtype} {caps.shape}")
+        object.__setattr__(trace, "logits_soft_cap", caps.astype(np.float32))
 
 
 def load_trace(path) -> Trace:
@@ -187,6 +200,7 @@ def load_trace(path) -> Trace:
     object.__setattr__(trace, "tokens", fields.get("tokens"))
     object.__setattr__(trace, "local_window_size", fields.get("local_window_size"))
     object.__setattr__(trace, "sinks", fields.get("sinks"))
+    object.__setattr__(trace, "logits_soft_cap", fields.get("logits_soft_cap"))
     _check_trace(trace, f"trace file {path}")
     return trace
 
@@ -208,7 +222,7 @@ class Recorder:
 
     def dot_product_attention(self, query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                              config=None, **kwargs):
+                              config=None, logits_soft_cap=None, **kwargs):
         """:func:`pcast_jax.dot_product_attention` (same arguments) that records its inputs once the
         call has run (a call it refuses records nothing)."""
         from pcast_jax import nn
@@ -218,14 +232,15 @@ class Recorder:
         out = nn.dot_product_attention(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                                        query_seq_lengths=query_seq_lengths,
                                        key_value_seq_lengths=key_value_seq_lengths,
-                                       local_window_size=local_window_size, config=config, **kwargs)
+                                       local_window_size=local_window_size, config=config,
+                                       logits_soft_cap=logits_soft_cap, **kwargs)
         with self._lock:
             name = f"call{self._calls}"
             self._calls += 1
         try:
             self._record(name, query, key, value, scale=scale, causal=causal, mask=mask,
                          query_lengths=query_seq_lengths, key_lengths=key_value_seq_lengths, window=local_window_size,
-                         sinks=kwargs.get("sinks"))
+                         sinks=kwargs.get("sinks"), soft_cap=logits_soft_cap)
         except PcastError:
             with self._lock:  # a refused call takes no name
                 if self._calls == int(name[4:]) + 1:
@@ -259,7 +274,8 @@ class Recorder:
             bool_mask = None if mask is None else jnp.asarray(mask) != 0  # flax: nonzero = attend
             _check_recordable(layer_name, query, key, bias=bias, causal=causal, mask=mask)
             out = inner(query, key, value, bias, mask, **kw)
-            self._record(layer_name, query, key, value, scale=None, causal=causal, mask=bool_mask)
+            self._record(layer_name, query, key, value, scale=None, causal=causal, mask=bool_mask,
+                         soft_cap=kwargs.get("logits_soft_cap"))
             return out
 
         return fn
@@ -305,6 +321,11 @@ class Recorder:
                     raise PcastError(f"Recorder.trace: layer {_layer_label(name)} was called with different learned "
                                      "sinks (argument 'sinks'); a trace records one set per layer")
                 stacked[name].append(learned[0])
+                caps = sorted({float(p[6]) for p in parts})
+                if len(caps) > 1:
+                    raise PcastError(f"Recorder.trace: layer {_layer_label(name)} was called with soft caps {caps} "
+                                     "(argument 'logits_soft_cap'; 0: none); a trace records one per layer")
+                stacked[name].append(caps[0])
         shapes = {name: tuple(x.shape for x in arrays[:3]) for name, arrays in stacked.items()}
         first = order[0]
         lengths = stacked[first][3]
@@ -320,14 +341,17 @@ class Recorder:
             tokens = np.asarray(tokens)
             tokens = tokens[None] if tokens.ndim == 1 else tokens
         sinks = np.stack([stacked[name][5] for name in order])
+        caps = np.array([stacked[name][6] for name in order], np.float32)
         return Trace(q=q, k=k, v=v, lengths=lengths, layers=tuple(_layer_label(n) for n in order), tokens=tokens,
-                     local_window_size=windows, sinks=sinks if np.isfinite(sinks).any() else None)
+                     local_window_size=windows, sinks=sinks if np.isfinite(sinks).any() else None,
+                     logits_soft_cap=caps if caps.any() else None)
 
     # -- recording ---------------------------------------------------------------------------
 
     def _record(self, name, query, key, value, *, scale, causal: bool, mask=None, query_lengths=None,
-                key_lengths=None, window=None, sinks=None):
-        """Record a call that has run: its Q/K/V and what each query saw, as lengths and a window."""
+                key_lengths=None, window=None, sinks=None, soft_cap=None):
+        """Record a call that has run: its Q/K/V and what each query saw, as lengths and a window (and its
+        soft cap: a number the call has already checked, in the units of the logits the trace keeps)."""
         from pcast_jax import nn
 
         query, key, value = (jnp.asarray(x) for x in (query, key, value))
@@ -355,11 +379,12 @@ class Recorder:
         # ordered: under the model's vmap over sequences the calls arrive in sequence order (an unordered
         # callback may run the batch's elements in any order, and the trace would pair them with the
         # wrong tokens)
-        jax.debug.callback(functools.partial(self._store, name if isinstance(name, str) else None), index,
+        cap = 0.0 if soft_cap is None else float(np.float32(soft_cap))
+        jax.debug.callback(functools.partial(self._store, name if isinstance(name, str) else None, cap), index,
                            query.astype(jnp.float32), key.astype(jnp.float32), value.astype(jnp.float32),
                            lengths, windows, learned, code, ordered=True)
 
-    def _store(self, name, index, q, k, v, lengths, windows, learned, code):
+    def _store(self, name, cap, index, q, k, v, lengths, windows, learned, code):
         name = name if name is not None else int(np.asarray(index))
         with self._lock:
             if int(code):
@@ -368,7 +393,7 @@ class Recorder:
             if name not in self._entries:
                 self._entries[name] = []
                 self._order.append(name)
-            self._entries[name].append(tuple(np.array(x) for x in (q, k, v, lengths, windows, learned)))
+            self._entries[name].append((*(np.array(x) for x in (q, k, v, lengths, windows, learned)), cap))
 
 
 #: Why a call's visibility cannot be recorded, by the code :func:`_visibility_parameters` returns.

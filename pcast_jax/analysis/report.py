@@ -150,8 +150,10 @@ def report_data(analysis: Analysis) -> dict:
         "safe_scale": {scan["members"][0]: scan["recommended"] for scan in scans},
         "trace": {"layers": list(analysis.layers), "lengths": [int(n) for n in analysis.lengths],
                   "heads": int(sink.shape[1]), "sink_heads": int(sink.sum()), "sink_mass_min": SINK_MASS_MIN,
-                  "local_window_size": None if analysis.local_window_size is None
-                  else [int(w) for w in analysis.local_window_size]},
+                  "local_window_size": [-1] * len(analysis.layers) if analysis.local_window_size is None
+                  else [int(w) for w in analysis.local_window_size],
+                  "logits_soft_cap": [0.0] * len(analysis.layers) if analysis.logits_soft_cap is None
+                  else [float(c) for c in analysis.logits_soft_cap]},
         "configs": configs,
         "scans": scans,
         "end_to_end_fp32": None if analysis.e2e_fp32 is None else _json_row(analysis.e2e_fp32._asdict(), _row_reason),

@@ -125,6 +125,7 @@ class Analysis:
       mass_limit: the limit of the criterion (zeroed and clipped mass of the worst head).
       scans: the safe-scale scan of each kernel family with a static scale.
       local_window_size: ``[L]`` each layer's local window (−1: none), as analysed.
+      logits_soft_cap: ``[L]`` each layer's logit soft cap (0: none), as analysed; None: no layer has one.
       e2e: ``{config name: E2EMetrics}`` when the model was given, else None.
       e2e_fp32: the FP32 model's own metrics (its perplexity), or None.
       seconds: wall time of the analysis (without the end-to-end runs).
@@ -138,6 +139,7 @@ class Analysis:
     mass_limit: float
     scans: tuple[ScaleScan, ...] = ()
     local_window_size: np.ndarray | None = None
+    logits_soft_cap: np.ndarray | None = None
     e2e: dict | None = None
     e2e_fp32: E2EMetrics | None = None
     seconds: float = 0.0
@@ -276,6 +278,11 @@ class Analysis:
             lines += [f"{int((windows >= 0).sum())} of {n_layers} layers attend within a local window "
                       f"({', '.join(sorted({str(int(w)) for w in windows if w >= 0}))} keys back); the analysis "
                       "sees what they see.", ""]
+        caps = self.logits_soft_cap
+        if caps is not None and (caps > 0).any():
+            lines += [f"{int((caps > 0).sum())} of {n_layers} layers soft-cap their logits (cap·tanh(logit/cap), cap = "
+                      f"{', '.join(sorted({f'{float(c):g}' for c in caps if c > 0}))}); the analysis sees the capped "
+                      "logits.", ""]
         if self.e2e is not None:
             parts = [f"`{name}` KL {m.kl:.2e} nats/token, top-1 agreement {m.top1_agree:.1%}, perplexity "
                      f"{m.perplexity:.3f}" for name, m in self.e2e.items()]
@@ -414,7 +421,8 @@ def analyze(trace: Trace, configs: Sequence[str | KernelConfig], *, num_sinks: i
         q, k = trace.q[:, b], trace.k[:, b]
         say(f"sequence {b + 1}/{n_seq}: sink statistics ({trace.num_layers} layers, {n} tokens)")
         per_seq_stats.append(sink_statistics(q, k, num_sinks=num_sinks, min_keys=min(min_keys, n), length=n,
-                                             local_window_size=windows, sinks=trace.sinks))
+                                             local_window_size=windows, sinks=trace.sinks,
+                                             logits_soft_cap=trace.logits_soft_cap))
     stats = {name: np.stack([s[name] for s in per_seq_stats]) for name in per_seq_stats[0]}
     references: dict = {}
     heads = _run_kernels(trace, kernels, stats["sink_positions"], min_keys, say, start, references)
@@ -435,7 +443,8 @@ def analyze(trace: Trace, configs: Sequence[str | KernelConfig], *, num_sinks: i
             say(f"end to end: config {i + 1}/{len(kernels)} {cfg.name}")
             e2e[cfg.name] = compare_logits(ref, logits_fn(cfg), trace.tokens, lengths=trace.lengths)
     return Analysis(layers=trace.layers, configs=kernels, lengths=trace.lengths, stats=stats, heads=heads,
-                    mass_limit=mass_limit, scans=scans, local_window_size=windows, e2e=e2e, e2e_fp32=fp32,
+                    mass_limit=mass_limit, scans=scans, local_window_size=windows,
+                    logits_soft_cap=trace.logits_soft_cap, e2e=e2e, e2e_fp32=fp32,
                     seconds=seconds)
 
 
@@ -453,7 +462,8 @@ def _run_kernels(trace: Trace, kernels, sink_positions, min_keys: int, say, star
         per_seq.append(analyze_trace((trace.q[:, b], trace.k[:, b], trace.v[:, b]), kernels, sink_positions[b],
                                      min_keys=min_keys, progress=config_line, length=int(trace.lengths[b]),
                                      local_window_size=trace.local_window_size, sinks=trace.sinks,
-                                     references=references.setdefault(b, {})))
+                                     references=references.setdefault(b, {}),
+                                     logits_soft_cap=trace.logits_soft_cap))
     return {name: np.stack([h[name] for h in per_seq], axis=1) for name in per_seq[0]}
 
 
