@@ -701,3 +701,56 @@ def test_soft_capped_layer_is_recorded_and_analysed_with_capped_logits(tmp_path)
     with pytest.raises(PcastError, match="logits_soft_cap"):
         Trace(q=trace.q, k=trace.k, v=trace.v, lengths=trace.lengths, layers=trace.layers,
               logits_soft_cap=np.array([np.nan], np.float32))
+
+
+def test_recorder_names_drop_in_layers_from_the_model_and_warns_on_ambiguous_calls():
+    """Two eager forward passes through a model of three layer objects are three layers of two
+    sequences, named after the layer class; a plain function's calls are layers in call order, with a
+    RecorderWarning when one place makes a second layer; name= says which layer a call is."""
+    import warnings
+
+    from pcast_jax.analysis import RecorderWarning
+
+    rec = Recorder()
+
+    class Block:
+        def __init__(self, seed):
+            self.w = jax.random.normal(jax.random.key(seed), (3, 8, 2, 4)) / 3
+
+        def __call__(self, x):
+            q, k, v = (jnp.einsum("btd,dhe->bthe", x, w) for w in self.w)
+            return x + rec.dot_product_attention(q, k, v, is_causal=True).reshape(x.shape)
+
+    model = [Block(i) for i in range(3)]
+    inputs = [jax.random.normal(jax.random.key(10 + p), (1, 16, 8)) for p in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RecorderWarning)
+        for x in inputs:  # two forward passes
+            for block in model:
+                x = block(x)
+    trace = rec.trace()
+    assert trace.layers == ("Block0", "Block1", "Block2") and trace.q.shape[:2] == (3, 2)
+    first = jnp.einsum("btd,dhe->bthe", inputs[1], model[0].w[0])  # pass 2's first layer is sequence 1
+    np.testing.assert_allclose(trace.q[0, 1], np.asarray(first[0]), rtol=1e-6, atol=1e-6)
+
+    rec = Recorder()
+    q = jax.random.normal(jax.random.key(0), (1, 16, 2, 4))
+
+    def layer(x, name=None):
+        return rec.dot_product_attention(x, x, x, is_causal=True, name=name)
+
+    with pytest.warns(RecorderWarning, match="layers call0 and call1 come from the same place"):
+        for _ in range(2):
+            layer(q)
+    assert rec.trace().layers == ("call0", "call1")
+    rec.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RecorderWarning)
+        for _ in range(2):  # two passes of a two-layer functional model, each call named
+            for i in range(2):
+                layer(q * (i + 1), name=f"attn{i}")
+    trace = rec.trace()
+    assert trace.layers == ("attn0", "attn1") and trace.q.shape[:2] == (2, 2)
+    rec.attention_fn(name="taken")
+    with pytest.raises(PcastError, match="name='taken' is a layer of this recorder's attention_fn"):
+        layer(q, name="taken")

@@ -18,8 +18,13 @@ layer is:
 * ``rec.attention_fn(...)``: one layer per function the recorder hands out (one per Flax layer
   built with it), named ``name`` or ``layer<i>`` in the order they were made (a ``name`` already
   handed out is refused: two layers never merge);
-* ``rec.dot_product_attention``: one layer per call, in call order (``call<i>``), so record one
-  forward pass.
+* ``rec.dot_product_attention``: the layer the call names (``name=``); else the model's layer that
+  made the call — the object whose method called it (a Flax ``nnx.Module``, any class), named after
+  its class in the order first seen (``Attention0``, ``Attention1``, …; a second call site in the same
+  object adds ``_1``), so a second forward pass through the same objects adds sequences, not layers;
+  else (a plain function) one layer per call in call order (``call<i>``), with a
+  :class:`RecorderWarning` when one place in the code makes a second layer — right for one pass
+  through a loop of layers, wrong for a second forward pass, which ``name=`` tells apart.
 
 Calls that hit the same layer again (a second batch, or each sequence of a vmapped model) add
 sequences to it. A call is recorded after it has run, so a call the attention refuses records
@@ -41,7 +46,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 import threading
+import warnings
 from pathlib import Path
 
 import jax
@@ -50,7 +57,7 @@ import numpy as np
 
 from pcast_jax.errors import PcastError
 
-__all__ = ["Trace", "Recorder", "load_trace", "TRACE_DIMS"]
+__all__ = ["Trace", "Recorder", "RecorderWarning", "load_trace", "TRACE_DIMS"]
 
 #: The axes of a trace's ``q``, ``k`` and ``v``.
 TRACE_DIMS = ("layer", "sequence", "token", "head", "dim")
@@ -205,6 +212,10 @@ def load_trace(path) -> Trace:
     return trace
 
 
+class RecorderWarning(UserWarning):
+    """Calls of the drop-in that the recorder names by call order may not be one forward pass."""
+
+
 class Recorder:
     """Records the Q/K/V of every attention call made through it (see the module docstring)."""
 
@@ -215,38 +226,84 @@ class Recorder:
         self._refused: dict = {}      # layer key -> why a call under jit could not be recorded
         self._made = 0                # attention_fn layers handed out
         self._names: set = set()      # attention_fn layer names handed out
-        self._calls = 0               # dot_product_attention calls seen
+        self._calls = 0               # dot_product_attention layers named by call order
+        self._callers: dict = {}      # drop-in caller (object or code site) -> (layer name, the object)
+        self._per_class: dict = {}    # class name -> objects named after it
+        self._warned = False          # the RecorderWarning was given
         self._hooks: dict = {}
 
     # -- the three entry points ------------------------------------------------------------
 
     def dot_product_attention(self, query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                              config=None, logits_soft_cap=None, **kwargs):
+                              config=None, logits_soft_cap=None, name: str | None = None, **kwargs):
         """:func:`pcast_jax.dot_product_attention` (same arguments) that records its inputs once the
-        call has run (a call it refuses records nothing)."""
+        call has run (a call it refuses records nothing); ``name`` names the layer (calls with the same
+        name add sequences to it; default: the model's layer that made the call, module docstring)."""
         from pcast_jax import nn
 
+        if name is not None and (not isinstance(name, str) or not name or name in self._names):
+            raise PcastError(f"Recorder.dot_product_attention: name={name!r} " + (
+                "is a layer of this recorder's attention_fn (two layers would merge into one)"
+                if name in self._names else "must be a non-empty string"))
         causal = is_causal or _config_causal(config)
-        _check_recordable("this call", query, key, bias=bias, causal=causal, mask=mask)
+        _check_recordable("this call" if name is None else name, query, key, bias=bias, causal=causal, mask=mask)
         out = nn.dot_product_attention(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                                        query_seq_lengths=query_seq_lengths,
                                        key_value_seq_lengths=key_value_seq_lengths,
                                        local_window_size=local_window_size, config=config,
                                        logits_soft_cap=logits_soft_cap, **kwargs)
-        with self._lock:
-            name = f"call{self._calls}"
-            self._calls += 1
+        layer, undo = (name, None) if name is not None else self._caller_layer(sys._getframe(1))
         try:
-            self._record(name, query, key, value, scale=scale, causal=causal, mask=mask,
+            self._record(layer, query, key, value, scale=scale, causal=causal, mask=mask,
                          query_lengths=query_seq_lengths, key_lengths=key_value_seq_lengths, window=local_window_size,
                          sinks=kwargs.get("sinks"), soft_cap=logits_soft_cap)
         except PcastError:
-            with self._lock:  # a refused call takes no name
-                if self._calls == int(name[4:]) + 1:
-                    self._calls -= 1
+            if undo is not None:  # a refused call takes no name
+                undo()
             raise
         return out
+
+    def _caller_layer(self, frame):
+        """The drop-in layer of a call made from ``frame`` (module docstring) and how to take it back."""
+        code, line = frame.f_code, frame.f_lineno
+        owner = frame.f_locals.get("self") if code.co_varnames[:1] == ("self",) else None
+        key = (id(owner), code, line) if owner is not None else (None, code, line)
+        with self._lock:
+            if key in self._callers:  # the same layer again: a later batch or forward pass
+                return self._callers[key][0], None
+            if owner is None:
+                layer = f"call{self._calls}"
+                self._calls += 1
+                same_place = [n for (_, c, ln), (n, obj) in self._callers.items()
+                              if obj is None and (c, ln) == (code, line)]
+                key = (layer, code, line)  # each call from a plain function is a layer of its own
+            else:
+                seen = self._per_class.setdefault(type(owner).__name__, [])
+                if not any(o is owner for o in seen):
+                    seen.append(owner)
+                base = f"{type(owner).__name__}{next(i for i, o in enumerate(seen) if o is owner)}"
+                sites = sum(1 for (o, _, _), (_, obj) in self._callers.items() if o == id(owner) and obj is owner)
+                layer = base if not sites else f"{base}_{sites}"
+                while layer in self._names:
+                    layer += "_"
+                same_place = []
+            self._callers[key] = (layer, owner)
+        if same_place and not self._warned:
+            self._warned = True
+            warnings.warn(f"Recorder.dot_product_attention: layers {same_place[0]} and {layer} come from the "
+                          f"same place ({code.co_filename}:{line}, a plain function): calls without name= are layers "
+                          "in call order, right for one forward pass through a loop of layers but not for a second "
+                          "forward pass, whose calls become more layers instead of more sequences; pass name= to say "
+                          "which layer a call is", RecorderWarning, stacklevel=3)
+
+        def undo():
+            with self._lock:
+                if self._callers.get(key, (None,))[0] == layer:
+                    del self._callers[key]
+                    if owner is None and self._calls == int(layer[4:]) + 1:
+                        self._calls -= 1
+        return layer, undo
 
     def attention_fn(self, config=None, *, name: str | None = None, **kwargs):
         """:func:`pcast_jax.nn.attention_fn` (same arguments) that records; one layer per function
@@ -299,6 +356,9 @@ class Recorder:
             self._order.clear()
             self._refused.clear()
             self._calls = 0
+            self._callers.clear()
+            self._per_class.clear()
+            self._warned = False
 
     def trace(self, *, tokens=None) -> Trace:
         """The recorded calls as a :class:`Trace`; ``tokens [B, T]`` optionally ride along."""
@@ -308,7 +368,8 @@ class Recorder:
                 name, why = next(iter(self._refused.items()))
                 raise PcastError(f"Recorder.trace: layer {_layer_label(name)} {why} (under jit the call ran; "
                                  "nothing of it was recorded)")
-            order = sorted(self._order, key=_layer_sort_key)
+            first_seen = {name: i for i, name in enumerate(self._order)}  # named layers: in the order first seen
+            order = sorted(self._order, key=lambda n: (0, n) if isinstance(n, int) else (1, first_seen[n]))
             if not order:
                 raise PcastError("Recorder.trace: nothing was recorded (run the model through the recorder's "
                                  "dot_product_attention, attention_fn or hook first)")
@@ -480,10 +541,6 @@ def _config_causal(config) -> bool:
     from pcast_jax.presets import resolve
 
     return bool(resolve(config).causal)
-
-
-def _layer_sort_key(name):
-    return (0, name, "") if isinstance(name, int) else (1, 0, name)
 
 
 def _layer_label(name) -> str:
