@@ -754,3 +754,6 @@ def test_recorder_names_drop_in_layers_from_the_model_and_warns_on_ambiguous_cal
     rec.attention_fn(name="taken")
     with pytest.raises(PcastError, match="name='taken' is a layer of this recorder's attention_fn"):
         layer(q, name="taken")
+    layer(q[:, :8], name="attn0")  # a second batch of another length
+    with pytest.raises(PcastError, match="layer attn0 was called with q of shapes"):
+        rec.trace()

@@ -376,6 +376,11 @@ class Recorder:
             stacked = {}
             for name in order:
                 parts = self._entries[name]
+                shapes = sorted({p[0].shape[1:] for p in parts})
+                if len(shapes) > 1:
+                    raise PcastError(f"Recorder.trace: layer {_layer_label(name)} was called with q of shapes "
+                                     f"{[list(x) for x in shapes]} (tokens, heads, dim); a trace holds sequences of "
+                                     "one padded length per layer (pad the batches alike, or call clear() between)")
                 stacked[name] = [np.concatenate([p[i] for p in parts]) for i in range(5)]
                 learned = [p[5] for p in parts]
                 if any(not np.array_equal(x, learned[0]) for x in learned):
