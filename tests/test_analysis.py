@@ -757,3 +757,27 @@ def test_recorder_names_drop_in_layers_from_the_model_and_warns_on_ambiguous_cal
     layer(q[:, :8], name="attn0")  # a second batch of another length
     with pytest.raises(PcastError, match="layer attn0 was called with q of shapes"):
         rec.trace()
+
+
+def test_recorder_jitted_functional_loop_replays_its_layer_names():
+    """Under jit the names are given when the forward is traced: a loop of layers from one place is
+    layers in call order without a warning, and a second run adds sequences."""
+    import warnings
+
+    from pcast_jax.analysis import RecorderWarning
+
+    rec = Recorder()
+
+    @jax.jit
+    def forward(x):
+        for _ in range(2):
+            x = x + rec.dot_product_attention(x, x, x, is_causal=True)
+        return x
+
+    x = jax.random.normal(jax.random.key(0), (1, 16, 2, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RecorderWarning)
+        forward(x)
+        forward(x * 2)
+    trace = rec.trace()
+    assert trace.layers == ("call0", "call1") and trace.q.shape[:2] == (2, 2)

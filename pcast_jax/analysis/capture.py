@@ -23,8 +23,9 @@ layer is:
   its class in the order first seen (``Attention0``, ``Attention1``, …; a second call site in the same
   object adds ``_1``), so a second forward pass through the same objects adds sequences, not layers;
   else (a plain function) one layer per call in call order (``call<i>``), with a
-  :class:`RecorderWarning` when one place in the code makes a second layer — right for one pass
-  through a loop of layers, wrong for a second forward pass, which ``name=`` tells apart.
+  :class:`RecorderWarning` when one place in the code makes a second layer eagerly — right for one
+  pass through a loop of layers, wrong for a second forward pass, which ``name=`` tells apart (a
+  jitted forward replays the names it was traced with, so its later runs add sequences).
 
 Calls that hit the same layer again (a second batch, or each sequence of a vmapped model) add
 sequences to it. A call is recorded after it has run, so a call the attention refuses records
@@ -253,7 +254,8 @@ class Recorder:
                                        key_value_seq_lengths=key_value_seq_lengths,
                                        local_window_size=local_window_size, config=config,
                                        logits_soft_cap=logits_soft_cap, **kwargs)
-        layer, undo = (name, None) if name is not None else self._caller_layer(sys._getframe(1))
+        layer, undo = (name, None) if name is not None else self._caller_layer(
+            sys._getframe(1), eager=not isinstance(query, jax.core.Tracer))
         try:
             self._record(layer, query, key, value, scale=scale, causal=causal, mask=mask,
                          query_lengths=query_seq_lengths, key_lengths=key_value_seq_lengths, window=local_window_size,
@@ -264,8 +266,9 @@ class Recorder:
             raise
         return out
 
-    def _caller_layer(self, frame):
-        """The drop-in layer of a call made from ``frame`` (module docstring) and how to take it back."""
+    def _caller_layer(self, frame, *, eager: bool):
+        """The drop-in layer of a call made from ``frame`` (module docstring) and how to take it back; the
+        warning is for eager calls (a jitted forward replays the names it was traced with)."""
         code, line = frame.f_code, frame.f_lineno
         owner = frame.f_locals.get("self") if code.co_varnames[:1] == ("self",) else None
         key = (id(owner), code, line) if owner is not None else (None, code, line)
@@ -289,7 +292,7 @@ class Recorder:
                     layer += "_"
                 same_place = []
             self._callers[key] = (layer, owner)
-        if same_place and not self._warned:
+        if same_place and eager and not self._warned:
             self._warned = True
             warnings.warn(f"Recorder.dot_product_attention: layers {same_place[0]} and {layer} come from the "
                           f"same place ({code.co_filename}:{line}, a plain function): calls without name= are layers "
