@@ -70,13 +70,15 @@ def _decision_figure(analysis: Analysis, path: Path) -> Path:
     """Per static-scale kernel family: the worst head's zeroed and clipped mass at each ``scale`` its scan
     simulated, the mass limit and the recommended scale drawn."""
     fig, ax = report.new_figure(figsize=(7.0, 4.5))
-    for scan in analysis.scans:
+    for i, scan in enumerate(analysis.scans):
         scales = [r["scale"] for r in scan.rows]
         label = ", ".join(scan.members)
-        line = ax.plot(scales, [max(r["zeroed_mass_max"], _MASS_FLOOR) for r in scan.rows], marker="o", ms=4,
-                       label=f"{label}: zeroed")[0]
-        ax.plot(scales, [max(r["saturated_mass_max"], _MASS_FLOOR) for r in scan.rows], marker="s", ms=4, ls="--",
-                color=line.get_color(), label=f"{label}: clipped")
+        # each later family thinner, with smaller markers: where two families agree, both stay visible
+        width, size = max(3.0 - 0.7 * i, 0.8), max(7.0 - 1.5 * i, 2.5)
+        line = ax.plot(scales, [max(r["zeroed_mass_max"], _MASS_FLOOR) for r in scan.rows], marker="o", ms=size,
+                       lw=width, label=f"{label}: zeroed")[0]
+        ax.plot(scales, [max(r["saturated_mass_max"], _MASS_FLOOR) for r in scan.rows], marker="s", ms=size,
+                lw=width, ls="--", color=line.get_color(), label=f"{label}: clipped")
         if scan.recommended is not None:
             ax.axvline(scan.recommended, color=line.get_color(), ls=":", lw=1.0,
                        label=f"{label}: recommended scale = {scan.recommended:g}")
