@@ -111,7 +111,7 @@ def visible_rows(row0, rows: int, num_keys: int, length, window):
 
 def _row_logits(q, k, head, row0, rows: int, cap):
     """FP32 logits ``[rows, N]`` of head ``head``'s query rows ``row0 .. row0 + rows``; ``q, k [Hq, T, D]``;
-    soft-capped at ``cap`` (≤ 0: none)."""
+    soft-capped at ``cap`` (None: none)."""
     head_dim = q.shape[-1]
     q_rows = lax.dynamic_slice(q, (head, row0, 0), (1, rows, head_dim))[0]
     k_head = lax.dynamic_index_in_dim(k, head, keepdims=False)
@@ -208,7 +208,7 @@ def _layer_statistics(q, k, *, length: int, window: int, num_sinks: int, sink_se
     qh = jnp.swapaxes(q, 0, 1)
     kh = jnp.swapaxes(expand_kv(k, num_heads), 0, 1)
     chunks = _chunks(num_tokens, _rows_per_chunk(num_tokens, num_tokens, _STAT_BYTES_PER_SCORE))
-    scalars = (np.int32(length), np.int32(window), learned_logits(learned, num_heads), np.float32(soft_cap))
+    scalars = (np.int32(length), np.int32(window), learned_logits(learned, num_heads), _cap_arg(soft_cap))
     parts = jax.device_get([_received_rows(qh, kh, np.int32(h), np.int32(r0), *scalars, rows=rows)
                             for h in range(num_heads) for r0, rows in chunks])
     received = np.stack([np.sum([parts[h * len(chunks) + c][0] for c in range(len(chunks))], axis=0)
@@ -252,6 +252,12 @@ def learned_logits(sinks, num_heads: int) -> jax.Array:
 
 def _has_learned(sinks) -> bool:
     return sinks is not None and bool(np.isfinite(np.asarray(sinks, np.float32)).any())
+
+
+def _cap_arg(soft_cap: float):
+    """A layer's soft cap as the compiled row passes take it: None for none (a program without the tanh,
+    whose cost on every logit is then saved), else the float32 cap (one program for every cap)."""
+    return np.float32(soft_cap) if soft_cap > 0 else None
 
 
 def layer_soft_caps(logits_soft_cap, num_layers: int) -> np.ndarray:
@@ -408,7 +414,7 @@ def _reference(q, k, v, *, length: int | None = None, window: int = -1, sinks=No
     chunks = _chunks(num_tokens, _rows_per_chunk(num_tokens, num_heads * num_tokens, 8))
     learned = learned_logits(sinks, num_heads)
     parts = jax.device_get([_reference_rows(qh, kh, vh, np.int32(r0), np.int32(length), np.int32(window), learned,
-                                            np.float32(soft_cap), rows=rows) for r0, rows in chunks])
+                                            _cap_arg(soft_cap), rows=rows) for r0, rows in chunks])
     return jnp.asarray(np.concatenate(parts, axis=1))
 
 
@@ -480,7 +486,7 @@ def _layer_metrics(operands, sink_positions, ref, *, config: KernelConfig, min_k
     sink_positions = jnp.asarray(sink_positions, jnp.int32)
     learned = learned_logits(sinks, num_heads)
     parts = [_chunk_rows(operands, sink_positions, ref, np.int32(h), np.int32(r0), np.int32(length),
-                         np.int32(window), learned, np.float32(soft_cap), rows=min(step, num_tokens - r0),
+                         np.int32(window), learned, _cap_arg(soft_cap), rows=min(step, num_tokens - r0),
                          config=config,
                          has_learned=_has_learned(sinks))
              for h in range(num_heads) for r0 in range(0, num_tokens, step)]
