@@ -54,7 +54,7 @@ def test_fields_normalise_where_they_do_not_act():
 
 def test_tiles_resolve_from_head_dim():
     assert get_preset("fa3").block_kv == 224 and preset_for("fa3", 128) == get_preset("fa3")
-    assert preset_for("fa3", 64).block_kv == 160 and preset_for("fa3", 64).name == "fa3_d64"
+    assert preset_for("fa3", 64).block_kv == 160 and preset_for("fa3", 64).name == "fa3"  # the name passed
     assert preset_for("fa3", 256).block_kv == 128
     assert preset_for("flashinfer_sm90", 64).block_kv == 128
     assert preset_for("flashinfer_sm90", 128).block_kv == 192

@@ -115,13 +115,13 @@ class FP8Attention:
 
     def config_for(self, head_dim: int) -> KernelConfig:
         """The config this hook runs at ``head_dim``: a preset's KV tile for that head dim (the name
-        gains ``_d{head_dim}`` when the tile changes), everything else as :attr:`config`."""
+        stays :attr:`name`; the tile is its ``block_kv``), everything else as :attr:`config`."""
         if not self.preset:
             return self.config
         tiled = preset_for(self.preset, head_dim)
         if tiled.block_kv == self.config.block_kv:
             return self.config
-        return dataclasses.replace(self.config, block_kv=tiled.block_kv, name=f"{self.config.name}_d{head_dim}")
+        return dataclasses.replace(self.config, block_kv=tiled.block_kv, name=self.config.name)
 
     @property
     def name(self) -> str:

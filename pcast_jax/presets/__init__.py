@@ -165,8 +165,9 @@ def get_preset(name: str) -> KernelConfig:
 def preset_for(name: str, head_dim: int) -> KernelConfig:
     """A preset with its KV tile resolved for ``head_dim`` (:data:`TILES_BY_HEAD_DIM`).
 
-    Presets without a head-dim table, or head dims the table lacks, keep their tile; the name
-    gains ``_d{head_dim}`` when the tile changes.
+    Presets without a head-dim table, or head dims the table lacks, keep their tile. The name stays
+    ``name``, the one a user passed (it keys tables and data sets); the tile that runs is the
+    returned config's ``block_kv``.
     """
     cfg = get_preset(name)
     check_int("head_dim", head_dim, min_value=1)
@@ -174,7 +175,7 @@ def preset_for(name: str, head_dim: int) -> KernelConfig:
     dims = sorted(d for d in tiles if d >= head_dim)
     if not dims or tiles[dims[0]] == cfg.block_kv:
         return cfg
-    return dataclasses.replace(cfg, block_kv=tiles[dims[0]], name=f"{name}_d{head_dim}")
+    return dataclasses.replace(cfg, block_kv=tiles[dims[0]], name=name)
 
 
 def resolve(config: str | KernelConfig) -> KernelConfig:
