@@ -26,6 +26,7 @@ from pcast_jax.errors import PcastError
 from pcast_jax.presets import PRESETS
 
 import oracle
+from cases import shared_program
 
 Q, N, D = 8, 300, 16  # N not a multiple of any tile: padding is exercised
 OUT_RTOL = 3e-6
@@ -64,10 +65,8 @@ GRID = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
-def _run(cfg, engine_name):
-    return jax.jit(lambda s, v, m, sink: engine.attention(s, v, cfg, implementation=engine_name, count_mask=m,
-                                                            sink_logit=sink))
+_run = shared_program(lambda cfg, engine_name: lambda s, v, m, sink: engine.attention(
+    s, v, cfg, implementation=engine_name, count_mask=m, sink_logit=sink))
 
 
 @pytest.mark.parametrize("engine_name", engine.IMPLEMENTATIONS)
