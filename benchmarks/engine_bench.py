@@ -39,11 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from pcast_jax import metrics
-from pcast_jax.presets import PAPER_CONFIGS
+from pcast_jax.presets import tagged
 from pcast_jax.sweep import SweepSpec, compute_chunk, instance_key
 from pcast_jax.workloads import make_instance
 
-CONFIGS = tuple(PAPER_CONFIGS)
+CONFIGS = tuple(tagged("paper"))
 
 
 def _block(x):

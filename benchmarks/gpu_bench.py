@@ -46,7 +46,7 @@ import pallas_kernels as pk
 from pallas_kernels.workloads import sink_qkv
 from pcast_jax import engine
 from pcast_jax.config import KernelConfig
-from pcast_jax.presets import PAPER_CONFIGS, preset_for
+from pcast_jax.presets import preset_for, tagged
 
 #: The paper's Table 2, N = 4096 column (MSE × 1e-5; Q, K, V in FP32, B = 64, q_len = 32).
 PAPER_TABLE2_N4096 = {"fwd_s1": 5.65, "rev_s1": 1.70, "fwd_s448": 1.81, "fwd_s256": 1.64, "rev_s256": 1.64}
@@ -152,7 +152,7 @@ def run_table2(args) -> list[dict]:
     print(f"{'config':<10} {'backend':<8} {'B':>4} {'kernel':>9} {'simulator':>10} {'rel.diff':>9} "
           f"{'zeroed(kernel)':>15} {'zeroed(sim)':>12} {'paper(B=64,FP32 QKV)':>21}")
     rows = []
-    for name, cfg in PAPER_CONFIGS.items():  # at the paper's B = 64 on both backends
+    for name, cfg in tagged("paper").items():  # at the paper's B = 64 on both backends
         for backend in args.backends:
             try:
                 out, stats = pk.fp8_attention(

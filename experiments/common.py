@@ -25,7 +25,7 @@ import numpy as np
 
 from pcast_jax import report
 from pcast_jax.errors import PcastError
-from pcast_jax.presets import PAPER_CONFIGS
+from pcast_jax.presets import tagged
 from pcast_jax.sweep import SweepResult, SweepSpec, plan_layout, run_sweep
 
 __all__ = [
@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 #: The paper's five configurations in its order (§6.2).
-PAPER_ORDER: tuple[str, ...] = tuple(PAPER_CONFIGS)
+PAPER_ORDER: tuple[str, ...] = tuple(tagged("paper"))
 #: The paper's labels for them (Table 2, Figures 2–3).
 PAPER_LABELS: dict[str, str] = {
     "fwd_s1": "Forward, S=1",

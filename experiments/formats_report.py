@@ -33,7 +33,7 @@ from pcast_jax import formats, report, theory
 from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError
 from pcast_jax.metrics import expected_is_exact
-from pcast_jax.presets import BLOCK_SCALED_PRESETS, PAPER_CONFIGS
+from pcast_jax.presets import get_preset, tagged
 from pcast_jax.stats import fmt_pm, mean_sem, paired_ratio
 from pcast_jax.sweep import SweepResult, SweepSpec, run_sweep
 
@@ -84,7 +84,7 @@ class FormatCase:
 
 
 def _cases() -> tuple[FormatCase, ...]:
-    p, b = PAPER_CONFIGS, BLOCK_SCALED_PRESETS
+    p, b = tagged("paper"), tagged("block_scaled")
     nv = b["nvfp4_fakequant"]
     return (
         FormatCase(p["fwd_s1"], "E4M3, forward, S=1", "E4M3", "eq7", "#d62728"),
@@ -427,9 +427,9 @@ def _findings(sizes: FormatsSizes, thr: dict[str, dict], curves: dict[str, np.nd
         return float(np.max(curves[name]))
 
     n, k = sizes.n, sizes.k_sink
-    mx = BLOCK_SCALED_PRESETS["mxfp8_p"].block_format.block
-    nv_floor = element_floor("nvfp4", float(BLOCK_SCALED_PRESETS["nvfp4_fakequant"].scale), k)
-    sa3_bkv = BLOCK_SCALED_PRESETS["sageattn3"].block_kv
+    mx = get_preset("mxfp8_p").block_format.block
+    nv_floor = element_floor("nvfp4", float(get_preset("nvfp4_fakequant").scale), k)
+    sa3_bkv = get_preset("sageattn3").block_kv
     e2m1_rz, e4m3_rz = float(formats.E2M1.round_to_zero), float(formats.E4M3.round_to_zero)
     shift = thr["nvfp4_fakequant"]["delta_c_closed_form"] - thr["fwd_s256"]["delta_c_closed_form"]
     mx_order = float(np.max(np.abs(curves["mxfp8_p"] - curves["mxfp8_p_rev"])))

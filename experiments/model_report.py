@@ -18,6 +18,7 @@ from typing import Callable
 import numpy as np
 
 from pcast_jax import report
+from pcast_jax.analysis.study import SINK_MASS_MIN
 from pcast_jax.errors import PcastError, check_int
 from pcast_jax.models.fp8_study import (
     FULL,
@@ -241,20 +242,34 @@ def _med(x):
     return float(np.median(x)) if x.size else float("nan")
 
 
+#: The zeroed mass a row may lose before the report calls the collapse one that matters (``pcast analyze``'s
+#: default ``mass_limit``).
+MASS_LIMIT = 1e-3
+
+
 def _summary(study: ModelStudy, layer_rows, theory_rows, e2e_rows, tokens) -> list[str]:
-    """Plain statements, each with the numbers behind it."""
+    """Plain statements, each with the numbers behind it, worded for the model in hand (a model without a
+    sink is not told that its P collapses)."""
     heads, stats = study.heads, study.stats
     out = []
-    sink0 = np.all(stats["sink_positions"][:, :, 0] == 0, axis=1)
-    first = len(sink0)
-    while first > 0 and sink0[first - 1]:
-        first -= 1
-    where = (f"every head of layers {first}–{len(sink0) - 1}" if first < len(sink0)
-             else "no layer's every head")
-    out.append(
-        f"**Sinks.** Position 0 is the sink of {where}; the sink gap Δ (max sink logit − non-sink "
-        f"mean) has median {_f2(_med(stats['delta']))} logits over all heads, and the non-sink "
-        f"logits have σ = {_f2(_med(stats['sigma']))} (median), not the paper's σ = 1.")
+    sink_heads = int(np.sum(np.asarray(stats["sink_mass"]) >= SINK_MASS_MIN))
+    total = int(np.size(stats["sink_mass"]))
+    gap = (f"the sink gap Δ (max sink logit − non-sink mean) has median {_f2(_med(stats['delta']))} logits over all "
+           f"heads, and the non-sink logits have σ = {_f2(_med(stats['sigma']))} (median), not the paper's σ = 1")
+    if sink_heads == 0:
+        out.append(
+            f"**Sinks: none.** No head of this model has a sink: no key takes ≥ {SINK_MASS_MIN:.0%} of a head's "
+            f"attention (the most-attended key of a head takes a median {_pct(_med(stats['sink_mass']))}); {gap}. "
+            "P-collapse needs a sink far above the other logits, so it is not expected here.")
+    else:
+        sink0 = np.all(stats["sink_positions"][:, :, 0] == 0, axis=1)
+        first = len(sink0)
+        while first > 0 and sink0[first - 1]:
+            first -= 1
+        where = (f"position 0 is the sink of every head of layers {first}–{len(sink0) - 1}" if first < len(sink0)
+                 else "position 0 is not the sink of every head of any last layers")
+        out.append(f"**Sinks.** {sink_heads} of {total} heads have a sink (one key takes ≥ {SINK_MASS_MIN:.0%} of "
+                   f"the attention); {where}; {gap}.")
     th = {k: np.array([r.get(k, np.nan) for r in theory_rows], np.float64) for k in theory_rows[0]}
 
     def mae(pred, meas):
@@ -263,8 +278,17 @@ def _summary(study: ModelStudy, layer_rows, theory_rows, e2e_rows, tokens) -> li
 
     if "fwd_s1" in heads:
         fz1 = heads["fwd_s1"]["frac_zeroed"]
+        worst = float(np.nanmax(heads["fwd_s1"]["zeroed_mass"]))
+        if sink_heads == 0:
+            title = (f"**No sink, so no P-collapse; what Forward S=1 zeroes comes from the spread of the logits** "
+                     f"(worst head: {_sci(worst)} of a row's mass).")
+        elif worst > MASS_LIMIT:
+            title = "**P-collapse in forward order (holds).**"
+        else:
+            title = (f"**P-collapse in forward order (harmless here: the zeroed P carry at most {_sci(worst)} of a "
+                     "row's mass per head).**")
         out.append(
-            f"**P-collapse in forward order (holds).** Forward S=1 zeroes a median "
+            f"{title} Forward S=1 zeroes a median "
             f"{_pct(_med(fz1))} of the non-sink P per head (up to {_pct(np.nanmax(fz1))}), carrying "
             f"a median {_sci(_med(heads['fwd_s1']['zeroed_mass']))} of each row's softmax mass. "
             f"Eq. (7) with each head's measured Δ and σ, Φ((Δ − 6.93 − ln S)/σ), predicts the "
@@ -275,8 +299,9 @@ def _summary(study: ModelStudy, layer_rows, theory_rows, e2e_rows, tokens) -> li
             f"is too steep (near-total collapse for Δ ≳ 9, none for Δ ≲ 4).")
     if "fwd_s256" in heads:
         fz256 = heads["fwd_s256"]["frac_zeroed"]
-        txt = (f"**S = 256 does not stop underflow on a real model (the σ = 1 prediction fails), "
-               f"but what it zeroes carries almost no mass.** Forward S=256 still zeroes a median "
+        lead = ("**S = 256 does not stop underflow on this model (the σ = 1 prediction fails), but what it zeroes "
+                "carries almost no mass.**" if _med(fz256) > 0.01 else "**S = 256 stops underflow on this model.**")
+        txt = (f"{lead} Forward S=256 still zeroes a median "
                f"{_pct(_med(fz256))} of non-sink P per head (max {_pct(np.nanmax(fz256))}); "
                f"Eq. (7) with the measured σ tracks it (mean abs. error "
                f"{_pct(mae('eq7_sigma_s256', 'measured_fwd_s256'))}) where the paper's σ = 1 form "
@@ -327,7 +352,8 @@ def _summary(study: ModelStudy, layer_rows, theory_rows, e2e_rows, tokens) -> li
     e2e = {r["config"]: r for r in e2e_rows}
     if "fwd_s1" in e2e and "rev_s256" in e2e:
         a, b = e2e["fwd_s1"], e2e["rev_s256"]
-        txt = (f"**End to end ({tokens} held-out tokens; the metric the paper lacks).** "
+        held = "held-out " if not study.token_source or "the next" in study.token_source else ""
+        txt = (f"**End to end ({tokens} {held}tokens; the metric the paper lacks).** "
                f"FP32 perplexity {_f3(e2e['fp32']['perplexity'])}. Forward S=1: perplexity "
                f"{_f3(a['perplexity'])}, KL {_sci(a['kl'])} nats/token, top-1 agreement "
                f"{_pct(a['top1_agree'])}; Reverse S=256: {_f3(b['perplexity'])}, KL {_sci(b['kl'])}, "
@@ -382,10 +408,12 @@ def _markdown(study: ModelStudy, layer_rows, theory_rows, e2e_rows, level: int, 
         f"{cfg.num_kv_heads} KV heads, head dim {cfg.head_dim}; weights dequantized to FP32) "
         f"run in JAX. Every attention is replaced by the kernel-faithful simulator (xla implementation, "
         f"causal, query head h reads KV head h // {cfg.group_size}). Per-head analysis: the FP32 "
-        f"model's post-RoPE Q/K/V on the first {sizes.tokens} tokens of `argparse.py`; "
-        f"end to end: the first {sizes.tokens} tokens of {', '.join(f'`{f}`' for f in HELDOUT_FILES[:1])} "
-        f"(held out). Presets keep Q/K/V in FP32 (P-cast only, as the paper); `+qkv8` adds E4M3 "
-        f"Q/K/V with one scale per tensor (amax/448 over the layer's Q, K or V).",
+        f"model's post-RoPE Q/K/V on "
+        + (study.token_source if study.token_source else
+           f"the first {sizes.tokens} tokens of `argparse.py`; end to end: the first {sizes.tokens} tokens of "
+           f"{', '.join(f'`{f}`' for f in HELDOUT_FILES[:1])} (held out)")
+        + ". Presets keep Q/K/V in FP32 (P-cast only, as the paper); `+qkv8` adds E4M3 "
+        "Q/K/V with one scale per tensor (amax/448 over the layer's Q, K or V).",
         "",
         "Definitions: a head's *sink* is the key receiving the most attention (mean column sum); "
         "*non-sink P zeroed* = share of a row's non-sink causal P that were > 0 before the cast and "
@@ -531,7 +559,8 @@ def _decode_markdown(study: ModelStudy, h: str) -> list[str]:
 
 
 def build_report(out_dir, *, tokens: int | None = None, quick: bool = False, level: int = 2,
-                 log: Callable[[str], None] | None = None, model_path=None) -> str:
+                 log: Callable[[str], None] | None = None, model_path=None, token_ids=None,
+                 token_source: str = "token_ids") -> str:
     """Run the real-model analysis, write its CSV and PNG files into ``out_dir``, return markdown.
 
     Args:
@@ -541,6 +570,8 @@ def build_report(out_dir, *, tokens: int | None = None, quick: bool = False, lev
       level: markdown heading level of the section title (2 → ``##``).
       log: one-line progress messages (default: none).
       model_path: the model (see :func:`pcast_jax.models.load_model`); default SmolLM2-135M-Instruct.
+      token_ids, token_source: token ids to run on instead of the standard-library texts (no tokenizer
+        needed) and what they are, in words (:func:`pcast_jax.models.fp8_study.run_study`).
 
     Raises:
       ImportError: the model extra is missing (message says how to install it).
@@ -564,7 +595,8 @@ def build_report(out_dir, *, tokens: int | None = None, quick: bool = False, lev
     out.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     env = f"{os.cpu_count()} CPU cores (load average {load:.1f} at start)"
-    study = run_study(sizes, log=log, clock=Stopwatch(log), model_path=model_path)
+    study = run_study(sizes, log=log, clock=Stopwatch(log), model_path=model_path, token_ids=token_ids,
+                      token_source=token_source)
     head_rows, layer_rows = study.head_rows(), study.layer_rows()
     theory_rows, e2e_rows = study.theory_rows(), study.e2e_rows()
     report.write_csv(out / "model_heads.csv", head_rows)

@@ -45,7 +45,7 @@ EXTRA_SECTIONS: dict[str, tuple[str, str]] = {
     "whatif": (".whatif_report", "whatif_section"),
     "formats": (".formats_report", "formats_section"),
     "mma_accumulation": (".mma_accumulation", "mma_section"),
-    "kernels_2026": (".kernels_2026", "kernels_2026_section"),
+    "sinks_and_rescale": (".sinks_and_rescale", "sinks_and_rescale_section"),
 }
 DEFAULT_EXTRAS = ("real_model",)
 

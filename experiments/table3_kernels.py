@@ -6,7 +6,7 @@ where the kernel has one, otherwise :data:`NOT_RUN` and the reason). Each row: o
 fraction of non-sink P zeroed and the MSE at Δ = 7 and Δ = 10 (standard errors over seeds), the
 paper's Table 3 verdict, ours — derived from the numbers by the rule in :func:`verdict` — and a
 finding wherever the two differ. Kernel facts (order, S, tiles, splits) come from
-:data:`pcast_jax.presets.KERNEL_PRESETS`, which cite each kernel's source.
+the presets tagged ``"table3"`` (:func:`pcast_jax.presets.tagged`), which cite each kernel's source.
 
 Two sweeps, every preset on the same draws (Q/K/V in FP32, the paper's isolation of the P-cast):
 ``kernels_prefill`` (the report's workload, q_len query rows) and ``kernels_decode``

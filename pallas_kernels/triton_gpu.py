@@ -39,7 +39,7 @@ def _dot_nt(a, b):
 # --------------------------------------------------------------------------------------------
 # FP8 wgmma on Hopper. Pallas lowers lax.dot_general to `tt.dot {maxNumImpreciseAcc = 0}`, and
 # Triton's AccelerateMatmul then refuses MMAv3 for an f8 x f8 -> f32 dot: both products would run
-# as mma.sync on E4M3 operands unpacked to F16 (see pallas_kernels/sass.py and tests/test_sass.py).
+# as mma.sync on E4M3 operands unpacked to F16 (see pallas_kernels/machine_code/ and tests/test_machine_code.py).
 # `tl.dot` sets maxNumImpreciseAcc = 2^30 on sm_90 (accumulate in the wgmma accumulator, as the
 # Mosaic GPU kernel and FlashAttention-3 do); this primitive lowers to the same tt.dot with that
 # attribute. It needs Pallas Triton's lowering-rule table, a private module of jax (pinned in

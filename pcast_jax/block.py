@@ -323,7 +323,7 @@ def v_channel_scale(v, cfg: KernelConfig):
     if cfg.accumulator != "f16" or not cfg.v_channel_max:
         return None
     amax = jnp.max(jnp.abs(v), axis=-2)
-    return jnp.where(amax > 0.0, amax / jnp.float32(cfg.v_channel_max), 1.0)
+    return jnp.where(amax > 0.0, amax / jnp.float32(cfg.numbers().v_channel_max), 1.0)
 
 
 def block_product(pv, unscale, cfg: KernelConfig):

@@ -23,14 +23,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from typing import Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
 from pcast_jax import numberline
 from pcast_jax.errors import F32_MAX, PcastError, check_choice, check_int, check_positive
 
-__all__ = ["KernelConfig", "MMA_K", "QKV_GRANULARITIES", "SINK_MODES", "RESCALE_UNITS", "RESCALE_COMPENSATIONS",
+__all__ = ["KernelConfig", "Numbers", "BoundConfig",
+           "MMA_K", "QKV_GRANULARITIES", "SINK_MODES", "RESCALE_UNITS", "RESCALE_COMPENSATIONS",
            "Order", "ScaleMode", "Accumulator", "QKVPrecision", "QKVGranularity", "SplitLayout", "SinkMode",
            "RescaleUnit", "RescaleCompensation"]
 
@@ -74,6 +75,24 @@ RESCALE_THRESHOLD_MAX = 64.0
 
 
 _DEFAULT_BLOCK_KV = 64
+
+
+class Numbers(NamedTuple):
+    """The numbers a config puts into Algorithm 1, as float32: what :meth:`KernelConfig.bind` takes.
+
+    Every other field sets the program (its shapes and operations); these only the values it
+    computes with, so configs that differ only in them share one compiled program when the numbers
+    are passed in as traced arguments (:meth:`KernelConfig.program`).
+    """
+
+    #: :attr:`KernelConfig.effective_scale`, the S that multiplies P (and ℓ in the epilogue).
+    effective_scale: Any
+    #: :attr:`KernelConfig.log2_scale` (the exponent mode's log2 S).
+    log2_scale: Any
+    #: :attr:`KernelConfig.rescale_gap`, τ in natural-log units.
+    rescale_gap: Any
+    #: :attr:`KernelConfig.v_channel_max`.
+    v_channel_max: Any
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -451,6 +470,34 @@ class KernelConfig:
         m, _ = math.frexp(self.scale)
         return m == 0.5
 
+    def numbers(self) -> Numbers:
+        """The config's :class:`Numbers`, computed on the host in float64 and rounded to float32 once, as
+        a compiled program holding them as constants rounds them."""
+        return Numbers(*(np.float32(x) for x in (self.effective_scale, self.log2_scale, self.rescale_gap,
+                                                   self.v_channel_max)))
+
+    def program(self) -> "KernelConfig":
+        """The config with its numbers replaced by stand-ins: configs with the same program compute
+        with the same operations and differ only in their :meth:`numbers`.
+
+        ``scale`` becomes 1; ``rescale_threshold`` and ``v_channel_max`` become 1 where they are not 0
+        (0 selects another program: no lag, V as it is). Bind numbers to it under ``jax.jit``::
+
+            f = jax.jit(lambda s, v, nums: engine.attention(s, v, cfg.program().bind(nums)).out)
+            f(scores, v, cfg.numbers())   # one program for every config with cfg's program
+        """
+        return dataclasses.replace(self, scale=1.0, rescale_threshold=float(bool(self.rescale_threshold)),
+                                   v_channel_max=float(bool(self.v_channel_max)), name="")
+
+    def bind(self, numbers: Numbers, *, name: str | None = None) -> "BoundConfig":
+        """This program with ``numbers`` (traced or concrete): a :class:`BoundConfig` labelled ``name``
+        (default: the program's)."""
+        if type(self) is not KernelConfig or self != self.program():
+            raise PcastError("bind() takes a program (KernelConfig.program()), not a config with its own numbers")
+        if not isinstance(numbers, Numbers):
+            raise PcastError(f"numbers={numbers!r} must be a Numbers (KernelConfig.numbers())")
+        return BoundConfig._make(self, numbers, self.name if name is None else name)
+
     def replace(self, **changes) -> "KernelConfig":
         """A copy with fields changed; its name is re-derived unless given.
 
@@ -487,6 +534,62 @@ class KernelConfig:
         return f"{self.order}, {s}, B={self.block_kv}{tail}"
 
 
+
+class BoundConfig(KernelConfig):
+    """A program (:meth:`KernelConfig.program`) with its :class:`Numbers`, which may be traced.
+
+    It is a :class:`KernelConfig` everywhere the simulator takes one: the derived numbers
+    (:attr:`effective_scale`, :attr:`log2_scale`, :attr:`rescale_gap`, :meth:`numbers`) are the bound
+    ones. The numeric fields themselves are NaN where they are not 0 (their zero or non-zero still
+    selects the program), so code that reads a field instead of a bound number computes NaN, never
+    another config's value. Compared and hashed by identity; it cannot be saved (:meth:`to_dict`).
+    """
+
+    __slots__ = ("_program", "_numbers")
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    @classmethod
+    def _make(cls, program: KernelConfig, numbers: Numbers, name: str) -> "BoundConfig":
+        self = object.__new__(cls)
+        for f in dataclasses.fields(KernelConfig):
+            object.__setattr__(self, f.name, getattr(program, f.name))
+        object.__setattr__(self, "name", name)
+        for name in ("scale", "rescale_threshold", "v_channel_max"):
+            if name == "scale" or getattr(program, name):
+                object.__setattr__(self, name, math.nan)
+        object.__setattr__(self, "_program", program)
+        object.__setattr__(self, "_numbers", numbers)
+        return self
+
+    @property
+    def effective_scale(self):
+        return self._numbers.effective_scale
+
+    @property
+    def log2_scale(self):
+        return self._numbers.log2_scale
+
+    @property
+    def rescale_gap(self):
+        return self._numbers.rescale_gap
+
+    def numbers(self) -> Numbers:
+        return self._numbers
+
+    def program(self) -> KernelConfig:
+        return self._program
+
+    def replace(self, **changes) -> "BoundConfig":
+        """The program with ``changes`` (no numeric field), bound to the same numbers."""
+        numeric = sorted(set(changes) & {"scale", "rescale_threshold", "v_channel_max"})
+        if numeric:
+            raise PcastError(f"a BoundConfig's numbers are bound: replace {numeric} on the config, then bind")
+        name = changes.pop("name", self.name)
+        return BoundConfig._make(self._program.replace(**changes).program(), self._numbers, name)
+
+    def to_dict(self) -> dict:
+        raise PcastError("a BoundConfig holds bound (possibly traced) numbers: save the config it was made from")
 
 
 def _field_types(cls) -> dict[str, type]:

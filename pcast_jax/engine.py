@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pcast_jax import block, formats
-from pcast_jax.config import QKV_GRANULARITIES, KernelConfig
+from pcast_jax.config import QKV_GRANULARITIES, BoundConfig, KernelConfig, Numbers
 from pcast_jax.errors import PcastError, check_choice, check_int, check_positive
 from pcast_jax.presets import resolve
 
@@ -484,7 +484,7 @@ def weights_and_stats(scores, config, *, count_mask=None, q_offset: int | None =
     output is ``weights @ v`` (equal to :func:`attention`'s to FP32 rounding), so several configs
     can share one matrix product with V (what :func:`pcast_jax.metrics.evaluate` does).
     """
-    cfg = resolve(config)
+    cfg = _bound(resolve(config))
     n = jnp.shape(scores)[-1]
     scores, _, counted = _prepare(scores, jnp.zeros((n, 1)), cfg, count_mask, q_offset)
     sink = _sink_rows(sink_logit, scores.shape[:-1])
@@ -550,7 +550,7 @@ def attention(
         a scalar or one per head (broadcasting against ``scores.shape[:-2]``). It is a softmax column
         with no value row, placed as ``config.sink_mode`` says.
     """
-    cfg = resolve(config)
+    cfg = _bound(resolve(config))
     impl = check_implementation(implementation)
     scores, v, counted = _prepare(scores, v, cfg, count_mask, q_offset)
     sink = _sink_rows(sink_logit, scores.shape[:-1])
@@ -559,6 +559,19 @@ def attention(
     chained = cfg.mma_acc_bits and not cfg.mma_promote_keys
     fn = _scan_engine if impl == "scan" or chained else _fast_engine
     return _check_output(fn(scores, v, counted, cfg, sink), v, cfg)
+
+
+def _bound(cfg: KernelConfig) -> BoundConfig:
+    """``cfg`` with its numbers as values the compiler cannot see through (a :class:`BoundConfig` as it is).
+
+    A config whose numbers are constants of the program then computes exactly what the same program
+    computes with them as traced arguments (:meth:`KernelConfig.program`): XLA would otherwise fold
+    and fuse the constants, changing the last bits.
+    """
+    if isinstance(cfg, BoundConfig):
+        return cfg
+    nums = Numbers(*jax.lax.optimization_barrier(tuple(jnp.float32(x) for x in cfg.numbers())))
+    return cfg.program().bind(nums, name=cfg.name)
 
 
 def _check_output(res: AttentionResult, v, cfg: KernelConfig) -> AttentionResult:

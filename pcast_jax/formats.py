@@ -211,7 +211,7 @@ def positive_values(fmt: str | FP8Format = "e4m3") -> np.ndarray:
     return np.unique(v)
 
 
-def _split_blocks(x, block: int, fmt_name: str | None = None):
+def split_blocks(x, block: int, fmt_name: str | None = None):
     """x (..., n) → (..., n / block, block); ``fmt_name`` names the format in the error."""
     n = x.shape[-1]
     if n % block:
@@ -257,7 +257,7 @@ def block_quantize(x, fmt: str | BlockFormat, *, overflow: str = "satfinite", se
     bf = get_block_format(fmt)
     check_choice("overflow", overflow, OVERFLOW_MODES)
     x = jnp.asarray(x, jnp.float32)
-    xb = _split_blocks(x, bf.block)
+    xb = split_blocks(x, bf.block)
     amax = jnp.max(jnp.abs(xb), axis=-1)
     el = bf.element
     if bf.is_mx:
@@ -283,5 +283,5 @@ def block_cast(x, fmt: str | BlockFormat, *, overflow: str = "satfinite", second
     q, scale = block_quantize(x, bf, overflow=overflow, second_level=second_level)
     if barrier:
         q, scale = jax.lax.optimization_barrier((q, scale))
-    y = _split_blocks(q, bf.block) * scale[..., None]
+    y = split_blocks(q, bf.block) * scale[..., None]
     return y.reshape(q.shape)

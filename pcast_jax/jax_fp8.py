@@ -60,7 +60,7 @@ def cudnn_config(scale_s: float = 1.0, *, rescale_threshold: float = 4.0, mxfp8:
     from pcast_jax.presets import cudnn
 
     tau = check_finite("rescale_threshold", rescale_threshold)
-    base = cudnn.KERNELS_2026["cudnn_mxfp8" if mxfp8 else "cudnn_fp8"]
+    base = cudnn.PRESETS["cudnn_mxfp8" if mxfp8 else "cudnn_fp8"]
     scale = base.scale if mxfp8 else check_positive("scale_s", scale_s)
     cfg = base.replace(scale=scale, rescale_threshold=tau)
     return dataclasses.replace(cfg, name=f"cudnn_{'mxfp8' if mxfp8 else 'fp8'}_s{scale:g}_tau{tau:g}")

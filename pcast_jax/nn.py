@@ -11,6 +11,9 @@ tokamax's ``implementation=`` selector), plus ``config``, the FP8 kernel whose P
 * ``bias`` is added to the logits and ``mask`` (boolean, True = attend; a float mask is refused,
   as jax.nn refuses it) removes keys; both broadcast to ``(B, N, T, S)``. ``query_seq_lengths``,
   ``key_value_seq_lengths`` and ``local_window_size`` mean what they mean in jax.nn.
+* ``logits_soft_cap`` (tokamax's, Gemma 2's): the logits become ``cap·tanh(logits/cap)`` after the
+  scale and the bias and before any mask, in every path (exact, simulated, smooth gradient, the
+  residual); a key a bias hides (a logit ≤ −2^127) stays hidden.
 * ``is_causal``: query ``i`` sees keys ``≤ i`` (top-left aligned, jax.nn's mask);
   ``causal_alignment="bottom_right"`` gives keys ``≤ S − T + i`` (FlashAttention's and the
   simulated kernels' alignment). The two agree for ``T == S``. A config with ``causal=True`` is
@@ -57,13 +60,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pcast_jax import block, engine
+from pcast_jax import block, engine, nn_common
 from pcast_jax.config import KernelConfig
-from pcast_jax.errors import PcastError, check_choice, check_int, check_positive
+from pcast_jax.errors import PcastError, check_choice, check_positive
 from pcast_jax.presets import get_preset, preset_for, resolve
 
 __all__ = ["IMPLEMENTATIONS", "GRADIENTS", "CAUSAL_ALIGNMENTS", "attention_fn", "attention_weights",
-           "dot_product_attention", "kernel_inputs"]
+           "dot_product_attention", "kernel_inputs", "soft_capped"]
 
 IMPLEMENTATIONS = ("xla", "scan", "mosaic", "triton")
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
@@ -97,14 +100,6 @@ def _check_inputs(query, key, value):
 def _as_bnth(x):
     """(B, T, N, H) → (B, N, T, H) in float32."""
     return jnp.swapaxes(jnp.asarray(x, jnp.float32), 1, 2)
-
-
-def _broadcast_4d(name: str, x, shape, dtype):
-    x = jnp.asarray(x, dtype)
-    try:
-        return jnp.broadcast_to(x, shape)
-    except ValueError:
-        raise PcastError(f"{name}.shape={x.shape} does not broadcast to (B, N, T, S) = {shape}") from None
 
 
 def _repeat_kv(x, n_heads: int):
@@ -142,38 +137,28 @@ def kernel_inputs(q, k, v, cfg: KernelConfig | None, scale: float):
     return kernel_logits(q, k, factor), v
 
 
-def _visibility(shape, mask, causal: bool, alignment: str, q_lens, kv_lens, window):
-    """(B, N, T, S) bool: True where a query sees a key (None when every key is visible).
+def soft_capped(logits, cap):
+    """``cap·tanh(logits/cap)``: tokamax's ``logits_soft_cap`` (after the scale and bias, before the mask).
 
-    ``mask`` (B, N, T, S) bool or None; causal and the local window are measured from query
-    position ``i`` (top-left, as ``jax.nn``) or ``i + S − T`` (bottom-right, as the kernels);
-    ``q_lens`` / ``kv_lens`` (B,) hide padded query rows and keys.
+    ``cap``: None (the logits as they are), a number > 0, or a traced per-layer value where ≤ 0 means
+    none. A logit ≤ −2^127 (:data:`pcast_jax.block.MASKED_BELOW`: a key a bias hides) stays as it is.
     """
-    b, _, t, s = shape
-    parts = [] if mask is None else [mask]
-    q_pos = jnp.arange(t)[:, None] + (s - t if alignment == "bottom_right" else 0)
-    k_pos = jnp.arange(s)[None, :]
-    if causal:
-        parts.append(block.visible(q_pos, k_pos)[None, None])
-    if window is not None:
-        left, right = window
-        parts.append(((q_pos <= k_pos + left) & (q_pos >= k_pos - right))[None, None])
-    if q_lens is not None:
-        parts.append((jnp.arange(t)[None, :, None] < q_lens[:, None, None])[:, None])
-    if kv_lens is not None:
-        parts.append((jnp.arange(s)[None, None, :] < kv_lens[:, None, None])[:, None])
-    if not parts:
-        return None
-    vis = parts[0]
-    for x in parts[1:]:
-        vis = vis & x
-    return jnp.broadcast_to(vis, shape)
+    if cap is None:
+        return logits
+    if isinstance(cap, (int, float)):
+        capped = cap * jnp.tanh(logits / cap)
+    else:
+        safe = jnp.where(cap > 0, cap, 1.0)
+        capped = jnp.where(cap > 0, safe * jnp.tanh(logits / safe), logits)
+    return jnp.where(logits <= block.MASKED_BELOW, logits, capped)
 
 
-def _masked(logits, bias, visible, fill):
-    """Logits + bias with hidden keys set to ``fill`` (−inf for a kernel; jax.nn's value for the exact path)."""
+def _masked(logits, bias, visible, fill, soft_cap=None):
+    """Logits + bias, soft-capped, with hidden keys set to ``fill`` (−inf for a kernel; jax.nn's value for the
+    exact path)."""
     if bias is not None:
         logits = logits + bias
+    logits = soft_capped(logits, soft_cap)
     return logits if visible is None else jnp.where(visible, logits, fill)
 
 
@@ -182,7 +167,7 @@ def _sink_rows(sinks, logits):
     return None if sinks is None else jnp.broadcast_to(sinks, logits.shape[:2])
 
 
-def _exact(q, k, v, bias, visible, scale, empty_rows_zero: bool, sinks=None):
+def _exact(q, k, v, bias, visible, scale, empty_rows_zero: bool, sinks=None, soft_cap=None):
     """Exact FP32 attention (B, N, T, H): the reference, and the straight-through backward.
 
     As ``jax.nn.dot_product_attention`` computes it: hidden logits get jax.nn's large negative value,
@@ -192,7 +177,7 @@ def _exact(q, k, v, bias, visible, scale, empty_rows_zero: bool, sinks=None):
     with nothing visible then gives 0, its whole mass on the sink).
     """
     logits, vv = kernel_inputs(q, k, v, None, scale)
-    logits = _masked(logits, bias, visible, _MASKED)
+    logits = _masked(logits, bias, visible, _MASKED, soft_cap)
     if sinks is None:
         probs = jax.nn.softmax(logits, axis=-1)
     else:
@@ -202,9 +187,9 @@ def _exact(q, k, v, bias, visible, scale, empty_rows_zero: bool, sinks=None):
     return jnp.einsum("bnts,bnsh->bnth", probs, vv, precision="highest")
 
 
-def _simulated(q, k, v, bias, visible, cfg: KernelConfig, scale, engine_name: str, sinks=None):
+def _simulated(q, k, v, bias, visible, cfg: KernelConfig, scale, engine_name: str, sinks=None, soft_cap=None):
     logits, vv = kernel_inputs(q, k, v, cfg, scale)
-    logits = _masked(logits, bias, visible, -jnp.inf)
+    logits = _masked(logits, bias, visible, -jnp.inf, soft_cap)
     return engine.attention(logits, vv, cfg.replace(causal=False), implementation=engine_name,
                             sink_logit=_sink_rows(sinks, logits)).out
 
@@ -251,10 +236,10 @@ def _soft_block_gate_cast(scale: float, bf, temperature: float):
     return cast_fn
 
 
-def _smooth(q, k, v, bias, visible, cfg: KernelConfig, scale, temperature: float, sinks=None):
+def _smooth(q, k, v, bias, visible, cfg: KernelConfig, scale, temperature: float, sinks=None, soft_cap=None):
     """The smooth surrogate's output (B, N, T, H): effective weights with the gated cast, times V."""
     logits, vv = kernel_inputs(q, k, v, None, scale)  # Q/K/V casts straight-through
-    logits = _masked(logits, bias, visible, -jnp.inf)
+    logits = _masked(logits, bias, visible, -jnp.inf, soft_cap)
     bf = cfg.block_format
     if bf is not None:
         gate = _soft_block_gate_cast(cfg.effective_scale, bf, temperature)
@@ -266,24 +251,24 @@ def _smooth(q, k, v, bias, visible, cfg: KernelConfig, scale, temperature: float
     return jnp.einsum("bnts,bnsh->bnth", w, vv, precision="highest")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _attend(q, k, v, bias, scale, sinks, visible, cfg, engine_name, gradient, temperature):
-    return _simulated(q, k, v, bias, visible, cfg, scale, engine_name, sinks)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def _attend(q, k, v, bias, scale, sinks, visible, cfg, engine_name, gradient, temperature, soft_cap):
+    return _simulated(q, k, v, bias, visible, cfg, scale, engine_name, sinks, soft_cap)
 
 
-def _attend_fwd(q, k, v, bias, scale, sinks, visible, cfg, engine_name, gradient, temperature):
-    out = _simulated(q, k, v, bias, visible, cfg, scale, engine_name, sinks)
+def _attend_fwd(q, k, v, bias, scale, sinks, visible, cfg, engine_name, gradient, temperature, soft_cap):
+    out = _simulated(q, k, v, bias, visible, cfg, scale, engine_name, sinks, soft_cap)
     return out, (q, k, v, bias, scale, sinks, visible)
 
 
-def _attend_bwd(cfg, engine_name, gradient, temperature, res, g):
+def _attend_bwd(cfg, engine_name, gradient, temperature, soft_cap, res, g):
     q, k, v, bias, scale, sinks, visible = res
     if gradient == "ste":
         def surrogate(q, k, v, bias, scale, sinks):
-            return _exact(q, k, v, bias, visible, scale, True, sinks)
+            return _exact(q, k, v, bias, visible, scale, True, sinks, soft_cap)
     else:
         def surrogate(q, k, v, bias, scale, sinks):
-            return _smooth(q, k, v, bias, visible, cfg, scale, temperature, sinks)
+            return _smooth(q, k, v, bias, visible, cfg, scale, temperature, sinks, soft_cap)
     _, vjp = jax.vjp(surrogate, q, k, v, bias, scale, sinks)
     return (*vjp(g), None)  # the visibility mask is not differentiable
 
@@ -300,28 +285,14 @@ def _resolve_config(config, head_dim: int) -> KernelConfig | None:
     return resolve(config)
 
 
-def _lengths(name: str, x, batch: int):
-    """``query_seq_lengths`` / ``key_value_seq_lengths``: an integer (B,) array (jax.nn's int32)."""
-    if x is None:
+def _check_soft_cap(logits_soft_cap) -> float | None:
+    """None, or a number > 0 (its float32 value): the cap of :func:`soft_capped`."""
+    if logits_soft_cap is None:
         return None
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.integer) or x.shape != (batch,):
-        raise PcastError(f"{name} must be an integer array of shape (B,) = ({batch},), got {x.dtype} {x.shape}")
-    return x.astype(jnp.int32)
-
-
-def _window(local_window_size):
-    if local_window_size is None:
-        return None
-    w = (local_window_size, local_window_size) if isinstance(local_window_size, int) else local_window_size
-    try:  # positions are int32: a window as wide as any sequence is at most 2^31 - 1
-        left, right = (check_int("local_window_size", x, min_value=0, max_value=2**31 - 1) for x in w)
-    except PcastError:
-        raise
-    except (TypeError, ValueError):
-        raise PcastError(f"local_window_size={local_window_size!r} must be an int or a (left, right) pair "
-                         "of ints >= 0") from None
-    return left, right
+    if isinstance(logits_soft_cap, jax.core.Tracer) or jnp.ndim(logits_soft_cap) != 0:
+        raise PcastError(f"logits_soft_cap={logits_soft_cap!r} must be None or a number > 0 (a Python float, "
+                         "not an array)")
+    return float(np.float32(check_positive("logits_soft_cap", float(logits_soft_cap))))
 
 
 def _check_scale(scale, head_dim: int):
@@ -342,11 +313,13 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
                           local_window_size: int | tuple[int, int] | None = None,
                           implementation: str | None = None, return_residual: bool = False,
                           config: str | KernelConfig | None = None, gradient: str = "ste",
-                          smooth_temperature: float = 0.2, causal_alignment: str = "top_left", sinks=None):
+                          smooth_temperature: float = 0.2, causal_alignment: str = "top_left", sinks=None,
+                          logits_soft_cap: float | None = None):
     """Scaled dot-product attention as an FP8 kernel computes it (module docstring for details).
 
-    Every argument of ``jax.nn.dot_product_attention`` means what it means there; the last five
-    are this package's.
+    Every argument of ``jax.nn.dot_product_attention`` means what it means there; ``config``,
+    ``gradient``, ``smooth_temperature``, ``causal_alignment`` and ``sinks`` are this package's, and
+    ``logits_soft_cap`` means what it means in tokamax.
 
     Args:
       query: ``(B, T, N, H)`` or ``(T, N, H)``.
@@ -374,6 +347,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
         in the units of the scaled logits, a softmax column with no value row. The exact path
         (``config=None``) drops its column after the softmax; a config places it as its
         ``sink_mode`` says (epilogue, initial running max, every block max). Differentiable.
+      logits_soft_cap: optional number > 0: the logits (scaled, bias added) become
+        ``cap·tanh(logits/cap)`` before any mask, what the kernel then sees.
 
     Returns:
       The attention output, shaped and typed like ``query`` (and the residual with
@@ -396,6 +371,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     head_dim = query.shape[-1]
     scale = _check_scale(scale, head_dim)
     temperature = check_positive("smooth_temperature", smooth_temperature)
+    soft_cap = _check_soft_cap(logits_soft_cap)
     cfg = _resolve_config(config, head_dim)
     causal = is_causal or (cfg is not None and cfg.causal)
     if cfg is not None and causal:
@@ -416,11 +392,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     b, n, t, _ = q.shape
     s = k.shape[2]
     shape = (b, n, t, s)
-    bias4 = None if bias is None else _broadcast_4d("bias", bias, shape, jnp.float32)
-    mask4 = None if mask is None else _broadcast_4d("mask", mask, shape, bool)
-    q_lens = _lengths("query_seq_lengths", query_seq_lengths, b)
-    kv_lens = _lengths("key_value_seq_lengths", key_value_seq_lengths, b)
-    window = _window(local_window_size)
+    bias4 = None if bias is None else nn_common.broadcast_4d("bias", bias, shape, jnp.float32)
+    mask4 = None if mask is None else nn_common.broadcast_4d("mask", mask, shape, bool)
+    q_lens = nn_common.seq_lengths("query_seq_lengths", query_seq_lengths, b)
+    kv_lens = nn_common.seq_lengths("key_value_seq_lengths", key_value_seq_lengths, b)
+    window = nn_common.local_window(local_window_size)
     if sinks is not None:
         # a concrete array (also one a jitted caller closes over) is checked on the host; a traced one
         # cannot be, and a non-finite traced sink gives NaN rows (engine._sink_rows)
@@ -438,7 +414,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
             raise PcastError(f"implementation={impl!r}: the Pallas kernels return no residual "
                              "(use implementation='xla' or 'scan')")
         others = {"bias": bias4, "mask": mask4, "query_seq_lengths": q_lens, "key_value_seq_lengths": kv_lens,
-                  "local_window_size": window}
+                  "local_window_size": window, "logits_soft_cap": soft_cap}
         given = [name for name, x in others.items() if x is not None]
         if given:
             raise PcastError(f"implementation={impl!r}: the Pallas kernels take no {', '.join(given)} "
@@ -451,20 +427,20 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
         out = jnp.swapaxes(out, 1, 2).astype(query.dtype)
         return out[0] if unbatched else out
 
-    visible = _visibility(shape, mask4, causal, causal_alignment, q_lens, kv_lens, window)
+    visible = nn_common.visibility(shape, mask4, causal, causal_alignment, q_lens, kv_lens, window)
     if cfg is None:
-        out = _exact(q, k, v, bias4, visible, scale, False, sinks)
+        out = _exact(q, k, v, bias4, visible, scale, False, sinks, soft_cap)
         if q_lens is not None:  # jax.nn zeroes the padded query rows
             out = out * (jnp.arange(t)[None, None, :, None] < q_lens[:, None, None, None])
     else:
         out = _attend(q, k, v, jnp.zeros((), jnp.float32) if bias4 is None else bias4, scale, sinks, visible, cfg,
-                      impl, gradient, temperature)
+                      impl, gradient, temperature, soft_cap)
     out = jnp.swapaxes(out, 1, 2).astype(query.dtype)
     out = out[0] if unbatched else out
     if not return_residual:
         return out
     logits, _ = kernel_inputs(q, k, v, cfg, scale)
-    lse = jax.nn.logsumexp(_masked(logits, bias4, visible, _MASKED if cfg is None else -jnp.inf), axis=-1)
+    lse = jax.nn.logsumexp(_masked(logits, bias4, visible, _MASKED if cfg is None else -jnp.inf, soft_cap), axis=-1)
     if sinks is not None:  # the sink's column is part of the normaliser
         lse = jnp.logaddexp(lse, _sink_rows(sinks, logits)[..., None])
     lse = jax.lax.stop_gradient(jnp.swapaxes(lse, 1, 2)).astype(query.dtype)  # (B, T, N)
@@ -494,7 +470,8 @@ _FLAX_KWARGS = {"broadcast_dropout", "dropout_rng", "dropout_rate", "determinist
 def attention_weights(query, key, bias=None, mask=None, *, scale: float | None = None, is_causal: bool = False,
                       query_seq_lengths=None, key_value_seq_lengths=None,
                       local_window_size: int | tuple[int, int] | None = None,
-                      config: str | KernelConfig | None = None, causal_alignment: str = "top_left"):
+                      config: str | KernelConfig | None = None, causal_alignment: str = "top_left",
+                      logits_soft_cap: float | None = None):
     """The attention weights ``(B, N, T, S)`` before and after the kernel's P-cast.
 
     Returns ``(probs, kernel)``: ``probs`` the exact FP32 softmax (what ``flax`` sows as
@@ -512,21 +489,24 @@ def attention_weights(query, key, bias=None, mask=None, *, scale: float | None =
         query, key = query[None], key[None]
     head_dim = query.shape[-1]
     scale = _check_scale(scale, head_dim)
+    soft_cap = _check_soft_cap(logits_soft_cap)
     cfg = _resolve_config(config, head_dim)
     causal = is_causal or (cfg is not None and cfg.causal)
     q, k = _as_bnth(query), _as_bnth(key)
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    bias4 = None if bias is None else _broadcast_4d("bias", bias, shape, jnp.float32)
-    mask4 = None if mask is None else _broadcast_4d("mask", mask, shape, bool)
-    q_lens = _lengths("query_seq_lengths", query_seq_lengths, shape[0])
-    kv_lens = _lengths("key_value_seq_lengths", key_value_seq_lengths, shape[0])
-    visible = _visibility(shape, mask4, causal, causal_alignment, q_lens, kv_lens, _window(local_window_size))
+    bias4 = None if bias is None else nn_common.broadcast_4d("bias", bias, shape, jnp.float32)
+    mask4 = None if mask is None else nn_common.broadcast_4d("mask", mask, shape, bool)
+    q_lens = nn_common.seq_lengths("query_seq_lengths", query_seq_lengths, shape[0])
+    kv_lens = nn_common.seq_lengths("key_value_seq_lengths", key_value_seq_lengths, shape[0])
+    window = nn_common.local_window(local_window_size)
+    visible = nn_common.visibility(shape, mask4, causal, causal_alignment, q_lens, kv_lens, window)
     logits, _ = kernel_inputs(q, k, k, None, scale)
-    probs = jax.nn.softmax(_masked(logits, bias4, visible, _MASKED), axis=-1)
+    probs = jax.nn.softmax(_masked(logits, bias4, visible, _MASKED, soft_cap), axis=-1)
     kernel = None
     if cfg is not None:
         klogits, _ = kernel_inputs(q, k, k, cfg, scale)
-        kernel = engine.effective_weights(_masked(klogits, bias4, visible, -jnp.inf), cfg.replace(causal=False))
+        kernel = engine.effective_weights(_masked(klogits, bias4, visible, -jnp.inf, soft_cap),
+                                          cfg.replace(causal=False))
     if unbatched:
         probs = probs[0]
         kernel = None if kernel is None else kernel[0]
@@ -546,7 +526,8 @@ def _sow(module, name: str, value) -> None:
 
 
 def attention_fn(config: str | KernelConfig | None = None, *, implementation: str | None = None,
-                 gradient: str = "ste", smooth_temperature: float = 0.2, causal_alignment: str = "top_left"):
+                 gradient: str = "ste", smooth_temperature: float = 0.2, causal_alignment: str = "top_left",
+                 logits_soft_cap: float | None = None):
     """An ``attention_fn`` for ``flax.nnx.MultiHeadAttention`` (and ``flax.linen``) through ``config``.
 
     ``nnx.MultiHeadAttention(..., attention_fn=pcast_jax.nn.attention_fn("fa3"))`` makes the
@@ -556,7 +537,8 @@ def attention_fn(config: str | KernelConfig | None = None, *, implementation: st
     ``sow_weights=True`` the layer sows ``attention_weights`` (the exact softmax, as flax does) and,
     under a config, ``attention_weights_kernel`` (the kernel's weights after the P-cast,
     :func:`attention_weights`). Dropout is refused (a kernel simulation is deterministic), and so are
-    keyword arguments this function does not know, rather than being ignored.
+    keyword arguments this function does not know, rather than being ignored. ``logits_soft_cap``
+    caps every call's logits (:func:`dot_product_attention`).
     """
     if config is not None and not isinstance(config, str):
         config = resolve(config)
@@ -564,6 +546,7 @@ def attention_fn(config: str | KernelConfig | None = None, *, implementation: st
         get_preset(config)
     check_choice("gradient", gradient, GRADIENTS)
     check_choice("causal_alignment", causal_alignment, CAUSAL_ALIGNMENTS)
+    _check_soft_cap(logits_soft_cap)
 
     def fn(query, key, value, bias=None, mask=None, **kwargs):
         unknown = sorted(set(kwargs) - _FLAX_KWARGS)
@@ -577,11 +560,12 @@ def attention_fn(config: str | KernelConfig | None = None, *, implementation: st
         is_causal = bool(kwargs.get("is_causal", False))
         out = dot_product_attention(query, key, value, bias, mask, is_causal=is_causal, config=config,
                                     implementation=implementation, gradient=gradient,
-                                    smooth_temperature=smooth_temperature, causal_alignment=causal_alignment)
+                                    smooth_temperature=smooth_temperature, causal_alignment=causal_alignment,
+                                    logits_soft_cap=logits_soft_cap)
         module = kwargs.get("module")
         if module is not None:
             probs, kernel = attention_weights(query, key, bias, mask, is_causal=is_causal, config=config,
-                                              causal_alignment=causal_alignment)
+                                              causal_alignment=causal_alignment, logits_soft_cap=logits_soft_cap)
             _sow(module, "attention_weights", probs)
             if kernel is not None:
                 _sow(module, "attention_weights_kernel", kernel)

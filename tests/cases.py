@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 
+import jax
 import pytest
 
 from pcast_jax.config import KernelConfig
@@ -24,6 +27,23 @@ def distinct_configs(configs: dict[str, KernelConfig]) -> list:
     for name, cfg in configs.items():
         groups.setdefault(cfg, []).append(name)
     return [pytest.param(cfg, id="=".join(names)) for cfg, names in groups.items()]
+
+
+def shared_program(make: Callable) -> Callable:
+    """``make(config, *static)`` → a function of arrays, compiled once per config *program*.
+
+    ``run = shared_program(make)``; ``run(cfg, *static)(*arrays)`` computes ``make(cfg, *static)(*arrays)``
+    under ``jax.jit`` with ``cfg``'s numbers as traced arguments (:meth:`KernelConfig.program`), so configs
+    that differ only in S, τ or the V channel max share one program (and JAX's persistent cache hits).
+    """
+    @functools.lru_cache(maxsize=None)
+    def jitted(program, *static):
+        return jax.jit(lambda nums, name, *arrays: make(program.bind(nums, name=name), *static)(*arrays),
+                       static_argnums=1)
+
+    def run(cfg: KernelConfig, *static):
+        return functools.partial(jitted(cfg.program(), *static), cfg.numbers(), cfg.name)
+    return run
 
 
 def count_chunks(monkeypatch) -> list:

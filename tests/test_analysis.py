@@ -2,6 +2,7 @@
 
 import csv
 import math
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -16,6 +17,7 @@ from pcast_jax import cli
 from pcast_jax import nn as pnn
 from pcast_jax.analysis import Recorder, Trace, analyze, compare_logits, load_trace, sink_statistics, write_report
 from pcast_jax.analysis.heads import SCALE_GRID, _further_row_metrics
+from pcast_jax.analysis.report import NO_ROWS
 from pcast_jax.errors import PcastError
 from pcast_jax.models import FP8Attention, extract_qkv, forward
 
@@ -358,13 +360,14 @@ def check_own_model_page(scope: dict, printed: str, folder: Path) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def numpy_forward_losses(q, k, length, window, block, scale, min_keys, learned=None):
+def numpy_forward_losses(q, k, length, window, block, scale, min_keys, learned=None, cap=None):
     """Independent of the package: per query head of one layer, the zeroed and clipped mass of a
     forward-order kernel (KV blocks of ``block`` keys, running max over blocks, P·S cast to E4M3 by
     ml_dtypes), each a mean over the rows with >= min_keys visible non-sink keys; the sink is the key
     receiving the most attention. ``q [T, Hq, D]``, ``k [T, Hkv, D]``; keys ``i - window .. i``
     (window < 0: all of ``0 .. i``) among the first ``length`` tokens. ``learned [Hq]``: learned sink
-    logits, a softmax column with no key that the running max never sees (the epilogue placement)."""
+    logits, a softmax column with no key that the running max never sees (the epilogue placement).
+    ``cap``: a logit soft cap, every logit ``cap·tanh(logit/cap)``."""
     import ml_dtypes
 
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -374,6 +377,7 @@ def numpy_forward_losses(q, k, length, window, block, scale, min_keys, learned=N
     zeroed_out, clipped_out = [], []
     for h in range(num_heads):
         s = q[:length, h].astype(np.float64) @ k[:length, h // group].T.astype(np.float64) / math.sqrt(head_dim)
+        s = s if cap is None else cap * np.tanh(s / cap)
         extra = -np.inf if learned is None else float(learned[h])
         top = np.maximum(np.where(vis, s, -np.inf).max(1, keepdims=True), extra)
         exact = np.where(vis, np.exp(np.where(vis, s, -np.inf) - top), 0)
@@ -605,3 +609,175 @@ def test_statistics_and_reference_on_row_chunks_equal_one_chunk(monkeypatch):
     for name, value in metrics.items():
         np.testing.assert_allclose(again[name], value, rtol=1e-5, atol=1e-9, err_msg=name)
     assert np.all(ref[:, 90:] == 0) and metrics["zeroed_mass"].max() > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Everyday use: the names passed, coordinates, JSON, figures without matplotlib
+# ----------------------------------------------------------------------------------------------
+
+
+def test_json_report_has_the_numbers_of_the_csv_and_the_words(tmp_path, capsys, monkeypatch):
+    """`pcast analyze --format json` prints analysis.json: per configuration the numbers of
+    analysis_configs.csv (bit for bit), the verdicts and safe scales the words print, a non-finite
+    number as null with its reason; a preset passed as `fa3` stays `fa3` (head dim 16 runs its
+    160-key tile, a column beside it), and the data set is keyed and indexed by what was passed."""
+    import json
+
+    from pcast_jax import stats
+    from pcast_jax.analysis.report import NO_FIGURES
+
+    trace = planted(layers=1, batch=2)
+    path = trace.save(tmp_path / "trace.npz")
+    out = tmp_path / "rep"
+    assert cli.main(["analyze", str(path), "--configs", "fwd_s1,fa3", "--out", str(out), "--format", "json",
+                     "--no-progress"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data == json.loads((out / "analysis.json").read_text())
+    with open(out / "analysis_configs.csv") as f:
+        csv_rows = list(csv.DictReader(f))
+    assert [r["config"] for r in data["configs"]] == [r["config"] for r in csv_rows] == ["fwd_s1", "fa3"]
+    assert [r["block_kv"] for r in data["configs"]] == [64, 160]  # FA3's tile at d <= 64
+    compared = 0
+    for row, cells in zip(data["configs"], csv_rows):
+        for key, text in cells.items():
+            value = row[key]
+            if value is None:  # non-finite: null in JSON, the reason in words in the CSV and beside it
+                assert text == row["null_reasons"][key] and text in (NO_ROWS, stats.NO_SE)
+            elif isinstance(value, float):
+                assert value == float(text), key
+                compared += 1
+    assert compared >= 10
+    markdown = (out / "analysis.md").read_text()
+    for row in data["configs"]:
+        assert data["verdicts"][row["config"]] == row["verdict"] and f"`{row['config']}`: **{row['verdict']}**" \
+            in markdown
+    for scan in data["scans"]:
+        assert scan["recommended"] == data["safe_scale"][scan["members"][0]]
+        assert f"`scale = {scan['recommended']:g}`" in markdown
+    assert data["criterion"]["mass_limit"] == 1e-3 and data["criterion"]["text"] in markdown
+    assert "NaN" not in (out / "analysis.json").read_text() and "Infinity" not in (out / "analysis.json").read_text()
+    assert (out / "analysis_decision.png").stat().st_size > 1000
+    # the data set: keyed by the name passed, the tile as a coordinate, every dimension indexed
+    result = analyze(trace, ["fwd_s1", "fa3"], min_keys=16)
+    ds = result.to_xarray()
+    assert int(ds["block_kv"].sel(config="fa3")) == 160
+    assert list(ds["sequence"].values) == [0, 1] and list(ds["head"].values) == [0, 1, 2, 3]
+    np.testing.assert_array_equal(ds["zeroed_mass"].sel(config="fa3", sequence=1, head=2).values,
+                                  result.heads["zeroed_mass"][1, 1, :, 2])
+    # without matplotlib: every other file is written, the words say which extra to install
+    for name in [n for n in sys.modules if n == "matplotlib" or n.startswith("matplotlib.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    bare = tmp_path / "bare"
+    assert cli.main(["analyze", str(path), "--configs", "fwd_s1", "--out", str(bare), "--no-progress"]) == 0
+    assert NO_FIGURES in capsys.readouterr().out
+    assert {p.name for p in bare.iterdir()} == {"analysis.md", "analysis.json", "analysis_configs.csv",
+                                                 "analysis_heads.csv"}
+    assert "pcast_jax[plots]" in (bare / "analysis.md").read_text()
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["analyze", str(path), "--format", "yaml", "--out", str(bare)])
+    assert exc.value.code == 2
+
+
+def test_soft_capped_layer_is_recorded_and_analysed_with_capped_logits(tmp_path):
+    """A layer with logits_soft_cap, recorded through the drop-in: the trace keeps the cap (through its
+    file too), and the statistics, kernel and reference see cap·tanh(logit/cap): the zeroed mass is an
+    independent NumPy kernel's on the capped logits, not on the raw ones."""
+    trace = character_trace("sink at 0")
+    q, k, v = (x[0] for x in (trace.q, trace.k, trace.v))
+    rec = Recorder()
+    out = rec.dot_product_attention(q, k, v, is_causal=True, logits_soft_cap=20.0)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(
+        pnn.dot_product_attention(q, k, v, is_causal=True, logits_soft_cap=20.0)))
+    recorded = load_trace(rec.trace().save(tmp_path / "capped.npz"))
+    np.testing.assert_array_equal(recorded.logits_soft_cap, [20.0])
+    result = analyze(recorded, ["fwd_s1"], min_keys=8)
+    want, _ = numpy_forward_losses(q[0], k[0], 128, -1, 64, 1.0, 8, cap=20.0)
+    raw, _ = numpy_forward_losses(q[0], k[0], 128, -1, 64, 1.0, 8)
+    got = result.head_mean("zeroed_mass")[0, 0]
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=1e-7)
+    assert want.min() > 1e-3 and np.all(np.abs(raw - want) > 0.2 * want)  # the cap changes the answer
+    assert result.config_rows()[0]["rel_mse_mean"] < 1e-2  # the reference is capped too
+    assert "1 of 1 layers soft-cap their logits (cap·tanh(logit/cap), cap = 20)" in "\n".join(result.summary_lines())
+    with pytest.raises(PcastError, match="logits_soft_cap"):
+        Trace(q=trace.q, k=trace.k, v=trace.v, lengths=trace.lengths, layers=trace.layers,
+              logits_soft_cap=np.array([np.nan], np.float32))
+
+
+def test_recorder_names_drop_in_layers_from_the_model_and_warns_on_ambiguous_calls():
+    """Two eager forward passes through a model of three layer objects are three layers of two
+    sequences, named after the layer class; a plain function's calls are layers in call order, with a
+    RecorderWarning when one place makes a second layer; name= says which layer a call is."""
+    import warnings
+
+    from pcast_jax.analysis import RecorderWarning
+
+    rec = Recorder()
+
+    class Block:
+        def __init__(self, seed):
+            self.w = jax.random.normal(jax.random.key(seed), (3, 8, 2, 4)) / 3
+
+        def __call__(self, x):
+            q, k, v = (jnp.einsum("btd,dhe->bthe", x, w) for w in self.w)
+            return x + rec.dot_product_attention(q, k, v, is_causal=True).reshape(x.shape)
+
+    model = [Block(i) for i in range(3)]
+    inputs = [jax.random.normal(jax.random.key(10 + p), (1, 16, 8)) for p in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RecorderWarning)
+        for x in inputs:  # two forward passes
+            for block in model:
+                x = block(x)
+    trace = rec.trace()
+    assert trace.layers == ("Block0", "Block1", "Block2") and trace.q.shape[:2] == (3, 2)
+    first = jnp.einsum("btd,dhe->bthe", inputs[1], model[0].w[0])  # pass 2's first layer is sequence 1
+    np.testing.assert_allclose(trace.q[0, 1], np.asarray(first[0]), rtol=1e-6, atol=1e-6)
+
+    rec = Recorder()
+    q = jax.random.normal(jax.random.key(0), (1, 16, 2, 4))
+
+    def layer(x, name=None):
+        return rec.dot_product_attention(x, x, x, is_causal=True, name=name)
+
+    with pytest.warns(RecorderWarning, match="layers call0 and call1 come from the same place"):
+        for _ in range(2):
+            layer(q)
+    assert rec.trace().layers == ("call0", "call1")
+    rec.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RecorderWarning)
+        for _ in range(2):  # two passes of a two-layer functional model, each call named
+            for i in range(2):
+                layer(q * (i + 1), name=f"attn{i}")
+    trace = rec.trace()
+    assert trace.layers == ("attn0", "attn1") and trace.q.shape[:2] == (2, 2)
+    rec.attention_fn(name="taken")
+    with pytest.raises(PcastError, match="name='taken' is a layer of this recorder's attention_fn"):
+        layer(q, name="taken")
+    layer(q[:, :8], name="attn0")  # a second batch of another length
+    with pytest.raises(PcastError, match="layer attn0 was called with q of shapes"):
+        rec.trace()
+
+
+def test_recorder_jitted_functional_loop_replays_its_layer_names():
+    """Under jit the names are given when the forward is traced: a loop of layers from one place is
+    layers in call order without a warning, and a second run adds sequences."""
+    import warnings
+
+    from pcast_jax.analysis import RecorderWarning
+
+    rec = Recorder()
+
+    @jax.jit
+    def forward(x):
+        for _ in range(2):
+            x = x + rec.dot_product_attention(x, x, x, is_causal=True)
+        return x
+
+    x = jax.random.normal(jax.random.key(0), (1, 16, 2, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RecorderWarning)
+        forward(x)
+        forward(x * 2)
+    trace = rec.trace()
+    assert trace.layers == ("call0", "call1") and trace.q.shape[:2] == (2, 2)

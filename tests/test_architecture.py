@@ -28,6 +28,30 @@ def test_the_checker_sees_a_cycle_and_a_back_arrow(tmp_path):
     assert graph["pcast_jax.errors"] == set()  # imports under TYPE_CHECKING never run
 
 
+def test_no_module_uses_another_modules_private_names():
+    assert imports.private_uses(ROOT) == []
+
+
+def test_the_checker_sees_private_names_imported_or_read_from_another_module(tmp_path):
+    pkg = tmp_path / "pcast_jax"
+    (pkg / "sub").mkdir(parents=True)
+    for init in (pkg / "__init__.py", pkg / "sub" / "__init__.py"):
+        init.write_text("")
+    (pkg / "engine.py").write_text("def _helper():\n    pass\n\ndef run():\n    return _helper()\n")
+    (pkg / "sub" / "_options.py").write_text("def add():\n    pass\n")
+    (pkg / "nn.py").write_text(
+        "from pcast_jax.engine import _helper\n"  # reported: a private name imported
+        "from pcast_jax import engine as _engine\n"  # a private alias of a public module: fine
+        "from pcast_jax.sub import _options\n"  # a private module, not a name: fine
+        "def f():\n"
+        "    _engine._helper()\n"  # reported: a private name read off a module of ours
+        "    _options.add()\n"
+        "    return _engine.__name__, (1, 2)._replace\n"  # dunders and other objects' attributes: fine
+    )
+    assert imports.private_uses(tmp_path) == [("pcast_jax.nn", 1, "pcast_jax.engine._helper"),
+                                              ("pcast_jax.nn", 5, "pcast_jax.engine._helper")]
+
+
 def test_the_registry_owns_its_look_ups_and_config_needs_only_the_number_line():
     graph = imports.import_graph(ROOT)
     assert graph["pcast_jax.config"] <= {"pcast_jax.numberline", "pcast_jax.errors"}

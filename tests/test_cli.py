@@ -381,6 +381,16 @@ def test_presets_show_prints_the_config_form(capsys):
     assert cli.main(["presets", "--show", "fa9"]) == 2
 
 
+def test_presets_show_at_a_head_dim_prints_the_tile_that_runs(capsys):
+    assert cli.main(["presets", "--show", "fa3", "--head-dim", "32"]) == 0
+    out = capsys.readouterr().out
+    cfg = KernelConfig.from_string(out.splitlines()[0])
+    # FA3's FP8 tile at d <= 64 is 160 (hopper/tile_size.h), not the 224 it runs at d = 128
+    assert cfg.block_kv == 160 and cfg.name == "fa3" and "runs block_kv = 160" in out
+    assert cli.main(["presets", "--head-dim", "32"]) == 2
+    assert cli.main(["presets", "--show", "fa3", "--head-dim", "0"]) == 2
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["--version"])

@@ -53,7 +53,7 @@ from pcast_jax.errors import PcastError
 from pcast_jax.presets import PRESETS, preset_for
 
 import oracle
-from cases import FULL
+from cases import FULL, shared_program
 
 HEAD_DIMS = (64, 128, 256)
 S = 320  # keys: more than one tile of every preset, a multiple of none but 64, 160 and 320
@@ -192,7 +192,8 @@ def _never(cfg, kind, h):
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """An entry point: ``run(name, cases)`` → (len(cases), T, N, H) outputs, and the config it must compute.
+    """An entry point: ``run(cfg, cases)`` → (len(cases), T, N, H) outputs computed with ``cfg`` (the preset's
+    config at the cases' head dim, :meth:`config`).
 
     Cases with the same ``key`` go through one call (batched along B), so the mask kinds that differ
     only in data share one compiled program, as a model's batch does.
@@ -211,8 +212,11 @@ class Entry:
         return preset_for(name, h) if self.tiled else PRESETS[name]
 
 
-# Each entry point is called under jax.jit, one compiled program per preset and static structure (as a
-# model calls it).
+# Each entry point is called under jax.jit, as a model calls it, with the config's numbers (S, τ, the V
+# channel max: KernelConfig.numbers) as traced arguments of one program per config *program*
+# (KernelConfig.program): presets that differ only in their numbers share it, so a cell costs a compile
+# only for a program no earlier cell compiled (JAX's persistent cache keeps them across the cells). The
+# Pallas kernels take the config as it is (their numbers are constants of the kernel).
 
 
 def _stack(cases, field: str, default):
@@ -226,46 +230,47 @@ def _batch_qkv(cases):
     return (np.concatenate([getattr(c, x) for c in cases]) for x in ("q", "k", "v"))
 
 
-@functools.lru_cache(maxsize=None)
-def _jit_engine(name: str, engine_name: str):
-    return jax.jit(lambda s, v: engine.attention(s, v, PRESETS[name], implementation=engine_name).out)
+_jit_engine = shared_program(lambda cfg, impl: lambda s, v: engine.attention(s, v, cfg, implementation=impl).out)
 
 
 def _engine(engine_name: str, fill: float):
-    def run(name, cases):
+    def run(cfg, cases):
         scores = np.stack([np.where(c.visible, c.scores(), fill).astype(np.float32) for c in cases])  # (B, N, T, S)
         v = np.stack([np.repeat(c.v[0].transpose(1, 0, 2), N_HEADS, 0) for c in cases])
-        return np.asarray(_jit_engine(name, engine_name)(scores, v)).transpose(0, 2, 1, 3)
+        return np.asarray(_jit_engine(cfg, engine_name)(scores, v)).transpose(0, 2, 1, 3)
     return run
 
 
-@functools.lru_cache(maxsize=None)
-def _jit_qkv(name: str, causal: bool):
-    cfg = PRESETS[name].replace(causal=causal, name=name)
-    return jax.jit(lambda q, k, v: engine.attention_qkv(q, k, v, cfg, q_offset=0 if causal else None).out)
+_jit_qkv = shared_program(lambda cfg, causal: lambda q, k, v: engine.attention_qkv(
+    q, k, v, cfg.replace(causal=causal, name=cfg.name), q_offset=0 if causal else None).out)
 
 
-def _qkv_entry(name, cases):
+def _qkv_entry(cfg, cases):
     (c,) = cases
     q = c.q[0].transpose(1, 0, 2)
     k, v = (np.repeat(x[0].transpose(1, 0, 2), N_HEADS, 0) for x in (c.k, c.v))
-    return np.asarray(_jit_qkv(name, c.causal)(q, k, v)).transpose(1, 0, 2)[None]
+    return np.asarray(_jit_qkv(cfg, c.causal)(q, k, v)).transpose(1, 0, 2)[None]
 
 
 def _drop_in_key(c: Case):
     return (c.t, c.causal, c.kind == "none")
 
 
-@functools.lru_cache(maxsize=None)
-def _jit_drop_in(name: str, implementation: str, causal: bool, given: tuple):
+def _drop_in_fn(cfg, implementation: str, causal: bool, given: tuple):
     def f(q, k, v, *arrays):
-        return nn.dot_product_attention(q, k, v, is_causal=causal, config=name, implementation=implementation,
+        return nn.dot_product_attention(q, k, v, is_causal=causal, config=cfg, implementation=implementation,
                                         **dict(zip(given, arrays)))
-    return jax.jit(f)
+    return f
+
+
+_jit_drop_in = shared_program(_drop_in_fn)
+_jit_kernel = functools.lru_cache(maxsize=None)(lambda cfg, *static: jax.jit(_drop_in_fn(cfg, *static)))
 
 
 def _drop_in(implementation: str):
-    def run(name, cases):
+    jitted = _jit_drop_in if implementation in engine.IMPLEMENTATIONS else _jit_kernel
+
+    def run(cfg, cases):
         t = cases[0].t
         arrays = {"bias": _stack(cases, "bias", lambda c: np.zeros((t, S), np.float32)),
                   "mask": _stack(cases, "mask", lambda c: np.ones((t, S), bool)),
@@ -274,23 +279,23 @@ def _drop_in(implementation: str):
         if "key_value_seq_lengths" in arrays:
             arrays["key_value_seq_lengths"] = arrays["key_value_seq_lengths"].astype(np.int32)
         given = tuple(arrays)
-        f = _jit_drop_in(name, implementation, cases[0].causal, given)
+        f = jitted(cfg, implementation, cases[0].causal, given)
         return np.asarray(f(*_batch_qkv(cases), *arrays.values()))
     return run
 
 
-@functools.lru_cache(maxsize=None)
-def _jit_flax(name: str, causal: bool, has_bias: bool, has_mask: bool):
-    fn = nn.attention_fn(name)
-
+def _flax_fn(cfg, causal: bool, has_bias: bool, has_mask: bool):
     def f(q, k, v, bias, mask):
-        return fn(q, k, v, bias=bias if has_bias else None, mask=mask if has_mask else None, dropout_rng=None,
-                  dropout_rate=0.0, broadcast_dropout=True, deterministic=True, dtype=None, precision=None,
-                  module=None, is_causal=causal)
-    return jax.jit(f)
+        return nn.attention_fn(cfg)(q, k, v, bias=bias if has_bias else None, mask=mask if has_mask else None,
+                                    dropout_rng=None, dropout_rate=0.0, broadcast_dropout=True, deterministic=True,
+                                    dtype=None, precision=None, module=None, is_causal=causal)
+    return f
 
 
-def _flax(name, cases):
+_jit_flax = shared_program(_flax_fn)
+
+
+def _flax(cfg, cases):
     """As ``flax.nnx.MultiHeadAttention`` calls its ``attention_fn``: a float 0/1 mask, flax's kwargs."""
     t = cases[0].t
 
@@ -301,21 +306,22 @@ def _flax(name, cases):
     has_mask = any(c.mask is not None or c.kv_len is not None for c in cases)
     bias = _stack(cases, "bias", lambda c: np.zeros((t, S), np.float32))
     mask = np.stack([keep(c) for c in cases]).astype(np.float32)[:, None]
-    f = _jit_flax(name, cases[0].causal, bias is not None, has_mask)
+    f = _jit_flax(cfg, cases[0].causal, bias is not None, has_mask)
     return np.asarray(f(*_batch_qkv(cases), None if bias is None else bias[:, None], mask))
 
 
-@functools.lru_cache(maxsize=None)
-def _jit_hook(name: str):
+def _hook_fn(cfg):
     from pcast_jax.models.fp8 import FP8Attention
 
-    hook = FP8Attention.from_preset(name)
-    return jax.jit(lambda q, k, v, valid: hook(q, k, v, valid=valid))
+    return lambda q, k, v, valid: FP8Attention(config=cfg)(q, k, v, valid=valid)
 
 
-def _hook(name, cases):
+_jit_hook = shared_program(_hook_fn)
+
+
+def _hook(cfg, cases):
     valid = np.stack([np.arange(S) < (c.kv_len or S) for c in cases])
-    return np.asarray(_jit_hook(name)(*_batch_qkv(cases), valid))
+    return np.asarray(_jit_hook(cfg)(*_batch_qkv(cases), valid))
 
 
 ENTRIES = (
@@ -363,17 +369,20 @@ def _cells(entry: Entry, preset: str) -> list[tuple[int, list[str], str | None]]
 
 def _planned(entry: Entry, preset: str, full: bool = FULL) -> list[tuple[int, list[str], str | None]]:
     """The cells a run walks for ``entry`` × ``preset``: all of them with ``full``; otherwise every refusal
-    (no program is compiled for one) and one of the calls that compute, taken in turn over the presets
-    (shifted by the entry, so that a preset meets different masks through different entry points)."""
+    (no program is compiled for one) and one of the calls that compute, taken in turn over the presets'
+    programs (shifted by the entry, so that a preset meets different masks through different entry points)."""
     cells = _cells(entry, preset)
     computed = [c for c in cells if c[2] is None]
     if full or not computed:
         return cells
-    pick = computed[(_PRESET_INDEX[preset] + _ENTRY_INDEX[entry.name]) % len(computed)]
+    pick = computed[(_PROGRAM_INDEX[preset] + _ENTRY_INDEX[entry.name]) % len(computed)]
     return [c for c in cells if c[2] is not None or c is pick]
 
 
-_PRESET_INDEX = {name: i for i, name in enumerate(PRESETS)}
+# The turn is taken over the presets' programs (KernelConfig.program), not the presets: presets that share a
+# program compute the same cell through an entry point, so they share its compiled program too.
+_PROGRAMS = list(dict.fromkeys(cfg.program() for cfg in PRESETS.values()))
+_PROGRAM_INDEX = {name: _PROGRAMS.index(cfg.program()) for name, cfg in PRESETS.items()}
 _ENTRY_INDEX = {e.name: i for i, e in enumerate(ENTRIES)}
 
 
@@ -386,7 +395,7 @@ def test_preset_through_entry_point_matches_the_oracle_or_is_refused(entry: Entr
         cfg = entry.config(preset, h)
         where = f"{entry.name} × {preset} (B={cfg.block_kv}) × {'+'.join(kinds)} × d={h}"
         try:
-            outs = entry.run(preset, cases)
+            outs = entry.run(cfg, cases)
         except PcastError as exc:
             if why is None or why not in str(exc):
                 owed = "" if why is None else f", expected a refusal naming {why!r}"
@@ -408,6 +417,26 @@ def test_preset_through_entry_point_matches_the_oracle_or_is_refused(entry: Entr
             if np.any(err > 0):
                 bad.append(f"{here}: {int(np.sum(err > 0))} outputs off the oracle, worst by {np.max(err):.3g}")
     assert not bad, "\n".join(bad)
+
+
+def test_a_preset_name_runs_the_tile_the_matrix_computes(monkeypatch):
+    """The matrix hands each entry point the preset's config at the head dim (:meth:`Entry.config`); given
+    the preset's *name*, every tiled entry point must run that same config. Traced, not compiled."""
+    from pcast_jax.models.fp8 import FP8Attention
+
+    seen = []
+    real = engine.attention
+    monkeypatch.setattr(engine, "attention", lambda *a, **kw: seen.append(a[2]) or real(*a, **kw))
+    for h in HEAD_DIMS:
+        q = jax.ShapeDtypeStruct((1, 4, N_HEADS, h), jnp.float32)
+        for name in PRESETS:
+            want = preset_for(name, h)
+            for call in (lambda q: nn.dot_product_attention(q, q, q, config=name),
+                         lambda q: nn.attention_fn(name)(q, q, q)):
+                seen.clear()
+                jax.eval_shape(call, q)
+                assert [c.replace(causal=False, name="") for c in seen] == [want.replace(name="")], (name, h)
+            assert FP8Attention.from_preset(name).config_for(h) == want.replace(causal=True), (name, h)
 
 
 def _computed(entry: Entry, full: bool) -> set[tuple[int, str]]:

@@ -36,7 +36,7 @@ MAX_NOT_RUN = 3
 PAGE_CHECKS = {
     "docs/guides/own_model.md": "test_analysis:check_own_model_page",
     "docs/guides/pallas.md": "test_pallas:check_pallas_page",
-    "docs/guides/kernels_2026.md": "test_kernels_2026:check_kernels_2026_page",
+    "docs/guides/sinks_and_rescale.md": "test_sinks_and_rescale:check_sinks_and_rescale_page",
     "docs/guides/paper.md": "test_theory:check_paper_page",
     "docs/guides/fingerprint.md": "test_fingerprint:check_fingerprint_page",
 }

@@ -10,6 +10,7 @@ function per (config semantics, engine), so the suite compiles each only once.
 """
 
 import functools
+import math
 from functools import partial
 
 import chex
@@ -21,11 +22,12 @@ import pytest
 
 from pcast_jax import block, engine, metrics, theory
 from pcast_jax.config import KernelConfig
+from pcast_jax.errors import PcastError
 from pcast_jax.presets import PRESETS, resolve
 from pcast_jax.sweep import SweepSpec, run_sweep
 from pcast_jax.workloads import SinkWorkload, make_instance
 
-from cases import distinct_configs
+from cases import distinct_configs, shared_program
 
 FP32_RTOL = 1e-5
 E4M3_REL = 2.0**-4  # largest relative error of a round-to-nearest cast to 3 mantissa bits (normal range)
@@ -47,12 +49,14 @@ def _batch(deltas=(3.0, 7.0, 11.0), seeds=(0, 1), *, n=N, q_len=Q_LEN, d=D, sink
     return jnp.stack([i.scores for i in insts]), jnp.stack([i.v for i in insts]), ~insts[0].is_sink
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled(cfg, engine_name, q_offset):
+def _vmapped(cfg, engine_name, q_offset):
     def one(scores, v, count_mask):
         return engine.attention(scores, v, cfg, implementation=engine_name, count_mask=count_mask, q_offset=q_offset)
 
-    return jax.jit(jax.vmap(one, in_axes=(0, 0, None)))
+    return jax.vmap(one, in_axes=(0, 0, None))
+
+
+_compiled = shared_program(_vmapped)
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,6 +107,55 @@ def test_presets_with_the_same_semantics_are_grouped():
     covered = [name for param in DISTINCT_PRESETS for name in param.id.split("=")]
     assert sorted(covered) == sorted(PRESETS)
     assert len(DISTINCT_PRESETS) >= 9
+
+
+def test_presets_that_differ_only_in_numbers_share_a_program():
+    """S, τ and the V channel max are the program's numbers (KernelConfig.program), so e.g. the paper's
+    forward configs at S = 1, 256 and 448 compile one program; zero or non-zero τ and V channel max, the
+    scale mode and every other field select another."""
+    programs = {cfg.program() for cfg in PRESETS.values()}
+    assert len(programs) < len(PRESETS)
+    assert PRESETS["fwd_s1"].program() == PRESETS["fwd_s448"].program() == PRESETS["fwd_s256"].program()
+    assert PRESETS["cudnn_fp8"].program() == PRESETS["cudnn_fp8_s32"].program()
+    assert PRESETS["cudnn_fp8"].program() != PRESETS["cudnn_fp8_tau0"].program()  # τ = 0: no lag at all
+    assert PRESETS["fa3"].program() != PRESETS["fwd_s256"].program()  # exponent vs multiply mode
+    sage = PRESETS["sageattn2pp"]
+    assert sage.program() != sage.replace(v_channel_max=0.0).program()
+
+
+@pytest.mark.parametrize("name", ["fa3", "cudnn_fp8_s32", "sageattn2pp"])
+def test_numbers_bound_as_arguments_give_the_same_bits(name):
+    """One program for every config of a program computes each config's numbers bit for bit as the
+    config itself does (its numbers are opaque to XLA either way, engine._bound): exponent mode at
+    S = 256, cuDNN's τ with S·2^-τ and a learned sink as initial max, the V channel scale."""
+    cfg = PRESETS[name]
+    scores, v, mask = _batch(deltas=(9.0,), seeds=(0,))
+    sink = jnp.float32(2.5)
+    for impl in engine.IMPLEMENTATIONS:
+        own = jax.jit(lambda s, v: engine.attention(s, v, cfg, implementation=impl, count_mask=mask,
+                                                    sink_logit=sink))(scores[0], v[0])
+        bound = jax.jit(lambda s, v, n: engine.attention(s, v, cfg.program().bind(n), implementation=impl,
+                                                         count_mask=mask, sink_logit=sink))(scores[0], v[0],
+                                                                                            cfg.numbers())
+        chex.assert_trees_all_equal(own, bound)
+        assert int(jnp.sum(own.n_zeroed)) > 0
+
+
+def test_a_bound_config_keeps_its_numbers_apart():
+    """A BoundConfig's numeric fields are NaN (reading one instead of a bound number computes NaN, never
+    another config's value); bind takes only a program; the numbers cannot be replaced or saved."""
+    cfg = PRESETS["cudnn_fp8_s32"]
+    bound = cfg.program().bind(cfg.numbers(), name="mine")
+    assert bound.name == "mine" and math.isnan(bound.scale) and math.isnan(bound.rescale_threshold)
+    assert bound.effective_scale == np.float32(cfg.effective_scale) and bound.numbers() == cfg.numbers()
+    assert bound.replace(causal=True).causal and bound.replace(causal=True).numbers() == cfg.numbers()
+    with pytest.raises(PcastError, match="program"):
+        cfg.bind(cfg.numbers())
+    with pytest.raises(PcastError, match="bound"):
+        bound.replace(scale=2.0)
+    with pytest.raises(PcastError, match="save"):
+        bound.to_dict()
+    assert bound != cfg.program().bind(cfg.numbers())  # identity: no cache keyed by it can mix numbers
 
 
 @pytest.mark.parametrize("cfg", DISTINCT_PRESETS)

@@ -328,3 +328,28 @@ def test_model_report_runs_on_another_model(tmp_path, monkeypatch, capsys):
     text = (tmp_path / "rep" / "model_report.md").read_text()
     assert text.startswith("# Real model: tiny with simulated FP8 attention")
     assert "tiny (qwen2, 2 layers, 4 query / 2 KV heads, head dim 8" in text
+
+
+def test_model_report_without_a_tokenizer_takes_token_ids_and_words_findings_for_the_model(tmp_path, capsys):
+    """`pcast model-report --model FOLDER` of a Hugging Face checkpoint without tokenizer.json: refused
+    naming --tokens-file and --trace before any work; with --tokens-file it runs on those ids, says so,
+    and a model without a sink is not told that its P collapse."""
+    pytest.importorskip("matplotlib")
+    from pcast_jax import cli
+
+    folder = write_hf(tmp_path / "hf", hf_weights("llama", False, seed=3), "llama", tied=False)
+    assert cli.main(["model-report", "--model", str(folder), "--quick", "--out", str(tmp_path / "x")]) == 2
+    assert "--tokens-file FILE or --trace TRACE" in capsys.readouterr().err
+    ids = tmp_path / "ids.txt"
+    ids.write_text(" ".join(str(t) for t in np.resize(TOKENS, 40)) + "\n")
+    (tmp_path / "bad.txt").write_text("5, 17, seven")
+    assert cli.main(["model-report", "--model", str(folder), "--quick", "--tokens-file", str(tmp_path / "bad.txt"),
+                     "--out", str(tmp_path / "x")]) == 2
+    assert "'seven' is not a token id" in capsys.readouterr().err
+    assert cli.main(["model-report", "--model", str(folder), "--quick", "--tokens-file", str(ids), "--no-progress",
+                     "--out", str(tmp_path / "rep")]) == 0
+    text = (tmp_path / "rep" / "model_report.md").read_text()
+    assert "on the first 40 tokens of `ids.txt` (end to end on the same tokens" in text
+    findings = text[text.index("## Findings"):text.index("## End to end")]
+    assert "**Sinks: none.**" in findings and "(holds)" not in findings
+    assert "**No sink, so no P-collapse" in findings

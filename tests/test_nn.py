@@ -343,3 +343,44 @@ def test_sinks_a_jitted_caller_closes_over_are_checked_and_used():
     bad = jnp.array([1.0, jnp.nan], jnp.float32)
     with pytest.raises(PcastError, match="sinks contains NaN"):
         jax.jit(lambda x: pj.dot_product_attention(x, x, x, sinks=bad, config="fa3"))(q)
+
+
+def test_logits_soft_cap_is_applied_before_the_mask_on_every_path():
+    """cap·tanh(logits/cap) after the scale and bias, before the mask (tokamax's logits_soft_cap): the
+    exact path equals a float64 NumPy softmax of the capped logits, a config equals the independent
+    oracle run on those capped logits, a key a bias hides stays hidden, and the cap is checked."""
+    import oracle
+
+    q, k, v = _qkv(t=S, sink=12.0)
+    cap = 6.0
+    hidden = np.zeros((S, S), np.float32)
+    hidden[:, 5] = np.finfo(np.float32).min  # a key the bias hides
+    qn, kn, vn = (np.asarray(x, np.float64) for x in (q, k, v))
+    group = N // K
+    want_exact, want_kernel, raw = [], [], []
+    for b in range(B):
+        heads_exact, heads_kernel, heads_raw = [], [], []
+        for n in range(N):
+            s = qn[b, :, n] @ kn[b, :, n // group].T / np.sqrt(H)
+            visible = (np.arange(S)[None, :] <= np.arange(S)[:, None]) & (np.arange(S)[None, :] != 5)
+            for logits, out in ((cap * np.tanh(s / cap), heads_exact), (s, heads_raw)):
+                seen = np.where(visible, logits, -np.inf)
+                p = np.exp(seen - seen.max(1, keepdims=True))
+                out.append((p / p.sum(1, keepdims=True)) @ vn[b, :, n // group])
+            heads_kernel.append(oracle.attention(cap * np.tanh(s / cap), vn[b, :, n // group], visible=visible,
+                                                 **oracle.config_kwargs(pj.get_preset("fwd_s1"))).out)
+        want_exact.append(np.stack(heads_exact, 1))
+        want_kernel.append(np.stack(heads_kernel, 1))
+        raw.append(np.stack(heads_raw, 1))
+    exact = nn.dot_product_attention(q, k, v, hidden, is_causal=True, logits_soft_cap=cap)
+    np.testing.assert_allclose(np.asarray(exact), np.stack(want_exact), rtol=1e-4, atol=1e-5)
+    assert np.abs(np.stack(raw) - np.stack(want_exact)).max() > 0.05  # the cap changes the output
+    kernel = nn.dot_product_attention(q, k, v, hidden, is_causal=True, logits_soft_cap=cap, config="fwd_s1")
+    np.testing.assert_allclose(np.asarray(kernel), np.stack(want_kernel), rtol=2e-3, atol=2e-3)
+    probs, _ = nn.attention_weights(q, k, hidden, is_causal=True, logits_soft_cap=cap)
+    assert float(jnp.max(probs[..., 5])) == 0.0  # hidden under the cap too
+    for bad in (0.0, -1.0, float("nan"), jnp.ones(2)):
+        with pytest.raises(PcastError, match="logits_soft_cap"):
+            nn.dot_product_attention(q, k, v, logits_soft_cap=bad)
+    with pytest.raises(PcastError, match="take no logits_soft_cap"):
+        nn.dot_product_attention(q, k, v, logits_soft_cap=cap, config="fwd_s1", implementation="triton")

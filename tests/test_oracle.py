@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -24,7 +23,7 @@ from pcast_jax.config import KernelConfig
 from pcast_jax.presets import PRESETS, mma_model
 
 import oracle
-from cases import distinct_configs
+from cases import distinct_configs, shared_program
 
 OUT_RTOL = 3e-6  # FP32 rounding of ℓ and O over up to 6 blocks of 192 keys (2.2e-6 seen for B = 192)
 Q, N, D = 8, 1000, 32  # N is a multiple of neither 64, 128, 192 nor 224: padded keys
@@ -100,9 +99,8 @@ def _instances(seed: int = 0):
     return [oracle.sink_scores(rng, q=Q, n=N, d=D, delta=dl) for dl in DELTAS]
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled(cfg, engine_name):
-    return jax.jit(lambda s, v, m: engine.attention(s, v, cfg, implementation=engine_name, count_mask=m))
+_compiled = shared_program(lambda cfg, engine_name: lambda s, v, m: engine.attention(
+    s, v, cfg, implementation=engine_name, count_mask=m))
 
 
 def assert_matches_oracle(res, ref: oracle.OracleResult):

@@ -32,7 +32,7 @@ import pytest
 import pallas_kernels as pk
 from pallas_kernels.workloads import sink_qkv
 from pcast_jax.errors import PcastError
-from pcast_jax.presets import KERNEL_PRESETS, PAPER_CONFIGS, PRESETS, get_preset, preset_for
+from pcast_jax.presets import PRESETS, get_preset, preset_for, tagged
 
 import oracle
 from cases import FULL, gpu_bench
@@ -96,7 +96,7 @@ def _registry_cases(full: bool = FULL) -> list[tuple[str, int]]:
     cases = []
     for head_dim in HEAD_DIMS:
         seen = set()
-        for name in (*PAPER_CONFIGS, *KERNEL_PRESETS):
+        for name in (*tagged("paper"), *tagged("table3")):
             cfg = preset_for(name, head_dim)
             if cfg.block_format is None and cfg not in seen:
                 seen.add(cfg)
@@ -187,7 +187,7 @@ class TestMosaicKernel:
         cfg = preset_for(name, head_dim)
         w, out, stats = self.check_config(cfg, n=N_RAGGED, deltas=(7.0, 10.0), head_dim=head_dim)
         self.assert_matches_oracle(w, cfg, out, stats)
-        if name in PAPER_CONFIGS:  # the comparison exercises the P-cast: at Δ = 10 each zeroes some P
+        if name in tagged("paper"):  # the comparison exercises the P-cast: at Δ = 10 each zeroes some P
             assert int(jnp.sum(stats.n_zeroed[-1])) > 0
 
     @pytest.mark.parametrize(
@@ -654,7 +654,7 @@ def test_gpu_bench_table2_smoke(capsys):
     """Table 2 at a tiny size in interpret mode: kernel MSE = simulator MSE, same zero counts."""
     bench = gpu_bench()
     rows = bench.run_table2(bench.parse_args(["--cpu-smoke", "--part", "table2", "--backends", "triton"]))
-    assert [r["config"] for r in rows] == list(PAPER_CONFIGS)
+    assert [r["config"] for r in rows] == list(tagged("paper"))
     for r in rows:
         assert r["zeroed_kernel"] == r["zeroed_simulator"]
         assert r["mse_kernel"] == pytest.approx(r["mse_simulator"], rel=1e-5)

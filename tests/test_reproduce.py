@@ -321,6 +321,39 @@ def test_library_does_not_import_the_experiments():
                 assert name.split(".")[0] not in ("experiments", "pcast_experiments"), (path, name)
 
 
+#: What each study selected before presets carried tags (the era catalogues PAPER_CONFIGS, KERNEL_PRESETS,
+#: BLOCK_SCALED_PRESETS, KERNELS_2026 and AMD_PRESETS), in their order.
+_SELECTED_BEFORE_TAGS = {
+    "paper": ("fwd_s1", "rev_s1", "fwd_s448", "fwd_s256", "rev_s256"),
+    "table3": ("fa3", "fa4", "flashinfer_sm90", "trtllm_xqa", "trtllm_xqa_multiblock", "fa3_splitkv", "sageattn2",
+               "sageattn2pp", "hpc_ops_prior", "hpc_ops", "dynamic_pow2"),
+    "block_scaled": ("sageattn3", "nvfp4_fakequant", "mxfp8_p"),
+    "sinks_and_rescale": ("cudnn_fp8", "cudnn_fp8_tau0", "cudnn_fp8_s32", "cudnn_fp8_s32_tau0", "cudnn_mxfp8",
+                          "te_fp8_dpa", "fa4_pr2109", "fa4_pr2717", "vllm_triton_fp8", "vllm_triton_fp8_3d",
+                          "vllm_triton_fp8_rocm", "vllm_fa4", "flashinfer_sm100_cutedsl", "flashinfer_sm120",
+                          "flashinfer_sm120_pr5020", "trtllm_fmha_v2", "sglang_triton_decode"),
+    "amd": ("fa_triton_amd_mi300", "fa_triton_amd_mi355", "vllm_rocm_flash_fp8"),
+}
+
+
+def test_each_study_selects_by_tag_the_presets_it_ran_before():
+    """Tags replaced the era catalogues: every tag, the registry order and each study's selection are unchanged."""
+    from typing import get_args
+
+    from pcast_experiments import common, sinks_and_rescale
+    from pcast_jax import presets
+    from pcast_jax.models import fp8_study
+
+    assert {tag: tuple(presets.tagged(tag)) for tag in get_args(presets.Tag)} == _SELECTED_BEFORE_TAGS
+    assert tuple(presets.PRESETS) == sum(_SELECTED_BEFORE_TAGS.values(), ())
+    assert common.PAPER_ORDER == _SELECTED_BEFORE_TAGS["paper"]
+    assert sinks_and_rescale.PRESETS_STUDIED == _SELECTED_BEFORE_TAGS["sinks_and_rescale"]
+    hooks = tuple(h.name for h in fp8_study.ReportSizes().head_configs)
+    assert hooks[:16] == _SELECTED_BEFORE_TAGS["paper"] + _SELECTED_BEFORE_TAGS["table3"]
+    with pytest.raises(PcastError, match="tag"):
+        presets.tagged("kernels_2026")
+
+
 def test_markdown_table_formats_and_escapes():
     from pcast_jax import report
 

@@ -1,9 +1,9 @@
 """The package's import graph from the source's AST: cycles and arrows that run back up the layers.
 
-``python -m pcast_jax._dev.imports`` (in a source checkout) prints every cycle and every back-arrow
-and exits 1 if there is one. Every import counts, at module level or inside a function (an import
-deferred into a function is still an arrow); imports under ``if TYPE_CHECKING:`` do not, since they
-never run.
+``python -m pcast_jax._dev.imports`` (in a source checkout) prints every cycle, every back-arrow and
+every use of another module's ``_private`` name (:func:`private_uses`), and exits 1 if there is one.
+Every import counts, at module level or inside a function (an import deferred into a function is
+still an arrow); imports under ``if TYPE_CHECKING:`` do not, since they never run.
 
 :data:`LAYERS` is the order ARCHITECTURE.md draws, top (imports nothing of ours) to bottom: a module
 may import modules of its own layer or of layers above it, never below.
@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pcast_jax.presets",),
     ("pcast_jax.block",),
     ("pcast_jax.engine", "pcast_jax.workloads", "pallas_kernels"),
-    ("pcast_jax.nn", "pcast_jax.metrics", "pcast_jax.cache"),
+    ("pcast_jax.nn", "pcast_jax.nn_common", "pcast_jax.metrics", "pcast_jax.cache", "pallas_kernels.machine_code"),
     ("pcast_jax.sweep", "pcast_jax.report"),
     ("pcast_jax.whatif", "pcast_jax.analysis", "pcast_jax.fingerprint", "pcast_jax.deployments", "pcast_jax.jax_fp8"),
     ("pcast_jax.models",),
@@ -89,6 +89,56 @@ def import_graph(root: pathlib.Path) -> dict[str, set[str]]:
                     targets.add(full if full in modules else base)
         graph[name] = {_owner(t, modules) for t in targets if _owner(t, modules)} - {name}
     return graph
+
+
+def private_uses(root: pathlib.Path) -> list[tuple[str, int, str]]:
+    """Uses of another module's ``_private`` name: ``(module, line, "owner._name")``, sorted.
+
+    A name counts when it is imported (``from pcast_jax.x import _helper``) or read as an attribute of
+    a module of ours (``engine._helper`` after ``from pcast_jax import engine``) by a module other than
+    its own. Modules themselves are not names (``from pcast_jax.commands import _options`` is not
+    reported), nor are dunders. A helper another module needs is public, in a ``*_common`` module or
+    where it lives.
+    """
+    files = [p for top in _ROOTS for p in sorted((root / top).rglob("*.py"))]
+    modules = {_module_name(root, p): p for p in files}
+    found: set[tuple[str, int, str]] = set()
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        is_package = path.name == "__init__.py"
+        bound: dict[str, str] = {}  # local name -> module of ours it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.asname and alias.name in modules:
+                        bound[alias.asname] = alias.name
+                    elif not alias.asname:
+                        top = alias.name.split(".")[0]
+                        bound[top] = top
+            elif isinstance(node, ast.ImportFrom):
+                base = (_resolve_relative(name, is_package, node.level, node.module) if node.level
+                        else node.module or "")
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    if full in modules:
+                        bound[alias.asname or alias.name] = full
+                    elif private(alias.name) and base in modules and base != name:
+                        found.add((name, node.lineno, f"{base}.{alias.name}"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and private(node.attr):
+                dotted, value = [], node.value
+                while isinstance(value, ast.Attribute):
+                    dotted.append(value.attr)
+                    value = value.value
+                if isinstance(value, ast.Name) and value.id in bound:
+                    owner = ".".join([bound[value.id], *reversed(dotted)])
+                    if owner in modules and owner != name and f"{owner}.{node.attr}" not in modules:
+                        found.add((name, node.lineno, f"{owner}.{node.attr}"))
+    return sorted(found)
 
 
 def _owner(target: str, modules: dict[str, pathlib.Path]) -> str | None:
@@ -161,9 +211,13 @@ def main() -> int:
         print("cycle:", " <-> ".join(component))
     for a, b in arrows:
         print(f"back-arrow: {a} (layer {layer_of(a)}) imports {b} (layer {layer_of(b)})")
+    privates = private_uses(root)
+    for module, line, used in privates:
+        print(f"private name: {module} (line {line}) uses {used}")
     print(f"{len(graph)} modules, {sum(map(len, graph.values()))} imports: "
-          f"{len(found_cycles)} import cycles, {len(arrows)} back-arrows")
-    return 1 if found_cycles or arrows else 0
+          f"{len(found_cycles)} import cycles, {len(arrows)} back-arrows, {len(privates)} uses of another "
+          "module's private names")
+    return 1 if found_cycles or arrows or privates else 0
 
 
 if __name__ == "__main__":

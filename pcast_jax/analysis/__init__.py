@@ -8,10 +8,10 @@ loads and runs checkpoints.
 * :mod:`~pcast_jax.analysis.heads` — per layer and head: :func:`sink_statistics`,
   :func:`head_metrics`, :func:`analyze_trace`; :func:`compare_logits` end to end;
 * :mod:`~pcast_jax.analysis.study` — :func:`analyze` (→ :class:`Analysis`: data frame, xarray, words);
-* :mod:`~pcast_jax.analysis.report` — :func:`write_report` (markdown, CSV, figure); ``pcast analyze``.
+* :mod:`~pcast_jax.analysis.report` — :func:`write_report` (markdown, JSON, CSV, figures); ``pcast analyze``.
 """
 
-from pcast_jax.analysis.capture import TRACE_DIMS, Recorder, Trace, load_trace
+from pcast_jax.analysis.capture import TRACE_DIMS, Recorder, RecorderWarning, Trace, load_trace
 from pcast_jax.analysis.heads import (
     HEAD_METRICS,
     SCALE_GRID,
@@ -26,6 +26,6 @@ from pcast_jax.analysis.heads import (
 from pcast_jax.analysis.report import write_report
 from pcast_jax.analysis.study import SINK_MASS_MIN, Analysis, analyze
 
-__all__ = ["TRACE_DIMS", "Recorder", "Trace", "load_trace", "HEAD_METRICS", "SCALE_GRID", "SINK_SELECTIONS",
-           "E2EMetrics", "analyze_trace", "compare_logits", "head_metrics", "heads_attention", "sink_statistics",
-           "write_report", "SINK_MASS_MIN", "Analysis", "analyze"]
+__all__ = ["TRACE_DIMS", "Recorder", "RecorderWarning", "Trace", "load_trace", "HEAD_METRICS", "SCALE_GRID",
+           "SINK_SELECTIONS", "E2EMetrics", "analyze_trace", "compare_logits", "head_metrics", "heads_attention",
+           "sink_statistics", "write_report", "SINK_MASS_MIN", "Analysis", "analyze"]

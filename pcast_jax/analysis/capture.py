@@ -18,15 +18,22 @@ layer is:
 * ``rec.attention_fn(...)``: one layer per function the recorder hands out (one per Flax layer
   built with it), named ``name`` or ``layer<i>`` in the order they were made (a ``name`` already
   handed out is refused: two layers never merge);
-* ``rec.dot_product_attention``: one layer per call, in call order (``call<i>``), so record one
-  forward pass.
+* ``rec.dot_product_attention``: the layer the call names (``name=``); else the model's layer that
+  made the call — the object whose method called it (a Flax ``nnx.Module``, any class), named after
+  its class in the order first seen (``Attention0``, ``Attention1``, …; a second call site in the same
+  object adds ``_1``), so a second forward pass through the same objects adds sequences, not layers;
+  else (a plain function) one layer per call in call order (``call<i>``), with a
+  :class:`RecorderWarning` when one place in the code makes a second layer eagerly — right for one
+  pass through a loop of layers, wrong for a second forward pass, which ``name=`` tells apart (a
+  jitted forward replays the names it was traced with, so its later runs add sequences).
 
 Calls that hit the same layer again (a second batch, or each sequence of a vmapped model) add
 sequences to it. A call is recorded after it has run, so a call the attention refuses records
 nothing. What the layer lets each query see is recorded as parameters: the real tokens of each
 sequence (``Trace.lengths``, from ``query_seq_lengths``, ``key_value_seq_lengths`` or a padding
 mask), the layer's local window (``Trace.local_window_size``, from ``local_window_size`` or a
-banded mask) and the drop-in's learned ``sinks`` (``Trace.sinks``). Only causal self-attention
+banded mask), the drop-in's learned ``sinks`` (``Trace.sinks``) and the layer's ``logits_soft_cap``
+(``Trace.logits_soft_cap``: the drop-in's or ``attention_fn``'s argument). Only causal self-attention
 within one local window over right-padded sequences can be recorded; anything else is refused
 naming the argument — a ``bias``, a non-causal call, a decode step (fewer queries than keys), a
 ``mask`` that differs between heads or hides keys another way — at once for an eager call, at
@@ -40,7 +47,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 import threading
+import warnings
 from pathlib import Path
 
 import jax
@@ -49,7 +58,7 @@ import numpy as np
 
 from pcast_jax.errors import PcastError
 
-__all__ = ["Trace", "Recorder", "load_trace", "TRACE_DIMS", "LOGIT_MAX", "VALUE_RANGE"]
+__all__ = ["Trace", "Recorder", "RecorderWarning", "load_trace", "TRACE_DIMS", "LOGIT_MAX", "VALUE_RANGE"]
 
 #: The axes of a trace's ``q``, ``k`` and ``v``.
 TRACE_DIMS = ("layer", "sequence", "token", "head", "dim")
@@ -78,6 +87,8 @@ class Trace:
         (−1: none, full causal attention); None reads as every layer without one.
       sinks: optional ``[L, Hq]`` learned sink logits (gpt-oss ``sinks``: a softmax column with no
         key) of each layer and query head; −inf: the layer has none. None: no layer has any.
+      logits_soft_cap: optional ``[L]`` each layer's logit soft cap (the logits are
+        ``cap·tanh(logits/cap)``; 0: none). None: no layer has one.
     """
 
     q: np.ndarray
@@ -88,6 +99,7 @@ class Trace:
     tokens: np.ndarray | None = None
     local_window_size: np.ndarray | None = None
     sinks: np.ndarray | None = None
+    logits_soft_cap: np.ndarray | None = None
 
     def __post_init__(self):
         _check_trace(self, "Trace")
@@ -122,6 +134,8 @@ class Trace:
             arrays["tokens"] = self.tokens
         if self.sinks is not None:
             arrays["sinks"] = self.sinks
+        if self.logits_soft_cap is not None:
+            arrays["logits_soft_cap"] = self.logits_soft_cap
         return atomic_write(path, lambda f: np.savez(f, **arrays))
 
 
@@ -176,6 +190,13 @@ def _check_trace(trace: Trace, where: str) -> None:
                              f"{np.abs(sinks[np.isfinite(sinks)]).max():.3g}; at most 2^40 = {LOGIT_MAX:.3g} is "
                              "analysed in float32 (like the logits q·k/√D)")
         object.__setattr__(trace, "sinks", sinks.astype(np.float32))
+    if trace.logits_soft_cap is not None:
+        caps = np.asarray(trace.logits_soft_cap)
+        if caps.shape != (q.shape[0],) or not np.issubdtype(caps.dtype, np.floating) or not np.all(np.isfinite(caps)) \
+                or caps.min() < 0:
+            raise PcastError(f"{where}: field 'logits_soft_cap' must be {q.shape[0]} finite numbers >= 0 (one per "
+                             f"layer; 0: none), got {caps.dtype} {caps.shape}")
+        object.__setattr__(trace, "logits_soft_cap", caps.astype(np.float32))
 
 
 def _check_working_range(q, k, v, layers, where: str) -> None:
@@ -218,8 +239,13 @@ def load_trace(path) -> Trace:
     object.__setattr__(trace, "tokens", fields.get("tokens"))
     object.__setattr__(trace, "local_window_size", fields.get("local_window_size"))
     object.__setattr__(trace, "sinks", fields.get("sinks"))
+    object.__setattr__(trace, "logits_soft_cap", fields.get("logits_soft_cap"))
     _check_trace(trace, f"trace file {path}")
     return trace
+
+
+class RecorderWarning(UserWarning):
+    """Calls of the drop-in that the recorder names by call order may not be one forward pass."""
 
 
 class Recorder:
@@ -232,37 +258,86 @@ class Recorder:
         self._refused: dict = {}      # layer key -> why a call under jit could not be recorded
         self._made = 0                # attention_fn layers handed out
         self._names: set = set()      # attention_fn layer names handed out
-        self._calls = 0               # dot_product_attention calls seen
+        self._calls = 0               # dot_product_attention layers named by call order
+        self._callers: dict = {}      # drop-in caller (object or code site) -> (layer name, the object)
+        self._per_class: dict = {}    # class name -> objects named after it
+        self._warned = False          # the RecorderWarning was given
         self._hooks: dict = {}
 
     # -- the three entry points ------------------------------------------------------------
 
     def dot_product_attention(self, query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                              config=None, **kwargs):
+                              config=None, logits_soft_cap=None, name: str | None = None, **kwargs):
         """:func:`pcast_jax.dot_product_attention` (same arguments) that records its inputs once the
-        call has run (a call it refuses records nothing)."""
+        call has run (a call it refuses records nothing); ``name`` names the layer (calls with the same
+        name add sequences to it; default: the model's layer that made the call, module docstring)."""
         from pcast_jax import nn
 
+        if name is not None and (not isinstance(name, str) or not name or name in self._names):
+            raise PcastError(f"Recorder.dot_product_attention: name={name!r} " + (
+                "is a layer of this recorder's attention_fn (two layers would merge into one)"
+                if name in self._names else "must be a non-empty string"))
         causal = is_causal or _config_causal(config)
-        _check_recordable("this call", query, key, bias=bias, causal=causal, mask=mask)
+        _check_recordable("this call" if name is None else name, query, key, bias=bias, causal=causal, mask=mask)
         out = nn.dot_product_attention(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                                        query_seq_lengths=query_seq_lengths,
                                        key_value_seq_lengths=key_value_seq_lengths,
-                                       local_window_size=local_window_size, config=config, **kwargs)
-        with self._lock:
-            name = f"call{self._calls}"
-            self._calls += 1
+                                       local_window_size=local_window_size, config=config,
+                                       logits_soft_cap=logits_soft_cap, **kwargs)
+        layer, undo = (name, None) if name is not None else self._caller_layer(
+            sys._getframe(1), eager=not isinstance(query, jax.core.Tracer))
         try:
-            self._record(name, query, key, value, scale=scale, causal=causal, mask=mask,
+            self._record(layer, query, key, value, scale=scale, causal=causal, mask=mask,
                          query_lengths=query_seq_lengths, key_lengths=key_value_seq_lengths, window=local_window_size,
-                         sinks=kwargs.get("sinks"))
+                         sinks=kwargs.get("sinks"), soft_cap=logits_soft_cap)
         except PcastError:
-            with self._lock:  # a refused call takes no name
-                if self._calls == int(name[4:]) + 1:
-                    self._calls -= 1
+            if undo is not None:  # a refused call takes no name
+                undo()
             raise
         return out
+
+    def _caller_layer(self, frame, *, eager: bool):
+        """The drop-in layer of a call made from ``frame`` (module docstring) and how to take it back; the
+        warning is for eager calls (a jitted forward replays the names it was traced with)."""
+        code, line = frame.f_code, frame.f_lineno
+        owner = frame.f_locals.get("self") if code.co_varnames[:1] == ("self",) else None
+        key = (id(owner), code, line) if owner is not None else (None, code, line)
+        with self._lock:
+            if key in self._callers:  # the same layer again: a later batch or forward pass
+                return self._callers[key][0], None
+            if owner is None:
+                layer = f"call{self._calls}"
+                self._calls += 1
+                same_place = [n for (_, c, ln), (n, obj) in self._callers.items()
+                              if obj is None and (c, ln) == (code, line)]
+                key = (layer, code, line)  # each call from a plain function is a layer of its own
+            else:
+                seen = self._per_class.setdefault(type(owner).__name__, [])
+                if not any(o is owner for o in seen):
+                    seen.append(owner)
+                base = f"{type(owner).__name__}{next(i for i, o in enumerate(seen) if o is owner)}"
+                sites = sum(1 for (o, _, _), (_, obj) in self._callers.items() if o == id(owner) and obj is owner)
+                layer = base if not sites else f"{base}_{sites}"
+                while layer in self._names:
+                    layer += "_"
+                same_place = []
+            self._callers[key] = (layer, owner)
+        if same_place and eager and not self._warned:
+            self._warned = True
+            warnings.warn(f"Recorder.dot_product_attention: layers {same_place[0]} and {layer} come from the "
+                          f"same place ({code.co_filename}:{line}, a plain function): calls without name= are layers "
+                          "in call order, right for one forward pass through a loop of layers but not for a second "
+                          "forward pass, whose calls become more layers instead of more sequences; pass name= to say "
+                          "which layer a call is", RecorderWarning, stacklevel=3)
+
+        def undo():
+            with self._lock:
+                if self._callers.get(key, (None,))[0] == layer:
+                    del self._callers[key]
+                    if owner is None and self._calls == int(layer[4:]) + 1:
+                        self._calls -= 1
+        return layer, undo
 
     def attention_fn(self, config=None, *, name: str | None = None, **kwargs):
         """:func:`pcast_jax.nn.attention_fn` (same arguments) that records; one layer per function
@@ -290,7 +365,8 @@ class Recorder:
             bool_mask = None if mask is None else jnp.asarray(mask) != 0  # flax: nonzero = attend
             _check_recordable(layer_name, query, key, bias=bias, causal=causal, mask=mask)
             out = inner(query, key, value, bias, mask, **kw)
-            self._record(layer_name, query, key, value, scale=None, causal=causal, mask=bool_mask)
+            self._record(layer_name, query, key, value, scale=None, causal=causal, mask=bool_mask,
+                         soft_cap=kwargs.get("logits_soft_cap"))
             return out
 
         return fn
@@ -314,6 +390,9 @@ class Recorder:
             self._order.clear()
             self._refused.clear()
             self._calls = 0
+            self._callers.clear()
+            self._per_class.clear()
+            self._warned = False
 
     def trace(self, *, tokens=None) -> Trace:
         """The recorded calls as a :class:`Trace`; ``tokens [B, T]`` optionally ride along."""
@@ -323,19 +402,30 @@ class Recorder:
                 name, why = next(iter(self._refused.items()))
                 raise PcastError(f"Recorder.trace: layer {_layer_label(name)} {why} (under jit the call ran; "
                                  "nothing of it was recorded)")
-            order = sorted(self._order, key=_layer_sort_key)
+            first_seen = {name: i for i, name in enumerate(self._order)}  # named layers: in the order first seen
+            order = sorted(self._order, key=lambda n: (0, n) if isinstance(n, int) else (1, first_seen[n]))
             if not order:
                 raise PcastError("Recorder.trace: nothing was recorded (run the model through the recorder's "
                                  "dot_product_attention, attention_fn or hook first)")
             stacked = {}
             for name in order:
                 parts = self._entries[name]
+                shapes = sorted({p[0].shape[1:] for p in parts})
+                if len(shapes) > 1:
+                    raise PcastError(f"Recorder.trace: layer {_layer_label(name)} was called with q of shapes "
+                                     f"{[list(x) for x in shapes]} (tokens, heads, dim); a trace holds sequences of "
+                                     "one padded length per layer (pad the batches alike, or call clear() between)")
                 stacked[name] = [np.concatenate([p[i] for p in parts]) for i in range(5)]
                 learned = [p[5] for p in parts]
                 if any(not np.array_equal(x, learned[0]) for x in learned):
                     raise PcastError(f"Recorder.trace: layer {_layer_label(name)} was called with different learned "
                                      "sinks (argument 'sinks'); a trace records one set per layer")
                 stacked[name].append(learned[0])
+                caps = sorted({float(p[6]) for p in parts})
+                if len(caps) > 1:
+                    raise PcastError(f"Recorder.trace: layer {_layer_label(name)} was called with soft caps {caps} "
+                                     "(argument 'logits_soft_cap'; 0: none); a trace records one per layer")
+                stacked[name].append(caps[0])
         shapes = {name: tuple(x.shape for x in arrays[:3]) for name, arrays in stacked.items()}
         first = order[0]
         lengths = stacked[first][3]
@@ -351,15 +441,18 @@ class Recorder:
             tokens = np.asarray(tokens)
             tokens = tokens[None] if tokens.ndim == 1 else tokens
         sinks = np.stack([stacked[name][5] for name in order])
+        caps = np.array([stacked[name][6] for name in order], np.float32)
         return Trace(q=q, k=k, v=v, lengths=lengths, layers=tuple(_layer_label(n) for n in order), tokens=tokens,
-                     local_window_size=windows, sinks=sinks if np.isfinite(sinks).any() else None)
+                     local_window_size=windows, sinks=sinks if np.isfinite(sinks).any() else None,
+                     logits_soft_cap=caps if caps.any() else None)
 
     # -- recording ---------------------------------------------------------------------------
 
     def _record(self, name, query, key, value, *, scale, causal: bool, mask=None, query_lengths=None,
-                key_lengths=None, window=None, sinks=None):
-        """Record a call that has run: its Q/K/V and what each query saw, as lengths and a window."""
-        from pcast_jax import nn
+                key_lengths=None, window=None, sinks=None, soft_cap=None):
+        """Record a call that has run: its Q/K/V and what each query saw, as lengths and a window (and its
+        soft cap: a number the call has already checked, in the units of the logits the trace keeps)."""
+        from pcast_jax import nn_common
 
         query, key, value = (jnp.asarray(x) for x in (query, key, value))
         if query.ndim == 3:
@@ -373,9 +466,10 @@ class Recorder:
             mask = jnp.asarray(mask, bool)
             heads = mask.shape[-3] if mask.ndim >= 3 else 1
         shape = (batch, heads, num_tokens, num_tokens)
-        visible = nn._visibility(shape, None if mask is None else nn._broadcast_4d("mask", mask, shape, bool), causal,
-                                 "top_left", nn._lengths("query_seq_lengths", query_lengths, batch),
-                                 nn._lengths("key_value_seq_lengths", key_lengths, batch), nn._window(window))
+        visible = nn_common.visibility(
+            shape, None if mask is None else nn_common.broadcast_4d("mask", mask, shape, bool), causal, "top_left",
+            nn_common.seq_lengths("query_seq_lengths", query_lengths, batch),
+            nn_common.seq_lengths("key_value_seq_lengths", key_lengths, batch), nn_common.local_window(window))
         lengths, windows, code = _visibility_parameters(visible)
         if not any(isinstance(x, jax.core.Tracer) for x in (code, query, key, value)):
             if int(code):
@@ -386,11 +480,12 @@ class Recorder:
         # ordered: under the model's vmap over sequences the calls arrive in sequence order (an unordered
         # callback may run the batch's elements in any order, and the trace would pair them with the
         # wrong tokens)
-        jax.debug.callback(functools.partial(self._store, name if isinstance(name, str) else None), index,
+        cap = 0.0 if soft_cap is None else float(np.float32(soft_cap))
+        jax.debug.callback(functools.partial(self._store, name if isinstance(name, str) else None, cap), index,
                            query.astype(jnp.float32), key.astype(jnp.float32), value.astype(jnp.float32),
                            lengths, windows, learned, code, ordered=True)
 
-    def _store(self, name, index, q, k, v, lengths, windows, learned, code):
+    def _store(self, name, cap, index, q, k, v, lengths, windows, learned, code):
         name = name if name is not None else int(np.asarray(index))
         with self._lock:
             if int(code):
@@ -399,7 +494,7 @@ class Recorder:
             if name not in self._entries:
                 self._entries[name] = []
                 self._order.append(name)
-            self._entries[name].append(tuple(np.array(x) for x in (q, k, v, lengths, windows, learned)))
+            self._entries[name].append((*(np.array(x) for x in (q, k, v, lengths, windows, learned)), cap))
 
 
 #: Why a call's visibility cannot be recorded, by the code :func:`_visibility_parameters` returns.
@@ -486,10 +581,6 @@ def _config_causal(config) -> bool:
     from pcast_jax.presets import resolve
 
     return bool(resolve(config).causal)
-
-
-def _layer_sort_key(name):
-    return (0, name, "") if isinstance(name, int) else (1, 0, name)
 
 
 def _layer_label(name) -> str:

@@ -38,7 +38,8 @@ Definitions used in the reports
 * **Visible keys** of query row ``i``: what the layer lets it see — causal (``j ≤ i``), within
   the layer's local window (``i − j ≤ w``) when it has one, and inside the sequence's real tokens
   (``length``; right padding is neither a query nor a key). Every statistic, simulated kernel and
-  reference here uses them; a kernel simulation sees the hidden keys as masked (−inf logits).
+  reference here uses them; a kernel simulation sees the hidden keys as masked (−inf logits). A layer
+  with a logit soft cap (``logits_soft_cap``) has every logit here replaced by ``cap·tanh(logit/cap)``.
 * **Non-sink position** of a head: every key position except the head's ``num_sinks`` sink
   positions from :func:`sink_statistics` (by default the single key receiving the
   most attention).
@@ -73,7 +74,7 @@ from pcast_jax import engine as _engine
 from pcast_jax.config import KernelConfig
 from pcast_jax.engine import check_implementation
 from pcast_jax.errors import PcastError, check_choice, check_int
-from pcast_jax.nn import kernel_inputs, kernel_logits, kernel_operands
+from pcast_jax.nn import kernel_inputs, kernel_logits, kernel_operands, soft_capped
 from pcast_jax.presets import resolve
 
 __all__ = [
@@ -108,19 +109,20 @@ def visible_rows(row0, rows: int, num_keys: int, length, window):
     return vis & ((window < 0) | (i - j <= window))
 
 
-def _row_logits(q, k, head, row0, rows: int):
-    """FP32 logits ``[rows, N]`` of head ``head``'s query rows ``row0 .. row0 + rows``; ``q, k [Hq, T, D]``."""
+def _row_logits(q, k, head, row0, rows: int, cap):
+    """FP32 logits ``[rows, N]`` of head ``head``'s query rows ``row0 .. row0 + rows``; ``q, k [Hq, T, D]``;
+    soft-capped at ``cap`` (None: none)."""
     head_dim = q.shape[-1]
     q_rows = lax.dynamic_slice(q, (head, row0, 0), (1, rows, head_dim))[0]
     k_head = lax.dynamic_index_in_dim(k, head, keepdims=False)
-    return jnp.einsum("td,sd->ts", q_rows, k_head, precision=_HIGHEST) / math.sqrt(head_dim)
+    return soft_capped(jnp.einsum("td,sd->ts", q_rows, k_head, precision=_HIGHEST) / math.sqrt(head_dim), cap)
 
 
 @functools.partial(jax.jit, static_argnames=("rows",))
-def _received_rows(q, k, head, row0, length, window, learned, *, rows: int):
+def _received_rows(q, k, head, row0, length, window, learned, cap, *, rows: int):
     """Attention received per key from rows ``row0 .. row0 + rows`` (column sums of the softmax) and the
     mass those rows put on key 0."""
-    scores = _row_logits(q, k, head, row0, rows)
+    scores = _row_logits(q, k, head, row0, rows, cap)
     vis = visible_rows(row0, rows, scores.shape[-1], length, window)
     probs = _softmax_rows(scores, vis, learned[head])
     return jnp.sum(probs, axis=0), jnp.sum(probs[:, 0])
@@ -140,13 +142,13 @@ def _softmax_rows(scores, vis, learned=None):
 
 
 @functools.partial(jax.jit, static_argnames=("rows",))
-def _statistic_rows(q, k, head, row0, length, window, learned, sink_positions, min_keys, *, rows: int):
+def _statistic_rows(q, k, head, row0, length, window, learned, cap, sink_positions, min_keys, *, rows: int):
     """Per-row sink statistics of head ``head`` on its query rows ``row0 .. row0 + rows``.
 
     Sums over non-sink keys are taken as (sum over visible keys) − (sum over the few sink columns), so
     each quantity costs one fused pass over the chunk's ``[rows, T]`` logits.
     """
-    scores = _row_logits(q, k, head, row0, rows)
+    scores = _row_logits(q, k, head, row0, rows, cap)
     vis = visible_rows(row0, rows, scores.shape[-1], length, window)
     probs = _softmax_rows(scores, vis, learned[head])
     sinks = sink_positions[head]
@@ -196,7 +198,7 @@ def _chunks(num_rows: int, step: int) -> list[tuple[int, int]]:
 
 
 def _layer_statistics(q, k, *, length: int, window: int, num_sinks: int, sink_selection: str,
-                      min_keys: int, learned=None) -> dict[str, np.ndarray]:
+                      min_keys: int, learned=None, soft_cap: float = 0.0) -> dict[str, np.ndarray]:
     """Per-head statistics of one layer, ``q [T, Hq, D]``, ``k [T, Hkv, D]``, on chunks of query rows.
 
     Two passes over the rows: the attention each key receives (which picks the sinks), then the
@@ -206,7 +208,7 @@ def _layer_statistics(q, k, *, length: int, window: int, num_sinks: int, sink_se
     qh = jnp.swapaxes(q, 0, 1)
     kh = jnp.swapaxes(expand_kv(k, num_heads), 0, 1)
     chunks = _chunks(num_tokens, _rows_per_chunk(num_tokens, num_tokens, _STAT_BYTES_PER_SCORE))
-    scalars = (np.int32(length), np.int32(window), learned_logits(learned, num_heads))
+    scalars = (np.int32(length), np.int32(window), learned_logits(learned, num_heads), _cap_arg(soft_cap))
     parts = jax.device_get([_received_rows(qh, kh, np.int32(h), np.int32(r0), *scalars, rows=rows)
                             for h in range(num_heads) for r0, rows in chunks])
     received = np.stack([np.sum([parts[h * len(chunks) + c][0] for c in range(len(chunks))], axis=0)
@@ -252,6 +254,23 @@ def _has_learned(sinks) -> bool:
     return sinks is not None and bool(np.isfinite(np.asarray(sinks, np.float32)).any())
 
 
+def _cap_arg(soft_cap: float):
+    """A layer's soft cap as the compiled row passes take it: None for none (a program without the tanh,
+    whose cost on every logit is then saved), else the float32 cap (one program for every cap)."""
+    return np.float32(soft_cap) if soft_cap > 0 else None
+
+
+def layer_soft_caps(logits_soft_cap, num_layers: int) -> np.ndarray:
+    """``[L]`` float32 soft cap of each layer (0: none) from None, one number > 0 for every layer, or one
+    number ≥ 0 per layer."""
+    caps = np.zeros(num_layers) if logits_soft_cap is None else np.asarray(logits_soft_cap, np.float64)
+    caps = np.broadcast_to(caps, (num_layers,)) if caps.ndim == 0 else caps
+    if caps.shape != (num_layers,) or not np.all(np.isfinite(caps)) or caps.min() < 0:
+        raise PcastError(f"logits_soft_cap must be a number > 0 or {num_layers} numbers >= 0 (one per layer; 0: none), "
+                         f"got {np.asarray(logits_soft_cap).tolist()}")
+    return caps.astype(np.float32)
+
+
 def layer_windows(local_window_size, num_layers: int) -> np.ndarray:
     """``[L]`` int64 left extents of each layer's local window (−1: none) from ``None``, one int for every
     layer, or one int (or None) per layer."""
@@ -270,7 +289,7 @@ def layer_windows(local_window_size, num_layers: int) -> np.ndarray:
 
 def sink_statistics(q, k, v=None, cfg=None, *, num_sinks: int = 1, sink_selection: str = "received",
                     min_keys: int = 16, length: int | None = None,
-                    local_window_size=None, sinks=None) -> dict[str, np.ndarray]:
+                    local_window_size=None, sinks=None, logits_soft_cap=None) -> dict[str, np.ndarray]:
     """Per-layer, per-head sink statistics of a trace (see the module docstring for definitions).
 
     Args:
@@ -289,6 +308,8 @@ def sink_statistics(q, k, v=None, cfg=None, *, num_sinks: int = 1, sink_selectio
             one int for every layer, or one int (or None) per layer, as :func:`layer_windows` reads it.
         sinks: optional ``[L, Hq]`` learned sink logits (gpt-oss ``sinks``; −inf: none): a softmax
             column with no key, in every probability here.
+        logits_soft_cap: the layers' soft caps, as :func:`layer_soft_caps` reads them: every logit
+            here is ``cap·tanh(logit/cap)``.
 
     Returns:
         dict of numpy arrays, each ``[L, H]`` unless noted: ``sink_positions [L, H, num_sinks]``,
@@ -319,17 +340,18 @@ def sink_statistics(q, k, v=None, cfg=None, *, num_sinks: int = 1, sink_selectio
     min_keys = check_int("min_keys", min_keys, min_value=1, max_value=num_tokens)
     length = num_tokens if length is None else check_int("length", length, min_value=2, max_value=num_tokens)
     windows = layer_windows(local_window_size, layers)
+    caps = layer_soft_caps(logits_soft_cap, layers)
     per_layer = [
         _layer_statistics(q[layer], k[layer], length=length, window=int(windows[layer]), num_sinks=num_sinks,
                           sink_selection=sink_selection, min_keys=min_keys,
-                          learned=None if sinks is None else np.asarray(sinks)[layer])
+                          learned=None if sinks is None else np.asarray(sinks)[layer], soft_cap=float(caps[layer]))
         for layer in range(layers)
     ]
     return {name: np.stack([np.asarray(stats[name]) for stats in per_layer])
             for name in per_layer[0]}
 
 
-def _scores_and_values(q, k, v, cfg: KernelConfig):
+def scores_and_values(q, k, v, cfg: KernelConfig):
     """Per-head logits ``[Hq, T, T]`` (1/√D applied, no mask) and values ``[Hq, T, D]``.
 
     Exactly what :func:`pcast_jax.nn.dot_product_attention` feeds the kernel (FP32 Q/K/V, or E4M3
@@ -361,7 +383,7 @@ def heads_attention(q, k, v, config: str | KernelConfig, *, count_mask=None,
             or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
         raise PcastError(f"q must be [T, Hq, D] and k, v [T, Hkv, D] with Hq a multiple of Hkv; "
                          f"got {q.shape}, {k.shape}, {v.shape}")
-    scores, v_seen = _scores_and_values(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32),
+    scores, v_seen = scores_and_values(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32),
                                         jnp.asarray(v, jnp.float32), cfg)
 
     def one(s, vh, cm):
@@ -373,16 +395,17 @@ def heads_attention(q, k, v, config: str | KernelConfig, *, count_mask=None,
 
 
 @functools.partial(jax.jit, static_argnames=("rows",))
-def _reference_rows(q, k, v, row0, length, window, learned, *, rows: int):
+def _reference_rows(q, k, v, row0, length, window, learned, cap, *, rows: int):
     """Exact FP32 attention of query rows ``row0 .. row0 + rows`` of every head, ``q, k, v [Hq, T, D]``."""
     head_dim = q.shape[-1]
     q_rows = lax.dynamic_slice_in_dim(q, row0, rows, axis=1)
-    s = jnp.einsum("hrd,hsd->hrs", q_rows, k, precision=_HIGHEST) / math.sqrt(head_dim)
+    s = soft_capped(jnp.einsum("hrd,hsd->hrs", q_rows, k, precision=_HIGHEST) / math.sqrt(head_dim), cap)
     probs = _softmax_rows(s, visible_rows(row0, rows, k.shape[1], length, window)[None], learned[:, None, None])
     return jnp.einsum("hrs,hsd->hrd", probs, v, precision=_HIGHEST)
 
 
-def _reference(q, k, v, *, length: int | None = None, window: int = -1, sinks=None) -> np.ndarray:
+def _reference(q, k, v, *, length: int | None = None, window: int = -1, sinks=None,
+               soft_cap: float = 0.0) -> np.ndarray:
     """Exact FP32 attention per head of one layer ``[T, H, D]``: ``[Hq, T, D]`` (rows past ``length``: 0),
     on chunks of query rows."""
     num_tokens, num_heads = q.shape[0], q.shape[1]
@@ -391,7 +414,7 @@ def _reference(q, k, v, *, length: int | None = None, window: int = -1, sinks=No
     chunks = _chunks(num_tokens, _rows_per_chunk(num_tokens, num_heads * num_tokens, 8))
     learned = learned_logits(sinks, num_heads)
     parts = jax.device_get([_reference_rows(qh, kh, vh, np.int32(r0), np.int32(length), np.int32(window), learned,
-                                            rows=rows) for r0, rows in chunks])
+                                            _cap_arg(soft_cap), rows=rows) for r0, rows in chunks])
     return jnp.asarray(np.concatenate(parts, axis=1))
 
 
@@ -427,7 +450,7 @@ def _layer_operands(q, k, v, *, config: KernelConfig):
 
 
 @functools.partial(jax.jit, static_argnames=("rows", "config", "has_learned"))
-def _chunk_rows(operands, sink_positions, ref, head, row0, length, window, learned, *, rows: int,
+def _chunk_rows(operands, sink_positions, ref, head, row0, length, window, learned, cap, *, rows: int,
                 config: KernelConfig, has_learned: bool):
     """Per-row quantities of head ``head`` on its query rows ``row0 .. row0 + rows`` (the rows are
     independent, so a chunk of rows gives those rows of the whole head's result): the logits of
@@ -436,7 +459,7 @@ def _chunk_rows(operands, sink_positions, ref, head, row0, length, window, learn
     q, k, v, factor = operands
     num_keys, head_dim = k.shape[1], k.shape[2]
     q_rows = lax.dynamic_slice(q, (head, row0, 0), (1, rows, head_dim))
-    s = kernel_logits(q_rows[None], lax.dynamic_slice_in_dim(k, head, 1)[None], factor[head])[0, 0]
+    s = soft_capped(kernel_logits(q_rows[None], lax.dynamic_slice_in_dim(k, head, 1)[None], factor[head])[0, 0], cap)
     vis = visible_rows(row0, rows, num_keys, length, window)
     s = jnp.where(vis, s, -jnp.inf)
     r = lax.dynamic_slice(ref, (head, row0, 0), (1, rows, ref.shape[-1]))[0]
@@ -455,7 +478,7 @@ def _chunk_rows(operands, sink_positions, ref, head, row0, length, window, learn
 
 
 def _layer_metrics(operands, sink_positions, ref, *, config: KernelConfig, min_keys: int, length: int,
-                   window: int, sinks=None) -> dict:
+                   window: int, sinks=None, soft_cap: float = 0.0) -> dict:
     """:func:`head_metrics` from :func:`_layer_operands`: the kernel on chunks of each head's query
     rows (:func:`_rows_per_chunk`), the row means on the host."""
     num_heads, num_tokens, head_dim = operands[0].shape
@@ -463,7 +486,8 @@ def _layer_metrics(operands, sink_positions, ref, *, config: KernelConfig, min_k
     sink_positions = jnp.asarray(sink_positions, jnp.int32)
     learned = learned_logits(sinks, num_heads)
     parts = [_chunk_rows(operands, sink_positions, ref, np.int32(h), np.int32(r0), np.int32(length),
-                         np.int32(window), learned, rows=min(step, num_tokens - r0), config=config,
+                         np.int32(window), learned, _cap_arg(soft_cap), rows=min(step, num_tokens - r0),
+                         config=config,
                          has_learned=_has_learned(sinks))
              for h in range(num_heads) for r0 in range(0, num_tokens, step)]
     parts = jax.device_get(parts)
@@ -517,7 +541,7 @@ def _further_row_metrics(res, counted) -> dict:
 
 def head_metrics(q, k, v, config: str | KernelConfig, sink_positions, *,
                  min_keys: int = 16, reference=None, length: int | None = None,
-                 local_window_size: int | None = None, sinks=None) -> dict[str, np.ndarray]:
+                 local_window_size: int | None = None, sinks=None, logits_soft_cap=None) -> dict[str, np.ndarray]:
     """Per-head P-cast metrics of one layer (definitions in the module docstring).
 
     Args:
@@ -533,6 +557,8 @@ def head_metrics(q, k, v, config: str | KernelConfig, sink_positions, *,
       local_window_size: the layer's local window (query ``i`` sees keys ``i − w … i``); None: none.
       sinks: optional ``[Hq]`` learned sink logits (−inf: none), placed as the config's ``sink_mode``
         says in the kernel, a column with no key in the reference.
+      logits_soft_cap: optional number ≥ 0 (0: none): the logits the kernel and the reference see are
+        ``cap·tanh(logits/cap)``.
 
     Returns:
       dict of ``[Hq]`` numpy arrays, keys :data:`HEAD_METRICS` and the engine's further per-row
@@ -548,18 +574,20 @@ def head_metrics(q, k, v, config: str | KernelConfig, sink_positions, *,
     length = num_tokens if length is None else check_int("length", length, min_value=1, max_value=num_tokens)
     window = -1 if local_window_size is None else check_int("local_window_size", local_window_size, min_value=-1,
                                                              max_value=2**31 - 1)
+    cap = float(layer_soft_caps(logits_soft_cap, 1)[0])
     real = (np.arange(num_tokens) < length)[:, None, None]
     q, k, v = (jnp.asarray(np.where(real, np.asarray(x, np.float32), 0.0)) for x in (q, k, v))
     if reference is None:
-        reference = _reference(q, k, v, length=length, window=window, sinks=sinks)
+        reference = _reference(q, k, v, length=length, window=window, sinks=sinks, soft_cap=cap)
     operands = _layer_operands(q, k, v, config=cfg)
     return _layer_metrics(operands, sink_positions, reference, config=cfg, min_keys=min_keys, length=length,
-                          window=window, sinks=sinks)
+                          window=window, sinks=sinks, soft_cap=cap)
 
 
 def analyze_trace(trace, configs: Sequence[str | KernelConfig], sink_positions, *,
                   min_keys: int = 16, progress=None, length: int | None = None,
-                  local_window_size=None, sinks=None, references: dict | None = None) -> dict[str, np.ndarray]:
+                  local_window_size=None, sinks=None, references: dict | None = None,
+                  logits_soft_cap=None) -> dict[str, np.ndarray]:
     """:func:`head_metrics` for every configuration and layer of a trace.
 
     Args:
@@ -570,6 +598,7 @@ def analyze_trace(trace, configs: Sequence[str | KernelConfig], sink_positions, 
       length: the sequence's real tokens (default T).
       local_window_size: each layer's local window, as :func:`sink_statistics` takes it.
       sinks: optional ``[L, Hq]`` learned sink logits (−inf: none).
+      logits_soft_cap: each layer's soft cap, as :func:`layer_soft_caps` reads it.
       references: optional dict that keeps each layer's padded Q/K/V and exact output between calls
         on the same sequence (filled here; pass the same dict again to reuse them).
 
@@ -586,6 +615,7 @@ def analyze_trace(trace, configs: Sequence[str | KernelConfig], sink_positions, 
     num_tokens = np.shape(q)[1]
     length = num_tokens if length is None else check_int("length", length, min_value=1, max_value=num_tokens)
     windows = layer_windows(local_window_size, np.shape(q)[0])
+    caps = layer_soft_caps(logits_soft_cap, np.shape(q)[0])
     real = (np.arange(num_tokens) < length)[:, None, None]
     per_config = []
     layer_inputs = {} if references is None else references  # a layer's Q/K/V (padding zeroed) and exact
@@ -599,11 +629,13 @@ def analyze_trace(trace, configs: Sequence[str | KernelConfig], sink_positions, 
             if layer not in layer_inputs:
                 qkv = tuple(jnp.asarray(np.where(real, np.asarray(x[layer], np.float32), 0.0)) for x in (q, k, v))
                 layer_inputs[layer] = qkv, _reference(*qkv, length=length, window=int(windows[layer]),
-                                                      sinks=None if sinks is None else sinks[layer])
+                                                      sinks=None if sinks is None else sinks[layer],
+                                                      soft_cap=float(caps[layer]))
             qkv, reference = layer_inputs[layer]
             layers.append(head_metrics(*qkv, cfg, sink_positions[layer], min_keys=min_keys, reference=reference,
                                        length=length, local_window_size=int(windows[layer]),
-                                       sinks=None if sinks is None else sinks[layer]))
+                                       sinks=None if sinks is None else sinks[layer],
+                                       logits_soft_cap=float(caps[layer])))
         per_config.append({m: np.stack([x[m] for x in layers]) for m in layers[0]})
     return {m: np.stack([pc[m] for pc in per_config]) for m in per_config[0]}
 

@@ -116,7 +116,8 @@ class Analysis:
 
     Attributes:
       layers: the trace's layer names (``L``).
-      configs: the configurations, at the trace's head dim.
+      configs: the configurations, at the trace's head dim (each named as passed; its ``block_kv`` the KV
+        tile that runs at that head dim).
       lengths: ``[B]`` tokens of each sequence.
       stats: sink statistics, each ``[B, L, H]`` (``sink_positions [B, L, H, k]``,
         ``underflow_mass [B, L, H, len(SCALE_GRID)]``).
@@ -124,6 +125,7 @@ class Analysis:
       mass_limit: the limit of the criterion (zeroed and clipped mass of the worst head).
       scans: the safe-scale scan of each kernel family with a static scale.
       local_window_size: ``[L]`` each layer's local window (−1: none), as analysed.
+      logits_soft_cap: ``[L]`` each layer's logit soft cap (0: none), as analysed; None: no layer has one.
       e2e: ``{config name: E2EMetrics}`` when the model was given, else None.
       e2e_fp32: the FP32 model's own metrics (its perplexity), or None.
       seconds: wall time of the analysis (without the end-to-end runs).
@@ -137,6 +139,7 @@ class Analysis:
     mass_limit: float
     scans: tuple[ScaleScan, ...] = ()
     local_window_size: np.ndarray | None = None
+    logits_soft_cap: np.ndarray | None = None
     e2e: dict | None = None
     e2e_fp32: E2EMetrics | None = None
     seconds: float = 0.0
@@ -177,7 +180,7 @@ class Analysis:
         worst head's zeroed and clipped mass, how many heads fail the criterion, the verdict."""
         rows = []
         for ci, cfg in enumerate(self.configs):
-            row = {"config": cfg.name}
+            row = {"config": cfg.name, "block_kv": cfg.block_kv}
             for metric in self.heads:
                 if metric in _BOOKKEEPING:
                     continue
@@ -219,7 +222,12 @@ class Analysis:
     def to_xarray(self):
         """An ``xarray.Dataset``: every metric over (config, sequence, layer, head), every sink
         statistic over (sequence, layer, head) (``underflow_mass`` also over ``scale``), the
-        end-to-end metrics over config when present (needs the ``data`` extra)."""
+        end-to-end metrics over config when present (needs the ``data`` extra).
+
+        Every dimension has a coordinate: ``config`` the names passed to :func:`analyze`
+        (``ds.sel(config="fa3")``), with ``block_kv`` (the KV tile that ran at the trace's head dim)
+        and ``config_spec`` beside it; ``sequence`` and ``head`` their indices (``length`` beside
+        ``sequence``); ``layer`` the trace's layer names; ``scale`` :data:`SCALE_GRID`."""
         xr = _optional("xarray")
         dims = ("sequence", "layer", "head")
         data = {m: (("config",) + dims, np.asarray(v)) for m, v in self.heads.items()}
@@ -237,6 +245,8 @@ class Analysis:
                                                                for c in self.config_names]))
         coords = {"config": self.config_names, "layer": list(self.layers), "scale": list(SCALE_GRID),
                   "config_spec": ("config", [c.to_string() for c in self.configs]),
+                  "block_kv": ("config", [c.block_kv for c in self.configs]),
+                  "sequence": np.arange(len(self.lengths)), "head": np.arange(self.heads["zeroed_mass"].shape[-1]),
                   "length": ("sequence", self.lengths)}
         return xr.Dataset(data, coords=coords, attrs={"mass_limit": self.mass_limit,
                                                       "sink_mass_min": SINK_MASS_MIN})
@@ -268,6 +278,11 @@ class Analysis:
             lines += [f"{int((windows >= 0).sum())} of {n_layers} layers attend within a local window "
                       f"({', '.join(sorted({str(int(w)) for w in windows if w >= 0}))} keys back); the analysis "
                       "sees what they see.", ""]
+        caps = self.logits_soft_cap
+        if caps is not None and (caps > 0).any():
+            lines += [f"{int((caps > 0).sum())} of {n_layers} layers soft-cap their logits (cap·tanh(logit/cap), cap = "
+                      f"{', '.join(sorted({f'{float(c):g}' for c in caps if c > 0}))}); the analysis sees the capped "
+                      "logits.", ""]
         if self.e2e is not None:
             parts = [f"`{name}` KL {m.kl:.2e} nats/token, top-1 agreement {m.top1_agree:.1%}, perplexity "
                      f"{m.perplexity:.3f}" for name, m in self.e2e.items()]
@@ -357,7 +372,7 @@ def _pct(x: float) -> str:
 
 
 def _optional(module: str):
-    from pcast_jax.sweep.spec import _optional as optional
+    from pcast_jax.sweep.spec import optional
 
     return optional(module)
 
@@ -406,7 +421,8 @@ def analyze(trace: Trace, configs: Sequence[str | KernelConfig], *, num_sinks: i
         q, k = trace.q[:, b], trace.k[:, b]
         say(f"sequence {b + 1}/{n_seq}: sink statistics ({trace.num_layers} layers, {n} tokens)")
         per_seq_stats.append(sink_statistics(q, k, num_sinks=num_sinks, min_keys=min(min_keys, n), length=n,
-                                             local_window_size=windows, sinks=trace.sinks))
+                                             local_window_size=windows, sinks=trace.sinks,
+                                             logits_soft_cap=trace.logits_soft_cap))
     stats = {name: np.stack([s[name] for s in per_seq_stats]) for name in per_seq_stats[0]}
     references: dict = {}
     heads = _run_kernels(trace, kernels, stats["sink_positions"], min_keys, say, start, references)
@@ -427,7 +443,8 @@ def analyze(trace: Trace, configs: Sequence[str | KernelConfig], *, num_sinks: i
             say(f"end to end: config {i + 1}/{len(kernels)} {cfg.name}")
             e2e[cfg.name] = compare_logits(ref, logits_fn(cfg), trace.tokens, lengths=trace.lengths)
     return Analysis(layers=trace.layers, configs=kernels, lengths=trace.lengths, stats=stats, heads=heads,
-                    mass_limit=mass_limit, scans=scans, local_window_size=windows, e2e=e2e, e2e_fp32=fp32,
+                    mass_limit=mass_limit, scans=scans, local_window_size=windows,
+                    logits_soft_cap=trace.logits_soft_cap, e2e=e2e, e2e_fp32=fp32,
                     seconds=seconds)
 
 
@@ -445,7 +462,8 @@ def _run_kernels(trace: Trace, kernels, sink_positions, min_keys: int, say, star
         per_seq.append(analyze_trace((trace.q[:, b], trace.k[:, b], trace.v[:, b]), kernels, sink_positions[b],
                                      min_keys=min_keys, progress=config_line, length=int(trace.lengths[b]),
                                      local_window_size=trace.local_window_size, sinks=trace.sinks,
-                                     references=references.setdefault(b, {})))
+                                     references=references.setdefault(b, {}),
+                                     logits_soft_cap=trace.logits_soft_cap))
     return {name: np.stack([h[name] for h in per_seq], axis=1) for name in per_seq[0]}
 
 

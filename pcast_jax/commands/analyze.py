@@ -1,4 +1,5 @@
-"""``pcast analyze TRACE``: a captured Q/K/V trace → DIR/analysis.md (words first), CSVs, a figure."""
+"""``pcast analyze TRACE``: a captured Q/K/V trace → DIR/analysis.md (words first), analysis.json, CSVs,
+figures; ``--format json`` prints the JSON report instead of the words."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from pcast_jax import fileio, report
 from pcast_jax.commands import _options
 
 DEFAULT_CONFIGS = "fwd_s1,fwd_s256,rev_s256,fa3,fa3_splitkv"
+#: What ``--format`` prints.
+FORMATS = ("text", "json")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,7 +20,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="trace file written by pcast_jax.analysis.Trace.save (.npz)")
     _options.add_kernel_arguments(parser, default_configs=DEFAULT_CONFIGS)
     parser.add_argument("--out", default="analysis", metavar="DIR",
-                        help="report folder: analysis.md, analysis_*.csv, analysis_layers.png (default: analysis)")
+                        help="report folder: analysis.md, analysis.json, analysis_*.csv and, with matplotlib "
+                             "(the plots extra), analysis_decision.png and analysis_layers.png (default: analysis)")
+    parser.add_argument("--format", choices=FORMATS, default="text",
+                        help="what is printed: text (the answer in words, default) or json (the report's "
+                             "analysis.json: verdicts, per-config rows, safe scales, criterion; non-finite "
+                             "numbers as null with the reason)")
     parser.add_argument("--model", default=None, metavar="PATH",
                         help="the model the trace came from (a llama or qwen2 GGUF file, or a Hugging Face "
                              "checkpoint folder): adds KL, top-1 agreement and "
@@ -31,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pcast_jax.analysis import analyze, load_trace, write_report
-
+    from pcast_jax.analysis.report import NO_FIGURES
     kernels = _options.kernels_from_args(args, default_configs=DEFAULT_CONFIGS)
     if args.configs is not None or not (args.config or args.config_file):
         names = _options.items("--configs", args.configs or DEFAULT_CONFIGS)
@@ -46,7 +54,15 @@ def run(args: argparse.Namespace) -> int:
     result = analyze(trace, kernels, num_sinks=num_sinks, mass_limit=mass_limit, logits_fn=logits_fn,
                      progress=log)
     path = write_report(result, Path(args.out), title=f"P-cast analysis of {Path(args.trace).name}", what="--out")
+    notes = [NO_FIGURES] if NO_FIGURES[1:] in path.read_text() else []  # the markdown says so too
+    if args.format == "json":
+        sys.stdout.write((path.parent / "analysis.json").read_text())
+        for line in notes + [f"report written to {path}"]:
+            print(line, file=sys.stderr)
+        return 0
     print("\n".join(result.summary_lines()))
+    for line in notes:
+        print(line)
     print(f"report written to {path}")
     return 0
 

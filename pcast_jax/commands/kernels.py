@@ -2,7 +2,7 @@
 
 Per backend × config (× warps × stages): registers, spill bytes, stack frame, shared memory, the
 MMA kind of Q·Kᵀ and P8·V, their FP8 tensor-core instructions against MMAs on converted operands,
-and the compiler that produced the figures (see :mod:`pallas_kernels.sass`). The Triton kernel is
+and the compiler that produced the figures (see :mod:`pallas_kernels.machine_code`). The Triton kernel is
 compiled by the ``triton`` wheel (``pip install triton==3.9.0``). ``--xla`` compiles both kernels with
 XLA's own compilers, ahead of time for an H100 (``pip install jax-cuda12-plugin``, no GPU needed);
 without it the Mosaic GPU kernel's row holds the wgmma of its lowered module only (the CPU jaxlib
@@ -59,14 +59,14 @@ def run(args: argparse.Namespace) -> int:
 
     import jax
 
-    from pallas_kernels import sass
+    from pallas_kernels import machine_code as mc
 
-    if sass.xla_available() and not os.environ.get("JAX_PLATFORMS"):
+    if mc.xla_available() and not os.environ.get("JAX_PLATFORMS"):
         # nothing here runs on a device; keeps the CUDA plugin from trying to start on a machine without one
         jax.config.update("jax_platforms", "cpu")
 
-    shape = sass.KernelShape(batch=args.batch, heads=args.heads, kv_heads=args.kv_heads, q_len=args.q_len,
-                             n=args.n, head_dim=args.head_dim)
+    shape = mc.KernelShape(batch=args.batch, heads=args.heads, kv_heads=args.kv_heads, q_len=args.q_len,
+                           n=args.n, head_dim=args.head_dim)
     reports = []
     for name in args.configs:
         cfg = preset_for(name, args.head_dim)  # the kernel's own KV block at this head dim
@@ -76,22 +76,22 @@ def run(args: argparse.Namespace) -> int:
             cfg_b = cfg
             if backend == "mosaic":
                 if args.xla:
-                    reports.append(sass.xla_report("mosaic", cfg_b, shape)[0])
+                    reports.append(mc.xla_report("mosaic", cfg_b, shape)[0])
                 else:
-                    reports.append(sass.mosaic_report(cfg_b, shape))
+                    reports.append(mc.mosaic_report(cfg_b, shape))
                 continue
             if args.xla:
-                reports.append(sass.xla_report("triton", cfg_b, shape)[0])
+                reports.append(mc.xla_report("triton", cfg_b, shape)[0])
             for warps, stages in itertools.product(args.num_warps, args.num_stages):
                 keep = None
                 if args.keep is not None:
                     keep = args.keep / f"{cfg_b.name}_w{warps or 'def'}_s{stages or 'def'}"
-                report, _ = sass.triton_report(cfg_b, shape, num_warps=warps, num_stages=stages,
-                                               max_num_imprecise_acc=args.max_num_imprecise_acc, workdir=keep)
+                report, _ = mc.triton_report(cfg_b, shape, num_warps=warps, num_stages=stages,
+                                             max_num_imprecise_acc=args.max_num_imprecise_acc, workdir=keep)
                 reports.append(report)
     if args.format == "json":
         for r in reports:
             print(json.dumps(dataclasses.asdict(r), ensure_ascii=False))
     else:
-        print(sass.format_table(reports))
+        print(mc.format_table(reports))
     return 0

@@ -10,6 +10,9 @@ from pcast_jax.presets import FAMILIES, PRESETS
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--show", default=None, metavar="NAME",
                         help="print one preset as key=value,... (the form --config takes) and its fields")
+    parser.add_argument("--head-dim", default=None, metavar="D",
+                        help="with --show: the preset as it runs at head dim D (the KV tile its kernel picks "
+                             "there; the name stays the preset's)")
 
 
 def rows() -> list[tuple[str, ...]]:
@@ -34,24 +37,37 @@ def rows() -> list[tuple[str, ...]]:
     return out
 
 
-def show(name: str) -> list[str]:
-    """``NAME``'s ``--config`` string, then every field with its value (one per line)."""
+def show(name: str, head_dim: int | None = None) -> list[str]:
+    """``NAME``'s ``--config`` string, then every field with its value (one per line); with ``head_dim``,
+    the preset as it runs at that head dim (:func:`pcast_jax.presets.preset_for`: its KV tile there)."""
     import dataclasses
 
-    from pcast_jax.presets import get_preset
+    from pcast_jax.presets import TILES_BY_HEAD_DIM, get_preset, preset_for
 
-    cfg = get_preset(name)
+    cfg = get_preset(name) if head_dim is None else preset_for(name, head_dim)
     lines = [cfg.to_string(), ""]
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         mark = "" if f.name == "name" or value != f.default else "  (default)"
         lines.append(f"{f.name:<16} {value!r}{mark}")
+    if head_dim is not None:
+        tiles = TILES_BY_HEAD_DIM.get(name)
+        where = (f"its kernel's tiles by head dim: {', '.join(f'{d}: {b}' for d, b in sorted(tiles.items()))}"
+                 if tiles else "the kernel keeps one tile at every head dim read")
+        lines += ["", f"At head dim {head_dim} `{name}` runs block_kv = {cfg.block_kv} ({where})."]
     return lines
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.head_dim is not None and args.show is None:
+        from pcast_jax.errors import PcastError
+
+        raise PcastError("--head-dim goes with --show NAME (the preset as it runs at that head dim)")
     if args.show is not None:
-        for line in show(args.show.strip()):
+        from pcast_jax.commands import _options
+
+        head_dim = None if args.head_dim is None else _options.integer("--head-dim", args.head_dim, min_value=1)
+        for line in show(args.show.strip(), head_dim):
             print(line)
         return 0
     head = ("family", "name", "order", "S", "scale mode", "block_kv", "pow2 S", "PV acc", "description")

@@ -30,17 +30,17 @@ from pcast_jax import engine as _engine
 from pcast_jax.analysis.heads import (
     HEAD_METRICS,
     E2EMetrics,
-    _scores_and_values,
     analyze_trace,
     compare_logits,
     head_metrics,
     heads_attention,
+    scores_and_values,
     validate_lengths,
 )
 from pcast_jax.config import QKV_GRANULARITIES, QKV_PRECISIONS, KernelConfig
 from pcast_jax.engine import check_implementation
 from pcast_jax.errors import PcastError, check_choice
-from pcast_jax.models.llama import _validate, forward
+from pcast_jax.models.llama import forward, validate_tokens
 from pcast_jax.models.llama_common import LlamaConfig
 from pcast_jax.nn import dot_product_attention
 from pcast_jax.presets import get_preset, preset_for, resolve
@@ -87,7 +87,8 @@ class FP8Attention:
             object.__setattr__(self, "preset", self.config)
         if self.preset:
             get_preset(self.preset)
-        object.__setattr__(self, "config", dataclasses.replace(resolve(self.config), causal=True))
+        cfg = resolve(self.config)
+        object.__setattr__(self, "config", cfg.replace(causal=True, name=cfg.name))
         object.__setattr__(self, "implementation", check_implementation(self.implementation))
         if not isinstance(self.p_cast, bool):
             raise PcastError(f"p_cast={self.p_cast!r} must be True or False")
@@ -114,13 +115,13 @@ class FP8Attention:
 
     def config_for(self, head_dim: int) -> KernelConfig:
         """The config this hook runs at ``head_dim``: a preset's KV tile for that head dim (the name
-        gains ``_d{head_dim}`` when the tile changes), everything else as :attr:`config`."""
+        stays :attr:`name`; the tile is its ``block_kv``), everything else as :attr:`config`."""
         if not self.preset:
             return self.config
         tiled = preset_for(self.preset, head_dim)
         if tiled.block_kv == self.config.block_kv:
             return self.config
-        return dataclasses.replace(self.config, block_kv=tiled.block_kv, name=f"{self.config.name}_d{head_dim}")
+        return dataclasses.replace(self.config, block_kv=tiled.block_kv, name=self.config.name)
 
     @property
     def name(self) -> str:
@@ -166,7 +167,7 @@ class FP8Attention:
 
 def _exact_on_kernel_inputs(q, k, v, cfg: KernelConfig, mask):
     """Exact FP32 causal softmax on the scores and values the kernel would see, ``[T, Hq, D]``."""
-    scores, v_seen = _scores_and_values(q, k, v, cfg)
+    scores, v_seen = scores_and_values(q, k, v, cfg)
     if mask is not None:  # key 0 is always real, so no causal row is left empty
         scores = jnp.where(mask[0], scores, -jnp.inf)
     return jnp.swapaxes(_engine.reference_attention(scores, v_seen, causal=True, q_offset=0), 0, 1)
@@ -188,7 +189,7 @@ def end_to_end(params, cfg: LlamaConfig, tokens, hooks: Sequence[FP8Attention], 
       ``(fp32, {hook name: metrics})``; ``fp32`` is the FP32 model against itself (KL 0,
       agreement 1) and carries its perplexity.
     """
-    tokens = _validate(cfg, tokens, "adjacent")
+    tokens = validate_tokens(cfg, tokens, "adjacent")
     lengths = validate_lengths(lengths, tokens)
     names = [h.name for h in hooks]
     if len(set(names)) != len(names):

@@ -41,7 +41,7 @@ import numpy as np
 from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError, check_int
 from pcast_jax.models.fp8 import E2EMetrics, FP8Attention
-from pcast_jax.presets import KERNEL_PRESETS, PAPER_CONFIGS, get_preset, preset_for, resolve
+from pcast_jax.presets import get_preset, preset_for, resolve, tagged
 
 __all__ = ["HELDOUT_FILES", "MAX_TOKENS", "SCALES", "DECODE_PAIRS", "DECODE_METRICS", "ReportSizes", "FULL",
            "QUICK", "Stopwatch", "ModelStudy", "run_study", "heldout_tokens", "describe", "safe_ratio",
@@ -83,7 +83,7 @@ DECODE_METRICS = ("mse", "ref_sq", "frac_zeroed", "zeroed_mass")
 
 
 # the paper's configurations and the E4M3 kernels (block-scaled P formats are not in this study yet)
-_PRESET_HOOKS = tuple(FP8Attention.from_preset(name) for name in {**PAPER_CONFIGS, **KERNEL_PRESETS})
+_PRESET_HOOKS = tuple(FP8Attention.from_preset(name) for name in (*tagged("paper"), *tagged("table3")))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -189,7 +189,7 @@ def decode_pair_configs(pairs, head_dim: int) -> list[tuple[str, KernelConfig, K
         for c in (prefill, decode):
             cfg = resolve(c)
             if cfg.block_kv != block_kv:
-                cfg = cfg.replace(block_kv=block_kv, name=f"{cfg.name}_d{head_dim}")
+                cfg = cfg.replace(block_kv=block_kv, name=cfg.name)
             cfgs.append(cfg)
         out.append((label, *cfgs))
     return out
@@ -199,11 +199,11 @@ def decode_pair_configs(pairs, head_dim: int) -> list[tuple[str, KernelConfig, K
 def _decode_layer(q, k, v, sink_positions, *, config: KernelConfig, rows: int):
     """One layer's decode view: the last ``rows`` queries of ``q [T, Hq, D]`` against ``k, v [T, Hkv, D]``."""
     from pcast_jax import engine
-    from pcast_jax.models.fp8 import _scores_and_values
+    from pcast_jax.analysis.heads import scores_and_values
 
     num_tokens = q.shape[0]
     q_offset = num_tokens - rows
-    scores, v_seen = _scores_and_values(q[q_offset:], k, v, config)  # [Hq, rows, T], [Hq, T, D]
+    scores, v_seen = scores_and_values(q[q_offset:], k, v, config)  # [Hq, rows, T], [Hq, T, D]
     positions = jnp.arange(num_tokens)
     counted = ~jnp.any(positions[None, :, None] == sink_positions[:, None, :], axis=-1)  # [Hq, T]
     cfg = config.replace(causal=True)
@@ -296,6 +296,8 @@ class ModelStudy:
       clock: stage timings.
       decode: the decode view: (label, prefill config, decode config) triples and, per config name,
         metric → ``[L, Hq]`` (:func:`decode_view`).
+      token_source: where the tokens came from when the caller gave them (``run_study``'s
+        ``token_ids``), in words; empty for the standard-library texts.
     """
 
     sizes: ReportSizes
@@ -311,6 +313,8 @@ class ModelStudy:
     clock: Stopwatch
     decode_pairs: list = dataclasses.field(default_factory=list)
     decode: dict[str, dict[str, np.ndarray]] = dataclasses.field(default_factory=dict)
+    #: where the analysis and held-out tokens came from (words; empty: the standard-library texts)
+    token_source: str = ""
 
     def is_p_cast_only(self, label: str) -> bool:
         """Whether the configuration keeps Q/K/V in FP32 and simulates the P-cast."""
@@ -457,13 +461,19 @@ def _mode(x) -> int:
 
 
 def run_study(sizes: ReportSizes = FULL, *, log: Callable[[str], None] | None = None,
-              clock: Stopwatch | None = None, model_path=None) -> ModelStudy:
+              clock: Stopwatch | None = None, model_path=None, token_ids=None,
+              token_source: str = "token_ids") -> ModelStudy:
     """Run the real-model study (needs the model extra).
 
     Args:
       sizes: the sequence length and the configurations (:data:`FULL`, :data:`QUICK` or your own).
       model_path: the model (a llama or qwen2 GGUF file or Hugging Face checkpoint folder,
         :func:`pcast_jax.models.load_model`); default SmolLM2-135M-Instruct.
+      token_ids: optional token ids (a 1-D sequence of at least ``sizes.tokens``) to run on instead
+        of the standard-library texts, so no tokenizer is needed: the first ``sizes.tokens`` are the
+        analysis text, the next ``sizes.tokens`` (when there are that many, else the same ones) the
+        end-to-end text.
+      token_source: what ``token_ids`` are, in words (errors and the report name it).
       log: one-line progress messages (default: none).
       clock: times the stages (default: a new :class:`Stopwatch` logging to ``log``).
     """
@@ -473,9 +483,13 @@ def run_study(sizes: ReportSizes = FULL, *, log: Callable[[str], None] | None = 
     log = log or (lambda _line: None)
     clock = clock or Stopwatch(log)
     cfg, params = clock.stage("load model", load_model, model_path)
-    tokenizer = load_tokenizer(model_path)
-    analysis = stdlib_text_tokens(tokenizer, sizes.tokens)
-    heldout = heldout_tokens(tokenizer, sizes.tokens)
+    source = ""
+    if token_ids is None:
+        tokenizer = load_tokenizer(model_path)
+        analysis = stdlib_text_tokens(tokenizer, sizes.tokens)
+        heldout = heldout_tokens(tokenizer, sizes.tokens)
+    else:
+        analysis, heldout, source = _given_tokens(token_ids, token_source, sizes.tokens, cfg.vocab_size)
     trace = clock.stage("FP32 forward + Q/K/V trace", extract_qkv, params, cfg, analysis)
     stats = clock.stage("sink statistics", sink_statistics, *trace, cfg)
 
@@ -509,4 +523,22 @@ def run_study(sizes: ReportSizes = FULL, *, log: Callable[[str], None] | None = 
         decode = {c.name: {m: raw[m][i] for m in raw} for i, c in enumerate(decode_cfgs)}
     return ModelStudy(sizes=sizes, model=cfg, stats=stats, hooks=hooks, heads=heads, head_alias=head_alias,
                       fp32=fp32, e2e=e2e, e2e_alias=e2e_alias, theory=_theory_columns(stats, sizes.tokens),
-                      clock=clock, decode_pairs=pairs, decode=decode)
+                      clock=clock, decode_pairs=pairs, decode=decode, token_source=source)
+
+
+def _given_tokens(token_ids, source: str, n: int, vocab_size: int):
+    """(analysis, held-out, words) from caller-given ids: the first ``n``, then the next ``n`` or the same."""
+    ids = np.asarray(token_ids)
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise PcastError(f"{source}: token ids must be a 1-D sequence of integers, got {ids.dtype} {ids.shape}")
+    if len(ids) < n:
+        raise PcastError(f"{source}: {len(ids)} token ids, fewer than the {n} tokens asked for (ask for fewer "
+                         "tokens or give more ids)")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise PcastError(f"{source}: token id {int(ids.min() if ids.min() < 0 else ids.max())} is outside the "
+                         f"model's vocabulary [0, {vocab_size})")
+    ids = ids.astype(np.int32)
+    if len(ids) >= 2 * n:
+        return ids[:n], ids[n:2 * n], f"the first {n} tokens of {source} (end to end: the next {n})"
+    return ids[:n], ids[:n], (f"the first {n} tokens of {source} (end to end on the same tokens: {source} holds "
+                              f"fewer than {2 * n})")

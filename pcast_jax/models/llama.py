@@ -204,7 +204,8 @@ def rope_of(cfg: LlamaConfig, rope: str | None) -> str:
     return cfg.rope if rope is None and isinstance(cfg, LlamaConfig) else (rope or "adjacent")
 
 
-def _validate(cfg: LlamaConfig, tokens, rope: str) -> jax.Array:
+def validate_tokens(cfg: LlamaConfig, tokens, rope: str) -> jax.Array:
+    """``tokens`` ([T] or [B, T] integers in the vocabulary, T within the context) as int32; ``rope`` checked."""
     if not isinstance(cfg, LlamaConfig):
         raise PcastError(f"cfg must be a LlamaConfig, got {type(cfg).__name__}")
     check_choice("rope", rope, ROPE_CONVENTIONS)
@@ -260,7 +261,7 @@ def forward(params, cfg: LlamaConfig, tokens, *, attention_fn: AttentionFn | Non
         are meaningless (the metrics skip them).
     """
     rope = rope_of(cfg, rope)
-    tokens = _validate(cfg, tokens, rope)
+    tokens = validate_tokens(cfg, tokens, rope)
     lengths = _validate_lengths(lengths, tokens)
     logits, _ = _forward_jit(params, tokens, lengths, cfg=cfg,
                              attention_fn=attention_fn or causal_attention, rope=rope, with_aux=False)
@@ -278,7 +279,7 @@ def forward_with_aux(params, cfg: LlamaConfig, tokens, *, attention_fn, rope: st
     if attention_fn is None:
         raise PcastError("attention_fn must be a callable returning (out, aux)")
     rope = rope_of(cfg, rope)
-    tokens = _validate(cfg, tokens, rope)
+    tokens = validate_tokens(cfg, tokens, rope)
     lengths = _validate_lengths(lengths, tokens)
     return _forward_jit(params, tokens, lengths, cfg=cfg, attention_fn=attention_fn, rope=rope,
                         with_aux=True)
@@ -312,7 +313,7 @@ def next_token_loss(params, cfg: LlamaConfig, tokens, *, attention_fn: Attention
         float32 scalar (mean over all predicted positions and sequences, pooled).
     """
     rope = rope_of(cfg, rope)
-    tokens = _validate(cfg, tokens, rope)
+    tokens = validate_tokens(cfg, tokens, rope)
     if tokens.shape[-1] < 2:
         raise PcastError(f"tokens length T={tokens.shape[-1]} must be >= 2 for a next-token loss")
     lengths = _validate_lengths(lengths, tokens)

@@ -19,12 +19,14 @@ module                    presets
 ========================  =================================================================
 
 A preset's identity is its semantics (:class:`~pcast_jax.config.KernelConfig` equality), so moving
-it between modules changes no sweep fingerprint.
+it between modules changes no sweep fingerprint. Each preset has a tag (:data:`TAGS`) naming the study
+that runs it; :func:`tagged` gives a study its presets.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal, get_args
 
 from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError, check_choice, check_int
@@ -44,47 +46,56 @@ from pcast_jax.presets import (
 )
 from pcast_jax.presets.trtllm import XQA_CTA_TILE_TOKENS, XQA_DECODE_LAUNCH, xqa_nb_sub_seq
 
-__all__ = ["get_preset", "preset_for", "resolve",
-           "PAPER_CONFIGS", "KERNEL_PRESETS", "BLOCK_SCALED_PRESETS", "KERNELS_2026", "AMD_PRESETS", "PRESETS",
-           "FAMILIES", "TILES_BY_HEAD_DIM", "MMA_PROMOTION", "MMA_ACC_BITS_HOPPER", "mma_model", "XQA_CTA_TILE_TOKENS",
+__all__ = ["get_preset", "preset_for", "resolve", "tagged", "Tag", "TAGS", "PRESETS", "FAMILIES",
+           "TILES_BY_HEAD_DIM", "MMA_PROMOTION", "MMA_ACC_BITS_HOPPER", "mma_model", "XQA_CTA_TILE_TOKENS",
            "XQA_DECODE_LAUNCH", "xqa_nb_sub_seq"]
 
-#: The paper's five configurations (§6.2, Table 2): Q, K, V in FP32, ℓ from pre-cast P, B = 64.
-PAPER_CONFIGS: dict[str, KernelConfig] = dict(paper.PRESETS)
+_MODULES = (paper, flashattention, flashinfer, trtllm, sageattention, hpc_ops, cudnn, vllm, sglang, amd, modelopt,
+            research)
 
-_TABLE3 = {**flashattention.PRESETS, **flashinfer.PRESETS, **trtllm.PRESETS, **sageattention.PRESETS,
-           **hpc_ops.PRESETS, **research.PRESETS}
-#: Production kernels of the paper's Table 3 era, each following its public source (see the notes in
-#: each entry). Tiles are those at head dim 128; :func:`preset_for` resolves them for
-#: another head dim.
-KERNEL_PRESETS: dict[str, KernelConfig] = {name: _TABLE3[name] for name in (
-    "fa3", "fa4", "flashinfer_sm90", "trtllm_xqa", "trtllm_xqa_multiblock", "fa3_splitkv", "sageattn2",
-    "sageattn2pp", "hpc_ops_prior", "hpc_ops", "dynamic_pow2")}
+#: The study a preset belongs to, which selects the presets it runs (:func:`tagged`):
+#:
+#: * ``"paper"``: the paper's five configurations (§6.2, Table 2): Q, K, V in FP32, ℓ from pre-cast P, B = 64;
+#: * ``"table3"``: production kernels of the paper's Table 3, each following its public source (tiles at
+#:   head dim 128; :func:`preset_for` resolves another head dim);
+#: * ``"block_scaled"``: a block-scaled P (simulator only: the Pallas kernels run E4M3 P alone);
+#: * ``"sinks_and_rescale"``: learned sinks, the lazy rescale, cuDNN, Blackwell: the FP8 attention served
+#:   and trained with in 2026;
+#: * ``"amd"``: FP8 attention on AMD GPUs (ROCm): MI300's E4M3FNUZ and MI355's E4M3.
+Tag = Literal["paper", "table3", "block_scaled", "sinks_and_rescale", "amd"]
 
-#: Presets with a block-scaled P (simulator only: the Pallas kernels run E4M3 P alone), each citing
-#: the source it follows.
-BLOCK_SCALED_PRESETS: dict[str, KernelConfig] = {**sageattention.BLOCK_SCALED, **modelopt.BLOCK_SCALED,
-                                                 **research.BLOCK_SCALED}
+#: Preset name → its :data:`Tag`, in registry order (the order of :data:`PRESETS`, :data:`FAMILIES` and
+#: every listing). A preset's source and its citation live in its family module; the tag, not the module,
+#: says which study runs it.
+TAGS: dict[str, Tag] = {
+    **dict.fromkeys(("fwd_s1", "rev_s1", "fwd_s448", "fwd_s256", "rev_s256"), "paper"),
+    **dict.fromkeys(("fa3", "fa4", "flashinfer_sm90", "trtllm_xqa", "trtllm_xqa_multiblock", "fa3_splitkv", "sageattn2",
+                     "sageattn2pp", "hpc_ops_prior", "hpc_ops", "dynamic_pow2"), "table3"),
+    **dict.fromkeys(("sageattn3", "nvfp4_fakequant", "mxfp8_p"), "block_scaled"),
+    **dict.fromkeys(("cudnn_fp8", "cudnn_fp8_tau0", "cudnn_fp8_s32", "cudnn_fp8_s32_tau0", "cudnn_mxfp8", "te_fp8_dpa",
+                     "fa4_pr2109", "fa4_pr2717", "vllm_triton_fp8", "vllm_triton_fp8_3d", "vllm_triton_fp8_rocm",
+                     "vllm_fa4", "flashinfer_sm100_cutedsl", "flashinfer_sm120", "flashinfer_sm120_pr5020",
+                     "trtllm_fmha_v2", "sglang_triton_decode"), "sinks_and_rescale"),
+    **dict.fromkeys(("fa_triton_amd_mi300", "fa_triton_amd_mi355", "vllm_rocm_flash_fp8"), "amd"),
+}
+assert set(TAGS.values()) == set(get_args(Tag)), "a tag without presets"
 
-#: The FP8 attention served and trained with in 2026: learned sinks, lazy rescale, cuDNN, Blackwell.
-KERNELS_2026: dict[str, KernelConfig] = {**cudnn.KERNELS_2026, **flashattention.KERNELS_2026,
-                                         **vllm.KERNELS_2026, **flashinfer.KERNELS_2026,
-                                         **trtllm.KERNELS_2026, **sglang.KERNELS_2026}
+_BY_NAME: dict[str, KernelConfig] = {name: cfg for module in _MODULES for name, cfg in module.PRESETS.items()}
+assert sorted(_BY_NAME) == sorted(TAGS), f"presets without a tag or tags without a preset: {set(_BY_NAME) ^ set(TAGS)}"
 
-#: FP8 attention on AMD GPUs (ROCm): MI300's E4M3FNUZ and MI355's E4M3, each citing its source.
-AMD_PRESETS: dict[str, KernelConfig] = dict(amd.PRESETS)
-
-PRESETS: dict[str, KernelConfig] = {**PAPER_CONFIGS, **KERNEL_PRESETS, **BLOCK_SCALED_PRESETS, **KERNELS_2026,
-                                    **AMD_PRESETS}
+#: Every preset by name, in registry order.
+PRESETS: dict[str, KernelConfig] = {name: _BY_NAME[name] for name in TAGS}
 
 #: Kernel family (module) → the names of its presets, in registry order.
-FAMILIES: dict[str, tuple[str, ...]] = {}
-for _module in (paper, flashattention, flashinfer, trtllm, sageattention, hpc_ops, cudnn, vllm, sglang, amd, modelopt,
-                research):
-    _names = {**getattr(_module, "PRESETS", {}), **getattr(_module, "BLOCK_SCALED", {}),
-              **getattr(_module, "KERNELS_2026", {})}
-    FAMILIES[_module.__name__.rsplit(".", 1)[1]] = tuple(n for n in PRESETS if n in _names)
-assert sorted(n for names in FAMILIES.values() for n in names) == sorted(PRESETS), "a preset without a family"
+FAMILIES: dict[str, tuple[str, ...]] = {
+    module.__name__.rsplit(".", 1)[1]: tuple(n for n in PRESETS if n in module.PRESETS) for module in _MODULES}
+
+
+def tagged(tag: Tag) -> dict[str, KernelConfig]:
+    """The presets with ``tag`` (:data:`TAGS`), in registry order."""
+    check_choice("tag", tag, get_args(Tag))
+    return {name: PRESETS[name] for name, t in TAGS.items() if t == tag}
+
 
 #: KV tile B by head dim, read from each kernel's source (the FP8 forward path at that head dim).
 TILES_BY_HEAD_DIM: dict[str, dict[int, int]] = {**flashattention.TILES_BY_HEAD_DIM, **flashinfer.TILES_BY_HEAD_DIM,
@@ -154,8 +165,9 @@ def get_preset(name: str) -> KernelConfig:
 def preset_for(name: str, head_dim: int) -> KernelConfig:
     """A preset with its KV tile resolved for ``head_dim`` (:data:`TILES_BY_HEAD_DIM`).
 
-    Presets without a head-dim table, or head dims the table lacks, keep their tile; the name
-    gains ``_d{head_dim}`` when the tile changes.
+    Presets without a head-dim table, or head dims the table lacks, keep their tile. The name stays
+    ``name``, the one a user passed (it keys tables and data sets); the tile that runs is the
+    returned config's ``block_kv``.
     """
     cfg = get_preset(name)
     check_int("head_dim", head_dim, min_value=1)
@@ -163,7 +175,7 @@ def preset_for(name: str, head_dim: int) -> KernelConfig:
     dims = sorted(d for d in tiles if d >= head_dim)
     if not dims or tiles[dims[0]] == cfg.block_kv:
         return cfg
-    return dataclasses.replace(cfg, block_kv=tiles[dims[0]], name=f"{name}_d{head_dim}")
+    return dataclasses.replace(cfg, block_kv=tiles[dims[0]], name=name)
 
 
 def resolve(config: str | KernelConfig) -> KernelConfig:

@@ -49,7 +49,7 @@ HARNESS_SCALE_S = 32.0
 #: that its own τ matches is an assumption.
 TAU_BY_GPU = {"sm100": 4.0, "sm90": 0.0}
 
-KERNELS_2026: dict[str, KernelConfig] = {
+PRESETS: dict[str, KernelConfig] = {
     # cuDNN FP8 SDPA on SM100 with the reference's default τ = 4 (nats) and the scale_s JAX's tests pass (1):
     # S_eff = 2^-4, so non-sink P collapses from Δ ≈ 10 ln 2 + ln(2^-4) ≈ 4.2 on.
     "cudnn_fp8": _cudnn(JAX_TEST_SCALE_S, TAU_BY_GPU["sm100"], "cudnn_fp8"),

@@ -28,7 +28,7 @@ PRESETS: dict[str, KernelConfig] = {
     # The FP8 path as it stands since PR #2731 (merged 2026-07-28, 849f660f): flash_fwd_sm100.py line 2182
     # max_offset = 8 (S = 256) and line 2190 a rescale threshold of 0 for FP8 (no lazy rescale); the
     # learnable sink enters the epilogue's denominator only, with the +8 of the exponent (lines 2730-2742,
-    # split 0 only): sink_mode "epilogue". Earlier 2026 versions: KERNELS_2026 below.
+    # split 0 only): sink_mode "epilogue". Earlier 2026 versions: fa4_pr2109, fa4_pr2717 below.
     "fa4": KernelConfig(order="reverse", scale=256.0, scale_mode="exponent", block_kv=128, name="fa4"),
     # FlashAttention-3 split-KV decode (flash_attn_interface num_splits > 1): each split takes a
     # contiguous range of ⌈n_blocks / num_splits⌉ KV blocks (hopper/block.h, n_block_min/max per
@@ -37,12 +37,9 @@ PRESETS: dict[str, KernelConfig] = {
     "fa3_splitkv": KernelConfig(
         order="reverse", scale=256.0, scale_mode="exponent", block_kv=224, kv_splits=8, name="fa3_splitkv",
     ),
-}
-
-#: FlashAttention-4's FP8 forward as each 2026 version ran it (Dao-AILab/flash-attention,
-#: flash_attn/cute/flash_fwd_sm100.py and softmax.py). The lazy rescale keeps the row max while
-#: acc_scale = (old − new)·scale_log2 ≥ −τ (softmax.py lines 294-295, 326-327): τ in log2 units.
-KERNELS_2026: dict[str, KernelConfig] = {
+    # FlashAttention-4's FP8 forward as each 2026 version ran it (Dao-AILab/flash-attention,
+    # flash_attn/cute/flash_fwd_sm100.py and softmax.py). The lazy rescale keeps the row max while
+    # acc_scale = (old − new)·scale_log2 ≥ −τ (softmax.py lines 294-295, 326-327): τ in log2 units.
     # PR #2109 (merged 2026-04-17, b65ae6b1): the FP8 path with τ = 4 and max_offset 8 (S = 256). A row max
     # that lags by up to 4 (log2) lets P̃ = exp2(… + 8) reach 2^12 = 4096: the cast saturates at 448 while
     # ℓ keeps the unclipped sum (issues #2577, 2026-05-21, and #2716, 2026-07).

@@ -18,9 +18,6 @@ PRESETS: dict[str, KernelConfig] = {
     "flashinfer_sm90": KernelConfig(
         order="reverse", scale=448.0, scale_mode="multiply", block_kv=192, name="flashinfer_sm90"
     ),
-}
-
-KERNELS_2026: dict[str, KernelConfig] = {
     # FlashInfer SM100 CuTe-DSL FMHA (flashinfer-ai/flashinfer commit fb28d72,
     # flashinfer/cute_dsl/attention/fmha/fmha.py): with skip-correction on, the rescale threshold is
     # τ = 8 in log2 units (line 337; compared at lines 2333-2335 as (new − old)·scale_log2 > 8) and the P

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pcast_jax.config import KernelConfig
 
-BLOCK_SCALED: dict[str, KernelConfig] = {
+PRESETS: dict[str, KernelConfig] = {
     # NVFP4 fake-quant of P inside NVIDIA Model Optimizer's Triton flash attention (NVIDIA/Model-Optimizer,
     # commit a2fbac7b): modelopt/torch/kernels/common/attention/triton_fa.py walks kv_start = 0, BLOCK_N,
     # ... (forward, line 359), takes P = exp2(S − m_new) with the running max (line 433, unnormalized),

@@ -26,10 +26,7 @@ PRESETS: dict[str, KernelConfig] = {
         order="forward", scale=2.0**8.807, scale_mode="exponent", block_kv=64, accumulator="f16",
         f16_round_keys=32, v_channel_max=2.25, name="sageattn2pp",
     ),
-}
-
-#: SageAttention3's P is block-scaled (NVFP4): simulator only.
-BLOCK_SCALED: dict[str, KernelConfig] = {
+    # SageAttention3's P is block-scaled (NVFP4): simulator only.
     # SageAttention3 (thu-ml/SageAttention, commit d1a57a5, sageattention3_blackwell/sageattn3/blackwell/):
     # softmax_fused.h computes P̃ = exp2(Z·log2e·scale − (m·log2e·scale + log2(1/(448·6)))) (lines 32,
     # 71-75), i.e. the row maximum brought to 448·6 = 2688 in the exponent (fp8_scalexfp4_scale), the

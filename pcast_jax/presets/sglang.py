@@ -47,7 +47,7 @@ def sglang_num_kv_splits(*, batch: int, num_heads: int, num_kv_heads: int, sms: 
 #: 4 at batch 32, 2 at batch 64 and 1 from batch 128 on; token-sink zeroing scales as 1 / splits.
 SGLANG_DECODE_LAUNCH = {"batch": 2, "num_heads": 32, "num_kv_heads": 8, "sms": 132, "seq_len": 4096}
 
-KERNELS_2026: dict[str, KernelConfig] = {
+PRESETS: dict[str, KernelConfig] = {
     # sgl-project/sglang python/sglang/srt/layers/attention/triton_ops/decode_attention.py (at 03cd2ec), the
     # grouped (GQA) kernel: BLOCK_N = 32, exact softmax per tile, p.to(v.dtype) casts P to the FP8 KV dtype
     # with no scale (S = 1); contiguous splits (each split's length rounded up to a multiple of 32), forward

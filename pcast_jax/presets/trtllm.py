@@ -36,6 +36,14 @@ def xqa_nb_sub_seq(*, batch: int, nb_k_heads: int, sms: int, max_seq_len: int, e
 #: XQA_NB_SUB_SEQ: ``xqa_nb_sub_seq`` gives 6 sub-sequences (batch 1 gives 12, batch 4 gives 3).
 XQA_DECODE_LAUNCH = {"batch": 2, "nb_k_heads": 8, "sms": 132, "max_seq_len": 4096}
 
+#: KV tile B by head dim. TensorRT-LLM fmha_v2's FP8 context kernel as FlashInfer generates it
+#: (flashinfer-ai/flashinfer commit fb28d72, flashinfer/jit/attention/fmha_v2/fmha_library.py): on SM90 the
+#: kernel is warp-specialized for head_size ≥ 32 (line 183), and the e4m3 branch (line 265) sets
+#: kv_loop_step = 256 at d ≤ 64 (line 267) and at d ≤ 128 (line 274), 128 above (line 289; FP8 pads a head
+#: dim above 128 to 256, lines 238-241). The non-warp-specialized path (other SMs, lines 302-323) is not
+#: modelled.
+TILES_BY_HEAD_DIM: dict[str, dict[int, int]] = {"trtllm_fmha_v2": {64: 256, 128: 256, 256: 128}}
+
 PRESETS: dict[str, KernelConfig] = {
     # TensorRT-LLM XQA (SM90): cpp/kernels/xqa/mha_sm90.cu iterates idxIter = 0 .. nbIters
     # (forward) and scales acc by kE4M3_MAX = 448 after the row sum; output × 1/448. Tile:
@@ -52,17 +60,6 @@ PRESETS: dict[str, KernelConfig] = {
         kv_splits=xqa_nb_sub_seq(**XQA_DECODE_LAUNCH), split_layout="strided",
         name="trtllm_xqa_multiblock",
     ),
-}
-
-#: KV tile B by head dim. TensorRT-LLM fmha_v2's FP8 context kernel as FlashInfer generates it
-#: (flashinfer-ai/flashinfer commit fb28d72, flashinfer/jit/attention/fmha_v2/fmha_library.py): on SM90 the
-#: kernel is warp-specialized for head_size ≥ 32 (line 183), and the e4m3 branch (line 265) sets
-#: kv_loop_step = 256 at d ≤ 64 (line 267) and at d ≤ 128 (line 274), 128 above (line 289; FP8 pads a head
-#: dim above 128 to 256, lines 238-241). The non-warp-specialized path (other SMs, lines 302-323) is not
-#: modelled.
-TILES_BY_HEAD_DIM: dict[str, dict[int, int]] = {"trtllm_fmha_v2": {64: 256, 128: 256, 256: 128}}
-
-KERNELS_2026: dict[str, KernelConfig] = {
     # TensorRT-LLM fmha_v2 FP8 context attention, as vendored by FlashInfer (commit fb28d72, csrc/fmha_v2):
     # Softmax_fp_quant_scale<e4m3_t> = 256 (fmha/numeric_types.h lines 48-53), folded into the exponent as
     # max − log 256 (fmha/warpspec/epilogue.h ~lines 817-825), so ℓ sums the ×256 values; forward KV order

@@ -14,7 +14,7 @@ _VLLM = dict(order="forward", scale=1.0, scale_mode="multiply", block_kv=32, sin
 #: Segments of the 3-D (split) path: not read from source (an assumption).
 VLLM_SEGMENTS = 16
 
-KERNELS_2026: dict[str, KernelConfig] = {
+PRESETS: dict[str, KernelConfig] = {
     "vllm_triton_fp8": KernelConfig(**_VLLM, name="vllm_triton_fp8"),
     # The 3-D path: contiguous segments (tiles_per_segment = cdiv(seq_len, NUM_SEGMENTS·TILE)); only
     # segment 0 loads the sink, and reduce_segments carries it in segment 0's stored M and L.

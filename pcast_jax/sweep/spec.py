@@ -199,7 +199,7 @@ def auto_micro_batch(spec: "SweepSpec", *, backend: str | None = None, memory_by
     return 1 << (m.bit_length() - 1)
 
 
-def _optional(module: str):
+def optional(module: str):
     """Import an optional dependency of the ``data`` extra, or say which extra to install."""
     import importlib
 
@@ -325,7 +325,7 @@ class SweepResult:
         """
         from pcast_jax.metrics import describe
 
-        pd = _optional("pandas")
+        pd = optional("pandas")
         c = self.coordinates()
         grid = np.meshgrid(*c.values(), indexing="ij")
         cols = {k: g.ravel() for k, g in zip(c, grid)}
@@ -350,7 +350,7 @@ class SweepResult:
         """
         from pcast_jax.metrics import describe
 
-        xr = _optional("xarray")
+        xr = optional("xarray")
         dims = ("n", "config", "delta", "seed")
         coords = {k: (k, v, describe(k)) for k, v in self.coordinates().items()}
         coords["config_spec"] = ("config", [k.to_string() for k in self.spec.configs], describe("config_spec"))

@@ -23,7 +23,7 @@ from pcast_jax.errors import PcastError, check_choice, check_int, check_positive
 from pcast_jax.presets import resolve
 from pcast_jax.sweep import SweepSpec, instance_key, run_sweep
 from pcast_jax.whatif import progress
-from pcast_jax.whatif.objective import Scenario, _grid, _static_config, _thetas
+from pcast_jax.whatif.objective import Scenario, grid_mses, static_config, theta_points
 from pcast_jax.whatif.surrogates import Surrogate
 from pcast_jax.workloads import make_instance
 
@@ -206,7 +206,7 @@ def calibrate_prop3(config="fwd_s1", n: int = 4096, *, deltas=None, seeds: int =
     "row" and "mean" measure how well Prop. 1's threshold predicts Σ_{j∈Z} P_j².
     """
     cfg = resolve(config)
-    _static_config(cfg)
+    static_config(cfg)
     check_choice("target", target, ("mse", "mse_expected"))
     check_int("steps", steps, min_value=1, max_value=100000)
     check_int("bootstrap", bootstrap, min_value=10, max_value=10**6)
@@ -232,10 +232,10 @@ def calibrate_prop3(config="fwd_s1", n: int = 4096, *, deltas=None, seeds: int =
     if not np.all(tgt > 0):
         raise PcastError(f"the simulated {target} has zeros; log fits need MSE > 0 everywhere")
     sc = Scenario(config=cfg, n=n, q_len=q_len, k_sink=k_sink, sigma_v=sigma_v, seeds=seeds, base_seed=base_seed)
-    th = _thetas(sc, deltas, sigma, None)
+    th = theta_points(sc, deltas, sigma, None)
     exact = Surrogate(kind="exact")
-    coll = np.asarray(_grid(th, scenario=sc, surrogate=exact, part="collapse"), np.float64).T  # (seeds, D)
-    floor = np.asarray(_grid(th, scenario=sc, surrogate=exact, part="noise"), np.float64).T
+    coll = np.asarray(grid_mses(th, scenario=sc, surrogate=exact, part="collapse"), np.float64).T  # (seeds, D)
+    floor = np.asarray(grid_mses(th, scenario=sc, surrogate=exact, part="noise"), np.float64).T
     dk = float(theory.delta_k(k_sink))
     args = tuple(jnp.asarray(x, jnp.float32) for x in (deltas, tgt, coll, floor))
     rng = np.random.default_rng(base_seed)

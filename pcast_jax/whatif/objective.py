@@ -32,7 +32,7 @@ __all__ = ["PARAMS", "Scenario", "expected_mse", "mse_and_grad", "expected_mse_s
 PARAMS = ("delta", "sigma", "log2_scale")
 
 
-def _static_config(config) -> KernelConfig:
+def static_config(config) -> KernelConfig:
     """The config the differentiable path runs: same order/blocks, multiply mode with S = 1."""
     cfg = resolve(config)
     if cfg.scale_mode == "dynamic":
@@ -74,7 +74,7 @@ class Scenario:
 
     def __post_init__(self):
         cfg = resolve(self.config)
-        _static_config(cfg)
+        static_config(cfg)
         object.__setattr__(self, "config", cfg)
         check_int("seeds", self.seeds, min_value=1, max_value=1 << 20)
         check_int("seed_offset", self.seed_offset, min_value=0)
@@ -104,7 +104,7 @@ class Scenario:
         return dataclasses.replace(self, **kw)
 
 
-def _check_param_value(name, value):
+def check_param_value(name, value):
     """Concrete values are validated; traced ones pass (they come from a grad or an optimizer)."""
     if isinstance(value, jax.core.Tracer):
         return value
@@ -132,7 +132,7 @@ def _per_seed(theta, *, scenario: Scenario, surrogate: Surrogate, part: str, wit
     Traceable (no jit of its own): seeds are drawn inside and processed by ``lax.map`` in vmapped
     batches of ``scenario.batch_size``.
     """
-    cfg = _static_config(scenario.config)
+    cfg = static_config(scenario.config)
     work = scenario.workload()
     orig = scenario.config
 
@@ -149,7 +149,7 @@ def _per_seed(theta, *, scenario: Scenario, surrogate: Surrogate, part: str, wit
     return jax.lax.map(one, scenario.seed_indices(), batch_size=scenario.batch_size)
 
 
-def _seed_mses(delta, sigma, log2_scale, *, scenario, surrogate, part):
+def seed_mses(delta, sigma, log2_scale, *, scenario, surrogate, part):
     """Traceable (seeds,) values at scalar Δ, σ, log2 S."""
     theta = jnp.stack([jnp.asarray(delta, jnp.float32), jnp.asarray(sigma, jnp.float32),
                        jnp.asarray(log2_scale, jnp.float32)])
@@ -162,7 +162,7 @@ def _point(theta, *, scenario, surrogate, part, with_grad=False):
     return _per_seed(theta, scenario=scenario, surrogate=surrogate, part=part, with_grad=with_grad)
 
 
-def _grid(thetas, *, scenario, surrogate, part, with_grad=False):
+def grid_mses(thetas, *, scenario, surrogate, part, with_grad=False):
     """(P, 3) points → (P, seeds) values [and (P, seeds, 3) gradients].
 
     One compiled function per setting whatever P is (points are visited one call at a time;
@@ -175,11 +175,11 @@ def _grid(thetas, *, scenario, surrogate, part, with_grad=False):
     return jnp.stack(outs)
 
 
-def _thetas(scenario: Scenario, delta, sigma, log2_scale) -> jnp.ndarray:
+def theta_points(scenario: Scenario, delta, sigma, log2_scale) -> jnp.ndarray:
     """Validated (P, 3) array of points from scalars or 1-D arrays (broadcast together)."""
     log2_scale = scenario.log2_scale if log2_scale is None else log2_scale
     for name, v in (("delta", delta), ("sigma", sigma), ("log2_scale", log2_scale)):
-        _check_param_value(name, v)
+        check_param_value(name, v)
     try:
         d, s, l2 = np.broadcast_arrays(*(np.asarray(v, np.float32) for v in (delta, sigma, log2_scale)))
     except ValueError:
@@ -204,9 +204,9 @@ def expected_mse(scenario: Scenario, *, delta=7.0, sigma=1.0, log2_scale=None,
     check_choice("part", part, PARTS)
     if any(isinstance(v, jax.core.Tracer) for v in (delta, sigma, log2_scale)):
         l2 = scenario.log2_scale if log2_scale is None else log2_scale
-        return _seed_mses(delta, sigma, l2, scenario=scenario, surrogate=sur, part=part)
+        return seed_mses(delta, sigma, l2, scenario=scenario, surrogate=sur, part=part)
     scalar = all(np.ndim(v) == 0 for v in (delta, sigma, log2_scale))
-    out = _grid(_thetas(scenario, delta, sigma, log2_scale), scenario=scenario, surrogate=sur, part=part)
+    out = grid_mses(theta_points(scenario, delta, sigma, log2_scale), scenario=scenario, surrogate=sur, part=part)
     return out[0] if scalar else out
 
 
@@ -224,7 +224,7 @@ def mse_and_grad(scenario: Scenario, *, delta=7.0, sigma=1.0, log2_scale=None,
     for name, v in (("delta", delta), ("sigma", sigma), ("log2_scale", log2_scale)):
         if np.ndim(v) != 0:
             raise PcastError(f"{name} must be a scalar here (got shape {np.shape(v)})")
-    vals, grads = _grid(_thetas(scenario, delta, sigma, log2_scale), scenario=scenario, surrogate=sur,
+    vals, grads = grid_mses(theta_points(scenario, delta, sigma, log2_scale), scenario=scenario, surrogate=sur,
                         part=part, with_grad=True)
     vals, grads = np.asarray(vals[0], np.float64), np.asarray(grads[0], np.float64)
     value, value_sem = mean_sem(vals)
@@ -238,8 +238,8 @@ def mse_and_grad(scenario: Scenario, *, delta=7.0, sigma=1.0, log2_scale=None,
 
 
 @partial(jax.jit, static_argnames=("config", "surrogate", "part", "sigma_v", "batch_size"))
-def _scores_mses(log2_scale, scores, *, config, surrogate, part, sigma_v, batch_size):
-    cfg = _static_config(config)
+def scores_mses(log2_scale, scores, *, config, surrogate, part, sigma_v, batch_size):
+    cfg = static_config(config)
 
     def one(s):
         return _row_mse(s, log2_scale, cfg=cfg, surrogate=surrogate, part=part, fmt=config.p_format,
@@ -248,7 +248,7 @@ def _scores_mses(log2_scale, scores, *, config, surrogate, part, sigma_v, batch_
     return jax.lax.map(one, scores, batch_size=batch_size)
 
 
-def _check_scores(scores) -> jnp.ndarray:
+def check_scores(scores) -> jnp.ndarray:
     try:
         arr = np.asarray(scores, dtype=np.float32)
     except (TypeError, ValueError):
@@ -271,15 +271,15 @@ def expected_mse_scores(scores, *, config="fwd_s1", log2_scale=None, surrogate="
     ``scores``: (q_len, N) or (batch, q_len, N) logits with the softmax scale applied.
     """
     cfg = resolve(config)
-    _static_config(cfg)
+    static_config(cfg)
     sur = as_surrogate(surrogate)
     check_choice("part", part, PARTS)
-    s = _check_scores(scores)
+    s = check_scores(scores)
     log2_scale = cfg.log2_scale if log2_scale is None else log2_scale
-    _check_param_value("log2_scale", log2_scale)
+    check_param_value("log2_scale", log2_scale)
     check_positive("sigma_v", sigma_v)
     if batch_size is None:
         batch_size = int(max(1, min(s.shape[0], (1 << 21) // (s.shape[1] * s.shape[2]))))
     check_int("batch_size", batch_size, min_value=1)
-    return _scores_mses(jnp.float32(log2_scale), s, config=cfg, surrogate=sur, part=part,
+    return scores_mses(jnp.float32(log2_scale), s, config=cfg, surrogate=sur, part=part,
                         sigma_v=float(sigma_v), batch_size=int(batch_size))

@@ -22,7 +22,7 @@ from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError, check_finite, check_int, check_positive
 from pcast_jax.presets import resolve
 from pcast_jax.whatif import progress
-from pcast_jax.whatif.objective import Scenario, _check_scores, _scores_mses, _seed_mses, _static_config
+from pcast_jax.whatif.objective import Scenario, check_scores, scores_mses, seed_mses, static_config
 from pcast_jax.whatif.surrogates import Surrogate, as_surrogate
 from pcast_jax.workloads import SinkWorkload
 
@@ -108,10 +108,10 @@ class _Evaluator:
 
     def __call__(self, log2_scale, scores):
         if self.scenario is not None:
-            return jnp.mean(_seed_mses(jnp.float32(self.delta), jnp.float32(self.sigma), log2_scale,
+            return jnp.mean(seed_mses(jnp.float32(self.delta), jnp.float32(self.sigma), log2_scale,
                                        scenario=self.scenario, surrogate=self.surrogate, part=self.part))
         batch = max(1, min(scores.shape[0], (1 << 21) // (scores.shape[1] * scores.shape[2])))
-        return jnp.mean(_scores_mses(log2_scale, scores, config=self.config, surrogate=self.surrogate,
+        return jnp.mean(scores_mses(log2_scale, scores, config=self.config, surrogate=self.surrogate,
                                      part=self.part, sigma_v=self.sigma_v, batch_size=batch))
 
 
@@ -137,7 +137,7 @@ def optimal_scale(workload: SinkWorkload | None = None, *, scores=None, config="
     from about 0.6 to 2, so the 256-vs-448 gap needs tens of seeds.
     """
     cfg = resolve(config)
-    _static_config(cfg)
+    static_config(cfg)
     sur = as_surrogate(surrogate if surrogate is not None else Surrogate(atoms="representable"))
     if sur.kind == "exact":
         raise PcastError("surrogate='exact' has no useful gradient; use 'smooth' (or 'ste')")
@@ -161,7 +161,7 @@ def optimal_scale(workload: SinkWorkload | None = None, *, scores=None, config="
         raise PcastError("give either workload or scores, not both")
     t0 = time.perf_counter()
     if scores is not None:
-        arr = _check_scores(scores)
+        arr = check_scores(scores)
         scenario = exact_scenario = None
         source = f"scores{tuple(arr.shape)}"
         sigma = 1.0

@@ -120,7 +120,7 @@ def _block_format(fmt):
 
 
 def _blocks(x, bf):
-    return formats._split_blocks(x, bf.block, bf.name)
+    return formats.split_blocks(x, bf.block, bf.name)
 
 
 def _block_squared_error(x, sur: Surrogate, bf):

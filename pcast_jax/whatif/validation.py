@@ -13,7 +13,7 @@ import numpy as np
 from pcast_jax.errors import PcastError, check_choice, check_positive
 from pcast_jax.stats import mean_sem, sem
 from pcast_jax.whatif import progress
-from pcast_jax.whatif.objective import PARAMS, Scenario, _check_param_value, _grid
+from pcast_jax.whatif.objective import PARAMS, Scenario, check_param_value, grid_mses
 from pcast_jax.whatif.surrogates import Surrogate, as_surrogate
 
 __all__ = ["validate_gradients"]
@@ -70,23 +70,23 @@ def validate_gradients(scenario: Scenario, *, param: str = "delta", points=None,
     shifted[len(points): 2 * len(points), idx] += step
     for row in shifted:
         for name, v in zip(PARAMS, row):
-            _check_param_value(name, float(v))
+            check_param_value(name, float(v))
     shifted_j = jnp.asarray(shifted, jnp.float32)
     exact = Surrogate(kind="exact")
     progress.plan(progress_steps(surrogates))
     progress.stage(f"validate d/d{param}: exact finite differences at {len(points)} points")
-    ev = np.asarray(_grid(shifted_j, scenario=scenario, surrogate=exact, part="total"), np.float64)
+    ev = np.asarray(grid_mses(shifted_j, scenario=scenario, surrogate=exact, part="total"), np.float64)
     lo, hi, mid = np.split(ev, 3)
     fd_seed = (hi - lo) / (2 * step)  # (P, seeds)
     fd, fd_sem = mean_sem(fd_seed, axis=1)
     rows = []
     for sur in surrogates:
         progress.stage(f"validate d/d{param}: surrogate {sur.label}")
-        vals, grads = _grid(jnp.asarray(pts, jnp.float32), scenario=scenario, surrogate=sur, part="total",
+        vals, grads = grid_mses(jnp.asarray(pts, jnp.float32), scenario=scenario, surrogate=sur, part="total",
                             with_grad=True)
         vals, grads = np.asarray(vals, np.float64), np.asarray(grads, np.float64)[..., idx]
         # the program that gave the gradients gives the values too: one compilation per surrogate, not two
-        sv = np.asarray(_grid(shifted_j[: 2 * len(points)], scenario=scenario, surrogate=sur, part="total",
+        sv = np.asarray(grid_mses(shifted_j[: 2 * len(points)], scenario=scenario, surrogate=sur, part="total",
                               with_grad=True)[0], np.float64)
         own = ((sv[len(points):] - sv[: len(points)]) / (2 * step)).mean(axis=1)
         for i, x0 in enumerate(points):

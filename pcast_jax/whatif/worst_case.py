@@ -21,7 +21,7 @@ from pcast_jax import theory
 from pcast_jax.errors import PcastError, check_choice, check_finite, check_int, check_positive
 from pcast_jax.presets import resolve
 from pcast_jax.whatif import progress
-from pcast_jax.whatif.objective import Scenario, _grid, _seed_mses, _thetas
+from pcast_jax.whatif.objective import Scenario, grid_mses, seed_mses, theta_points
 from pcast_jax.whatif.surrogates import Surrogate, as_surrogate
 
 __all__ = ["PAPER_TRANSITION", "WorstDeltaResult", "worst_case_delta"]
@@ -81,7 +81,7 @@ def _ascend(starts, lo, hi, sigma, log2_scale, *, scenario, surrogate, part, ste
     """Projected Adam ascent on the mean surrogate MSE over Δ, vmapped over starting points."""
 
     def mean_mse(delta):
-        return jnp.mean(_seed_mses(delta, sigma, log2_scale, scenario=scenario, surrogate=surrogate,
+        return jnp.mean(seed_mses(delta, sigma, log2_scale, scenario=scenario, surrogate=surrogate,
                                    part=part))
 
     def run(d0):
@@ -169,8 +169,8 @@ def worst_case_delta(config="fwd_s1", n: int = 4096, *, objective: str = "total"
     local = float(finals[interior][int(np.argmax(values[interior]))]) if interior.any() else float("nan")
 
     def exact(deltas):
-        th = _thetas(sc, np.asarray(deltas, np.float64), sigma, None)
-        return np.asarray(_grid(th, scenario=sc, surrogate=Surrogate(kind="exact"), part=part),
+        th = theta_points(sc, np.asarray(deltas, np.float64), sigma, None)
+        return np.asarray(grid_mses(th, scenario=sc, surrogate=Surrogate(kind="exact"), part=part),
                           np.float64).mean(axis=1)
 
     progress.stage(f"worst-delta {cfg.name} ({objective}): exact MSE on the Δ grid")

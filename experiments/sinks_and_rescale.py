@@ -1,4 +1,4 @@
-"""FP8 attention kernels of 2026: learned sinks, the lazy rescale, cuDNN — our own analysis beyond the paper.
+"""Learned sinks and the lazy rescale in FP8 attention kernels, and cuDNN — our own analysis beyond the paper.
 
 Three studies on the paper's synthetic workload (N(0, σ²) logits, Q/K/V in FP32 so the P-cast is
 isolated; expected MSE, which averages V out):
@@ -10,7 +10,7 @@ isolated; expected MSE, which averages V out):
 2. **Saturation vs τ and logit spread**: FA4's exponent-mode S = 256 with lazy-rescale thresholds τ
    (log2 units) as its 2026 versions ran them, on logits of growing σ (the wide logits of the FA4
    reports), with the bound :func:`pcast_jax.theory.max_scaled_p` beside.
-3. **Every 2026 preset at Table 3's operating points** (N = 4096, Δ = 7 and 10 with four token sinks,
+3. **Every sink and lazy-rescale preset at Table 3's operating points** (N = 4096, Δ = 7 and 10 with four token sinks,
    and a learned sink Δ_L = 7 and 10), with verdicts that carry their uncertainty.
 """
 
@@ -24,14 +24,15 @@ import numpy as np
 
 from pcast_jax import report, theory
 from pcast_jax.config import KernelConfig
-from pcast_jax.presets import KERNELS_2026, get_preset
+from pcast_jax.presets import get_preset, tagged
 from pcast_jax.stats import decide, fmt_pm, mean_sem, paired_ratio, z_value
 from pcast_jax.sweep import SweepResult, SweepSpec, run_sweep
 
-__all__ = ["NAME", "TITLE", "FILES", "Sizes", "FULL", "QUICK", "kernels_2026_section"]
+__all__ = ["NAME", "TITLE", "FILES", "Sizes", "FULL", "QUICK", "PRESETS_STUDIED", "sinks_and_rescale_section"]
 
-NAME = "kernels_2026"
-TITLE = "FP8 attention kernels of 2026: learned sinks, lazy rescale, cuDNN (our own analysis, beyond the paper)"
+NAME = "sinks_and_rescale"
+TITLE = ("Learned sinks and lazy rescale in FP8 attention kernels, and cuDNN (our own analysis, beyond the "
+         "paper)")
 FILES = {
     f"{NAME}_sinks.csv": "learned-sink collapse per (placement, order, S, segments, Δ_L): simulated zeroed fraction "
                          "± s.e., zeroed mass, expected MSE, the closed form's fraction",
@@ -41,9 +42,9 @@ FILES = {
                               "P·S the lag allows",
     f"{NAME}_saturation.png": "saturated fraction of P and the mass it carries vs the logits' σ, one line per "
                               "lazy-rescale threshold τ",
-    f"{NAME}_presets.csv": "every 2026 preset at N = 4096, token sinks Δ = 7 / 10 and a learned sink Δ_L = 7 / 10: "
-                           "zeroed and saturated fractions, expected MSE, MSE / reverse S = 256 (paired ± s.e.), "
-                           "verdict",
+    f"{NAME}_presets.csv": "every sink and lazy-rescale preset at N = 4096, token sinks Δ = 7 / 10 and a learned "
+                           "sink Δ_L = 7 / 10: zeroed and saturated fractions, expected MSE, MSE / reverse S = 256 "
+                           "(paired ± s.e.), verdict",
     f"{NAME}_smollm2.csv": "SmolLM2-135M with an injected learned sink per head (absorbing a stated share of the "
                            "mass): KL, top-1 agreement and perplexity per preset against the exact softmax with the "
                            "same sinks",
@@ -78,6 +79,8 @@ _PLACEMENTS = tuple(
 _TAUS = (0.0, 0.75, 2.0, 4.0)
 #: The reference of study 3's ratios: the paper's best static configuration.
 _BEST = "rev_s256"
+#: Study 3's presets: every preset tagged "sinks_and_rescale", in registry order.
+PRESETS_STUDIED = tuple(tagged("sinks_and_rescale"))
 
 
 def _run(spec: SweepSpec, out: Path, tag: str, quick: bool) -> SweepResult:
@@ -144,13 +147,13 @@ def _verdict(zeroed: float, saturated: float, ratio: float, ratio_se: float, see
 
 
 def _presets_study(sz: Sizes, out: Path, quick: bool) -> list[dict]:
-    names = (_BEST, *KERNELS_2026)
+    names = (_BEST, *PRESETS_STUDIED)
     rows = []
     for kind, kw in (("token sinks (k = 4)", {"k_sink": 4}), ("learned sink", {"k_sink": 0, "sink_logit": "delta"})):
         spec = SweepSpec(configs=names, deltas=(7.0, 10.0), ns=(sz.n,), seeds=sz.seeds, q_len=sz.q_len, d=sz.d,
                          sampled_mse=False, **kw)
         res = _run(spec, out, "presets-" + kind.split()[0], quick)
-        for name in KERNELS_2026:
+        for name in PRESETS_STUDIED:
             cfg = get_preset(name)
             for dl in spec.deltas:
                 m = {k: res.get(k, config=name, n=sz.n, delta=dl) for k in
@@ -221,7 +224,7 @@ def _real_model_study(n_tokens: int, presets, log) -> tuple[list[dict], dict]:
     plain = compare_logits(forward(params, cfg, tokens), ref, tokens)  # what the sinks themselves change
     rows = []
     for name in presets:
-        log(f"kernels 2026: SmolLM2 with injected sinks, {name}")
+        log(f"sinks and rescale: SmolLM2 with injected sinks, {name}")
         m = compare_logits(ref, forward(params, cfg, tokens, attention_fn=hook_for(name)), tokens)
         rows.append({"preset": name, "tokens": n_tokens, "sink_share": SINK_SHARE, "kl": m.kl,
                      "top1_agreement": m.top1_agree, "perplexity": m.perplexity})
@@ -310,22 +313,22 @@ def _findings(sinks: list[dict], sat: list[dict], presets: list[dict]) -> list[s
         f"{'yes' if all(r['frac_saturated'] == 0 for r in safe) else 'no'} ({len(safe)} cells).")
     bad = sorted({r["preset"] for r in presets if r["frac_zeroed"] > 0.5})
     sat_p = sorted({r["preset"] for r in presets if r["frac_saturated"] > 0})
-    lines.append(f"**2026 presets.** Most non-sink P zeroed somewhere at these operating points: "
+    lines.append(f"**Sink and lazy-rescale presets.** Most non-sink P zeroed somewhere at these operating points: "
                  f"{', '.join(bad) or 'none'}; saturating: {', '.join(sat_p) or 'none'}.")
     return lines
 
 
-def kernels_2026_section(out_dir, quick: bool = False, log=None, sizes: Sizes | None = None) -> str:
+def sinks_and_rescale_section(out_dir, quick: bool = False, log=None, sizes: Sizes | None = None) -> str:
     """Run the three studies, write their CSV and PNG files into ``out_dir``; return the markdown section."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sz = sizes or (QUICK if quick else FULL)
     say = log or (lambda line: None)
-    say("kernels 2026: learned-sink placements")
+    say("sinks and rescale: learned-sink placements")
     sinks = _sinks_study(sz, out, quick)
-    say("kernels 2026: saturation vs tau and sigma")
+    say("sinks and rescale: saturation vs tau and sigma")
     sat = _saturation_study(sz, out, quick)
-    say("kernels 2026: the 2026 presets")
+    say("sinks and rescale: the presets")
     presets = _presets_study(sz, out, quick)
     try:
         real, real_info = _real_model_study(sz.model_tokens, E2E_PRESETS[:3] if quick else E2E_PRESETS, say)

@@ -1,4 +1,4 @@
-"""The kernels of 2026: learned sinks, the lazy rescale and saturation, cuDNN (JAX's FP8 attention).
+"""Learned sinks, the lazy rescale and saturation, cuDNN (JAX's FP8 attention).
 
 Held to the independent oracle (``tests/oracle.py``, which implements the sink placements and the
 lazy rescale from their description, sharing no code with the package), and the closed forms of
@@ -26,6 +26,7 @@ from pcast_jax.errors import PcastError
 from pcast_jax.presets import PRESETS
 
 import oracle
+from cases import shared_program
 
 Q, N, D = 8, 300, 16  # N not a multiple of any tile: padding is exercised
 OUT_RTOL = 3e-6
@@ -64,10 +65,8 @@ GRID = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
-def _run(cfg, engine_name):
-    return jax.jit(lambda s, v, m, sink: engine.attention(s, v, cfg, implementation=engine_name, count_mask=m,
-                                                            sink_logit=sink))
+_run = shared_program(lambda cfg, engine_name: lambda s, v, m, sink: engine.attention(
+    s, v, cfg, implementation=engine_name, count_mask=m, sink_logit=sink))
 
 
 @pytest.mark.parametrize("engine_name", engine.IMPLEMENTATIONS)
@@ -149,7 +148,7 @@ def _sweep_fraction(cfg, delta_l, *, n=4096, seeds=4):
 
 def test_initial_max_collapse_does_not_depend_on_kv_order():
     """Reverse order is no fix once the sink is the initial max: the zeroed sets are the same."""
-    base = presets.KERNELS_2026["vllm_triton_fp8"]
+    base = presets.get_preset("vllm_triton_fp8")
     s, v, mask = _instance(4)
     fwd = engine.attention(s, v, base, sink_logit=9.0)
     rev = engine.attention(s, v, base.replace(order="reverse"), sink_logit=9.0)
@@ -181,7 +180,7 @@ def test_s256_threshold_sits_at_10ln2_plus_ln256(order):
 @pytest.mark.parametrize("segments", [2, 4, 8])
 def test_split_kv_divides_the_collapse_by_the_segments(segments):
     """Only segment 0 starts from the sink: F ≈ F_L / n_segments (vLLM's 3-D path)."""
-    cfg = presets.KERNELS_2026["vllm_triton_fp8"].replace(kv_splits=segments)
+    cfg = presets.get_preset("vllm_triton_fp8").replace(kv_splits=segments)
     one, _ = _sweep_fraction(cfg.replace(kv_splits=1), 9.0)
     split, _ = _sweep_fraction(cfg, 9.0)
     pred = float(theory.learned_sink_collapse_fraction(9.0, 1.0, n_segments=segments))
@@ -265,7 +264,7 @@ def test_preset_registry_is_one_home_and_keeps_its_fingerprint():
            "trtllm_xqa_multiblock", "fa3_splitkv", "sageattn2", "sageattn2pp", "hpc_ops_prior", "hpc_ops",
            "dynamic_pow2", "sageattn3", "nvfp4_fakequant", "mxfp8_p")
     assert pj.SweepSpec(configs=old).fingerprint() == PINNED_FINGERPRINT
-    for name in presets.KERNELS_2026:
+    for name in presets.tagged("sinks_and_rescale"):
         assert name not in old and PRESETS[name].name == name
 
 
@@ -352,23 +351,23 @@ PINNED_FINGERPRINT = "2c49ac6b43060d0b"  # SweepSpec(configs=<the 19 presets abo
 
 
 def test_reproduce_section_writes_finite_tables_and_figures(tmp_path):
-    from pcast_experiments import kernels_2026 as k26
+    from pcast_experiments import sinks_and_rescale as sar
 
-    tiny = k26.Sizes(seeds=2, q_len=4, n=256, d=16, deltas_l=(5.0, 9.0, 13.0), sigmas=(1.0, 3.0), model_tokens=24)
-    md = k26.kernels_2026_section(tmp_path, sizes=tiny)
-    for f in k26.FILES:
+    tiny = sar.Sizes(seeds=2, q_len=4, n=256, d=16, deltas_l=(5.0, 9.0, 13.0), sigmas=(1.0, 3.0), model_tokens=24)
+    md = sar.sinks_and_rescale_section(tmp_path, sizes=tiny)
+    for f in sar.FILES:
         assert (tmp_path / f).stat().st_size > 0, f
     assert "nan" not in md.lower() and "Order no longer fixes it" in md and "beyond the paper" in md
     import csv
 
-    with open(tmp_path / f"{k26.NAME}_sinks.csv") as fh:
+    with open(tmp_path / f"{sar.NAME}_sinks.csv") as fh:
         rows = list(csv.DictReader(fh))
     assert {r["placement"] for r in rows} == {"init_max", "epilogue", "block_max"}
     assert all(0.0 <= float(r["frac_zeroed"]) <= 1.0 for r in rows)
 
 
-def check_kernels_2026_page(scope: dict, printed: str, folder) -> None:
-    """docs/guides/kernels_2026.md, after tests/test_docs.py ran its block: JAX's FP8 attention at
+def check_sinks_and_rescale_page(scope: dict, printed: str, folder) -> None:
+    """docs/guides/sinks_and_rescale.md, after tests/test_docs.py ran its block: JAX's FP8 attention at
     scale_s = 1, three learned sinks."""
     r = scope["r"]
     assert r.safe_scale_s == 128.0 and r.frac_zeroed.shape == (3,)

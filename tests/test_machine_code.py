@@ -1,4 +1,4 @@
-"""The Pallas kernels compiled for Hopper on a machine without a GPU (``pallas_kernels.sass``).
+"""The Pallas kernels compiled for Hopper on a machine without a GPU (``pallas_kernels.machine_code``).
 
 The Triton tests need the ``triton`` wheel (the ``test`` extra installs it; they are skipped
 without it): the kernel's Triton IR is compiled by the wheel's pipeline and ptxas to a cubin for
@@ -13,19 +13,19 @@ from __future__ import annotations
 import pytest
 
 import pallas_kernels as pk
-from pallas_kernels import sass
+from pallas_kernels import machine_code as mc
 from pcast_jax.presets import get_preset, preset_for
 
 #: FA3's P-cast at a 128-key block (the preset's own block at d = 128 is 224; see OWN_TILES).
 FA3_128 = get_preset("fa3").replace(block_kv=128, name="fa3")
-SHAPE = sass.KernelShape(batch=1, heads=2, kv_heads=1, q_len=128, n=512, head_dim=128)
-QK, PV = sass.PRODUCTS
+SHAPE = mc.KernelShape(batch=1, heads=2, kv_heads=1, q_len=128, n=512, head_dim=128)
+QK, PV = mc.PRODUCTS
 #: Presets at their own KV blocks, which no 128-key tile holds: FA3's 224 at d = 128 and 160 at
 #: d = 64, FlashInfer's 192, the paper's 64 (N = 512 is a multiple of none of 224, 192, 160).
 OWN_TILES = {
     "fa3_b224": (preset_for("fa3", 128), SHAPE),
-    "fa3_d64_b160": (preset_for("fa3", 64), sass.KernelShape(batch=1, heads=2, kv_heads=1, q_len=128, n=512,
-                                                            head_dim=64)),
+    "fa3_d64_b160": (preset_for("fa3", 64), mc.KernelShape(batch=1, heads=2, kv_heads=1, q_len=128, n=512,
+                                                          head_dim=64)),
     "flashinfer_sm90_b192": (get_preset("flashinfer_sm90"), SHAPE),
     "fwd_s1_b64": (get_preset("fwd_s1"), SHAPE),
 }
@@ -44,11 +44,11 @@ def test_parse_ptxas_log():
         "    1040 bytes stack frame, 1820 bytes spill stores, 1600 bytes spill loads\n"
         "ptxas info    : Used 255 registers, used 1 barriers, 1040 bytes cumulative stack size, 16 bytes smem\n"
     )
-    res = sass.parse_ptxas_log(log)
-    assert res == sass.PtxasResources(registers=255, stack_frame=1040, spill_stores=1820, spill_loads=1600,
-                                      static_smem=16, barriers=1)
+    res = mc.parse_ptxas_log(log)
+    assert res == mc.PtxasResources(registers=255, stack_frame=1040, spill_stores=1820, spill_loads=1600,
+                                    static_smem=16, barriers=1)
     with pytest.raises(ValueError, match="Used"):
-        sass.parse_ptxas_log("ptxas info    : 11 bytes gmem\n")
+        mc.parse_ptxas_log("ptxas info    : 11 bytes gmem\n")
 
 
 def test_parse_sass_counts_fp8_and_converted_mma():
@@ -61,7 +61,7 @@ def test_parse_sass_counts_fp8_and_converted_mma():
         "        /*0e70*/                   STL [R1+0x4], R2 ;",
         "        /*0e80*/                   LDL.LU R2, [R1+0x4] ;",
     ])
-    s = sass.parse_sass(listing)
+    s = mc.parse_sass(listing)
     assert (s.fp8_mma, s.other_mma, s.e4m3_unpacks, s.local_stores, s.local_loads) == (2, 1, 2, 1, 1)
     assert s.mma_opcodes() == {"QGMMA.64x128x32.F32.E4M3.E4M3": 2, "HMMA.16816.F32": 1}
 
@@ -80,7 +80,7 @@ def test_parse_ptx_attributes_mma_to_their_dot_line():
         '\t.file\t1 "build/kernel.ttir"',
         '\t.file\t2 "build/other.py"',
     ])
-    qk, pv, other = sass.parse_ptx_mma(ptx, {202: QK, 317: PV}, "kernel.ttir")
+    qk, pv, other = mc.parse_ptx_mma(ptx, {202: QK, 317: PV}, "kernel.ttir")
     assert (qk.product, qk.kind, qk.fp8, qk.converted) == (QK, "wgmma", 1, 0)
     assert (pv.product, pv.kind, pv.fp8, pv.converted) == (PV, "mma.sync", 0, 2)
     assert (other.product, other.converted) == ("other", 1)
@@ -92,7 +92,7 @@ def test_parse_ptx_attributes_mma_to_their_dot_line():
 
 
 def test_mosaic_kernel_issues_fp8_wgmma_for_both_products():
-    products = sass.mosaic_wgmma(sass.lower_for_hopper("mosaic", FA3_128, SHAPE))
+    products = mc.mosaic_wgmma(mc.lower_for_hopper("mosaic", FA3_128, SHAPE))
     assert [p.product for p in products] == [QK, PV]
     for p in products:
         # per compute warpgroup: K / 32 wgmma of 64 rows; d = block_kv = 128
@@ -106,7 +106,7 @@ def test_mosaic_issues_fp8_wgmma_at_the_presets_own_blocks(case):
     cfg, shape = OWN_TILES[case]
     tile, d = pk.kv_tile("mosaic", cfg.block_kv), shape.head_dim
     assert tile == cfg.block_kv  # every preset's block is a multiple of 32: no masked tile keys
-    qk, pv = sass.mosaic_wgmma(sass.lower_for_hopper("mosaic", cfg, shape))
+    qk, pv = mc.mosaic_wgmma(mc.lower_for_hopper("mosaic", cfg, shape))
     assert (qk.product, pv.product) == (QK, PV)
     assert dict(qk.instructions) == {f"wgmma.mma_async.sync.aligned.m64n{tile}k32.f32.e4m3.e4m3": d // 32}
     assert dict(pv.instructions) == {f"wgmma.mma_async.sync.aligned.m64n{d}k32.f32.e4m3.e4m3": tile // 32}
@@ -120,7 +120,7 @@ def test_mosaic_issues_fp8_wgmma_at_the_presets_own_blocks(case):
     "PJRT plugin's mosaic_gpu_v2 custom call alone (see the XLA tests below)",
 )
 def test_cpu_jaxlib_runs_the_mosaic_pipeline():
-    assert sass.mosaic_offline_blockers() == ()
+    assert mc.mosaic_offline_blockers() == ()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -140,7 +140,7 @@ def wheel_builds(triton_wheel):
 
     def build(name):
         if name not in cache:
-            cache[name] = sass.triton_report(FA3_128 if name == "fa3" else get_preset(name), SHAPE)
+            cache[name] = mc.triton_report(FA3_128 if name == "fa3" else get_preset(name), SHAPE)
         return cache[name]
 
     return build
@@ -183,7 +183,7 @@ def test_triton_uses_fp8_tensor_cores_for_both_products(shipped):
 def test_triton_reaches_fp8_wgmma_without_spills_at_the_presets_own_blocks(case, triton_wheel):
     """Each block on its power-of-two tile (224, 192, 160 on 256 keys), at the custom call's settings."""
     cfg, shape = OWN_TILES[case]
-    report, build = sass.triton_report(cfg, shape)
+    report, build = mc.triton_report(cfg, shape)
     assert (report.num_warps, report.num_stages) == (build.call.num_warps, build.call.num_stages)
     assert build.mma_versions == (3, 3)
     for p in report.products:
@@ -196,7 +196,7 @@ def test_triton_reaches_fp8_wgmma_without_spills_at_the_presets_own_blocks(case,
 
 def test_plain_dot_general_falls_back_to_mma_sync(triton_wheel):
     """Why the kernel sets the attribute: the same IR with Pallas' default maxNumImpreciseAcc = 0."""
-    report, build = sass.triton_report(FA3_128, SHAPE, max_num_imprecise_acc=0)
+    report, build = mc.triton_report(FA3_128, SHAPE, max_num_imprecise_acc=0)
     assert build.mma_versions == (2, 2)
     assert {p.kind for p in report.products} == {"mma.sync"}
     assert report.sass_fp8_mma == 0 and report.e4m3_unpacks > 0
@@ -205,8 +205,8 @@ def test_plain_dot_general_falls_back_to_mma_sync(triton_wheel):
 
 def test_triton_reaches_fp8_wgmma_without_spills_with_tl_dot_accumulation(triton_wheel):
     """The same IR with maxNumImpreciseAcc = 2^30 (what tl.dot sets on sm_90): FP8 QGMMA, no spills."""
-    report, build = sass.triton_report(
-        FA3_128, SHAPE, max_num_imprecise_acc=sass.TL_DOT_SM90_MAX_NUM_IMPRECISE_ACC
+    report, build = mc.triton_report(
+        FA3_128, SHAPE, max_num_imprecise_acc=mc.TL_DOT_SM90_MAX_NUM_IMPRECISE_ACC
     )
     assert build.mma_versions == (3, 3)
     for p in report.products:
@@ -225,18 +225,18 @@ def test_triton_reaches_fp8_wgmma_without_spills_with_tl_dot_accumulation(triton
 
 @pytest.fixture(scope="module")
 def xla_plugin(triton_wheel):
-    if not sass.xla_available():
+    if not mc.xla_available():
         pytest.skip("needs the jax CUDA plugin (pip install jax-cuda12-plugin==<jax version>)")
 
 
 @pytest.fixture(scope="module")
 def xla_mosaic(xla_plugin):
-    return sass.xla_report("mosaic", FA3_128, SHAPE)
+    return mc.xla_report("mosaic", FA3_128, SHAPE)
 
 
 @pytest.fixture(scope="module")
 def xla_triton(xla_plugin):
-    return sass.xla_report("triton", FA3_128, SHAPE)
+    return mc.xla_report("triton", FA3_128, SHAPE)
 
 
 def test_mosaic_compiles_with_xla_to_fp8_wgmma_without_spills(xla_mosaic):
@@ -255,7 +255,7 @@ def test_mosaic_compiles_with_xla_to_fp8_wgmma_without_spills(xla_mosaic):
 def test_mosaic_compiles_with_xla_without_spills_at_the_presets_own_blocks(case, causal, xla_plugin):
     """The presets' own blocks, N = 512 (the last block masked; causal: the diagonal too)."""
     cfg, shape = OWN_TILES[case]
-    report, build = sass.xla_report("mosaic", cfg.replace(causal=causal), shape)
+    report, build = mc.xla_report("mosaic", cfg.replace(causal=causal), shape)
     for p in report.products:
         assert p.kind == "wgmma" and p.fp8 > 0 and p.converted == 0, p
     assert report.sass_fp8_mma == sum(p.fp8 for p in report.products) and report.sass_other_mma == 0
@@ -279,4 +279,4 @@ def test_triton_compiled_by_xla_uses_fp8_wgmma_without_spills(xla_triton):
 
 
 def parse_mma(sass_text: str) -> dict[str, int]:
-    return sass.parse_sass(sass_text).mma_opcodes()
+    return mc.parse_sass(sass_text).mma_opcodes()
