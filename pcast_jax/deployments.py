@@ -27,7 +27,8 @@ from pcast_jax.presets import get_preset
 from pcast_jax.stats import decide, mean_sem
 
 __all__ = ["Deployment", "DEPLOYMENTS", "ENGINES", "GPUS", "KV_CACHE_DTYPES", "KNOBS", "find", "checkpoint_scales",
-           "scale_from_knob", "knob_from_scale", "Diagnosis", "diagnose", "ZEROED_MASS_LIMIT", "CLIPPED_MASS_LIMIT"]
+           "scale_from_knob", "knob_from_scale", "knob_setting", "Diagnosis", "diagnose", "ZEROED_MASS_LIMIT",
+           "CLIPPED_MASS_LIMIT"]
 
 #: GPU architectures: NVIDIA compute capabilities and AMD gfx targets.
 GPUS = ("sm90", "sm100", "sm120", "gfx942", "gfx950")
@@ -211,6 +212,28 @@ def scale_from_knob(knob: str, value: float, factor: float = 1.0) -> float:
 def knob_from_scale(knob: str, scale: float, factor: float = 1.0) -> float:
     """The knob's value that sets S (the inverse of :func:`scale_from_knob`)."""
     return scale_from_knob(knob, scale, factor) if knob == "prob_scale" else float(scale)
+
+
+def knob_setting(config: KernelConfig, scale: float, *, head_dim: int | None = None) -> tuple[str, float, str]:
+    """What a static ``scale`` of ``config``'s kernel is in the knob a deployment sets it through.
+
+    The first row of :data:`DEPLOYMENTS` with a knob whose preset (at its tile for ``head_dim``) is
+    ``config`` at some scale gives it: ``("scale_s", scale, "jax cudnn")`` for cuDNN (the config's
+    ``scale`` is the caller's ``scale_s``; the kernel multiplies P by scale_s·2^-τ), ``("prob_scale",
+    factor/scale, "vllm rocm_flash")``; any other kernel ``("scale", scale, "")``, the
+    :class:`KernelConfig` field.
+    """
+    from pcast_jax.presets import preset_for
+
+    family = config.replace(scale=1.0)
+    for row in DEPLOYMENTS:
+        if row.knob == "none":
+            continue
+        for name in row.presets:
+            preset = get_preset(name) if head_dim is None else preset_for(name, head_dim)
+            if preset.replace(scale=1.0) == family:
+                return row.knob, knob_from_scale(row.knob, scale, row.knob_factor), f"{row.engine} {row.backend}"
+    return "scale", float(scale), ""
 
 
 @dataclasses.dataclass(frozen=True)
