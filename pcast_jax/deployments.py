@@ -21,7 +21,7 @@ from typing import Literal
 
 import numpy as np
 
-from pcast_jax.config import KernelConfig
+from pcast_jax.config import KernelConfig, scale_candidates
 from pcast_jax.errors import PcastError, check_choice
 from pcast_jax.presets import get_preset
 from pcast_jax.stats import decide, mean_sem
@@ -311,7 +311,8 @@ def diagnose(deployment: Deployment, *, knob_value: float | None = None, scales:
 
     Returns:
       A :class:`Diagnosis`: the criterion is :data:`ZEROED_MASS_LIMIT` and :data:`CLIPPED_MASS_LIMIT` on
-      the mean over query rows at every Δ; the recommendation is the smallest power-of-two S (as the
+      the mean over query rows at every Δ; the recommendation is the smallest power-of-two S (of
+      :func:`pcast_jax.config.scale_candidates`, simulated in the verdict's program; as the
       knob's value) whose simulation meets it, computed only when the current setting does not.
     """
     scales = scales or {}
@@ -342,7 +343,16 @@ def diagnose(deployment: Deployment, *, knob_value: float | None = None, scales:
                                    name=f"{name}@{knob}={value:g}")
             configs.append(cfg)
             labels.append((name, value))
-    sim = _simulate(configs, tuple(float(d) for d in deltas), n=n, seeds=seeds, learned_sink=learned_sink)
+    candidates: dict = {}  # (preset, S) -> its config: the knob's candidate settings (scale_candidates)
+    if knob != "none":
+        for name in deployment.presets:
+            base = get_preset(name)
+            candidates.update({(name, s): base.replace(scale=s, name=f"{name}@S={s:g}")
+                               for s in scale_candidates(base)})
+    # one program for the verdict and the candidates (a candidate equal to a verdict config is that config)
+    extra = [c for c in candidates.values() if c not in configs]
+    sim = _simulate(configs + extra, tuple(float(d) for d in deltas), n=n, seeds=seeds, learned_sink=learned_sink)
+    by_config = {cfg: sim[cfg.name] for cfg in configs + extra}
     rows = []
     for cfg, (name, value) in zip(configs, labels):
         for d, (z, c, f) in sim[cfg.name].items():
@@ -368,18 +378,17 @@ def diagnose(deployment: Deployment, *, knob_value: float | None = None, scales:
                   "setting of this backend avoids it; use a backend whose kernel passes (pcast doctor on another "
                   "--backend), or check on your model with pcast analyze")
     else:
-        candidates = [2.0 ** k for k in range(0, 16)]
-        cand_cfgs = [get_preset(name).replace(scale=s, name=f"{name}@S={s:g}")
-                     for name in deployment.presets for s in candidates]
-        cand = _simulate(cand_cfgs, tuple(float(d) for d in deltas), n=n, seeds=seeds, learned_sink=learned_sink)
-        for s in candidates:
-            if all(_passes(cand[f"{name}@S={s:g}"].values()) for name in deployment.presets):
+        scales = sorted(s for s in {s for _, s in candidates}
+                        if all((name, s) in candidates for name in deployment.presets))
+        for s in scales:
+            if all(_passes(by_config[candidates[(name, s)]].values()) for name in deployment.presets):
                 recommended = knob_from_scale(knob, s, deployment.knob_factor)
                 break
         what = "clips" if all(r["zeroed_mass"] <= ZEROED_MASS_LIMIT for r in bad) else "zeroes"
         if recommended is None:
-            advice = (f"the cast {what} more than the limit from Δ = {collapse:g} and no power-of-two S from 1 to 2^15 "
-                      f"meets the criterion on every Δ; narrow the Δ range to your model's (pcast analyze)")
+            advice = (f"the cast {what} more than the limit from Δ = {collapse:g} and no power-of-two S from 1 to "
+                      f"{scales[-1]:g} (beyond, P·S would pass the format's max) meets the criterion on every Δ; "
+                      "narrow the Δ range to your model's (pcast analyze)")
         else:
             scale = scale_from_knob(knob, recommended, deployment.knob_factor)
             advice = (f"the cast {what} more than the limit from Δ = {collapse:g}; set {knob} = {recommended:g} "

@@ -46,7 +46,7 @@ import numpy as np
 from pcast_jax import stats as _stats
 from pcast_jax.analysis.capture import Trace
 from pcast_jax.analysis.heads import SCALE_GRID, E2EMetrics, analyze_trace, compare_logits, sink_statistics
-from pcast_jax.config import KernelConfig
+from pcast_jax.config import KernelConfig, scale_candidates
 from pcast_jax.errors import PcastError, check_f32, check_int
 from pcast_jax.presets import get_preset, preset_for, resolve
 
@@ -81,15 +81,6 @@ def verdict(zeroed_mass_max: float, saturated_mass_max: float, mass_limit: float
         return SAFE
     fails = [word for word, mass in (("loses", zeroed_mass_max), ("clips", saturated_mass_max)) if mass > mass_limit]
     return " and ".join(fails) + " mass"
-
-
-def scale_candidates(config: KernelConfig) -> tuple[float, ...]:
-    """The ``scale`` values a safe-scale scan tries: 1, 2, 4, … up to the largest power of two whose
-    applied scale (:attr:`KernelConfig.effective_scale`, S·2^-τ under cuDNN's compensation) is at
-    most the P format's largest finite value (448 for E4M3: 1 … 256)."""
-    applied_per_unit = config.replace(scale=1.0).effective_scale
-    top = max(0, math.floor(math.log2(config.fmt.max / applied_per_unit)))
-    return tuple(float(2 ** e) for e in range(top + 1))
 
 
 @dataclasses.dataclass(frozen=True)
