@@ -647,6 +647,35 @@ def test_jax_fp8_scan_on_a_trace_is_the_numpy_kernel(kind, gpu, tau):
     assert r.summary().splitlines()[0] == f"GPU: {r.gpu}." and r.summary().endswith(r.answer())
 
 
+def test_jax_fp8_scan_with_a_model_gives_each_candidates_kl():
+    """With ``logits_fn`` every candidate's row carries the KL and top-1 agreement of the logits the model gave
+    at that scale_s (here a stand-in model whose logits drift as 1/scale_s), and the answer quotes the
+    recommendation's."""
+    import dataclasses
+
+    from pcast_jax import jax_fp8
+
+    base = character_trace("no sink", T=320)
+    tokens = np.random.default_rng(3).integers(0, 11, (1, 320))
+    trace = dataclasses.replace(base, tokens=tokens)
+    ref = np.random.default_rng(4).normal(size=(1, 320, 11)).astype(np.float32)
+    noise = np.random.default_rng(5).normal(size=ref.shape).astype(np.float32)
+    seen = []
+
+    def logits(config):
+        seen.append(None if config is None else config.scale)
+        return ref if config is None else ref + noise / config.scale
+
+    r = jax_fp8.predict(trace=trace, gpu="hopper", min_keys=8, logits_fn=logits)
+    assert seen == [None] + [row["scale_s"] for row in r.rows()]
+    for row in r.rows():
+        want = compare_logits(ref, ref + noise / row["scale_s"], tokens)
+        assert (row["kl"], row["top1_agree"]) == (want.kl, want.top1_agree)
+    assert f"KL {r.e2e[r.recommended].kl:.2e} nats/token" in r.answer()
+    with pytest.raises(PcastError, match="tokens"):
+        jax_fp8.predict(trace=base, logits_fn=logits)
+
+
 def test_jax_fp8_scan_says_when_no_scale_s_passes():
     """A limit no candidate meets: the answer says so instead of recommending one."""
     from pcast_jax import jax_fp8
