@@ -363,7 +363,8 @@ class JaxFP8Scan:
         layers, heads, seqs, tokens = self.shape
         lines = [f"GPU: {self.gpu}.",
                  f"JAX's cuDNN FP8 attention: P cast to E4M3 at S_eff = scale_s·2^-{c.rescale_threshold:g}, forward "
-                 f"order, {c.block_kv}-key blocks; simulated on the trace ({layers} layers × {heads} heads, {seqs} "
+                 f"order, {c.block_kv}-key blocks; simulated on the trace ({layers} layer{'s' if layers > 1 else ''} × "
+                 f"{heads} heads, {seqs} "
                  f"sequence{'s' if seqs > 1 else ''} of up to {tokens} tokens) at each scale_s.",
                  criterion_words(self.mass_limit)]
         if self.e2e is not None:
