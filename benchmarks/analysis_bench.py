@@ -4,7 +4,10 @@ Synthetic trace: 30 layers, one sequence of 1,024 tokens, 9 query heads over 3 K
 Gaussian Q/K/V with a planted sink at key 0 in the later layers (the analysis' cost does not depend on
 the values). Times, in one process: the first ``analyze`` call (compiles: one program per layer shape
 and configuration) and the median of ``--repeats`` further calls (warm), wall clock and process CPU
-time, for the default configurations of ``pcast analyze``. Writes ``results/analysis_benchmark.json``.
+time, for the default configurations of ``pcast analyze``; then the same for the JAX question on the
+trace, ``jax_fp8.predict(trace=..., gpu="hopper")`` (cuDNN's FP8 attention simulated at every
+power-of-two ``scale_s``, 9 candidates at τ = 0; what ``pcast jax-fp8 --trace`` computes). Writes
+``results/analysis_benchmark.json``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pcast_jax import jax_fp8
 from pcast_jax.analysis import Trace, analyze
 from pcast_jax.commands.analyze import DEFAULT_CONFIGS
 
@@ -49,10 +53,21 @@ def main(argv=None) -> dict:
 
     first_wall, first_cpu, result = timed()
     warm = [timed()[:2] for _ in range(args.repeats)]
+
+    def scan():
+        wall, cpu = time.perf_counter(), time.process_time()
+        answer = jax_fp8.predict(trace=trace, gpu="hopper")
+        return time.perf_counter() - wall, time.process_time() - cpu, answer
+
+    scan_first_wall, scan_first_cpu, answer = scan()
+    scan_warm = [scan()[:2] for _ in range(args.repeats)]
     out = {"layers": args.layers, "tokens": args.tokens, "heads": 9, "kv_heads": 3, "head_dim": 64,
            "configs": configs, "first_call_s": first_wall, "first_call_cpu_s": first_cpu,
            "warm_s": statistics.median(w for w, _ in warm), "warm_cpu_s": statistics.median(c for _, c in warm),
-           "summary": result.summary_lines()[0]}
+           "summary": result.summary_lines()[0],
+           "jax_fp8_candidates": len(answer.rows()), "jax_fp8_first_call_s": scan_first_wall,
+           "jax_fp8_first_call_cpu_s": scan_first_cpu, "jax_fp8_warm_s": statistics.median(w for w, _ in scan_warm),
+           "jax_fp8_warm_cpu_s": statistics.median(c for _, c in scan_warm), "jax_fp8_answer": answer.answer()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out, indent=1))

@@ -3,7 +3,7 @@
 In one process: for each deployment, the first :func:`pcast_jax.deployments.diagnose` (compiles: one
 program for the verdict's sweep, one more for the candidate scan where a knob is recommended) and the
 median of ``--repeats`` further calls (warm), wall clock. The first deployment has no knob (verdict only),
-the second recommends ``scale_s`` (verdict and the 16-candidate scan). Writes
+the second recommends ``scale_s`` (verdict and the candidate scan, one program). Writes
 ``results/doctor_benchmark.json``.
 """
 

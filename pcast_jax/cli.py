@@ -34,7 +34,8 @@ COMMANDS: dict[str, str] = {
     "presets": "List the kernel presets and their P-cast configuration (--show NAME: one as key=value).",
     "plot": "Plot a finished sweep's metric against Δ or N (PNG, in the reproduction figures' style).",
     "kernels": "Compile the Pallas FP8 kernels for Hopper without a GPU: registers, spills, FP8 wgmma use.",
-    "jax-fp8": "What JAX's own FP8 attention (cuDNN FP8 SDPA) does to P for your scale_s, head dim and sinks.",
+    "jax-fp8": "What JAX's own FP8 attention (cuDNN FP8 SDPA) does to P, on your model's trace or synthetic logits, "
+               "and the scale_s to pass.",
     "doctor": "From a deployment (engine, backend, GPU, checkpoint) to its kernel, a P-collapse verdict and the fix.",
     "fingerprint": "Read a closed kernel's P-cast from its outputs on designed probes (probe, fit, --preset).",
 }

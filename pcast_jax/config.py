@@ -33,7 +33,7 @@ from pcast_jax.errors import F32_MAX, PcastError, check_choice, check_int, check
 __all__ = ["KernelConfig", "Numbers", "BoundConfig",
            "MMA_K", "QKV_GRANULARITIES", "SINK_MODES", "RESCALE_UNITS", "RESCALE_COMPENSATIONS",
            "Order", "ScaleMode", "Accumulator", "QKVPrecision", "QKVGranularity", "SplitLayout", "SinkMode",
-           "RescaleUnit", "RescaleCompensation"]
+           "RescaleUnit", "RescaleCompensation", "scale_candidates"]
 
 #: KV block orders (:attr:`KernelConfig.order`).
 Order = Literal["forward", "reverse"]
@@ -590,6 +590,15 @@ class BoundConfig(KernelConfig):
 
     def to_dict(self) -> dict:
         raise PcastError("a BoundConfig holds bound (possibly traced) numbers: save the config it was made from")
+
+
+def scale_candidates(config: KernelConfig) -> tuple[float, ...]:
+    """The ``scale`` values a safe-scale scan tries: 1, 2, 4, … up to the largest power of two whose
+    applied scale (:attr:`KernelConfig.effective_scale`, S·2^-τ under cuDNN's compensation) is at
+    most the P format's largest finite value (448 for E4M3: 1 … 256)."""
+    applied_per_unit = config.replace(scale=1.0).effective_scale
+    top = max(0, math.floor(math.log2(config.fmt.max / applied_per_unit)))
+    return tuple(float(2 ** e) for e in range(top + 1))
 
 
 def _field_types(cls) -> dict[str, type]:

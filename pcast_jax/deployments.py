@@ -21,13 +21,14 @@ from typing import Literal
 
 import numpy as np
 
-from pcast_jax.config import KernelConfig
+from pcast_jax.config import KernelConfig, scale_candidates
 from pcast_jax.errors import PcastError, check_choice, check_int
 from pcast_jax.presets import get_preset
 from pcast_jax.stats import decide, mean_sem
 
 __all__ = ["Deployment", "DEPLOYMENTS", "ENGINES", "GPUS", "KV_CACHE_DTYPES", "KNOBS", "find", "checkpoint_scales",
-           "scale_from_knob", "knob_from_scale", "SCALE_RANGE", "Diagnosis", "diagnose", "ZEROED_MASS_LIMIT",
+           "scale_from_knob", "knob_from_scale", "knob_setting", "SCALE_RANGE", "Diagnosis", "diagnose",
+           "ZEROED_MASS_LIMIT",
            "CLIPPED_MASS_LIMIT"]
 
 #: GPU architectures: NVIDIA compute capabilities and AMD gfx targets.
@@ -222,6 +223,28 @@ def knob_from_scale(knob: str, scale: float, factor: float = 1.0) -> float:
     return scale_from_knob(knob, scale, factor) if knob == "prob_scale" else float(scale)
 
 
+def knob_setting(config: KernelConfig, scale: float, *, head_dim: int | None = None) -> tuple[str, float, str]:
+    """What a static ``scale`` of ``config``'s kernel is in the knob a deployment sets it through.
+
+    The first row of :data:`DEPLOYMENTS` with a knob whose preset (at its tile for ``head_dim``) is
+    ``config`` at some scale gives it: ``("scale_s", scale, "jax cudnn")`` for cuDNN (the config's
+    ``scale`` is the caller's ``scale_s``; the kernel multiplies P by scale_s·2^-τ), ``("prob_scale",
+    factor/scale, "vllm rocm_flash")``; any other kernel ``("scale", scale, "")``, the
+    :class:`KernelConfig` field.
+    """
+    from pcast_jax.presets import preset_for
+
+    family = config.replace(scale=1.0)
+    for row in DEPLOYMENTS:
+        if row.knob == "none":
+            continue
+        for name in row.presets:
+            preset = get_preset(name) if head_dim is None else preset_for(name, head_dim)
+            if preset.replace(scale=1.0) == family:
+                return row.knob, knob_from_scale(row.knob, scale, row.knob_factor), f"{row.engine} {row.backend}"
+    return "scale", float(scale), ""
+
+
 @dataclasses.dataclass(frozen=True)
 class Diagnosis:
     """The doctor's answer for one deployment: each preset's worst Δ and what the knob should be."""
@@ -297,7 +320,8 @@ def diagnose(deployment: Deployment, *, knob_value: float | None = None, scales:
 
     Returns:
       A :class:`Diagnosis`: the criterion is :data:`ZEROED_MASS_LIMIT` and :data:`CLIPPED_MASS_LIMIT` on
-      the mean over query rows at every Δ; the recommendation is the smallest power-of-two S (as the
+      the mean over query rows at every Δ; the recommendation is the smallest power-of-two S (of
+      :func:`pcast_jax.config.scale_candidates`, simulated in the verdict's program; as the
       knob's value) whose simulation meets it, computed only when the current setting does not.
     """
     if not isinstance(deployment, Deployment):
@@ -333,7 +357,16 @@ def diagnose(deployment: Deployment, *, knob_value: float | None = None, scales:
                                    name=f"{name}@{knob}={value:g}")
             configs.append(cfg)
             labels.append((name, value))
-    sim = _simulate(configs, tuple(float(d) for d in deltas), n=n, seeds=seeds, learned_sink=learned_sink)
+    candidates: dict = {}  # (preset, S) -> its config: the knob's candidate settings (scale_candidates)
+    if knob != "none":
+        for name in deployment.presets:
+            base = get_preset(name)
+            candidates.update({(name, s): base.replace(scale=s, name=f"{name}@S={s:g}")
+                               for s in scale_candidates(base)})
+    # one program for the verdict and the candidates (a candidate equal to a verdict config is that config)
+    extra = [c for c in candidates.values() if c not in configs]
+    sim = _simulate(configs + extra, tuple(float(d) for d in deltas), n=n, seeds=seeds, learned_sink=learned_sink)
+    by_config = {cfg: sim[cfg.name] for cfg in configs + extra}
     rows = []
     for cfg, (name, value) in zip(configs, labels):
         for d, (z, c, f) in sim[cfg.name].items():
@@ -359,18 +392,17 @@ def diagnose(deployment: Deployment, *, knob_value: float | None = None, scales:
                   "setting of this backend avoids it; use a backend whose kernel passes (pcast doctor on another "
                   "--backend), or check on your model with pcast analyze")
     else:
-        candidates = [2.0 ** k for k in range(0, 16)]
-        cand_cfgs = [get_preset(name).replace(scale=s, name=f"{name}@S={s:g}")
-                     for name in deployment.presets for s in candidates]
-        cand = _simulate(cand_cfgs, tuple(float(d) for d in deltas), n=n, seeds=seeds, learned_sink=learned_sink)
-        for s in candidates:
-            if all(_passes(cand[f"{name}@S={s:g}"].values()) for name in deployment.presets):
+        scales = sorted(s for s in {s for _, s in candidates}
+                        if all((name, s) in candidates for name in deployment.presets))
+        for s in scales:
+            if all(_passes(by_config[candidates[(name, s)]].values()) for name in deployment.presets):
                 recommended = knob_from_scale(knob, s, deployment.knob_factor)
                 break
         what = "clips" if all(r["zeroed_mass"] <= ZEROED_MASS_LIMIT for r in bad) else "zeroes"
         if recommended is None:
-            advice = (f"the cast {what} more than the limit from Δ = {collapse:g} and no power-of-two S from 1 to 2^15 "
-                      f"meets the criterion on every Δ; narrow the Δ range to your model's (pcast analyze)")
+            advice = (f"the cast {what} more than the limit from Δ = {collapse:g} and no power-of-two S from 1 to "
+                      f"{scales[-1]:g} (beyond, P·S would pass the format's max) meets the criterion on every Δ; "
+                      "narrow the Δ range to your model's (pcast analyze)")
         else:
             scale = scale_from_knob(knob, recommended, deployment.knob_factor)
             advice = (f"the cast {what} more than the limit from Δ = {collapse:g}; set {knob} = {recommended:g} "

@@ -10,8 +10,15 @@ compensated by S_eff = scale_s·2^-τ. JAX passes no learned sink itself (Transf
 
 :func:`predict` takes those arguments and returns the matching
 :class:`~pcast_jax.config.KernelConfig`, the closed-form and simulated zeroed and saturated
-fractions and masses per head, and the scale_s that avoids saturation. ``pcast jax-fp8`` is the same
-question from the command line.
+fractions and masses per head, and the scale_s that avoids saturation. With ``trace=`` (a recorded
+:class:`~pcast_jax.analysis.Trace` of the user's model) it answers on the model instead: the kernel
+simulated on the trace at every power-of-two ``scale_s``, the worst head's zeroed and clipped mass per
+candidate (the criterion of ``pcast analyze``, :func:`pcast_jax.analysis.study.meets_criterion`), the
+KL of the model run through it when given, and the ``scale_s`` to pass (:class:`JaxFP8Scan`).
+
+The GPU generation sets τ (:data:`GPUS`, :data:`DEFAULT_GPU`): cuDNN's reference runs τ = 4 nats on
+Blackwell (SM100) and τ = 0 on Hopper (:data:`pcast_jax.presets.cudnn.TAU_BY_GPU`, sources in
+:data:`pcast_jax.presets.cudnn.TAU_SOURCE`). ``pcast jax-fp8`` is the same question from the command line.
 """
 
 from __future__ import annotations
@@ -24,7 +31,46 @@ import numpy as np
 from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError, check_finite, check_int, check_positive
 
-__all__ = ["JaxFP8Prediction", "NO_THEORY", "cudnn_config", "predict", "scale_s_from", "theory_text"]
+__all__ = ["DEFAULT_GPU", "GPUS", "JaxFP8Prediction", "JaxFP8Scan", "NO_THEORY", "cudnn_config", "gpu_tau", "predict",
+           "scale_s_from", "theory_text"]
+
+#: GPU generations JAX's cuDNN FP8 attention runs on, by name and compute capability, to the key of
+#: :data:`pcast_jax.presets.cudnn.TAU_BY_GPU`.
+GPUS = {"hopper": "sm90", "sm90": "sm90", "blackwell": "sm100", "sm100": "sm100"}
+#: The generation assumed when none is given (and said so in every answer).
+DEFAULT_GPU = "blackwell"
+_GPU_WORDS = {"sm90": "Hopper (sm90)", "sm100": "Blackwell (sm100)"}
+
+
+def gpu_tau(gpu: str | None = None, rescale_threshold: float | None = None, *,
+            names: tuple[str, str] = ("gpu", "rescale_threshold")) -> tuple[float, str]:
+    """cuDNN's lazy-rescale τ (nats) and where it comes from, in words.
+
+    ``gpu`` (:data:`GPUS`) sets τ from :data:`pcast_jax.presets.cudnn.TAU_BY_GPU`; ``rescale_threshold``
+    overrides it (``CUDNN_RESCALE_THRESHOLD``) and is refused when it contradicts a ``gpu`` given with it;
+    neither: :data:`DEFAULT_GPU`. ``names``: the two parameters as the caller spells them in errors.
+    """
+    from pcast_jax.presets.cudnn import TAU_BY_GPU, TAU_SOURCE
+
+    gpu_name, tau_name = names
+    if gpu is not None and (not isinstance(gpu, str) or gpu.lower() not in GPUS):
+        raise PcastError(f"{gpu_name}={gpu!r} must be one of hopper, blackwell (or sm90, sm100)")
+    if rescale_threshold is not None:
+        tau = check_finite(tau_name, rescale_threshold)
+        if tau < 0:
+            raise PcastError(f"{tau_name}={tau!r} must be >= 0 (nats)")
+        if gpu is None:
+            return tau, f"τ = {tau:g} nats as given (Hopper's is {TAU_BY_GPU['sm90']:g}, Blackwell's " \
+                        f"{TAU_BY_GPU['sm100']:g})"
+        arch = GPUS[gpu.lower()]
+        if tau != TAU_BY_GPU[arch]:
+            raise PcastError(f"{tau_name}={tau:g} contradicts {gpu_name}={gpu!r}, whose cuDNN runs τ = "
+                             f"{TAU_BY_GPU[arch]:g} ({TAU_SOURCE[arch]}): give one of them")
+    default = gpu is None
+    arch = GPUS[(gpu or DEFAULT_GPU).lower()]
+    return TAU_BY_GPU[arch], (f"{_GPU_WORDS[arch]}{', the default' if default else ''}: τ = {TAU_BY_GPU[arch]:g} "
+                              f"nats ({TAU_SOURCE[arch]})")
+
 
 #: Head dims cuDNN's FP8 SDPA takes through JAX (``fused_attention_stablehlo.py``, the FP8 checks at
 #: lines 370-377, commit cec06d1): ≤ 256 and a multiple of 16 for inference; training needs 128.
@@ -84,6 +130,7 @@ class JaxFP8Prediction:
       safe_scale_s: the largest power-of-two scale_s that never saturates at this τ
         (:func:`pcast_jax.theory.saturation_free_scale`), and ``safe_critical_delta`` the learned-sink
         logit at which half the non-sink P would still be zeroed with it.
+      gpu: the GPU generation and the τ it sets, in words (:func:`gpu_tau`).
     """
 
     config: KernelConfig
@@ -99,13 +146,15 @@ class JaxFP8Prediction:
     safe_critical_delta: float
     seq_len: int
     seeds: int
+    gpu: str = ""
 
     def summary(self) -> str:
         """The answer in words, one line per finding."""
         c = self.config
         s_eff = c.effective_scale
-        lines = [f"cuDNN FP8 attention with scale_s = {c.scale:g}, tau = {c.rescale_threshold:g} nats: "
-                 f"P is cast to E4M3 at S_eff = {s_eff:g}, forward order, {c.block_kv}-key blocks."]
+        lines = [f"GPU: {self.gpu}."] if self.gpu else []
+        lines.append(f"cuDNN FP8 attention with scale_s = {c.scale:g}, tau = {c.rescale_threshold:g} nats: "
+                     f"P is cast to E4M3 at S_eff = {s_eff:g}, forward order, {c.block_kv}-key blocks.")
         if self.max_scaled_p > c.fmt.max:
             lines.append(f"A running max lagging by up to tau lets P*S reach {self.max_scaled_p:.4g} > {c.fmt.max:g}: "
                          "the cast can saturate there while the row sum keeps the unclipped value.")
@@ -132,38 +181,87 @@ def theory_text(frac: float) -> str:
     return NO_THEORY if math.isnan(frac) else f"theory {100 * frac:.1f}%"
 
 
-def predict(*, fp8_params=None, scale_s: float | None = None, head_dim: int = 128, seq_len: int = 4096,
-            sinks=None, rescale_threshold: float = 4.0, mxfp8: bool = False, q_len: int = 32, sigma: float = 1.0,
-            seeds: int = 8, base_seed: int = 0) -> JaxFP8Prediction:
+def predict(*, fp8_params=None, scale_s: float | None = None, head_dim: int | None = None,
+            seq_len: int | None = None, sinks=None, rescale_threshold: float | None = None, gpu: str | None = None,
+            mxfp8: bool = False, q_len: int | None = None, sigma: float | None = None, seeds: int | None = None,
+            base_seed: int | None = None, trace=None, logits_fn=None, mass_limit: float | None = None,
+            min_keys: int | None = None, progress=None):
     """Predict what cuDNN's FP8 attention (JAX's ``use_fp8=True``) does to P for these arguments.
+
+    Without ``trace``: on synthetic N(0, σ²) logits with the given learned sinks
+    (:class:`JaxFP8Prediction`). With ``trace``: on the recorded model, every power-of-two ``scale_s``
+    simulated (:class:`JaxFP8Scan`).
 
     Args:
       fp8_params: the ``fp8_params`` dict passed to JAX's FP8 attention (its ``"scale_s"`` is read);
-        or give ``scale_s`` directly (JAX's own tests build every scale from ones: 1).
-      head_dim: the head dim (≤ 256, a multiple of 16: what JAX accepts for FP8 inference).
-      seq_len: KV length N.
+        or give ``scale_s`` directly (JAX's own tests build every scale from ones: 1). With a trace,
+        the scale_s used now (added to the candidates, and its row named in the answer).
+      gpu: ``"hopper"`` or ``"blackwell"`` (``"sm90"``, ``"sm100"``): sets τ (:func:`gpu_tau`);
+        default :data:`DEFAULT_GPU`.
+      rescale_threshold: cuDNN's τ in nats, overriding the GPU's (``CUDNN_RESCALE_THRESHOLD``); refused
+        when it contradicts ``gpu``.
+      mxfp8: the MXFP8 SDPA variant (fixed S = 16, no compensation; nothing to scan on a trace).
+      head_dim: the head dim (default 128; ≤ 256, a multiple of 16: what JAX accepts for FP8 inference).
+      seq_len: KV length N (default 4096).
       sinks: learned sink logits, one per head (a number, a sequence, an array, or a ``.npy`` path),
         in the units of the scaled logits above the non-sink mean; None: one head without a sink.
-      rescale_threshold: cuDNN's τ in nats (4: its reference's default; ``CUDNN_RESCALE_THRESHOLD``).
-      mxfp8: the MXFP8 SDPA variant (fixed S = 16, no compensation).
-      q_len, sigma, seeds, base_seed: the synthetic logits the simulation draws (N(0, σ²)); the seeds
-        run one after another, and one seed's logits (heads × q_len × seq_len) must fit the memory
-        budget (:func:`pcast_jax.sweep.check_memory`).
+      q_len, sigma, seeds, base_seed: the synthetic logits the simulation draws (N(0, σ²); defaults 32,
+        1, 8, 0); the seeds run one after another, and one seed's logits (heads × q_len × seq_len)
+        must fit the memory budget (:func:`pcast_jax.sweep.check_memory`).
+      trace: a :class:`~pcast_jax.analysis.Trace` (or a trace file's path) of the model; the synthetic
+        arguments above are then refused (the trace has its own).
+      logits_fn: with a trace, ``logits_fn(config) -> logits`` of the model on ``trace.tokens``
+        (as :func:`pcast_jax.analysis.analyze` takes it): adds KL and top-1 agreement per candidate.
+      mass_limit, min_keys: with a trace, the criterion's limit (default 1e-3) and the rows counted
+        (default 16), as :func:`pcast_jax.analysis.analyze`.
+      progress: with a trace, optional ``(line) -> None`` called per stage.
     """
-    from pcast_jax import theory
-
     if fp8_params is not None and scale_s is not None:
         raise PcastError("give fp8_params or scale_s, not both")
-    s = scale_s_from(fp8_params) if fp8_params is not None else (1.0 if scale_s is None else scale_s)
-    head_dim = check_int("head_dim", head_dim, min_value=16, max_value=_MAX_HEAD_DIM)
+    given_s = scale_s_from(fp8_params) if fp8_params is not None else scale_s
+    tau, gpu_words = gpu_tau(gpu, rescale_threshold)
+    synthetic = {"head_dim": head_dim, "seq_len": seq_len, "sinks": sinks, "q_len": q_len, "sigma": sigma,
+                 "seeds": seeds, "base_seed": base_seed}
+    if trace is not None:
+        extra = [k for k, v in synthetic.items() if v is not None]
+        if extra:
+            raise PcastError(f"{', '.join(extra)}: synthetic logits' arguments, but trace= was given (the trace "
+                             "has its own heads, lengths and sinks); give one or the other")
+        if mxfp8:
+            raise PcastError("mxfp8=True with a trace: MXFP8 fixes S = 16, there is no scale_s to choose "
+                             "(pcast analyze TRACE --configs cudnn_mxfp8 analyses it)")
+        return _predict_trace(trace, given_s, tau, gpu_words, logits_fn=logits_fn,
+                              mass_limit=1e-3 if mass_limit is None else mass_limit,
+                              min_keys=16 if min_keys is None else min_keys, progress=progress)
+    extra = [k for k, v in (("logits_fn", logits_fn), ("mass_limit", mass_limit), ("min_keys", min_keys),
+                            ("progress", progress)) if v is not None]
+    if extra:
+        raise PcastError(f"{', '.join(extra)}: only with trace= (the model's recorded Q/K/V)")
+    return _predict_synthetic(1.0 if given_s is None else given_s, tau, gpu_words, mxfp8=mxfp8,
+                              head_dim=128 if head_dim is None else head_dim,
+                              seq_len=4096 if seq_len is None else seq_len, sinks=sinks,
+                              q_len=32 if q_len is None else q_len, sigma=1.0 if sigma is None else sigma,
+                              seeds=8 if seeds is None else seeds, base_seed=0 if base_seed is None else base_seed)
+
+
+def _check_head_dim(head_dim: int, what: str = "head_dim") -> int:
+    head_dim = check_int(what, head_dim, min_value=16, max_value=_MAX_HEAD_DIM)
     if head_dim % 16:
-        raise PcastError(f"head_dim={head_dim}: cuDNN's FP8 attention takes head dims that are multiples of 16 "
+        raise PcastError(f"{what}={head_dim}: cuDNN's FP8 attention takes head dims that are multiples of 16 "
                          f"(≤ {_MAX_HEAD_DIM})")
+    return head_dim
+
+
+def _predict_synthetic(s, tau, gpu_words, *, mxfp8, head_dim, seq_len, sinks, q_len, sigma, seeds,
+                       base_seed) -> JaxFP8Prediction:
+    from pcast_jax import theory
+
+    head_dim = _check_head_dim(head_dim)
     seq_len = check_int("seq_len", seq_len, min_value=1, max_value=1 << 20)
     seeds = check_int("seeds", seeds, min_value=2, max_value=4096)
     q_len = check_int("q_len", q_len, min_value=1, max_value=1 << 20)
     base_seed = check_int("base_seed", base_seed, min_value=0, max_value=2**32 - 1)
-    cfg = cudnn_config(s, rescale_threshold=rescale_threshold, mxfp8=mxfp8)
+    cfg = cudnn_config(s, rescale_threshold=tau, mxfp8=mxfp8)
     sink_arr = _sinks(sinks)
     from pcast_jax.sweep.plan import check_memory
 
@@ -182,7 +280,150 @@ def predict(*, fp8_params=None, scale_s: float | None = None, head_dim: int = 12
         frac_zeroed=frac, zeroed_mass=lz, frac_saturated=fs, saturated_mass=ls, sem=sem,
         max_scaled_p=float(theory.max_scaled_p(cfg.scale, cfg.rescale_threshold, unit="natural", compensation=comp)),
         safe_scale_s=safe, safe_critical_delta=float(theory.learned_sink_critical_delta(safe_eff)),
-        seq_len=seq_len, seeds=seeds)
+        seq_len=seq_len, seeds=seeds, gpu=gpu_words)
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxFP8Scan:
+    """What cuDNN's FP8 attention does to P on a recorded model, per candidate ``scale_s``.
+
+    Attributes:
+      config: the kernel at ``scale_s = 1`` (τ of the GPU).
+      gpu: the GPU generation and the τ it sets, in words (:func:`gpu_tau`).
+      scan: :class:`~pcast_jax.analysis.study.ScaleScan`: per candidate ``scale``, i.e. ``scale_s``
+        (``applied_scale`` = scale_s·2^-τ), the worst head's zeroed and clipped mass, the heads
+        failing, whether it meets the criterion; ``recommended`` the smallest that does.
+      given_scale_s: the scale_s asked about (None: none given).
+      mass_limit: the criterion's limit.
+      e2e: ``{scale_s: E2EMetrics}`` of the model run through the kernel at each candidate (with
+        ``logits_fn``), else None; ``e2e_fp32`` the FP32 model's own.
+      shape: ``(layers, heads, sequences, longest length)`` of the trace.
+    """
+
+    config: KernelConfig
+    gpu: str
+    scan: object
+    given_scale_s: float | None
+    mass_limit: float
+    e2e: dict | None
+    e2e_fp32: object
+    shape: tuple[int, int, int, int]
+
+    @property
+    def recommended(self) -> float | None:
+        """The ``scale_s`` to pass (None: no candidate meets the criterion)."""
+        return self.scan.recommended
+
+    def rows(self) -> list[dict]:
+        """One row per candidate: ``scale_s``, ``s_eff``, the masses, ``heads_over_limit``, ``meets``
+        (and ``kl``, ``top1_agree`` with a model)."""
+        out = []
+        for r in self.scan.rows:
+            row = {"scale_s": r["scale"], "s_eff": r["applied_scale"], "zeroed_mass_max": r["zeroed_mass_max"],
+                   "saturated_mass_max": r["saturated_mass_max"], "heads_over_limit": r["heads_over_limit"],
+                   "meets": r["meets"]}
+            if self.e2e is not None:
+                m = self.e2e[r["scale"]]
+                row.update(kl=m.kl, top1_agree=m.top1_agree, perplexity=m.perplexity)
+            out.append(row)
+        return out
+
+    def answer(self) -> str:
+        """The last line: the exact argument to pass and why, or that none passes."""
+        from pcast_jax.analysis.study import mass_text
+
+        rows = {r["scale_s"]: r for r in self.rows()}
+        limit = mass_text(self.mass_limit)
+        if self.recommended is None:
+            least = min(rows.values(), key=lambda r: max(r["zeroed_mass_max"], r["saturated_mass_max"]))
+            return (f"No scale_s passes: from {min(rows):g} to {max(rows):g} none keeps the worst head's zeroed and "
+                    f"clipped mass ≤ {limit} on this trace (closest: scale_s = {least['scale_s']:g}, which loses "
+                    f"{mass_text(least['zeroed_mass_max'])} and clips {mass_text(least['saturated_mass_max'])}); "
+                    "cuDNN's FP8 attention cannot serve this model within the limit at any static scale_s; a kernel "
+                    "in reverse order or with a dynamic scale can (pcast analyze TRACE).")
+        best = rows[self.recommended]
+        text = (f"Pass fp8_params['scale_s'] = {self.recommended:g} (P multiplied by {best['s_eff']:g}): the smallest "
+                "power of two whose simulated kernel keeps the worst head's zeroed mass "
+                f"({mass_text(best['zeroed_mass_max'])}) and clipped mass ({mass_text(best['saturated_mass_max'])}) "
+                f"≤ {limit} on this trace")
+        below = [r for s, r in rows.items() if s < self.recommended]
+        if below:
+            prev = below[-1]
+            text += (f"; at scale_s = {prev['scale_s']:g} the worst head loses {mass_text(prev['zeroed_mass_max'])}"
+                     f" and clips {mass_text(prev['saturated_mass_max'])}")
+        if self.e2e is not None:
+            text += f"; KL {best['kl']:.2e} nats/token, top-1 agreement {best['top1_agree']:.1%}"
+        return text + "."
+
+    def summary(self) -> str:
+        """The answer in words: the GPU and τ, the trace, the criterion, one line per candidate, the answer."""
+        from pcast_jax.analysis.study import criterion_words, mass_text
+
+        c = self.config
+        layers, heads, seqs, tokens = self.shape
+        lines = [f"GPU: {self.gpu}.",
+                 f"JAX's cuDNN FP8 attention: P cast to E4M3 at S_eff = scale_s·2^-{c.rescale_threshold:g}, forward "
+                 f"order, {c.block_kv}-key blocks; simulated on the trace ({layers} layer{'s' if layers > 1 else ''} × "
+                 f"{heads} heads, {seqs} "
+                 f"sequence{'s' if seqs > 1 else ''} of up to {tokens} tokens) at each scale_s.",
+                 criterion_words(self.mass_limit)]
+        if self.e2e is not None:
+            lines.append(f"End to end: KL against the FP32 model (perplexity {self.e2e_fp32.perplexity:.3f}) on the "
+                         "trace's tokens.")
+        for r in self.rows():
+            mark = " (given)" if r["scale_s"] == self.given_scale_s else ""
+            line = (f"  scale_s = {r['scale_s']:g}{mark}: S_eff = {r['s_eff']:g}, worst head loses "
+                    f"{mass_text(r['zeroed_mass_max'])}, clips {mass_text(r['saturated_mass_max'])}, "
+                    f"{r['heads_over_limit']} heads fail: {'meets' if r['meets'] else 'fails'} the criterion")
+            if self.e2e is not None:
+                line += f"; KL {r['kl']:.2e}, top-1 {r['top1_agree']:.1%}"
+            lines.append(line)
+        lines.append(self.answer())
+        return "\n".join(lines)
+
+
+def _predict_trace(trace, given_s, tau, gpu_words, *, logits_fn, mass_limit, min_keys, progress) -> JaxFP8Scan:
+    """:func:`predict` on a trace: the cuDNN kernel at every candidate scale_s (:func:`scale_candidates`
+    and the one given), judged by the criterion of :func:`pcast_jax.analysis.analyze`."""
+    import os
+
+    from pcast_jax.analysis import Trace, load_trace
+    from pcast_jax.analysis.study import end_to_end, scale_candidates, scale_scan, trace_statistics
+    from pcast_jax.errors import check_f32
+
+    if isinstance(trace, (str, os.PathLike)):
+        from pcast_jax import fileio
+
+        fileio.check_regular(trace, what=f"trace file {trace}")
+        trace = load_trace(trace)
+    if not isinstance(trace, Trace):
+        raise PcastError(f"trace must be a Trace (Recorder.trace() or load_trace) or a trace file, got "
+                         f"{type(trace).__name__}")
+    _check_head_dim(trace.q.shape[-1], "the trace's head dim")
+    mass_limit = check_f32("mass_limit", mass_limit, positive=True)
+    if mass_limit >= 1:
+        raise PcastError(f"mass_limit={mass_limit} must be below 1 (a share of the attention mass)")
+    min_keys = check_int("min_keys", min_keys, min_value=1)
+    if logits_fn is not None and trace.tokens is None:
+        raise PcastError("logits_fn needs the trace's tokens (Recorder.trace(tokens=...))")
+    family = cudnn_config(1.0, rescale_threshold=tau)
+    family = dataclasses.replace(family, name=f"cudnn_fp8_tau{tau:g}")
+    scales = set(scale_candidates(family))
+    if given_s is not None:
+        scales.add(float(given_s))
+    say = progress or (lambda _line: None)
+    stats = trace_statistics(trace, min_keys=min_keys, progress=say)
+    say(f"scale_s: {len(scales)} candidates in one pass")
+    scan = scale_scan(trace, family, sink_positions=stats["sink_positions"], scales=sorted(scales),
+                      min_keys=min_keys, mass_limit=mass_limit)
+    e2e = fp32 = None
+    if logits_fn is not None:
+        configs = [family.replace(scale=s, name=f"scale_s={s:g}") for s in sorted(scales)]
+        fp32, by_name = end_to_end(trace, configs, logits_fn, progress=say)
+        e2e = {cfg.scale: by_name[cfg.name] for cfg in configs}
+    shape = (trace.num_layers, trace.q.shape[3], trace.num_sequences, int(np.max(trace.lengths)))
+    return JaxFP8Scan(config=family, gpu=gpu_words, scan=scan, given_scale_s=given_s, mass_limit=mass_limit, e2e=e2e,
+                      e2e_fp32=fp32, shape=shape)
 
 
 def _sinks(sinks) -> np.ndarray:

@@ -1,6 +1,7 @@
 """pcast_jax.analysis: capture through every entry point, the trace file, analyze(), the report, the CLI."""
 
 import csv
+import json
 import math
 import sys
 from pathlib import Path
@@ -353,6 +354,10 @@ def check_own_model_page(scope: dict, printed: str, folder: Path) -> None:
     assert result.summary_lines()[0].startswith("On this model (2 layers × 4 heads, 1 sequence of 512 tokens)")
     assert len(scope["frame"]) == 3 * 2 * 4 and "zeroed_mass" in scope["dataset"]
     assert (folder / "trace.npz").is_file() and (folder / "analysis" / "analysis.md").is_file()
+    answer = scope["answer"]  # JAX's FP8 attention on the recorded model: the scale_s the scan recommends
+    assert answer.config.rescale_threshold == 0.0 and answer.answer() in printed
+    assert answer.recommended is None or answer.answer().startswith(f"Pass fp8_params['scale_s'] = "
+                                                                    f"{answer.recommended:g} ")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -360,14 +365,16 @@ def check_own_model_page(scope: dict, printed: str, folder: Path) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def numpy_forward_losses(q, k, length, window, block, scale, min_keys, learned=None, cap=None):
+def numpy_forward_losses(q, k, length, window, block, scale, min_keys, learned=None, cap=None, tau=0.0):
     """Independent of the package: per query head of one layer, the zeroed and clipped mass of a
     forward-order kernel (KV blocks of ``block`` keys, running max over blocks, P·S cast to E4M3 by
     ml_dtypes), each a mean over the rows with >= min_keys visible non-sink keys; the sink is the key
     receiving the most attention. ``q [T, Hq, D]``, ``k [T, Hkv, D]``; keys ``i - window .. i``
     (window < 0: all of ``0 .. i``) among the first ``length`` tokens. ``learned [Hq]``: learned sink
     logits, a softmax column with no key that the running max never sees (the epilogue placement).
-    ``cap``: a logit soft cap, every logit ``cap·tanh(logit/cap)``."""
+    ``cap``: a logit soft cap, every logit ``cap·tanh(logit/cap)``. ``tau`` > 0: a lazy rescale (cuDNN's
+    reference): the running max moves only when a block's max exceeds it by more than ``tau`` logits, so
+    P = exp(s − m) may exceed 1; ``scale`` is the S applied."""
     import ml_dtypes
 
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -390,7 +397,8 @@ def numpy_forward_losses(q, k, length, window, block, scale, min_keys, learned=N
             cols = slice(b0, min(b0 + block, length))
             seen = vis[:, cols]
             sb = np.where(seen, s32[:, cols], np.float32(-np.inf))
-            m = np.maximum(m, sb.max(1))
+            with np.errstate(invalid="ignore"):
+                m = np.where(sb.max(1) - m > tau, np.maximum(m, sb.max(1)), m)
             with np.errstate(invalid="ignore", over="ignore"):
                 p = np.where(seen, np.exp(sb - m[:, None]), np.float32(0)).astype(np.float32)
                 ps = p * np.float32(scale)
@@ -781,3 +789,126 @@ def test_recorder_jitted_functional_loop_replays_its_layer_names():
         forward(x * 2)
     trace = rec.trace()
     assert trace.layers == ("call0", "call1") and trace.q.shape[:2] == (2, 2)
+
+
+# The JAX question on a model: which scale_s to pass to cuDNN's FP8 attention
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind, gpu, tau", [("sink at 0", "blackwell", 4.0), ("no sink", "hopper", 0.0)])
+def test_jax_fp8_scan_on_a_trace_is_the_numpy_kernel(kind, gpu, tau):
+    """``jax_fp8.predict(trace=...)``: per candidate scale_s the worst head's zeroed and clipped mass, and the
+    recommended scale_s, equal an independent NumPy cuDNN kernel (forward order, 128-key blocks, lazy rescale
+    τ, P·scale_s·2^-τ cast to E4M3) on a trace with a sink and on one without; the answer names it."""
+    from pcast_jax import jax_fp8
+
+    trace = character_trace(kind, T=320)
+    limit = 1e-3
+    r = jax_fp8.predict(trace=trace, gpu=gpu, min_keys=8, mass_limit=limit)
+    assert r.config.rescale_threshold == tau and f"τ = {tau:g} nats" in r.gpu
+    rows = r.rows()
+    assert [row["scale_s"] for row in rows] == [2.0 ** e for e in range(len(rows))]
+    assert rows[-1]["s_eff"] == 256.0  # up to the largest scale_s whose S_eff stays within E4M3's 448
+    want = None
+    for row in rows:
+        zeroed, clipped = numpy_forward_losses(trace.q[0, 0], trace.k[0, 0], 320, -1, 128,
+                                               row["scale_s"] * 2.0 ** -tau, 8, tau=tau)
+        assert row["zeroed_mass_max"] == pytest.approx(zeroed.max(), rel=2e-3, abs=1e-7), row
+        assert row["saturated_mass_max"] == pytest.approx(clipped.max(), rel=2e-3, abs=1e-7), row
+        if want is None and zeroed.max() <= limit and clipped.max() <= limit:
+            want = row["scale_s"]
+    assert want is not None and r.recommended == want
+    assert r.answer().startswith(f"Pass fp8_params['scale_s'] = {want:g} ")
+    assert r.summary().splitlines()[0] == f"GPU: {r.gpu}." and r.summary().endswith(r.answer())
+
+
+def test_jax_fp8_scan_with_a_model_gives_each_candidates_kl():
+    """With ``logits_fn`` every candidate's row carries the KL and top-1 agreement of the logits the model gave
+    at that scale_s (here a stand-in model whose logits drift as 1/scale_s), and the answer quotes the
+    recommendation's."""
+    import dataclasses
+
+    from pcast_jax import jax_fp8
+
+    base = character_trace("no sink", T=320)
+    tokens = np.random.default_rng(3).integers(0, 11, (1, 320))
+    trace = dataclasses.replace(base, tokens=tokens)
+    ref = np.random.default_rng(4).normal(size=(1, 320, 11)).astype(np.float32)
+    noise = np.random.default_rng(5).normal(size=ref.shape).astype(np.float32)
+    seen = []
+
+    def logits(config):
+        seen.append(None if config is None else config.scale)
+        return ref if config is None else ref + noise / config.scale
+
+    r = jax_fp8.predict(trace=trace, gpu="hopper", min_keys=8, logits_fn=logits)
+    assert seen == [None] + [row["scale_s"] for row in r.rows()]
+    for row in r.rows():
+        want = compare_logits(ref, ref + noise / row["scale_s"], tokens)
+        assert (row["kl"], row["top1_agree"]) == (want.kl, want.top1_agree)
+    assert f"KL {r.e2e[r.recommended].kl:.2e} nats/token" in r.answer()
+    with pytest.raises(PcastError, match="tokens"):
+        jax_fp8.predict(trace=base, logits_fn=logits)
+
+
+def test_jax_fp8_scan_says_when_no_scale_s_passes():
+    """A limit no candidate meets: the answer says so instead of recommending one."""
+    from pcast_jax import jax_fp8
+
+    trace = character_trace("no sink", T=320)
+    r = jax_fp8.predict(trace=trace, gpu="hopper", min_keys=8, mass_limit=1e-9)
+    assert r.recommended is None and not any(row["meets"] for row in r.rows())
+    assert r.answer().startswith("No scale_s passes")
+
+
+def test_jax_fp8_cli_on_a_trace(tmp_path, capsys):
+    """``pcast jax-fp8 --trace``: the GPU and its τ first, a row per scale_s, the argument to pass last;
+    the JSON carries the same recommendation; --scale-s marks the row given."""
+    path = character_trace("no sink", T=320).save(tmp_path / "t.npz")
+    assert cli.main(["jax-fp8", "--trace", str(path), "--gpu", "hopper", "--scale-s", "3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("GPU: Hopper (sm90): τ = 0 nats (cudnn-frontend")
+    assert any(line.startswith("  scale_s = 3 (given):") for line in lines)
+    assert lines[-1].startswith("Pass fp8_params['scale_s'] = ")
+    assert cli.main(["jax-fp8", "--trace", str(path), "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["gpu"].startswith("Blackwell (sm100), the default: τ = 4 nats")
+    assert data["answer"].startswith(f"Pass fp8_params['scale_s'] = {data['recommended_scale_s']:g} ")
+
+
+def test_scale_masses_equal_the_full_kernel_per_scale_bit_for_bit():
+    """The safe-scale scan's masses-only pass (every candidate scale in one call, no contraction with V)
+    gives each scale's zeroed and clipped mass bit for bit as the full kernel simulated at that scale: a
+    split-KV exponent-mode family and a lazy-rescale multiply-mode one, on a trace whose most-attended key
+    is not the first block's maximum."""
+    from pcast_jax.analysis.heads import analyze_trace, scale_masses
+    from pcast_jax.analysis.study import kernel_for
+
+    trace = character_trace("max not the sink")
+    one = (trace.q[:, 0], trace.k[:, 0], trace.v[:, 0])
+    positions = sink_statistics(*one, min_keys=8)["sink_positions"]
+    for name, scales in (("fa3_splitkv", (1.0, 64.0)), ("cudnn_fp8", (16.0, 4096.0))):
+        family = kernel_for(name, 16)
+        got = scale_masses(one, family, scales, positions, min_keys=8)
+        full = analyze_trace(one, [family.replace(scale=s) for s in scales], positions, min_keys=8)
+        for metric in ("zeroed_mass", "saturated_mass"):
+            np.testing.assert_array_equal(got[metric], full[metric], err_msg=f"{name} {metric}")
+        assert np.all(got["zeroed_mass"][0] >= got["zeroed_mass"][1])  # a larger scale zeroes less
+
+
+def test_safe_scale_is_given_in_the_knob_each_deployment_sets():
+    """pcast analyze's safe scale in each family's own knob: cuDNN's scale_s (P multiplied by scale_s·2^-τ),
+    vLLM ROCm's prob_scale (S = 0.5/prob_scale on MI300), the config field elsewhere."""
+    result = analyze(character_trace("sink at 0"), ["cudnn_fp8", "vllm_rocm_flash_fp8", "fwd_s1"], min_keys=8)
+    scans = {scan.members[0]: scan for scan in result.scans}
+    cudnn, rocm, plain = scans["cudnn_fp8"], scans["vllm_rocm_flash_fp8"], scans["fwd_s1"]
+    assert (cudnn.knob, cudnn.knob_where, rocm.knob, rocm.knob_where, plain.knob) == (
+        "scale_s", "jax cudnn", "prob_scale", "vllm rocm_flash", "scale")
+    for row in cudnn.rows:
+        assert row["knob_value"] == row["scale"] and row["applied_scale"] == row["scale"] / 16
+    for row in rocm.rows:
+        assert row["knob_value"] == 0.5 / row["scale"]
+    summary = "\n".join(result.summary_lines())
+    assert cudnn.recommended is not None and rocm.recommended is not None
+    assert f"in jax cudnn's knob: `scale_s = {cudnn.recommended:g}`" in summary
+    assert f"in vllm rocm_flash's knob: `prob_scale = {0.5 / rocm.recommended:g}`" in summary

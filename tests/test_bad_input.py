@@ -239,6 +239,13 @@ CASES = [
      ["fp8_params['scale_s']", "real number", "complex128"]),
     ("predict_base_seed_huge", lambda: _predict(base_seed=2**70), ["base_seed=1180591620717411303424", "<= 4294967295"]),
     ("predict_q_len_huge", lambda: _predict(q_len=10**9), ["q_len=1000000000", "<= 1048576"]),
+    ("predict_gpu_unknown", lambda: _predict(gpu="ampere"), ["gpu='ampere'", "hopper, blackwell"]),
+    ("predict_tau_contradicts_gpu", lambda: _predict(gpu="blackwell", rescale_threshold=0.0),
+     ["rescale_threshold=0", "contradicts gpu='blackwell'", "τ = 4"]),
+    ("predict_trace_and_synthetic", lambda: _predict(trace="t.npz"), ["head_dim, seq_len, seeds", "trace="]),
+    ("predict_trace_missing", lambda: importlib.import_module("pcast_jax.jax_fp8").predict(trace="no/t.npz"),
+     ["trace file no/t.npz", "does not exist"]),
+    ("predict_logits_fn_without_trace", lambda: _predict(logits_fn=len), ["logits_fn", "only with trace="]),
     ("predict_over_the_memory_budget", lambda: _predict(seq_len=1 << 20, q_len=1 << 20, seeds=4096),
      ["predict's simulation", "seq_len=1048576", "the budget is"]),
     ("predict_sinks_complex", lambda: _predict(sinks=[1 + 2j, 3.0]), ["sinks=[(1+2j), 3.0]", "real numbers"]),
@@ -439,6 +446,14 @@ _CLI_CASES = {
     "whatif_report_out_a_file": (["whatif", "report", "--quick", "--out", "{afile}"],
                                  ["--out=", "afile", "is an existing file"]),
     "jax_fp8_sinks_file_a_folder": (["jax-fp8", "--sinks", "{folder}.npy"], ["sinks file", "not a regular file"]),
+    # the JAX question on a trace: the file, the GPU, and options that contradict each other
+    "jax_fp8_trace_missing": (["jax-fp8", "--trace", "{folder}/missing.npz"], ["trace file", "missing.npz",
+                                                                              "does not exist"]),
+    "jax_fp8_gpu_unknown": (["jax-fp8", "--gpu", "ampere"], ["--gpu='ampere'", "hopper, blackwell"]),
+    "jax_fp8_tau_contradicts_gpu": (["jax-fp8", "--gpu", "hopper", "--tau", "4"],
+                                    ["--tau=4", "contradicts --gpu='hopper'", "τ = 0"]),
+    "jax_fp8_trace_and_synthetic": (["jax-fp8", "--trace", "{afile}", "--sinks", "3"], ["--sinks", "--trace"]),
+    "jax_fp8_model_without_trace": (["jax-fp8", "--model", "{afile}"], ["--model", "only with --trace"]),
 }
 
 

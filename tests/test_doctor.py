@@ -156,3 +156,14 @@ def test_vllm_rocm_flash_takes_the_checkpoints_prob_scale_doubled_on_mi300(tmp_p
     assert {r["scale"] for r in plain.rows} == {1.0} and plain.safe is False
     assert plain.recommended is not None
     assert deployments.scale_from_knob("prob_scale", plain.recommended, row.knob_factor) >= 64
+
+
+def test_knob_setting_translates_a_scale_into_each_deployments_knob():
+    """One place for the knobs: cuDNN's scale_s is the config's scale (at any τ), vLLM ROCm's prob_scale is
+    0.5/S on MI300, a kernel no deployment tunes keeps the KernelConfig field."""
+    assert deployments.knob_setting(get_preset("cudnn_fp8"), 256.0) == ("scale_s", 256.0, "jax cudnn")
+    assert deployments.knob_setting(get_preset("cudnn_fp8_tau0").replace(scale=8.0), 16.0) == (
+        "scale_s", 16.0, "jax cudnn")
+    assert deployments.knob_setting(get_preset("vllm_rocm_flash_fp8"), 16.0) == (
+        "prob_scale", 0.5 / 16.0, "vllm rocm_flash")
+    assert deployments.knob_setting(get_preset("fa3"), 4.0) == ("scale", 4.0, "")

@@ -187,9 +187,10 @@ def _statistic_rows(q, k, head, row0, length, window, learned, cap, sink_positio
             "sink_mass": sink_mass_rows, "underflow_s1": below[1], "underflow_s256": below[256],
             "underflow_mass": under_mass}
 
-#: Bytes of temporaries per logit of the sink statistics' row chunks (the ``[rows, T, len(SCALE_GRID)]``
-#: underflow masses dominate).
-_STAT_BYTES_PER_SCORE = 16 * (len(SCALE_GRID) + 6)
+#: Bytes of temporaries per logit of the sink statistics' row chunks, an upper bound of XLA's
+#: ``memory_analysis`` (49 at 64 and at 256 rows of 1,024 keys: the ``[rows, T, len(SCALE_GRID)]``
+#: underflow masses are fused, never held).
+_STAT_BYTES_PER_SCORE = 64
 
 
 def _chunks(num_rows: int, step: int) -> list[tuple[int, int]]:
@@ -449,32 +450,122 @@ def _layer_operands(q, k, v, *, config: KernelConfig):
     return ops[0][0], ops[1][0], ops[2][0], factor
 
 
-@functools.partial(jax.jit, static_argnames=("rows", "config", "has_learned"))
-def _chunk_rows(operands, sink_positions, ref, head, row0, length, window, learned, cap, *, rows: int,
-                config: KernelConfig, has_learned: bool):
-    """Per-row quantities of head ``head`` on its query rows ``row0 .. row0 + rows`` (the rows are
-    independent, so a chunk of rows gives those rows of the whole head's result): the logits of
-    those rows from :func:`_layer_operands`, the keys the layer hides (:func:`visible_rows`) masked,
-    then the kernel; ``ref [Hq, T, D]``, ``sink_positions [Hq, k]``."""
-    q, k, v, factor = operands
+def _chunk_logits(operands, sink_positions, head, row0, length, window, cap, *, rows: int):
+    """The logits of head ``head``'s query rows ``row0 .. row0 + rows`` as the kernel sees them (from
+    :func:`_layer_operands`, the keys the layer hides (:func:`visible_rows`) masked), with the visible
+    keys, the sink columns and the counted (visible non-sink) keys per row; soft-capped at ``cap``
+    (None: none)."""
+    q, k, _, factor = operands
     num_keys, head_dim = k.shape[1], k.shape[2]
     q_rows = lax.dynamic_slice(q, (head, row0, 0), (1, rows, head_dim))
     s = soft_capped(kernel_logits(q_rows[None], lax.dynamic_slice_in_dim(k, head, 1)[None], factor[head])[0, 0], cap)
     vis = visible_rows(row0, rows, num_keys, length, window)
     s = jnp.where(vis, s, -jnp.inf)
-    r = lax.dynamic_slice(ref, (head, row0, 0), (1, rows, ref.shape[-1]))[0]
     sinks = sink_positions[head]
     is_sink = jnp.any(jnp.arange(num_keys)[:, None] == sinks[None, :], axis=-1)
+    return s, vis, is_sink, jnp.sum(vis & ~is_sink[None, :], axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("rows", "config", "has_learned"))
+def _chunk_rows(operands, sink_positions, ref, head, row0, length, window, learned, cap, *, rows: int,
+                config: KernelConfig, has_learned: bool):
+    """Per-row quantities of head ``head`` on its query rows ``row0 .. row0 + rows`` (the rows are
+    independent, so a chunk of rows gives those rows of the whole head's result): the logits of
+    those rows (:func:`_chunk_logits`), then the kernel; ``ref [Hq, T, D]``, ``sink_positions [Hq, k]``."""
+    v = operands[2]
+    s, vis, is_sink, counted = _chunk_logits(operands, sink_positions, head, row0, length, window, cap, rows=rows)
+    r = lax.dynamic_slice(ref, (head, row0, 0), (1, rows, ref.shape[-1]))[0]
     res = _engine.attention(s, v[head], config, implementation="xla", count_mask=~is_sink, q_offset=row0,
                             sink_logit=learned[head] if has_learned else None)
-    counted = jnp.sum(vis & ~is_sink[None, :], axis=-1)
-    # Q/K/V as the kernel sees them, P in FP32: the Q/K/V quantization's share of the error.
-    qkv_only = jnp.einsum("rs,sd->rd", _softmax_rows(s, vis, learned[head]), v[head], precision=_HIGHEST)
+    # Q/K/V as the kernel sees them, P in FP32: the Q/K/V quantization's share of the error (none with
+    # FP32 Q/K/V, which the kernel sees as the reference does).
+    if config.qkv == "e4m3":
+        qkv_only = jnp.einsum("rs,sd->rd", _softmax_rows(s, vis, learned[head]), v[head], precision=_HIGHEST)
+        qkv_sq_err = jnp.sum(jnp.square(qkv_only - r), axis=-1)
+    else:
+        qkv_sq_err = jnp.zeros(rows, jnp.float32)
     out = {"sq_err": jnp.sum(jnp.square(res.out - r), axis=-1), "ref_sq": jnp.sum(jnp.square(r), axis=-1),
-           "qkv_sq_err": jnp.sum(jnp.square(qkv_only - r), axis=-1),
+           "qkv_sq_err": qkv_sq_err,
            "n_zeroed": res.n_zeroed, "n_counted": counted, "zeroed_mass": res.zeroed_mass}
     out.update(_further_row_metrics(res._replace(n_counted=counted), counted.astype(jnp.float32)))
     return out
+
+
+@functools.partial(jax.jit, static_argnames=("rows", "configs", "has_learned"))
+def _chunk_masses(operands, sink_positions, head, row0, length, window, learned, cap, *, rows: int,
+                  configs: tuple[KernelConfig, ...], has_learned: bool):
+    """The zeroed and the clipped mass per row of :func:`_chunk_rows`' rows for every config of ``configs``
+    (a family: configs that differ only in ``scale``, so the same operands and logits), ``[C, rows]``
+    each, from :func:`pcast_jax.engine.weights_and_stats` (the kernel's own statistics, without the
+    contraction with V; the pre-cast P, which does not depend on the scale in the multiply mode, is one
+    computation for all of them)."""
+    s, _, is_sink, counted = _chunk_logits(operands, sink_positions, head, row0, length, window, cap, rows=rows)
+    sink = learned[head] if has_learned else None
+    stats = [_engine.weights_and_stats(s, cfg, count_mask=~is_sink, q_offset=row0, sink_logit=sink)
+             for cfg in configs]
+    return counted, jnp.stack([w.zeroed_mass for w in stats]), jnp.stack([w.saturated_mass for w in stats])
+
+
+def _valid_rows(counted: np.ndarray, min_keys: int, length: int) -> np.ndarray:
+    """``[..., Hq, T]`` bool: the rows a head's means are taken over (``min_keys`` counted keys, real tokens)."""
+    return (counted >= min_keys) & (np.arange(counted.shape[-1]) < length)
+
+
+def _row_mean(x: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Per head (last axis the rows): the float64 mean of ``x`` over the valid rows, float32; NaN where none."""
+    n_rows = valid.sum(axis=-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(n_rows > 0, np.where(valid, x, 0.0).sum(axis=-1) / np.maximum(n_rows, 1),
+                        np.nan).astype(np.float32)
+
+
+def scale_masses(trace, family: KernelConfig, scales: Sequence[float], sink_positions, *, min_keys: int = 16,
+                 length: int | None = None, local_window_size=None, sinks=None,
+                 logits_soft_cap=None) -> dict[str, np.ndarray]:
+    """The zeroed and the clipped mass of one kernel family at every scale, per layer and head, in one pass.
+
+    P before the cast does not depend on ``scale``: each layer's operands and each chunk of rows' logits
+    are computed once, and one compiled call per chunk evaluates every scale's cast and statistics
+    (:func:`_chunk_masses`), with no contraction with V. The rows and their means are those of
+    :func:`head_metrics`, so each scale's masses are that kernel's ``zeroed_mass`` and
+    ``saturated_mass``.
+
+    Args:
+      trace: ``(q, k, v)`` of one sequence, as :func:`analyze_trace` takes it.
+      family: the kernel (its ``scale`` is replaced by each of ``scales``).
+      scales: the candidate scales.
+      sink_positions, min_keys, length, local_window_size, sinks, logits_soft_cap: as :func:`analyze_trace`.
+
+    Returns:
+      ``{"zeroed_mass", "saturated_mass"}``, each ``[len(scales), L, Hq]`` float32.
+    """
+    q, k, v = trace
+    cfg = dataclasses.replace(resolve(family), causal=True)
+    configs = tuple(cfg.replace(scale=float(s)) for s in scales)
+    num_layers, num_tokens, num_heads = np.shape(q)[:3]
+    length = num_tokens if length is None else check_int("length", length, min_value=1, max_value=num_tokens)
+    windows = layer_windows(local_window_size, num_layers)
+    caps = layer_soft_caps(logits_soft_cap, num_layers)
+    real = (np.arange(num_tokens) < length)[:, None, None]
+    step = _rows_per_chunk(num_tokens, num_tokens)
+    out = {"zeroed_mass": [], "saturated_mass": []}
+    for layer in range(num_layers):
+        qkv = tuple(jnp.asarray(np.where(real, np.asarray(x[layer], np.float32), 0.0)) for x in (q, k, v))
+        operands = _layer_operands(*qkv, config=cfg)
+        learned = None if sinks is None else sinks[layer]
+        scalars = (np.int32(length), np.int32(windows[layer]), learned_logits(learned, num_heads),
+                   _cap_arg(float(caps[layer])))
+        positions = jnp.asarray(sink_positions[layer], jnp.int32)
+        parts = jax.device_get([_chunk_masses(operands, positions, np.int32(h), np.int32(r0), *scalars,
+                                              rows=min(step, num_tokens - r0), configs=configs,
+                                              has_learned=_has_learned(learned))
+                                for h in range(num_heads) for r0 in range(0, num_tokens, step)])
+        counted = np.concatenate([p[0] for p in parts]).reshape(num_heads, num_tokens).astype(np.float64)
+        valid = _valid_rows(counted, min_keys, length)
+        for i, name in ((1, "zeroed_mass"), (2, "saturated_mass")):
+            rows = np.concatenate([p[i] for p in parts], axis=-1).reshape(len(configs), num_heads, num_tokens)
+            out[name].append(_row_mean(rows.astype(np.float64), valid[None]))
+    return {name: np.stack(per_layer, axis=1) for name, per_layer in out.items()}
 
 
 def _layer_metrics(operands, sink_positions, ref, *, config: KernelConfig, min_keys: int, length: int,
@@ -494,13 +585,11 @@ def _layer_metrics(operands, sink_positions, ref, *, config: KernelConfig, min_k
     rows = {name: np.concatenate([p[name] for p in parts]).reshape(num_heads, num_tokens) for name in parts[0]}
     rows = {name: x.astype(np.float64) for name, x in rows.items()}  # [Hq, T]
     counted = rows.pop("n_counted")
-    valid = (counted >= min_keys) & (np.arange(num_tokens) < length)[None, :]
+    valid = _valid_rows(counted, min_keys, length)
     n_rows = valid.sum(axis=-1)
 
     def row_mean(x):
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(n_rows > 0, np.where(valid, x, 0.0).sum(axis=-1) / np.maximum(n_rows, 1),
-                            np.nan).astype(np.float32)
+        return _row_mean(x, valid)
 
     err = rows.pop("sq_err").sum(axis=-1) / (length * head_dim)
     ref_sq = rows.pop("ref_sq").sum(axis=-1) / (length * head_dim)

@@ -196,11 +196,12 @@ def _write_files(analysis: Analysis, out: Path, title: str) -> None:
         columns += [("kl", "KL (nats/token)", report.fmt_sci), ("top1_agree", "top-1 agreement", report.fmt_pct),
                     ("perplexity", "perplexity", lambda x: f"{x:.3f}")]
     scan_rows = [{"kernel": ", ".join(scan.members), "scale": f"{r['scale']:g}", "applied": f"{r['applied_scale']:g}",
+                  "knob": (f"{scan.knob_where}: " if scan.knob_where else "") + scan.knob_text(r["scale"]),
                   "zeroed": r["zeroed_mass_max"], "clipped": r["saturated_mass_max"],
                   "failing": r["heads_over_limit"], "meets": "yes" if r["meets"] else "no"}
                  for scan in analysis.scans for r in scan.rows]
     scan_table = (report.markdown_table(scan_rows, [
-        ("kernel", "kernel"), ("scale", "scale"), ("applied", "P multiplied by"),
+        ("kernel", "kernel"), ("scale", "scale"), ("applied", "P multiplied by"), ("knob", "as the deployment sets it"),
         ("zeroed", "worst head: zeroed mass", report.fmt_sci), ("clipped", "worst head: clipped mass", report.fmt_sci),
         ("failing", "heads failing", str), ("meets", "meets the criterion")], name="analysis_scales")
         if scan_rows else "No configuration analysed has a static scale.")
@@ -209,8 +210,9 @@ def _write_files(analysis: Analysis, out: Path, title: str) -> None:
              analysis.criterion_line() + " Means over heads are beside the worst heads, for reference.", "",
              report.markdown_table(rows, columns, name="analysis_configs"), "",
              "## Safe scale", "",
-             "Each kernel family with a static scale, simulated on this trace at scale = 1, 2, 4, … until one meets "
-             "the criterion (the smallest that does is the recommendation):", "",
+             "Each kernel family with a static scale, simulated on this trace at scale = 1, 2, 4, … (the smallest "
+             "that meets the criterion is the recommendation), each scale also in the knob a deployment sets it "
+             "through:", "",
              scan_table, "",
              "## Figures", "", *figures,
              f"Per head: `analysis_heads.csv` (a head with no usable query row says `{NO_ROWS}`); per "

@@ -21,9 +21,13 @@ Judgements, each stated in the report, all on one criterion (:func:`meets_criter
   from another only in ``scale`` is one family), the kernel itself is simulated on the trace at
   ``scale`` = 1, 2, 4, … (:func:`scale_candidates`: up to the largest power of two whose applied
   scale stays within the P format's max), and the smallest candidate meeting the criterion is the
-  recommendation, found by bisection (the zeroed mass falls and the clipped mass rises with the
-  scale); the candidates simulated are the scan's rows, in the report. A configuration's own
-  verdict is the same computation, so the two cannot disagree.
+  recommendation; every candidate is a row of the scan, in the report. P before the cast does not
+  depend on the scale, so the candidates' zeroed and clipped masses come from one pass per family
+  (:func:`~pcast_jax.analysis.heads.scale_masses`: the kernel's own statistics without the
+  contraction with V, equal to the full kernel's bit for bit); an analysed configuration's own rows
+  are its scale's row, so its verdict and the scan cannot disagree. The recommendation is also
+  given in the knob a deployment sets it through (:func:`pcast_jax.deployments.knob_setting`:
+  cuDNN's ``scale_s``, vLLM ROCm's ``prob_scale``).
 * **Where the error comes from**: with E4M3 Q/K/V (``qkv="e4m3"``), ``rel_mse_qkv`` is the relative
   MSE of the same kernel with P in FP32 (its Q/K/V quantization alone), beside ``rel_mse``, the
   kernel's; the report says which dominates.
@@ -42,11 +46,13 @@ import numpy as np
 from pcast_jax import stats as _stats
 from pcast_jax.analysis.capture import Trace
 from pcast_jax.analysis.heads import SCALE_GRID, E2EMetrics, analyze_trace, compare_logits, sink_statistics
-from pcast_jax.config import KernelConfig
+from pcast_jax.config import KernelConfig, scale_candidates
 from pcast_jax.errors import PcastError, check_f32, check_int
 from pcast_jax.presets import get_preset, preset_for, resolve
 
-__all__ = ["SINK_MASS_MIN", "Analysis", "ScaleScan", "analyze", "kernel_for", "meets_criterion", "scale_candidates"]
+__all__ = ["SINK_MASS_MIN", "Analysis", "ScaleScan", "analyze", "kernel_for", "meets_criterion", "scale_candidates",
+           "scale_scan", "trace_statistics", "end_to_end", "criterion_words",
+           "mass_text"]
 
 #: A head is a sink head when its sinks receive at least this share of the attention.
 SINK_MASS_MIN = 0.5
@@ -61,21 +67,20 @@ def meets_criterion(zeroed_mass_max: float, saturated_mass_max: float, mass_limi
     return bool(zeroed_mass_max <= mass_limit and saturated_mass_max <= mass_limit)
 
 
+def criterion_words(mass_limit: float) -> str:
+    """The one criterion (:func:`meets_criterion`) in words."""
+    return (f"A kernel is *safe to serve* here when its worst head loses at most {_pct(mass_limit)} of the "
+            f"attention mass to zeroed P and has at most {_pct(mass_limit)} clipped at the format's max "
+            "(each head: mean over its query rows and the sequences); safe scales are found by simulating "
+            "that kernel on this trace.")
+
+
 def verdict(zeroed_mass_max: float, saturated_mass_max: float, mass_limit: float) -> str:
     """``"safe to serve"``, or what fails the criterion: ``"loses mass"``, ``"clips mass"`` or both."""
     if meets_criterion(zeroed_mass_max, saturated_mass_max, mass_limit):
         return SAFE
     fails = [word for word, mass in (("loses", zeroed_mass_max), ("clips", saturated_mass_max)) if mass > mass_limit]
     return " and ".join(fails) + " mass"
-
-
-def scale_candidates(config: KernelConfig) -> tuple[float, ...]:
-    """The ``scale`` values a safe-scale scan tries: 1, 2, 4, … up to the largest power of two whose
-    applied scale (:attr:`KernelConfig.effective_scale`, S·2^-τ under cuDNN's compensation) is at
-    most the P format's largest finite value (448 for E4M3: 1 … 256)."""
-    applied_per_unit = config.replace(scale=1.0).effective_scale
-    top = max(0, math.floor(math.log2(config.fmt.max / applied_per_unit)))
-    return tuple(float(2 ** e) for e in range(top + 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,15 +90,27 @@ class ScaleScan:
     Attributes:
       family: the family's configuration at ``scale = 1`` (named after its first analysed member).
       members: names of the analysed configurations in the family.
-      rows: per candidate simulated, by scale: ``scale``, ``applied_scale``, ``zeroed_mass_max``,
-        ``saturated_mass_max``, ``heads_over_limit``, ``meets`` (the criterion).
+      rows: per candidate simulated, by scale: ``scale``, ``applied_scale``, ``knob_value`` (the scale in
+        ``knob``), ``zeroed_mass_max``, ``saturated_mass_max``, ``heads_over_limit``, ``meets`` (the
+        criterion).
       recommended: the smallest candidate meeting the criterion, or None when none does.
+      knob: the knob a deployment sets the scale through (``"scale_s"``, ``"prob_scale"``; ``"scale"``,
+        the config field, where none is known) and ``knob_where``, that deployment
+        (:func:`pcast_jax.deployments.knob_setting`).
     """
 
     family: KernelConfig
     members: tuple[str, ...]
     rows: tuple[dict, ...]
     recommended: float | None
+    knob: str = "scale"
+    knob_where: str = ""
+
+    def knob_text(self, scale: float | None = None) -> str:
+        """``scale_s = 256`` (the recommendation, or ``scale``'s row, in the knob)."""
+        scale = self.recommended if scale is None else scale
+        row = next(r for r in self.rows if r["scale"] == scale)
+        return f"{self.knob} = {row['knob_value']:g}"
 
 
 def kernel_for(config: str | KernelConfig, head_dim: int) -> KernelConfig:
@@ -253,10 +270,7 @@ class Analysis:
 
     def criterion_line(self) -> str:
         """The criterion of every verdict and safe scale, in words."""
-        return (f"A kernel is *safe to serve* here when its worst head loses at most {_pct(self.mass_limit)} of the "
-                f"attention mass to zeroed P and has at most {_pct(self.mass_limit)} clipped at the format's max "
-                "(each head: mean over its query rows and the sequences); safe scales are found by simulating "
-                "that kernel on this trace.")
+        return criterion_words(self.mass_limit)
 
     def summary_lines(self) -> list[str]:
         """The answer in words, first: sinks, the criterion, each kernel's verdict and why, the safe
@@ -333,8 +347,8 @@ def _scan_words(scan: ScaleScan, limit: float) -> str:
                 "KV order or a dynamic scale.")
     best = next(r for r in scan.rows if r["scale"] == scan.recommended)
     words = (f"Safe static scale for {names} ({_family_words(scan.family)}): `scale = {scan.recommended:g}`"
-             f" (P multiplied by {best['applied_scale']:g}), the smallest power of two whose simulated kernel meets "
-             f"the criterion: worst head loses {_pct(best['zeroed_mass_max'])}, clips "
+             f" (P multiplied by {best['applied_scale']:g}){_knob_words(scan)}, the smallest power of two whose "
+             f"simulated kernel meets the criterion: worst head loses {_pct(best['zeroed_mass_max'])}, clips "
              f"{_pct(best['saturated_mass_max'])}")
     below = [r for r in scan.rows if r["scale"] < scan.recommended]
     if below:
@@ -342,6 +356,14 @@ def _scan_words(scan: ScaleScan, limit: float) -> str:
         words += (f"; at `scale = {prev['scale']:g}` it loses {_pct(prev['zeroed_mass_max'])} and clips "
                   f"{_pct(prev['saturated_mass_max'])}")
     return words + "."
+
+
+def _knob_words(scan: ScaleScan) -> str:
+    """Where a deployment sets the scale through a knob: that knob's setting (cuDNN: ``scale_s``, whose
+    P multiplier is scale_s·2^-τ; vLLM ROCm: ``prob_scale``, S = factor/prob_scale)."""
+    if scan.knob == "scale":
+        return ""
+    return f"; in {scan.knob_where}'s knob: `{scan.knob_text()}`"
 
 
 def _worst(heads: dict, limit: float, layers) -> dict:
@@ -365,10 +387,14 @@ def _nanmean(x, axis=None):
         return np.nanmean(x, axis=axis)
 
 
-def _pct(x: float) -> str:
+def mass_text(x: float) -> str:
+    """A share of the attention mass as printed: a percentage, or scientific below 0.1 %."""
     if not math.isfinite(x):
         return "n/a (no usable row)"
     return f"{x:.1%}" if x >= 0.001 or x == 0 else f"{x:.1e}"
+
+
+_pct = mass_text
 
 
 def _optional(module: str):
@@ -414,38 +440,53 @@ def analyze(trace: Trace, configs: Sequence[str | KernelConfig], *, num_sinks: i
     say = progress or (lambda _line: None)
     start = time.perf_counter()
     windows = trace.local_window_size
-    per_seq_stats = []
-    n_seq = trace.num_sequences
-    for b in range(n_seq):
-        n = int(trace.lengths[b])
-        q, k = trace.q[:, b], trace.k[:, b]
-        say(f"sequence {b + 1}/{n_seq}: sink statistics ({trace.num_layers} layers, {n} tokens)")
-        per_seq_stats.append(sink_statistics(q, k, num_sinks=num_sinks, min_keys=min(min_keys, n), length=n,
-                                             local_window_size=windows, sinks=trace.sinks,
-                                             logits_soft_cap=trace.logits_soft_cap))
-    stats = {name: np.stack([s[name] for s in per_seq_stats]) for name in per_seq_stats[0]}
+    stats = trace_statistics(trace, num_sinks=num_sinks, min_keys=min_keys, progress=say)
     references: dict = {}
     heads = _run_kernels(trace, kernels, stats["sink_positions"], min_keys, say, start, references)
     if not np.isfinite(heads["zeroed_mass"]).any():
         raise PcastError(f"no head has a query row that sees min_keys={min_keys} keys besides its sink: "
                          "record more tokens or lower min_keys")
-    scans = _scale_scans(trace, kernels, heads, stats["sink_positions"], min_keys, mass_limit, say, start,
-                         references)
     del references
+    scans = _scale_scans(trace, kernels, heads, stats["sink_positions"], min_keys, mass_limit, say, start)
     seconds = time.perf_counter() - start
     e2e = fp32 = None
     if logits_fn is not None:
-        e2e = {}
-        say("end to end: FP32")
-        ref = logits_fn(None)
-        fp32 = compare_logits(ref, ref, trace.tokens, lengths=trace.lengths)
-        for i, cfg in enumerate(kernels):
-            say(f"end to end: config {i + 1}/{len(kernels)} {cfg.name}")
-            e2e[cfg.name] = compare_logits(ref, logits_fn(cfg), trace.tokens, lengths=trace.lengths)
+        fp32, e2e = end_to_end(trace, kernels, logits_fn, progress=say)
     return Analysis(layers=trace.layers, configs=kernels, lengths=trace.lengths, stats=stats, heads=heads,
                     mass_limit=mass_limit, scans=scans, local_window_size=windows,
                     logits_soft_cap=trace.logits_soft_cap, e2e=e2e, e2e_fp32=fp32,
                     seconds=seconds)
+
+
+def trace_statistics(trace: Trace, *, num_sinks: int = 1, min_keys: int = 16,
+                     progress: Callable[[str], None] | None = None) -> dict:
+    """:func:`~pcast_jax.analysis.heads.sink_statistics` of every sequence of ``trace``, each at its
+    length and every layer within its window: ``{name: [B, L, H, ...]}``."""
+    say = progress or (lambda _line: None)
+    per_seq = []
+    for b in range(trace.num_sequences):
+        n = int(trace.lengths[b])
+        say(f"sequence {b + 1}/{trace.num_sequences}: sink statistics ({trace.num_layers} layers, {n} tokens)")
+        per_seq.append(sink_statistics(trace.q[:, b], trace.k[:, b], num_sinks=num_sinks, min_keys=min(min_keys, n),
+                                       length=n, local_window_size=trace.local_window_size, sinks=trace.sinks,
+                                       logits_soft_cap=trace.logits_soft_cap))
+    return {name: np.stack([s[name] for s in per_seq]) for name in per_seq[0]}
+
+
+def end_to_end(trace: Trace, configs: Sequence[KernelConfig], logits_fn: Callable,
+               progress: Callable[[str], None] | None = None) -> tuple[E2EMetrics, dict]:
+    """The model through each config against itself in FP32 on ``trace.tokens``: the FP32 model's own
+    :class:`E2EMetrics` and ``{config name: E2EMetrics}`` (``logits_fn`` as :func:`analyze` takes it)."""
+    say = progress or (lambda _line: None)
+    if trace.tokens is None:
+        raise PcastError("logits_fn needs the trace's tokens (Recorder.trace(tokens=...))")
+    say("end to end: FP32")
+    ref = logits_fn(None)
+    out = {}
+    for i, cfg in enumerate(configs):
+        say(f"end to end: config {i + 1}/{len(configs)} {cfg.name}")
+        out[cfg.name] = compare_logits(ref, logits_fn(cfg), trace.tokens, lengths=trace.lengths)
+    return compare_logits(ref, ref, trace.tokens, lengths=trace.lengths), out
 
 
 def _run_kernels(trace: Trace, kernels, sink_positions, min_keys: int, say, start, references: dict) -> dict:
@@ -468,16 +509,9 @@ def _run_kernels(trace: Trace, kernels, sink_positions, min_keys: int, say, star
 
 
 def _scale_scans(trace: Trace, kernels, heads: dict, sink_positions, min_keys: int, mass_limit: float, say,
-                 start, references: dict) -> tuple[ScaleScan, ...]:
-    """The safe-scale scan of each family of static-scale kernels (module docstring).
-
-    For a fixed kernel, P before the cast does not depend on ``scale``, and the cast is monotone: a P
-    zeroed at a scale is zeroed at every smaller one, a P clipped at a scale is clipped at every larger
-    one. So the worst head's zeroed mass falls and its clipped mass rises with the scale, the smallest
-    candidate meeting the criterion is the smallest whose zeroed mass is within the limit (if its
-    clipped mass is too, else none meets it), and a bisection over the candidates finds it: the
-    candidates simulated (an analysed kernel at a candidate is reused) are the scan's rows.
-    """
+                 start) -> tuple[ScaleScan, ...]:
+    """The safe-scale scan of each family of static-scale kernels (module docstring): every candidate
+    of :func:`scale_candidates`, an analysed member's own rows reused at its scale."""
     families: dict = {}
     for ci, cfg in enumerate(kernels):
         if cfg.scale_mode != "dynamic":
@@ -485,41 +519,63 @@ def _scale_scans(trace: Trace, kernels, heads: dict, sink_positions, min_keys: i
     scans = []
     for family, members in families.items():
         label = kernels[members[0]].name
-        candidates = scale_candidates(family)
-        rows: dict = {}
-
-        def row(index, family=family, label=label, rows=rows, candidates=candidates):
-            scale = candidates[index]
-            if scale not in rows:
-                candidate = family.replace(scale=scale, name=f"{label}@scale={scale:g}")
-                hit = [ci for ci, cfg in enumerate(kernels) if cfg == candidate]
-                if hit:
-                    found = {m: a[hit[0]] for m, a in heads.items()}
-                else:
-                    say(f"safe scale of {label}: scale = {scale:g} ({time.perf_counter() - start:.1f} s)")
-                    found = {m: a[0] for m, a in _run_kernels(trace, (candidate,), sink_positions, min_keys,
-                                                              lambda _line: None, start, references).items()}
-                worst = _worst(found, mass_limit, trace.layers)
-                rows[scale] = {"scale": scale, "applied_scale": candidate.effective_scale,
-                               "zeroed_mass_max": worst["zeroed_mass_max"],
-                               "saturated_mass_max": worst["saturated_mass_max"],
-                               "heads_over_limit": worst["heads_over_limit"],
-                               "meets": meets_criterion(worst["zeroed_mass_max"], worst["saturated_mass_max"],
-                                                        mass_limit)}
-            return rows[scale]
-
-        lo, hi = 0, len(candidates) - 1  # find the smallest candidate whose zeroed mass is within the limit
-        if row(hi)["zeroed_mass_max"] > mass_limit:
-            lo = hi + 1
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if row(mid)["zeroed_mass_max"] <= mass_limit:
-                hi = mid
-            else:
-                lo = mid + 1
-        recommended = None
-        if lo < len(candidates) and row(lo)["meets"]:
-            recommended = candidates[lo]
-        scans.append(ScaleScan(family=family.replace(name=label), members=tuple(kernels[ci].name for ci in members),
-                               rows=tuple(rows[k] for k in sorted(rows)), recommended=recommended))
+        say(f"safe scale of {label}: {len(scale_candidates(family))} scales in one pass "
+            f"({time.perf_counter() - start:.1f} s)")
+        known = {kernels[ci].scale: {m: a[ci] for m, a in heads.items()} for ci in members}
+        scans.append(scale_scan(trace, family.replace(name=label), sink_positions=sink_positions, min_keys=min_keys,
+                                mass_limit=mass_limit, known=known,
+                                members=tuple(kernels[ci].name for ci in members)))
     return tuple(scans)
+
+
+def scale_scan(trace: Trace, config: KernelConfig, *, sink_positions, scales: Sequence[float] | None = None,
+               min_keys: int = 16, mass_limit: float = 1e-3, known: dict | None = None,
+               members: tuple[str, ...] = ()) -> ScaleScan:
+    """One kernel family simulated on ``trace`` at each candidate scale, judged by :func:`meets_criterion`.
+
+    Args:
+      trace: the :class:`Trace`.
+      config: the kernel (its ``scale`` is replaced by each candidate; its name labels the scan).
+      sink_positions: ``[B, L, H, k]`` from the sink statistics (:attr:`Analysis.stats`).
+      scales: the candidates (default :func:`scale_candidates`).
+      min_keys, mass_limit: as :func:`analyze`.
+      known: ``{scale: {metric: [B, L, H]}}`` of scales already simulated by the full kernel (an
+        analysed configuration), used as they are; the others come from
+        :func:`~pcast_jax.analysis.heads.scale_masses`, the same kernel's zeroed and clipped masses
+        without the contraction with V, all candidates in one pass.
+      members: the analysed configurations of the family (default: the config's name).
+
+    Returns:
+      :class:`ScaleScan`, one row per candidate by scale; ``recommended`` the smallest meeting the
+      criterion, or None.
+    """
+    from pcast_jax.analysis.heads import scale_masses
+
+    known = known or {}
+    scales = tuple(sorted({float(s) for s in (scale_candidates(config) if scales is None else scales)}))
+    if not scales:
+        raise PcastError("scales must hold at least one candidate scale")
+    todo = [s for s in scales if s not in known]
+    found = dict(known)
+    if todo:
+        per_seq = [scale_masses((trace.q[:, b], trace.k[:, b], trace.v[:, b]), config, todo, sink_positions[b],
+                                min_keys=min_keys, length=int(trace.lengths[b]),
+                                local_window_size=trace.local_window_size, sinks=trace.sinks,
+                                logits_soft_cap=trace.logits_soft_cap)
+                   for b in range(trace.num_sequences)]
+        for i, scale in enumerate(todo):
+            found[scale] = {m: np.stack([seq[m][i] for seq in per_seq]) for m in per_seq[0]}
+    from pcast_jax.deployments import knob_setting
+
+    head_dim = trace.q.shape[-1]
+    rows = []
+    for scale in scales:
+        worst = _worst(found[scale], mass_limit, trace.layers)
+        knob, value, where = knob_setting(config, scale, head_dim=head_dim)
+        rows.append({"scale": scale, "applied_scale": config.replace(scale=scale).effective_scale, "knob_value": value,
+                     "zeroed_mass_max": worst["zeroed_mass_max"], "saturated_mass_max": worst["saturated_mass_max"],
+                     "heads_over_limit": worst["heads_over_limit"],
+                     "meets": meets_criterion(worst["zeroed_mass_max"], worst["saturated_mass_max"], mass_limit)})
+    recommended = next((r["scale"] for r in rows if r["meets"]), None)
+    return ScaleScan(family=config.replace(scale=1.0, name=config.name), members=members or (config.name,),
+                     rows=tuple(rows), recommended=recommended, knob=knob, knob_where=where)

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     report.check_out_dir(args.out)
     fileio.check_regular(args.trace, what=f"trace file {args.trace}")  # a pipe would block the reader
     trace = load_trace(args.trace)
-    logits_fn = None if args.model is None else _model_logits(args.model, trace)
+    logits_fn = None if args.model is None else model_logits(args.model, trace)
     result = analyze(trace, kernels, num_sinks=num_sinks, mass_limit=mass_limit, logits_fn=logits_fn,
                      progress=log)
     path = write_report(result, Path(args.out), title=f"P-cast analysis of {Path(args.trace).name}", what="--out")
@@ -83,7 +83,7 @@ def _check_model_matches(cfg, trace, path) -> None:
                          "give the model the trace was recorded from")
 
 
-def _model_logits(path, trace):
+def model_logits(path, trace):
     """``config -> logits`` of the model file on the trace's tokens (None: exact FP32)."""
     import jax
     import jax.numpy as jnp

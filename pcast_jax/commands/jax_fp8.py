@@ -1,25 +1,44 @@
-"""``pcast jax-fp8``: what JAX's own FP8 attention (cuDNN FP8 SDPA) does to P for your arguments."""
+"""``pcast jax-fp8``: what JAX's own FP8 attention (cuDNN FP8 SDPA) does to P, on synthetic logits or on
+your model's trace, and the ``scale_s`` to pass."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import sys
+
+#: Arguments that describe synthetic logits only (refused with --trace, which has its own).
+_SYNTHETIC = ("head_dim", "seq_len", "sinks", "seeds")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--scale-s", type=float, default=1.0,
+    parser.add_argument("--trace", default=None, metavar="TRACE",
+                        help="a trace of your model (pcast_jax.analysis.Trace.save, .npz): scan scale_s on it and "
+                             "print the one to pass")
+    parser.add_argument("--model", default=None, metavar="PATH",
+                        help="with --trace: the model it came from (GGUF file or Hugging Face folder): adds KL "
+                             "and top-1 agreement per scale_s")
+    parser.add_argument("--gpu", default=None,
+                        help="hopper or blackwell (sm90, sm100): sets cuDNN's lazy-rescale tau (hopper 0, "
+                             "blackwell 4 nats); default blackwell, said in the output")
+    parser.add_argument("--tau", type=float, default=None,
+                        help="cuDNN's lazy-rescale threshold in nats, overriding the GPU's "
+                             "(CUDNN_RESCALE_THRESHOLD); refused when it contradicts --gpu")
+    parser.add_argument("--scale-s", type=float, default=None,
                         help="fp8_params['scale_s'], the P scale passed to JAX's FP8 attention (default 1: what "
-                             "JAX's own tests pass)")
-    parser.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
-    parser.add_argument("--seq-len", type=int, default=4096, help="KV length N (default 4096)")
+                             "JAX's own tests pass); with --trace, the one you pass now (a row of the scan)")
+    parser.add_argument("--mass-limit", type=float, default=None,
+                        help="with --trace: the mass the worst head may lose to zeroed P, and have clipped "
+                             "(default 1e-3, as pcast analyze)")
+    parser.add_argument("--head-dim", type=int, default=None, help="head dim (default 128; synthetic logits)")
+    parser.add_argument("--seq-len", type=int, default=None, help="KV length N (default 4096; synthetic logits)")
     parser.add_argument("--sinks", default=None,
                         help="learned sink logits, one per head: comma-separated numbers or a .npy file "
-                             "(default: no learned sink)")
-    parser.add_argument("--tau", type=float, default=4.0,
-                        help="cuDNN's lazy-rescale threshold in nats (default 4, its reference's default)")
+                             "(default: no learned sink; synthetic logits)")
     parser.add_argument("--mxfp8", action="store_true", help="the MXFP8 SDPA variant (fixed S = 16)")
-    parser.add_argument("--seeds", type=int, default=8, help="draws the simulated fractions average (default 8)")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help="draws the simulated fractions average (default 8; synthetic logits)")
     parser.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
 
 
@@ -36,10 +55,53 @@ def _sinks(text: str | None):
 
 def run(args: argparse.Namespace) -> int:
     from pcast_jax import jax_fp8
+    from pcast_jax.errors import PcastError
 
-    r = jax_fp8.predict(scale_s=args.scale_s, head_dim=args.head_dim, seq_len=args.seq_len, sinks=_sinks(args.sinks),
-                        rescale_threshold=args.tau, mxfp8=args.mxfp8, seeds=args.seeds)
+    jax_fp8.gpu_tau(args.gpu, args.tau, names=("--gpu", "--tau"))  # refused here, naming the options
+    if args.trace is None:
+        given = [f"--{name.replace('_', '-')}" for name in ("model", "mass_limit") if getattr(args, name) is not None]
+        if given:
+            raise PcastError(f"{', '.join(given)}: only with --trace (your model's recorded Q/K/V)")
+        r = jax_fp8.predict(scale_s=args.scale_s, head_dim=args.head_dim, seq_len=args.seq_len,
+                            sinks=_sinks(args.sinks), rescale_threshold=args.tau, gpu=args.gpu, mxfp8=args.mxfp8,
+                            seeds=args.seeds)
+        return _print_synthetic(r, args.format)
+    given = [f"--{name.replace('_', '-')}" for name in _SYNTHETIC if getattr(args, name) is not None]
+    if given:
+        raise PcastError(f"{', '.join(given)}: synthetic logits' options, but --trace was given (the trace has its "
+                         "own heads, lengths and sinks)")
+    if args.mxfp8:
+        raise PcastError("--mxfp8 with --trace: MXFP8 fixes S = 16, there is no scale_s to choose "
+                         "(pcast analyze TRACE --configs cudnn_mxfp8 analyses it)")
+    from pcast_jax import fileio
+    from pcast_jax.analysis import load_trace
+
+    fileio.check_regular(args.trace, what=f"trace file {args.trace}")
+    trace = load_trace(args.trace)
+    logits_fn = None
+    if args.model is not None:
+        from pcast_jax.commands.analyze import model_logits
+
+        logits_fn = model_logits(args.model, trace)
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    r = jax_fp8.predict(trace=trace, scale_s=args.scale_s, rescale_threshold=args.tau, gpu=args.gpu,
+                        logits_fn=logits_fn, mass_limit=args.mass_limit, progress=say)
     if args.format == "text":
+        print(r.summary())
+        return 0
+    from pcast_jax import report
+
+    print(json.dumps(report.json_value({"gpu": r.gpu, "config": r.config.to_string(), "tau": r.config.rescale_threshold,
+                                        "mass_limit": r.mass_limit, "given_scale_s": r.given_scale_s,
+                                        "candidates": r.rows(), "recommended_scale_s": r.recommended,
+                                        "answer": r.answer()}), indent=2, ensure_ascii=False))
+    return 0
+
+
+def _print_synthetic(r, fmt: str) -> int:
+    from pcast_jax import jax_fp8
+
+    if fmt == "text":
         print(r.summary())
         return 0
     heads = []
@@ -50,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
                       **{k: float(getattr(r, k)[h]) for k in ("frac_zeroed", "zeroed_mass", "frac_saturated",
                                                                "saturated_mass")},
                       **{f"{k}_sem": float(v[h]) for k, v in r.sem.items()}})
-    print(json.dumps({"config": r.config.to_string(), "effective_scale": r.config.effective_scale,
+    print(json.dumps({"gpu": r.gpu, "config": r.config.to_string(), "effective_scale": r.config.effective_scale,
                       "max_scaled_p": r.max_scaled_p, "safe_scale_s": r.safe_scale_s,
                       "safe_critical_delta": r.safe_critical_delta, "seq_len": r.seq_len, "seeds": r.seeds,
                       "heads": heads}, indent=2))

@@ -48,6 +48,9 @@ HARNESS_SCALE_S = 32.0
 #: ``fp8.py`` line 319), elsewhere (Hopper) 0 (``test_mhas_v2.py`` lines 661-662). The kernel itself is closed;
 #: that its own τ matches is an assumption.
 TAU_BY_GPU = {"sm100": 4.0, "sm90": 0.0}
+#: Where each τ of :data:`TAU_BY_GPU` is read (cudnn-frontend commit 3929da2).
+TAU_SOURCE = {"sm100": "cudnn-frontend test/python/test_mhas_v2.py lines 659-660, test/python/sdpa/fp8.py line 319",
+              "sm90": "cudnn-frontend test/python/test_mhas_v2.py lines 661-662"}
 
 PRESETS: dict[str, KernelConfig] = {
     # cuDNN FP8 SDPA on SM100 with the reference's default τ = 4 (nats) and the scale_s JAX's tests pass (1):
