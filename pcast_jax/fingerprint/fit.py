@@ -419,18 +419,36 @@ def fit(ps: ProbeSet, outputs, *, output_dtype=None, calls: int = 0, seconds_cal
                          f"{best.to_string()}; the kernel does something the candidates do not model")
     fields: dict[str, FieldEvidence] = {}
     tol = tolerance(best_r)
-    runner_cfg, runner_r = None, math.inf
-    cands = []
-    for group in groups:
-        cands += [c for c in _group_candidates(best, group, kept_values.get(group)) if c not in cands]
+    # the config holds the plainest of what fits alike, and the evidence is read around it: a class of
+    # configs that are one function can span two groups (E4M3FNUZ at S/2 is E4M3 at S, whose S·2^τ with
+    # the 2^-τ compensation is one more), so the neighbours of each plainer member are looked at too
+    cands: list[KernelConfig] = []
+    for _ in range(3):
+        for group in groups:
+            cands += [c for c in _group_candidates(best, group, kept_values.get(group)) if c not in cands]
+        scorer.simulate(cands)
+        plain = min([best] + [c for c in cands if scorer.residual(c) <= tol], key=_simplicity)
+        if plain == best:
+            break
+        cands.append(best)
+        best = plain
+    # every config that fits alike with its 2^-τ compensation turned (the same applied scale S·2^-τ):
+    # the class E4M3 at S = E4M3FNUZ at S/2 = S·2^τ compensated spans the cast and rescale groups
+    twins = [_variant(c, "rescale", (c.rescale_threshold, c.rescale_unit, "pow2"))
+             for c in [best] + cands if c.rescale_threshold and c.rescale_compensation == "none"
+             and scorer.residual(c) <= tol]
+    cands += [t for t in twins if t is not None and t not in cands]
     scorer.simulate(cands)
+    cands = [c for c in cands if c != best]
     for group in groups:
         for field in GROUPS[group]:  # over every group's candidates: S·2^-τ is one function of S and τ
             fields[field] = _evidence(scorer, best, cands, field, tol)
+    runner_cfg, runner_r = None, math.inf
     for c in cands:
         r = scorer.residual(c)
-        if c != best and r < runner_r:
+        if r < runner_r:
             runner_cfg, runner_r = c, r
+    best_r = scorer.residual(best)
     for field in FIELDS:
         if field not in fields:  # sink_mode without sinks in the probes
             fields[field] = FieldEvidence(field=field, value=getattr(best, field), determined=False,
