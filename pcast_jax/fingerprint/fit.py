@@ -18,9 +18,8 @@ group                     fields                                            firs
 
 The ``cast`` group is first decided on the ``ladder`` rows alone (every tile, order and split
 gives them the same output), its best candidates kept; then each pass searches ``walk``, ``split``,
-``rescale``, ``sink``, ``accumulator`` and ``cast`` in turn, twice (once when the first pass fits
-exactly). Then every group is searched
-again around the best, and each field's evidence is read from every group's candidates around it: the best
+``rescale``, ``sink``, ``accumulator`` and ``cast`` in turn, twice, stopping at the first exact fit.
+Then each field's evidence is read from every group's candidates around the best: the best
 residual among those with another value of the field (the runner-up) and which probe family it
 missed most. A value whose candidate fits within
 :func:`tolerance` of the best stays a candidate: a field with more than one is *undetermined*.
@@ -29,18 +28,21 @@ The ``walk`` group is first narrowed by a read: the tiles whose predicted collap
 matches the ``walk`` rows (``_read_walk``), :data:`WALK_KEPT` of them in both orders, are the
 ones simulated; the others are ruled out by that read alone.
 
-When that search does not fit exactly, it is run again from the ladder's best candidate of each
-other scale mode and P format that fits the ladder rows alike (at most :data:`RESTARTS` more): a
-block-scaled P (MXFP8) and the per-block 2^k scale read the same on one block and part only on many.
+When that search does not fit exactly, it is run again from what it found with the cast of each
+other scale mode and P format that fits the ladder rows alike (at most :data:`RESTARTS` more), the
+fields a wrong cast drags along searched first (:data:`RESTART_PASSES`): a block-scaled P (MXFP8) and
+the per-block 2^k scale read the same on one block and part only on many, and a per-block dynamic
+scale read as the fixed one leaves an f16 accumulator absorbing the difference.
 
 Candidate values are a grid (powers of two for S, tiles in steps of 16 up to 256, 1–16 splits, τ
 of 0.75–8) joined with every value a preset in :data:`pcast_jax.presets.PRESETS` uses, so a preset
-added later is among the candidates. Simulations are cached per probe set and config, so fitting
+added later is among the candidates. Each candidate is one program compiled without the backend's
+optimizations (:data:`COMPILER_OPTIONS`); its output is cached per probe set and config, so fitting
 many kernels on the same probes simulates each candidate once.
 
-Not fitted (the probes cannot see them, or :class:`~pcast_jax.config.KernelConfig` has no field): the kernel's own
-Q/K/V quantization (the probes are exact in E4M3, so it is lossless), ``overflow`` (a NaN output is
-refused), the MMA accumulator model (``mma_acc_bits``), and ℓ summed from the cast P.
+Not fitted (:data:`NOT_FITTED`, listed in every :class:`~pcast_jax.fingerprint.result.Fingerprint`):
+what the probes cannot see or :class:`~pcast_jax.config.KernelConfig` has no field for. A kernel that
+differs there shows it only in the residual.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from pcast_jax.fingerprint.probes import FAMILIES, LADDER_KEYS, N_KEYS, ROWS, SE
 from pcast_jax.fingerprint.result import RESIDUAL_FLOOR, FieldEvidence, Fingerprint
 
 __all__ = ["identify", "fit", "check_outputs", "simulate_outputs", "explain_preset", "GROUPS", "FIELDS", "FIT_LIMIT",
-           "tolerance", "candidate_values"]
+           "NOT_FITTED", "tolerance", "candidate_values"]
 
 #: Field groups, searched in this order after ``cast``.
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -72,12 +74,24 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "accumulator": ("accumulator", "f16_round_keys", "v_channel_max"),
 }
 FIELDS: tuple[str, ...] = tuple(f for fields in GROUPS.values() for f in fields)
+#: What the fit does not read, and why: reported in every fingerprint (``Fingerprint.not_fitted``).
+NOT_FITTED: dict[str, str] = {
+    "row_sum": "what ℓ sums: every KernelConfig sums the pre-cast P (no field selects the cast P), so a kernel "
+               "summing the cast values is fitted as the nearest pre-cast config and shows only in the residual",
+    "qkv": "the kernel's own Q/K/V quantization: the probes are exact in E4M3 with power-of-two per-tensor "
+           "scales, so it is lossless on them",
+    "overflow": "a NaN output is refused, so only the saturating cast is read",
+    "mma_acc_bits": "the tensor core's accumulator model is not among the candidates",
+}
 #: Largest best residual that still counts as a fit: beyond it the outputs fit no candidate.
 FIT_LIMIT = 0.05
 #: Candidates of the ``cast`` group kept (by their ladder residual) for the search over every row.
 CAST_KEPT = 12
 #: Searches started from other ladder-tied casts when the first does not fit exactly.
 RESTARTS = 2
+#: Group order of a search restarted from another cast: the fields a wrong cast pulled along (an f16
+#: accumulator, a τ, a sink placement absorbing its error) before the order, tile and split.
+RESTART_PASSES = ("accumulator", "sink", "rescale", "walk", "split", "cast")
 #: Tiles kept (in both orders) by the ``walk`` rows' collapse pattern for simulation.
 WALK_KEPT = 4
 
@@ -149,47 +163,60 @@ def _inputs(key: tuple) -> dict:
 
 
 _SIM_CACHE: dict = {}
-_MISSING = object()
 _SIM_CACHE_MAX = 4096
+#: XLA options of the candidates' programs (per program: nothing global changes). Each program is
+#: compiled for one use, so compiling is most of a fit's time: without the backend's optimizations a
+#: program compiles about 3x faster and runs the same arithmetic (its outputs agree with the optimized
+#: program's to a unit in the last place, far below :data:`RESIDUAL_FLOOR`).
+COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+#: Candidates simulated by one program: the simulator specializes on every field, so no two
+#: candidates share a compiled program, but one program computing several shares its compile's fixed
+#: cost and the work the candidates have in common (the logits' block maxima, the exponentials).
+BATCH = 12
 
 
-@functools.cache
-def _compiled():
+def _programs(key: tuple, part: str, cfgs: list[KernelConfig]) -> list[np.ndarray]:
+    """The outputs of ``cfgs`` on the probes, computed by one compiled program."""
     import jax
 
     from pcast_jax import engine
 
-    return jax.jit(lambda scores, v, sink, cfg: engine.attention(scores, v, cfg, sink_logit=sink).out,
-                   static_argnames="cfg")
+    scores, v, sink = _inputs(key)[part]
+
+    def run(scores, v, sink):
+        return [engine.attention(scores, v, cfg, sink_logit=sink).out for cfg in cfgs]
+
+    program = jax.jit(run).lower(scores, v, sink).compile(COMPILER_OPTIONS)
+    return [np.asarray(out) for out in program(scores, v, sink)]
 
 
-def _simulate(key: tuple, part: str, cfg: KernelConfig, *, compiled: bool = False) -> np.ndarray | None:
-    """The candidate's output on the probes (F, H, T, D) (or the ladder part), cached; None when it is
-    not finite (an f16 accumulator that overflows).
-
-    ``compiled``: one program for this config (cheaper where the config brings shapes no candidate had:
-    another tile or split count); else op by op, whose compiled operations every config of the same
-    shapes reuses.
-    """
-    from pcast_jax import engine
-
-    ck = (key, part, cfg)
-    hit = _SIM_CACHE.get(ck, _MISSING)
-    if hit is _MISSING:
-        scores, v, sink = _inputs(key)[part]
+def _simulate_all(key: tuple, part: str, cfgs) -> None:
+    """Caches every candidate's output on the probes (F, H, T, D) (or the ladder part), :data:`BATCH`
+    candidates a program: None for one the simulator refuses or whose output is not finite (an f16
+    accumulator that overflows)."""
+    todo = [c for c in dict.fromkeys(cfgs) if (key, part, c) not in _SIM_CACHE]
+    for i in range(0, len(todo), BATCH):
+        chunk = todo[i:i + BATCH]
         try:
-            if compiled:
-                hit = np.asarray(_compiled()(scores, v, sink, cfg=cfg))
-            else:
-                hit = np.asarray(engine.attention(scores, v, cfg, sink_logit=sink).out)
-        except PcastError:
-            hit = None
-        if hit is not None and not np.all(np.isfinite(hit)):
-            hit = None
-        if len(_SIM_CACHE) >= _SIM_CACHE_MAX:
-            _SIM_CACHE.pop(next(iter(_SIM_CACHE)))
-        _SIM_CACHE[ck] = hit
-    return hit
+            outs = _programs(key, part, chunk)
+        except PcastError:  # one of them is refused: each alone
+            outs = []
+            for cfg in chunk:
+                try:
+                    outs += _programs(key, part, [cfg])
+                except PcastError:
+                    outs.append(None)
+        for cfg, out in zip(chunk, outs):
+            if len(_SIM_CACHE) >= _SIM_CACHE_MAX:
+                _SIM_CACHE.pop(next(iter(_SIM_CACHE)))
+            _SIM_CACHE[(key, part, cfg)] = out if out is not None and np.all(np.isfinite(out)) else None
+
+
+def _simulate(key: tuple, part: str, cfg: KernelConfig) -> np.ndarray | None:
+    """One candidate's cached output (:func:`_simulate_all`)."""
+    if (key, part, cfg) not in _SIM_CACHE:
+        _simulate_all(key, part, [cfg])
+    return _SIM_CACHE[(key, part, cfg)]
 
 
 #: Output types a kernel may return, by name: the simulated outputs are rounded to it before comparing.
@@ -254,12 +281,9 @@ class _Scorer:
         self.dtype = OUTPUT_DTYPES[output_dtype]
         self.out = {"all": np.moveaxis(out, 2, 1), "ladder": np.moveaxis(out, 2, 1)[:1, :1]}
         self.seen: dict[KernelConfig, tuple[float, np.ndarray]] = {}
-        self.base: KernelConfig | None = None  # the search's shapes so far: other shapes are compiled whole
 
     def _errors(self, cfg: KernelConfig, part: str):
-        base = self.base
-        compiled = base is not None and (cfg.block_kv, cfg.kv_splits) != (base.block_kv, base.kv_splits)
-        sim = _simulate(self.key, part, cfg, compiled=compiled)
+        sim = _simulate(self.key, part, cfg)
         if sim is None:  # the candidate's own output is not finite here: it cannot be the kernel
             n = self.out[part].shape[0]
             return np.ones(n), np.ones(n)
@@ -267,6 +291,10 @@ class _Scorer:
             top = float(ml_dtypes.finfo(self.dtype).max)
             sim = np.clip(sim, -top, top).astype(self.dtype).astype(np.float32)
         return _relative_errors(self.out[part], sim)
+
+    def simulate(self, cfgs, part: str = "all") -> None:
+        """Simulates the candidates not yet seen together (:func:`_simulate_all`)."""
+        _simulate_all(self.key, part, [c for c in cfgs if part != "all" or c not in self.seen])
 
     def residual(self, cfg: KernelConfig, part: str = "all") -> float:
         if part == "all" and cfg in self.seen:
@@ -298,10 +326,21 @@ def _group_candidates(best: KernelConfig, group: str, values=None) -> list[Kerne
 
 
 def _search(scorer: _Scorer, best: KernelConfig, group: str, values=None) -> KernelConfig:
-    scorer.base = best
     cands = [best] + _group_candidates(best, group, values)
+    scorer.simulate(cands)
     # a tie keeps the config the search holds (its neighbours are simulated already), else the plainer
     return min(cands, key=lambda c: (scorer.residual(c), c != best, _simplicity(c)))
+
+
+def _descend(scorer: _Scorer, best: KernelConfig, passes: list[str], values: dict) -> KernelConfig:
+    """Searches each group of ``passes`` in turn around the best so far, twice; stops at an exact fit
+    (the evidence then looks at every group around it, so a field an early stop left is still weighed)."""
+    for _ in range(2):
+        for group in passes:
+            best = _search(scorer, best, group, values.get(group))
+            if scorer.residual(best) <= RESIDUAL_FLOOR:
+                return best
+    return best
 
 
 def _simplicity(cfg: KernelConfig) -> tuple:
@@ -342,8 +381,9 @@ def fit(ps: ProbeSet, outputs, *, output_dtype=None, calls: int = 0, seconds_cal
     start = KernelConfig(causal=ps.causal)
     # the reads count zeros: an 8-bit output type zeroes small outputs itself, so they are not made
     reads = np.dtype(OUTPUT_DTYPES[output_dtype]).itemsize > 1
-    cast = sorted(_group_candidates(start, "cast", _read_cast(ps, out) if reads else None),
-                  key=lambda c: (scorer.residual(c, "ladder"), _simplicity(c)))
+    cast = _group_candidates(start, "cast", _read_cast(ps, out) if reads else None)
+    scorer.simulate(cast, "ladder")
+    cast = sorted(cast, key=lambda c: (scorer.residual(c, "ladder"), _simplicity(c)))
     kept = [tuple(getattr(c, f) for f in GROUPS["cast"]) for c in cast[:CAST_KEPT]]
     best = cast[0]
     ladder_r = scorer.residual(best, "ladder")
@@ -362,12 +402,12 @@ def fit(ps: ProbeSet, outputs, *, output_dtype=None, calls: int = 0, seconds_cal
             starts.append(c)
     found = None
     for start_cfg in starts[:1 + RESTARTS]:
-        best = start_cfg
-        for _ in range(2):
-            for group in passes:
-                best = _search(scorer, best, group, kept_values.get(group))
-            if scorer.residual(best) <= RESIDUAL_FLOOR:  # an exact fit: a second pass would find it again
-                break
+        if found is None:
+            best = _descend(scorer, start_cfg, passes, kept_values)
+        else:  # what the first search found, with this cast; the fields a cast drags along first
+            cast_vals = tuple(getattr(start_cfg, f) for f in GROUPS["cast"])
+            best = _descend(scorer, _variant(found, "cast", cast_vals) or start_cfg,
+                            [g for g in RESTART_PASSES if g in groups], kept_values)
         if found is None or scorer.residual(best) < scorer.residual(found):
             found = best
         if scorer.residual(found) <= RESIDUAL_FLOOR:
@@ -379,18 +419,36 @@ def fit(ps: ProbeSet, outputs, *, output_dtype=None, calls: int = 0, seconds_cal
                          f"{best.to_string()}; the kernel does something the candidates do not model")
     fields: dict[str, FieldEvidence] = {}
     tol = tolerance(best_r)
-    runner_cfg, runner_r = None, math.inf
-    scorer.base = best
-    cands = []
-    for group in groups:
-        cands += [c for c in _group_candidates(best, group, kept_values.get(group)) if c not in cands]
+    # the config holds the plainest of what fits alike, and the evidence is read around it: a class of
+    # configs that are one function can span two groups (E4M3FNUZ at S/2 is E4M3 at S, whose S·2^τ with
+    # the 2^-τ compensation is one more), so the neighbours of each plainer member are looked at too
+    cands: list[KernelConfig] = []
+    for _ in range(3):
+        for group in groups:
+            cands += [c for c in _group_candidates(best, group, kept_values.get(group)) if c not in cands]
+        scorer.simulate(cands)
+        plain = min([best] + [c for c in cands if scorer.residual(c) <= tol], key=_simplicity)
+        if plain == best:
+            break
+        cands.append(best)
+        best = plain
+    # every config that fits alike with its 2^-τ compensation turned (the same applied scale S·2^-τ):
+    # the class E4M3 at S = E4M3FNUZ at S/2 = S·2^τ compensated spans the cast and rescale groups
+    twins = [_variant(c, "rescale", (c.rescale_threshold, c.rescale_unit, "pow2"))
+             for c in [best] + cands if c.rescale_threshold and c.rescale_compensation == "none"
+             and scorer.residual(c) <= tol]
+    cands += [t for t in twins if t is not None and t not in cands]
+    scorer.simulate(cands)
+    cands = [c for c in cands if c != best]
     for group in groups:
         for field in GROUPS[group]:  # over every group's candidates: S·2^-τ is one function of S and τ
             fields[field] = _evidence(scorer, best, cands, field, tol)
+    runner_cfg, runner_r = None, math.inf
     for c in cands:
         r = scorer.residual(c)
-        if c != best and r < runner_r:
+        if r < runner_r:
             runner_cfg, runner_r = c, r
+    best_r = scorer.residual(best)
     for field in FIELDS:
         if field not in fields:  # sink_mode without sinks in the probes
             fields[field] = FieldEvidence(field=field, value=getattr(best, field), determined=False,
@@ -400,7 +458,7 @@ def fit(ps: ProbeSet, outputs, *, output_dtype=None, calls: int = 0, seconds_cal
     return Fingerprint(config=best, fields=fields, residual=best_r, runner_up=runner_cfg,
                        runner_up_residual=runner_r, calls=calls, seconds_calls=seconds_calls,
                        seconds_fit=time.perf_counter() - t0, candidates=len(scorer.seen),
-                       probe_key=ps.key)
+                       probe_key=ps.key, not_fitted=dict(NOT_FITTED))
 
 
 def _read_cast(ps: ProbeSet, out: np.ndarray) -> list[tuple]:

@@ -78,6 +78,8 @@ class Fingerprint:
       calls: black-box calls made; ``seconds_calls`` their seconds, ``seconds_fit`` the fit's.
       candidates: configs simulated on every probe row.
       probe_key: (head_dim, scale, causal, sinks, seed) of the probes.
+      not_fitted: what the fit does not read, name → why (:data:`pcast_jax.fingerprint.fit.NOT_FITTED`):
+        a kernel that differs there shows it only in the residual.
     """
 
     config: KernelConfig
@@ -90,6 +92,7 @@ class Fingerprint:
     seconds_fit: float
     candidates: int
     probe_key: tuple
+    not_fitted: dict = dataclasses.field(default_factory=dict)
 
     @property
     def undetermined(self) -> dict:
@@ -106,6 +109,7 @@ class Fingerprint:
                  f"  {self.calls} call(s) of the kernel ({report.fmt_num(self.seconds_calls, 2)} s), fit "
                  f"{report.fmt_num(self.seconds_fit, 2)} s over {self.candidates} candidates"]
         lines += [f"  {e.describe()}" for e in self.fields.values()]
+        lines += [f"  not fitted: {name} ({why})" for name, why in self.not_fitted.items()]
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -118,5 +122,5 @@ class Fingerprint:
                 "fields": {f: e.to_dict() for f, e in self.fields.items()},
                 "undetermined": {f: list(c) for f, c in self.undetermined.items()},
                 "calls": self.calls, "seconds_calls": self.seconds_calls, "seconds_fit": self.seconds_fit,
-                "candidates": self.candidates,
+                "candidates": self.candidates, "not_fitted": dict(self.not_fitted),
                 "probes": {"head_dim": head_dim, "scale": scale, "causal": causal, "sinks": sinks, "seed": seed}}
