@@ -122,8 +122,12 @@ def fold_sink(block_max, sink, cfg: KernelConfig):
 def sink_weight(sink, m, cfg: KernelConfig):
     """What a learned sink logit s_L adds to ℓ under running max m: exp(s_L − m), or in the exponent
     mode exp2(s_L·log2 e − (m·log2 e − log2 S)) = S·exp(s_L − m) (ℓ holds S there, so the sink term
-    carries it too, as FA3's vLLM fork and fmha_v2 scale it). m = −inf (nothing visible) counts as 0."""
+    carries it too, as FA3's vLLM fork and fmha_v2 scale it); with ``sink_prescale="exp"``
+    exp(s_L − m + log2 S) = e^(log2 S)·exp(s_L − m) (fmha_v2's non-exp2f path). m = −inf (nothing
+    visible) counts as 0."""
     m = safe_max(m)
+    if cfg.scale_mode == "exponent" and cfg.sink_prescale == "exp":
+        return jnp.exp(sink - m + cfg.log2_scale)
     if cfg.scale_mode == "exponent":
         return jnp.exp2(sink * LOG2E - (m * LOG2E - cfg.log2_scale))
     return jnp.exp(sink - m)

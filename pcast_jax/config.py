@@ -31,9 +31,9 @@ from pcast_jax import numberline
 from pcast_jax.errors import F32_MAX, PcastError, check_choice, check_int, check_positive
 
 __all__ = ["KernelConfig", "Numbers", "BoundConfig",
-           "MMA_K", "QKV_GRANULARITIES", "SINK_MODES", "RESCALE_UNITS", "RESCALE_COMPENSATIONS",
+           "MMA_K", "QKV_GRANULARITIES", "SINK_MODES", "SINK_PRESCALES", "RESCALE_UNITS", "RESCALE_COMPENSATIONS",
            "Order", "ScaleMode", "Accumulator", "QKVPrecision", "QKVGranularity", "SplitLayout", "SinkMode",
-           "RescaleUnit", "RescaleCompensation", "scale_candidates"]
+           "SinkPrescale", "RescaleUnit", "RescaleCompensation", "scale_candidates"]
 
 #: KV block orders (:attr:`KernelConfig.order`).
 Order = Literal["forward", "reverse"]
@@ -70,6 +70,9 @@ RESCALE_UNITS: tuple[str, ...] = typing.get_args(RescaleUnit)
 #: ``"pow2"``: the P scale is S·2^-τ (cuDNN's compensation for a running max that lags by up to τ).
 RescaleCompensation = Literal["none", "pow2"]
 RESCALE_COMPENSATIONS: tuple[str, ...] = typing.get_args(RescaleCompensation)
+#: How a learned sink's term in ℓ takes the exponent mode's prescale log2 S (:attr:`KernelConfig.sink_prescale`).
+SinkPrescale = Literal["exp2", "exp"]
+SINK_PRESCALES: tuple[str, ...] = typing.get_args(SinkPrescale)
 #: Largest τ: exp(τ) (the most a stale P can exceed 1) stays finite in float32 in either unit.
 RESCALE_THRESHOLD_MAX = 64.0
 
@@ -198,6 +201,14 @@ class KernelConfig:
     #: max allows is S·e^τ·2^-τ (natural units).
     rescale_compensation: RescaleCompensation = "none"
 
+    # --- The learned sink's prescale ---------------------------------------------------------------
+    #: In the exponent mode, how the sink's term in ℓ takes the prescale log2 S that every P carries:
+    #: ``"exp2"`` — exp2(s_L·log2 e − m·log2 e + log2 S) = S·exp(s_L − m), what ℓ holds (exact);
+    #: ``"exp"`` — exp(s_L − m + log2 S) = e^(log2 S)·exp(s_L − m), TensorRT-LLM fmha_v2's e4m3 epilogue
+    #: on its non-exp2f path (ALiBi or logit soft-capping): e^8 instead of 2^8 at S = 256, the sink
+    #: weighted (e/2)^8 ≈ 11.6× too much. Other scale modes: ``"exp2"`` (normalised; nothing to take).
+    sink_prescale: SinkPrescale = "exp2"
+
     # --- Label ------------------------------------------------------------------------------------
     #: A label for reports, not part of the identity: two configs are equal (and hash alike) when their
     #: semantics are, whatever their names. Empty → :meth:`default_name`.
@@ -279,6 +290,9 @@ class KernelConfig:
         object.__setattr__(self, "rescale_threshold", tau)
         check_choice("rescale_unit", self.rescale_unit, RESCALE_UNITS)
         check_choice("rescale_compensation", self.rescale_compensation, RESCALE_COMPENSATIONS)
+        check_choice("sink_prescale", self.sink_prescale, SINK_PRESCALES)
+        if self.scale_mode != "exponent":  # only the exponent mode folds log2 S into the sink's term
+            object.__setattr__(self, "sink_prescale", "exp2")
         if tau == 0.0:  # no lag: neither the unit nor a 2^-0 compensation acts
             object.__setattr__(self, "rescale_unit", "log2")
             object.__setattr__(self, "rescale_compensation", "none")
@@ -322,9 +336,9 @@ class KernelConfig:
         for f16_round_keys and ``_v2.25`` for v_channel_max), ``_qkv8`` / ``_qkv8h`` (E4M3 Q/K/V per tensor / per head),
         ``_causal``, ``_split8`` / ``_split8s`` (kv_splits, contiguous / strided), ``_acc14`` (the
         MMA accumulator model, never promoted) / ``_acc14p128`` (promoted every 128 keys),
-        ``_sinkinit`` / ``_sinkblock`` (sink_mode) and ``_tau4`` (lazy rescale, log2 units; ``n`` for
-        natural units, ``c`` for the 2^-τ compensation). Two configs with different semantics never
-        share a default name.
+        ``_sinkinit`` / ``_sinkblock`` (sink_mode), ``_tau4`` (lazy rescale, log2 units; ``n`` for
+        natural units, ``c`` for the 2^-τ compensation) and ``_sinkexp`` (sink_prescale). Two configs with
+        different semantics never share a default name.
         """
         parts = [{"forward": "fwd", "reverse": "rev"}[self.order],
                  "sdyn" if self.scale_mode == "dynamic" else "s" + repr(self.scale).removesuffix(".0")]
@@ -356,17 +370,22 @@ class KernelConfig:
             parts.append("tau" + repr(self.rescale_threshold).removesuffix(".0")
                          + ("n" if self.rescale_unit == "natural" else "")
                          + ("c" if self.rescale_compensation == "pow2" else ""))
+        if self.sink_prescale != "exp2":
+            parts.append("sinkexp")
         return "_".join(parts)
 
     def to_dict(self) -> dict:
         """Every field as a plain value; :meth:`from_dict` reads it back.
 
-        ``qkv_granularity`` is written only where it acts (E4M3 Q/K/V): two configs that compute the
-        same thing have one dict, and so one sweep fingerprint.
+        ``qkv_granularity`` is written only where it acts (E4M3 Q/K/V), ``sink_prescale`` only where it
+        is not the exact ``"exp2"``: two configs that compute the same thing have one dict, and so one
+        sweep fingerprint.
         """
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if self.qkv == "f32":
             del d["qkv_granularity"]
+        if self.sink_prescale == "exp2":
+            del d["sink_prescale"]
         return d
 
     @classmethod
@@ -530,6 +549,8 @@ class KernelConfig:
         if self.rescale_threshold:
             comp = f", P scale S·2^-{self.rescale_threshold:g}" if self.rescale_compensation == "pow2" else ""
             extra.append(f"lazy rescale τ={self.rescale_threshold:g} ({self.rescale_unit}){comp}")
+        if self.sink_prescale != "exp2":
+            extra.append("learned sink's prescale as e^(log2 S)")
         tail = (", " + ", ".join(extra)) if extra else ""
         return f"{self.order}, {s}, B={self.block_kv}{tail}"
 

@@ -161,7 +161,7 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
               count_mask=None, kv_splits=1, split_layout="contiguous", f16_round_keys=0,
               v_channel_max=0.0, mma_acc_bits=0, mma_promote_keys=0, visible=None, sink_logit=None,
               sink_mode="epilogue", rescale_threshold=0.0, rescale_unit="log2",
-              rescale_compensation="none") -> OracleResult:
+              rescale_compensation="none", sink_prescale="exp2") -> OracleResult:
     """Algorithm 1 for every query row of ``scores`` (q, N) against ``v`` (N, d), in float64.
 
     ``scale_mode``: ``"multiply"`` casts P·S and divides by S·ℓ (ℓ of unscaled P);
@@ -194,6 +194,7 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
     Lazy rescale: with ``rescale_threshold`` τ > 0 the running max moves only when a block's max exceeds
     it by more than τ (times ln 2 for ``rescale_unit="log2"``); ``rescale_compensation="pow2"`` makes
     the scale S·2^-τ. P·S above the element max saturates (counted for element formats).
+    ``sink_prescale="exp"`` (exponent mode): the sink's ×S is e^(log2 S) instead (fmha_v2's non-exp2f path).
     """
     if rescale_compensation == "pow2":
         scale = scale * 2.0**-rescale_threshold
@@ -229,7 +230,10 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
         members = [list(range(i, n_blocks, kv_splits)) for i in range(kv_splits)]
     group = f16_round_keys or block_kv
     mma = (mma_acc_bits, mma_promote_keys)
-    sink = (sink_logit, sink_mode, gap)
+    sink_factor = 1.0
+    if scale_mode == "exponent":
+        sink_factor = np.exp(np.log2(scale)) if sink_prescale == "exp" else scale
+    sink = (sink_logit, sink_mode, gap, sink_factor)
     runs = [_one_split(s, v, counted, blks[::-1] if order == "reverse" else blks, line, block_kv, group,
                        scale, scale_mode, overflow, accumulator, p_format, mma, sink=sink, first=i == 0)
             for i, blks in enumerate(members)]
@@ -251,7 +255,7 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
             lz += np.where(ell_s > 0, np.exp(m - m_ok), 0.0) * lz_s
             ls += np.where(ell_s > 0, np.exp(m - m_ok), 0.0) * ls_s
         if sink_logit is not None and sink_mode != "init_max":  # the sink's column, once, at the merged max
-            ell += np.exp(sink_logit - m_ok) * (scale if scale_mode == "exponent" else 1.0)
+            ell += np.exp(sink_logit - m_ok) * sink_factor
         share = np.where(ell > 0, ell, 1.0)  # a row with nothing visible: every w is 0, the output 0
         for w, o_s, sl in wsum:
             out += (w / share)[:, None] * o_s
@@ -265,17 +269,17 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
 
 
 def _one_split(s, v, counted, blocks, line, block_kv, group, scale, scale_mode, overflow, accumulator, p_format,
-               mma=(0, 0), sink=(None, "epilogue", 0.0), first=True):
+               mma=(0, 0), sink=(None, "epilogue", 0.0, 1.0), first=True):
     """Algorithm 1 over ``blocks`` (in visiting order): (m, ℓ, O, zeroed, zeroed mass, slack, zeroed slack,
     saturated, saturated mass)."""
     q = s.shape[0]
     d = v.shape[1]
-    sink_logit, sink_mode, gap = sink
+    sink_logit, sink_mode, gap, sink_factor = sink
     m = np.full(q, -np.inf)
     ell = np.zeros(q)
     if sink_logit is not None and sink_mode == "init_max" and first:
         m = np.full(q, float(sink_logit))
-        ell = np.full(q, scale if scale_mode == "exponent" else 1.0)
+        ell = np.full(q, sink_factor)
     ns = np.zeros(q, np.int64)
     ls = np.zeros(q)
     o = np.zeros((q, d))
@@ -404,7 +408,8 @@ def config_kwargs(cfg) -> dict:
             "sink_mode": getattr(cfg, "sink_mode", "epilogue"),
             "rescale_threshold": getattr(cfg, "rescale_threshold", 0.0),
             "rescale_unit": getattr(cfg, "rescale_unit", "log2"),
-            "rescale_compensation": getattr(cfg, "rescale_compensation", "none")}
+            "rescale_compensation": getattr(cfg, "rescale_compensation", "none"),
+            "sink_prescale": getattr(cfg, "sink_prescale", "exp2")}
 
 
 def sink_scores(rng: np.random.Generator, *, q: int, n: int, d: int, delta: float, k_sink: int = 4):

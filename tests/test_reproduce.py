@@ -330,8 +330,9 @@ _SELECTED_BEFORE_TAGS = {
     "block_scaled": ("sageattn3", "nvfp4_fakequant", "mxfp8_p"),
     "sinks_and_rescale": ("cudnn_fp8", "cudnn_fp8_tau0", "cudnn_fp8_s32", "cudnn_fp8_s32_tau0", "cudnn_mxfp8",
                           "te_fp8_dpa", "fa4_pr2109", "fa4_pr2717", "vllm_triton_fp8", "vllm_triton_fp8_3d",
-                          "vllm_triton_fp8_rocm", "vllm_fa4", "flashinfer_sm100_cutedsl", "flashinfer_sm120",
-                          "flashinfer_sm120_pr5020", "trtllm_fmha_v2", "sglang_triton_decode"),
+                          "vllm_triton_fp8_rocm", "vllm_fa4", "flashinfer_sm100_cutedsl",
+                          "flashinfer_sm100_cutedsl_paged", "flashinfer_sm120", "flashinfer_sm120_pr5020",
+                          "trtllm_fmha_v2", "trtllm_fmha_v2_nonexp2f", "sglang_triton_decode"),
     "amd": ("fa_triton_amd_mi300", "fa_triton_amd_mi355", "vllm_rocm_flash_fp8"),
 }
 

@@ -487,3 +487,18 @@ def test_sglang_split_count_follows_the_batch():
         **{**launch, "num_heads": 32, "num_kv_heads": 32, "batch": 16})
     with pytest.raises(PcastError, match="num_kv_heads"):
         sglang_num_kv_splits(**{**launch, "num_kv_heads": 64})
+
+
+def test_the_non_exp2f_sink_prescale_weighs_the_sink_e_to_the_log2_s():
+    """fmha_v2's non-exp2f path adds the sink as e^8·exp(s_L − m), its exp2f path as 2^8·exp(s_L − m): ℓ differs
+    by exactly (e^8 − 2^8)·exp(s_L − m), and the config field is written (and fingerprinted) only where it acts."""
+    from pcast_jax import block
+
+    exact, nonexp2f = PRESETS["trtllm_fmha_v2"], PRESETS["trtllm_fmha_v2_nonexp2f"]
+    m, sink = jnp.float32(3.0), jnp.float32(5.0)
+    gap = float(block.sink_weight(sink, m, nonexp2f)) - float(block.sink_weight(sink, m, exact))
+    assert gap == pytest.approx((math.exp(8.0) - 256.0) * math.exp(2.0), rel=1e-5)
+    assert "sink_prescale" not in exact.to_dict() and nonexp2f.to_dict()["sink_prescale"] == "exp"
+    assert KernelConfig.from_dict(nonexp2f.to_dict()) == nonexp2f
+    # it acts in the exponent mode only
+    assert exact.replace(scale_mode="multiply", sink_prescale="exp").sink_prescale == "exp2"

@@ -6,8 +6,8 @@ module                    presets
 ========================  =================================================================
 ``paper``                 the paper's five configurations (§6.2, Table 2)
 ``flashattention``        FlashAttention-3, FA3 split-KV, FlashAttention-4 and its 2026 versions
-``flashinfer``            FlashInfer SM90 prefill, SM100 CuTe-DSL FMHA, SM120 prims
-``trtllm``                TensorRT-LLM XQA (one CTA, multi-block) and fmha_v2
+``flashinfer``            FlashInfer SM90 prefill, SM100 CuTe-DSL (FMHA and paged prefill), SM120 prims
+``trtllm``                TensorRT-LLM XQA (one CTA, multi-block) and fmha_v2 (exp2f and non-exp2f)
 ``sageattention``         SageAttention2, 2++ and 3
 ``hpc_ops``               Tencent hpc-ops before and after the paper
 ``cudnn``                 cuDNN FP8 / MXFP8 SDPA (JAX's and Transformer Engine's FP8 attention)
@@ -74,8 +74,9 @@ TAGS: dict[str, Tag] = {
     **dict.fromkeys(("sageattn3", "nvfp4_fakequant", "mxfp8_p"), "block_scaled"),
     **dict.fromkeys(("cudnn_fp8", "cudnn_fp8_tau0", "cudnn_fp8_s32", "cudnn_fp8_s32_tau0", "cudnn_mxfp8", "te_fp8_dpa",
                      "fa4_pr2109", "fa4_pr2717", "vllm_triton_fp8", "vllm_triton_fp8_3d", "vllm_triton_fp8_rocm",
-                     "vllm_fa4", "flashinfer_sm100_cutedsl", "flashinfer_sm120", "flashinfer_sm120_pr5020",
-                     "trtllm_fmha_v2", "sglang_triton_decode"), "sinks_and_rescale"),
+                     "vllm_fa4", "flashinfer_sm100_cutedsl", "flashinfer_sm100_cutedsl_paged", "flashinfer_sm120",
+                     "flashinfer_sm120_pr5020", "trtllm_fmha_v2", "trtllm_fmha_v2_nonexp2f", "sglang_triton_decode"),
+                    "sinks_and_rescale"),
     **dict.fromkeys(("fa_triton_amd_mi300", "fa_triton_amd_mi355", "vllm_rocm_flash_fp8"), "amd"),
 }
 assert set(TAGS.values()) == set(get_args(Tag)), "a tag without presets"

@@ -18,7 +18,7 @@ PRESETS: dict[str, KernelConfig] = {
     "flashinfer_sm90": KernelConfig(
         order="reverse", scale=448.0, scale_mode="multiply", block_kv=192, name="flashinfer_sm90"
     ),
-    # FlashInfer SM100 CuTe-DSL FMHA (flashinfer-ai/flashinfer commit fb28d72,
+    # FlashInfer SM100 CuTe-DSL FMHA, the cute_dsl/attention/fmha path (flashinfer-ai/flashinfer commit fb28d72,
     # flashinfer/cute_dsl/attention/fmha/fmha.py): with skip-correction on, the rescale threshold is
     # τ = 8 in log2 units (line 337; compared at lines 2333-2335 as (new − old)·scale_log2 > 8) and the P
     # prescale is ⌊log2 448 − 8⌋ = 0 (line 341): S = 1; compile.py line 119 hard-wires skip-correction on.
@@ -26,6 +26,15 @@ PRESETS: dict[str, KernelConfig] = {
     # the epilogue only (lines 3062-3071), without the prescale factor (1 here, so consistent).
     "flashinfer_sm100_cutedsl": KernelConfig(order="forward", scale=1.0, scale_mode="exponent", block_kv=128,
                                              rescale_threshold=8.0, name="flashinfer_sm100_cutedsl"),
+    # FlashInfer's other SM100 CuTe-DSL path: the paged BatchPrefillWithPagedKVCacheWrapper(backend="cute-dsl")
+    # (commit fb28d72, flashinfer/prefill.py line 1729 → flashinfer/cute_dsl/attention/prefill.py). Its softmax
+    # role (cute_dsl/attention/roles/softmax.py lines 265-338) takes P = exp2(s·scale − m·scale) against a
+    # running max raised every KV tile (no lazy rescale) with no P prescale: S = 1, forward over the KV
+    # tiles. With S = 1 it zeroes like flashinfer_sm100_cutedsl for a sink in block 0, but without the lag
+    # nothing saturates. Assumptions: the 128-key tile (the FMHA path's) and the learned sink in the
+    # epilogue (its sink handling was not read).
+    "flashinfer_sm100_cutedsl_paged": KernelConfig(order="forward", scale=1.0, scale_mode="exponent", block_kv=128,
+                                                   name="flashinfer_sm100_cutedsl_paged"),
     # FlashInfer SM120 "prims" FP8 prefill (commit 17e0960): no P prescale before the saturating cast, S = 1.
     # Read: the class constants and cast helpers; not read: the softmax loop, so the forward order and the
     # 128-key tile are assumptions.

@@ -42,7 +42,8 @@ XQA_DECODE_LAUNCH = {"batch": 2, "nb_k_heads": 8, "sms": 132, "max_seq_len": 409
 #: kv_loop_step = 256 at d ≤ 64 (line 267) and at d ≤ 128 (line 274), 128 above (line 289; FP8 pads a head
 #: dim above 128 to 256, lines 238-241). The non-warp-specialized path (other SMs, lines 302-323) is not
 #: modelled.
-TILES_BY_HEAD_DIM: dict[str, dict[int, int]] = {"trtllm_fmha_v2": {64: 256, 128: 256, 256: 128}}
+TILES_BY_HEAD_DIM: dict[str, dict[int, int]] = {name: {64: 256, 128: 256, 256: 128}
+                                                 for name in ("trtllm_fmha_v2", "trtllm_fmha_v2_nonexp2f")}
 
 PRESETS: dict[str, KernelConfig] = {
     # TensorRT-LLM XQA (SM90): cpp/kernels/xqa/mha_sm90.cu iterates idxIter = 0 .. nbIters
@@ -69,4 +70,12 @@ PRESETS: dict[str, KernelConfig] = {
     # neither O nor ℓ) is off by default and not modelled. B = 256 at d = 128 (TILES_BY_HEAD_DIM).
     "trtllm_fmha_v2": KernelConfig(order="forward", scale=256.0, scale_mode="exponent", block_kv=256,
                                    name="trtllm_fmha_v2"),
+    # The same kernel on its non-exp2f path (EXP2F_OPTIMIZATION off: ALiBi or logit soft-capping,
+    # fmha/warpspec/kernel_traits.h line 204): P is still S·exp(s − m) (expf(p − (max − logf(256))) in the
+    # e4m3 Softmax's compute_and_update_scale, epilogue.h), but the e4m3 epilogue adds the learned sink as
+    # expf(sink − max + log2f(256)) = e^8·exp(sink − max) instead of 2^8·exp(sink − max) (epilogue.h lines
+    # 1152-1163): the sink weighs (e/2)^8 ≈ 11.6× what ℓ's scale says (sink_prescale="exp"). ALiBi and
+    # soft-capping themselves change the logits, which a workload's scores stand for; not modelled here.
+    "trtllm_fmha_v2_nonexp2f": KernelConfig(order="forward", scale=256.0, scale_mode="exponent", block_kv=256,
+                                            sink_prescale="exp", name="trtllm_fmha_v2_nonexp2f"),
 }
