@@ -37,8 +37,10 @@ __all__ = [
     "fmt_pct",
     "fmt_ratio",
     "fmt_signed",
+    "fmt_cell",
     "ratio",
     "markdown_table",
+    "cell_table",
     "check_published",
     "write_text",
     "write_csv",
@@ -212,6 +214,36 @@ def markdown_table(rows: Sequence[dict], columns: Sequence, *, align: str | None
         check_published(name, [{**r, **shown}], keys)
         lines.append("| " + " | ".join(shown[k].replace("|", "\\|") for k in keys) + " |")
     return "\n".join(lines)
+
+
+def fmt_cell(v) -> str:
+    """One cell of a table of analysis rows: yes/no, integers as such, floats to four significant digits
+    (scientific below 1e-3 and from 1e5), "–" if not finite (which :func:`check_published` refuses), text
+    as it is."""
+    import numpy as np
+
+    if isinstance(v, (bool, np.bool_)):
+        return "yes" if v else "no"
+    if isinstance(v, (int, np.integer)):
+        return str(int(v))
+    if isinstance(v, (float, np.floating)):
+        v = float(v)
+        if not math.isfinite(v):
+            return "–"
+        if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e5):
+            return f"{v:.3e}"
+        return f"{v:.4g}"
+    return str(v)
+
+
+def cell_table(rows: Sequence[dict], columns: Sequence[str] | None = None, name: str = "whatif") -> str:
+    """A GitHub markdown table of ``rows`` (dicts) restricted to ``columns`` (default: the first row's
+    keys), the keys as headers and every cell through :func:`fmt_cell`; a non-finite value is an error
+    naming the row (:func:`check_published`). Ends with a newline; no rows: ``(no rows)``."""
+    if not rows:
+        return "(no rows)\n"
+    columns = columns or list(rows[0])
+    return markdown_table(rows, [(c, c, fmt_cell) for c in columns], name=name) + "\n"
 
 
 # --------------------------------------------------------------------------------------------

@@ -427,3 +427,56 @@ def sink_scores(rng: np.random.Generator, *, q: int, n: int, d: int, delta: floa
 
 __all__ = ["E2M1", "E4M3", "E4M3FNUZ", "E5M2", "BLOCKED", "MMA_K", "block_cast", "Fp8Line", "OracleResult", "attention",
            "config_kwargs", "round_fp8", "sink_scores", "truncate"]
+
+
+def causal_head_masses(q, k, *, block_kv: int, scales, min_keys: int, rescale_gap: float = 0.0,
+                       line: Fp8Line = E4M3):
+    """Per query head of one causal self-attention layer, the zeroed and clipped mass of a forward-order
+    kernel with P·S cast to ``line`` (multiply mode), at every applied scale of ``scales`` in one pass.
+
+    ``q [T, Hq, D]``, ``k [T, Hkv, D]`` (query head h reads KV head h // (Hq / Hkv)); logits q·k/√D rounded to
+    float32 (what a kernel multiplies out), everything after in float64. A head's sink is the key receiving
+    the most attention (the column sum of the causal softmax); the zeroed mass is the exact softmax
+    probability of the non-sink keys whose P·S was positive and rounds to 0 (|P·S| at or below half the
+    smallest subnormal, the tie to the even 0), the clipped mass that of every visible key whose P·S exceeds
+    the line's max; each a mean over the query rows with at least ``min_keys`` visible non-sink keys.
+    ``rescale_gap`` > 0: the lazy rescale, the running max moves only when a block's max exceeds it by more
+    than that many logits (P may then exceed 1).
+
+    Returns ``(zeroed, clipped)``, each ``[len(scales), Hq]``.
+    """
+    q = np.asarray(q, np.float64)
+    k = np.asarray(k, np.float64)
+    t, num_heads, head_dim = q.shape
+    group = num_heads // k.shape[1]
+    kx = np.repeat(k, group, axis=1)
+    s = np.einsum("ihd,jhd->hij", q, kx) / np.sqrt(head_dim)
+    s = s.astype(np.float32).astype(np.float64)
+    visible = np.tril(np.ones((t, t), bool))[None]
+    s = np.where(visible, s, -np.inf)
+    exact = np.exp(s - s.max(axis=-1, keepdims=True))
+    exact /= exact.sum(axis=-1, keepdims=True)
+    sink = np.argmax(exact.sum(axis=1), axis=-1)  # [Hq]
+    counted = visible & (np.arange(t)[None, None, :] != sink[:, None, None])
+    rows = counted.sum(axis=-1) >= min_keys  # [Hq, T]
+    scales = np.asarray(scales, np.float64)[:, None, None, None]
+    rtz = line.values[1] / 2
+    zeroed = np.zeros((scales.shape[0], num_heads, t))
+    clipped = np.zeros_like(zeroed)
+    m = np.full((num_heads, t), -np.inf)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for b0 in range(0, t, block_kv):
+            cols = slice(b0, b0 + block_kv)
+            z = s[..., cols]
+            bmax = z.max(axis=-1)
+            m = np.where(bmax - m > rescale_gap, np.maximum(m, bmax), m)
+            m_safe = np.where(m == -np.inf, 0.0, m)
+            p = np.exp(z - m_safe[..., None])
+            ps = p[None] * scales
+            zero = counted[None, ..., cols] & (ps > 0) & (ps <= rtz)
+            over = visible[None, ..., cols] & (ps > line.max)
+            zeroed += np.where(zero, exact[None, ..., cols], 0.0).sum(axis=-1)
+            clipped += np.where(over, exact[None, ..., cols], 0.0).sum(axis=-1)
+    mean = np.where(rows, 1.0, np.nan)
+    with np.errstate(invalid="ignore"):
+        return np.nanmean(zeroed * mean, axis=-1), np.nanmean(clipped * mean, axis=-1)

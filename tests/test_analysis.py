@@ -457,17 +457,12 @@ def character_trace(kind, *, T=128, D=16, seed=0):
     return Trace(q=q, k=k, v=v, lengths=np.array(lengths), layers=("attn",))
 
 
-@pytest.mark.parametrize("kind", ["sink at 0", "no sink", "max not the sink", "sink in the middle",
-                                  "several lengths"])
-def test_recommendation_is_what_its_own_kernel_rows_say(kind):
-    """On traces unlike the examples (all GQA, 4 query heads on 2 KV heads), the recommended scale is the
-    smallest simulated candidate meeting the stated criterion, every verdict uses that criterion, the
-    words print it, and an independent NumPy forward kernel agrees on the scale and the masses."""
+def assert_report_agrees_with_its_rows(result, limit):
+    """The report never contradicts itself: every verdict and scan row applies the one criterion to its own
+    numbers, the recommendation is the smallest scanned scale meeting it, every analysed configuration of a
+    family says what the scan's row at its scale says, and the words print the recommendation."""
     from pcast_jax.analysis.study import SAFE, meets_criterion
 
-    trace = character_trace(kind)
-    limit = 1e-3
-    result = analyze(trace, ["fwd_s1", "fwd_s256", "rev_s256"], min_keys=8, mass_limit=limit)
     rows = {r["config"]: r for r in result.config_rows()}
     for row in rows.values():  # one criterion: the verdict is the worst head's zeroed and clipped mass
         assert (row["verdict"] == SAFE) == meets_criterion(row["zeroed_mass_max"], row["saturated_mass_max"], limit)
@@ -489,6 +484,18 @@ def test_recommendation_is_what_its_own_kernel_rows_say(kind):
                 assert rows[cfg.name]["verdict"] == SAFE
         if scan.recommended is not None:
             assert f"`scale = {scan.recommended:g}`" in summary
+
+
+@pytest.mark.parametrize("kind", ["sink at 0", "no sink", "max not the sink", "sink in the middle",
+                                  "several lengths"])
+def test_recommendation_is_what_its_own_kernel_rows_say(kind):
+    """On traces unlike the examples (all GQA, 4 query heads on 2 KV heads), the recommended scale is the
+    smallest simulated candidate meeting the stated criterion, every verdict uses that criterion, the
+    words print it, and an independent NumPy forward kernel agrees on the scale and the masses."""
+    trace = character_trace(kind)
+    limit = 1e-3
+    result = analyze(trace, ["fwd_s1", "fwd_s256", "rev_s256"], min_keys=8, mass_limit=limit)
+    assert_report_agrees_with_its_rows(result, limit)
     forward = next(scan for scan in result.scans if "fwd_s1" in scan.members)
     assert forward.members == ("fwd_s1", "fwd_s256")
     want, worst = numpy_safe_scale(trace, 64, limit, 8, [-1])

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pcast_jax import engine, formats, sweep, workloads
+from pcast_jax import engine, formats, report, sweep, workloads
 from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError
 from pcast_jax.presets import get_preset, resolve
@@ -754,7 +754,7 @@ def test_optimal_scale_on_scores_without_error_says_why_there_is_no_ratio():
     rows = r.rows()
     assert all(row["rel_to_256"] == "n/a: MSE at S=256 is 0" for row in rows)
     assert all(np.isfinite(row["exact_mse"]) for row in rows)
-    whatif.markdown_table(rows, ["scale", "exact_mse", "rel_to_256"])  # published: words, not nan
+    report.cell_table(rows, ["scale", "exact_mse", "rel_to_256"])  # published: words, not nan
     with pytest.raises(PcastError, match=r"start_log2_scale=100 must lie in log2_range=\(-2, 10\)"):
         whatif.optimal_scale(scores=np.zeros((1, 4, 256), np.float32), start_log2_scale=100, steps=3)
 
@@ -1936,15 +1936,15 @@ def test_hostile_doctor_and_fingerprint_flags_exit_2_with_one_line(tmp_path, cap
 
 def test_whatif_report_out_is_written_as_a_set(tmp_path, capsys, monkeypatch):
     """``pcast whatif report --out DIR`` goes through the same set write (the analyses faked: no work)."""
-    from pcast_jax import cli, whatif
-    from pcast_jax.whatif.reporting import WhatIfReport
+    from pcast_experiments import whatif_report
+    from pcast_jax import cli
 
-    def fake_report(*, quick, out_dir, base_seed):
+    def fake_build(out_dir, *, quick, base_seed):
         (out_dir / "whatif_gradients.png").write_bytes(b"png")
-        return WhatIfReport(markdown="# what-if", tables={"validate": [{"config": "fwd_s1", "x": 1.0}]},
-                            figures=[out_dir / "whatif_gradients.png"], seconds={})
+        files = whatif_report.write_tables({"validate": [{"config": "fwd_s1", "x": 1.0}]}, out_dir)
+        return "# what-if", [f.name for f in files], 1
 
-    monkeypatch.setattr(whatif, "report", fake_report)
+    monkeypatch.setattr(whatif_report, "build_report", fake_build)
     argv = ["whatif", "report", "--quick", "--out", str(tmp_path / "w"), "--no-progress"]
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out

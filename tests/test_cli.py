@@ -694,3 +694,19 @@ def test_help_imports_no_jax(command):
     assert proc.returncode == 0, proc.stderr
     assert "usage: pcast" in proc.stdout
     assert "HEAVY=\n" in proc.stdout, proc.stdout.splitlines()[-1]
+
+
+def test_whatif_report_is_rendered_by_the_experiments_package(tmp_path, capsys, monkeypatch):
+    """`pcast whatif report` reaches the what-if report's writer through the pcast_jax.reports entry point
+    (the library never imports pcast_experiments); without that package it says which one to install."""
+    from importlib import metadata
+
+    from pcast_experiments import whatif_report
+    from pcast_jax.commands import whatif as whatif_command
+
+    found = metadata.entry_points(group=whatif_command.REPORTS_GROUP, name="whatif")
+    assert [ep.load() for ep in found] == [whatif_report.write_report]
+    monkeypatch.setattr(metadata, "entry_points", lambda **kw: ())
+    assert cli.main(["whatif", "report", "--out", str(tmp_path / "w"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "pcast_experiments package, which is not installed" in err and not (tmp_path / "w").exists()

@@ -40,6 +40,13 @@ def model():
     return cfg, params, load_tokenizer()
 
 
+@pytest.fixture(scope="module")
+def trace256(model):
+    """All 30 layers' Q/K/V on 256 tokens of standard-library source (one forward pass, shared)."""
+    cfg, params, tokenizer = model
+    return extract_qkv(params, cfg, stdlib_text_tokens(tokenizer, 256, offset=3000))
+
+
 def looks_like_fluent_english(text: str) -> bool:
     """Enough words, nearly all alphabetic, not a loop of a few words, several common words,
     and a capitalized first word (the girl's name)."""
@@ -231,7 +238,7 @@ def test_bad_path_raises_pcast_error(tmp_path):
 
 # ---- the decode view: last-position queries against the whole KV cache ----------------------------
 
-def test_decode_view_equals_the_last_rows_of_full_causal_attention(model):
+def test_decode_view_equals_the_last_rows_of_full_causal_attention(model, trace256):
     """Each query row of Algorithm 1 is independent, so the decode view of the last positions equals
     the last rows of the full causal per-head simulation (same N, same KV blocks, same splits), and
     a split keeps the running max of most blocks off the sink: it zeroes less."""
@@ -239,9 +246,9 @@ def test_decode_view_equals_the_last_rows_of_full_causal_attention(model):
     from pcast_jax.models.fp8 import heads_attention
     from pcast_jax.models.fp8_study import DECODE_METRICS, DECODE_PAIRS, decode_pair_configs, decode_view
 
-    cfg, params, tokenizer = model
+    cfg = model[0]
     T, rows = 256, 8
-    trace = extract_qkv(params, cfg, stdlib_text_tokens(tokenizer, T, offset=3000))
+    trace = trace256
     sinks = sink_statistics(*trace, cfg)["sink_positions"]
     pairs = decode_pair_configs(DECODE_PAIRS, cfg.head_dim)
     assert [p.block_kv for _, p, _ in pairs] == [d.block_kv for _, _, d in pairs]
@@ -310,3 +317,90 @@ def test_decode_rows_and_summary_pair_each_phase_with_its_config():
     assert summary["decode"]["heads_less_zeroed_frac"] == pytest.approx(np.mean(d["frac_zeroed"] < p["frac_zeroed"]))
     assert summary["prefill"]["median_frac_zeroed"] == pytest.approx(np.median(p["frac_zeroed"]))
     assert "mse_ratio_to_prefill" not in summary["prefill"]
+
+
+# ---- the answers on a real model, held to an independent NumPy kernel ---------------------------
+
+def test_answers_on_smollm2_are_the_independent_kernels(trace256):
+    """On SmolLM2's own trace (30 layers, 9 query heads on 3 KV heads, 256 tokens; sinks in most layers,
+    none in the first), every answer equals an independent float64 NumPy forward kernel that imports nothing
+    of ours (``oracle.causal_head_masses``): `pcast analyze`'s per-head zeroed and clipped masses, verdicts and
+    safe scale (forward order, 64-key tiles), and `jax_fp8.predict(trace=...)`'s scale_s scan on Blackwell
+    (cuDNN: 128-key tiles, lazy rescale τ = 4 nats, P·scale_s·2^-4), whose clipped mass makes every scale_s
+    fail; `pcast doctor`'s JAX rows name the kernels these simulate. No report contradicts its own rows."""
+    from test_analysis import assert_report_agrees_with_its_rows
+
+    from pcast_jax import deployments, jax_fp8
+    from pcast_jax.analysis import Trace, analyze
+    from pcast_jax.presets import get_preset
+
+    import oracle
+
+    q, k, v = (np.asarray(x) for x in trace256)
+    num_layers, T, num_heads = q.shape[:3]
+    trace = Trace(q=q[:, None], k=k[:, None], v=v[:, None], lengths=np.array([T]),
+                  layers=tuple(f"layer{i}" for i in range(num_layers)))
+    limit, min_keys = 1e-3, 16
+
+    def independent(scales, block_kv, gap=0.0):
+        """[scale, layer, head] zeroed and clipped mass of the NumPy kernel."""
+        per_layer = [oracle.causal_head_masses(q[i], k[i], block_kv=block_kv, scales=scales, min_keys=min_keys,
+                                               rescale_gap=gap) for i in range(num_layers)]
+        return tuple(np.stack([layer[j] for layer in per_layer], axis=1) for j in (0, 1))
+
+    def smallest_passing(scales, zeroed, clipped):
+        return next((s for s, z, c in zip(scales, zeroed, clipped) if z.max() <= limit and c.max() <= limit), None)
+
+    def assert_rows_match(rows, zeroed, clipped):
+        for row, z, c in zip(rows, zeroed, clipped):
+            assert row["zeroed_mass_max"] == pytest.approx(z.max(), rel=1e-4, abs=1e-8), row
+            assert row["saturated_mass_max"] == pytest.approx(c.max(), rel=1e-4, abs=1e-8), row
+            # heads over the limit: every head clearly over counts, none clearly under (float32 vs float64)
+            over = np.maximum(z, c)
+            assert np.sum(over > limit * 1.001) <= row["heads_over_limit"] <= np.sum(over > limit * 0.999), row
+
+    result = analyze(trace, ["fwd_s1", "fwd_s256", "cudnn_fp8"], min_keys=min_keys, mass_limit=limit)
+    assert_report_agrees_with_its_rows(result, limit)
+    forward = result.scans[0]
+    assert forward.members == ("fwd_s1", "fwd_s256") and forward.family.block_kv == 64
+    scales = [row["scale"] for row in forward.rows]
+    assert scales == [2.0 ** e for e in range(9)]
+    zeroed, clipped = independent(scales, 64)
+    assert_rows_match(forward.rows, zeroed, clipped)
+    want = smallest_passing(scales, zeroed, clipped)
+    assert want is not None and forward.recommended == want  # 32 on this text
+    assert zeroed[scales.index(want / 2)].max() > limit  # half of it fails: the scan's minimum is real
+    per_head = result.head_mean("zeroed_mass")  # [config, layer, head]
+    for ci, scale in ((0, 1.0), (1, 256.0)):
+        np.testing.assert_allclose(per_head[ci], zeroed[scales.index(scale)], rtol=1e-4, atol=1e-8)
+    rows = {r["config"]: r for r in result.config_rows()}
+    assert rows["fwd_s1"]["verdict"] == "loses mass" and rows["fwd_s256"]["verdict"] == "safe to serve"
+    assert result.safe_scale("fwd_s256") == want
+
+    scan = jax_fp8.predict(trace=trace, gpu="blackwell", min_keys=min_keys, mass_limit=limit)
+    cudnn = get_preset(deployments.find("jax", "cudnn", "sm100").presets[0])
+    assert scan.config.replace(name=cudnn.name) == cudnn  # the doctor's kernel for JAX on Blackwell
+    assert (cudnn.order, cudnn.block_kv, cudnn.rescale_threshold, cudnn.rescale_unit) == ("forward", 128, 4.0,
+                                                                                          "natural")
+    assert get_preset(deployments.find("jax", "cudnn", "sm90").presets[0]).rescale_threshold == 0.0
+    rows_s = scan.rows()
+    s_eff = [row["s_eff"] for row in rows_s]
+    assert s_eff == [row["scale_s"] * 2.0 ** -4 for row in rows_s] and s_eff[-1] == 256.0
+    zeroed, clipped = independent(s_eff, 128, gap=4.0)
+    assert_rows_match(rows_s, zeroed, clipped)
+    assert smallest_passing(s_eff, zeroed, clipped) is None and scan.recommended is None
+    assert clipped.max() > 0.1 and zeroed[-1].max() < limit  # large scale_s clips P beyond the stale max
+    assert scan.answer().startswith("No scale_s passes")
+    assert result.safe_scale("cudnn_fp8") is None  # `pcast analyze` simulates the same kernel: same scan
+    assert [r["zeroed_mass_max"] for r in result.scans[1].rows] == [r["zeroed_mass_max"] for r in rows_s]
+    np.testing.assert_allclose(per_head[2], zeroed[0], rtol=1e-4, atol=1e-8)
+    # the one-pass NumPy kernel is the oracle's Algorithm 1 (row by row, block by block) on the worst head
+    layer, head = np.unravel_index(np.argmax(zeroed[0]), zeroed[0].shape)
+    logits = (q[layer, :, head].astype(np.float64) @ k[layer, :, head // 3].T.astype(np.float64)) / 8.0
+    logits = np.where(np.tril(np.ones((T, T), bool)), logits.astype(np.float32), -np.inf).astype(np.float64)
+    exact = np.exp(logits - logits.max(1, keepdims=True))
+    counted = np.arange(T) != np.argmax((exact / exact.sum(1, keepdims=True)).sum(0))
+    ref = oracle.attention(logits, v[layer, :, head // 3], block_kv=128, scale=s_eff[0], causal=True,
+                           count_mask=counted, rescale_threshold=4.0, rescale_unit="natural")
+    used = np.tril(np.ones((T, T), bool))[:, counted].sum(1) >= min_keys
+    assert ref.zeroed_mass[used].mean() == pytest.approx(zeroed[0][layer, head], rel=1e-9)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pcast_jax import cli, formats, theory, whatif
+from pcast_jax import cli, formats, report, theory, whatif
 from pcast_jax.errors import PcastError
 from pcast_jax.sweep import SweepSpec, instance_key, run_sweep
 from pcast_jax.whatif import calibration, dynamic, objective, progress, scale_search, validation, worst_case
@@ -27,7 +27,7 @@ TRANSITION_RTOL = 0.25
 @contextlib.contextmanager
 def _announced_steps(expected: int):
     """Inside: an analysis announces and runs exactly ``expected`` progress steps (the count
-    whatif.report adds up beforehand to fix its total)."""
+    whatif.run_study adds up beforehand to fix its total)."""
     with progress.reporting("t", show=None, stream=io.StringIO()):
         yield
         assert progress.steps_done() == (expected, expected)
@@ -262,11 +262,11 @@ def test_cli_worst_delta_and_errors(capsys, tmp_path):
 
 
 def test_markdown_table_formats_rows():
-    text = whatif.markdown_table([{"a": 1, "b": 2.5e-6, "c": True, "d": "n/a: a closed form"}])
+    text = report.cell_table([{"a": 1, "b": 2.5e-6, "c": True, "d": "n/a: a closed form"}])
     assert text.splitlines()[0] == "| a | b | c | d |"
     assert "2.500e-06" in text and "yes" in text and "n/a: a closed form" in text
     with pytest.raises(PcastError, match="table dynamic: row 0: column 'd' is nan"):  # never a dash
-        whatif.markdown_table([{"a": 1, "d": math.nan}], name="dynamic")
+        report.cell_table([{"a": 1, "d": math.nan}], name="dynamic")
 
 
 def test_worst_case_delta_accepts_block_scaled_p_and_reports_the_block_scale_threshold():
@@ -295,7 +295,7 @@ def test_progress_total_is_fixed_and_says_time_left_when_threads_report():
             for i in range(3):
                 progress.stage(f"{tag} {i}")
 
-        # as whatif.report runs them: each thread in a copy of the caller's context
+        # as whatif.run_study runs them: each thread in a copy of the caller's context
         threads = [threading.Thread(target=contextvars.copy_context().run, args=(analysis, tag)) for tag in "ab"]
         for t in threads:
             t.start()
@@ -314,7 +314,7 @@ def test_report_jobs_stop_at_the_first_error_and_raise_it():
     """An analysis that fails stops the ones not yet started; the first error in job order is raised."""
     import threading
 
-    from pcast_jax.whatif import reporting
+    from pcast_jax.whatif import study
 
     started, gate = [], threading.Event()
 
@@ -331,9 +331,9 @@ def test_report_jobs_stop_at_the_first_error_and_raise_it():
     timer = threading.Timer(0.5, gate.set)
     timer.start()
     with pytest.raises(ValueError, match="bad failed"):
-        reporting._run_jobs(jobs, workers=2)
+        study._run_jobs(jobs, workers=2)
     timer.cancel()
     assert "slow" in started and "bad" in started
     assert len(started) < len(jobs), started  # the queued jobs never ran
-    out, seconds = reporting._run_jobs([("a", lambda: 1), ("b", lambda: 2)], workers=2)
+    out, seconds = study._run_jobs([("a", lambda: 1), ("b", lambda: 2)], workers=2)
     assert out == {"a": 1, "b": 2} and set(seconds) == {"a", "b"}

@@ -24,6 +24,9 @@ MAX_SCORES_BYTES = 2**30
 ANALYSES = ("validate", "worst-delta", "optimal-scale", "calibrate", "dynamic", "report")
 #: --format choices of the analyses (``report`` writes a folder: --out DIR).
 FORMATS = ("table", "csv", "json")
+#: Entry-point group of the packages that render a report the library computes (``whatif``: the
+#: experiments package's what-if report); the library never imports them.
+REPORTS_GROUP = "pcast_jax.reports"
 
 
 def _common(p: argparse.ArgumentParser, *, n: int = 4096, seeds: int = 8) -> None:
@@ -145,10 +148,8 @@ class _Printer:
         print(line, file=sys.stdout if self.fmt == "table" else sys.stderr)
 
     def table(self, rows: list[dict], columns=None) -> None:
-        from pcast_jax import whatif
-
         if self.fmt == "table":
-            print(whatif.markdown_table(rows, columns))
+            print(report.cell_table(rows, columns))
         elif self.fmt == "csv":
             print(report.csv_text(rows), end="")
         else:
@@ -166,6 +167,22 @@ def _write_rows(path, rows: list[dict], say) -> None:
 def _ratio(num: float, den: float) -> str:
     """``num / den`` to four places, or why there is none (never a division by zero or a bare nan)."""
     return f"{num / den:.4f}" if den > 0 else f"n/a (the exact MSE at S = 256 is {den:g}: nothing to compare)"
+
+
+def _report_writer():
+    """The what-if report's writer, ``(out_dir, *, quick, base_seed) -> (CSV names, figure count)``, from the
+    package that renders it (entry point ``whatif`` of :data:`REPORTS_GROUP`)."""
+    from importlib import metadata
+
+    found = metadata.entry_points(group=REPORTS_GROUP, name="whatif")
+    if not found:
+        raise PcastError("'pcast whatif report' is rendered by the pcast_experiments package, which is not "
+                         "installed (pip install -e . in a source checkout installs it)")
+    try:
+        return next(iter(found)).load()
+    except ImportError as exc:
+        raise PcastError(f"'pcast whatif report' is rendered by {next(iter(found)).value} (entry point in group "
+                         f"{REPORTS_GROUP}), which cannot be imported: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -243,11 +260,10 @@ def _run(args: argparse.Namespace, analysis: str, printer: _Printer) -> list[dic
     else:  # report
         out, written = Path(args.out), {}
 
+        write_report = _report_writer()
+
         def write(staging: Path) -> None:  # the folder is written as a set: all files or none
-            rep = whatif.report(quick=args.quick, out_dir=staging, base_seed=args.base_seed)
-            report.write_text(staging / "whatif.md", rep.markdown)
-            written["tables"] = [path.name for path in rep.write_tables(staging)]
-            written["figures"] = len(rep.figures)
+            written["tables"], written["figures"] = write_report(staging, quick=args.quick, base_seed=args.base_seed)
 
         write_set(out, write, what="--out")
         for name in written["tables"]:

@@ -9,15 +9,15 @@ the cast (:class:`Surrogate`). Modules: ``surrogates`` (the cast surrogates), ``
 (:class:`Scenario` and the expected MSE), one per analysis — ``validation``
 (:func:`validate_gradients`), ``worst_case`` (:func:`worst_case_delta`), ``scale_search``
 (:func:`optimal_scale`), ``calibration`` (:func:`calibrate_prop3`), ``dynamic``
-(:func:`dynamic_vs_static`) — and ``reporting`` (:func:`report`, all of them for the
-reproduction report). Every public name is re-exported here.
+(:func:`dynamic_vs_static`) — and ``study`` (:func:`run_study`, all of them at report size; the
+report itself is rendered by ``pcast_experiments.whatif_report``). Every public name is re-exported here.
 """
 
 from pcast_jax.whatif.calibration import MODELS, Prop3Calibration, calibrate_prop3
 from pcast_jax.whatif.dynamic import DynamicComparison, dynamic_vs_static
 from pcast_jax.whatif.objective import PARAMS, Scenario, expected_mse, expected_mse_scores, mse_and_grad
-from pcast_jax.whatif.reporting import WhatIfReport, markdown_table, report
 from pcast_jax.whatif.scale_search import OptimalScaleResult, optimal_scale
+from pcast_jax.whatif.study import WhatIfStudy, run_study
 from pcast_jax.whatif.surrogates import (
                                         ATOM_MODES,
                                         CAST_KINDS,
@@ -49,12 +49,11 @@ __all__ = [
     "optimal_scale",
     "calibrate_prop3",
     "dynamic_vs_static",
-    "report",
-    "markdown_table",
+    "run_study",
     "MODELS",
     "WorstDeltaResult",
     "OptimalScaleResult",
     "Prop3Calibration",
     "DynamicComparison",
-    "WhatIfReport",
+    "WhatIfStudy",
 ]
