@@ -23,11 +23,11 @@ import numpy as np
 
 from pcast_jax.config import KernelConfig, scale_candidates
 from pcast_jax.errors import PcastError, check_choice, check_int
-from pcast_jax.presets import get_preset
+from pcast_jax.presets import get_preset, preset_for
 from pcast_jax.stats import decide, mean_sem
 
 __all__ = ["Deployment", "DEPLOYMENTS", "ENGINES", "GPUS", "KV_CACHE_DTYPES", "KNOBS", "find", "checkpoint_scales",
-           "scale_from_knob", "knob_from_scale", "knob_setting", "SCALE_RANGE", "Diagnosis", "diagnose",
+           "scale_from_knob", "knob_from_scale", "knob_setting", "configured", "SCALE_RANGE", "Diagnosis", "diagnose",
            "ZEROED_MASS_LIMIT",
            "CLIPPED_MASS_LIMIT"]
 
@@ -304,6 +304,46 @@ def _over(row: dict) -> bool | None:
     return True if True in calls else (False if calls == [False, False] else None)
 
 
+def _configured(deployment: Deployment, knob_value: float | None, scales: dict,
+                head_dim: int | None = None) -> list[tuple[KernelConfig, float | None]]:
+    """Each preset of the deployment at each knob value in use, as ``(config, knob value)``: the value
+    given, else the checkpoint's ``prob_scale`` values (the smallest and the largest), else the engine's
+    default (the preset as it is: S = 1 without a calibrated scale); at ``head_dim``'s tile when given."""
+    knob = deployment.knob
+    values: list[float | None]
+    if knob == "none":
+        if knob_value is not None:
+            raise PcastError(f"{deployment.engine} {deployment.backend} takes no P-scale knob (its S is fixed by "
+                             "the kernel); leave the knob unset")
+        values = [None]
+    elif knob_value is not None:
+        values = [_check_scale(knob, knob_value)]
+    elif knob == "prob_scale" and scales.get("prob_scale"):
+        found = sorted(set(scales["prob_scale"].values()))
+        values = [found[0]] if len(found) == 1 else [found[0], found[-1]]
+    else:
+        values = [None]
+    out = []
+    for name in deployment.presets:
+        base = get_preset(name) if head_dim is None else preset_for(name, head_dim)
+        for value in values:
+            cfg = base if value is None else base.replace(
+                scale=scale_from_knob(knob, value, deployment.knob_factor), name=f"{name}@{knob}={value:g}")
+            out.append((cfg, value))
+    return out
+
+
+def configured(deployment: Deployment, *, knob_value: float | None = None, scales: dict | None = None,
+               head_dim: int | None = None) -> list[KernelConfig]:
+    """The configs the deployment runs: each preset (at ``head_dim``'s KV tile when given) with the P scale
+    its knob sets — ``knob_value``, else the checkpoint's ``prob_scale`` values in ``scales``
+    (:func:`checkpoint_scales`; the smallest and the largest), else the engine's default. A preset at a
+    knob value is named ``preset@knob=value``."""
+    if not isinstance(deployment, Deployment):
+        raise PcastError(f"deployment={deployment!r} must be a Deployment (a row of DEPLOYMENTS: deployments.find)")
+    return [cfg for cfg, _ in _configured(deployment, knob_value, scales or {}, head_dim)]
+
+
 def diagnose(deployment: Deployment, *, knob_value: float | None = None, scales: dict | None = None,
              deltas: tuple[float, ...] = (4.0, 6.0, 8.0, 10.0, 12.0), n: int = 4096, seeds: int = 4,
              learned_sink: bool = False) -> Diagnosis:
@@ -333,30 +373,10 @@ def diagnose(deployment: Deployment, *, knob_value: float | None = None, scales:
     if not isinstance(learned_sink, bool):
         raise PcastError(f"learned_sink={learned_sink!r} must be True or False")
     knob = deployment.knob
-    values: list[float | None]
-    if knob == "none":
-        if knob_value is not None:
-            raise PcastError(f"{deployment.engine} {deployment.backend} takes no P-scale knob (its S is fixed by "
-                             "the kernel); leave the knob unset")
-        values = [None]
-    elif knob_value is not None:
-        values = [_check_scale(knob, knob_value)]
-    elif knob == "prob_scale" and scales.get("prob_scale"):
-        found = sorted(set(scales["prob_scale"].values()))
-        values = [found[0]] if len(found) == 1 else [found[0], found[-1]]
-    else:  # the engine's own default: the preset as it is (S = 1 without a calibrated scale)
-        values = [None]
     configs, labels = [], []
-    for name in deployment.presets:
-        base = get_preset(name)
-        for value in values:
-            if value is None:
-                cfg = base
-            else:
-                cfg = base.replace(scale=scale_from_knob(knob, value, deployment.knob_factor),
-                                   name=f"{name}@{knob}={value:g}")
-            configs.append(cfg)
-            labels.append((name, value))
+    for cfg, value in _configured(deployment, knob_value, scales):
+        configs.append(cfg)
+        labels.append((cfg.name.partition("@")[0], value))
     candidates: dict = {}  # (preset, S) -> its config: the knob's candidate settings (scale_candidates)
     if knob != "none":
         for name in deployment.presets:

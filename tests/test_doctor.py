@@ -167,3 +167,43 @@ def test_knob_setting_translates_a_scale_into_each_deployments_knob():
     assert deployments.knob_setting(get_preset("vllm_rocm_flash_fp8"), 16.0) == (
         "prob_scale", 0.5 / 16.0, "vllm rocm_flash")
     assert deployments.knob_setting(get_preset("fa3"), 4.0) == ("scale", 4.0, "")
+
+
+@pytest.mark.parametrize("kind", ["sink at 0", "no sink"])
+def test_doctor_on_a_trace_is_the_numpy_kernel(kind, tmp_path, capsys):
+    """``pcast doctor --trace``: JAX's cuDNN FP8 attention on SM100 (τ = 4, S = scale_s·2^-4) analysed on a
+    trace with a sink and on one without. The verdict of the default scale_s = 1 and the recommended
+    scale_s equal an independent NumPy cuDNN kernel's (forward, 128-key blocks, lazy rescale) on the same
+    trace; the JSON carries the same answer, and a knob given runs at that knob."""
+    from test_analysis import character_trace, numpy_forward_losses
+
+    from pcast_jax import deployments
+    from pcast_jax.analysis import diagnose_trace
+
+    trace = character_trace(kind, T=320)
+    row = deployments.find("jax", "cudnn", "sm100")
+    limit = 1e-3
+
+    def passes(scale_s):
+        zeroed, clipped = numpy_forward_losses(trace.q[0, 0], trace.k[0, 0], 320, -1, 128, scale_s * 2.0 ** -4, 16,
+                                               tau=4.0)
+        return zeroed.max() <= limit and clipped.max() <= limit
+
+    diag = diagnose_trace(row, trace, mass_limit=limit)
+    assert diag.safe == passes(1.0)
+    want = None if diag.safe else next((2.0 ** e for e in range(13) if passes(2.0 ** e)), None)
+    assert diag.recommended == want
+    if want is not None:
+        assert f"set scale_s = {want:g}" in diag.advice
+        assert diagnose_trace(row, trace, knob_value=want, mass_limit=limit).safe
+    path = trace.save(tmp_path / "t.npz")
+    argv = ["doctor", "--engine", "jax", "--backend", "cudnn", "--gpu", "sm100", "--trace", str(path)]
+    assert cli.main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "jax cudnn on sm100 runs: cudnn_fp8"
+    assert lines[-1] == f"Verdict on this model: {'safe' if diag.safe else 'not safe'} to serve — {diag.advice}."
+    assert cli.main(argv + ["--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["safe"], out["recommended"]) == (diag.safe, diag.recommended)
+    assert cli.main(["doctor", "--engine", "jax", "--backend", "cudnn", "--gpu", "sm100", "--model", "m.gguf"]) == 2
+    assert "--model needs --trace" in capsys.readouterr().err

@@ -8,6 +8,7 @@ loads and runs checkpoints.
 * :mod:`~pcast_jax.analysis.heads` — per layer and head: :func:`sink_statistics`,
   :func:`head_metrics`, :func:`analyze_trace`; :func:`compare_logits` end to end;
 * :mod:`~pcast_jax.analysis.study` — :func:`analyze` (→ :class:`Analysis`: data frame, xarray, words);
+  :func:`diagnose_trace`, a deployment's kernels on a trace (``pcast doctor --trace``);
 * :mod:`~pcast_jax.analysis.report` — :func:`write_report` (markdown, JSON, CSV, figures); ``pcast analyze``.
 """
 
@@ -24,8 +25,9 @@ from pcast_jax.analysis.heads import (
     sink_statistics,
 )
 from pcast_jax.analysis.report import write_report
-from pcast_jax.analysis.study import SINK_MASS_MIN, Analysis, analyze
+from pcast_jax.analysis.study import SINK_MASS_MIN, Analysis, TraceDiagnosis, analyze, diagnose_trace
 
 __all__ = ["TRACE_DIMS", "Recorder", "RecorderWarning", "Trace", "load_trace", "HEAD_METRICS", "SCALE_GRID",
            "SINK_SELECTIONS", "E2EMetrics", "analyze_trace", "compare_logits", "head_metrics", "heads_attention",
-           "sink_statistics", "write_report", "SINK_MASS_MIN", "Analysis", "analyze"]
+           "sink_statistics", "write_report", "SINK_MASS_MIN", "Analysis", "analyze", "TraceDiagnosis",
+           "diagnose_trace"]

@@ -52,7 +52,7 @@ from pcast_jax.presets import get_preset, preset_for, resolve
 
 __all__ = ["SINK_MASS_MIN", "Analysis", "ScaleScan", "analyze", "kernel_for", "meets_criterion", "scale_candidates",
            "scale_scan", "trace_statistics", "end_to_end", "criterion_words",
-           "mass_text"]
+           "mass_text", "TraceDiagnosis", "diagnose_trace"]
 
 #: A head is a sink head when its sinks receive at least this share of the attention.
 SINK_MASS_MIN = 0.5
@@ -579,3 +579,72 @@ def scale_scan(trace: Trace, config: KernelConfig, *, sink_positions, scales: Se
     recommended = next((r["scale"] for r in rows if r["meets"]), None)
     return ScaleScan(family=config.replace(scale=1.0, name=config.name), members=members or (config.name,),
                      rows=tuple(rows), recommended=recommended, knob=knob, knob_where=where)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TraceDiagnosis:
+    """What :func:`diagnose_trace` returns: the deployment's kernels analysed on a model's trace.
+
+    Attributes:
+      deployment: the :class:`~pcast_jax.deployments.Deployment`.
+      analysis: the :class:`Analysis` of its configs (each preset at the trace's head dim, with its knob).
+      safe: True when every config meets the analysis' criterion on the trace.
+      recommended: the knob value to set (None where the deployment has no knob, where it is already
+        safe, or where no candidate scale meets the criterion for every preset of the deployment).
+      advice: one sentence: what to do.
+    """
+
+    deployment: object
+    analysis: Analysis
+    safe: bool
+    recommended: float | None
+    advice: str
+
+    def to_dict(self) -> dict:
+        d = self.deployment
+        return {"engine": d.engine, "backend": d.backend, "gpus": list(d.gpus), "presets": list(d.presets),
+                "knob": d.knob, "source": d.source, "note": d.note, "safe": self.safe,
+                "recommended": self.recommended, "advice": self.advice,
+                "criterion": self.analysis.criterion_line(), "configs": self.analysis.config_rows(),
+                "scans": [{"family": s.family.name, "members": list(s.members), "recommended": s.recommended,
+                           "rows": [dict(r) for r in s.rows]} for s in self.analysis.scans]}
+
+
+def diagnose_trace(deployment, trace: Trace, *, knob_value: float | None = None, scales: dict | None = None,
+                   mass_limit: float = 1e-3, logits_fn: Callable | None = None,
+                   progress: Callable[[str], None] | None = None) -> TraceDiagnosis:
+    """The doctor's question on a model: the deployment's kernels (:func:`pcast_jax.deployments.configured`,
+    at the trace's head dim) analysed on ``trace`` (:func:`analyze`), and the knob value to set.
+
+    The recommendation is the smallest candidate S (:func:`scale_candidates`) at which the scan of every
+    preset of the deployment meets the criterion, written in the deployment's knob; it is computed only
+    when the current setting does not meet it.
+    """
+    from pcast_jax import deployments
+
+    configs = deployments.configured(deployment, knob_value=knob_value, scales=scales, head_dim=trace.q.shape[-1])
+    result = analyze(trace, configs, mass_limit=mass_limit, logits_fn=logits_fn, progress=progress)
+    failing = [r["config"] for r in result.config_rows()
+               if not meets_criterion(r["zeroed_mass_max"], r["saturated_mass_max"], mass_limit)]
+    where = f"{deployment.engine} {deployment.backend}"
+    fail = f"{', '.join(failing)} {'fails' if len(failing) == 1 else 'fail'} the criterion on this model"
+    recommended = None
+    if not failing:
+        advice = f"every kernel of {where} meets the criterion on this model; nothing to change"
+    elif deployment.knob == "none":
+        advice = (f"{fail}, and {where} fixes S itself: no setting of this backend avoids it; use a backend whose "
+                  "kernel passes (pcast doctor --trace with another --backend)")
+    else:
+        passing = [{r["scale"] for r in scan.rows if r["meets"]} for scan in result.scans]
+        common = sorted(set.intersection(*passing)) if passing else []
+        if common:
+            recommended = deployments.knob_from_scale(deployment.knob, common[0], deployment.knob_factor)
+            applied = sorted({r["applied_scale"] for scan in result.scans for r in scan.rows
+                              if r["scale"] == common[0]})
+            advice = (f"{fail}; set {deployment.knob} = {recommended:g} (P scaled by "
+                      f"{' and '.join(f'{a:g}' for a in applied)}), the smallest power-of-two setting at which every "
+                      f"kernel of {where} meets it on the trace")
+        else:
+            advice = (f"{fail}, and no power-of-two S the format allows meets it for every kernel of {where}; use a "
+                      "backend whose kernel passes")
+    return TraceDiagnosis(deployment, result, not failing, recommended, advice)

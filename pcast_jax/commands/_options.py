@@ -266,6 +266,15 @@ def add_list_argument(parser: argparse.ArgumentParser, flag: str, *, item_type=s
     parser.add_argument(flag, action=_CommaList, item_type=item_type, item_choices=choices, **kw)
 
 
+def add_trace_arguments(parser: argparse.ArgumentParser, *, trace_does: str, model_adds: str) -> None:
+    """``--trace TRACE`` (a :class:`~pcast_jax.analysis.Trace` file) and ``--model PATH`` (the model it came
+    from), said as what the command does with each."""
+    parser.add_argument("--trace", default=None, metavar="TRACE",
+                        help=f"a trace of your model (pcast_jax.analysis.Trace.save, .npz): {trace_does}")
+    parser.add_argument("--model", default=None, metavar="PATH",
+                        help=f"with --trace: the model it came from (GGUF file or Hugging Face folder): {model_adds}")
+
+
 def add_progress_argument(parser: argparse.ArgumentParser, what: str = "a progress bar on stderr",
                           default: str = "when stderr is a terminal") -> None:
     """``--progress/--no-progress`` (``args.progress``: True, False or None for the default)."""

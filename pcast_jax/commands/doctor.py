@@ -28,6 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--learned-sink", action="store_true",
                         help="a learned sink logit (gpt-oss sinks) instead of four token sinks at the front")
     parser.add_argument("--seeds", default="4", help="draws per Δ, 2..256 (default 4)")
+    _options.add_trace_arguments(parser, trace_does="the verdict and the fix on it, as pcast analyze computes "
+                                                    "them, instead of over a Δ range",
+                                 model_adds="adds KL, top-1 agreement and perplexity per kernel")
+    parser.add_argument("--mass-limit", default="1e-3", metavar="X",
+                        help="with --trace: the worst head's zeroed and clipped mass limit, in (0, 1) (default 1e-3)")
     parser.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
 
 
@@ -49,25 +54,16 @@ def run(args: argparse.Namespace) -> int:
     if knob_value is not None:
         deployments.scale_from_knob(row.knob, knob_value, row.knob_factor)  # refuses 0, NaN, negatives
     scales = deployments.checkpoint_scales(args.checkpoint) if args.checkpoint else {}
+    if args.model is not None and args.trace is None:
+        raise PcastError("--model needs --trace (the model's trace: its tokens run through the model)")
+    if args.trace is not None:
+        return _on_trace(args, row, knob_value, scales)
     diag = deployments.diagnose(row, knob_value=knob_value, scales=scales, deltas=deltas, seeds=seeds[0],
                                 learned_sink=args.learned_sink)
     if args.format == "json":
         print(json.dumps(report.json_value(diag.to_dict()), indent=1, ensure_ascii=False))
         return 0
-    print(f"{row.engine} {row.backend} on {args.gpu} runs: {', '.join(row.presets)}")
-    print(f"  picked by: {row.source}")
-    if row.note:
-        print(f"  note: {row.note}")
-    print(f"  P scale set by: {'the kernel (no knob)' if row.knob == 'none' else row.knob}")
-    if args.checkpoint:
-        for kind, found in scales.items():
-            if found:
-                vals = sorted(set(found.values()))
-                print(f"  checkpoint {kind}: {len(found)} tensors, {vals[0]:g}"
-                      f"{'' if len(vals) == 1 else f' … {vals[-1]:g}'}"
-                      f"{'' if kind == row.knob else ' (not used for P by this backend)'}")
-        if row.knob == "prob_scale" and not scales.get("prob_scale"):
-            print("  checkpoint prob_scale: none — the engine uses 1.0 (S = 1)")
+    _print_deployment(args, row, scales)
     print(f"  criterion: zeroed mass ≤ {deployments.ZEROED_MASS_LIMIT:g} and clipped mass ≤ "
           f"{deployments.CLIPPED_MASS_LIMIT:g} of the softmax (mean over query rows), at every Δ, decided when "
           f"mean ± {deployments.Z:g} s.e. over the seeds excludes the limit")
@@ -84,4 +80,43 @@ def run(args: argparse.Namespace) -> int:
     print()
     word = {True: "safe", False: "P-collapse", None: "undecided"}[diag.safe]
     print(f"Verdict: {word} — {diag.advice}.")
+    return 0
+
+
+def _print_deployment(args: argparse.Namespace, row, scales: dict) -> None:
+    print(f"{row.engine} {row.backend} on {args.gpu} runs: {', '.join(row.presets)}")
+    print(f"  picked by: {row.source}")
+    if row.note:
+        print(f"  note: {row.note}")
+    print(f"  P scale set by: {'the kernel (no knob)' if row.knob == 'none' else row.knob}")
+    if args.checkpoint:
+        for kind, found in scales.items():
+            if found:
+                vals = sorted(set(found.values()))
+                print(f"  checkpoint {kind}: {len(found)} tensors, {vals[0]:g}"
+                      f"{'' if len(vals) == 1 else f' … {vals[-1]:g}'}"
+                      f"{'' if kind == row.knob else ' (not used for P by this backend)'}")
+        if row.knob == "prob_scale" and not scales.get("prob_scale"):
+            print("  checkpoint prob_scale: none — the engine uses 1.0 (S = 1)")
+
+
+def _on_trace(args: argparse.Namespace, row, knob_value, scales: dict) -> int:
+    """``--trace``: the deployment's kernels analysed on the model's trace (``analysis.diagnose_trace``)."""
+    from pcast_jax import fileio, report
+    from pcast_jax.analysis import diagnose_trace, load_trace
+    from pcast_jax.commands.analyze import model_logits
+
+    mass_limit = _options.number("--mass-limit", args.mass_limit, positive=True)
+    fileio.check_regular(args.trace, what=f"trace file {args.trace}")
+    trace = load_trace(args.trace)
+    logits_fn = None if args.model is None else model_logits(args.model, trace)
+    diag = diagnose_trace(row, trace, knob_value=knob_value, scales=scales, mass_limit=mass_limit,
+                          logits_fn=logits_fn)
+    if args.format == "json":
+        print(json.dumps(report.json_value(diag.to_dict()), indent=1, ensure_ascii=False))
+        return 0
+    _print_deployment(args, row, scales)
+    print()
+    print("\n".join(diag.analysis.summary_lines()))
+    print(f"Verdict on this model: {'safe to serve' if diag.safe else 'not safe to serve'} — {diag.advice}.")
     return 0

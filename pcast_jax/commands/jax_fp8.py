@@ -8,17 +8,15 @@ import json
 import math
 import sys
 
+from pcast_jax.commands import _options
+
 #: Arguments that describe synthetic logits only (refused with --trace, which has its own).
 _SYNTHETIC = ("head_dim", "seq_len", "sinks", "seeds")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", default=None, metavar="TRACE",
-                        help="a trace of your model (pcast_jax.analysis.Trace.save, .npz): scan scale_s on it and "
-                             "print the one to pass")
-    parser.add_argument("--model", default=None, metavar="PATH",
-                        help="with --trace: the model it came from (GGUF file or Hugging Face folder): adds KL "
-                             "and top-1 agreement per scale_s")
+    _options.add_trace_arguments(parser, trace_does="scan scale_s on it and print the one to pass",
+                                 model_adds="adds KL and top-1 agreement per scale_s")
     parser.add_argument("--gpu", default=None,
                         help="hopper or blackwell (sm90, sm100): sets cuDNN's lazy-rescale tau (hopper 0, "
                              "blackwell 4 nats); default blackwell, said in the output")
