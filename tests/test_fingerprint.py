@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from pcast_jax import cli, fingerprint
-from pcast_jax.fingerprint.fit import UNFITTED_FIELDS
 from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError
+from pcast_jax.fingerprint.fit import UNFITTED_FIELDS
 from pcast_jax.presets import PRESETS, preset_for
 
 from cases import FULL

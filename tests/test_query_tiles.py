@@ -175,3 +175,25 @@ def test_triton_kernel_runs_both_axes_like_the_simulator():
         pk.fp8_attention(w.q[:, :, :96], w.k, w.v, config=cfg, implementation="triton", interpret=True, **kwargs)
     with pytest.raises(PcastError, match="scale_mode='tile_amax' not supported by the mosaic backend"):
         pk.fp8_attention(w.q, w.k, w.v, config=cfg, implementation="mosaic", interpret=True, **kwargs)
+
+
+def test_analysis_chunks_never_split_a_query_tile(monkeypatch):
+    """The per-head analysis simulates chunks of query rows; with query tiles a chunk is whole tiles,
+    so chunks small enough to split a 128-row tile give the bits of one chunk holding every row."""
+    from pcast_jax.analysis import heads
+
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((256, 1, 16)).astype(np.float32) for _ in range(3))
+    q[..., 0], k[:2, :, 0] = 3.0, 25.0  # a sink ~19 logits above the rest: tiles without it zero only at S = 448
+    positions = np.zeros((1, 1), np.int32)
+    cfg = PRESETS["aiter_mha_fp8_mi355"]
+    whole = heads.head_metrics(q, k, v, cfg, positions, min_keys=8)
+    monkeypatch.setattr(heads, "_CHUNK_BYTES", 48 * 256 * 32)  # 32 rows per chunk before rounding to tiles
+    assert heads._whole_tiles(heads._rows_per_chunk(256, 256), cfg) == 128
+    chunked = heads.head_metrics(q, k, v, cfg, positions, min_keys=8)
+    assert 0.1 < whole["frac_zeroed"][0] < 0.9  # split tiles (each with padding rows: S = 448) would zero 99 %
+    for name in ("frac_zeroed", "zeroed_mass"):
+        np.testing.assert_array_equal(chunked[name], whole[name], err_msg=name)
+    np.testing.assert_allclose(chunked["mse"], whole["mse"], rtol=1e-6)  # sums of other shapes
+    masses = heads.scale_masses((q[None], k[None], v[None]), cfg, (1.0,), positions[None], min_keys=8)
+    np.testing.assert_array_equal(masses["zeroed_mass"][0, 0], whole["zeroed_mass"])
