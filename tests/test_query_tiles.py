@@ -147,6 +147,13 @@ def test_bad_theory_threshold_names_it():
         theory.skip_softmax_lost_mass_bound(1.5)
 
 
+def test_the_fingerprint_refuses_to_explain_what_it_cannot_fit():
+    from pcast_jax import fingerprint
+
+    with pytest.raises(PcastError, match="block_q=128, which no candidate"):
+        fingerprint.explain_preset("aiter_mha_fp8_mi355")
+
+
 def test_fields_act_only_where_they_act():
     """block_q is 0 where no query tile acts, and neither field is written where it is 0: existing
     configs keep their dicts (and sweep fingerprints)."""

@@ -621,5 +621,9 @@ def explain_preset(name: str, *, head_dim: int = 64, sinks: bool = False) -> Fin
     from pcast_jax.presets import preset_for
 
     cfg = dataclasses.replace(preset_for(name, head_dim), causal=False)
+    unfitted = [f for f in UNFITTED_FIELDS if getattr(cfg, f)]
+    if unfitted:
+        raise PcastError(f"preset={name!r} sets {unfitted[0]}={getattr(cfg, unfitted[0])!r}, which no candidate of "
+                         f"the fit sets: {NOT_FITTED[unfitted[0]]}")
     ps = probes(head_dim, sinks=sinks)
     return fit(ps, simulate_outputs(ps, cfg), calls=0)
