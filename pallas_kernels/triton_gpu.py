@@ -90,13 +90,25 @@ MAX_TILE_ELEMENTS = 128 * 128
 
 
 def check_limits(cfg: KernelConfig, *, q_len: int, head_dim: int, n_kv: int, num_slots: int) -> None:
-    """What this backend runs: head dims 32–256 (powers of two), q_len a multiple of 16, and f16
-    rounding groups of a power of two of keys. Raises PcastError naming the parameter."""
+    """What this backend runs: head dims 32–256 (powers of two), q_len a multiple of 16, f16
+    rounding groups of a power of two of keys, and query tiles (``block_q``: the tile-amax scale,
+    skip-softmax) of 16, 32, 64 or 128 rows that divide q_len, one program each. Raises PcastError
+    naming the parameter."""
     del n_kv, num_slots  # the Triton kernel pipelines by itself: no ring of KV tiles to size
     if head_dim not in (32, 64, 128, 256):
         raise PcastError(f"head_dim={head_dim} not supported by the triton backend: must be 32, 64, 128 or 256")
     if q_len % 16:
         raise PcastError(f"q_len={q_len} not supported by the triton backend: must be a multiple of 16")
+    if cfg.block_q:
+        tile = tiling.kv_tile("triton", cfg.block_kv)
+        if cfg.block_q not in (16, 32, 64, 128) or cfg.block_q * tile > MAX_TILE_ELEMENTS:
+            raise PcastError(f"block_q={cfg.block_q} not supported by the triton backend: one program holds the "
+                             f"query tile, 16, 32, 64 or 128 rows with at most {MAX_TILE_ELEMENTS} scores on "
+                             f"its {tile}-key KV tile")
+        if q_len % cfg.block_q:
+            raise PcastError(f"block_q={cfg.block_q} with q_len={q_len} not supported by the triton backend: the "
+                             "last query tile would be partial (its zero-Q padding rows, which set its tile "
+                             "amax and votes, are not run); q_len must be a multiple of block_q")
     keys = cfg.f16_round_keys
     if keys & (keys - 1):
         raise PcastError(f"f16_round_keys={keys} not supported by the triton backend: one P8·V dot per "
@@ -138,7 +150,7 @@ def triton_attention(
     n_kv = n_alloc if n_keys is None else n_keys
     block_kv = config.block_kv  # the semantic block: m and α update once per block_kv keys
     tile = tiling.kv_tile("triton", block_kv)  # the power-of-two tile computing it (keys past block_kv masked)
-    block_q = triton_block_q(q_len, tile)
+    block_q = config.block_q or triton_block_q(q_len, tile)  # a query tile is one program
     group = heads // kv_heads
     n_blocks = tiling.n_blocks(n_kv, block_kv)
     masked = tiling.needs_mask(n_kv, config, tile)

@@ -33,7 +33,7 @@ import numpy as np
 from jax import lax
 
 from pcast_jax import formats
-from pcast_jax.config import MMA_K, KernelConfig
+from pcast_jax.config import MMA_K, TILE_AMAX_FLOOR, KernelConfig
 from pcast_jax.errors import PcastError
 
 __all__ = [
@@ -48,6 +48,9 @@ __all__ = [
     "sink_start",
     "add_sink",
     "alpha",
+    "tile_rows",
+    "skip_rows",
+    "drop_skipped",
     "block_probs",
     "online_softmax",
     "cast_p",
@@ -157,16 +160,71 @@ def alpha(m_old, m_new, cfg: KernelConfig):
     return jnp.exp(m_old - safe_max(m_new))
 
 
-def block_probs(z, m_new, cfg: KernelConfig):
+def tile_rows(x, cfg: KernelConfig, *, row_axis: int = -1, pad=None, op=jnp.max):
+    """Per-row values ``x`` (query rows along ``row_axis``) → each row's ``op`` over its query tile.
+
+    The rows are tiled from the first, ``cfg.block_q`` at a time (row r in tile r // block_q, as a
+    kernel's programs take them). A last partial tile is completed with padding rows holding
+    ``pad()`` (a callable giving one row's values, broadcast; called only when there is such a tile).
+    A kernel's program holds exactly one tile: one reduction over its rows.
+    """
+    bq = cfg.block_q
+    ax = row_axis % x.ndim
+    q = x.shape[ax]
+    if bq == 1:
+        return x
+    if q == bq:
+        return jnp.broadcast_to(op(x, axis=ax, keepdims=True), x.shape)
+    extra = (-q) % bq
+    if extra:
+        shape = x.shape[:ax] + (extra,) + x.shape[ax + 1:]
+        x = jnp.concatenate([x, jnp.broadcast_to(pad(), shape).astype(x.dtype)], axis=ax)
+    tiles = x.reshape(x.shape[:ax] + (x.shape[ax] // bq, bq) + x.shape[ax + 1:])
+    r = jnp.broadcast_to(op(tiles, axis=ax + 1, keepdims=True), tiles.shape).reshape(x.shape)
+    return lax.slice_in_dim(r, 0, q, axis=ax)
+
+
+def skip_rows(block_max, m, cfg: KernelConfig, *, row_axis: int = -1):
+    """Skip-softmax (``skip_softmax_threshold`` λ): per row, whether its query tile skips the block.
+
+    A row votes to skip when exp(rowmax Z_j − m) < λ against its running max m *before* the block
+    (TensorRT-LLM fmha_v2 as FlashInfer vendors it, commit fb28d72, ``csrc/fmha_v2/fmha/warpspec/
+    epilogue.h`` lines 770-779: ``local_max − global_max`` before ``local_max = max(local_max,
+    global_max)``), or when it sees no key of the block; a row whose m is still −inf never votes to
+    skip. The tile skips when every row votes (lines 787-805: ``__all_sync`` over a warp, then an
+    ``atomicAnd`` over the warpgroup); padding rows of a partial tile do not block it. None without a
+    threshold. ``block_max``, ``m``: ``(...)`` per row (raw rowmax Z_j, before any sink is folded in).
+    """
+    if not cfg.skip_softmax_threshold:
+        return None
+    log_lam = jnp.float32(cfg.skip_log_threshold)
+    vote = (block_max <= MASKED_BELOW) | ((m > MASKED_BELOW) & (block_max - m < log_lam))
+    votes = tile_rows(jnp.where(vote, 1.0, 0.0), cfg, row_axis=row_axis, pad=lambda: jnp.float32(1.0), op=jnp.min)
+    return votes > 0.5
+
+
+def drop_skipped(z, skip):
+    """A block's scores with every key of a skipped row masked: P = 0, so the block adds to neither O
+    nor ℓ and leaves the running max as it is (a skipped row's block max is below it). ``skip``: from
+    :func:`skip_rows` (None: ``z``)."""
+    return z if skip is None else jnp.where(expand_rows(skip, z.shape), -jnp.inf, z)
+
+
+def block_probs(z, m_new, cfg: KernelConfig, *, row_axis: int = -1):
     """Lines 7 and 9 before the cast: (P that ℓ sums, P·S that is cast, per-row unscale or None).
 
-    ``z``: ``(..., B)`` scores of a block; ``m_new``: ``(...)`` running max after it (−inf allowed).
+    ``z``: ``(..., B)`` scores of a block; ``m_new``: ``(...)`` running max after it (−inf allowed);
+    ``row_axis``: the query rows' axis of ``m_new`` (the tile-amax mode takes the max over tiles of them).
 
     * multiply mode: P = exp(Z − m), cast P·S (S in FP32 after the exponential);
     * exponent mode: P̃ = exp2(Z·log2 e − (m·log2 e − log2 S)), so ℓ sums the scaled values;
     * dynamic mode: per row the largest 2^k with rowmax(P)·2^k ≤ max of the format; the unscale
       factor 2^-k multiplies the block's P8·V before it is accumulated (exact). k = trunc(log2(max /
       rowmax P)) equals the floor, since the argument is ≥ log2(max) > 0 (P ≤ 1).
+    * tile-amax mode: per query tile (:func:`tile_rows`) a = max(amax P, 10^-9), S = max / a and the
+      unscale a / max, each one float32 division (aiter @e404860 ``aiter/ops/triton/utils/_triton/
+      mha_kernel_utils.py`` lines 9-15, applied at ``_triton_kernels/attention/mha.py`` lines 256-259).
+      Padding rows of a partial tile have P = 1 wherever the tile's last real row sees a key.
     """
     m = expand_rows(safe_max(m_new), z.shape)
     if cfg.scale_mode == "exponent":
@@ -175,6 +233,16 @@ def block_probs(z, m_new, cfg: KernelConfig):
     p = jnp.exp(z - m)
     if cfg.scale_mode == "multiply":
         return p, p * jnp.float32(cfg.effective_scale), None
+    if cfg.scale_mode == "tile_amax":
+        def padding_row():  # Q = 0: logit 0 = the row's max, so P = 1 on each key the last real row sees
+            seen = jnp.where(jnp.max(z, axis=-1) > MASKED_BELOW, 1.0, 0.0)
+            ax = row_axis % seen.ndim
+            return lax.slice_in_dim(seen, seen.shape[ax] - 1, seen.shape[ax], axis=ax)
+
+        amax = tile_rows(jnp.max(p, axis=-1), cfg, row_axis=row_axis, pad=padding_row)
+        amax = jnp.maximum(amax, jnp.float32(TILE_AMAX_FLOOR))
+        fmax = jnp.float32(cfg.fmt.max)
+        return p, p * expand_rows(fmax / amax, p.shape), amax / fmax
     fmax = cfg.fmt.max
     p_max = jnp.max(p, axis=-1)
     k = jnp.log2(fmax / jnp.where(p_max > 0.0, p_max, 1.0)).astype(jnp.int32).astype(jnp.float32)
@@ -194,12 +262,14 @@ class BlockStep(NamedTuple):
     unscale: object
 
 
-def online_softmax(m, row_sum, z, cfg: KernelConfig, sink=None) -> BlockStep:
+def online_softmax(m, row_sum, z, cfg: KernelConfig, sink=None, *, row_axis: int = -1) -> BlockStep:
     """Lines 4–8: m_new = max(m, rowmax Z) (:func:`update_max`, the sink folded in by a ``"block_max"``
-    kernel), α, P (and P·S), ℓ = α ℓ + rowsum(P) in FP32."""
+    kernel), α, P (and P·S), ℓ = α ℓ + rowsum(P) in FP32; a block skipped by skip-softmax
+    (:func:`skip_rows`) has P = 0 in the rows of its query tile. ``row_axis``: the rows' axis of ``m``."""
+    z = drop_skipped(z, skip_rows(jnp.max(z, axis=-1), m, cfg, row_axis=row_axis))
     m_new = update_max(m, fold_sink(jnp.max(z, axis=-1), sink, cfg), cfg)
     a = alpha(m, m_new, cfg)
-    p, ps, unscale = block_probs(z, m_new, cfg)
+    p, ps, unscale = block_probs(z, m_new, cfg, row_axis=row_axis)
     return BlockStep(m_new, a, a * row_sum + jnp.sum(p, axis=-1), p, ps, unscale)
 
 
@@ -247,9 +317,13 @@ def saturated(ps, cfg: KernelConfig):
 
     Element formats: P·S > max (448 for E4M3, with ``"satfinite"``; the ``"nan"`` overflow turns
     it into NaN instead). Block-scaled formats: P·S above its block's largest element
-    (element max × block scale). Only a lagging running max (``rescale_threshold``) or S above the
-    format's max makes P·S > max at all; ℓ keeps the unclipped value either way.
+    (element max × block scale). The tile-amax mode: none (its S maps the tile's amax to max, so P·S
+    exceeds max only by float32 rounding, which the cast rounds back to max). Only a lagging running
+    max (``rescale_threshold``) or S above the format's max makes P·S > max at all; ℓ keeps the
+    unclipped value either way.
     """
+    if cfg.scale_mode == "tile_amax":  # S maps the tile's amax to max: P·S exceeds it by rounding alone
+        return jnp.zeros(ps.shape, bool)
     if cfg.block_format is not None:
         _, scales = cast_p(ps, cfg)
         bs = cfg.block_format.block

@@ -16,6 +16,13 @@ Algorithm 1 of the paper, per query row and KV block j (in the kernel's order)::
 * ``"dynamic"`` — per row and block, the largest power of two 2^k with rowmax(P)·2^k ≤ max_E4M3;
   each block's P8·V is multiplied by 2^-k (exact) before it is accumulated; ℓ unscaled. The paper's
   "future work" (§7.4); no released kernel does this. ``scale`` is ignored.
+* ``"tile_amax"`` — per tile of ``block_q`` query rows × one KV block, S = max_fmt / amax(P) over the
+  whole tile, shared by its rows and not a power of two; the tile's P8·V is multiplied by
+  amax / max_fmt before it is accumulated; ℓ unscaled (aiter's Triton MHA FP8). ``scale`` is ignored.
+
+A query tile (``block_q`` rows, the call's rows taken from the first) is also the unit of the
+skip-softmax vote (``skip_softmax_threshold``): a KV block is skipped for the tile when every row of
+it has exp(rowmax Z_j − m) < λ against its running max m before the block.
 """
 
 from __future__ import annotations
@@ -33,13 +40,14 @@ from pcast_jax.errors import F32_MAX, PcastError, check_choice, check_int, check
 __all__ = ["KernelConfig", "Numbers", "BoundConfig",
            "MMA_K", "QKV_GRANULARITIES", "SINK_MODES", "SINK_PRESCALES", "RESCALE_UNITS", "RESCALE_COMPENSATIONS",
            "Order", "ScaleMode", "Accumulator", "QKVPrecision", "QKVGranularity", "SplitLayout", "SinkMode",
-           "SinkPrescale", "RescaleUnit", "RescaleCompensation", "scale_candidates"]
+           "SinkPrescale", "RescaleUnit", "RescaleCompensation", "scale_candidates", "COMPUTED_SCALE_MODES",
+           "TILE_AMAX_FLOOR"]
 
 #: KV block orders (:attr:`KernelConfig.order`).
 Order = Literal["forward", "reverse"]
 ORDERS: tuple[str, ...] = typing.get_args(Order)
 #: Where S goes (:attr:`KernelConfig.scale_mode`).
-ScaleMode = Literal["multiply", "exponent", "dynamic"]
+ScaleMode = Literal["multiply", "exponent", "dynamic", "tile_amax"]
 SCALE_MODES: tuple[str, ...] = typing.get_args(ScaleMode)
 #: P·V accumulators (:attr:`KernelConfig.accumulator`).
 Accumulator = Literal["f32", "f16"]
@@ -75,6 +83,12 @@ SinkPrescale = Literal["exp2", "exp"]
 SINK_PRESCALES: tuple[str, ...] = typing.get_args(SinkPrescale)
 #: Largest τ: exp(τ) (the most a stale P can exceed 1) stays finite in float32 in either unit.
 RESCALE_THRESHOLD_MAX = 64.0
+#: Scale modes whose scale is computed per block from P itself (``scale`` is ignored, ℓ unscaled, the
+#: block's product multiplied back by the inverse scale).
+COMPUTED_SCALE_MODES = ("dynamic", "tile_amax")
+#: The floor of a tile's amax in the ``"tile_amax"`` mode (aiter's ``_compute_fp8_scaling_factors``:
+#: ``x_amax = tl.where(x_amax <= 1e-9, 1e-9, x_amax)``), so an all-zero tile gets a finite scale.
+TILE_AMAX_FLOOR = 1e-9
 
 
 _DEFAULT_BLOCK_KV = 64
@@ -96,6 +110,8 @@ class Numbers(NamedTuple):
     rescale_gap: Any
     #: :attr:`KernelConfig.v_channel_max`.
     v_channel_max: Any
+    #: :attr:`KernelConfig.skip_log_threshold`, ln λ of the skip-softmax test (−inf: no tile skipped).
+    skip_log_threshold: Any = np.float32(-np.inf)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -208,6 +224,23 @@ class KernelConfig:
     #: on its non-exp2f path (ALiBi or logit soft-capping): e^8 instead of 2^8 at S = 256, the sink
     #: weighted (e/2)^8 ≈ 11.6× too much. Other scale modes: ``"exp2"`` (normalised; nothing to take).
     sink_prescale: SinkPrescale = "exp2"
+    # --- Query tiles: the tile-amax scale and skip-softmax ---------------------------------------
+    #: Query rows per tile (BLOCK_M): the rows that share one ``"tile_amax"`` scale and one skip-softmax
+    #: vote. A call's rows are tiled from its first row (row r in tile r // block_q); a last partial tile
+    #: is padded with rows whose Q is zero (aiter loads them as 0): their logits are 0, so their P is 1
+    #: on every key the tile's last real row sees, which raises the tile's amax to 1 (they never block a
+    #: skip). A causally hidden or masked key has P = 0 and raises no amax; a row with nothing visible
+    #: in the tile changes no other row's scale and votes to skip. 0 where neither axis acts; ≥ 1 with
+    #: ``scale_mode="tile_amax"`` or a skip threshold (1: per row).
+    block_q: int = 0
+    #: λ in [0, 1) (0 = no tile is skipped). Skip-softmax (TensorRT-LLM fmha_v2 ``ENABLE_SKIP_SOFTMAX``,
+    #: FlashInfer trtllm-gen ``skip_softmax_threshold_scale_factor`` / KV length; BLASST, arXiv
+    #: 2512.12087): a KV block is skipped for a query tile when every row of it has
+    #: exp(rowmax Z_j − m) < λ, with m its running max *before* the block; a skipped block adds to
+    #: neither O nor ℓ (renormalised, not zeroed) and leaves m as it is. For λ < 1 the test against the
+    #: max after the block's update decides the same; a row whose running max is still −inf never votes
+    #: to skip. Like S, a number of the program (:meth:`program`).
+    skip_softmax_threshold: float = 0.0
 
     # --- Label ------------------------------------------------------------------------------------
     #: A label for reports, not part of the identity: two configs are equal (and hash alike) when their
@@ -232,7 +265,7 @@ class KernelConfig:
         check_choice("accumulator", self.accumulator, ACCUMULATORS)
         check_choice("qkv", self.qkv, QKV_PRECISIONS)
         check_choice("qkv_granularity", self.qkv_granularity, QKV_GRANULARITIES)
-        if self.scale_mode == "dynamic":
+        if self.scale_mode in COMPUTED_SCALE_MODES:
             object.__setattr__(self, "scale", 1.0)
         if self.qkv == "f32":
             object.__setattr__(self, "qkv_granularity", "tensor")
@@ -259,14 +292,15 @@ class KernelConfig:
             object.__setattr__(self, "v_channel_max", 0.0)
         self._check_mma()
         self._check_sink_and_rescale()
+        self._check_query_tiles()
         bf = self.block_format
         if bf is not None:
             if self.block_kv % bf.block:
                 raise PcastError(f"p_format={self.p_format!r} scales blocks of {bf.block} keys, which must tile "
                                  f"block_kv={self.block_kv}")
-            if self.scale_mode == "dynamic":
-                raise PcastError(f"p_format={self.p_format!r} carries its own block scales: scale_mode='dynamic' "
-                                 "is not supported with it")
+            if self.scale_mode in COMPUTED_SCALE_MODES:
+                raise PcastError(f"p_format={self.p_format!r} carries its own block scales: "
+                                 f"scale_mode={self.scale_mode!r} is not supported with it")
             if self.accumulator != "f32":
                 raise PcastError(f"p_format={self.p_format!r} needs accumulator='f32' (the block scale is "
                                  "multiplied back into the FP32 accumulator)")
@@ -296,11 +330,33 @@ class KernelConfig:
         if tau == 0.0:  # no lag: neither the unit nor a 2^-0 compensation acts
             object.__setattr__(self, "rescale_unit", "log2")
             object.__setattr__(self, "rescale_compensation", "none")
-        if self.rescale_compensation == "pow2" and self.scale_mode == "dynamic":
-            raise PcastError("rescale_compensation='pow2' scales a static S; scale_mode='dynamic' has none")
+        if self.rescale_compensation == "pow2" and self.scale_mode in COMPUTED_SCALE_MODES:
+            raise PcastError(f"rescale_compensation='pow2' scales a static S; scale_mode={self.scale_mode!r} "
+                             "has none")
         s_eff = self.effective_scale
         if not SCALE_MIN <= s_eff <= SCALE_MAX:
             raise PcastError(f"scale·2^-rescale_threshold = {s_eff!r} must lie in [2^-100, 2^100]")
+
+    def _check_query_tiles(self) -> None:
+        """Validates ``skip_softmax_threshold`` and ``block_q`` (0 where neither the tile-amax scale nor a
+        skip threshold acts, so equality stays semantic)."""
+        lam = self.skip_softmax_threshold
+        if isinstance(lam, (bool, np.bool_)) or not isinstance(lam, (int, float, np.integer, np.floating)):
+            raise PcastError(f"skip_softmax_threshold={lam!r} must be a number in [0, 1)")
+        lam = float(lam)
+        if not (math.isfinite(lam) and 0.0 <= lam < 1.0):
+            raise PcastError(f"skip_softmax_threshold={self.skip_softmax_threshold!r} must be a number in [0, 1) "
+                             "(0: no tile is skipped; λ ≥ 1 would skip a block that raises the running max)")
+        if lam and not math.isfinite(math.log(np.float32(lam))):
+            raise PcastError(f"skip_softmax_threshold={lam!r} must be 0 or a positive float32 number")
+        object.__setattr__(self, "skip_softmax_threshold", lam)
+        block_q = check_int("block_q", self.block_q, min_value=0, max_value=1 << 16)
+        if self.scale_mode != "tile_amax" and not lam:
+            block_q = 0  # no query tile acts
+        elif not block_q:
+            why = "scale_mode='tile_amax'" if self.scale_mode == "tile_amax" else f"skip_softmax_threshold={lam:g}"
+            raise PcastError(f"block_q=0 with {why}: a query tile needs block_q >= 1 rows (1: each row on its own)")
+        object.__setattr__(self, "block_q", block_q)
 
     def _check_mma(self) -> None:
         """Validates and normalises ``mma_acc_bits`` / ``mma_promote_keys`` (PcastError naming them)."""
@@ -322,9 +378,9 @@ class KernelConfig:
         if keys and (keys % MMA_K or self.block_kv % keys):
             raise PcastError(f"mma_promote_keys={keys} must be a multiple of {MMA_K} that divides "
                              f"block_kv={self.block_kv} (or 0: never promoted)")
-        if not keys and self.scale_mode == "dynamic":
-            raise PcastError("scale_mode='dynamic' needs mma_promote_keys > 0 with mma_acc_bits: its per-block "
-                             "2^-k multiplies the block's product outside the MMA accumulator")
+        if not keys and self.scale_mode in COMPUTED_SCALE_MODES:
+            raise PcastError(f"scale_mode={self.scale_mode!r} needs mma_promote_keys > 0 with mma_acc_bits: its "
+                             "per-block inverse scale multiplies the block's product outside the MMA accumulator")
         object.__setattr__(self, "mma_promote_keys", keys)
 
     def default_name(self) -> str:
@@ -337,11 +393,14 @@ class KernelConfig:
         ``_causal``, ``_split8`` / ``_split8s`` (kv_splits, contiguous / strided), ``_acc14`` (the
         MMA accumulator model, never promoted) / ``_acc14p128`` (promoted every 128 keys),
         ``_sinkinit`` / ``_sinkblock`` (sink_mode), ``_tau4`` (lazy rescale, log2 units; ``n`` for
-        natural units, ``c`` for the 2^-τ compensation) and ``_sinkexp`` (sink_prescale). Two configs with
+        natural units, ``c`` for the 2^-τ compensation), ``_sinkexp`` (sink_prescale), ``_q128`` (block_q;
+        ``samax`` in place of the scale for the tile-amax mode) and ``_skip0.001`` (skip_softmax_threshold).
+        Two configs with
         different semantics never share a default name.
         """
+        computed = {"dynamic": "sdyn", "tile_amax": "samax"}
         parts = [{"forward": "fwd", "reverse": "rev"}[self.order],
-                 "sdyn" if self.scale_mode == "dynamic" else "s" + repr(self.scale).removesuffix(".0")]
+                 computed.get(self.scale_mode) or "s" + repr(self.scale).removesuffix(".0")]
         if self.scale_mode == "exponent":
             parts.append("exp")
         if self.block_kv != _DEFAULT_BLOCK_KV:
@@ -372,20 +431,27 @@ class KernelConfig:
                          + ("c" if self.rescale_compensation == "pow2" else ""))
         if self.sink_prescale != "exp2":
             parts.append("sinkexp")
+        if self.block_q:
+            parts.append(f"q{self.block_q}")
+        if self.skip_softmax_threshold:
+            parts.append("skip" + repr(self.skip_softmax_threshold))
         return "_".join(parts)
 
     def to_dict(self) -> dict:
         """Every field as a plain value; :meth:`from_dict` reads it back.
 
         ``qkv_granularity`` is written only where it acts (E4M3 Q/K/V), ``sink_prescale`` only where it
-        is not the exact ``"exp2"``: two configs that compute the same thing have one dict, and so one
-        sweep fingerprint.
+        is not the exact ``"exp2"``, ``block_q`` and ``skip_softmax_threshold`` only where they are not 0:
+        two configs that compute the same thing have one dict, and so one sweep fingerprint.
         """
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if self.qkv == "f32":
             del d["qkv_granularity"]
         if self.sink_prescale == "exp2":
             del d["sink_prescale"]
+        for key in ("block_q", "skip_softmax_threshold"):  # written where they act
+            if not d[key]:
+                del d[key]
         return d
 
     @classmethod
@@ -484,6 +550,11 @@ class KernelConfig:
         return self.rescale_threshold * (math.log(2.0) if self.rescale_unit == "log2" else 1.0)
 
     @property
+    def skip_log_threshold(self) -> float:
+        """ln λ of the skip-softmax test (−inf when ``skip_softmax_threshold`` is 0)."""
+        return math.log(self.skip_softmax_threshold) if self.skip_softmax_threshold else -math.inf
+
+    @property
     def scale_is_power_of_two(self) -> bool:
         """Prop. 5: ×S and ×(1/S) are exact in FP32 iff S = 2^k."""
         m, _ = math.frexp(self.scale)
@@ -493,20 +564,22 @@ class KernelConfig:
         """The config's :class:`Numbers`, computed on the host in float64 and rounded to float32 once, as
         a compiled program holding them as constants rounds them."""
         return Numbers(*(np.float32(x) for x in (self.effective_scale, self.log2_scale, self.rescale_gap,
-                                                   self.v_channel_max)))
+                                                   self.v_channel_max, self.skip_log_threshold)))
 
     def program(self) -> "KernelConfig":
         """The config with its numbers replaced by stand-ins: configs with the same program compute
         with the same operations and differ only in their :meth:`numbers`.
 
-        ``scale`` becomes 1; ``rescale_threshold`` and ``v_channel_max`` become 1 where they are not 0
-        (0 selects another program: no lag, V as it is). Bind numbers to it under ``jax.jit``::
+        ``scale`` becomes 1; ``rescale_threshold`` and ``v_channel_max`` become 1 and
+        ``skip_softmax_threshold`` 0.5 where they are not 0 (0 selects another program: no lag, V as it
+        is, no tile skipped). Bind numbers to it under ``jax.jit``::
 
             f = jax.jit(lambda s, v, nums: engine.attention(s, v, cfg.program().bind(nums)).out)
             f(scores, v, cfg.numbers())   # one program for every config with cfg's program
         """
         return dataclasses.replace(self, scale=1.0, rescale_threshold=float(bool(self.rescale_threshold)),
-                                   v_channel_max=float(bool(self.v_channel_max)), name="")
+                                   v_channel_max=float(bool(self.v_channel_max)),
+                                   skip_softmax_threshold=0.5 * bool(self.skip_softmax_threshold), name="")
 
     def bind(self, numbers: Numbers, *, name: str | None = None) -> "BoundConfig":
         """This program with ``numbers`` (traced or concrete): a :class:`BoundConfig` labelled ``name``
@@ -527,7 +600,8 @@ class KernelConfig:
         return dataclasses.replace(self, **changes)
 
     def describe(self) -> str:
-        s = "dynamic 2^k" if self.scale_mode == "dynamic" else f"S={self.scale:g} ({self.scale_mode})"
+        computed = {"dynamic": "dynamic 2^k", "tile_amax": f"tile amax per {self.block_q} query rows"}
+        s = computed.get(self.scale_mode) or f"S={self.scale:g} ({self.scale_mode})"
         extra = []
         if self.p_format != "e4m3":
             extra.append(f"P in {self.p_format}")
@@ -551,9 +625,15 @@ class KernelConfig:
             extra.append(f"lazy rescale τ={self.rescale_threshold:g} ({self.rescale_unit}){comp}")
         if self.sink_prescale != "exp2":
             extra.append("learned sink's prescale as e^(log2 S)")
+        if self.skip_softmax_threshold:
+            extra.append(f"skip-softmax λ={self.skip_softmax_threshold:g} per {self.block_q} query rows")
         tail = (", " + ", ".join(extra)) if extra else ""
         return f"{self.order}, {s}, B={self.block_kv}{tail}"
 
+
+
+#: The fields :meth:`KernelConfig.numbers` carries (a :class:`BoundConfig` holds them as NaN).
+_NUMERIC_FIELDS = ("scale", "rescale_threshold", "v_channel_max", "skip_softmax_threshold")
 
 
 class BoundConfig(KernelConfig):
@@ -576,7 +656,7 @@ class BoundConfig(KernelConfig):
         for f in dataclasses.fields(KernelConfig):
             object.__setattr__(self, f.name, getattr(program, f.name))
         object.__setattr__(self, "name", name)
-        for name in ("scale", "rescale_threshold", "v_channel_max"):
+        for name in _NUMERIC_FIELDS:
             if name == "scale" or getattr(program, name):
                 object.__setattr__(self, name, math.nan)
         object.__setattr__(self, "_program", program)
@@ -595,6 +675,10 @@ class BoundConfig(KernelConfig):
     def rescale_gap(self):
         return self._numbers.rescale_gap
 
+    @property
+    def skip_log_threshold(self):
+        return self._numbers.skip_log_threshold
+
     def numbers(self) -> Numbers:
         return self._numbers
 
@@ -603,7 +687,7 @@ class BoundConfig(KernelConfig):
 
     def replace(self, **changes) -> "BoundConfig":
         """The program with ``changes`` (no numeric field), bound to the same numbers."""
-        numeric = sorted(set(changes) & {"scale", "rescale_threshold", "v_channel_max"})
+        numeric = sorted(set(changes) & set(_NUMERIC_FIELDS))
         if numeric:
             raise PcastError(f"a BoundConfig's numbers are bound: replace {numeric} on the config, then bind")
         name = changes.pop("name", self.name)

@@ -319,6 +319,21 @@ def _running_max(block_max, cfg: KernelConfig, m0=None, *, reverse: bool = False
     return jnp.moveaxis(m_run, 0, -1)
 
 
+def _skip_blocks(z, m_run, m0, cfg: KernelConfig, *, reverse: bool, row_axis: int):
+    """``z`` (..., blocks, B) with the blocks skip-softmax skips masked (:func:`block.skip_rows`), from the
+    running max before each block: the one after the block visited before it (``m0`` or −inf first).
+
+    A skipped block's max lies below that running max, so it never moved the running max: ``m_run``
+    (computed with every block) holds as it is.
+    """
+    if not cfg.skip_softmax_threshold:
+        return z
+    first = jnp.full(m_run.shape[:-1] + (1,), -jnp.inf, m_run.dtype) if m0 is None else m0[..., None]
+    before = (jnp.concatenate([m_run[..., 1:], first], axis=-1) if reverse
+              else jnp.concatenate([first, m_run[..., :-1]], axis=-1))
+    return block.drop_skipped(z, block.skip_rows(jnp.max(z, axis=-1), before, cfg, row_axis=row_axis))
+
+
 class _Stats(NamedTuple):
     """Per-row loss statistics decayed to the final running max (masses not yet divided by ℓ)."""
 
@@ -357,8 +372,10 @@ def _fast_parts(scores, counted, cfg: KernelConfig, cast_fn=None, sink=None):
     sink_b = None if sink is None else sink[..., None]
     block_max = block.fold_sink(jnp.max(z, axis=-1), sink_b, cfg)  # (..., q, nb)
     m0 = sink if sink is not None and cfg.sink_mode == "init_max" else None
-    m_run = _running_max(block_max, cfg, m0, reverse=cfg.order == "reverse")
-    p, ps, unscale = block.block_probs(z, m_run, cfg)
+    reverse = cfg.order == "reverse"
+    m_run = _running_max(block_max, cfg, m0, reverse=reverse)
+    z = _skip_blocks(z, m_run, m0, cfg, reverse=reverse, row_axis=-2)
+    p, ps, unscale = block.block_probs(z, m_run, cfg, row_axis=-2)
     p8, sc = _cast(ps, cfg) if cast_fn is None else (cast_fn(ps), None)
     # α chain: block b's contribution is multiplied by exp(m_b − m_final) by the end
     m_final = jnp.max(m_run, axis=-1)
@@ -394,7 +411,8 @@ def _fast_split_parts(scores, counted, cfg: KernelConfig, cast_fn=None, sink=Non
     if sink is not None and cfg.sink_mode == "init_max":  # split 0 alone starts at the sink
         m0 = jnp.full(block_max.shape[:-1], -jnp.inf, jnp.float32).at[..., 0].set(sink)
     m_run = _running_max(block_max, cfg, m0)
-    p, ps, unscale = block.block_probs(z, m_run, cfg)
+    z = _skip_blocks(z, m_run, m0, cfg, reverse=False, row_axis=-3)
+    p, ps, unscale = block.block_probs(z, m_run, cfg, row_axis=-3)
     p8, sc = _cast(ps, cfg) if cast_fn is None else (cast_fn(ps), None)
     m_s = jnp.max(m_run, axis=-1)  # (..., q, splits)
     decay = block.alpha(m_run, m_s[..., None], cfg)  # (..., q, splits, steps)

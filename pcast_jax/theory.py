@@ -53,6 +53,7 @@ __all__ = [
     "pre_sink_max",
     "reverse_underflow_prob",
     "sink_block_collapse_fraction",
+    "skip_softmax_lost_mass_bound",
     "non_sink_mass",
     "is_bit_exact_scale",
     "scaling_exactness",
@@ -457,6 +458,36 @@ def sink_block_collapse_fraction(delta, scale=256.0, *, n=4096, block_kv=64, k_s
     share = (jnp.minimum(jnp.asarray(block_kv, _float_dtype()), n) - k_sink) / (jnp.asarray(n, _float_dtype())
                                                                                - k_sink)
     return share * collapse_fraction_spread(delta, scale, k_sink=k_sink, sigma=sigma, fmt=fmt)
+
+
+# --------------------------------------------------------------------------------------------
+# Skip-softmax (beyond the paper: TensorRT-LLM fmha_v2 / FlashInfer trtllm-gen, BLASST).
+# --------------------------------------------------------------------------------------------
+def skip_softmax_lost_mass_bound(threshold, *, n=4096, block_kv=64):
+    """Largest exact softmax mass a row loses to skip-softmax with threshold λ (beyond the paper).
+
+    A KV block is skipped only when its max is below the running max before it by more than −ln λ
+    (:func:`pcast_jax.block.skip_rows`), so each key it holds has exp(s − M) < λ against the row's
+    final max M, and the block holding the row's maximum is never skipped (its max is at least the
+    running max before it). With L the skipped keys' Σ exp(s − M) < K·λ and the kept mass R ≥ 1 (the
+    maximum itself), the lost share L / (L + R) obeys
+
+        lost < K·λ / (1 + K·λ),   K = max(N − B, 0)
+
+    (renormalised, not zeroed: the output is the softmax over the kept keys). With FlashInfer's
+    λ = factor / N it stays below factor / (1 + factor) at every N. It is attained as the skipped keys
+    approach exp(s − M) = λ and the maximum's block holds nothing else. A learned sink as the initial
+    running max can see every block skipped: pass ``block_kv=0`` (K = N, the sink's term is R ≥ 1).
+    """
+    check_values("threshold", threshold, lo=0.0, float32=True)
+    lam = host_values(threshold, "threshold")
+    if lam is not None and np.any(lam >= 1.0):
+        raise PcastError(f"{shown_value('threshold', threshold, np.max(lam))} must be < 1 (skip_softmax_threshold)")
+    check_values("n", n, lo=1.0, float32=True)
+    check_values("block_kv", block_kv, lo=0.0, float32=True)
+    k = jnp.maximum(jnp.asarray(n, _float_dtype()) - jnp.asarray(block_kv, _float_dtype()), 0.0)
+    x = k * jnp.asarray(threshold, _float_dtype())
+    return x / (1.0 + x)
 
 
 # --------------------------------------------------------------------------------------------

@@ -161,7 +161,9 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
               count_mask=None, kv_splits=1, split_layout="contiguous", f16_round_keys=0,
               v_channel_max=0.0, mma_acc_bits=0, mma_promote_keys=0, visible=None, sink_logit=None,
               sink_mode="epilogue", rescale_threshold=0.0, rescale_unit="log2",
-              rescale_compensation="none", sink_prescale="exp2") -> OracleResult:
+              rescale_compensation="none", sink_prescale="exp2",
+              # query tiles: the tile-amax scale and skip-softmax
+              block_q=0, skip_softmax_threshold=0.0) -> OracleResult:
     """Algorithm 1 for every query row of ``scores`` (q, N) against ``v`` (N, d), in float64.
 
     ``scale_mode``: ``"multiply"`` casts P·S and divides by S·ℓ (ℓ of unscaled P);
@@ -195,6 +197,14 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
     it by more than τ (times ln 2 for ``rescale_unit="log2"``); ``rescale_compensation="pow2"`` makes
     the scale S·2^-τ. P·S above the element max saturates (counted for element formats).
     ``sink_prescale="exp"`` (exponent mode): the sink's ×S is e^(log2 S) instead (fmha_v2's non-exp2f path).
+
+    Query tiles: rows 0..block_q−1, block_q..2·block_q−1, … of ``scores`` form one tile each.
+    ``scale_mode="tile_amax"`` (aiter's Triton MHA FP8): per tile and block a = max(10^-9, the largest P
+    of the tile's rows), P·(max/a) is cast and the block's product multiplied by a/max; a last partial
+    tile is filled with rows whose logits are 0 (zero Q), whose P is 1 on every key the tile's last
+    row sees. ``skip_softmax_threshold`` λ > 0: a row votes to skip a block when it sees no key of it
+    or exp(block max − m) < λ with its running max m before the block (m = −inf: no vote); when every
+    row of the tile votes (filling rows do), the block is dropped from those rows.
     """
     if rescale_compensation == "pow2":
         scale = scale * 2.0**-rescale_threshold
@@ -234,8 +244,10 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
     if scale_mode == "exponent":
         sink_factor = np.exp(np.log2(scale)) if sink_prescale == "exp" else scale
     sink = (sink_logit, sink_mode, gap, sink_factor)
+    tiles = (block_q, skip_softmax_threshold)
     runs = [_one_split(s, v, counted, blks[::-1] if order == "reverse" else blks, line, block_kv, group,
-                       scale, scale_mode, overflow, accumulator, p_format, mma, sink=sink, first=i == 0)
+                       scale, scale_mode, overflow, accumulator, p_format, mma, sink=sink, first=i == 0,
+                       tiles=tiles)
             for i, blks in enumerate(members)]
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         m_all = np.max([r[0] for r in runs], axis=0)
@@ -269,12 +281,13 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
 
 
 def _one_split(s, v, counted, blocks, line, block_kv, group, scale, scale_mode, overflow, accumulator, p_format,
-               mma=(0, 0), sink=(None, "epilogue", 0.0, 1.0), first=True):
+               mma=(0, 0), sink=(None, "epilogue", 0.0, 1.0), first=True, tiles=(0, 0.0)):
     """Algorithm 1 over ``blocks`` (in visiting order): (m, ℓ, O, zeroed, zeroed mass, slack, zeroed slack,
     saturated, saturated mass)."""
     q = s.shape[0]
     d = v.shape[1]
     sink_logit, sink_mode, gap, sink_factor = sink
+    block_q, lam = tiles
     m = np.full(q, -np.inf)
     ell = np.zeros(q)
     if sink_logit is not None and sink_mode == "init_max" and first:
@@ -292,6 +305,11 @@ def _one_split(s, v, counted, blocks, line, block_kv, group, scale, scale_mode, 
         for j in blocks:
             cols = slice(j * block_kv, (j + 1) * block_kv)
             z, vj = s[:, cols], v[cols]
+            if lam:  # skip-softmax: the tile's rows all vote, against the max before this block
+                zmax = z.max(axis=1)
+                vote = (zmax == -np.inf) | ((m > -np.inf) & (np.exp(zmax - np.where(m > -np.inf, m, 0.0)) < lam))
+                drop = _per_tile(vote.astype(np.float64), block_q, 1.0, np.min) > 0
+                z = np.where(drop[:, None], -np.inf, z)
             bmax = z.max(axis=1)
             if sink_logit is not None and sink_mode == "block_max":
                 bmax = np.where(bmax > -np.inf, np.maximum(bmax, sink_logit), bmax)
@@ -307,6 +325,11 @@ def _one_split(s, v, counted, blocks, line, block_kv, group, scale, scale_mode, 
             elif scale_mode == "exponent":
                 p = p * scale
                 ps = p
+            elif scale_mode == "tile_amax":  # one scale per tile of block_q rows, not a power of two
+                filler = 1.0 if np.any(z[-1] > -np.inf) else 0.0  # a zero-Q row's P where the last row sees keys
+                amax = np.maximum(_per_tile(p.max(axis=1), block_q, filler, np.max), 1e-9)
+                ps = p * (line.max / amax)[:, None]
+                unscale = amax / line.max
             else:  # dynamic power of two per row
                 pmax = p.max(axis=1)
                 k = np.floor(np.log2(line.max / np.where(pmax > 0, pmax, 1.0)))
@@ -353,13 +376,23 @@ def _one_split(s, v, counted, blocks, line, block_kv, group, scale, scale_mode, 
             zero = counted[:, cols] & (ps > 0) & (p8 == 0)
             nz += zero.sum(axis=1)
             lz = a * lz + np.where(zero, p, 0.0).sum(axis=1)
-            sat = (z > -np.inf) & (ps > line.max) & (p_format not in BLOCKED)
+            sat = (z > -np.inf) & (ps > line.max) & (p_format not in BLOCKED) & (scale_mode != "tile_amax")
             ns += sat.sum(axis=1)
             ls = a * ls + np.where(sat, p, 0.0).sum(axis=1)
             zslack += (counted[:, cols] & (ps > 0) & near_zero).sum(axis=1)
     return m, ell, o, nz, lz, slack, zslack, ns, ls
 
 
+
+
+def _per_tile(x, block_q: int, filler: float, reduce):
+    """Each row's ``reduce`` over its tile of ``block_q`` rows (from row 0); a short last tile is filled
+    with rows of value ``filler``."""
+    out = np.empty_like(x)
+    for t0 in range(0, len(x), block_q):
+        part = list(x[t0:t0 + block_q])
+        out[t0:t0 + block_q] = reduce(part + [filler] * (block_q - len(part)))
+    return out
 
 
 #: Keys per FP8 MMA instruction (Hopper wgmma / mma.sync with 8-bit operands: K = 32).
@@ -409,7 +442,9 @@ def config_kwargs(cfg) -> dict:
             "rescale_threshold": getattr(cfg, "rescale_threshold", 0.0),
             "rescale_unit": getattr(cfg, "rescale_unit", "log2"),
             "rescale_compensation": getattr(cfg, "rescale_compensation", "none"),
-            "sink_prescale": getattr(cfg, "sink_prescale", "exp2")}
+            "sink_prescale": getattr(cfg, "sink_prescale", "exp2"),
+            "block_q": getattr(cfg, "block_q", 0),
+            "skip_softmax_threshold": getattr(cfg, "skip_softmax_threshold", 0.0)}
 
 
 def sink_scores(rng: np.random.Generator, *, q: int, n: int, d: int, delta: float, k_sink: int = 4):

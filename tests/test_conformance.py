@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import mosaic_gpu, triton_gpu
 from pcast_jax import engine, nn
 from pcast_jax.errors import PcastError
 from pcast_jax.presets import PRESETS, preset_for
@@ -56,6 +57,7 @@ import oracle
 from cases import FULL, shared_program
 
 HEAD_DIMS = (64, 128, 256)
+KERNEL_MODULES = {"triton": triton_gpu, "mosaic": mosaic_gpu}
 S = 320  # keys: more than one tile of every preset, a multiple of none but 64, 160 and 320
 T_RECT = 64  # query rows of the non-square masks
 N_HEADS, KV_HEADS = 2, 1
@@ -175,13 +177,17 @@ def expected(kind: str, h: int, cfg) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _refuse_kernel(backend: str):
+    limits = KERNEL_MODULES[backend].check_limits  # the backend owns its limits
+
     def refuses(cfg, kind: str, h: int) -> str | None:  # in the order the drop-in checks them
         if kind not in ("none", "causal"):
             return "causal_alignment='bottom_right'" if kind == "causal_rect" else "take no"
         if cfg.p_format != "e4m3":
             return "p_format"
-        if backend == "mosaic" and h not in (64, 128):
-            return "head_dim"
+        try:  # what the backend says it refuses, by the parameter its message names first
+            limits(cfg, q_len=case(kind, h).t, head_dim=h, n_kv=S, num_slots=2)
+        except PcastError as exc:
+            return str(exc).split("=", 1)[0]
         return None
     return refuses
 

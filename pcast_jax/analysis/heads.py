@@ -441,6 +441,14 @@ def _rows_per_chunk(num_rows: int, num_keys: int, bytes_per_score: int = _BYTES_
     return min(num_rows, 1 << (rows.bit_length() - 1))
 
 
+def _whole_tiles(rows: int, config: KernelConfig) -> int:
+    """Rows per chunk rounded up to whole query tiles (``config.block_q``): the rows of a tile share one
+    tile-amax scale and one skip-softmax vote, so a chunk (whose rows the kernel tiles from its first,
+    at a multiple of the chunk) never splits a tile."""
+    bq = config.block_q
+    return rows if bq <= 1 else -(-rows // bq) * bq
+
+
 @functools.partial(jax.jit, static_argnames=("config",))
 def _layer_operands(q, k, v, *, config: KernelConfig):
     """:func:`pcast_jax.nn.kernel_operands` of one layer ``[T, H, D]``: ``(q, k, v [Hq, T, D],
@@ -547,7 +555,7 @@ def scale_masses(trace, family: KernelConfig, scales: Sequence[float], sink_posi
     windows = layer_windows(local_window_size, num_layers)
     caps = layer_soft_caps(logits_soft_cap, num_layers)
     real = (np.arange(num_tokens) < length)[:, None, None]
-    step = _rows_per_chunk(num_tokens, num_tokens)
+    step = _whole_tiles(_rows_per_chunk(num_tokens, num_tokens), cfg)
     out = {"zeroed_mass": [], "saturated_mass": []}
     for layer in range(num_layers):
         qkv = tuple(jnp.asarray(np.where(real, np.asarray(x[layer], np.float32), 0.0)) for x in (q, k, v))
@@ -573,7 +581,7 @@ def _layer_metrics(operands, sink_positions, ref, *, config: KernelConfig, min_k
     """:func:`head_metrics` from :func:`_layer_operands`: the kernel on chunks of each head's query
     rows (:func:`_rows_per_chunk`), the row means on the host."""
     num_heads, num_tokens, head_dim = operands[0].shape
-    step = _rows_per_chunk(num_tokens, num_tokens)
+    step = _whole_tiles(_rows_per_chunk(num_tokens, num_tokens), config)
     sink_positions = jnp.asarray(sink_positions, jnp.int32)
     learned = learned_logits(sinks, num_heads)
     parts = [_chunk_rows(operands, sink_positions, ref, np.int32(h), np.int32(r0), np.int32(length),

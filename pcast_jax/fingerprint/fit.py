@@ -62,7 +62,7 @@ from pcast_jax.fingerprint.probes import FAMILIES, LADDER_KEYS, N_KEYS, ROWS, SE
 from pcast_jax.fingerprint.result import RESIDUAL_FLOOR, FieldEvidence, Fingerprint
 
 __all__ = ["identify", "fit", "check_outputs", "simulate_outputs", "explain_preset", "GROUPS", "FIELDS", "FIT_LIMIT",
-           "NOT_FITTED", "tolerance", "candidate_values"]
+           "NOT_FITTED", "UNFITTED_FIELDS", "tolerance", "candidate_values"]
 
 #: Field groups, searched in this order after ``cast``.
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -82,7 +82,12 @@ NOT_FITTED: dict[str, str] = {
            "scales, so it is lossless on them",
     "overflow": "a NaN output is refused, so only the saturating cast is read",
     "mma_acc_bits": "the tensor core's accumulator model is not among the candidates",
+    "block_q": "query tiles (the tile-amax scale, the skip-softmax vote) are not among the candidates: a scale "
+               "shared by a tile's rows needs probes whose rows differ within one tile",
+    "skip_softmax_threshold": "skip-softmax is not among the candidates (it needs block_q)",
 }
+#: Config fields no candidate sets (a kernel using them is fitted as the nearest config without them).
+UNFITTED_FIELDS: tuple[str, ...] = ("mma_acc_bits", "block_q", "skip_softmax_threshold")
 #: Largest best residual that still counts as a fit: beyond it the outputs fit no candidate.
 FIT_LIMIT = 0.05
 #: Candidates of the ``cast`` group kept (by their ladder residual) for the search over every row.
@@ -616,5 +621,9 @@ def explain_preset(name: str, *, head_dim: int = 64, sinks: bool = False) -> Fin
     from pcast_jax.presets import preset_for
 
     cfg = dataclasses.replace(preset_for(name, head_dim), causal=False)
+    unfitted = [f for f in UNFITTED_FIELDS if getattr(cfg, f)]
+    if unfitted:
+        raise PcastError(f"preset={name!r} sets {unfitted[0]}={getattr(cfg, unfitted[0])!r}, which no candidate of "
+                         f"the fit sets: {NOT_FITTED[unfitted[0]]}")
     ps = probes(head_dim, sinks=sinks)
     return fit(ps, simulate_outputs(ps, cfg), calls=0)

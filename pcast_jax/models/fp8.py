@@ -153,12 +153,20 @@ class FP8Attention:
         return self._sequence(q, k, v, valid)
 
     def _sequence(self, q, k, v, valid):
-        """One sequence ``[T, H, D]``: padded positions zeroed (so E4M3 scales see real tokens only)."""
+        """One sequence ``[T, H, D]``: padded positions zeroed (so E4M3 scales see real tokens only).
+
+        A config with query tiles (``block_q``: rows that share a tile-amax scale or a skip-softmax
+        vote) keeps the padded rows' Q as given: a kernel run on the padded batch tiles them with the
+        real rows, so what they hold reaches the real rows' output (zeroed, they would raise their
+        tiles' amax to 1).
+        """
         mask = None
-        if valid is not None:
-            q, k, v = (jnp.where(valid[:, None, None], x, 0.0) for x in (q, k, v))
-            mask = valid[None, None, :]  # (1, 1, S): keys at padded positions removed
         cfg = self.config_for(q.shape[-1])
+        if valid is not None:
+            keep = valid[:, None, None]
+            q = q if cfg.block_q else jnp.where(keep, q, 0.0)
+            k, v = (jnp.where(keep, x, 0.0) for x in (k, v))
+            mask = valid[None, None, :]  # (1, 1, S): keys at padded positions removed
         if not self.p_cast:
             return _exact_on_kernel_inputs(q, k, v, cfg, mask)
         return dot_product_attention(q, k, v, mask=mask, is_causal=True, config=cfg,

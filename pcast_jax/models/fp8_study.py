@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pcast_jax.config import KernelConfig
+from pcast_jax.config import COMPUTED_SCALE_MODES, KernelConfig
 from pcast_jax.errors import PcastError, check_int
 from pcast_jax.models.fp8 import E2EMetrics, FP8Attention
 from pcast_jax.presets import get_preset, preset_for, resolve, tagged
@@ -322,9 +322,9 @@ class ModelStudy:
         return hook.p_cast and hook.config.qkv == "f32"
 
     def fixes_p_collapse(self, label: str) -> bool:
-        """Whether the configuration's scale is dynamic or a static S ≥ 256."""
+        """Whether the configuration's scale is computed from P (dynamic, tile amax) or a static S ≥ 256."""
         cfg = self.hooks[label].config
-        return cfg.scale_mode == "dynamic" or cfg.scale >= 256
+        return cfg.scale_mode in COMPUTED_SCALE_MODES or cfg.scale >= 256
 
     def head_rows(self) -> list[dict]:
         """One row per (configuration, layer, head): metrics and the head's sink statistics."""

@@ -7,13 +7,14 @@ module                    presets
 ``paper``                 the paper's five configurations (§6.2, Table 2)
 ``flashattention``        FlashAttention-3, FA3 split-KV, FlashAttention-4 and its 2026 versions
 ``flashinfer``            FlashInfer SM90 prefill, SM100 CuTe-DSL (FMHA and paged prefill), SM120 prims
-``trtllm``                TensorRT-LLM XQA (one CTA, multi-block) and fmha_v2 (exp2f and non-exp2f)
+``trtllm``                TensorRT-LLM XQA (one CTA, multi-block) and fmha_v2 (exp2f, non-exp2f, skip-softmax)
 ``sageattention``         SageAttention2, 2++ and 3
 ``hpc_ops``               Tencent hpc-ops before and after the paper
 ``cudnn``                 cuDNN FP8 / MXFP8 SDPA (JAX's and Transformer Engine's FP8 attention)
 ``vllm``                  vLLM's Triton unified attention and its FlashAttention-4 fork
 ``sglang``                SGLang's Triton decode
-``amd``                   FlashAttention's ROCm Triton backend, vLLM's ROCm Triton attention (MI300, MI355)
+``amd``                   FlashAttention's ROCm Triton backend, vLLM's ROCm Triton attention, aiter's Triton
+                          MHA (MI300, MI355)
 ``modelopt``              NVIDIA Model Optimizer's NVFP4 P fake-quantization
 ``research``              designs no released kernel runs (per-block 2^k, MXFP8 P)
 ========================  =================================================================
@@ -61,8 +62,9 @@ _MODULES = (paper, flashattention, flashinfer, trtllm, sageattention, hpc_ops, c
 #: * ``"block_scaled"``: a block-scaled P (simulator only: the Pallas kernels run E4M3 P alone);
 #: * ``"sinks_and_rescale"``: learned sinks, the lazy rescale, cuDNN, Blackwell: the FP8 attention served
 #:   and trained with in 2026;
-#: * ``"amd"``: FP8 attention on AMD GPUs (ROCm): MI300's E4M3FNUZ and MI355's E4M3.
-Tag = Literal["paper", "table3", "block_scaled", "sinks_and_rescale", "amd"]
+#: * ``"amd"``: FP8 attention on AMD GPUs (ROCm): MI300's E4M3FNUZ and MI355's E4M3;
+#: * ``"p_knobs"``: P-precision knobs a caller turns on (skip-softmax).
+Tag = Literal["paper", "table3", "block_scaled", "sinks_and_rescale", "amd", "p_knobs"]
 
 #: Preset name → its :data:`Tag`, in registry order (the order of :data:`PRESETS`, :data:`FAMILIES` and
 #: every listing). A preset's source and its citation live in its family module; the tag, not the module,
@@ -77,7 +79,9 @@ TAGS: dict[str, Tag] = {
                      "vllm_fa4", "flashinfer_sm100_cutedsl", "flashinfer_sm100_cutedsl_paged", "flashinfer_sm120",
                      "flashinfer_sm120_pr5020", "trtllm_fmha_v2", "trtllm_fmha_v2_nonexp2f", "sglang_triton_decode"),
                     "sinks_and_rescale"),
-    **dict.fromkeys(("fa_triton_amd_mi300", "fa_triton_amd_mi355", "vllm_rocm_flash_fp8"), "amd"),
+    **dict.fromkeys(("fa_triton_amd_mi300", "fa_triton_amd_mi355", "vllm_rocm_flash_fp8", "aiter_mha_fp8_mi300",
+                     "aiter_mha_fp8_mi355"), "amd"),
+    **dict.fromkeys(("trtllm_fmha_v2_skip",), "p_knobs"),
 }
 assert set(TAGS.values()) == set(get_args(Tag)), "a tag without presets"
 

@@ -1,16 +1,16 @@
-"""FP8 attention on AMD GPUs (ROCm): FlashAttention's Triton backend and vLLM's ROCm Triton attention.
+"""FP8 attention on AMD GPUs (ROCm): FlashAttention's Triton backend, vLLM's ROCm Triton attention and
+aiter's Triton MHA.
 
 MI300 (gfx942) runs FP8 as ``float8_e4m3fnuz`` (exponent bias 8, max 240, no −0 or inf: values at or
 below 2^-11 round to zero, one binade less than E4M3FN); MI355 (gfx950) runs OCP ``float8_e4m3fn``.
 Below saturation a FNUZ cast of x equals an FN cast of 2x halved, so a P-cast at scale S on MI300 zeroes
 what an FN cast at S/2 zeroes: the collapse threshold moves from 10 ln 2 to 11 ln 2.
 
-Not modelled (no :class:`~pcast_jax.config.KernelConfig` field expresses it yet):
+aiter's own Triton MHA FP8 scales each BLOCK_M × BLOCK_N tile of P by FP8_MAX / amax(tile): one scale,
+not a power of two, shared by every query row of the tile (``scale_mode="tile_amax"`` with ``block_q``).
 
-* aiter's own Triton MHA FP8 (``aiter.ops.triton.mha``; ROCm/aiter commit e404860,
-  ``aiter/ops/triton/_triton_kernels/attention/mha.py``) scales each BLOCK_M × BLOCK_N tile of P by
-  FP8_MAX / amax(tile): one scale, not a power of two, shared by every query row of the tile. The
-  per-row power-of-two ``scale_mode="dynamic"`` is a different mechanism, so no preset stands for it.
+Not modelled as presets:
+
 * vLLM's ROCm Triton attention with a calibrated ``prob_scale`` other than 1: expressible as a
   config (:func:`vllm_rocm_flash_config`), not a preset, since the value is the checkpoint's.
 * The FP8_MAX clamp of vLLM's FP8 output path (``USE_FP8_OUT``) acts on O, not on P.
@@ -64,6 +64,26 @@ _FA_TRITON_AMD = dict(order="forward", scale=1.0, scale_mode="multiply", block_k
 # prob_scale 1.0 with fp8 attention") and doubles a checkpoint's prob_scale on FNUZ platforms.
 _VLLM_ROCM_FLASH = dict(order="forward", scale_mode="multiply", block_kv=64)
 
+# aiter's Triton MHA FP8 (aiter.ops.triton.mha, FP8 Q/K/V; ROCm/aiter commit e404860,
+# aiter/ops/triton/_triton_kernels/attention/mha.py unless said otherwise):
+# - forward KV order: `for start_n in tl.range(block_min, block_max, BLOCK_N, ...)` (line 135);
+# - exact per-tile max m_ij = max(m_i, rowmax(qk)) (line 212), p = exp2(qk − m_ij) with log2 e folded into qk
+#   (lines 180, 215), ℓ from that FP32 p before any scale (lines 223, 251);
+# - per tile: scale_p, descale_p = _compute_fp8_scaling_factors(p, FP8_MAX) (line 257), then
+#   acc += tl.dot((p * scale_p).to(fp8), v) * descale_p * descale_v (lines 258-260); the helper
+#   (aiter/ops/triton/utils/_triton/mha_kernel_utils.py lines 9-15) takes x_amax = max |p| over the whole
+#   BLOCK_M × BLOCK_N tile, floored at 1e-9, scale FP8_MAX / x_amax and descale x_amax / FP8_MAX: scale_mode
+#   "tile_amax"; the epilogue multiplies acc by 1 / l_i (lines 877-878);
+# - FP8_MAX = torch.finfo(q.dtype).max (aiter/ops/triton/attention/mha.py line 118): 240 for
+#   float8_e4m3fnuz (MI300), 448 for float8_e4m3fn (MI355); P is cast to V's type, assumed the same as Q's;
+# - a learned sink is the initial running max, m_i = sink · log2 e and l_i = 1 (lines 685-692): "init_max";
+# - Q rows past the query length are loaded as 0 (line 708): the padding rows of a partial last tile;
+# - BLOCK_M = 128, BLOCK_N = 64: the "default" forward entry of aiter/ops/triton/configs/gfx942-MHA-DEFAULT.json
+#   and gfx950-MHA-DEFAULT.json, which _get_config (line 949) returns for FP8 without dropout or positional
+#   encoding at head dims above 64 (gfx950's "small_head" entry for 16 < d ≤ 64 has the same tile). No
+#   autotuning on this path.
+_AITER_MHA = dict(order="forward", scale_mode="tile_amax", block_q=128, block_kv=64, sink_mode="init_max")
+
 PRESETS: dict[str, KernelConfig] = {
     # FlashAttention's ROCm Triton backend on MI300 (gfx942, float8_e4m3fnuz): forward, B = 64, S = 1.
     "fa_triton_amd_mi300": KernelConfig(**_FA_TRITON_AMD, p_format=FP8_FORMAT_BY_GPU["mi300"],
@@ -77,6 +97,10 @@ PRESETS: dict[str, KernelConfig] = {
     # (vllm_rocm_flash_config) or the autotuner picks BLOCK_N 128.
     "vllm_rocm_flash_fp8": KernelConfig(**_VLLM_ROCM_FLASH, scale=1.0, p_format=FP8_FORMAT_BY_GPU["mi300"],
                                         name="vllm_rocm_flash_fp8"),
+    # aiter's Triton MHA FP8 on MI300 (float8_e4m3fnuz, FP8_MAX 240): one scale per 128 × 64 tile.
+    "aiter_mha_fp8_mi300": KernelConfig(**_AITER_MHA, p_format=FP8_FORMAT_BY_GPU["mi300"], name="aiter_mha_fp8_mi300"),
+    # The same on MI355 (float8_e4m3fn, FP8_MAX 448).
+    "aiter_mha_fp8_mi355": KernelConfig(**_AITER_MHA, p_format=FP8_FORMAT_BY_GPU["mi355"], name="aiter_mha_fp8_mi355"),
 }
 
 

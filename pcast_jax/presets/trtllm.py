@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from pcast_jax.config import KernelConfig
-from pcast_jax.errors import check_int
+from pcast_jax.errors import PcastError, check_int, check_positive
 
 #: TensorRT-LLM XQA (SM90) keys per CTA tile, ``gemm0CtaTileNbTokens`` in cpp/kernels/xqa/mha_sm90.cu.
 XQA_CTA_TILE_TOKENS = 64
@@ -43,7 +43,30 @@ XQA_DECODE_LAUNCH = {"batch": 2, "nb_k_heads": 8, "sms": 132, "max_seq_len": 409
 #: dim above 128 to 256, lines 238-241). The non-warp-specialized path (other SMs, lines 302-323) is not
 #: modelled.
 TILES_BY_HEAD_DIM: dict[str, dict[int, int]] = {name: {64: 256, 128: 256, 256: 128}
-                                                 for name in ("trtllm_fmha_v2", "trtllm_fmha_v2_nonexp2f")}
+                                                 for name in ("trtllm_fmha_v2", "trtllm_fmha_v2_nonexp2f",
+                                                              "trtllm_fmha_v2_skip")}
+
+
+def skip_softmax_threshold(scale_factor: float, kv_len: int) -> float:
+    """λ of fmha_v2's and trtllm-gen's skip-softmax: ``skip_softmax_threshold_scale_factor`` / KV length.
+
+    fmha_v2 sets ``softmax.skip_softmax_threshold = params.skip_softmax_threshold_scale_factor /
+    actual_kv_seqlen`` per head (FlashInfer commit fb28d72, ``csrc/fmha_v2/fmha/warpspec/compute.h``
+    lines 282-286); FlashInfer documents the trtllm-gen knob the same way (``flashinfer/prefill.py``
+    lines 4722-4830). Both are off unless the caller passes a factor.
+    """
+    scale_factor = check_positive("scale_factor", scale_factor)
+    kv_len = check_int("kv_len", kv_len, min_value=1)
+    lam = scale_factor / kv_len
+    if lam >= 1.0:
+        raise PcastError(f"scale_factor={scale_factor:g} / kv_len={kv_len} = {lam:g} must be below 1 "
+                         "(skip_softmax_threshold)")
+    return lam
+
+
+#: The skip-softmax setting ``trtllm_fmha_v2_skip`` stands for (an assumption: the knob is off by default):
+#: scale factor 4 at a KV length of 4096, λ = 2^-10.
+FMHA_V2_SKIP = {"scale_factor": 4.0, "kv_len": 4096}
 
 PRESETS: dict[str, KernelConfig] = {
     # TensorRT-LLM XQA (SM90): cpp/kernels/xqa/mha_sm90.cu iterates idxIter = 0 .. nbIters
@@ -67,7 +90,8 @@ PRESETS: dict[str, KernelConfig] = {
     # (compute.h line 351); no lazy rescale. A learned sink enters the denominator only, multiplied by 256
     # in the e4m3 epilogue (epilogue.h lines 1152-1164). Its optional skip-softmax (a tile skipped when
     # exp(local max − running max) < λ/N for every row of the warpgroup, compute.h lines 282-285, adding to
-    # neither O nor ℓ) is off by default and not modelled. B = 256 at d = 128 (TILES_BY_HEAD_DIM).
+    # neither O nor ℓ) is off by default (trtllm_fmha_v2_skip turns it on). B = 256 at d = 128
+    # (TILES_BY_HEAD_DIM).
     "trtllm_fmha_v2": KernelConfig(order="forward", scale=256.0, scale_mode="exponent", block_kv=256,
                                    name="trtllm_fmha_v2"),
     # The same kernel on its non-exp2f path (EXP2F_OPTIMIZATION off: ALiBi or logit soft-capping,
@@ -78,4 +102,16 @@ PRESETS: dict[str, KernelConfig] = {
     # soft-capping themselves change the logits, which a workload's scores stand for; not modelled here.
     "trtllm_fmha_v2_nonexp2f": KernelConfig(order="forward", scale=256.0, scale_mode="exponent", block_kv=256,
                                             sink_prescale="exp", name="trtllm_fmha_v2_nonexp2f"),
+    # fmha_v2 with skip-softmax on (ENABLE_SKIP_SOFTMAX kernels; FlashInfer commit fb28d72,
+    # csrc/fmha_v2/fmha/warpspec/epilogue.h lines 743-806): each row compares exp(local max − global max)
+    # with λ, global max being the running max *before* this tile (line 772; line 778 updates it after);
+    # the votes are ANDed over a warp (__all_sync, line 792) and over the warpgroup (atomicAnd on one vote
+    # word behind a 128-thread named barrier, lines 795-799), and a skipped tile returns before the
+    # exponentials, adding to neither O nor ℓ (line 804). The first KV tile is never skipped (line 754;
+    # the model's rows have m = −inf there and do not vote). block_q = 64: the rows of one warpgroup (its
+    # wgmma M; an assumption that each of the two compute warpgroups owns its own 64 query rows). λ from
+    # FMHA_V2_SKIP (an assumed setting).
+    "trtllm_fmha_v2_skip": KernelConfig(order="forward", scale=256.0, scale_mode="exponent", block_kv=256, block_q=64,
+                                        skip_softmax_threshold=skip_softmax_threshold(**FMHA_V2_SKIP),
+                                        name="trtllm_fmha_v2_skip"),
 }

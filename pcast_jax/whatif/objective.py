@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pcast_jax import engine as _engine
-from pcast_jax.config import KernelConfig
+from pcast_jax.config import COMPUTED_SCALE_MODES, KernelConfig
 from pcast_jax.errors import PcastError, check_choice, check_int, check_positive
 from pcast_jax.presets import resolve
 from pcast_jax.stats import mean_sem
@@ -35,8 +35,8 @@ PARAMS = ("delta", "sigma", "log2_scale")
 def static_config(config) -> KernelConfig:
     """The config the differentiable path runs: same order/blocks, multiply mode with S = 1."""
     cfg = resolve(config)
-    if cfg.scale_mode == "dynamic":
-        raise PcastError(f"config={cfg.name!r} has scale_mode='dynamic': the what-if path needs a "
+    if cfg.scale_mode in COMPUTED_SCALE_MODES:
+        raise PcastError(f"config={cfg.name!r} has scale_mode={cfg.scale_mode!r}: the what-if path needs a "
                          "static scale (compare dynamic scales with dynamic_vs_static)")
     if cfg.accumulator != "f32" or cfg.qkv != "f32" or cfg.mma_acc_bits:
         raise PcastError(f"config={cfg.name!r}: the expected MSE covers the P-cast only; accumulator "
