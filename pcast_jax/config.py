@@ -32,8 +32,9 @@ from pcast_jax.errors import F32_MAX, PcastError, check_choice, check_int, check
 
 __all__ = ["KernelConfig", "Numbers", "BoundConfig",
            "MMA_K", "QKV_GRANULARITIES", "SINK_MODES", "RESCALE_UNITS", "RESCALE_COMPENSATIONS",
+           "P_OFFSETS", "SOFTMAX_PRECISIONS",
            "Order", "ScaleMode", "Accumulator", "QKVPrecision", "QKVGranularity", "SplitLayout", "SinkMode",
-           "RescaleUnit", "RescaleCompensation", "scale_candidates"]
+           "RescaleUnit", "RescaleCompensation", "POffset", "SoftmaxPrecision", "scale_candidates"]
 
 #: KV block orders (:attr:`KernelConfig.order`).
 Order = Literal["forward", "reverse"]
@@ -72,6 +73,14 @@ RescaleCompensation = Literal["none", "pow2"]
 RESCALE_COMPENSATIONS: tuple[str, ...] = typing.get_args(RescaleCompensation)
 #: Largest τ: exp(τ) (the most a stale P can exceed 1) stays finite in float32 in either unit.
 RESCALE_THRESHOLD_MAX = 64.0
+#: What P = exp(Z − offset) is taken against (:attr:`KernelConfig.p_offset`).
+POffset = Literal["running_max", "block_max", "row_lse"]
+P_OFFSETS: tuple[str, ...] = typing.get_args(POffset)
+#: The precision P is computed and held in before the cast (:attr:`KernelConfig.softmax`).
+SoftmaxPrecision = Literal["f32", "f16"]
+SOFTMAX_PRECISIONS: tuple[str, ...] = typing.get_args(SoftmaxPrecision)
+#: Largest finite float16: P·S held in float16 must stay below it.
+F16_MAX = 65504.0
 
 
 _DEFAULT_BLOCK_KV = 64
@@ -198,6 +207,23 @@ class KernelConfig:
     #: max allows is S·e^τ·2^-τ (natural units).
     rescale_compensation: RescaleCompensation = "none"
 
+    # --- What P is taken against, and its precision before the cast --------------------------------
+    #: What the exponential subtracts, P = exp(Z − offset): ``"running_max"`` (Algorithm 1: the running
+    #: max after the block); ``"block_max"`` (the block's own max, so every block's largest P is 1: the
+    #: block's P8·V and ΣP are multiplied by β = exp(m_block − m_new) after the product, as JAX's TPU
+    #: ragged paged attention does; no block collapses under a sink in another block, the control);
+    #: ``"row_lse"`` (the row's log-sum-exp: P = exp(Z − m_row)/ℓ_row, the normalised softmax from a
+    #: first pass over the row, is what is cast, and the output is O/S: an unfused softmax whose output
+    #: is quantized, TensorRT's and LiteRT's). ``"row_lse"`` needs the multiply scale mode, one KV split,
+    #: no lazy rescale, the FP32 softmax, no MMA accumulator model and no learned sink; ``"block_max"``
+    #: no lazy rescale.
+    p_offset: POffset = "running_max"
+    #: ``"f32"``, or ``"f16"``: P is computed and held in float16 before the cast (trtllm-gen's
+    #: ``use_fp16_softmax``): the exponential's FP32 result rounded to float16, then P·S rounded to
+    #: float16, then cast; ℓ sums the float16 P in FP32. Needs P·S ≤ 65504 (S·2^-τ… ≤ the float16
+    #: max, no lazy rescale).
+    softmax: SoftmaxPrecision = "f32"
+
     # --- Label ------------------------------------------------------------------------------------
     #: A label for reports, not part of the identity: two configs are equal (and hash alike) when their
     #: semantics are, whatever their names. Empty → :meth:`default_name`.
@@ -248,6 +274,7 @@ class KernelConfig:
             object.__setattr__(self, "v_channel_max", 0.0)
         self._check_mma()
         self._check_sink_and_rescale()
+        self._check_p_knobs()
         bf = self.block_format
         if bf is not None:
             if self.block_kv % bf.block:
@@ -288,6 +315,30 @@ class KernelConfig:
         if not SCALE_MIN <= s_eff <= SCALE_MAX:
             raise PcastError(f"scale·2^-rescale_threshold = {s_eff!r} must lie in [2^-100, 2^100]")
 
+    def _check_p_knobs(self) -> None:
+        """Validates ``p_offset``, ``softmax`` and the fixed-point P formats (PcastError naming the field)."""
+        check_choice("p_offset", self.p_offset, P_OFFSETS)
+        check_choice("softmax", self.softmax, SOFTMAX_PRECISIONS)
+        if self.fmt.is_integer and self.overflow != "satfinite":
+            raise PcastError(f"overflow={self.overflow!r}: p_format={self.p_format!r} is an integer format, which "
+                             "clips to its range (use overflow='satfinite')")
+        if self.p_offset != "running_max" and self.rescale_threshold:
+            raise PcastError(f"p_offset={self.p_offset!r} takes P against a max that never lags: "
+                             f"rescale_threshold={self.rescale_threshold:g} must be 0")
+        if self.p_offset == "row_lse":
+            needs = (("scale_mode", "multiply"), ("kv_splits", 1), ("softmax", "f32"), ("mma_acc_bits", 0))
+            for key, value in needs:
+                if getattr(self, key) != value:
+                    raise PcastError(f"p_offset='row_lse' (P normalised before the cast, output O/S) needs "
+                                     f"{key}={value!r}, got {getattr(self, key)!r}")
+        if self.softmax == "f16":
+            if self.rescale_threshold:
+                raise PcastError(f"softmax='f16' with rescale_threshold={self.rescale_threshold:g}: a lagging max "
+                                 "lets P exceed 1 and P·S overflow float16 (not modelled); use rescale_threshold=0")
+            if self.scale_mode != "dynamic" and self.effective_scale > F16_MAX:
+                raise PcastError(f"scale={self.scale!r} with softmax='f16': P·S is held in float16, so S must "
+                                 f"be at most {F16_MAX:g}")
+
     def _check_mma(self) -> None:
         """Validates and normalises ``mma_acc_bits`` / ``mma_promote_keys`` (PcastError naming them)."""
         bits = check_int("mma_acc_bits", self.mma_acc_bits, min_value=0, max_value=MMA_ACC_BITS_MAX)
@@ -322,8 +373,9 @@ class KernelConfig:
         for f16_round_keys and ``_v2.25`` for v_channel_max), ``_qkv8`` / ``_qkv8h`` (E4M3 Q/K/V per tensor / per head),
         ``_causal``, ``_split8`` / ``_split8s`` (kv_splits, contiguous / strided), ``_acc14`` (the
         MMA accumulator model, never promoted) / ``_acc14p128`` (promoted every 128 keys),
-        ``_sinkinit`` / ``_sinkblock`` (sink_mode) and ``_tau4`` (lazy rescale, log2 units; ``n`` for
-        natural units, ``c`` for the 2^-τ compensation). Two configs with different semantics never
+        ``_sinkinit`` / ``_sinkblock`` (sink_mode), ``_tau4`` (lazy rescale, log2 units; ``n`` for
+        natural units, ``c`` for the 2^-τ compensation), ``_blockmax`` / ``_rowlse`` (p_offset) and
+        ``_f16softmax`` (softmax). Two configs with different semantics never
         share a default name.
         """
         parts = [{"forward": "fwd", "reverse": "rev"}[self.order],
@@ -356,17 +408,26 @@ class KernelConfig:
             parts.append("tau" + repr(self.rescale_threshold).removesuffix(".0")
                          + ("n" if self.rescale_unit == "natural" else "")
                          + ("c" if self.rescale_compensation == "pow2" else ""))
+        if self.p_offset != "running_max":
+            parts.append({"block_max": "blockmax", "row_lse": "rowlse"}[self.p_offset])
+        if self.softmax != "f32":
+            parts.append(f"{self.softmax}softmax")
         return "_".join(parts)
 
     def to_dict(self) -> dict:
         """Every field as a plain value; :meth:`from_dict` reads it back.
 
         ``qkv_granularity`` is written only where it acts (E4M3 Q/K/V): two configs that compute the
-        same thing have one dict, and so one sweep fingerprint.
+        same thing have one dict, and so one sweep fingerprint. ``p_offset`` and ``softmax`` are written
+        only where they differ from their defaults, so a config that sets neither keeps the dict (and the
+        fingerprint) it had before they existed.
         """
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if self.qkv == "f32":
             del d["qkv_granularity"]
+        for key in _WRITTEN_WHEN_SET:
+            if d[key] == _FIELD_DEFAULTS[key]:
+                del d[key]
         return d
 
     @classmethod
@@ -530,9 +591,19 @@ class KernelConfig:
         if self.rescale_threshold:
             comp = f", P scale S·2^-{self.rescale_threshold:g}" if self.rescale_compensation == "pow2" else ""
             extra.append(f"lazy rescale τ={self.rescale_threshold:g} ({self.rescale_unit}){comp}")
+        if self.p_offset != "running_max":
+            extra.append({"block_max": "P against the block's own max",
+                          "row_lse": "P normalised before the cast"}[self.p_offset])
+        if self.softmax != "f32":
+            extra.append(f"P held in {self.softmax}")
         tail = (", " + ", ".join(extra)) if extra else ""
         return f"{self.order}, {s}, B={self.block_kv}{tail}"
 
+
+
+#: Fields :meth:`KernelConfig.to_dict` writes only where they differ from their defaults.
+_WRITTEN_WHEN_SET = ("p_offset", "softmax")
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(KernelConfig)}
 
 
 class BoundConfig(KernelConfig):

@@ -156,6 +156,14 @@ def _sink_rows(sink_logit, rows_shape):
     return jnp.where(jnp.isfinite(s), s, jnp.nan)
 
 
+def _sink_for(sink_logit, rows_shape, cfg: KernelConfig):
+    """:func:`_sink_rows` for ``cfg``: a learned sink is refused where P is normalised before the cast."""
+    if sink_logit is not None and cfg.p_offset == "row_lse":
+        raise PcastError("sink_logit is not modelled with p_offset='row_lse' (P normalised before the cast): "
+                         "pass no learned sink, or another p_offset")
+    return _sink_rows(sink_logit, rows_shape)
+
+
 def _batch_shape(param: str, *shapes) -> tuple[int, ...]:
     try:
         return jnp.broadcast_shapes(*shapes)
@@ -257,22 +265,33 @@ def _scan_engine(scores, v, counted, cfg: KernelConfig, sink=None) -> AttentionR
     d = v.shape[-1]
     sink_s = None if sink is None else jnp.broadcast_to(sink, batch_q)
 
+    norm = None
+    if cfg.p_offset == "row_lse":  # the first pass over the row: its max and sum (one split)
+        m_row, norm = (x[None] for x in block.row_normalizer(scores))
+
     def step(carry, xs):
         m, ell, o, nz, lz, ns, ls = carry
         z, vj, cj = xs
-        st = block.online_softmax(m, ell, z, cfg, sink_s)  # lines 4-8
+        st = block.online_softmax(m, ell, z, cfg, sink_s, norm=norm, barrier=_f16_barrier)  # lines 4-8
         p8, sc = _cast(st.ps, cfg)  # line 9
         o = block.accumulate_pv(o, st.alpha, lambda lo, hi: _pv(p8[..., lo:hi], vj[..., lo:hi, :]), st.unscale,
                                 cfg, barrier=_f16_barrier, scales=sc)  # line 10
+
+        def mass(mask):  # ΣP of the keys in mask, weighted like the block's ΣP in ℓ
+            x = jnp.sum(jnp.where(mask, st.p, 0.0), axis=-1)
+            return x if st.weight is None else st.weight * x
+
         zero = cj & block.zeroed(st.ps, cfg)
         nz = nz + jnp.sum(zero, axis=-1, dtype=jnp.int32)
-        lz = st.alpha * lz + jnp.sum(jnp.where(zero, st.p, 0.0), axis=-1)
+        lz = st.alpha * lz + mass(zero)
         sat = _visible(z) & block.saturated(st.ps, cfg)
         ns = ns + jnp.sum(sat, axis=-1, dtype=jnp.int32)
-        ls = st.alpha * ls + jnp.sum(jnp.where(sat, st.p, 0.0), axis=-1)
+        ls = st.alpha * ls + mass(sat)
         return (st.m, st.row_sum, o, nz, lz, ns, ls), None
 
     m0, l0 = block.sink_start(sink, batch_q[1:], cfg)  # the sink as initial max lives in split 0 only
+    if norm is not None:
+        m0 = m_row[0]
     rest = (cfg.kv_splits - 1,) + batch_q[1:]
     init = (
         jnp.concatenate([m0[None], jnp.full(rest, -jnp.inf, jnp.float32)]),
@@ -357,12 +376,18 @@ def _fast_parts(scores, counted, cfg: KernelConfig, cast_fn=None, sink=None):
     sink_b = None if sink is None else sink[..., None]
     block_max = block.fold_sink(jnp.max(z, axis=-1), sink_b, cfg)  # (..., q, nb)
     m0 = sink if sink is not None and cfg.sink_mode == "init_max" else None
+    norm = None
+    if cfg.p_offset == "row_lse":  # the first pass over the row: the running max is the row's throughout
+        m0, norm = block.row_normalizer(scores)
+        norm = norm[..., None]
     m_run = _running_max(block_max, cfg, m0, reverse=cfg.order == "reverse")
-    p, ps, unscale = block.block_probs(z, m_run, cfg)
+    m_p = block.p_reference(block_max, m_run, cfg)
+    p, ps, unscale = block.block_probs(z, m_p, cfg, norm=norm, barrier=_f16_barrier)
     p8, sc = _cast(ps, cfg) if cast_fn is None else (cast_fn(ps), None)
-    # α chain: block b's contribution is multiplied by exp(m_b − m_final) by the end
+    # α chain: block b's contribution is multiplied by exp(m_b − m_final) by the end (m_b the max its P
+    # is taken against: the block's own with p_offset="block_max", β and the α chain in one factor)
     m_final = jnp.max(m_run, axis=-1)
-    decay = block.alpha(m_run, m_final[..., None], cfg)  # (..., q, nb)
+    decay = block.alpha(m_p, m_final[..., None], cfg)  # (..., q, nb)
     ell = jnp.sum(decay * jnp.sum(p, axis=-1), axis=-1)
     if sink is not None:  # every mode: the sink's term at the final max (init_max: 1 decayed to it)
         ell = ell + block.sink_weight(sink, m_final, cfg)
@@ -394,10 +419,11 @@ def _fast_split_parts(scores, counted, cfg: KernelConfig, cast_fn=None, sink=Non
     if sink is not None and cfg.sink_mode == "init_max":  # split 0 alone starts at the sink
         m0 = jnp.full(block_max.shape[:-1], -jnp.inf, jnp.float32).at[..., 0].set(sink)
     m_run = _running_max(block_max, cfg, m0)
-    p, ps, unscale = block.block_probs(z, m_run, cfg)
+    m_p = block.p_reference(block_max, m_run, cfg)  # row_lse takes one split: not here
+    p, ps, unscale = block.block_probs(z, m_p, cfg, barrier=_f16_barrier)
     p8, sc = _cast(ps, cfg) if cast_fn is None else (cast_fn(ps), None)
     m_s = jnp.max(m_run, axis=-1)  # (..., q, splits)
-    decay = block.alpha(m_run, m_s[..., None], cfg)  # (..., q, splits, steps)
+    decay = block.alpha(m_p, m_s[..., None], cfg)  # (..., q, splits, steps)
     ell_s = jnp.sum(decay * jnp.sum(p, axis=-1), axis=-1)
     if m0 is not None:
         ell_s = ell_s.at[..., 0].add(block.sink_weight(sink, m_s[..., 0], cfg))
@@ -487,7 +513,7 @@ def weights_and_stats(scores, config, *, count_mask=None, q_offset: int | None =
     cfg = _bound(resolve(config))
     n = jnp.shape(scores)[-1]
     scores, _, counted = _prepare(scores, jnp.zeros((n, 1)), cfg, count_mask, q_offset)
-    sink = _sink_rows(sink_logit, scores.shape[:-1])
+    sink = _sink_for(sink_logit, scores.shape[:-1], cfg)
     if cfg.kv_splits > 1:
         p8, w, (m_s, ell_s), stats, sched, sc = _fast_split_parts(scores, counted, cfg, cast_fn, sink)
         p8 = block.dequantize(p8, sc, cfg)
@@ -553,7 +579,7 @@ def attention(
     cfg = _bound(resolve(config))
     impl = check_implementation(implementation)
     scores, v, counted = _prepare(scores, v, cfg, count_mask, q_offset)
-    sink = _sink_rows(sink_logit, scores.shape[:-1])
+    sink = _sink_for(sink_logit, scores.shape[:-1], cfg)
     # The never-promoted MMA accumulator model truncates O itself after every 32 keys, a chain through
     # every block that the xla implementation's one weighted sum cannot express: both engines run the scan.
     chained = cfg.mma_acc_bits and not cfg.mma_promote_keys
