@@ -16,6 +16,10 @@ Algorithm 1 of the paper, per query row and KV block j (in the kernel's order)::
 * ``"dynamic"`` — per row and block, the largest power of two 2^k with rowmax(P)·2^k ≤ max_E4M3;
   each block's P8·V is multiplied by 2^-k (exact) before it is accumulated; ℓ unscaled. The paper's
   "future work" (§7.4); no released kernel does this. ``scale`` is ignored.
+
+``p_offset`` says what P is taken against (the running max of line 7, the block's own max with the
+block's product rescaled after the dot, or the row's log-sum-exp: P normalised before the cast), and
+``softmax`` the precision P is held in before the cast (FP32 or float16).
 """
 
 from __future__ import annotations

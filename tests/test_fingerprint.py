@@ -21,6 +21,7 @@ import pytest
 from pcast_jax import cli, fingerprint
 from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError
+from pcast_jax.fingerprint.fit import fittable_presets
 from pcast_jax.presets import PRESETS, preset_for
 
 from cases import FULL
@@ -52,8 +53,10 @@ def sink_probes():
 
 
 #: ``make test`` reads every eighth preset (a rotating sample of families: fitting one is a search over
-#: many compiled candidates); ``make test-full`` reads every preset of the registry.
-IDENTIFIED_PRESETS = list(PRESETS) if FULL else list(PRESETS)[::8]
+#: many compiled candidates); ``make test-full`` reads every preset of the registry that the candidates
+#: express (not a ``p_offset`` or ``softmax`` of ``fingerprint.fit.NOT_FITTED``, nor an integer P format).
+_FITTABLE = list(fittable_presets())
+IDENTIFIED_PRESETS = _FITTABLE if FULL else _FITTABLE[::8]
 
 
 @pytest.mark.parametrize("name", IDENTIFIED_PRESETS)

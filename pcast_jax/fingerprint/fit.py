@@ -61,8 +61,8 @@ from pcast_jax.errors import PcastError, check_int
 from pcast_jax.fingerprint.probes import FAMILIES, LADDER_KEYS, N_KEYS, ROWS, SEGMENTS, ProbeSet, probes
 from pcast_jax.fingerprint.result import RESIDUAL_FLOOR, FieldEvidence, Fingerprint
 
-__all__ = ["identify", "fit", "check_outputs", "simulate_outputs", "explain_preset", "GROUPS", "FIELDS", "FIT_LIMIT",
-           "NOT_FITTED", "tolerance", "candidate_values"]
+__all__ = ["identify", "fit", "check_outputs", "simulate_outputs", "explain_preset", "fittable_presets", "GROUPS",
+           "FIELDS", "FIT_LIMIT", "NOT_FITTED", "tolerance", "candidate_values"]
 
 #: Field groups, searched in this order after ``cast``.
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -82,6 +82,9 @@ NOT_FITTED: dict[str, str] = {
            "scales, so it is lossless on them",
     "overflow": "a NaN output is refused, so only the saturating cast is read",
     "mma_acc_bits": "the tensor core's accumulator model is not among the candidates",
+    "p_offset": "every candidate takes P against the running max: a P against the block's own max or a "
+                "normalised P is not among them",
+    "softmax": "every candidate holds P in FP32: a float16 softmax shows only in the residual",
 }
 #: Largest best residual that still counts as a fit: beyond it the outputs fit no candidate.
 FIT_LIMIT = 0.05
@@ -106,18 +109,21 @@ def tolerance(best: float) -> float:
     return 2.0 * best + RESIDUAL_FLOOR
 
 
-def _registry() -> dict[str, KernelConfig]:
+def fittable_presets() -> dict[str, KernelConfig]:
+    """The presets whose values seed the candidates: those the candidates express (P against the running
+    max, held in FP32, a float P format; see :data:`NOT_FITTED`)."""
     from pcast_jax.presets import PRESETS
 
-    return PRESETS
+    return {n: c for n, c in PRESETS.items()
+            if c.p_offset == "running_max" and c.softmax == "f32" and not c.fmt.is_integer}
 
 
 def candidate_values(group: str) -> list[tuple]:
     """The candidate value tuples of one group's fields (:data:`GROUPS`): the grid and the registry's."""
     fields = GROUPS[group]
-    seen = {tuple(getattr(c, f) for f in fields) for c in _registry().values()}
+    seen = {tuple(getattr(c, f) for f in fields) for c in fittable_presets().values()}
     if group == "cast":
-        scales = sorted({2.0**k for k in range(-8, 13)} | {c.scale for c in _registry().values()})
+        scales = sorted({2.0**k for k in range(-8, 13)} | {c.scale for c in fittable_presets().values()})
         grid = {(s, m, p) for s in scales for m in ("multiply", "exponent") for p in _P_FORMATS}
         grid |= {(1.0, "dynamic", p) for p in ("e4m3", "e4m3fnuz", "e5m2", "e2m1")}
     elif group == "walk":
@@ -476,7 +482,7 @@ def _read_cast(ps: ProbeSet, out: np.ndarray) -> list[tuple]:
     alive = np.abs(out[0, :, 0, :LADDER_KEYS]) > 0
     delta = -z[:, 1:].astype(np.float64)
     surv, dead = delta[alive[:, 1:]], delta[~alive[:, 1:]]
-    registry = {(c.scale, c.p_format) for c in _registry().values()}
+    registry = {(c.scale, c.p_format) for c in fittable_presets().values()}
     keep = []
     for vals in candidate_values("cast"):
         scale, mode, fmt = vals
