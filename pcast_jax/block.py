@@ -143,12 +143,14 @@ def sink_start(sink, shape, cfg: KernelConfig):
     return m, sink_weight(m, m, cfg)
 
 
-def add_sink(row_sum, m, sink, cfg: KernelConfig):
+def add_sink(row_sum, m, sink, cfg: KernelConfig, *, norm=None):
     """ℓ with the learned sink's term added once at the end (``"epilogue"`` and ``"block_max"``
-    kernels; an ``"init_max"`` kernel put it in ℓ before the first block): ℓ + :func:`sink_weight`."""
+    kernels; an ``"init_max"`` kernel put it in ℓ before the first block): ℓ + :func:`sink_weight`,
+    divided by ``norm`` (ℓ_row of :func:`row_normalizer`) where P was normalised (``"row_lse"``)."""
     if sink is None or cfg.sink_mode == "init_max":
         return row_sum
-    return row_sum + sink_weight(sink, m, cfg)
+    w = sink_weight(sink, m, cfg)
+    return row_sum + (w if norm is None else w / norm)
 
 
 def alpha(m_old, m_new, cfg: KernelConfig):
@@ -175,11 +177,16 @@ def block_weight(m_ref, m_new, cfg: KernelConfig):
     return alpha(m_ref, m_new, cfg)
 
 
-def row_normalizer(z):
+def row_normalizer(z, sink=None):
     """The first pass of a ``"row_lse"`` kernel over the whole row ``z`` ``(..., N)``: (m_row, ℓ_row) =
-    (rowmax Z, Σ exp(Z − m_row)) in FP32, ℓ_row = 1 for a row with nothing visible (its P is 0)."""
+    (rowmax Z, Σ exp(Z − m_row)) in FP32, with a learned ``sink`` logit (per row) one more column of
+    the softmax (in the max and the sum); ℓ_row = 1 for a row with nothing (its P is 0)."""
     m = jnp.max(z, axis=-1)
+    if sink is not None:
+        m = jnp.maximum(m, sink)
     ell = jnp.sum(jnp.exp(z - expand_rows(safe_max(m), z.shape)), axis=-1)
+    if sink is not None:
+        ell = ell + jnp.exp(sink - safe_max(m))
     return m, jnp.where(ell == 0.0, 1.0, ell)
 
 

@@ -218,9 +218,10 @@ class KernelConfig:
     #: ragged paged attention does; no block collapses under a sink in another block, the control);
     #: ``"row_lse"`` (the row's log-sum-exp: P = exp(Z − m_row)/ℓ_row, the normalised softmax from a
     #: first pass over the row, is what is cast, and the output is O/S: an unfused softmax whose output
-    #: is quantized, TensorRT's and LiteRT's). ``"row_lse"`` needs the multiply scale mode, one KV split,
-    #: no lazy rescale, the FP32 softmax, no MMA accumulator model and no learned sink; ``"block_max"``
-    #: no lazy rescale.
+    #: is quantized, TensorRT's and LiteRT's; a learned sink is one more column of that softmax, so
+    #: ``sink_mode`` does not act and reads ``"epilogue"``). ``"row_lse"`` needs the multiply scale mode,
+    #: one KV split, no lazy rescale, the FP32 softmax and no MMA accumulator model; ``"block_max"`` no
+    #: lazy rescale.
     p_offset: POffset = "running_max"
     #: ``"f32"``, or ``"f16"``: P is computed and held in float16 before the cast (trtllm-gen's
     #: ``use_fp16_softmax``): the exponential's FP32 result rounded to float16, then P·S rounded to
@@ -335,6 +336,7 @@ class KernelConfig:
                 if getattr(self, key) != value:
                     raise PcastError(f"p_offset='row_lse' (P normalised before the cast, output O/S) needs "
                                      f"{key}={value!r}, got {getattr(self, key)!r}")
+            object.__setattr__(self, "sink_mode", "epilogue")  # the sink is a column of the normalised softmax
         if self.softmax == "f16":
             if self.rescale_threshold:
                 raise PcastError(f"softmax='f16' with rescale_threshold={self.rescale_threshold:g}: a lagging max "

@@ -156,14 +156,6 @@ def _sink_rows(sink_logit, rows_shape):
     return jnp.where(jnp.isfinite(s), s, jnp.nan)
 
 
-def _sink_for(sink_logit, rows_shape, cfg: KernelConfig):
-    """:func:`_sink_rows` for ``cfg``: a learned sink is refused where P is normalised before the cast."""
-    if sink_logit is not None and cfg.p_offset == "row_lse":
-        raise PcastError("sink_logit is not modelled with p_offset='row_lse' (P normalised before the cast): "
-                         "pass no learned sink, or another p_offset")
-    return _sink_rows(sink_logit, rows_shape)
-
-
 def _batch_shape(param: str, *shapes) -> tuple[int, ...]:
     try:
         return jnp.broadcast_shapes(*shapes)
@@ -267,7 +259,7 @@ def _scan_engine(scores, v, counted, cfg: KernelConfig, sink=None) -> AttentionR
 
     norm = None
     if cfg.p_offset == "row_lse":  # the first pass over the row: its max and sum (one split)
-        m_row, norm = (x[None] for x in block.row_normalizer(scores))
+        m_row, norm = (x[None] for x in block.row_normalizer(scores, sink))
 
     def step(carry, xs):
         m, ell, o, nz, lz, ns, ls = carry
@@ -304,7 +296,7 @@ def _scan_engine(scores, v, counted, cfg: KernelConfig, sink=None) -> AttentionR
     )
     (m, ell, o, nz, lz, ns, ls), _ = jax.lax.scan(step, init, (zb, vb, cb))
     if cfg.kv_splits == 1:
-        ell = block.add_sink(ell[0], m[0], sink, cfg)
+        ell = block.add_sink(ell[0], m[0], sink, cfg, norm=None if norm is None else norm[0])
         out = block.finalize(o[0], ell, cfg)  # line 12
         lz, ls = lz[0], ls[0]
     else:  # line 12 per split, merged
@@ -378,7 +370,7 @@ def _fast_parts(scores, counted, cfg: KernelConfig, cast_fn=None, sink=None):
     m0 = sink if sink is not None and cfg.sink_mode == "init_max" else None
     norm = None
     if cfg.p_offset == "row_lse":  # the first pass over the row: the running max is the row's throughout
-        m0, norm = block.row_normalizer(scores)
+        m0, norm = block.row_normalizer(scores, sink)
         norm = norm[..., None]
     m_run = _running_max(block_max, cfg, m0, reverse=cfg.order == "reverse")
     m_p = block.p_reference(block_max, m_run, cfg)
@@ -390,7 +382,8 @@ def _fast_parts(scores, counted, cfg: KernelConfig, cast_fn=None, sink=None):
     decay = block.alpha(m_p, m_final[..., None], cfg)  # (..., q, nb)
     ell = jnp.sum(decay * jnp.sum(p, axis=-1), axis=-1)
     if sink is not None:  # every mode: the sink's term at the final max (init_max: 1 decayed to it)
-        ell = ell + block.sink_weight(sink, m_final, cfg)
+        w_sink = block.sink_weight(sink, m_final, cfg)
+        ell = ell + (w_sink if norm is None else w_sink / norm[..., 0])  # row_lse: the sink's normalised share
     stats = _loss_stats(z, p, ps, counted.reshape(shape), decay, cfg, (-2, -1))
     w = decay if unscale is None else decay * unscale  # per block and row, multiplies P8
     return p8, w, ell, stats, sc
@@ -513,7 +506,7 @@ def weights_and_stats(scores, config, *, count_mask=None, q_offset: int | None =
     cfg = _bound(resolve(config))
     n = jnp.shape(scores)[-1]
     scores, _, counted = _prepare(scores, jnp.zeros((n, 1)), cfg, count_mask, q_offset)
-    sink = _sink_for(sink_logit, scores.shape[:-1], cfg)
+    sink = _sink_rows(sink_logit, scores.shape[:-1])
     if cfg.kv_splits > 1:
         p8, w, (m_s, ell_s), stats, sched, sc = _fast_split_parts(scores, counted, cfg, cast_fn, sink)
         p8 = block.dequantize(p8, sc, cfg)
@@ -579,7 +572,7 @@ def attention(
     cfg = _bound(resolve(config))
     impl = check_implementation(implementation)
     scores, v, counted = _prepare(scores, v, cfg, count_mask, q_offset)
-    sink = _sink_for(sink_logit, scores.shape[:-1], cfg)
+    sink = _sink_rows(sink_logit, scores.shape[:-1])
     # The never-promoted MMA accumulator model truncates O itself after every 32 keys, a chain through
     # every block that the xla implementation's one weighted sum cannot express: both engines run the scan.
     chained = cfg.mma_acc_bits and not cfg.mma_promote_keys

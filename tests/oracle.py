@@ -202,9 +202,9 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
 
     ``p_offset="block_max"``: each block's P is exp(Z − its own max), and its ΣP and P8·V are multiplied
     by β = exp(block max − running max) when added (JAX's TPU ragged paged attention). ``"row_lse"``:
-    P = exp(Z − m_row) / Σ_row exp(Z − m_row), the normalised softmax of the whole row, is cast, and the
-    output is Σ P8·V / S (no division by ℓ). ``softmax="f16"``: P (S·P in the exponent mode) is rounded
-    to float16, then P·S is, before the cast; ℓ sums the float16 P.
+    P = exp(Z − m_row) / Σ_row exp(Z − m_row), the normalised softmax of the whole row (a learned sink one
+    more column of it), is cast, and the output is Σ P8·V / S (no division by ℓ). ``softmax="f16"``: P
+    (S·P in the exponent mode) is rounded to float16, then P·S is, before the cast; ℓ sums the float16 P.
     """
     if rescale_compensation == "pow2":
         scale = scale * 2.0**-rescale_threshold
@@ -242,10 +242,13 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
     mma = (mma_acc_bits, mma_promote_keys)
     sink = (sink_logit, sink_mode, gap)
     row = None
-    if p_offset == "row_lse":  # the first pass: the row's max and sum, in float64
+    if p_offset == "row_lse":  # the first pass: the row's max and sum (the sink a column of it), in float64
         with np.errstate(invalid="ignore"):
-            m_row = s.max(axis=1)
-            ell_row = np.exp(s - np.where(m_row == -np.inf, 0.0, m_row)[:, None]).sum(axis=1)
+            m_row = s.max(axis=1) if sink_logit is None else np.maximum(s.max(axis=1), sink_logit)
+            m_row_ok = np.where(m_row == -np.inf, 0.0, m_row)
+            ell_row = np.exp(s - m_row_ok[:, None]).sum(axis=1)
+            if sink_logit is not None:
+                ell_row = ell_row + np.exp(sink_logit - m_row_ok)
         row = (m_row, np.where(ell_row > 0, ell_row, 1.0))
     runs = [_one_split(s, v, counted, blks[::-1] if order == "reverse" else blks, line, block_kv, group,
                        scale, scale_mode, overflow, accumulator, p_format, mma, sink=sink, first=i == 0,
@@ -273,9 +276,12 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
             lz += np.where(ell_s > 0, np.exp(m - m_ok), 0.0) * lz_s
             ls += np.where(ell_s > 0, np.exp(m - m_ok), 0.0) * ls_s
         if sink_logit is not None and sink_mode != "init_max":  # the sink's column, once, at the merged max
-            ell += np.exp(sink_logit - m_ok) * (scale if scale_mode == "exponent" else 1.0)
+            ell += np.exp(sink_logit - m_ok) * (scale if scale_mode == "exponent" else 1.0) / (
+                row[1] if row is not None else 1.0)  # row_lse: its share of the normalised softmax
         share = np.where(ell > 0, ell, 1.0)  # a row with nothing visible: every w is 0, the output 0
         for w, o_s, sl in wsum:
+            if p_offset == "row_lse":  # one split whose P already holds the row's normalisation (the sink's too)
+                w = np.where(ell > 0, share, 0.0)
             out += (w / share)[:, None] * o_s
             out_slack += (w / share)[:, None] * sl
         nz = sum(r[3] for r in runs)
