@@ -8,8 +8,11 @@ Algorithm 1 of the paper, per query row and KV block j in the kernel's order::
     return O / (S ℓ)                                                          # line 12
 
 Each function below is one of those lines (its number in the docstring), with the config's scale
-mode, format, overflow and accumulator. The scan implementation, the xla implementation and both Pallas kernels
-(Mosaic GPU and Triton) call these functions, so the arithmetic exists in one place.
+mode, format, overflow and accumulator, and what P is taken against (``p_offset``: the running max, the
+block's own max with the block's ΣP and P8·V weighted by β = exp(m_block − m_new) after the product, or
+the row's log-sum-exp) in the precision it is held in (``softmax``). The scan implementation, the xla
+implementation and both Pallas kernels (Mosaic GPU and Triton) call these functions, so the arithmetic
+exists in one place.
 
 Conventions, so that the same code traces in XLA and lowers in both Pallas backends:
 
