@@ -175,8 +175,9 @@ def cast_arithmetic(x, fmt: str | FP8Format = "e4m3"):
         raise PcastError(f"fmt={fmt.name!r}: cast_arithmetic covers {', '.join(ARITHMETIC_CAST_FORMATS)} only "
                          "(use cast)")
     x = jnp.asarray(x, jnp.float32)
-    if fmt.is_integer:  # round to nearest even, clipped: the integer code as a float32 value
-        return jnp.minimum(jnp.maximum(jnp.round(x), fmt.min), fmt.max)
+    if fmt.is_integer:  # round to nearest even, clipped: the integer code as a float32 value (NaN → 0, −0 → 0)
+        r = jnp.minimum(jnp.maximum(jnp.round(x), fmt.min), fmt.max)
+        return jnp.where(jnp.isnan(x) | (r == 0.0), 0.0, r)
     drop = 23 - fmt.mantissa_bits
     x = jnp.minimum(jnp.maximum(x, -fmt.max), fmt.max)
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
