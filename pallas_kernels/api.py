@@ -191,6 +191,10 @@ def _validate(q, k, v, cfg: KernelConfig, backend: str, softmax_scale, num_slots
         raise PcastError(f"mma_acc_bits={cfg.mma_acc_bits} is a simulator model of the tensor core's accumulator: "
                          "the kernels run the hardware's own (use mma_acc_bits=0 and compare the kernel with "
                          "simulate_fp8_attention under the model)")
+    if cfg.p_offset == "row_lse":
+        raise PcastError("p_offset='row_lse' not supported by the kernels: P normalised before the cast needs the "
+                         "row's whole max and sum first, a second pass over K that these one-pass kernels do not "
+                         "make (simulator-only)")
     if cfg.causal and q_len > n_kv:
         raise PcastError(f"q_len={q_len} must be <= N={n_kv} with causal=True (bottom-right aligned)")
 

@@ -271,11 +271,11 @@ def mosaic_attention(
 
                 chunks = [(lo, visible(lo, z[:, lo:lo + chunk] if chunk < tile_kv else z))
                           for lo in range(0, tile_kv, chunk)]
-                m_new = tiling.block_max(m, [zc for _, zc in chunks], config, sink)  # lines 4-5, the whole block
+                bm, m_new = tiling.block_max(m, [zc for _, zc in chunks], config, sink)  # lines 4-5, the whole block
                 zeros = ell * 0.0  # ℓ is finite: zeros in its register layout
                 ell_part = zeros
                 for lo, zc in chunks:  # lines 5-9 per chunk under the block's max (tiling.chunk_step)
-                    st = tiling.chunk_step(m_new, zc, zeros, config)
+                    st = tiling.chunk_step(m_new, zc, zeros, config, bm)
                     p_smem.at[wg, :, pl.ds(lo, chunk)][...] = block.cast_p(st.ps, config)  # line 9
                     nz = nz + jnp.where(block.zeroed(st.ps, config), 1.0, 0.0).sum(axis=1)
                     ell_part = ell_part + st.row_sum

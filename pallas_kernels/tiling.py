@@ -70,22 +70,25 @@ def key_mask(cols, rows, blk, n_keys: int, q_start, cfg: KernelConfig):
 
 
 def block_max(m, z_chunks, cfg: KernelConfig, sink=None):
-    """Lines 4–5 of a block whose scores come as column chunks: rowmax Z_j over all chunks (a learned
-    sink folded in by a ``"block_max"`` kernel), then the running max :func:`pcast_jax.block.update_max`
-    (which lags by up to τ with a lazy rescale)."""
+    """Lines 4–5 of a block whose scores come as column chunks: ``(block max, m_new)``, the rowmax Z_j
+    over all chunks (a learned sink folded in by a ``"block_max"`` kernel) and the running max
+    :func:`pcast_jax.block.update_max` (which lags by up to τ with a lazy rescale)."""
     bm = None
     for z in z_chunks:
         zm = jnp.max(z, axis=-1)
         bm = zm if bm is None else jnp.maximum(bm, zm)
-    return block.update_max(m, block.fold_sink(bm, sink, cfg), cfg)
+    bm = block.fold_sink(bm, sink, cfg)
+    return bm, block.update_max(m, bm, cfg)
 
 
-def chunk_step(m_new, z, zeros, cfg: KernelConfig) -> block.BlockStep:
-    """Lines 5–8 for a column chunk of a block whose running max ``m_new`` (:func:`block_max`) is known.
+def chunk_step(m_new, z, zeros, cfg: KernelConfig, block_max=None) -> block.BlockStep:
+    """Lines 6–8 for a column chunk of a block whose max and running max ``m_new`` (:func:`block_max`)
+    are known.
 
-    :func:`pcast_jax.block.online_softmax` from (m_new, ℓ = ``zeros``, per-row zeros in the
-    backend's layout): m_new stays, α = 1 (0 in a row with nothing visible yet), so P and P·S are
-    the block's own for these keys and ``row_sum`` is ΣP of the chunk; the caller adds the chunks
-    and α·ℓ (``alpha`` of the returned step is not the block's).
+    :func:`pcast_jax.block.block_step` from (m_new, ℓ = ``zeros``, per-row zeros in the backend's
+    layout): m_new stays, α = 1 (0 in a row with nothing visible yet), so P and P·S are the block's own
+    for these keys (taken against the whole block's max with ``p_offset="block_max"``) and
+    ``row_sum`` is β·ΣP of the chunk; the caller adds the chunks and α·ℓ (``alpha`` of the returned
+    step is not the block's).
     """
-    return block.online_softmax(m_new, zeros, z, cfg)
+    return block.block_step(m_new, zeros, z, block_max, m_new, cfg)

@@ -8,8 +8,11 @@ Algorithm 1 of the paper, per query row and KV block j in the kernel's order::
     return O / (S ℓ)                                                          # line 12
 
 Each function below is one of those lines (its number in the docstring), with the config's scale
-mode, format, overflow and accumulator. The scan implementation, the xla implementation and both Pallas kernels
-(Mosaic GPU and Triton) call these functions, so the arithmetic exists in one place.
+mode, format, overflow and accumulator, and what P is taken against (``p_offset``: the running max, the
+block's own max with the block's ΣP and P8·V weighted by β = exp(m_block − m_new) after the product, or
+the row's log-sum-exp) in the precision it is held in (``softmax``). The scan implementation, the xla
+implementation and both Pallas kernels (Mosaic GPU and Triton) call these functions, so the arithmetic
+exists in one place.
 
 Conventions, so that the same code traces in XLA and lowers in both Pallas backends:
 
@@ -51,7 +54,12 @@ __all__ = [
     "tile_rows",
     "skip_rows",
     "drop_skipped",
+    "p_reference",
+    "block_weight",
+    "row_normalizer",
+    "hold_softmax",
     "block_probs",
+    "block_step",
     "online_softmax",
     "cast_p",
     "dequantize",
@@ -145,12 +153,14 @@ def sink_start(sink, shape, cfg: KernelConfig):
     return m, sink_weight(m, m, cfg)
 
 
-def add_sink(row_sum, m, sink, cfg: KernelConfig):
+def add_sink(row_sum, m, sink, cfg: KernelConfig, *, norm=None):
     """ℓ with the learned sink's term added once at the end (``"epilogue"`` and ``"block_max"``
-    kernels; an ``"init_max"`` kernel put it in ℓ before the first block): ℓ + :func:`sink_weight`."""
+    kernels; an ``"init_max"`` kernel put it in ℓ before the first block): ℓ + :func:`sink_weight`,
+    divided by ``norm`` (ℓ_row of :func:`row_normalizer`) where P was normalised (``"row_lse"``)."""
     if sink is None or cfg.sink_mode == "init_max":
         return row_sum
-    return row_sum + sink_weight(sink, m, cfg)
+    w = sink_weight(sink, m, cfg)
+    return row_sum + (w if norm is None else w / norm)
 
 
 def alpha(m_old, m_new, cfg: KernelConfig):
@@ -210,11 +220,55 @@ def drop_skipped(z, skip):
     return z if skip is None else jnp.where(expand_rows(skip, z.shape), -jnp.inf, z)
 
 
-def block_probs(z, m_new, cfg: KernelConfig, *, row_axis: int = -1):
+def p_reference(block_max, m_new, cfg: KernelConfig):
+    """Line 7's offset, the max P = exp(Z − m) is taken against: the running max ``m_new`` (Algorithm 1;
+    ``"row_lse"``, whose running max is the row's own from the start), or the block's own max
+    ``block_max`` with ``p_offset="block_max"`` (JAX's TPU ragged paged attention: ``s_curr =
+    exp(qk − m_curr)``, ``jax/experimental/pallas/ops/tpu/ragged_paged_attention/kernel.py`` L538-539
+    @cec06d1)."""
+    return block_max if cfg.p_offset == "block_max" else m_new
+
+
+def block_weight(m_ref, m_new, cfg: KernelConfig):
+    """β = exp(m_block − m_new) that a ``"block_max"`` kernel multiplies the block's ΣP and P8·V by after
+    the product (ibid. L553 ``beta``, L555 and L580-581); None for the other offsets (β = 1)."""
+    if cfg.p_offset != "block_max":
+        return None
+    return alpha(m_ref, m_new, cfg)
+
+
+def row_normalizer(z, sink=None):
+    """The first pass of a ``"row_lse"`` kernel over the whole row ``z`` ``(..., N)``: (m_row, ℓ_row) =
+    (rowmax Z, Σ exp(Z − m_row)) in FP32, with a learned ``sink`` logit (per row) one more column of
+    the softmax (in the max and the sum); ℓ_row = 1 for a row with nothing (its P is 0)."""
+    m = jnp.max(z, axis=-1)
+    if sink is not None:
+        m = jnp.maximum(m, sink)
+    ell = jnp.sum(jnp.exp(z - expand_rows(safe_max(m), z.shape)), axis=-1)
+    if sink is not None:
+        ell = ell + jnp.exp(sink - safe_max(m))
+    return m, jnp.where(ell == 0.0, 1.0, ell)
+
+
+def hold_softmax(x, cfg: KernelConfig, *, barrier=None):
+    """P (or P·S) as the softmax holds it: rounded to float16 (round to nearest even) with
+    ``softmax="f16"``, as it is otherwise. ``barrier`` as in :func:`round_product` (callers outside a
+    kernel pass ``jax.lax.optimization_barrier``, so that XLA keeps the f32 → f16 → f32 round trip)."""
+    if cfg.softmax != "f16":
+        return x
+    h = x.astype(jnp.float16)
+    if barrier is not None:
+        h = barrier(h)
+    return h.astype(jnp.float32)
+
+
+def block_probs(z, m_new, cfg: KernelConfig, *, norm=None, barrier=None, row_axis: int = -1):
     """Lines 7 and 9 before the cast: (P that ℓ sums, P·S that is cast, per-row unscale or None).
 
-    ``z``: ``(..., B)`` scores of a block; ``m_new``: ``(...)`` running max after it (−inf allowed);
-    ``row_axis``: the query rows' axis of ``m_new`` (the tile-amax mode takes the max over tiles of them).
+    ``z``: ``(..., B)`` scores of a block; ``m_new``: ``(...)`` the max P is taken against
+    (:func:`p_reference`; −inf allowed). ``norm``: ``(...)`` ℓ_row of :func:`row_normalizer` that P is
+    divided by (``"row_lse"``), or None. ``row_axis``: the query rows' axis of ``m_new`` (the tile-amax
+    mode takes the max over tiles of them).
 
     * multiply mode: P = exp(Z − m), cast P·S (S in FP32 after the exponential);
     * exponent mode: P̃ = exp2(Z·log2 e − (m·log2 e − log2 S)), so ℓ sums the scaled values;
@@ -225,14 +279,19 @@ def block_probs(z, m_new, cfg: KernelConfig, *, row_axis: int = -1):
       unscale a / max, each one float32 division (aiter @e404860 ``aiter/ops/triton/utils/_triton/
       mha_kernel_utils.py`` lines 9-15, applied at ``_triton_kernels/attention/mha.py`` lines 256-259).
       Padding rows of a partial tile have P = 1 wherever the tile's last real row sees a key.
+
+    With ``softmax="f16"`` the exponential's result and then P·S are rounded to float16
+    (:func:`hold_softmax`); ``barrier`` goes there.
     """
     m = expand_rows(safe_max(m_new), z.shape)
     if cfg.scale_mode == "exponent":
-        p = jnp.exp2(z * LOG2E - (m * LOG2E - cfg.log2_scale))
+        p = hold_softmax(jnp.exp2(z * LOG2E - (m * LOG2E - cfg.log2_scale)), cfg, barrier=barrier)
         return p, p, None
-    p = jnp.exp(z - m)
+    p = hold_softmax(jnp.exp(z - m), cfg, barrier=barrier)
+    if norm is not None:
+        p = p / expand_rows(norm, p.shape)
     if cfg.scale_mode == "multiply":
-        return p, p * jnp.float32(cfg.effective_scale), None
+        return p, hold_softmax(p * jnp.float32(cfg.effective_scale), cfg, barrier=barrier), None
     if cfg.scale_mode == "tile_amax":
         def padding_row():  # Q = 0: logit 0 = the row's max, so P = 1 on each key the last real row sees
             seen = jnp.where(jnp.max(z, axis=-1) > MASKED_BELOW, 1.0, 0.0)
@@ -252,7 +311,8 @@ def block_probs(z, m_new, cfg: KernelConfig, *, row_axis: int = -1):
 
 
 class BlockStep(NamedTuple):
-    """Lines 4–8 for one block: the new running max, α, ℓ, and P before and after the scale."""
+    """Lines 4–8 for one block: the new running max, α, ℓ, P before and after the scale, the factor
+    that multiplies the block's P8·V (2^-k, β; None for 1), and β alone (:func:`block_weight`)."""
 
     m: object
     alpha: object
@@ -260,17 +320,35 @@ class BlockStep(NamedTuple):
     p: object
     ps: object
     unscale: object
+    weight: object = None
 
 
-def online_softmax(m, row_sum, z, cfg: KernelConfig, sink=None, *, row_axis: int = -1) -> BlockStep:
-    """Lines 4–8: m_new = max(m, rowmax Z) (:func:`update_max`, the sink folded in by a ``"block_max"``
-    kernel), α, P (and P·S), ℓ = α ℓ + rowsum(P) in FP32; a block skipped by skip-softmax
-    (:func:`skip_rows`) has P = 0 in the rows of its query tile. ``row_axis``: the rows' axis of ``m``."""
-    z = drop_skipped(z, skip_rows(jnp.max(z, axis=-1), m, cfg, row_axis=row_axis))
-    m_new = update_max(m, fold_sink(jnp.max(z, axis=-1), sink, cfg), cfg)
+def block_step(m, row_sum, z, block_max, m_new, cfg: KernelConfig, *, norm=None, barrier=None,
+               row_axis: int = -1) -> BlockStep:
+    """Lines 6–8 for a block whose max (sink folded in) and new running max are known: α, P against
+    :func:`p_reference`, ℓ = α ℓ + β·rowsum(P) in FP32 (β of :func:`block_weight`, 1 but for
+    ``"block_max"``); β also multiplies the block's P8·V (in ``unscale``)."""
     a = alpha(m, m_new, cfg)
-    p, ps, unscale = block_probs(z, m_new, cfg, row_axis=row_axis)
-    return BlockStep(m_new, a, a * row_sum + jnp.sum(p, axis=-1), p, ps, unscale)
+    m_p = p_reference(block_max, m_new, cfg)
+    p, ps, unscale = block_probs(z, m_p, cfg, norm=norm, barrier=barrier, row_axis=row_axis)
+    beta = block_weight(m_p, m_new, cfg)
+    added = jnp.sum(p, axis=-1)
+    if beta is not None:
+        added = beta * added
+        unscale = beta if unscale is None else unscale * beta
+    return BlockStep(m_new, a, a * row_sum + added, p, ps, unscale, beta)
+
+
+def online_softmax(m, row_sum, z, cfg: KernelConfig, sink=None, *, norm=None, barrier=None,
+                   row_axis: int = -1) -> BlockStep:
+    """Lines 4–8: a block skipped by skip-softmax (:func:`skip_rows`) has P = 0 in the rows of its query
+    tile; m_new = max(m, rowmax Z) (:func:`update_max`, the sink folded in by a ``"block_max"`` kernel),
+    then :func:`block_step`. ``norm``: ℓ_row of a ``"row_lse"`` kernel (whose ``m`` is the row's max
+    from the start, so α = 1). ``row_axis``: the rows' axis of ``m``."""
+    z = drop_skipped(z, skip_rows(jnp.max(z, axis=-1), m, cfg, row_axis=row_axis))
+    block_max = fold_sink(jnp.max(z, axis=-1), sink, cfg)
+    return block_step(m, row_sum, z, block_max, update_max(m, block_max, cfg), cfg, norm=norm, barrier=barrier,
+                      row_axis=row_axis)
 
 
 def cast_p(ps, cfg: KernelConfig):
@@ -462,13 +540,17 @@ def accumulate_pv(o, a, product, unscale, cfg: KernelConfig, *, barrier=None, sc
 
 
 def epilogue_divisor(row_sum, cfg: KernelConfig):
-    """Line 12's divisor: S·ℓ in the multiply mode; ℓ where ℓ holds S or S was undone per block.
+    """Line 12's divisor: S·ℓ in the multiply mode; ℓ where ℓ holds S or S was undone per block; S alone
+    where P was normalised before the cast (``p_offset="row_lse"``, ℓ = ΣP ≈ 1 is not divided again).
 
     A row with no visible key has ℓ = 0 (and O = 0): its divisor is 1, so its output is 0, as
     FlashAttention's epilogue gives (``inv_sum = sum == 0 ? 1 : 1 / sum``), never 0/0. Only an exact
     zero is replaced: a NaN ℓ (a NaN learned sink under ``jax.jit``) stays NaN in the output.
     """
-    div = jnp.float32(cfg.effective_scale) * row_sum if cfg.scale_mode == "multiply" else row_sum
+    if cfg.p_offset == "row_lse":
+        div = jnp.float32(cfg.effective_scale) * jnp.where(row_sum == 0.0, 0.0, 1.0)
+    else:
+        div = jnp.float32(cfg.effective_scale) * row_sum if cfg.scale_mode == "multiply" else row_sum
     return jnp.where(div == 0.0, 1.0, div)
 
 

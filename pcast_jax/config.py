@@ -23,6 +23,10 @@ Algorithm 1 of the paper, per query row and KV block j (in the kernel's order)::
 A query tile (``block_q`` rows, the call's rows taken from the first) is also the unit of the
 skip-softmax vote (``skip_softmax_threshold``): a KV block is skipped for the tile when every row of
 it has exp(rowmax Z_j − m) < λ against its running max m before the block.
+
+``p_offset`` says what P is taken against (the running max of line 7, the block's own max with the
+block's product rescaled after the dot, or the row's log-sum-exp: P normalised before the cast), and
+``softmax`` the precision P is held in before the cast (FP32 or float16).
 """
 
 from __future__ import annotations
@@ -39,9 +43,10 @@ from pcast_jax.errors import F32_MAX, PcastError, check_choice, check_int, check
 
 __all__ = ["KernelConfig", "Numbers", "BoundConfig",
            "MMA_K", "QKV_GRANULARITIES", "SINK_MODES", "SINK_PRESCALES", "RESCALE_UNITS", "RESCALE_COMPENSATIONS",
+           "P_OFFSETS", "SOFTMAX_PRECISIONS",
            "Order", "ScaleMode", "Accumulator", "QKVPrecision", "QKVGranularity", "SplitLayout", "SinkMode",
-           "SinkPrescale", "RescaleUnit", "RescaleCompensation", "scale_candidates", "COMPUTED_SCALE_MODES",
-           "TILE_AMAX_FLOOR"]
+           "SinkPrescale", "RescaleUnit", "RescaleCompensation", "POffset", "SoftmaxPrecision", "scale_candidates",
+           "COMPUTED_SCALE_MODES", "TILE_AMAX_FLOOR"]
 
 #: KV block orders (:attr:`KernelConfig.order`).
 Order = Literal["forward", "reverse"]
@@ -89,6 +94,14 @@ COMPUTED_SCALE_MODES = ("dynamic", "tile_amax")
 #: The floor of a tile's amax in the ``"tile_amax"`` mode (aiter's ``_compute_fp8_scaling_factors``:
 #: ``x_amax = tl.where(x_amax <= 1e-9, 1e-9, x_amax)``), so an all-zero tile gets a finite scale.
 TILE_AMAX_FLOOR = 1e-9
+#: What P = exp(Z − offset) is taken against (:attr:`KernelConfig.p_offset`).
+POffset = Literal["running_max", "block_max", "row_lse"]
+P_OFFSETS: tuple[str, ...] = typing.get_args(POffset)
+#: The precision P is computed and held in before the cast (:attr:`KernelConfig.softmax`).
+SoftmaxPrecision = Literal["f32", "f16"]
+SOFTMAX_PRECISIONS: tuple[str, ...] = typing.get_args(SoftmaxPrecision)
+#: Largest finite float16: P·S held in float16 must stay below it.
+F16_MAX = 65504.0
 
 
 _DEFAULT_BLOCK_KV = 64
@@ -241,6 +254,23 @@ class KernelConfig:
     #: max after the block's update decides the same; a row whose running max is still −inf never votes
     #: to skip. Like S, a number of the program (:meth:`program`).
     skip_softmax_threshold: float = 0.0
+    # --- What P is taken against, and its precision before the cast --------------------------------
+    #: What the exponential subtracts, P = exp(Z − offset): ``"running_max"`` (Algorithm 1: the running
+    #: max after the block); ``"block_max"`` (the block's own max, so every block's largest P is 1: the
+    #: block's P8·V and ΣP are multiplied by β = exp(m_block − m_new) after the product, as JAX's TPU
+    #: ragged paged attention does; no block collapses under a sink in another block, the control);
+    #: ``"row_lse"`` (the row's log-sum-exp: P = exp(Z − m_row)/ℓ_row, the normalised softmax from a
+    #: first pass over the row, is what is cast, and the output is O/S: an unfused softmax whose output
+    #: is quantized, TensorRT's and LiteRT's; a learned sink is one more column of that softmax, so
+    #: ``sink_mode`` does not act and reads ``"epilogue"``). ``"row_lse"`` needs the multiply scale mode,
+    #: one KV split, no lazy rescale, the FP32 softmax and no MMA accumulator model; ``"block_max"`` no
+    #: lazy rescale.
+    p_offset: POffset = "running_max"
+    #: ``"f32"``, or ``"f16"``: P is computed and held in float16 before the cast (trtllm-gen's
+    #: ``use_fp16_softmax``): the exponential's FP32 result rounded to float16, then P·S rounded to
+    #: float16, then cast; ℓ sums the float16 P in FP32. Needs P·S ≤ 65504 (S·2^-τ… ≤ the float16
+    #: max, no lazy rescale).
+    softmax: SoftmaxPrecision = "f32"
 
     # --- Label ------------------------------------------------------------------------------------
     #: A label for reports, not part of the identity: two configs are equal (and hash alike) when their
@@ -293,6 +323,7 @@ class KernelConfig:
         self._check_mma()
         self._check_sink_and_rescale()
         self._check_query_tiles()
+        self._check_p_knobs()
         bf = self.block_format
         if bf is not None:
             if self.block_kv % bf.block:
@@ -357,6 +388,35 @@ class KernelConfig:
             why = "scale_mode='tile_amax'" if self.scale_mode == "tile_amax" else f"skip_softmax_threshold={lam:g}"
             raise PcastError(f"block_q=0 with {why}: a query tile needs block_q >= 1 rows (1: each row on its own)")
         object.__setattr__(self, "block_q", block_q)
+    def _check_p_knobs(self) -> None:
+        """Validates ``p_offset``, ``softmax`` and the fixed-point P formats (PcastError naming the field)."""
+        check_choice("p_offset", self.p_offset, P_OFFSETS)
+        check_choice("softmax", self.softmax, SOFTMAX_PRECISIONS)
+        if self.fmt.is_integer and self.overflow != "satfinite":
+            raise PcastError(f"overflow={self.overflow!r}: p_format={self.p_format!r} is an integer format, which "
+                             "clips to its range (use overflow='satfinite')")
+        if self.p_offset != "running_max" and self.rescale_threshold:
+            raise PcastError(f"p_offset={self.p_offset!r} takes P against a max that never lags: "
+                             f"rescale_threshold={self.rescale_threshold:g} must be 0")
+        if self.p_offset == "row_lse":
+            needs = (("scale_mode", "multiply"), ("kv_splits", 1), ("softmax", "f32"), ("mma_acc_bits", 0))
+            for key, value in needs:
+                if getattr(self, key) != value:
+                    raise PcastError(f"p_offset='row_lse' (P normalised before the cast, output O/S) needs "
+                                     f"{key}={value!r}, got {getattr(self, key)!r}")
+            object.__setattr__(self, "sink_mode", "epilogue")  # the sink is a column of the normalised softmax
+        if (self.p_offset != "running_max" or self.softmax != "f32") and self.block_q:
+            what = "scale_mode='tile_amax'" if self.scale_mode == "tile_amax" else "skip-softmax"
+            changed = "p_offset" if self.p_offset != "running_max" else "softmax"
+            raise PcastError(f"{changed}={getattr(self, changed)!r} with {what} is not modelled: use "
+                             f"{changed}={_FIELD_DEFAULTS[changed]!r} or neither query-tile axis")
+        if self.softmax == "f16":
+            if self.rescale_threshold:
+                raise PcastError(f"softmax='f16' with rescale_threshold={self.rescale_threshold:g}: a lagging max "
+                                 "lets P exceed 1 and P·S overflow float16 (not modelled); use rescale_threshold=0")
+            if self.scale_mode != "dynamic" and self.effective_scale > F16_MAX:
+                raise PcastError(f"scale={self.scale!r} with softmax='f16': P·S is held in float16, so S must "
+                                 f"be at most {F16_MAX:g}")
 
     def _check_mma(self) -> None:
         """Validates and normalises ``mma_acc_bits`` / ``mma_promote_keys`` (PcastError naming them)."""
@@ -394,8 +454,8 @@ class KernelConfig:
         MMA accumulator model, never promoted) / ``_acc14p128`` (promoted every 128 keys),
         ``_sinkinit`` / ``_sinkblock`` (sink_mode), ``_tau4`` (lazy rescale, log2 units; ``n`` for
         natural units, ``c`` for the 2^-τ compensation), ``_sinkexp`` (sink_prescale), ``_q128`` (block_q;
-        ``samax`` in place of the scale for the tile-amax mode) and ``_skip0.001`` (skip_softmax_threshold).
-        Two configs with
+        ``samax`` in place of the scale for the tile-amax mode), ``_skip0.001`` (skip_softmax_threshold),
+        ``_blockmax`` / ``_rowlse`` (p_offset) and ``_f16softmax`` (softmax). Two configs with
         different semantics never share a default name.
         """
         computed = {"dynamic": "sdyn", "tile_amax": "samax"}
@@ -435,22 +495,25 @@ class KernelConfig:
             parts.append(f"q{self.block_q}")
         if self.skip_softmax_threshold:
             parts.append("skip" + repr(self.skip_softmax_threshold))
+        if self.p_offset != "running_max":
+            parts.append({"block_max": "blockmax", "row_lse": "rowlse"}[self.p_offset])
+        if self.softmax != "f32":
+            parts.append(f"{self.softmax}softmax")
         return "_".join(parts)
 
     def to_dict(self) -> dict:
         """Every field as a plain value; :meth:`from_dict` reads it back.
 
-        ``qkv_granularity`` is written only where it acts (E4M3 Q/K/V), ``sink_prescale`` only where it
-        is not the exact ``"exp2"``, ``block_q`` and ``skip_softmax_threshold`` only where they are not 0:
-        two configs that compute the same thing have one dict, and so one sweep fingerprint.
+        ``qkv_granularity`` is written only where it acts (E4M3 Q/K/V); ``sink_prescale``, ``block_q``,
+        ``skip_softmax_threshold``, ``p_offset`` and ``softmax`` only where they differ from their defaults
+        (where they act): two configs that compute the same thing have one dict, and so one sweep
+        fingerprint, and a config that sets none of them keeps the dict it had before they existed.
         """
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if self.qkv == "f32":
             del d["qkv_granularity"]
-        if self.sink_prescale == "exp2":
-            del d["sink_prescale"]
-        for key in ("block_q", "skip_softmax_threshold"):  # written where they act
-            if not d[key]:
+        for key in _WRITTEN_WHEN_SET:
+            if d[key] == _FIELD_DEFAULTS[key]:
                 del d[key]
         return d
 
@@ -627,6 +690,11 @@ class KernelConfig:
             extra.append("learned sink's prescale as e^(log2 S)")
         if self.skip_softmax_threshold:
             extra.append(f"skip-softmax λ={self.skip_softmax_threshold:g} per {self.block_q} query rows")
+        if self.p_offset != "running_max":
+            extra.append({"block_max": "P against the block's own max",
+                          "row_lse": "P normalised before the cast"}[self.p_offset])
+        if self.softmax != "f32":
+            extra.append(f"P held in {self.softmax}")
         tail = (", " + ", ".join(extra)) if extra else ""
         return f"{self.order}, {s}, B={self.block_kv}{tail}"
 
@@ -634,6 +702,9 @@ class KernelConfig:
 
 #: The fields :meth:`KernelConfig.numbers` carries (a :class:`BoundConfig` holds them as NaN).
 _NUMERIC_FIELDS = ("scale", "rescale_threshold", "v_channel_max", "skip_softmax_threshold")
+#: Fields :meth:`KernelConfig.to_dict` writes only where they differ from their defaults.
+_WRITTEN_WHEN_SET = ("sink_prescale", "block_q", "skip_softmax_threshold", "p_offset", "softmax")
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(KernelConfig)}
 
 
 class BoundConfig(KernelConfig):

@@ -257,22 +257,33 @@ def _scan_engine(scores, v, counted, cfg: KernelConfig, sink=None) -> AttentionR
     d = v.shape[-1]
     sink_s = None if sink is None else jnp.broadcast_to(sink, batch_q)
 
+    norm = None
+    if cfg.p_offset == "row_lse":  # the first pass over the row: its max and sum (one split)
+        m_row, norm = (x[None] for x in block.row_normalizer(scores, sink))
+
     def step(carry, xs):
         m, ell, o, nz, lz, ns, ls = carry
         z, vj, cj = xs
-        st = block.online_softmax(m, ell, z, cfg, sink_s)  # lines 4-8
+        st = block.online_softmax(m, ell, z, cfg, sink_s, norm=norm, barrier=_f16_barrier)  # lines 4-8
         p8, sc = _cast(st.ps, cfg)  # line 9
         o = block.accumulate_pv(o, st.alpha, lambda lo, hi: _pv(p8[..., lo:hi], vj[..., lo:hi, :]), st.unscale,
                                 cfg, barrier=_f16_barrier, scales=sc)  # line 10
+
+        def mass(mask):  # ΣP of the keys in mask, weighted like the block's ΣP in ℓ
+            x = jnp.sum(jnp.where(mask, st.p, 0.0), axis=-1)
+            return x if st.weight is None else st.weight * x
+
         zero = cj & block.zeroed(st.ps, cfg)
         nz = nz + jnp.sum(zero, axis=-1, dtype=jnp.int32)
-        lz = st.alpha * lz + jnp.sum(jnp.where(zero, st.p, 0.0), axis=-1)
+        lz = st.alpha * lz + mass(zero)
         sat = _visible(z) & block.saturated(st.ps, cfg)
         ns = ns + jnp.sum(sat, axis=-1, dtype=jnp.int32)
-        ls = st.alpha * ls + jnp.sum(jnp.where(sat, st.p, 0.0), axis=-1)
+        ls = st.alpha * ls + mass(sat)
         return (st.m, st.row_sum, o, nz, lz, ns, ls), None
 
     m0, l0 = block.sink_start(sink, batch_q[1:], cfg)  # the sink as initial max lives in split 0 only
+    if norm is not None:
+        m0 = m_row[0]
     rest = (cfg.kv_splits - 1,) + batch_q[1:]
     init = (
         jnp.concatenate([m0[None], jnp.full(rest, -jnp.inf, jnp.float32)]),
@@ -285,7 +296,7 @@ def _scan_engine(scores, v, counted, cfg: KernelConfig, sink=None) -> AttentionR
     )
     (m, ell, o, nz, lz, ns, ls), _ = jax.lax.scan(step, init, (zb, vb, cb))
     if cfg.kv_splits == 1:
-        ell = block.add_sink(ell[0], m[0], sink, cfg)
+        ell = block.add_sink(ell[0], m[0], sink, cfg, norm=None if norm is None else norm[0])
         out = block.finalize(o[0], ell, cfg)  # line 12
         lz, ls = lz[0], ls[0]
     else:  # line 12 per split, merged
@@ -372,17 +383,24 @@ def _fast_parts(scores, counted, cfg: KernelConfig, cast_fn=None, sink=None):
     sink_b = None if sink is None else sink[..., None]
     block_max = block.fold_sink(jnp.max(z, axis=-1), sink_b, cfg)  # (..., q, nb)
     m0 = sink if sink is not None and cfg.sink_mode == "init_max" else None
+    norm = None
+    if cfg.p_offset == "row_lse":  # the first pass over the row: the running max is the row's throughout
+        m0, norm = block.row_normalizer(scores, sink)
+        norm = norm[..., None]
     reverse = cfg.order == "reverse"
     m_run = _running_max(block_max, cfg, m0, reverse=reverse)
     z = _skip_blocks(z, m_run, m0, cfg, reverse=reverse, row_axis=-2)
-    p, ps, unscale = block.block_probs(z, m_run, cfg, row_axis=-2)
+    m_p = block.p_reference(block_max, m_run, cfg)
+    p, ps, unscale = block.block_probs(z, m_p, cfg, norm=norm, barrier=_f16_barrier, row_axis=-2)
     p8, sc = _cast(ps, cfg) if cast_fn is None else (cast_fn(ps), None)
-    # α chain: block b's contribution is multiplied by exp(m_b − m_final) by the end
+    # α chain: block b's contribution is multiplied by exp(m_b − m_final) by the end (m_b the max its P
+    # is taken against: the block's own with p_offset="block_max", β and the α chain in one factor)
     m_final = jnp.max(m_run, axis=-1)
-    decay = block.alpha(m_run, m_final[..., None], cfg)  # (..., q, nb)
+    decay = block.alpha(m_p, m_final[..., None], cfg)  # (..., q, nb)
     ell = jnp.sum(decay * jnp.sum(p, axis=-1), axis=-1)
     if sink is not None:  # every mode: the sink's term at the final max (init_max: 1 decayed to it)
-        ell = ell + block.sink_weight(sink, m_final, cfg)
+        w_sink = block.sink_weight(sink, m_final, cfg)
+        ell = ell + (w_sink if norm is None else w_sink / norm[..., 0])  # row_lse: the sink's normalised share
     stats = _loss_stats(z, p, ps, counted.reshape(shape), decay, cfg, (-2, -1))
     w = decay if unscale is None else decay * unscale  # per block and row, multiplies P8
     return p8, w, ell, stats, sc
@@ -412,10 +430,11 @@ def _fast_split_parts(scores, counted, cfg: KernelConfig, cast_fn=None, sink=Non
         m0 = jnp.full(block_max.shape[:-1], -jnp.inf, jnp.float32).at[..., 0].set(sink)
     m_run = _running_max(block_max, cfg, m0)
     z = _skip_blocks(z, m_run, m0, cfg, reverse=False, row_axis=-3)
-    p, ps, unscale = block.block_probs(z, m_run, cfg, row_axis=-3)
+    m_p = block.p_reference(block_max, m_run, cfg)  # row_lse takes one split: not here
+    p, ps, unscale = block.block_probs(z, m_p, cfg, barrier=_f16_barrier, row_axis=-3)
     p8, sc = _cast(ps, cfg) if cast_fn is None else (cast_fn(ps), None)
     m_s = jnp.max(m_run, axis=-1)  # (..., q, splits)
-    decay = block.alpha(m_run, m_s[..., None], cfg)  # (..., q, splits, steps)
+    decay = block.alpha(m_p, m_s[..., None], cfg)  # (..., q, splits, steps)
     ell_s = jnp.sum(decay * jnp.sum(p, axis=-1), axis=-1)
     if m0 is not None:
         ell_s = ell_s.at[..., 0].add(block.sink_weight(sink, m_s[..., 0], cfg))

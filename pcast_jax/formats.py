@@ -53,6 +53,7 @@ from pcast_jax.numberline import (
     E5M2,
     E8M0,
     FORMATS,
+    INT8,
     MXFP4,
     MXFP8,
     NVFP4,
@@ -60,6 +61,7 @@ from pcast_jax.numberline import (
     P_FORMATS,
     SCALE_FORMATS,
     UE4M3,
+    UINT8,
     BlockFormat,
     FP8Format,
     format_name,
@@ -76,6 +78,8 @@ __all__ = [
     "E4M3FNUZ",
     "E5M2",
     "E2M1",
+    "INT8",
+    "UINT8",
     "E8M0",
     "UE4M3",
     "MXFP8",
@@ -106,9 +110,12 @@ def to_fp8(x, fmt: str | FP8Format = "e4m3", *, overflow: str = "satfinite"):
     ``"satfinite"`` clamps to ±max first (``minimum``/``maximum``, which both Pallas backends lower;
     NaN passes through), like ``cvt.rn.satfinite``; ``"nan"`` converts directly (ml_dtypes/XLA).
     This is the cast of Algorithm 1 line 9 as the kernels run it; :func:`cast` is the simulator's
-    float32 view of it.
+    float32 view of it. An integer format rounds to nearest even and clips to its range either way
+    (an integer has no NaN to give).
     """
     f = get_format(fmt)
+    if f.is_integer:
+        return jnp.minimum(jnp.maximum(jnp.round(x), f.min), f.max).astype(f.dtype)
     if overflow == "satfinite":
         x = jnp.minimum(jnp.maximum(x, -f.max), f.max)
     return x.astype(f.dtype)
@@ -147,7 +154,7 @@ def cast(x, fmt: str | FP8Format = "e4m3", *, overflow: str = "satfinite", barri
 
 
 #: Element formats whose saturating cast :func:`cast_arithmetic` computes in float32 arithmetic.
-ARITHMETIC_CAST_FORMATS = ("e4m3", "e5m2")  # E2M1 has no NaN: XLA casts NaN to -0 there
+ARITHMETIC_CAST_FORMATS = ("e4m3", "e5m2", "int8", "uint8")  # E2M1 has no NaN: XLA casts NaN to -0 there
 
 
 def cast_arithmetic(x, fmt: str | FP8Format = "e4m3"):
@@ -168,6 +175,9 @@ def cast_arithmetic(x, fmt: str | FP8Format = "e4m3"):
         raise PcastError(f"fmt={fmt.name!r}: cast_arithmetic covers {', '.join(ARITHMETIC_CAST_FORMATS)} only "
                          "(use cast)")
     x = jnp.asarray(x, jnp.float32)
+    if fmt.is_integer:  # round to nearest even, clipped: the integer code as a float32 value (NaN → 0, −0 → 0)
+        r = jnp.minimum(jnp.maximum(jnp.round(x), fmt.min), fmt.max)
+        return jnp.where(jnp.isnan(x) | (r == 0.0), 0.0, r)
     drop = 23 - fmt.mantissa_bits
     x = jnp.minimum(jnp.maximum(x, -fmt.max), fmt.max)
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
@@ -192,6 +202,8 @@ def lsb(x, fmt: str | FP8Format = "e4m3"):
     """
     f = get_format(fmt)
     a = jnp.abs(jnp.asarray(x, jnp.float32))
+    if f.is_integer:  # one step everywhere
+        return jnp.ones_like(a)
     _, e = jnp.frexp(a)  # a = m * 2^e, m in [0.5, 1)  ->  binade exponent n = e - 1
     n = jnp.minimum(e - 1, int(math.floor(math.log2(f.max))))
     normal = jnp.ldexp(jnp.float32(1.0), n - f.mantissa_bits)

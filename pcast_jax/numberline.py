@@ -1,6 +1,7 @@
-"""The formats as data, without JAX: every number read from ``ml_dtypes.finfo``.
+"""The formats as data, without JAX: every number read from ``ml_dtypes.finfo`` (``numpy.iinfo``).
 
-:class:`FP8Format` (an element or scale format: E4M3, E5M2, E2M1, E8M0, UE4M3) and
+:class:`FP8Format` (an element or scale format: E4M3, E5M2, E2M1, E8M0, UE4M3; the fixed-point P
+formats INT8 and UINT8) and
 :class:`BlockFormat` (MXFP8, MXFP4, NVFP4), the names ``KernelConfig`` accepts, and the lookups. The
 casts that use them are in :mod:`pcast_jax.formats`, which re-exports everything here; this module
 imports no JAX, so describing a kernel (``pcast_jax.config``) and the command line's help stay light.
@@ -17,7 +18,8 @@ import numpy as np
 from pcast_jax.errors import PcastError, check_choice
 
 __all__ = ["OVERFLOW_MODES", "SCALE_MIN", "SCALE_MAX", "FP8Format", "BlockFormat", "E4M3", "E4M3FNUZ", "E5M2",
-           "E2M1", "E8M0", "UE4M3", "FORMATS", "SCALE_FORMATS", "MXFP8", "MXFP4", "NVFP4", "BLOCK_FORMATS",
+           "E2M1", "INT8", "UINT8", "E8M0", "UE4M3",
+           "FORMATS", "SCALE_FORMATS", "MXFP8", "MXFP4", "NVFP4", "BLOCK_FORMATS",
            "P_FORMATS", "DTYPE_NAMES", "FLOAT_DTYPE_NAMES", "format_name", "get_format", "get_block_format"]
 
 OVERFLOW_MODES = ("satfinite", "nan")
@@ -27,27 +29,50 @@ SCALE_MIN, SCALE_MAX = 2.0**-100, 2.0**100
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class FP8Format:
-    """A small float format (8 or 4 bits); every number is taken from ``ml_dtypes.finfo``."""
+    """A small number format (8 or 4 bits); every number is taken from ``ml_dtypes.finfo``.
+
+    An integer dtype (``int8``, ``uint8``) is a fixed-point format: the integers of ``numpy.iinfo``,
+    one step 1 apart, rounded to nearest even and clipped to the range (what TensorRT's INT8
+    quantize does: roundWithTiesToEven(clip(x/s, −128, 127))). It has no normal range: every value
+    lies below :attr:`smallest_normal` (2^magnitude bits), so the "subnormal" step 1 is its LSB
+    everywhere and half a step (0.5) rounds to zero.
+    """
 
     name: str
     dtype: np.dtype
 
     @property
+    def is_integer(self) -> bool:
+        """A fixed-point (integer) format: INT8, UINT8."""
+        return bool(np.issubdtype(self.dtype, np.integer))
+
+    @property
     def max(self) -> float:
-        """Largest finite value (448 for E4M3FN, 57344 for E5M2)."""
+        """Largest finite value (448 for E4M3FN, 57344 for E5M2, 127 for INT8, 255 for UINT8)."""
+        if self.is_integer:
+            return float(np.iinfo(self.dtype).max)
         return float(ml_dtypes.finfo(self.dtype).max)
 
     @property
+    def min(self) -> float:
+        """Smallest finite value (−max for the floats, −128 for INT8, 0 for UINT8)."""
+        return float(np.iinfo(self.dtype).min) if self.is_integer else -self.max
+
+    @property
     def smallest_normal(self) -> float:
+        if self.is_integer:
+            return float(2**self.mantissa_bits)
         return float(ml_dtypes.finfo(self.dtype).smallest_normal)
 
     @property
     def smallest_subnormal(self) -> float:
-        return float(ml_dtypes.finfo(self.dtype).smallest_subnormal)
+        return 1.0 if self.is_integer else float(ml_dtypes.finfo(self.dtype).smallest_subnormal)
 
     @property
     def bits(self) -> int:
         """Storage bits of one code (8, or 4 for E2M1)."""
+        if self.is_integer:
+            return int(np.iinfo(self.dtype).bits)
         return int(ml_dtypes.finfo(self.dtype).bits)
 
     @property
@@ -57,11 +82,14 @@ class FP8Format:
 
     @property
     def mantissa_bits(self) -> int:
+        """Explicit mantissa bits; an integer format's magnitude bits (7 for INT8, 8 for UINT8)."""
+        if self.is_integer:
+            return int(math.ceil(math.log2(self.max + 1)))
         return int(ml_dtypes.finfo(self.dtype).nmant)
 
     @property
     def round_to_zero(self) -> float:
-        """Largest magnitude that casts to 0: half the smallest subnormal (2^-10 for E4M3)."""
+        """Largest magnitude that casts to 0: half the smallest subnormal (2^-10 for E4M3, 0.5 for INT8)."""
         return self.smallest_subnormal / 2.0
 
     @property
@@ -75,11 +103,15 @@ class FP8Format:
 
     @property
     def max_lsb(self) -> float:
-        """Spacing of the top binade (32 for E4M3FN)."""
+        """Spacing of the top binade (32 for E4M3FN; 1 for an integer format)."""
+        if self.is_integer:
+            return 1.0
         return 2.0 ** (math.floor(math.log2(self.max)) - self.mantissa_bits)
 
     @property
     def has_inf(self) -> bool:
+        if self.is_integer:
+            return False
         return bool(np.isinf(np.array(np.inf, np.float32).astype(self.dtype)))
 
     def __repr__(self) -> str:
@@ -92,11 +124,15 @@ E4M3 = FP8Format("e4m3", np.dtype(ml_dtypes.float8_e4m3fn))
 E4M3FNUZ = FP8Format("e4m3fnuz", np.dtype(ml_dtypes.float8_e4m3fnuz))
 E5M2 = FP8Format("e5m2", np.dtype(ml_dtypes.float8_e5m2))
 E2M1 = FP8Format("e2m1", np.dtype(ml_dtypes.float4_e2m1fn))
+#: Fixed-point P formats (TensorRT ``IAttention`` kINT8; LiteRT's softmax output, whose zero point −128
+#: on an int8 code makes it the integers 0 … 255 of UINT8 for P ≥ 0): round(P·S) clipped to the range.
+INT8 = FP8Format("int8", np.dtype(np.int8))
+UINT8 = FP8Format("uint8", np.dtype(np.uint8))
 #: Scale formats: E8M0 (MX) and UE4M3 (NVFP4: the E4M3 codes with the sign bit clear).
 E8M0 = FP8Format("e8m0", np.dtype(ml_dtypes.float8_e8m0fnu))
 UE4M3 = FP8Format("ue4m3", np.dtype(ml_dtypes.float8_e4m3fn))
 FORMATS = {"e4m3": E4M3, "e4m3fn": E4M3, "float8_e4m3fn": E4M3, "e4m3fnuz": E4M3FNUZ, "float8_e4m3fnuz": E4M3FNUZ,
-           "e5m2": E5M2, "float8_e5m2": E5M2, "e2m1": E2M1, "float4_e2m1fn": E2M1}
+           "e5m2": E5M2, "float8_e5m2": E5M2, "e2m1": E2M1, "float4_e2m1fn": E2M1, "int8": INT8, "uint8": UINT8}
 SCALE_FORMATS = {"e8m0": E8M0, "float8_e8m0fnu": E8M0, "ue4m3": UE4M3}
 
 

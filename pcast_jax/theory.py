@@ -75,6 +75,8 @@ __all__ = [
     "learned_sink_critical_delta",
     "max_scaled_p",
     "saturation_free_scale",
+    "diffuse_row_gain",
+    "diffuse_row_vanishing_length",
 ]
 
 LN2 = math.log(2.0)
@@ -974,3 +976,42 @@ def saturation_free_scale(rescale_threshold, *, unit="log2", compensation="none"
     gap, tau = _rescale_gap(rescale_threshold, unit)
     room = math.log2(formats.get_format(fmt).max) - gap / LN2 + (tau if compensation == "pow2" else 0.0)
     return jnp.exp2(jnp.floor(room))
+
+
+# --------------------------------------------------------------------------------------------
+# P normalised before the cast (KernelConfig.p_offset = "row_lse"): diffuse rows. Beyond the paper.
+# --------------------------------------------------------------------------------------------
+def diffuse_row_gain(n, scale, *, fmt="int8"):
+    """Output gain of a row of ``n`` equal logits whose normalised P is cast (``p_offset="row_lse"``).
+
+    Not in the paper. Each key's P is 1/N; the cast gives q = cast(S/N) (round to nearest even,
+    clipped) and the kernel outputs Σ q·V/S = g·mean(V) with
+
+        g(N, S) = N · cast(S/N) / S,
+
+    1 where S/N is a value of the format, otherwise off by the rounding of S/N (e.g. 300/256 at
+    N = 300, S = 256 with UINT8), and 0 — the row vanishes — once S/N ≤ the format's round-to-zero
+    boundary (:func:`diffuse_row_vanishing_length`). A kernel that casts the unnormalised online P
+    (P = 1 for every key of such a row) has g = 1 for every N. ``n`` and ``scale`` broadcast; S/N is
+    formed in float32, as the kernel forms P.
+    """
+    check_values("n", n, lo=1.0, float32=True)
+    _check_scale(scale)
+    f = formats.get_format(fmt, param="fmt")
+    n = jnp.asarray(n, jnp.float32)
+    s = jnp.asarray(scale, jnp.float32)
+    return n * formats.cast(s / n, f) / s
+
+
+def diffuse_row_vanishing_length(scale, *, fmt="int8"):
+    """Smallest N at which every normalised P of a row of N equal logits casts to 0: ⌈S / r⌉.
+
+    Not in the paper. P = 1/N and P·S = S/N rounds to 0 when S/N ≤ r, the format's round-to-zero
+    boundary (half its smallest step: 0.5 for INT8 and UINT8, 2^-10 for E4M3; the tie at r rounds to
+    the even 0), i.e. N ≥ S/r: 2S for the integer formats (254 for TensorRT's S = 127, 512 for
+    LiteRT's 256), 1024·S for E4M3. Exact arithmetic: where S/r is not an integer the float32 S/N
+    next to the boundary may decide the last N either way. ``scale`` may be an array.
+    """
+    _check_scale(scale)
+    rtz = formats.get_format(fmt, param="fmt").round_to_zero
+    return np.ceil(np.asarray(scale, np.float64) / rtz).astype(np.int64)

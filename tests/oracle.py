@@ -64,7 +64,12 @@ E5M2 = _line(5, 2, 15, fn=False)  # max 57344
 E2M1 = _line(2, 1, 1, fn=True, finite=True)  # 0, 0.5, 1, 1.5, 2, 3, 4, 6
 #: E4M3FNUZ (ROCm): bias 8, every code but the negative-zero pattern (NaN) is a number: max 240.
 E4M3FNUZ = dataclasses.replace(_line(4, 3, 8, fn=True, finite=True), special=np.nan)
-LINES = {"e4m3": E4M3, "e4m3fnuz": E4M3FNUZ, "e5m2": E5M2, "e2m1": E2M1}
+#: Fixed-point P (TensorRT's INT8 quantize: roundWithTiesToEven(clip(x, −128, 127)); LiteRT's softmax
+#: output, int8 codes with zero point −128, is 0 … 255 for P ≥ 0): the integers, which saturate.
+INT8 = Fp8Line(0, 7, 0, np.arange(128, dtype=np.float64), special=None)
+UINT8 = Fp8Line(0, 8, 0, np.arange(256, dtype=np.float64), special=None)
+LINES = {"e4m3": E4M3, "e4m3fnuz": E4M3FNUZ, "e5m2": E5M2, "e2m1": E2M1, "int8": INT8, "uint8": UINT8}
+
 #: Block-scaled P formats: (element line, keys per scale, scale kind). MX: OCP Microscaling v1.0
 #: (E8M0 power of two); NVFP4: UE4M3 scale of block amax / 6 (NVIDIA Model Optimizer).
 BLOCKED = {"mxfp8": (E4M3, 32, "e8m0"), "mxfp4": (E2M1, 32, "e8m0"), "nvfp4": (E2M1, 16, "ue4m3")}
@@ -161,7 +166,7 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
               count_mask=None, kv_splits=1, split_layout="contiguous", f16_round_keys=0,
               v_channel_max=0.0, mma_acc_bits=0, mma_promote_keys=0, visible=None, sink_logit=None,
               sink_mode="epilogue", rescale_threshold=0.0, rescale_unit="log2",
-              rescale_compensation="none", sink_prescale="exp2",
+              rescale_compensation="none", sink_prescale="exp2", p_offset="running_max", softmax="f32",
               # query tiles: the tile-amax scale and skip-softmax
               block_q=0, skip_softmax_threshold=0.0) -> OracleResult:
     """Algorithm 1 for every query row of ``scores`` (q, N) against ``v`` (N, d), in float64.
@@ -205,6 +210,12 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
     row sees. ``skip_softmax_threshold`` λ > 0: a row votes to skip a block when it sees no key of it
     or exp(block max − m) < λ with its running max m before the block (m = −inf: no vote); when every
     row of the tile votes (filling rows do), the block is dropped from those rows.
+
+    ``p_offset="block_max"``: each block's P is exp(Z − its own max), and its ΣP and P8·V are multiplied
+    by β = exp(block max − running max) when added (JAX's TPU ragged paged attention). ``"row_lse"``:
+    P = exp(Z − m_row) / Σ_row exp(Z − m_row), the normalised softmax of the whole row (a learned sink one
+    more column of it), is cast, and the output is Σ P8·V / S (no division by ℓ). ``softmax="f16"``: P
+    (S·P in the exponent mode) is rounded to float16, then P·S is, before the cast; ℓ sums the float16 P.
     """
     if rescale_compensation == "pow2":
         scale = scale * 2.0**-rescale_threshold
@@ -245,9 +256,18 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
         sink_factor = np.exp(np.log2(scale)) if sink_prescale == "exp" else scale
     sink = (sink_logit, sink_mode, gap, sink_factor)
     tiles = (block_q, skip_softmax_threshold)
+    row = None
+    if p_offset == "row_lse":  # the first pass: the row's max and sum (the sink a column of it), in float64
+        with np.errstate(invalid="ignore"):
+            m_row = s.max(axis=1) if sink_logit is None else np.maximum(s.max(axis=1), sink_logit)
+            m_row_ok = np.where(m_row == -np.inf, 0.0, m_row)
+            ell_row = np.exp(s - m_row_ok[:, None]).sum(axis=1)
+            if sink_logit is not None:
+                ell_row = ell_row + np.exp(sink_logit - m_row_ok)
+        row = (m_row, np.where(ell_row > 0, ell_row, 1.0))
     runs = [_one_split(s, v, counted, blks[::-1] if order == "reverse" else blks, line, block_kv, group,
                        scale, scale_mode, overflow, accumulator, p_format, mma, sink=sink, first=i == 0,
-                       tiles=tiles)
+                       tiles=tiles, p_offset=p_offset, row=row, f16=softmax == "f16")
             for i, blks in enumerate(members)]
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         m_all = np.max([r[0] for r in runs], axis=0)
@@ -257,33 +277,52 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
         ell = np.zeros(q)
         lz = np.zeros(q)
         ls = np.zeros(q)
+        ell_sl = np.zeros(q)
         wsum = []
-        for m, ell_s, o, _nz, lz_s, slack, _zs, _ns, ls_s in runs:
+        for m, ell_s, o, _nz, lz_s, slack, _zs, _ns, ls_s, ell_slack in runs:
             w = np.where(ell_s > 0, np.exp(m - m_ok) * ell_s, 0.0)
             div = scale * ell_s if scale_mode == "multiply" else ell_s
+            if p_offset == "row_lse":  # P was normalised before the cast: O / S
+                div = np.where(ell_s > 0, scale, 0.0)
             div = np.where(div > 0, div, 1.0)
             wsum.append((w, o / div[:, None], slack / div[:, None]))
             ell += np.where(ell_s > 0, np.exp(m - m_ok), 0.0) * ell_s
+            ell_sl += np.where(ell_s > 0, np.exp(m - m_ok), 0.0) * ell_slack
             lz += np.where(ell_s > 0, np.exp(m - m_ok), 0.0) * lz_s
             ls += np.where(ell_s > 0, np.exp(m - m_ok), 0.0) * ls_s
         if sink_logit is not None and sink_mode != "init_max":  # the sink's column, once, at the merged max
-            ell += np.exp(sink_logit - m_ok) * sink_factor
+            ell += np.exp(sink_logit - m_ok) * sink_factor / (
+                row[1] if row is not None else 1.0)  # row_lse: its share of the normalised softmax
         share = np.where(ell > 0, ell, 1.0)  # a row with nothing visible: every w is 0, the output 0
         for w, o_s, sl in wsum:
+            if p_offset == "row_lse":  # one split whose P already holds the row's normalisation (the sink's too)
+                w = np.where(ell > 0, share, 0.0)
             out += (w / share)[:, None] * o_s
             out_slack += (w / share)[:, None] * sl
         nz = sum(r[3] for r in runs)
         zslack = sum(r[6] for r in runs)
         if len(runs) > 1:  # the merge's own FP32 rounding, a few ulps of the output
             out_slack = out_slack + 4 * 2.0**-24 * np.abs(out)
+        out_slack = out_slack + np.abs(out) * (ell_sl / share)[:, None]  # ℓ of float16 P near a midpoint
         ns = sum(r[7] for r in runs)
         return OracleResult(out * colscale, ell, nz, lz / share, out_slack * colscale, zslack, ns, ls / share)
 
 
+def _f16(x):
+    """float64 ``x`` rounded to float16 (ties to even), and the mask of values within NEAR of a midpoint."""
+    h = np.asarray(x, np.float64).astype(np.float16).astype(np.float64)
+    ulp = np.spacing(np.abs(h).astype(np.float16)).astype(np.float64)
+    off = np.abs(np.abs(x) - np.abs(h))
+    tol = NEAR * np.maximum(np.abs(x), 2.0**-24)
+    near = (np.abs(off - ulp / 2) <= tol) | (np.abs(off - ulp / 4) <= tol)  # ulp / 4: below a power of two
+    return h, near, ulp
+
+
 def _one_split(s, v, counted, blocks, line, block_kv, group, scale, scale_mode, overflow, accumulator, p_format,
-               mma=(0, 0), sink=(None, "epilogue", 0.0, 1.0), first=True, tiles=(0, 0.0)):
+               mma=(0, 0), sink=(None, "epilogue", 0.0, 1.0), first=True, tiles=(0, 0.0), p_offset="running_max",
+               row=None, f16=False):
     """Algorithm 1 over ``blocks`` (in visiting order): (m, ℓ, O, zeroed, zeroed mass, slack, zeroed slack,
-    saturated, saturated mass)."""
+    saturated, saturated mass, ℓ slack)."""
     q = s.shape[0]
     d = v.shape[1]
     sink_logit, sink_mode, gap, sink_factor = sink
@@ -300,6 +339,9 @@ def _one_split(s, v, counted, blocks, line, block_kv, group, scale, scale_mode, 
     lz = np.zeros(q)
     slack = np.zeros((q, d))  # in units of the accumulator, carried by α like O
     zslack = np.zeros(q, np.int64)
+    ell_slack = np.zeros(q)  # |Δℓ| that float16 near-ties can explain, carried by α like ℓ
+    if row is not None:  # P normalised by the row's own max and sum: the running max is the row's throughout
+        m = row[0].copy()
     rtz = line.values[1] / 2  # values at or below this round to zero (the tie goes to the even 0)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         for j in blocks:
@@ -318,12 +360,26 @@ def _one_split(s, v, counted, blocks, line, block_kv, group, scale, scale_mode, 
                 m_new = np.where(bmax - m > gap, m_new, m)
             m_safe = np.where(m_new == -np.inf, 0.0, m_new)
             a = np.exp(m - m_safe)
-            p = np.exp(z - m_safe[:, None])
+            beta = np.ones(q)
+            m_p = m_safe
+            if p_offset == "block_max":  # P against the block's own max, β applied after the product
+                m_p = np.where(bmax == -np.inf, 0.0, bmax)
+                beta = np.exp(bmax - m_safe)
+            p = np.exp(z - m_p[:, None])
+            if row is not None:
+                p = p / row[1][:, None]
             unscale = np.ones(q)
+            f16_near = np.zeros(p.shape, bool)
+            f16_ulp = np.zeros(p.shape)
+            if f16:
+                p, f16_near, f16_ulp = _f16(p * scale if scale_mode == "exponent" else p)
             if scale_mode == "multiply":
                 ps = p * scale
+                if f16:
+                    ps, near2, _ = _f16(ps)
+                    f16_near |= near2
             elif scale_mode == "exponent":
-                p = p * scale
+                p = p if f16 else p * scale
                 ps = p
             elif scale_mode == "tile_amax":  # one scale per tile of block_q rows, not a power of two
                 filler = 1.0 if np.any(z[-1] > -np.inf) else 0.0  # a zero-Q row's P where the last row sees keys
@@ -336,13 +392,16 @@ def _one_split(s, v, counted, blocks, line, block_kv, group, scale, scale_mode, 
                 sc = 2.0 ** np.clip(k, 0, 126)
                 ps = p * sc[:, None]
                 unscale = 1.0 / sc
-            ell = a * ell + p.sum(axis=1)
+            ell = a * ell + beta * p.sum(axis=1)
+            ell_slack = a * ell_slack + beta * (f16_near * f16_ulp).sum(axis=1)
+            unscale = unscale * beta
             m = m_new
             if p_format in BLOCKED:  # the block scales are multiplied back after the product: same sum
                 p8, step, near, near_zero = block_cast(ps, p_format, overflow)
                 y_slack = (near * step) @ np.abs(vj)
             else:
                 p8, near = round_fp8(ps, line, overflow)
+                near = near | f16_near  # a float16 P one ulp apart may round to the next code
                 key_slack = near * _step(ps, line)
                 y_slack = key_slack @ np.abs(vj)
                 near_zero = np.abs(ps - rtz) <= NEAR * rtz
@@ -375,14 +434,13 @@ def _one_split(s, v, counted, blocks, line, block_kv, group, scale, scale_mode, 
                 slack = a[:, None] * slack + y_slack * unscale[:, None]
             zero = counted[:, cols] & (ps > 0) & (p8 == 0)
             nz += zero.sum(axis=1)
-            lz = a * lz + np.where(zero, p, 0.0).sum(axis=1)
+            lz = a * lz + beta * np.where(zero, p, 0.0).sum(axis=1)
             sat = (z > -np.inf) & (ps > line.max) & (p_format not in BLOCKED) & (scale_mode != "tile_amax")
             ns += sat.sum(axis=1)
-            ls = a * ls + np.where(sat, p, 0.0).sum(axis=1)
+            ls = a * ls + beta * np.where(sat, p, 0.0).sum(axis=1)
+            near_zero = near_zero | (f16_near & (np.abs(ps - rtz) <= 2.0**-9 * rtz))
             zslack += (counted[:, cols] & (ps > 0) & near_zero).sum(axis=1)
-    return m, ell, o, nz, lz, slack, zslack, ns, ls
-
-
+    return m, ell, o, nz, lz, slack, zslack, ns, ls, ell_slack
 
 
 def _per_tile(x, block_q: int, filler: float, reduce):
@@ -444,7 +502,8 @@ def config_kwargs(cfg) -> dict:
             "rescale_compensation": getattr(cfg, "rescale_compensation", "none"),
             "sink_prescale": getattr(cfg, "sink_prescale", "exp2"),
             "block_q": getattr(cfg, "block_q", 0),
-            "skip_softmax_threshold": getattr(cfg, "skip_softmax_threshold", 0.0)}
+            "skip_softmax_threshold": getattr(cfg, "skip_softmax_threshold", 0.0),
+            "p_offset": getattr(cfg, "p_offset", "running_max"), "softmax": getattr(cfg, "softmax", "f32")}
 
 
 def sink_scores(rng: np.random.Generator, *, q: int, n: int, d: int, delta: float, k_sink: int = 4):
@@ -460,7 +519,8 @@ def sink_scores(rng: np.random.Generator, *, q: int, n: int, d: int, delta: floa
     return s.astype(np.float32), v.astype(np.float32), mask
 
 
-__all__ = ["E2M1", "E4M3", "E4M3FNUZ", "E5M2", "BLOCKED", "MMA_K", "block_cast", "Fp8Line", "OracleResult", "attention",
+__all__ = ["E2M1", "E4M3", "E4M3FNUZ", "E5M2", "INT8", "UINT8",
+           "BLOCKED", "MMA_K", "block_cast", "Fp8Line", "OracleResult", "attention",
            "config_kwargs", "round_fp8", "sink_scores", "truncate"]
 
 

@@ -136,7 +136,7 @@ def _rounding_codes(fmt) -> np.ndarray:
     return np.concatenate([codes, codes | np.uint32(0x80000000)])
 
 
-@pytest.mark.parametrize("name", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("name", ["e4m3", "e5m2", "int8", "uint8"])
 def test_arithmetic_cast_is_the_fp8_cast_bit_for_bit(name):
     fmt = formats.get_format(name)
     x = _rounding_codes(fmt).view(np.float32)

@@ -21,7 +21,7 @@ import pytest
 from pcast_jax import cli, fingerprint
 from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError
-from pcast_jax.fingerprint.fit import UNFITTED_FIELDS
+from pcast_jax.fingerprint.fit import UNFITTED_FIELDS, fittable_presets
 from pcast_jax.presets import PRESETS, preset_for
 
 from cases import FULL
@@ -53,10 +53,10 @@ def sink_probes():
 
 
 #: ``make test`` reads every eighth preset (a rotating sample of families: fitting one is a search over
-#: many compiled candidates); ``make test-full`` reads every preset of the registry.
-#: Presets using a field no candidate sets (``UNFITTED_FIELDS``: query tiles) are left out.
-FITTABLE = [name for name, cfg in PRESETS.items() if not any(getattr(cfg, f) for f in UNFITTED_FIELDS)]
-IDENTIFIED_PRESETS = FITTABLE if FULL else FITTABLE[::8]
+#: many compiled candidates); ``make test-full`` reads every preset of the registry that the candidates
+#: express (``fingerprint.fit.fittable_presets``) and that sets no field of ``UNFITTED_FIELDS``.
+_FITTABLE = [name for name, cfg in fittable_presets().items() if not any(getattr(cfg, f) for f in UNFITTED_FIELDS)]
+IDENTIFIED_PRESETS = _FITTABLE if FULL else _FITTABLE[::8]
 
 
 @pytest.mark.parametrize("name", IDENTIFIED_PRESETS)

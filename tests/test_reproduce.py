@@ -333,6 +333,7 @@ _SELECTED_BEFORE_TAGS = {
                           "vllm_triton_fp8_rocm", "vllm_fa4", "flashinfer_sm100_cutedsl", "flashinfer_sm120",
                           "flashinfer_sm120_pr5020", "trtllm_fmha_v2", "sglang_triton_decode"),
     "amd": ("fa_triton_amd_mi300", "fa_triton_amd_mi355", "vllm_rocm_flash_fp8"),
+    "p_knobs": ("tpu_ragged_paged_fp8p", "tensorrt_int8", "litert_uint8"),
 }
 
 

@@ -61,8 +61,8 @@ from pcast_jax.errors import PcastError, check_int
 from pcast_jax.fingerprint.probes import FAMILIES, LADDER_KEYS, N_KEYS, ROWS, SEGMENTS, ProbeSet, probes
 from pcast_jax.fingerprint.result import RESIDUAL_FLOOR, FieldEvidence, Fingerprint
 
-__all__ = ["identify", "fit", "check_outputs", "simulate_outputs", "explain_preset", "GROUPS", "FIELDS", "FIT_LIMIT",
-           "NOT_FITTED", "UNFITTED_FIELDS", "tolerance", "candidate_values"]
+__all__ = ["identify", "fit", "check_outputs", "simulate_outputs", "explain_preset", "fittable_presets", "GROUPS",
+           "FIELDS", "FIT_LIMIT", "NOT_FITTED", "UNFITTED_FIELDS", "tolerance", "candidate_values"]
 
 #: Field groups, searched in this order after ``cast``.
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -85,6 +85,9 @@ NOT_FITTED: dict[str, str] = {
     "block_q": "query tiles (the tile-amax scale, the skip-softmax vote) are not among the candidates: a scale "
                "shared by a tile's rows needs probes whose rows differ within one tile",
     "skip_softmax_threshold": "skip-softmax is not among the candidates (it needs block_q)",
+    "p_offset": "every candidate takes P against the running max: a P against the block's own max or a "
+                "normalised P is not among them",
+    "softmax": "every candidate holds P in FP32: a float16 softmax shows only in the residual",
 }
 #: Config fields no candidate sets (a kernel using them is fitted as the nearest config without them).
 UNFITTED_FIELDS: tuple[str, ...] = ("mma_acc_bits", "block_q", "skip_softmax_threshold")
@@ -111,18 +114,21 @@ def tolerance(best: float) -> float:
     return 2.0 * best + RESIDUAL_FLOOR
 
 
-def _registry() -> dict[str, KernelConfig]:
+def fittable_presets() -> dict[str, KernelConfig]:
+    """The presets whose values seed the candidates: those the candidates express (P against the running
+    max, held in FP32, a float P format, no query tiles; see :data:`NOT_FITTED`)."""
     from pcast_jax.presets import PRESETS
 
-    return PRESETS
+    return {n: c for n, c in PRESETS.items()
+            if c.p_offset == "running_max" and c.softmax == "f32" and not c.fmt.is_integer and not c.block_q}
 
 
 def candidate_values(group: str) -> list[tuple]:
     """The candidate value tuples of one group's fields (:data:`GROUPS`): the grid and the registry's."""
     fields = GROUPS[group]
-    seen = {tuple(getattr(c, f) for f in fields) for c in _registry().values()}
+    seen = {tuple(getattr(c, f) for f in fields) for c in fittable_presets().values()}
     if group == "cast":
-        scales = sorted({2.0**k for k in range(-8, 13)} | {c.scale for c in _registry().values()})
+        scales = sorted({2.0**k for k in range(-8, 13)} | {c.scale for c in fittable_presets().values()})
         grid = {(s, m, p) for s in scales for m in ("multiply", "exponent") for p in _P_FORMATS}
         grid |= {(1.0, "dynamic", p) for p in ("e4m3", "e4m3fnuz", "e5m2", "e2m1")}
     elif group == "walk":
@@ -481,7 +487,7 @@ def _read_cast(ps: ProbeSet, out: np.ndarray) -> list[tuple]:
     alive = np.abs(out[0, :, 0, :LADDER_KEYS]) > 0
     delta = -z[:, 1:].astype(np.float64)
     surv, dead = delta[alive[:, 1:]], delta[~alive[:, 1:]]
-    registry = {(c.scale, c.p_format) for c in _registry().values()}
+    registry = {(c.scale, c.p_format) for c in fittable_presets().values()}
     keep = []
     for vals in candidate_values("cast"):
         scale, mode, fmt = vals

@@ -17,6 +17,9 @@ module                    presets
                           MHA (MI300, MI355)
 ``modelopt``              NVIDIA Model Optimizer's NVFP4 P fake-quantization
 ``research``              designs no released kernel runs (per-block 2^k, MXFP8 P)
+``tpu``                   JAX's TPU ragged paged attention (P against each block's own max), FP8-cast
+``tensorrt``              TensorRT's ``IAttention`` with an INT8-quantized softmax
+``litert``                LiteRT's quantized softmax (UINT8-like P, scale 1/256) as qwix models it
 ========================  =================================================================
 
 A preset's identity is its semantics (:class:`~pcast_jax.config.KernelConfig` equality), so moving
@@ -37,11 +40,14 @@ from pcast_jax.presets import (
     flashattention,
     flashinfer,
     hpc_ops,
+    litert,
     modelopt,
     paper,
     research,
     sageattention,
     sglang,
+    tensorrt,
+    tpu,
     trtllm,
     vllm,
 )
@@ -52,7 +58,7 @@ __all__ = ["get_preset", "preset_for", "resolve", "tagged", "Tag", "TAGS", "PRES
            "XQA_DECODE_LAUNCH", "xqa_nb_sub_seq"]
 
 _MODULES = (paper, flashattention, flashinfer, trtllm, sageattention, hpc_ops, cudnn, vllm, sglang, amd, modelopt,
-            research)
+            research, tpu, tensorrt, litert)
 
 #: The study a preset belongs to, which selects the presets it runs (:func:`tagged`):
 #:
@@ -63,7 +69,8 @@ _MODULES = (paper, flashattention, flashinfer, trtllm, sageattention, hpc_ops, c
 #: * ``"sinks_and_rescale"``: learned sinks, the lazy rescale, cuDNN, Blackwell: the FP8 attention served
 #:   and trained with in 2026;
 #: * ``"amd"``: FP8 attention on AMD GPUs (ROCm): MI300's E4M3FNUZ and MI355's E4M3;
-#: * ``"p_knobs"``: P-precision knobs a caller turns on (skip-softmax).
+#: * ``"p_knobs"``: P-precision knobs beyond a scale: P against each block's own max (the collapse-free
+#:   control), fixed-point INT8 / UINT8 P of a normalised softmax, skip-softmax.
 Tag = Literal["paper", "table3", "block_scaled", "sinks_and_rescale", "amd", "p_knobs"]
 
 #: Preset name → its :data:`Tag`, in registry order (the order of :data:`PRESETS`, :data:`FAMILIES` and
@@ -81,7 +88,7 @@ TAGS: dict[str, Tag] = {
                     "sinks_and_rescale"),
     **dict.fromkeys(("fa_triton_amd_mi300", "fa_triton_amd_mi355", "vllm_rocm_flash_fp8", "aiter_mha_fp8_mi300",
                      "aiter_mha_fp8_mi355"), "amd"),
-    **dict.fromkeys(("trtllm_fmha_v2_skip",), "p_knobs"),
+    **dict.fromkeys(("trtllm_fmha_v2_skip", "tpu_ragged_paged_fp8p", "tensorrt_int8", "litert_uint8"), "p_knobs"),
 }
 assert set(TAGS.values()) == set(get_args(Tag)), "a tag without presets"
 
