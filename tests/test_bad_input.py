@@ -1299,15 +1299,15 @@ def test_jax_fp8_beyond_the_memory_budget_is_refused_naming_the_size_and_the_bud
 
 @pytest.fixture
 def no_analysis(monkeypatch):
+    import pcast_experiments.whatif_report as whatif_report
     import pcast_jax.analysis as analysis_mod
-    from pcast_jax import whatif
 
     def refuse(*_a, **_k):
         raise _Computed("work started before the arguments were checked")
 
     monkeypatch.setattr(analysis_mod, "analyze", refuse)
     monkeypatch.setattr(analysis_mod, "load_trace", refuse)
-    monkeypatch.setattr(whatif, "report", refuse)
+    monkeypatch.setattr(whatif_report, "run_study", refuse)
 
 
 def _cli_error(capsys, argv) -> str:
