@@ -33,8 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "only them")
     parser.add_argument("--extras", default="real_model", metavar="NAME[,NAME]",
                         help="studies beyond the paper to append to a full run: real_model, whatif, formats, "
-                             "mma_accumulation, sinks_and_rescale, or none (default: real_model; whatif adds about two "
-                             "minutes, formats and mma_accumulation about one each)")
+                             "mma_accumulation, sinks_and_rescale, vendors_and_knobs, or none (default: real_model; "
+                             "whatif adds about two minutes, formats, mma_accumulation and vendors_and_knobs "
+                             "about one each)")
     parser.add_argument("--fresh", action="store_true",
                         help="recompute every sweep instead of resuming from DIR/sweeps")
     _options.add_progress_argument(parser, "the sweeps' progress bar on stderr")

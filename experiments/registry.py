@@ -46,6 +46,7 @@ EXTRA_SECTIONS: dict[str, tuple[str, str]] = {
     "formats": (".formats_report", "formats_section"),
     "mma_accumulation": (".mma_accumulation", "mma_section"),
     "sinks_and_rescale": (".sinks_and_rescale", "sinks_and_rescale_section"),
+    "vendors_and_knobs": (".vendors_and_knobs", "vendors_and_knobs_section"),
 }
 DEFAULT_EXTRAS = ("real_model",)
 
