@@ -24,6 +24,9 @@ Conventions, so that the same code traces in XLA and lowers in both Pallas backe
   (``== -inf``, int truncation of a positive value and ``minimum``/``maximum`` instead), and no
   optimization barrier (callers outside a kernel add it, see :func:`pcast_jax.formats.cast`).
 * The P8 that line 10 multiplies is returned in the FP8 dtype itself; a simulator widens it.
+* A config's numbers (S·2^-τ, log2 of it, τ in logits, the V channel max, ln λ) are read from
+  ``cfg.numbers()`` alone, never from its fields: a :class:`~pcast_jax.config.BoundConfig` returns
+  the bound (possibly traced) ones, so configs that differ only in numbers share one program.
 """
 
 from __future__ import annotations
@@ -119,7 +122,7 @@ def update_max(m, block_max, cfg: KernelConfig):
     """
     if not cfg.rescale_threshold:
         return jnp.maximum(m, block_max)
-    return jnp.where(block_max - m > cfg.rescale_gap, jnp.maximum(m, block_max), m)
+    return jnp.where(block_max - m > cfg.numbers().rescale_gap, jnp.maximum(m, block_max), m)
 
 
 def fold_sink(block_max, sink, cfg: KernelConfig):
@@ -138,9 +141,9 @@ def sink_weight(sink, m, cfg: KernelConfig):
     visible) counts as 0."""
     m = safe_max(m)
     if cfg.scale_mode == "exponent" and cfg.sink_prescale == "exp":
-        return jnp.exp(sink - m + cfg.log2_scale)
+        return jnp.exp(sink - m + cfg.numbers().log2_scale)
     if cfg.scale_mode == "exponent":
-        return jnp.exp2(sink * LOG2E - (m * LOG2E - cfg.log2_scale))
+        return jnp.exp2(sink * LOG2E - (m * LOG2E - cfg.numbers().log2_scale))
     return jnp.exp(sink - m)
 
 
@@ -207,7 +210,7 @@ def skip_rows(block_max, m, cfg: KernelConfig, *, row_axis: int = -1):
     """
     if not cfg.skip_softmax_threshold:
         return None
-    log_lam = jnp.float32(cfg.skip_log_threshold)
+    log_lam = jnp.float32(cfg.numbers().skip_log_threshold)
     vote = (block_max <= MASKED_BELOW) | ((m > MASKED_BELOW) & (block_max - m < log_lam))
     votes = tile_rows(jnp.where(vote, 1.0, 0.0), cfg, row_axis=row_axis, pad=lambda: jnp.float32(1.0), op=jnp.min)
     return votes > 0.5
@@ -285,13 +288,13 @@ def block_probs(z, m_new, cfg: KernelConfig, *, norm=None, barrier=None, row_axi
     """
     m = expand_rows(safe_max(m_new), z.shape)
     if cfg.scale_mode == "exponent":
-        p = hold_softmax(jnp.exp2(z * LOG2E - (m * LOG2E - cfg.log2_scale)), cfg, barrier=barrier)
+        p = hold_softmax(jnp.exp2(z * LOG2E - (m * LOG2E - cfg.numbers().log2_scale)), cfg, barrier=barrier)
         return p, p, None
     p = hold_softmax(jnp.exp(z - m), cfg, barrier=barrier)
     if norm is not None:
         p = p / expand_rows(norm, p.shape)
     if cfg.scale_mode == "multiply":
-        return p, hold_softmax(p * jnp.float32(cfg.effective_scale), cfg, barrier=barrier), None
+        return p, hold_softmax(p * jnp.float32(cfg.numbers().effective_scale), cfg, barrier=barrier), None
     if cfg.scale_mode == "tile_amax":
         def padding_row():  # Q = 0: logit 0 = the row's max, so P = 1 on each key the last real row sees
             seen = jnp.where(jnp.max(z, axis=-1) > MASKED_BELOW, 1.0, 0.0)
@@ -548,9 +551,9 @@ def epilogue_divisor(row_sum, cfg: KernelConfig):
     zero is replaced: a NaN ℓ (a NaN learned sink under ``jax.jit``) stays NaN in the output.
     """
     if cfg.p_offset == "row_lse":
-        div = jnp.float32(cfg.effective_scale) * jnp.where(row_sum == 0.0, 0.0, 1.0)
+        div = jnp.float32(cfg.numbers().effective_scale) * jnp.where(row_sum == 0.0, 0.0, 1.0)
     else:
-        div = jnp.float32(cfg.effective_scale) * row_sum if cfg.scale_mode == "multiply" else row_sum
+        div = jnp.float32(cfg.numbers().effective_scale) * row_sum if cfg.scale_mode == "multiply" else row_sum
     return jnp.where(div == 0.0, 1.0, div)
 
 
