@@ -21,7 +21,7 @@ from typing import Literal
 
 import numpy as np
 
-from pcast_jax.config import KernelConfig, scale_candidates
+from pcast_jax.config import COMPUTED_SCALE_MODES, KernelConfig, scale_candidates
 from pcast_jax.errors import PcastError, check_choice, check_int
 from pcast_jax.presets import get_preset, preset_for
 from pcast_jax.stats import decide, mean_sem
@@ -103,6 +103,14 @@ DEPLOYMENTS: tuple[Deployment, ...] = (
     Deployment("flash-attention", "triton_amd", ("gfx950",), ("fa_triton_amd_mi355",), "none",
                "Dao-AILab/flash-attention flash_attn/flash_attn_interface.py (aiter's flash_attn_triton_amd)",
                "FP8_P_DESCALE is hard-wired off: S = 1, E4M3 P."),
+    Deployment("aiter", "triton_mha", ("gfx942",), ("aiter_mha_fp8_mi300",), "none",
+               "ROCm/aiter aiter/ops/triton/mha.py (FP8 Q/K/V: the Triton MHA's FP8 forward, called directly)",
+               "One scale FP8_MAX/amax(P) per 128-query × 64-key tile (FP8_MAX 240 on E4M3FNUZ), shared by the "
+               "tile's rows; which serving engines route FP8 attention here is not read from their source."),
+    Deployment("aiter", "triton_mha", ("gfx950",), ("aiter_mha_fp8_mi355",), "none",
+               "ROCm/aiter aiter/ops/triton/mha.py (FP8 Q/K/V: the Triton MHA's FP8 forward, called directly)",
+               "One scale FP8_MAX/amax(P) per 128-query × 64-key tile (FP8_MAX 448), shared by the tile's rows; "
+               "which serving engines route FP8 attention here is not read from their source."),
     Deployment("vllm", "flash_attn", ("sm90",), ("fa3", "fa3_splitkv"), "none",
                "vllm-project/flash-attention (vLLM's FA3 fork, hopper/)",
                "FA3's FP8 path folds S = 256 into the exponent and walks KV blocks in reverse."),
@@ -250,7 +258,8 @@ class Diagnosis:
     """The doctor's answer for one deployment: each preset's worst Δ and what the knob should be."""
 
     deployment: Deployment
-    #: (preset, S simulated, knob value or None, Δ, zeroed mass, clipped mass, zeroed fraction) per Δ
+    #: (preset, S simulated (or the computed scale mode), knob value or None, Δ, zeroed mass, clipped mass,
+    #: zeroed fraction) per Δ
     rows: tuple[dict, ...]
     #: True when every preset stays under both limits at every Δ of the range (mean ± Z·s.e.), False when
     #: one row is over, None when no row is over but one is within noise of a limit
@@ -289,6 +298,12 @@ def _simulate(configs: list[KernelConfig], deltas: tuple[float, ...], *, n: int,
                                   for m in ("zeroed_mass", "saturated_mass", "frac_zeroed"))
                          for d in deltas}
     return out
+
+
+def _scale_label(cfg: KernelConfig) -> float | str:
+    """The row's S: the config's scale, or how the kernel computes it (``"dynamic"``: a power of two per row,
+    ``"tile_amax"``: FP8_MAX/amax per query tile) where ``scale`` is not used."""
+    return cfg.scale_mode if cfg.scale_mode in COMPUTED_SCALE_MODES else cfg.scale
 
 
 def _passes(values) -> bool:
@@ -390,7 +405,7 @@ def diagnose(deployment: Deployment, *, knob_value: float | None = None, scales:
     rows = []
     for cfg, (name, value) in zip(configs, labels):
         for d, (z, c, f) in sim[cfg.name].items():
-            row = {"preset": name, "scale": cfg.scale, "knob_value": value, "delta": d, "zeroed_mass": z[0],
+            row = {"preset": name, "scale": _scale_label(cfg), "knob_value": value, "delta": d, "zeroed_mass": z[0],
                    "zeroed_mass_sem": z[1], "clipped_mass": c[0], "clipped_mass_sem": c[1], "frac_zeroed": f[0]}
             over = _over(row)
             row["verdict"] = {True: "over", False: "under", None: "within noise"}[over]

@@ -13,7 +13,7 @@ HELP = "From a deployment (engine, backend, GPU, checkpoint) to its kernel, a P-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", required=True, help="vllm, sglang, tensorrt-llm, jax, transformer-engine, "
-                                                         "flash-attention or sageattention")
+                                                         "flash-attention, sageattention or aiter")
     parser.add_argument("--backend", required=True, help="the engine's attention backend (e.g. vllm: triton_attn, "
                                                           "flash_attn, flashinfer; jax: cudnn)")
     parser.add_argument("--gpu", required=True, help="GPU architecture: sm90, sm100, sm120, gfx942 or gfx950")
@@ -68,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
           f"{deployments.CLIPPED_MASS_LIMIT:g} of the softmax (mean over query rows), at every Δ, decided when "
           f"mean ± {deployments.Z:g} s.e. over the seeds excludes the limit")
     print()
-    print(report.markdown_table(diag.rows, [("preset", "preset"), ("scale", "S", lambda x: f"{x:g}"),
+    print(report.markdown_table(diag.rows, [("preset", "preset"),
+                                            ("scale", "S", lambda x: x if isinstance(x, str) else f"{x:g}"),
                                             ("delta", "Δ", lambda x: f"{x:g}"),
                                             ("zeroed_mass", "zeroed mass", report.fmt_sci),
                                             ("zeroed_mass_sem", "± s.e.", report.fmt_sci),
