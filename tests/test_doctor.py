@@ -205,5 +205,6 @@ def test_doctor_on_a_trace_is_the_numpy_kernel(kind, tmp_path, capsys):
     assert cli.main(argv + ["--format", "json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["safe"], out["recommended"]) == (diag.safe, diag.recommended)
+    assert out["analysis"]["verdicts"] == {r["config"]: r["verdict"] for r in diag.analysis.config_rows()}
     assert cli.main(["doctor", "--engine", "jax", "--backend", "cudnn", "--gpu", "sm100", "--model", "m.gguf"]) == 2
     assert "--model needs --trace" in capsys.readouterr().err

@@ -601,13 +601,11 @@ class TraceDiagnosis:
     advice: str
 
     def to_dict(self) -> dict:
+        """The deployment and the answer (the analysis itself: :func:`pcast_jax.analysis.report.report_data`)."""
         d = self.deployment
         return {"engine": d.engine, "backend": d.backend, "gpus": list(d.gpus), "presets": list(d.presets),
                 "knob": d.knob, "source": d.source, "note": d.note, "safe": self.safe,
-                "recommended": self.recommended, "advice": self.advice,
-                "criterion": self.analysis.criterion_line(), "configs": self.analysis.config_rows(),
-                "scans": [{"family": s.family.name, "members": list(s.members), "recommended": s.recommended,
-                           "rows": [dict(r) for r in s.rows]} for s in self.analysis.scans]}
+                "recommended": self.recommended, "advice": self.advice}
 
 
 def diagnose_trace(deployment, trace: Trace, *, knob_value: float | None = None, scales: dict | None = None,
@@ -624,8 +622,7 @@ def diagnose_trace(deployment, trace: Trace, *, knob_value: float | None = None,
 
     configs = deployments.configured(deployment, knob_value=knob_value, scales=scales, head_dim=trace.q.shape[-1])
     result = analyze(trace, configs, mass_limit=mass_limit, logits_fn=logits_fn, progress=progress)
-    failing = [r["config"] for r in result.config_rows()
-               if not meets_criterion(r["zeroed_mass_max"], r["saturated_mass_max"], mass_limit)]
+    failing = [r["config"] for r in result.config_rows() if r["verdict"] != SAFE]
     where = f"{deployment.engine} {deployment.backend}"
     fail = f"{', '.join(failing)} {'fails' if len(failing) == 1 else 'fail'} the criterion on this model"
     recommended = None

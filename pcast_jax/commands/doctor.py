@@ -105,6 +105,7 @@ def _on_trace(args: argparse.Namespace, row, knob_value, scales: dict) -> int:
     """``--trace``: the deployment's kernels analysed on the model's trace (``analysis.diagnose_trace``)."""
     from pcast_jax import fileio, report
     from pcast_jax.analysis import diagnose_trace, load_trace
+    from pcast_jax.analysis.report import report_data
     from pcast_jax.commands.analyze import model_logits
 
     mass_limit = _options.number("--mass-limit", args.mass_limit, positive=True)
@@ -114,7 +115,8 @@ def _on_trace(args: argparse.Namespace, row, knob_value, scales: dict) -> int:
     diag = diagnose_trace(row, trace, knob_value=knob_value, scales=scales, mass_limit=mass_limit,
                           logits_fn=logits_fn)
     if args.format == "json":
-        print(json.dumps(report.json_value(diag.to_dict()), indent=1, ensure_ascii=False))
+        data = {**diag.to_dict(), "analysis": report_data(diag.analysis)}
+        print(json.dumps(report.json_value(data), indent=1, ensure_ascii=False))
         return 0
     _print_deployment(args, row, scales)
     print()
