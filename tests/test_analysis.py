@@ -262,7 +262,7 @@ def test_analyze_planted_sinks_verdicts_safe_scale_and_tables():
     trace = planted(layers=2, batch=2)
     lines = []
     result = analyze(trace, ["fwd_s1", "rev_s256"], min_keys=8, progress=lines.append)
-    assert any("config 2/2 rev_s256" in line for line in lines)
+    assert any("layer 2/2, 2 configs (fwd_s1, rev_s256)" in line for line in lines)
     assert result.heads["zeroed_mass"].shape == (2, 2, 2, 4)
     sink = result.sink_heads()
     assert sink[:, :2].all() and not sink[:, 2:].any()  # KV head 0 (query heads 0, 1) carries the sink
@@ -885,10 +885,11 @@ def test_jax_fp8_cli_on_a_trace(tmp_path, capsys):
 
 def test_scale_masses_equal_the_full_kernel_per_scale_bit_for_bit():
     """The safe-scale scan's masses-only pass (every candidate scale in one call, no contraction with V)
-    gives each scale's zeroed and clipped mass bit for bit as the full kernel simulated at that scale: a
+    gives each scale's zeroed and clipped mass bit for bit as the full kernel simulated at that scale, and so
+    does one pass of both over the layers (analyze_layers, the logits of each chunk shared): a
     split-KV exponent-mode family and a lazy-rescale multiply-mode one, on a trace whose most-attended key
     is not the first block's maximum."""
-    from pcast_jax.analysis.heads import analyze_trace, scale_masses
+    from pcast_jax.analysis.heads import analyze_layers, analyze_trace, scale_masses
     from pcast_jax.analysis.study import kernel_for
 
     trace = character_trace("max not the sink")
@@ -898,8 +899,14 @@ def test_scale_masses_equal_the_full_kernel_per_scale_bit_for_bit():
         family = kernel_for(name, 16)
         got = scale_masses(one, family, scales, positions, min_keys=8)
         full = analyze_trace(one, [family.replace(scale=s) for s in scales], positions, min_keys=8)
+        # configs and a family in one pass over the layers, on each chunk's shared logits: the same bits
+        both, masses = analyze_layers(one, [family.replace(scale=s) for s in scales], positions,
+                                      families=((family, scales),), min_keys=8)
         for metric in ("zeroed_mass", "saturated_mass"):
             np.testing.assert_array_equal(got[metric], full[metric], err_msg=f"{name} {metric}")
+            np.testing.assert_array_equal(masses[0][metric], got[metric], err_msg=f"{name} {metric} one pass")
+        for metric, value in full.items():
+            np.testing.assert_array_equal(both[metric], value, err_msg=f"{name} {metric} one pass")
         assert np.all(got["zeroed_mass"][0] >= got["zeroed_mass"][1])  # a larger scale zeroes less
 
 

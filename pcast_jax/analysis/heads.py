@@ -79,7 +79,7 @@ from pcast_jax.presets import resolve
 
 __all__ = [
     "SINK_SELECTIONS", "SCALE_GRID", "HEAD_METRICS", "E2EMetrics", "expand_kv", "sink_statistics", "heads_attention",
-    "head_metrics", "analyze_trace", "compare_logits", "scored_positions", "validate_lengths",
+    "head_metrics", "analyze_trace", "analyze_layers", "compare_logits", "scored_positions", "validate_lengths",
 ]
 
 SINK_SELECTIONS = ("received", "first")
@@ -458,15 +458,23 @@ def _layer_operands(q, k, v, *, config: KernelConfig):
     return ops[0][0], ops[1][0], ops[2][0], factor
 
 
-def _chunk_logits(operands, sink_positions, head, row0, length, window, cap, *, rows: int):
-    """The logits of head ``head``'s query rows ``row0 .. row0 + rows`` as the kernel sees them (from
-    :func:`_layer_operands`, the keys the layer hides (:func:`visible_rows`) masked), with the visible
-    keys, the sink columns and the counted (visible non-sink) keys per row; soft-capped at ``cap``
-    (None: none)."""
+@functools.partial(jax.jit, static_argnames=("rows",))
+def _kernel_logits_rows(operands, head, row0, *, rows: int):
+    """The logits of head ``head``'s query rows ``row0 .. row0 + rows`` as the kernel multiplies them (from
+    :func:`_layer_operands`; before the soft cap and the mask): one product per chunk of rows, shared by
+    every config and scan whose operands are these (:func:`_layer_passes`)."""
     q, k, _, factor = operands
-    num_keys, head_dim = k.shape[1], k.shape[2]
+    head_dim = k.shape[2]
     q_rows = lax.dynamic_slice(q, (head, row0, 0), (1, rows, head_dim))
-    s = soft_capped(kernel_logits(q_rows[None], lax.dynamic_slice_in_dim(k, head, 1)[None], factor[head])[0, 0], cap)
+    return kernel_logits(q_rows[None], lax.dynamic_slice_in_dim(k, head, 1)[None], factor[head])[0, 0]
+
+
+def _chunk_logits(logits, sink_positions, head, row0, length, window, cap):
+    """A chunk's logits (:func:`_kernel_logits_rows`) as the kernel sees them: soft-capped at ``cap`` (None:
+    none), the keys the layer hides (:func:`visible_rows`) masked; with the visible keys, the sink columns
+    and the counted (visible non-sink) keys per row."""
+    rows, num_keys = logits.shape
+    s = soft_capped(logits, cap)
     vis = visible_rows(row0, rows, num_keys, length, window)
     s = jnp.where(vis, s, -jnp.inf)
     sinks = sink_positions[head]
@@ -474,14 +482,15 @@ def _chunk_logits(operands, sink_positions, head, row0, length, window, cap, *, 
     return s, vis, is_sink, jnp.sum(vis & ~is_sink[None, :], axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("rows", "config", "has_learned"))
-def _chunk_rows(operands, sink_positions, ref, head, row0, length, window, learned, cap, *, rows: int,
+@functools.partial(jax.jit, static_argnames=("config", "has_learned"))
+def _chunk_rows(logits, operands, sink_positions, ref, head, row0, length, window, learned, cap, *,
                 config: KernelConfig, has_learned: bool):
-    """Per-row quantities of head ``head`` on its query rows ``row0 .. row0 + rows`` (the rows are
-    independent, so a chunk of rows gives those rows of the whole head's result): the logits of
-    those rows (:func:`_chunk_logits`), then the kernel; ``ref [Hq, T, D]``, ``sink_positions [Hq, k]``."""
+    """Per-row quantities of head ``head`` on its query rows ``row0 ..`` (the rows are independent, so a
+    chunk of rows gives those rows of the whole head's result): the chunk's logits (:func:`_chunk_logits`),
+    then the kernel; ``ref [Hq, T, D]``, ``sink_positions [Hq, k]``."""
     v = operands[2]
-    s, vis, is_sink, counted = _chunk_logits(operands, sink_positions, head, row0, length, window, cap, rows=rows)
+    rows = logits.shape[0]
+    s, vis, is_sink, counted = _chunk_logits(logits, sink_positions, head, row0, length, window, cap)
     r = lax.dynamic_slice(ref, (head, row0, 0), (1, rows, ref.shape[-1]))[0]
     res = _engine.attention(s, v[head], config, implementation="xla", count_mask=~is_sink, q_offset=row0,
                             sink_logit=learned[head] if has_learned else None)
@@ -499,15 +508,15 @@ def _chunk_rows(operands, sink_positions, ref, head, row0, length, window, learn
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("rows", "configs", "has_learned"))
-def _chunk_masses(operands, sink_positions, head, row0, length, window, learned, cap, *, rows: int,
+@functools.partial(jax.jit, static_argnames=("configs", "has_learned"))
+def _chunk_masses(logits, sink_positions, head, row0, length, window, learned, cap, *,
                   configs: tuple[KernelConfig, ...], has_learned: bool):
     """The zeroed and the clipped mass per row of :func:`_chunk_rows`' rows for every config of ``configs``
     (a family: configs that differ only in ``scale``, so the same operands and logits), ``[C, rows]``
     each, from :func:`pcast_jax.engine.weights_and_stats` (the kernel's own statistics, without the
     contraction with V; the pre-cast P, which does not depend on the scale in the multiply mode, is one
     computation for all of them)."""
-    s, _, is_sink, counted = _chunk_logits(operands, sink_positions, head, row0, length, window, cap, rows=rows)
+    s, _, is_sink, counted = _chunk_logits(logits, sink_positions, head, row0, length, window, cap)
     sink = learned[head] if has_learned else None
     stats = [_engine.weights_and_stats(s, cfg, count_mask=~is_sink, q_offset=row0, sink_logit=sink)
              for cfg in configs]
@@ -527,69 +536,63 @@ def _row_mean(x: np.ndarray, valid: np.ndarray) -> np.ndarray:
                         np.nan).astype(np.float32)
 
 
-def scale_masses(trace, family: KernelConfig, scales: Sequence[float], sink_positions, *, min_keys: int = 16,
-                 length: int | None = None, local_window_size=None, sinks=None,
-                 logits_soft_cap=None) -> dict[str, np.ndarray]:
-    """The zeroed and the clipped mass of one kernel family at every scale, per layer and head, in one pass.
+def _layer_passes(qkv, reference, configs: Sequence[KernelConfig], families: Sequence[tuple[KernelConfig, ...]],
+                  sink_positions, *, min_keys: int, length: int, window: int, sinks=None,
+                  soft_cap: float = 0.0) -> tuple[list[dict], list[dict]]:
+    """Every config's :func:`head_metrics` and every family's :func:`scale_masses` on one layer.
 
-    P before the cast does not depend on ``scale``: each layer's operands and each chunk of rows' logits
-    are computed once, and one compiled call per chunk evaluates every scale's cast and statistics
-    (:func:`_chunk_masses`), with no contraction with V. The rows and their means are those of
-    :func:`head_metrics`, so each scale's masses are that kernel's ``zeroed_mass`` and
-    ``saturated_mass``.
-
-    Args:
-      trace: ``(q, k, v)`` of one sequence, as :func:`analyze_trace` takes it.
-      family: the kernel (its ``scale`` is replaced by each of ``scales``).
-      scales: the candidate scales.
-      sink_positions, min_keys, length, local_window_size, sinks, logits_soft_cap: as :func:`analyze_trace`.
-
-    Returns:
-      ``{"zeroed_mass", "saturated_mass"}``, each ``[len(scales), L, Hq]`` float32.
+    The configs and families whose kernels multiply the same operands (the same Q/K/V quantization) and
+    take the same chunks of rows share each chunk's logits: one product of Q and K per chunk of rows and
+    head (:func:`_kernel_logits_rows`), whatever the number of configs and candidate scales. ``qkv``: the
+    layer's ``(q, k, v [T, H, D])``, padding zeroed; ``reference [Hq, T, D]`` (None without configs);
+    ``families``: per family its configs (the candidate scales). Returns the metrics per config and
+    ``{"zeroed_mass", "saturated_mass"}`` (each ``[len(family), Hq]``) per family.
     """
-    q, k, v = trace
-    cfg = dataclasses.replace(resolve(family), causal=True)
-    configs = tuple(cfg.replace(scale=float(s)) for s in scales)
-    num_layers, num_tokens, num_heads = np.shape(q)[:3]
-    length = num_tokens if length is None else check_int("length", length, min_value=1, max_value=num_tokens)
-    windows = layer_windows(local_window_size, num_layers)
-    caps = layer_soft_caps(logits_soft_cap, num_layers)
-    real = (np.arange(num_tokens) < length)[:, None, None]
-    step = _whole_tiles(_rows_per_chunk(num_tokens, num_tokens), cfg)
-    out = {"zeroed_mass": [], "saturated_mass": []}
-    for layer in range(num_layers):
-        qkv = tuple(jnp.asarray(np.where(real, np.asarray(x[layer], np.float32), 0.0)) for x in (q, k, v))
-        operands = _layer_operands(*qkv, config=cfg)
-        learned = None if sinks is None else sinks[layer]
-        scalars = (np.int32(length), np.int32(windows[layer]), learned_logits(learned, num_heads),
-                   _cap_arg(float(caps[layer])))
-        positions = jnp.asarray(sink_positions[layer], jnp.int32)
-        parts = jax.device_get([_chunk_masses(operands, positions, np.int32(h), np.int32(r0), *scalars,
-                                              rows=min(step, num_tokens - r0), configs=configs,
-                                              has_learned=_has_learned(learned))
-                                for h in range(num_heads) for r0 in range(0, num_tokens, step)])
-        counted = np.concatenate([p[0] for p in parts]).reshape(num_heads, num_tokens).astype(np.float64)
-        valid = _valid_rows(counted, min_keys, length)
-        for i, name in ((1, "zeroed_mass"), (2, "saturated_mass")):
-            rows = np.concatenate([p[i] for p in parts], axis=-1).reshape(len(configs), num_heads, num_tokens)
-            out[name].append(_row_mean(rows.astype(np.float64), valid[None]))
-    return {name: np.stack(per_layer, axis=1) for name, per_layer in out.items()}
-
-
-def _layer_metrics(operands, sink_positions, ref, *, config: KernelConfig, min_keys: int, length: int,
-                   window: int, sinks=None, soft_cap: float = 0.0) -> dict:
-    """:func:`head_metrics` from :func:`_layer_operands`: the kernel on chunks of each head's query
-    rows (:func:`_rows_per_chunk`), the row means on the host."""
-    num_heads, num_tokens, head_dim = operands[0].shape
-    step = _whole_tiles(_rows_per_chunk(num_tokens, num_tokens), config)
-    sink_positions = jnp.asarray(sink_positions, jnp.int32)
+    num_tokens, num_heads = np.shape(qkv[0])[:2]
+    head_dim = np.shape(qkv[0])[2]
+    positions = jnp.asarray(sink_positions, jnp.int32)
     learned = learned_logits(sinks, num_heads)
-    parts = [_chunk_rows(operands, sink_positions, ref, np.int32(h), np.int32(r0), np.int32(length),
-                         np.int32(window), learned, _cap_arg(soft_cap), rows=min(step, num_tokens - r0),
-                         config=config,
-                         has_learned=_has_learned(sinks))
-             for h in range(num_heads) for r0 in range(0, num_tokens, step)]
+    has_learned = _has_learned(sinks)
+    scalars = (np.int32(length), np.int32(window), learned, _cap_arg(soft_cap))
+    jobs = [("config", i, cfg) for i, cfg in enumerate(configs)] + [("family", i, fam[0]) for i, fam in
+                                                                     enumerate(families)]
+    groups: dict = {}  # the same operands and chunks of rows: one logits product per chunk for all of them
+    for kind, i, cfg in jobs:
+        step = _whole_tiles(_rows_per_chunk(num_tokens, num_tokens), cfg)
+        groups.setdefault((cfg.qkv, cfg.qkv_granularity, step), []).append((kind, i, cfg))
+    parts: dict = {(kind, i): [] for kind, i, _ in jobs}
+    for (_, _, step), members in groups.items():
+        operands = _layer_operands(*qkv, config=members[0][2])
+        for h in range(num_heads):
+            for r0 in range(0, num_tokens, step):
+                head, row0 = np.int32(h), np.int32(r0)
+                logits = _kernel_logits_rows(operands, head, row0, rows=min(step, num_tokens - r0))
+                for kind, i, cfg in members:
+                    if kind == "config":
+                        part = _chunk_rows(logits, operands, positions, reference, head, row0, *scalars, config=cfg,
+                                           has_learned=has_learned)
+                    else:
+                        part = _chunk_masses(logits, positions, head, row0, *scalars, configs=families[i],
+                                             has_learned=has_learned)
+                    parts[(kind, i)].append(part)
     parts = jax.device_get(parts)
+    metrics = [_rows_metrics(parts[("config", i)], num_heads, num_tokens, head_dim, min_keys=min_keys, length=length)
+               for i in range(len(configs))]
+    masses = []
+    for i, family in enumerate(families):
+        chunks = parts[("family", i)]
+        counted = np.concatenate([p[0] for p in chunks]).reshape(num_heads, num_tokens).astype(np.float64)
+        valid = _valid_rows(counted, min_keys, length)
+        masses.append({name: _row_mean(np.concatenate([p[j] for p in chunks], axis=-1).reshape(
+            len(family), num_heads, num_tokens).astype(np.float64), valid[None])
+            for j, name in ((1, "zeroed_mass"), (2, "saturated_mass"))})
+    return metrics, masses
+
+
+def _rows_metrics(parts: list[dict], num_heads: int, num_tokens: int, head_dim: int, *, min_keys: int,
+                  length: int) -> dict:
+    """:func:`head_metrics` from one config's :func:`_chunk_rows` of every head and chunk (heads outer): the
+    row means on the host."""
     rows = {name: np.concatenate([p[name] for p in parts]).reshape(num_heads, num_tokens) for name in parts[0]}
     rows = {name: x.astype(np.float64) for name, x in rows.items()}  # [Hq, T]
     counted = rows.pop("n_counted")
@@ -615,6 +618,32 @@ def _layer_metrics(operands, sink_positions, ref, *, config: KernelConfig, min_k
     }
     out.update({name: row_mean(x) for name, x in rows.items()})
     return out
+
+
+def scale_masses(trace, family: KernelConfig, scales: Sequence[float], sink_positions, *, min_keys: int = 16,
+                 length: int | None = None, local_window_size=None, sinks=None,
+                 logits_soft_cap=None) -> dict[str, np.ndarray]:
+    """The zeroed and the clipped mass of one kernel family at every scale, per layer and head, in one pass.
+
+    P before the cast does not depend on ``scale``: each layer's operands and each chunk of rows' logits
+    are computed once, and one compiled call per chunk evaluates every scale's cast and statistics
+    (:func:`_chunk_masses`), with no contraction with V. The rows and their means are those of
+    :func:`head_metrics`, so each scale's masses are that kernel's ``zeroed_mass`` and
+    ``saturated_mass``.
+
+    Args:
+      trace: ``(q, k, v)`` of one sequence, as :func:`analyze_trace` takes it.
+      family: the kernel (its ``scale`` is replaced by each of ``scales``).
+      scales: the candidate scales.
+      sink_positions, min_keys, length, local_window_size, sinks, logits_soft_cap: as :func:`analyze_trace`.
+
+    Returns:
+      ``{"zeroed_mass", "saturated_mass"}``, each ``[len(scales), L, Hq]`` float32.
+    """
+    _, masses = analyze_layers(trace, (), sink_positions, families=((family, scales),), min_keys=min_keys,
+                               length=length, local_window_size=local_window_size, sinks=sinks,
+                               logits_soft_cap=logits_soft_cap)
+    return masses[0]
 
 
 def _further_row_metrics(res, counted) -> dict:
@@ -676,22 +705,23 @@ def head_metrics(q, k, v, config: str | KernelConfig, sink_positions, *,
     q, k, v = (jnp.asarray(np.where(real, np.asarray(x, np.float32), 0.0)) for x in (q, k, v))
     if reference is None:
         reference = _reference(q, k, v, length=length, window=window, sinks=sinks, soft_cap=cap)
-    operands = _layer_operands(q, k, v, config=cfg)
-    return _layer_metrics(operands, sink_positions, reference, config=cfg, min_keys=min_keys, length=length,
-                          window=window, sinks=sinks, soft_cap=cap)
+    metrics, _ = _layer_passes((q, k, v), reference, [cfg], (), sink_positions, min_keys=min_keys, length=length,
+                               window=window, sinks=sinks, soft_cap=cap)
+    return metrics[0]
 
 
 def analyze_trace(trace, configs: Sequence[str | KernelConfig], sink_positions, *,
                   min_keys: int = 16, progress=None, length: int | None = None,
                   local_window_size=None, sinks=None, references: dict | None = None,
                   logits_soft_cap=None) -> dict[str, np.ndarray]:
-    """:func:`head_metrics` for every configuration and layer of a trace.
+    """:func:`head_metrics` for every configuration and layer of a trace (:func:`analyze_layers`).
 
     Args:
       trace: ``(q, k, v)`` of one sequence (``q [L, T, Hq, D]``, ``k, v [L, T, Hkv, D]``).
       configs: preset names or :class:`KernelConfig` objects.
       sink_positions: ``[L, Hq, k]`` from :func:`sink_statistics`.
-      progress: optional callable ``(config_name) -> None`` called before each configuration.
+      progress: optional callable ``(config_name) -> None`` called with each configuration's name before
+        the layers run.
       length: the sequence's real tokens (default T).
       local_window_size: each layer's local window, as :func:`sink_statistics` takes it.
       sinks: optional ``[L, Hq]`` learned sink logits (−inf: none).
@@ -702,6 +732,36 @@ def analyze_trace(trace, configs: Sequence[str | KernelConfig], sink_positions, 
     Returns:
       dict metric → ``[n_configs, L, Hq]`` numpy array (the keys of :func:`head_metrics`).
     """
+    configs = [resolve(config) for config in configs]
+    for cfg in configs:
+        if progress is not None:
+            progress(cfg.name)
+    metrics, _ = analyze_layers(trace, configs, sink_positions, min_keys=min_keys, length=length,
+                                local_window_size=local_window_size, sinks=sinks, references=references,
+                                logits_soft_cap=logits_soft_cap)
+    return metrics
+
+
+def analyze_layers(trace, configs: Sequence[str | KernelConfig], sink_positions, *,
+                   families: Sequence[tuple[KernelConfig, Sequence[float]]] = (), min_keys: int = 16,
+                   progress=None, length: int | None = None, local_window_size=None, sinks=None,
+                   references: dict | None = None, logits_soft_cap=None) -> tuple[dict, list[dict]]:
+    """:func:`analyze_trace` and :func:`scale_masses` of several families in one pass over the layers.
+
+    Layer by layer, every configuration and every family's candidate scales run on the same chunks of
+    rows, and those whose kernels multiply the same operands (the same Q/K/V quantization) share each
+    chunk's product of Q and K; the numbers are those of :func:`analyze_trace` and :func:`scale_masses`.
+
+    Args:
+      trace, configs, sink_positions, min_keys, length, local_window_size, sinks, references,
+        logits_soft_cap: as :func:`analyze_trace`.
+      families: ``(family, scales)`` pairs, as :func:`scale_masses` takes them.
+      progress: optional callable ``(layer) -> None`` called with each layer's index before it runs.
+
+    Returns:
+      ``(metrics, masses)``: :func:`analyze_trace`'s dict (None without configs) and per family
+      :func:`scale_masses`' dict.
+    """
     q, k, v = trace
     if np.ndim(q) != 4:
         raise PcastError(f"trace.q must be [L, T, Hq, D] (one sequence); got shape {np.shape(q)}")
@@ -709,32 +769,46 @@ def analyze_trace(trace, configs: Sequence[str | KernelConfig], sink_positions, 
     if sink_positions.shape[:2] != (np.shape(q)[0], np.shape(q)[2]):
         raise PcastError(f"sink_positions.shape={sink_positions.shape} must be [L, Hq, k] = "
                          f"[{np.shape(q)[0]}, {np.shape(q)[2]}, k]")
-    num_tokens = np.shape(q)[1]
+    if sink_positions.ndim != 3:
+        raise PcastError(f"sink_positions.shape={sink_positions.shape} must be [L, Hq, k]")
+    min_keys = check_int("min_keys", min_keys, min_value=1)
+    num_layers, num_tokens = np.shape(q)[:2]
     length = num_tokens if length is None else check_int("length", length, min_value=1, max_value=num_tokens)
-    windows = layer_windows(local_window_size, np.shape(q)[0])
-    caps = layer_soft_caps(logits_soft_cap, np.shape(q)[0])
+    windows = layer_windows(local_window_size, num_layers)
+    caps = layer_soft_caps(logits_soft_cap, num_layers)
+    kernels = [dataclasses.replace(resolve(config), causal=True) for config in configs]
+    scans = []
+    for family, scales in families:
+        cfg = dataclasses.replace(resolve(family), causal=True)
+        scans.append(tuple(cfg.replace(scale=float(s)) for s in scales))
     real = (np.arange(num_tokens) < length)[:, None, None]
-    per_config = []
     layer_inputs = {} if references is None else references  # a layer's Q/K/V (padding zeroed) and exact
     # output: the same for every configuration
-    for config in configs:
-        cfg = resolve(config)
+    per_layer = []
+    for layer in range(num_layers):
         if progress is not None:
-            progress(cfg.name)
-        layers = []
-        for layer in range(np.shape(q)[0]):
-            if layer not in layer_inputs:
-                qkv = tuple(jnp.asarray(np.where(real, np.asarray(x[layer], np.float32), 0.0)) for x in (q, k, v))
-                layer_inputs[layer] = qkv, _reference(*qkv, length=length, window=int(windows[layer]),
-                                                      sinks=None if sinks is None else sinks[layer],
-                                                      soft_cap=float(caps[layer]))
+            progress(layer)
+        learned = None if sinks is None else sinks[layer]
+        if layer in layer_inputs:
             qkv, reference = layer_inputs[layer]
-            layers.append(head_metrics(*qkv, cfg, sink_positions[layer], min_keys=min_keys, reference=reference,
-                                       length=length, local_window_size=int(windows[layer]),
-                                       sinks=None if sinks is None else sinks[layer],
-                                       logits_soft_cap=float(caps[layer])))
-        per_config.append({m: np.stack([x[m] for x in layers]) for m in layers[0]})
-    return {m: np.stack([pc[m] for pc in per_config]) for m in per_config[0]}
+        else:
+            qkv = tuple(jnp.asarray(np.where(real, np.asarray(x[layer], np.float32), 0.0)) for x in (q, k, v))
+            reference = None
+            if kernels:
+                reference = _reference(*qkv, length=length, window=int(windows[layer]), sinks=learned,
+                                       soft_cap=float(caps[layer]))
+                if references is not None:
+                    layer_inputs[layer] = qkv, reference
+        per_layer.append(_layer_passes(qkv, reference, kernels, scans, sink_positions[layer], min_keys=min_keys,
+                                       length=length, window=int(windows[layer]), sinks=learned,
+                                       soft_cap=float(caps[layer])))
+    metrics = None
+    if kernels:
+        metrics = {m: np.stack([np.stack([layer[0][c][m] for layer in per_layer]) for c in range(len(kernels))])
+                   for m in per_layer[0][0][0]}
+    masses = [{name: np.stack([layer[1][f][name] for layer in per_layer], axis=1)
+               for name in ("zeroed_mass", "saturated_mass")} for f in range(len(scans))]
+    return metrics, masses
 
 
 class E2EMetrics(NamedTuple):

@@ -21,10 +21,11 @@ Judgements, each stated in the report, all on one criterion (:func:`meets_criter
   from another only in ``scale`` is one family), the kernel itself is simulated on the trace at
   ``scale`` = 1, 2, 4, … (:func:`scale_candidates`: up to the largest power of two whose applied
   scale stays within the P format's max), and the smallest candidate meeting the criterion is the
-  recommendation; every candidate is a row of the scan, in the report. P before the cast does not
-  depend on the scale, so the candidates' zeroed and clipped masses come from one pass per family
-  (:func:`~pcast_jax.analysis.heads.scale_masses`: the kernel's own statistics without the
-  contraction with V, equal to the full kernel's bit for bit); an analysed configuration's own rows
+  recommendation; every candidate is a row of the scan, in the report. The candidates' zeroed and
+  clipped masses come from the kernel's own statistics without the contraction with V
+  (:func:`~pcast_jax.analysis.heads.scale_masses`, equal to the full kernel's bit for bit), in the same
+  pass over the layers as the analysed configurations, on the same logits of each chunk of rows
+  (:func:`~pcast_jax.analysis.heads.analyze_layers`); an analysed configuration's own rows
   are its scale's row, so its verdict and the scan cannot disagree. The recommendation is also
   given in the knob a deployment sets it through (:func:`pcast_jax.deployments.knob_setting`:
   cuDNN's ``scale_s``, vLLM ROCm's ``prob_scale``).
@@ -45,7 +46,7 @@ import numpy as np
 
 from pcast_jax import stats as _stats
 from pcast_jax.analysis.capture import Trace
-from pcast_jax.analysis.heads import SCALE_GRID, E2EMetrics, analyze_trace, compare_logits, sink_statistics
+from pcast_jax.analysis.heads import SCALE_GRID, E2EMetrics, analyze_layers, compare_logits, sink_statistics
 from pcast_jax.config import KernelConfig, scale_candidates
 from pcast_jax.errors import PcastError, check_f32, check_int
 from pcast_jax.presets import get_preset, preset_for, resolve
@@ -441,13 +442,12 @@ def analyze(trace: Trace, configs: Sequence[str | KernelConfig], *, num_sinks: i
     start = time.perf_counter()
     windows = trace.local_window_size
     stats = trace_statistics(trace, num_sinks=num_sinks, min_keys=min_keys, progress=say)
-    references: dict = {}
-    heads = _run_kernels(trace, kernels, stats["sink_positions"], min_keys, say, start, references)
+    families = _families(kernels)
+    heads, masses = _run_kernels(trace, kernels, families, stats["sink_positions"], min_keys, say, start)
     if not np.isfinite(heads["zeroed_mass"]).any():
         raise PcastError(f"no head has a query row that sees min_keys={min_keys} keys besides its sink: "
                          "record more tokens or lower min_keys")
-    del references
-    scans = _scale_scans(trace, kernels, heads, stats["sink_positions"], min_keys, mass_limit, say, start)
+    scans = _scale_scans(trace, kernels, families, heads, masses, stats["sink_positions"], min_keys, mass_limit)
     seconds = time.perf_counter() - start
     e2e = fp32 = None
     if logits_fn is not None:
@@ -489,41 +489,55 @@ def end_to_end(trace: Trace, configs: Sequence[KernelConfig], logits_fn: Callabl
     return compare_logits(ref, ref, trace.tokens, lengths=trace.lengths), out
 
 
-def _run_kernels(trace: Trace, kernels, sink_positions, min_keys: int, say, start, references: dict) -> dict:
-    """Every kernel on every sequence of the trace: ``{metric: [C, B, L, H]}`` (each sequence at its
-    length, each layer within its local window); ``references`` keeps each sequence's exact outputs."""
-    per_seq = []
-    for b in range(trace.num_sequences):
-        done = iter(range(1, len(kernels) + 1))
-
-        def config_line(name, b=b, done=done):
-            say(f"sequence {b + 1}/{trace.num_sequences}: config {next(done)}/{len(kernels)} {name} "
-                f"({time.perf_counter() - start:.1f} s)")
-
-        per_seq.append(analyze_trace((trace.q[:, b], trace.k[:, b], trace.v[:, b]), kernels, sink_positions[b],
-                                     min_keys=min_keys, progress=config_line, length=int(trace.lengths[b]),
-                                     local_window_size=trace.local_window_size, sinks=trace.sinks,
-                                     references=references.setdefault(b, {}),
-                                     logits_soft_cap=trace.logits_soft_cap))
-    return {name: np.stack([h[name] for h in per_seq], axis=1) for name in per_seq[0]}
-
-
-def _scale_scans(trace: Trace, kernels, heads: dict, sink_positions, min_keys: int, mass_limit: float, say,
-                 start) -> tuple[ScaleScan, ...]:
-    """The safe-scale scan of each family of static-scale kernels (module docstring): every candidate
-    of :func:`scale_candidates`, an analysed member's own rows reused at its scale."""
-    families: dict = {}
+def _families(kernels) -> dict:
+    """The families of static-scale kernels (configs that differ only in ``scale``): ``{family at scale 1:
+    (member indices, the candidate scales no member runs)}``."""
+    members: dict = {}
     for ci, cfg in enumerate(kernels):
         if cfg.scale_mode != "dynamic":
-            families.setdefault(cfg.replace(scale=1.0), []).append(ci)
+            members.setdefault(cfg.replace(scale=1.0), []).append(ci)
+    out = {}
+    for family, cis in members.items():
+        run = {kernels[ci].scale for ci in cis}
+        out[family] = tuple(cis), tuple(s for s in scale_candidates(family) if s not in run)
+    return out
+
+
+def _run_kernels(trace: Trace, kernels, families: dict, sink_positions, min_keys: int, say, start) -> tuple[dict, list]:
+    """Every kernel on every sequence of the trace, ``{metric: [C, B, L, H]}`` (each sequence at its length,
+    each layer within its local window), and per sequence the masses of every family's candidate scales
+    no member runs (:func:`~pcast_jax.analysis.heads.scale_masses`), in one pass over the layers
+    (:func:`~pcast_jax.analysis.heads.analyze_layers`)."""
+    scanned = [(family, todo) for family, (_, todo) in families.items() if todo]
+    per_seq, masses = [], []
+    for b in range(trace.num_sequences):
+        def layer_line(layer, b=b):
+            say(f"sequence {b + 1}/{trace.num_sequences}: layer {layer + 1}/{trace.num_layers}, {len(kernels)} "
+                f"configs ({', '.join(k.name for k in kernels)}) and {len(scanned)} scale scans "
+                f"({time.perf_counter() - start:.1f} s)")
+
+        metrics, found = analyze_layers((trace.q[:, b], trace.k[:, b], trace.v[:, b]), kernels, sink_positions[b],
+                                        families=scanned, min_keys=min_keys, progress=layer_line,
+                                        length=int(trace.lengths[b]), local_window_size=trace.local_window_size,
+                                        sinks=trace.sinks, logits_soft_cap=trace.logits_soft_cap)
+        per_seq.append(metrics)
+        masses.append(dict(zip((family for family, _ in scanned), found)))
+    return {name: np.stack([h[name] for h in per_seq], axis=1) for name in per_seq[0]}, masses
+
+
+def _scale_scans(trace: Trace, kernels, families: dict, heads: dict, masses: list, sink_positions, min_keys: int,
+                 mass_limit: float) -> tuple[ScaleScan, ...]:
+    """The safe-scale scan of each family of static-scale kernels (module docstring): every candidate
+    of :func:`scale_candidates`, an analysed member's own rows reused at its scale, the others' masses
+    from :func:`_run_kernels`."""
     scans = []
-    for family, members in families.items():
-        label = kernels[members[0]].name
-        say(f"safe scale of {label}: {len(scale_candidates(family))} scales in one pass "
-            f"({time.perf_counter() - start:.1f} s)")
+    for family, (members, todo) in families.items():
         known = {kernels[ci].scale: {m: a[ci] for m, a in heads.items()} for ci in members}
-        scans.append(scale_scan(trace, family.replace(name=label), sink_positions=sink_positions, min_keys=min_keys,
-                                mass_limit=mass_limit, known=known,
+        for i, scale in enumerate(todo):
+            known[scale] = {m: np.stack([seq[family][m][i] for seq in masses])
+                            for m in ("zeroed_mass", "saturated_mass")}
+        scans.append(scale_scan(trace, family.replace(name=kernels[members[0]].name), sink_positions=sink_positions,
+                                min_keys=min_keys, mass_limit=mass_limit, known=known,
                                 members=tuple(kernels[ci].name for ci in members)))
     return tuple(scans)
 
