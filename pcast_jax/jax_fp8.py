@@ -388,7 +388,7 @@ def _predict_trace(trace, given_s, tau, gpu_words, *, logits_fn, mass_limit, min
     import os
 
     from pcast_jax.analysis import Trace, load_trace
-    from pcast_jax.analysis.study import end_to_end, scale_candidates, scale_scan, trace_statistics
+    from pcast_jax.analysis.study import end_to_end, scale_candidates, scale_scan, trace_sinks
     from pcast_jax.errors import check_f32
 
     if isinstance(trace, (str, os.PathLike)):
@@ -412,9 +412,9 @@ def _predict_trace(trace, given_s, tau, gpu_words, *, logits_fn, mass_limit, min
     if given_s is not None:
         scales.add(float(given_s))
     say = progress or (lambda _line: None)
-    stats = trace_statistics(trace, min_keys=min_keys, progress=say)
+    positions = trace_sinks(trace, progress=say)
     say(f"scale_s: {len(scales)} candidates in one pass")
-    scan = scale_scan(trace, family, sink_positions=stats["sink_positions"], scales=sorted(scales),
+    scan = scale_scan(trace, family, sink_positions=positions, scales=sorted(scales),
                       min_keys=min_keys, mass_limit=mass_limit)
     e2e = fp32 = None
     if logits_fn is not None:

@@ -610,6 +610,9 @@ def test_statistics_and_reference_on_row_chunks_equal_one_chunk(monkeypatch):
     tr = character_trace("sink in the middle", T=100)
     q, k, v = (x[0, 0] for x in (tr.q, tr.k, tr.v))
     whole = sink_statistics(q[None], k[None], min_keys=8, length=90, local_window_size=40)
+    # the sink positions alone (what a scan of candidate scales needs) are the statistics' own
+    np.testing.assert_array_equal(heads.find_sinks(q[None], k[None], length=90, local_window_size=40),
+                                  whole["sink_positions"])
     ref = np.asarray(heads._reference(q, k, v, length=90, window=40))
     metrics = heads.head_metrics(q, k, v, "fwd_s1", whole["sink_positions"][0], min_keys=8, length=90,
                                  local_window_size=40)

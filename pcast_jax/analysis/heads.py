@@ -78,8 +78,9 @@ from pcast_jax.nn import kernel_inputs, kernel_logits, kernel_operands, soft_cap
 from pcast_jax.presets import resolve
 
 __all__ = [
-    "SINK_SELECTIONS", "SCALE_GRID", "HEAD_METRICS", "E2EMetrics", "expand_kv", "sink_statistics", "heads_attention",
-    "head_metrics", "analyze_trace", "analyze_layers", "compare_logits", "scored_positions", "validate_lengths",
+    "SINK_SELECTIONS", "SCALE_GRID", "HEAD_METRICS", "E2EMetrics", "expand_kv", "sink_statistics", "find_sinks",
+    "heads_attention", "head_metrics", "analyze_trace", "analyze_layers", "compare_logits", "scored_positions",
+    "validate_lengths",
 ]
 
 SINK_SELECTIONS = ("received", "first")
@@ -198,18 +199,10 @@ def _chunks(num_rows: int, step: int) -> list[tuple[int, int]]:
     return [(r0, min(step, num_rows - r0)) for r0 in range(0, num_rows, step)]
 
 
-def _layer_statistics(q, k, *, length: int, window: int, num_sinks: int, sink_selection: str,
-                      min_keys: int, learned=None, soft_cap: float = 0.0) -> dict[str, np.ndarray]:
-    """Per-head statistics of one layer, ``q [T, Hq, D]``, ``k [T, Hkv, D]``, on chunks of query rows.
-
-    Two passes over the rows: the attention each key receives (which picks the sinks), then the
-    per-row statistics given the sinks; memory stays at a few ``[rows, T]`` arrays.
-    """
-    num_tokens, num_heads = q.shape[0], q.shape[1]
-    qh = jnp.swapaxes(q, 0, 1)
-    kh = jnp.swapaxes(expand_kv(k, num_heads), 0, 1)
-    chunks = _chunks(num_tokens, _rows_per_chunk(num_tokens, num_tokens, _STAT_BYTES_PER_SCORE))
-    scalars = (np.int32(length), np.int32(window), learned_logits(learned, num_heads), _cap_arg(soft_cap))
+def _layer_sinks(qh, kh, scalars, chunks, *, length: int, num_sinks: int, sink_selection: str):
+    """The first pass of :func:`_layer_statistics`: per head, the attention each key receives ``[Hq, T]``, the
+    mass on key 0 ``[Hq]`` and the sink positions ``[Hq, num_sinks]`` (the most-received keys, or the first)."""
+    num_heads = qh.shape[0]
     parts = jax.device_get([_received_rows(qh, kh, np.int32(h), np.int32(r0), *scalars, rows=rows)
                             for h in range(num_heads) for r0, rows in chunks])
     received = np.stack([np.sum([parts[h * len(chunks) + c][0] for c in range(len(chunks))], axis=0)
@@ -220,7 +213,30 @@ def _layer_statistics(q, k, *, length: int, window: int, num_sinks: int, sink_se
         sink_positions = np.sort(np.argsort(-received, axis=-1, kind="stable")[:, :num_sinks], axis=-1)
     else:
         sink_positions = np.broadcast_to(np.arange(num_sinks), (num_heads, num_sinks))
-    sink_positions = sink_positions.astype(np.int32)
+    return sink_positions.astype(np.int32), received, position0
+
+
+def _layer_inputs(q, k, *, length: int, window: int, learned, soft_cap: float):
+    """One layer's ``q, k [Hq, T, D]`` (KV heads repeated), the row passes' scalars and chunks of rows."""
+    num_tokens, num_heads = q.shape[0], q.shape[1]
+    qh = jnp.swapaxes(q, 0, 1)
+    kh = jnp.swapaxes(expand_kv(k, num_heads), 0, 1)
+    chunks = _chunks(num_tokens, _rows_per_chunk(num_tokens, num_tokens, _STAT_BYTES_PER_SCORE))
+    scalars = (np.int32(length), np.int32(window), learned_logits(learned, num_heads), _cap_arg(soft_cap))
+    return qh, kh, scalars, chunks
+
+
+def _layer_statistics(q, k, *, length: int, window: int, num_sinks: int, sink_selection: str,
+                      min_keys: int, learned=None, soft_cap: float = 0.0) -> dict[str, np.ndarray]:
+    """Per-head statistics of one layer, ``q [T, Hq, D]``, ``k [T, Hkv, D]``, on chunks of query rows.
+
+    Two passes over the rows: the attention each key receives (which picks the sinks, :func:`_layer_sinks`),
+    then the per-row statistics given the sinks; memory stays at a few ``[rows, T]`` arrays.
+    """
+    num_heads = q.shape[1]
+    qh, kh, scalars, chunks = _layer_inputs(q, k, length=length, window=window, learned=learned, soft_cap=soft_cap)
+    sink_positions, received, position0 = _layer_sinks(qh, kh, scalars, chunks, length=length, num_sinks=num_sinks,
+                                                       sink_selection=sink_selection)
     rows_out = jax.device_get([_statistic_rows(qh, kh, np.int32(h), np.int32(r0), *scalars,
                                                jnp.asarray(sink_positions), np.int32(min_keys), rows=rows)
                                for h in range(num_heads) for r0, rows in chunks])
@@ -325,6 +341,23 @@ def sink_statistics(q, k, v=None, cfg=None, *, num_sinks: int = 1, sink_selectio
         (memory a few ``[rows, T]`` arrays, whatever T).
     """
     del v
+    q, k, num_sinks, length = _check_qk(q, k, cfg, num_sinks=num_sinks, sink_selection=sink_selection, length=length)
+    layers, num_tokens = q.shape[:2]
+    min_keys = check_int("min_keys", min_keys, min_value=1, max_value=num_tokens)
+    windows = layer_windows(local_window_size, layers)
+    caps = layer_soft_caps(logits_soft_cap, layers)
+    per_layer = [
+        _layer_statistics(q[layer], k[layer], length=length, window=int(windows[layer]), num_sinks=num_sinks,
+                          sink_selection=sink_selection, min_keys=min_keys,
+                          learned=None if sinks is None else np.asarray(sinks)[layer], soft_cap=float(caps[layer]))
+        for layer in range(layers)
+    ]
+    return {name: np.stack([np.asarray(stats[name]) for stats in per_layer])
+            for name in per_layer[0]}
+
+
+def _check_qk(q, k, cfg, *, num_sinks, sink_selection: str, length):
+    """:func:`sink_statistics`' ``q, k`` as arrays, ``num_sinks`` and ``length`` checked (PcastError naming them)."""
     q = jnp.asarray(q)
     k = jnp.asarray(k)
     if q.ndim != 4 or k.ndim != 4:
@@ -338,18 +371,28 @@ def sink_statistics(q, k, v=None, cfg=None, *, num_sinks: int = 1, sink_selectio
                          f"cfg {(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)}")
     check_choice("sink_selection", sink_selection, SINK_SELECTIONS)
     num_sinks = check_int("num_sinks", num_sinks, min_value=1, max_value=num_tokens - 1)
-    min_keys = check_int("min_keys", min_keys, min_value=1, max_value=num_tokens)
     length = num_tokens if length is None else check_int("length", length, min_value=2, max_value=num_tokens)
+    return q, k, num_sinks, length
+
+
+def find_sinks(q, k, *, num_sinks: int = 1, sink_selection: str = "received", length: int | None = None,
+               local_window_size=None, sinks=None, logits_soft_cap=None) -> np.ndarray:
+    """``[L, Hq, num_sinks]`` int32: each head's sink positions, :func:`sink_statistics`' ``sink_positions``
+    without the other statistics (one pass over the rows, none with ``sink_selection="first"``); the
+    arguments as :func:`sink_statistics` takes them."""
+    q, k, num_sinks, length = _check_qk(q, k, None, num_sinks=num_sinks, sink_selection=sink_selection,
+                                        length=length)
+    layers, _, num_heads = q.shape[:3]
+    if sink_selection == "first":
+        return np.broadcast_to(np.arange(num_sinks, dtype=np.int32), (layers, num_heads, num_sinks)).copy()
     windows = layer_windows(local_window_size, layers)
     caps = layer_soft_caps(logits_soft_cap, layers)
-    per_layer = [
-        _layer_statistics(q[layer], k[layer], length=length, window=int(windows[layer]), num_sinks=num_sinks,
-                          sink_selection=sink_selection, min_keys=min_keys,
-                          learned=None if sinks is None else np.asarray(sinks)[layer], soft_cap=float(caps[layer]))
-        for layer in range(layers)
-    ]
-    return {name: np.stack([np.asarray(stats[name]) for stats in per_layer])
-            for name in per_layer[0]}
+    out = []
+    for layer in range(layers):
+        inputs = _layer_inputs(q[layer], k[layer], length=length, window=int(windows[layer]),
+                               learned=None if sinks is None else np.asarray(sinks)[layer], soft_cap=float(caps[layer]))
+        out.append(_layer_sinks(*inputs, length=length, num_sinks=num_sinks, sink_selection=sink_selection)[0])
+    return np.stack(out)
 
 
 def scores_and_values(q, k, v, cfg: KernelConfig):

@@ -46,13 +46,13 @@ import numpy as np
 
 from pcast_jax import stats as _stats
 from pcast_jax.analysis.capture import Trace
-from pcast_jax.analysis.heads import SCALE_GRID, E2EMetrics, analyze_layers, compare_logits, sink_statistics
+from pcast_jax.analysis.heads import SCALE_GRID, E2EMetrics, analyze_layers, compare_logits, find_sinks, sink_statistics
 from pcast_jax.config import KernelConfig, scale_candidates
 from pcast_jax.errors import PcastError, check_f32, check_int
 from pcast_jax.presets import get_preset, preset_for, resolve
 
 __all__ = ["SINK_MASS_MIN", "Analysis", "ScaleScan", "analyze", "kernel_for", "meets_criterion", "scale_candidates",
-           "scale_scan", "trace_statistics", "end_to_end", "criterion_words",
+           "scale_scan", "trace_statistics", "trace_sinks", "end_to_end", "criterion_words",
            "mass_text", "TraceDiagnosis", "diagnose_trace"]
 
 #: A head is a sink head when its sinks receive at least this share of the attention.
@@ -471,6 +471,20 @@ def trace_statistics(trace: Trace, *, num_sinks: int = 1, min_keys: int = 16,
                                        length=n, local_window_size=trace.local_window_size, sinks=trace.sinks,
                                        logits_soft_cap=trace.logits_soft_cap))
     return {name: np.stack([s[name] for s in per_seq]) for name in per_seq[0]}
+
+
+def trace_sinks(trace: Trace, *, num_sinks: int = 1, progress: Callable[[str], None] | None = None) -> np.ndarray:
+    """``[B, L, H, num_sinks]``: :func:`trace_statistics`' ``sink_positions`` alone
+    (:func:`~pcast_jax.analysis.heads.find_sinks`), what a scan of candidate scales needs."""
+    say = progress or (lambda _line: None)
+    per_seq = []
+    for b in range(trace.num_sequences):
+        n = int(trace.lengths[b])
+        say(f"sequence {b + 1}/{trace.num_sequences}: sink positions ({trace.num_layers} layers, {n} tokens)")
+        per_seq.append(find_sinks(trace.q[:, b], trace.k[:, b], num_sinks=num_sinks, length=n,
+                                  local_window_size=trace.local_window_size, sinks=trace.sinks,
+                                  logits_soft_cap=trace.logits_soft_cap))
+    return np.stack(per_seq)
 
 
 def end_to_end(trace: Trace, configs: Sequence[KernelConfig], logits_fn: Callable,
