@@ -8,6 +8,9 @@ PYTEST_ARGS ?= -n 2 --dist loadfile
 REPRO_ARGS ?=
 # JAX=0.11.2: install that jax and jaxlib (the oldest supported; default: the newest the range allows)
 JAX ?=
+# HALF=1 or 2: every test function, but of a parametrized one every other case (CI runs one half per jax
+# version, so the two together run every case; tests/conftest.py); default: every case
+HALF ?=
 
 .PHONY: venv test test-full lint docs reproduce quick clean benchmark
 
@@ -21,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 test: lint docs
-	$(PY) -m pytest $(PYTEST_ARGS)
+	PCAST_JAX_TEST_HALF=$(HALF) $(PY) -m pytest $(PYTEST_ARGS)
 
 # the conformance matrix's whole cross product (every preset × entry point × mask × head dim);
 # `make test` (CI) walks a subset that computes every mask and head dim through every entry point

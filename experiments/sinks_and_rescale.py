@@ -60,6 +60,8 @@ class Sizes:
     deltas_l: tuple
     sigmas: tuple
     model_tokens: int = 512
+    #: study 3's presets; None: every preset tagged "sinks_and_rescale" (:data:`PRESETS_STUDIED`)
+    presets: tuple | None = None
 
 
 FULL = Sizes(seeds=16, q_len=32, n=4096, d=128, deltas_l=tuple(float(x) for x in range(2, 17)),
@@ -147,13 +149,14 @@ def _verdict(zeroed: float, saturated: float, ratio: float, ratio_se: float, see
 
 
 def _presets_study(sz: Sizes, out: Path, quick: bool) -> list[dict]:
-    names = (_BEST, *PRESETS_STUDIED)
+    studied = PRESETS_STUDIED if sz.presets is None else sz.presets
+    names = (_BEST, *studied)
     rows = []
     for kind, kw in (("token sinks (k = 4)", {"k_sink": 4}), ("learned sink", {"k_sink": 0, "sink_logit": "delta"})):
         spec = SweepSpec(configs=names, deltas=(7.0, 10.0), ns=(sz.n,), seeds=sz.seeds, q_len=sz.q_len, d=sz.d,
                          sampled_mse=False, **kw)
         res = _run(spec, out, "presets-" + kind.split()[0], quick)
-        for name in PRESETS_STUDIED:
+        for name in studied:
             cfg = get_preset(name)
             for dl in spec.deltas:
                 m = {k: res.get(k, config=name, n=sz.n, delta=dl) for k in

@@ -29,6 +29,19 @@ def distinct_configs(configs: dict[str, KernelConfig]) -> list:
     return [pytest.param(cfg, id="=".join(names)) for cfg, names in groups.items()]
 
 
+def distinct_programs(configs: dict[str, KernelConfig]) -> list:
+    """One ``pytest.param`` per compiled program (:meth:`KernelConfig.program`), the first config of each.
+
+    Configs that differ only in their numbers (S, τ, the V channel max, λ) take the same operations; a
+    test of how the operations are composed (one implementation against another, weights against
+    outputs) needs one of them. Its id names every config it stands for.
+    """
+    groups: dict[KernelConfig, list[tuple[str, KernelConfig]]] = {}
+    for name, cfg in configs.items():
+        groups.setdefault(cfg.program(), []).append((name, cfg))
+    return [pytest.param(members[0][1], id="=".join(n for n, _ in members)) for members in groups.values()]
+
+
 def shared_program(make: Callable) -> Callable:
     """``make(config, *static)`` → a function of arrays, compiled once per config *program*.
 

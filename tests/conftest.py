@@ -69,6 +69,31 @@ def _trim(folder: Path, max_bytes: int) -> None:
         total -= st.st_size
 
 
+#: ``PCAST_JAX_TEST_HALF=1`` or ``2`` (``make test HALF=…``; CI runs one half per jax version): every test
+#: function runs, but of a parametrized one only every other case, alternating between the halves — so the two
+#: halves together run every case once. Tests marked ``every_half`` run every case in each half (the
+#: conformance matrix, already a covering subset of its cross product, and the Hopper lowering proofs).
+HALF_VAR = "PCAST_JAX_TEST_HALF"
+
+
+def pytest_collection_modifyitems(config, items):
+    half = os.environ.get(HALF_VAR, "").strip()
+    if not half:
+        return
+    if half not in ("1", "2"):
+        raise pytest.UsageError(f"{HALF_VAR}={half!r}: expected 1 or 2 (or unset: every case)")
+    seen: dict[tuple, int] = {}
+    keep, drop = [], []
+    for item in items:
+        key = (item.path, item.cls.__name__ if item.cls else None, getattr(item, "originalname", item.name))
+        index = seen[key] = seen.get(key, -1) + 1
+        whole = item.get_closest_marker("every_half") is not None or not hasattr(item, "callspec")
+        (keep if whole or index % 2 == int(half) - 1 else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 @pytest.fixture
 def rng() -> np.random.Generator:
     """A fresh NumPy generator with a fixed seed (each test gets the same stream)."""

@@ -392,6 +392,7 @@ _PROGRAM_INDEX = {name: _PROGRAMS.index(cfg.program()) for name, cfg in PRESETS.
 _ENTRY_INDEX = {e.name: i for i, e in enumerate(ENTRIES)}
 
 
+@pytest.mark.every_half
 @pytest.mark.parametrize("preset", list(PRESETS))
 @pytest.mark.parametrize("entry", ENTRIES, ids=[e.name for e in ENTRIES])
 def test_preset_through_entry_point_matches_the_oracle_or_is_refused(entry: Entry, preset: str):

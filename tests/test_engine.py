@@ -27,7 +27,7 @@ from pcast_jax.presets import PRESETS, resolve
 from pcast_jax.sweep import SweepSpec, run_sweep
 from pcast_jax.workloads import SinkWorkload, make_instance
 
-from cases import distinct_configs, shared_program
+from cases import FULL, distinct_configs, distinct_programs, shared_program
 
 FP32_RTOL = 1e-5
 E4M3_REL = 2.0**-4  # largest relative error of a round-to-nearest cast to 3 mantissa bits (normal range)
@@ -35,8 +35,9 @@ F16_REL = 2.0**-11  # same for float16 (10 mantissa bits)
 N, Q_LEN, D = 1000, 8, 32  # N is a multiple of neither 64 nor 128: padded keys
 
 
-DISTINCT_PRESETS = distinct_configs(PRESETS)
-F32_ACC_PRESETS = distinct_configs({n: c for n, c in PRESETS.items() if c.accumulator == "f32"})
+#: One preset per compiled program: a test of how the operations compose needs one of each.
+PROGRAMS = distinct_programs(PRESETS)
+F32_ACC_PROGRAMS = distinct_programs({n: c for n, c in PRESETS.items() if c.accumulator == "f32"})
 #: Presets whose P elements are E4M3 (the E4M3 error bounds below apply; E2M1 elements do not obey them)
 E4M3_F32_ACC_PRESETS = distinct_configs({n: c for n, c in PRESETS.items()
                                          if c.accumulator == "f32" and c.p_format in ("e4m3", "mxfp8")})
@@ -102,11 +103,11 @@ def assert_engines_agree(fast, scan, f16_bound=None):
 # --------------------------------------------------------------------------------------------
 
 
-def test_presets_with_the_same_semantics_are_grouped():
-    """Each test below runs once per distinct semantics; this is what makes that cover every preset."""
-    covered = [name for param in DISTINCT_PRESETS for name in param.id.split("=")]
+def test_one_preset_per_program_stands_for_every_preset():
+    """The tests over :data:`PROGRAMS` run once per compiled program; this is what makes that cover every preset."""
+    covered = [name for param in PROGRAMS for name in param.id.split("=")]
     assert sorted(covered) == sorted(PRESETS)
-    assert len(DISTINCT_PRESETS) >= 9
+    assert len(PROGRAMS) == len({c.program() for c in PRESETS.values()}) >= 9
 
 
 def test_presets_that_differ_only_in_numbers_share_a_program():
@@ -158,11 +159,12 @@ def test_a_bound_config_keeps_its_numbers_apart():
     assert bound != cfg.program().bind(cfg.numbers())  # identity: no cache keyed by it can mix numbers
 
 
-@pytest.mark.parametrize("cfg", DISTINCT_PRESETS)
-def test_fast_equals_scan_every_preset(cfg):
+@pytest.mark.parametrize("cfg", PROGRAMS)
+def test_fast_equals_scan_every_program(cfg):
     """Δ = 3, 7, 11, two seeds, q_len = 8, padded N, under the causal mask: the engines' statistics equal
-    (zeroed counts exactly) and the bottom-right mask counted. Without the mask ``tests/test_oracle.py``
-    holds both engines to the oracle for every preset, statistics included."""
+    (zeroed counts exactly) and the bottom-right mask counted, for one preset per compiled program (the
+    others differ in numbers only). ``tests/test_oracle.py`` and the conformance matrix hold both engines to
+    the oracle for every preset, statistics included."""
     scores, v, mask = _batch()
     c = cfg.replace(causal=True)
     fast = _run(c, "xla", scores, v, mask)
@@ -243,10 +245,12 @@ def test_attention_qkv_honours_per_head_scales():
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cfg", F32_ACC_PRESETS)
-def test_effective_weights_times_v_is_the_fast_output(cfg):
+@pytest.mark.parametrize("i, cfg", [pytest.param(i, p.values[0], id=p.id) for i, p in enumerate(F32_ACC_PROGRAMS)])
+def test_effective_weights_times_v_is_the_fast_output(i, cfg):
+    """The weights (and ``weights_and_stats``) times V are the xla output, per compiled program: every
+    other program in turn causal (``make test-full``: both)."""
     scores, v, mask = _batch()
-    for c in (cfg, cfg.replace(causal=True)):
+    for c in (cfg, cfg.replace(causal=True)) if FULL else (cfg.replace(causal=bool(i % 2)),):
         w = _weights(c, scores)
         assert w.shape == scores.shape
         fast = _run(c, "xla", scores, v, mask)

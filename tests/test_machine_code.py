@@ -16,6 +16,9 @@ import pallas_kernels as pk
 from pallas_kernels import machine_code as mc
 from pcast_jax.presets import get_preset, preset_for
 
+#: the Hopper lowering is proven under each jax version in full (see tests/conftest.py, HALF_VAR)
+pytestmark = pytest.mark.every_half
+
 #: FA3's P-cast at a 128-key block (the preset's own block at d = 128 is 224; see OWN_TILES).
 FA3_128 = get_preset("fa3").replace(block_kv=128, name="fa3")
 SHAPE = mc.KernelShape(batch=1, heads=2, kv_heads=1, q_len=128, n=512, head_dim=128)

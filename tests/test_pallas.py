@@ -382,6 +382,7 @@ def _lower_for_hopper(backend, cfg, *, q_len=128, n=512, head_dim=128, heads=4, 
         ("fa3_splitkv", True, 128, 128),
     ],
 )
+@pytest.mark.every_half
 def test_mosaic_lowers_for_hopper(name, causal, q_len, head_dim):
     """Each preset at its own KV block for the head dim, over N = 512 keys (a multiple of none of
     224, 192, 160: the last block padded)."""
@@ -434,6 +435,7 @@ def _triton_module_text(lowered) -> str:
         ("fa3_splitkv", True, 128),
     ],
 )
+@pytest.mark.every_half
 def test_triton_lowers_for_hopper(name, causal, head_dim):
     cfg = preset_for(name, head_dim).replace(causal=causal)
     lowered = _lower_for_hopper("triton", cfg, head_dim=head_dim)
@@ -449,6 +451,7 @@ def test_triton_lowers_for_hopper(name, causal, head_dim):
     assert re.search(r"tt\.fp_to_fp .*rounding = rtne.*-> tensor<\d+x\d+xf8E4M3FN>", ir_text)
 
 
+@pytest.mark.every_half
 @pytest.mark.parametrize("backend", pk.BACKENDS)
 def test_split_kv_lowers_for_hopper_with_an_odd_step_count(backend):
     """6 KV blocks over 2 contiguous splits: 3 steps each, read from the schedule inside the kernel."""
@@ -457,6 +460,7 @@ def test_split_kv_lowers_for_hopper_with_an_odd_step_count(backend):
     assert ("custom_call @mosaic_gpu" if backend == "mosaic" else "custom_call @__gpu$xla.gpu.triton") in text
 
 
+@pytest.mark.every_half
 @pytest.mark.parametrize("block_kv,round_keys", [(64, 32), (128, 64), (128, 0)])
 def test_triton_f16_accumulator_lowers_for_hopper(block_kv, round_keys):
     """SageAttention2++'s P·V: one FP8 dot per f16 rounding group, each rounded to f16 and back."""
