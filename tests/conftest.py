@@ -16,6 +16,8 @@ import pytest
 
 from pcast_jax import cache
 
+from cases import HALF, HALF_VAR
+
 #: The suite's compiled programs, kept between runs (most of a cold run is XLA compiling them).
 TEST_CACHE_DIR = cache.default_cache_dir().parent / "test-jax-cache"
 #: A folder past this size loses its least recently used entries, down to half of it, when a run starts.
@@ -69,15 +71,9 @@ def _trim(folder: Path, max_bytes: int) -> None:
         total -= st.st_size
 
 
-#: ``PCAST_JAX_TEST_HALF=1`` or ``2`` (``make test HALF=…``; CI runs one half per jax version): every test
-#: function runs, but of a parametrized one only every other case, alternating between the halves — so the two
-#: halves together run every case once. Tests marked ``every_half`` run every case in each half (the
-#: conformance matrix, already a covering subset of its cross product, and the Hopper lowering proofs).
-HALF_VAR = "PCAST_JAX_TEST_HALF"
-
-
 def pytest_collection_modifyitems(config, items):
-    half = os.environ.get(HALF_VAR, "").strip()
+    """Of each parametrized test function, keep every other case in a halved run (:data:`cases.HALF`)."""
+    half = HALF
     if not half:
         return
     if half not in ("1", "2"):
