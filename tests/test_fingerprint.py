@@ -370,7 +370,7 @@ def test_identify_recovers_both_pallas_kernels(backend, name):
 
 def test_probes_are_exact_in_e4m3_and_survive_per_tensor_quantization(sink_probes):
     ps = sink_probes
-    assert ps.q.shape == (5, 128, 4, HEAD_DIM) and ps.k.shape == ps.v.shape == (5, 512, 4, HEAD_DIM)
+    assert ps.q.shape == (5, 64, 4, HEAD_DIM) and ps.k.shape == ps.v.shape == (5, 512, 4, HEAD_DIM)
     for x in (ps.q, ps.k, ps.v):
         assert np.array_equal(x.astype(ml_dtypes.float8_e4m3fn).astype(np.float32), x)
         # amax = 448·2^k: the per-tensor quantization scale is a power of two, so it loses nothing
@@ -402,7 +402,7 @@ def plain():
 
 
 @pytest.mark.parametrize("case, match", [
-    ("shape", r"outputs\.shape=\(5, 128, 1, 32\) must be"),
+    ("shape", r"outputs\.shape=\(5, 64, 1, 32\) must be"),
     ("dtype", r"outputs\.dtype=int32 must be a floating-point"),
     ("nan", r"outputs holds 1 NaN or inf values \(first at \(1, 2, 0, 3\), probe family 'walk'\)"),
     ("nothing fits", r"outputs fit no candidate: the best residual (on the ladder rows )?is"),

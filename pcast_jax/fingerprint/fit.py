@@ -23,15 +23,19 @@ The ``cast`` group is first decided on the ``ladder`` rows alone (every tile, or
 gives them the same output), with P against the running max and with P normalised before the cast
 (``p_offset="row_lse"``, which the ladder tells apart; a block's own max is the running max there),
 its best candidates kept; then each pass searches the groups in the order of the table, ``cast``
-last, twice, stopping at the first exact fit (the groups that exclude others, a P against the block's
-own max or held in float16, come after the ones they exclude). A candidate that turns a query-tile
+last, twice, stopping at the first exact fit. The ``tile``, ``skip`` and ``offset`` groups
+(:data:`AXIS_GROUPS`) come in only where the others leave a residual above the exact-fit floor
+(a kernel without those axes is searched as before they existed), after the groups they exclude. A candidate that turns a query-tile
 axis on (the tile-amax scale, a skip threshold) starts from a tile of :data:`_START_BLOCK_Q` rows,
 which the ``tile`` group then reads (the ``tile`` and ``tile_reverse`` rows differ within a tile).
 Then each field's evidence is read from every group's candidates around the best: the best residual
 among those with another value of the field (the runner-up) and which probe family it missed most.
 A value whose candidate fits within :func:`tolerance` of the best stays a candidate: a field with
 more than one is *undetermined*. Configs that are one function across groups are added to the
-evidence: P against each block's own max is P against the running max of one-block splits.
+evidence: P against each block's own max is P against the running max of one-block splits; the
+tile-amax scale over a tile beyond the probes' rows is the multiply mode at the format's max
+(:func:`_amax_twin`). Of the ``skip`` group around a config that skips nothing, λ is looked at from
+the smallest up to the first that misses (a larger λ skips more).
 
 The ``walk`` group is first narrowed by a read: the tiles whose predicted collapse pattern best
 matches the ``walk`` rows (``_read_walk``), :data:`WALK_KEPT` of them in both orders, are the
@@ -44,7 +48,7 @@ the per-block 2^k scale read the same on one block and part only on many, and a 
 scale read as the fixed one leaves an f16 accumulator absorbing the difference.
 
 Candidate values are a grid (powers of two for S, tiles in steps of 16 up to 256, 1–16 splits, τ
-of 0.75–8, query tiles of 16–256 rows, λ from 2^-12 to 2^-2 in steps of 4×, the INT8 and UINT8 P
+of 0.75–8, query tiles of 16–128 rows, λ from 2^-12 to 2^-2 in steps of 4×, the INT8 and UINT8 P
 formats among the others) joined with every value a preset in :data:`pcast_jax.presets.PRESETS` uses,
 so a preset added later is among the candidates. Each candidate is one program compiled without the backend's
 optimizations (:data:`COMPILER_OPTIONS`); its output is cached per probe set and config, so fitting
@@ -104,6 +108,9 @@ FIT_LIMIT = 0.05
 CAST_KEPT = 12
 #: Searches started from other ladder-tied casts when the first does not fit exactly.
 RESTARTS = 2
+#: Groups of the query-tile axes and of what P is taken against: searched only where the others leave a
+#: residual (:func:`_descend`).
+AXIS_GROUPS = ("tile", "skip", "offset")
 #: Group order of a search restarted from another cast: the fields a wrong cast pulled along (an f16
 #: accumulator, a τ, a sink placement absorbing its error) before the order, tile and split.
 RESTART_PASSES = ("accumulator", "sink", "rescale", "walk", "split", "tile", "skip", "offset", "cast")
@@ -111,11 +118,13 @@ RESTART_PASSES = ("accumulator", "sink", "rescale", "walk", "split", "tile", "sk
 WALK_KEPT = 4
 
 _P_FORMATS = ("e4m3", "e4m3fnuz", "e5m2", "mxfp8", "nvfp4", "mxfp4", "e2m1", "int8", "uint8")
+#: P formats of the computed scales (``dynamic``, ``tile_amax``).
+_AMAX_FORMATS = ("e4m3", "e4m3fnuz", "e5m2", "e2m1")
 _TILES = tuple(range(16, 257, 16))
 _SPLITS = (2, 3, 4, 6, 8, 16)
 _TAUS = (0.75, 1.0, 2.0, 4.0, 8.0)
-#: Query tiles (``block_q``): 256 stands for every tile beyond the probes' 128 rows (one padded tile).
-_QUERY_TILES = (16, 32, 64, 128, 256)
+#: Query tiles (``block_q``): 128 stands for every tile beyond the probes' 64 rows (one padded tile).
+_QUERY_TILES = (16, 32, 64, 128)
 #: Skip-softmax thresholds λ.
 _SKIPS = tuple(2.0**-k for k in (2, 4, 6, 8, 10, 12))
 #: The query tile a candidate that turns a query-tile axis on starts from (the ``tile`` group reads it).
@@ -140,9 +149,13 @@ def candidate_values(group: str) -> list[tuple]:
     fields = GROUPS[group]
     seen = {tuple(getattr(c, f) for f in fields) for c in fittable_presets().values()}
     if group == "cast":
+        from pcast_jax import numberline
+
         scales = sorted({2.0**k for k in range(-8, 13)} | {c.scale for c in fittable_presets().values()})
         grid = {(s, m, p) for s in scales for m in ("multiply", "exponent") for p in _P_FORMATS}
-        grid |= {(1.0, m, p) for m in ("dynamic", "tile_amax") for p in ("e4m3", "e4m3fnuz", "e5m2", "e2m1")}
+        grid |= {(1.0, m, p) for m in ("dynamic", "tile_amax") for p in _AMAX_FORMATS}
+        # the tile-amax scale of a tile beyond the probes' rows (_amax_twin): the format's max
+        grid |= {(numberline.get_format(p).max, "multiply", p) for p in _AMAX_FORMATS}
     elif group == "walk":
         grid = {(o, b) for o in ("forward", "reverse") for b in _TILES}
     elif group == "split":
@@ -372,15 +385,41 @@ def _search(scorer: _Scorer, best: KernelConfig, group: str, values=None) -> Ker
     return min(cands, key=lambda c: (scorer.residual(c), c != best, _simplicity(c)))
 
 
+def _skip_candidates(scorer: _Scorer, best: KernelConfig, tol: float) -> list[KernelConfig]:
+    """The ``skip`` neighbours of a ``best`` that skips nothing, smallest λ first, up to the first that
+    fits worse than ``tol``: a larger λ skips every block a smaller one skips, and more."""
+    out: list[KernelConfig] = []
+    for cfg in _group_candidates(best, "skip", sorted(candidate_values("skip"))):
+        if cfg != best:
+            out.append(cfg)
+            if scorer.residual(cfg) > tol:
+                break
+    return out
+
+
 def _descend(scorer: _Scorer, best: KernelConfig, passes: list[str], values: dict) -> KernelConfig:
     """Searches each group of ``passes`` in turn around the best so far, twice; stops at an exact fit
-    (the evidence then looks at every group around it, so a field an early stop left is still weighed)."""
-    for _ in range(2):
-        for group in passes:
-            best = _search(scorer, best, group, values.get(group))
-            if scorer.residual(best) <= RESIDUAL_FLOOR:
-                return best
-    return best
+    (the evidence then looks at every group around it, so a field an early stop left is still weighed).
+
+    The :data:`AXIS_GROUPS` come in only where the other groups leave a residual: each once around
+    their best, then every group again where one of them moved it (a kernel without those axes
+    searches what it did without them)."""
+    def rounds(best, groups):
+        for _ in range(2):
+            for group in groups:
+                best = _search(scorer, best, group, values.get(group))
+                if scorer.residual(best) <= RESIDUAL_FLOOR:
+                    return best
+        return best
+
+    best = rounds(best, [g for g in passes if g not in AXIS_GROUPS])
+    if scorer.residual(best) <= RESIDUAL_FLOOR:
+        return best
+    moved, axes = best, [g for g in passes if g in AXIS_GROUPS]
+    scorer.simulate([c for g in axes for c in _group_candidates(best, g, values.get(g))])  # one program
+    for group in axes:
+        moved = _search(scorer, moved, group, values.get(group))
+    return best if moved == best else rounds(moved, passes)
 
 
 def _simplicity(cfg: KernelConfig) -> tuple:
@@ -469,7 +508,9 @@ def fit(ps: ProbeSet, outputs, *, output_dtype=None, calls: int = 0, seconds_cal
     cands: list[KernelConfig] = []
     for _ in range(3):
         for group in groups:
-            cands += [c for c in _group_candidates(best, group, kept_values.get(group)) if c not in cands]
+            near = (_skip_candidates(scorer, best, tol) if group == "skip" and not best.skip_softmax_threshold
+                    else _group_candidates(best, group, kept_values.get(group)))
+            cands += [c for c in near if c not in cands]
         scorer.simulate(cands)
         plain = min([best] + [c for c in cands if scorer.residual(c) <= tol], key=_simplicity)
         if plain == best:
@@ -487,6 +528,7 @@ def fit(ps: ProbeSet, outputs, *, output_dtype=None, calls: int = 0, seconds_cal
             twins.append(_variants(c, ("offset", ("running_max", c.softmax)), ("split", (_blocks(c), "contiguous"))))
         elif c.p_offset == "running_max" and c.kv_splits == _blocks(c) > 1:
             twins.append(_variants(c, ("split", (1, "contiguous")), ("offset", ("block_max", c.softmax))))
+    twins += [_amax_twin(c) for c in [best] + cands if scorer.residual(c) <= tol]
     cands += [t for t in twins if t is not None and t not in cands]
     scorer.simulate(cands)
     cands = [c for c in cands if c != best]
@@ -511,6 +553,19 @@ def fit(ps: ProbeSet, outputs, *, output_dtype=None, calls: int = 0, seconds_cal
                        probe_key=ps.key, not_fitted=dict(NOT_FITTED))
 
 
+def _amax_twin(cfg: KernelConfig) -> KernelConfig | None:
+    """The config ``cfg`` is on the probes through a query tile beyond their rows, or None: one padded
+    tile, whose padding rows hold P = 1 (``pcast_jax.block.tile_rows``), so its amax is 1 and the
+    tile-amax scale is the format's max: the multiply mode at S = max."""
+    beyond = _QUERY_TILES[-1]
+    if cfg.scale_mode == "tile_amax" and cfg.block_q > ROWS and not cfg.skip_softmax_threshold:
+        return _variant(cfg, "cast", (cfg.fmt.max, "multiply", cfg.p_format))
+    if (cfg.scale_mode == "multiply" and cfg.p_format in _AMAX_FORMATS and cfg.scale == cfg.fmt.max
+            and not cfg.skip_softmax_threshold):
+        return _variants(cfg, ("cast", (1.0, "tile_amax", cfg.p_format)), ("tile", (beyond,)))
+    return None
+
+
 def _read_cast(ps: ProbeSet, out: np.ndarray) -> tuple[list[tuple], list[tuple]]:
     """The ``cast`` candidates whose S agrees with where the ladder's values stop surviving: those for P
     against the running max, and those for P normalised before the cast (``p_offset="row_lse"``).
@@ -519,7 +574,8 @@ def _read_cast(ps: ProbeSet, out: np.ndarray) -> tuple[list[tuple], list[tuple]]
     format's round-to-zero bound r (2^-10 for E4M3, 1/2 for INT8): the surviving and the collapsed reads
     bracket S between r·e^Δ_survived and r·e^Δ_collapsed (a factor 2 of slack either side). A normalised
     P is e^-Δ/ℓ, so there Δ + ln ℓ (ℓ of the row, known from its logits) stands in for Δ. Block-scaled
-    formats take their own scale per block, so their S is kept from the registry and the grid's 1.
+    formats take their own scale per block, so their S is kept from the registry and the grid's 1 (for a
+    normalised P, from the registry's presets that normalise it alone).
     """
     from pcast_jax import numberline
 
@@ -529,6 +585,7 @@ def _read_cast(ps: ProbeSet, out: np.ndarray) -> tuple[list[tuple], list[tuple]]
     delta = -z[:, 1:LADDER_KEYS]
     log_ell = np.log(np.sum(np.exp(z), axis=1, keepdims=True))
     registry = {(c.scale, c.p_format) for c in fittable_presets().values()}
+    registry_lse = {(c.scale, c.p_format) for c in fittable_presets().values() if c.p_offset == "row_lse"}
     reads = []
     for d in (delta, delta + log_ell):
         surv, dead = d[alive[:, 1:]], d[~alive[:, 1:]]
@@ -543,6 +600,7 @@ def _read_cast(ps: ProbeSet, out: np.ndarray) -> tuple[list[tuple], list[tuple]]
         if bf is not None:
             if scale == 1.0 or (scale, fmt) in registry:
                 keep.append(vals)
+            if (scale, fmt) in registry_lse:
                 keep_lse.append(vals)
             continue
         r = numberline.get_format(fmt).round_to_zero

@@ -52,8 +52,8 @@ N_KEYS = 512
 SEGMENTS = 32
 #: Live keys of a ``ladder`` row (all inside the first block of any tile of at least 8 keys).
 LADDER_KEYS = 8
-#: Query rows per probe family: a query tile of up to 128 rows is read whole (a larger one is padded).
-ROWS = 128
+#: Query rows per probe family: a query tile of up to 64 rows is read whole (a larger one is padded).
+ROWS = 64
 #: Rows of one ``walk`` pattern (two per segment); the later rows repeat it.
 WALK_ROWS = 2 * SEGMENTS
 #: The probe families, one batch element each, in batch order.
