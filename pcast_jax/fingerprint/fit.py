@@ -25,9 +25,10 @@ gives them the same output), with P against the running max and with P normalise
 its best candidates kept; then each pass searches the groups in the order of the table, ``cast``
 last, twice, stopping at the first exact fit. The ``tile``, ``skip`` and ``offset`` groups
 (:data:`AXIS_GROUPS`) come in only where the others leave a residual above the exact-fit floor
-(a kernel without those axes is searched as before they existed), after the groups they exclude. A candidate that turns a query-tile
-axis on (the tile-amax scale, a skip threshold) starts from a tile of :data:`_START_BLOCK_Q` rows,
-which the ``tile`` group then reads (the ``tile`` and ``tile_reverse`` rows differ within a tile).
+(a kernel without those axes is searched as before they existed), after the groups they exclude.
+A candidate that turns a query-tile axis on (the tile-amax scale, a skip threshold) starts from a
+tile of :data:`_START_BLOCK_Q` rows, which the ``tile`` group then reads (the ``tile`` and
+``tile_reverse`` rows differ within a tile).
 Then each field's evidence is read from every group's candidates around the best: the best residual
 among those with another value of the field (the runner-up) and which probe family it missed most.
 A value whose candidate fits within :func:`tolerance` of the best stays a candidate: a field with
