@@ -78,7 +78,8 @@ def test_identify_recovers_every_preset(name, sink_probes):
     want = fingerprint.simulate_outputs(sink_probes, cfg)
     assert np.allclose(again, want, rtol=1e-5, atol=1e-7), name
     # the tile changes these outputs in every preset (the order does not where each split runs one block)
-    assert fp.fields["block_kv"].determined, name
+    # but where P is normalised before the cast (one pass over the whole row: no tile acts)
+    assert fp.fields["block_kv"].determined == (cfg.p_offset != "row_lse"), name
 
 
 # --------------------------------------------------------------------------------------------
@@ -88,8 +89,14 @@ def test_identify_recovers_every_preset(name, sink_probes):
 _NP_FORMATS = {"e4m3": ml_dtypes.float8_e4m3fn, "e4m3fnuz": ml_dtypes.float8_e4m3fnuz, "e5m2": ml_dtypes.float8_e5m2}
 
 
+#: Fixed-point P formats: round to the nearest integer (ties to even), clipped to the range.
+_NP_INTEGERS = {"int8": (-128.0, 127.0), "uint8": (0.0, 255.0)}
+
+
 def _cast(x, fmt):
     """Saturating round-to-nearest-even cast to ``fmt``, widened back to float32."""
+    if fmt in _NP_INTEGERS:
+        return np.clip(np.round(x), *_NP_INTEGERS[fmt]).astype(np.float32)
     dt = _NP_FORMATS[fmt]
     top = float(ml_dtypes.finfo(dt).max)
     return np.clip(x, -top, top).astype(dt).astype(np.float32)
@@ -103,7 +110,7 @@ def _quantize(x, top=448.0):
 
 
 def numpy_fp8_attention(q, k, v, *, scale, tile, order="forward", s=1.0, mode="multiply", fmt="e4m3", splits=1,
-                        qkv8=False, qkv_top=448.0, f16=False, causal=False, ell_cast=False):
+                        qkv8=False, qkv_top=448.0, f16=False, causal=False, ell_cast=False, offset="running_max"):
     """Algorithm 1 in NumPy float32, (batch, tokens, heads, dim) in and out.
 
     Per split (contiguous ranges of ⌈blocks/splits⌉ tiles) the tiles run in ``order``: running max m,
@@ -112,7 +119,10 @@ def numpy_fp8_attention(q, k, v, *, scale, tile, order="forward", s=1.0, mode="m
     (rounded to float16 per tile with ``f16``); the splits merge by their maxima; O/(s·ℓ) or O/ℓ.
     ``qkv8`` quantizes Q, K, V per tensor to E4M3 first (amax to ``qkv_top``); ``causal`` masks key j
     from row i when j > N − T + i (bottom-right aligned); ``ell_cast`` sums the cast values into ℓ
-    (P̃/s in the multiply mode) instead of the pre-cast P.
+    (P̃/s in the multiply mode) instead of the pre-cast P. ``fmt`` may be ``"int8"`` or ``"uint8"``
+    (P·s rounded to an integer). ``offset="row_lse"`` (multiply mode, one split) casts the normalised
+    P = exp(z − m_row)/ℓ_row of a first pass over the row and returns O/s; ``"block_max"`` takes P against
+    the block's own max and multiplies the block's ΣP and P̃·V by β = exp(m_block − m_new).
     """
     f32 = np.float32
     if qkv8:
@@ -127,6 +137,9 @@ def numpy_fp8_attention(q, k, v, *, scale, tile, order="forward", s=1.0, mode="m
     per = -(-len(tiles) // splits)
     parts = []
     log2e = f32(math.log2(math.e))
+    if offset == "row_lse":
+        m_row = z.max(axis=-1)
+        ell_row = np.exp(z - m_row[..., None]).astype(f32).sum(axis=-1, dtype=f32)
     for start in range(0, len(tiles), per):
         mine = tiles[start:start + per]
         if order == "reverse":
@@ -139,7 +152,17 @@ def numpy_fp8_attention(q, k, v, *, scale, tile, order="forward", s=1.0, mode="m
             m_new = np.maximum(m, zb.max(axis=-1))
             m_ref = np.where(np.isneginf(m_new), f32(0), m_new)  # a row with every key so far masked
             alpha = np.exp(m - m_ref).astype(f32)
-            if mode == "multiply":
+            beta = f32(1.0)
+            if offset == "row_lse":  # taken against the row's max from the start: nothing to rescale
+                alpha = np.ones_like(alpha)
+                p = (np.exp(zb - m_row[..., None]).astype(f32) / ell_row[..., None]).astype(f32)
+                p8 = _cast(p * f32(s), fmt)
+            elif offset == "block_max":
+                b_max = zb.max(axis=-1)
+                p = np.exp(zb - b_max[..., None]).astype(f32)
+                p8 = _cast(p * f32(s), fmt)
+                beta = np.exp(b_max - m_ref).astype(f32)
+            elif mode == "multiply":
                 p = np.exp(zb - m_ref[..., None]).astype(f32)
                 p8 = _cast(p * f32(s), fmt)
             else:
@@ -147,8 +170,9 @@ def numpy_fp8_attention(q, k, v, *, scale, tile, order="forward", s=1.0, mode="m
                 p8 = _cast(p, fmt)
             if ell_cast:
                 p = p8 / f32(s) if mode == "multiply" else p8
-            ell = alpha * ell + p.sum(axis=-1, dtype=f32)
+            ell = alpha * ell + beta * p.sum(axis=-1, dtype=f32)
             pv = np.einsum("bhtn,bhnd->bhtd", p8.astype(np.float64), vt[..., t, :].astype(np.float64)).astype(f32)
+            pv = (np.asarray(beta)[..., None] * pv).astype(f32)
             if f16:
                 pv = pv.astype(np.float16).astype(f32)
             o = alpha[..., None] * o + pv
@@ -157,6 +181,8 @@ def numpy_fp8_attention(q, k, v, *, scale, tile, order="forward", s=1.0, mode="m
     top = np.max([m for m, _, _ in parts], axis=0)
     ell = sum(np.exp(m - top).astype(f32) * e for m, e, _ in parts)
     o = sum(np.exp(m - top).astype(f32)[..., None] * x for m, _, x in parts)
+    if offset == "row_lse":  # P was normalised before the cast: O/s
+        ell = np.ones_like(ell)
     out = o / (ell[..., None] * (f32(s) if mode == "multiply" else f32(1.0)))
     return np.moveaxis(out, 1, 2).astype(f32)
 
@@ -173,7 +199,7 @@ NUMPY_KERNELS = [
 def _truth(kw: dict) -> dict:
     return {"order": kw["order"], "block_kv": kw["tile"], "scale": kw["s"], "scale_mode": kw["mode"],
             "p_format": kw["fmt"], "kv_splits": kw.get("splits", 1), "rescale_threshold": 0.0,
-            "accumulator": "f16" if kw.get("f16") else "f32"}
+            "accumulator": "f16" if kw.get("f16") else "f32", "p_offset": kw.get("offset", "running_max")}
 
 
 def test_numpy_kernels_are_no_preset():
@@ -195,6 +221,39 @@ def test_identify_recovers_an_independent_numpy_kernel(kw):
     assert fp.residual < 1e-3, fp.residual
     # S is read up to the classes that are one function here (FNUZ at S is E4M3 at 2S below 240)
     assert kw["s"] in fp.fields["scale"].candidates
+
+
+#: Fixed-point P (no preset has these S) against a max of each kind: the block's own, the row's
+#: log-sum-exp (the normalised P of a first pass is cast), the running max.
+INTEGER_KERNELS = [
+    dict(tile=32, order="reverse", s=128.0, mode="multiply", fmt="uint8", offset="row_lse"),
+    dict(tile=64, order="forward", s=64.0, mode="multiply", fmt="int8", offset="block_max"),
+    dict(tile=48, order="reverse", s=32.0, mode="multiply", fmt="int8"),
+]
+
+
+def test_the_numpy_kernel_is_the_simulator_on_integer_p_and_both_offsets(plain):
+    """The oracle and the simulator agree on the probes where the fit needs them to: fixed-point P, P
+    against the block's own max, P normalised before the cast."""
+    ps, _ = plain
+    for kw in INTEGER_KERNELS:
+        cfg = KernelConfig(order=kw["order"], block_kv=kw["tile"], scale=kw["s"], p_format=kw["fmt"],
+                           p_offset=kw.get("offset", "running_max"))
+        assert cfg not in set(PRESETS.values()), kw
+        want = numpy_fp8_attention(ps.q, ps.k, ps.v, scale=SCALE, **kw)
+        got = fingerprint.simulate_outputs(ps, cfg)
+        assert np.allclose(got, want, rtol=1e-5, atol=1e-7), (kw, float(np.max(np.abs(got - want))))
+
+
+@pytest.mark.parametrize("kw", INTEGER_KERNELS if FULL else INTEGER_KERNELS[:1], ids=lambda kw: kw["fmt"])
+def test_identify_recovers_integer_p_and_where_it_is_taken(kw):
+    fp = fingerprint.identify(lambda q, k, v: numpy_fp8_attention(q, k, v, scale=SCALE, **kw), head_dim=HEAD_DIM,
+                              scale=SCALE)
+    truth = _truth(kw)
+    assert not _agrees(fp, truth), _agrees(fp, truth)
+    assert fp.fields["p_offset"].determined and fp.residual < 1e-4, fp.summary()
+    # the integer grid is read: no float format fits alike
+    assert all(f in ("int8", "uint8") for f in fp.fields["p_format"].candidates), fp.fields["p_format"]
 
 
 @pytest.mark.parametrize("noise", ["qkv8", "f16"])
@@ -311,7 +370,7 @@ def test_identify_recovers_both_pallas_kernels(backend, name):
 
 def test_probes_are_exact_in_e4m3_and_survive_per_tensor_quantization(sink_probes):
     ps = sink_probes
-    assert ps.q.shape == (3, 64, 4, HEAD_DIM) and ps.k.shape == ps.v.shape == (3, 512, 4, HEAD_DIM)
+    assert ps.q.shape == (5, 64, 4, HEAD_DIM) and ps.k.shape == ps.v.shape == (5, 512, 4, HEAD_DIM)
     for x in (ps.q, ps.k, ps.v):
         assert np.array_equal(x.astype(ml_dtypes.float8_e4m3fn).astype(np.float32), x)
         # amax = 448·2^k: the per-tensor quantization scale is a power of two, so it loses nothing
@@ -343,7 +402,7 @@ def plain():
 
 
 @pytest.mark.parametrize("case, match", [
-    ("shape", r"outputs\.shape=\(3, 64, 1, 32\) must be"),
+    ("shape", r"outputs\.shape=\(5, 64, 1, 32\) must be"),
     ("dtype", r"outputs\.dtype=int32 must be a floating-point"),
     ("nan", r"outputs holds 1 NaN or inf values \(first at \(1, 2, 0, 3\), probe family 'walk'\)"),
     ("nothing fits", r"outputs fit no candidate: the best residual (on the ladder rows )?is"),

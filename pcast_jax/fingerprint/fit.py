@@ -14,15 +14,29 @@ group                     fields                                            firs
 ``rescale``               rescale_threshold, rescale_unit, rescale_comp.    every row
 ``sink``                  sink_mode (probes with sinks only)                every row
 ``accumulator``           accumulator, f16_round_keys, v_channel_max        every row
+``tile``                  block_q (the query tile)                          every row
+``skip``                  skip_softmax_threshold                            every row
+``offset``                p_offset, softmax                                 every row
 ========================  ================================================  =====================
 
 The ``cast`` group is first decided on the ``ladder`` rows alone (every tile, order and split
-gives them the same output), its best candidates kept; then each pass searches ``walk``, ``split``,
-``rescale``, ``sink``, ``accumulator`` and ``cast`` in turn, twice, stopping at the first exact fit.
-Then each field's evidence is read from every group's candidates around the best: the best
-residual among those with another value of the field (the runner-up) and which probe family it
-missed most. A value whose candidate fits within
-:func:`tolerance` of the best stays a candidate: a field with more than one is *undetermined*.
+gives them the same output), with P against the running max and with P normalised before the cast
+(``p_offset="row_lse"``, which the ladder tells apart; a block's own max is the running max there),
+its best candidates kept; then each pass searches the groups in the order of the table, ``cast``
+last, twice, stopping at the first exact fit. The ``tile``, ``skip`` and ``offset`` groups
+(:data:`AXIS_GROUPS`) come in only where the others leave a residual above the exact-fit floor
+(a kernel without those axes is searched as before they existed), after the groups they exclude.
+A candidate that turns a query-tile axis on (the tile-amax scale, a skip threshold) starts from a
+tile of :data:`_START_BLOCK_Q` rows, which the ``tile`` group then reads (the ``tile`` and
+``tile_reverse`` rows differ within a tile).
+Then each field's evidence is read from every group's candidates around the best: the best residual
+among those with another value of the field (the runner-up) and which probe family it missed most.
+A value whose candidate fits within :func:`tolerance` of the best stays a candidate: a field with
+more than one is *undetermined*. Configs that are one function across groups are added to the
+evidence: P against each block's own max is P against the running max of one-block splits; the
+tile-amax scale over a tile beyond the probes' rows is the multiply mode at the format's max
+(:func:`_amax_twin`). Of the ``skip`` group around a config that skips nothing, λ is looked at from
+the smallest up to the first that misses (a larger λ skips more).
 
 The ``walk`` group is first narrowed by a read: the tiles whose predicted collapse pattern best
 matches the ``walk`` rows (``_read_walk``), :data:`WALK_KEPT` of them in both orders, are the
@@ -35,8 +49,9 @@ the per-block 2^k scale read the same on one block and part only on many, and a 
 scale read as the fixed one leaves an f16 accumulator absorbing the difference.
 
 Candidate values are a grid (powers of two for S, tiles in steps of 16 up to 256, 1–16 splits, τ
-of 0.75–8) joined with every value a preset in :data:`pcast_jax.presets.PRESETS` uses, so a preset
-added later is among the candidates. Each candidate is one program compiled without the backend's
+of 0.75–8, query tiles of 16–128 rows, λ from 2^-12 to 2^-2 in steps of 4×, the INT8 and UINT8 P
+formats among the others) joined with every value a preset in :data:`pcast_jax.presets.PRESETS` uses,
+so a preset added later is among the candidates. Each candidate is one program compiled without the backend's
 optimizations (:data:`COMPILER_OPTIONS`); its output is cached per probe set and config, so fitting
 many kernels on the same probes simulates each candidate once.
 
@@ -56,9 +71,9 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 
-from pcast_jax.config import KernelConfig
+from pcast_jax.config import COMPUTED_SCALE_MODES, KernelConfig
 from pcast_jax.errors import PcastError, check_int
-from pcast_jax.fingerprint.probes import FAMILIES, LADDER_KEYS, N_KEYS, ROWS, SEGMENTS, ProbeSet, probes
+from pcast_jax.fingerprint.probes import FAMILIES, LADDER_KEYS, N_KEYS, ROWS, SEGMENTS, WALK_ROWS, ProbeSet, probes
 from pcast_jax.fingerprint.result import RESIDUAL_FLOOR, FieldEvidence, Fingerprint
 
 __all__ = ["identify", "fit", "check_outputs", "simulate_outputs", "explain_preset", "fittable_presets", "GROUPS",
@@ -72,6 +87,9 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "rescale": ("rescale_threshold", "rescale_unit", "rescale_compensation"),
     "sink": ("sink_mode",),
     "accumulator": ("accumulator", "f16_round_keys", "v_channel_max"),
+    "tile": ("block_q",),
+    "skip": ("skip_softmax_threshold",),
+    "offset": ("p_offset", "softmax"),
 }
 FIELDS: tuple[str, ...] = tuple(f for fields in GROUPS.values() for f in fields)
 #: What the fit does not read, and why: reported in every fingerprint (``Fingerprint.not_fitted``).
@@ -82,31 +100,36 @@ NOT_FITTED: dict[str, str] = {
            "scales, so it is lossless on them",
     "overflow": "a NaN output is refused, so only the saturating cast is read",
     "mma_acc_bits": "the tensor core's accumulator model is not among the candidates",
-    "block_q": "query tiles (the tile-amax scale, the skip-softmax vote) are not among the candidates: a scale "
-               "shared by a tile's rows needs probes whose rows differ within one tile",
-    "skip_softmax_threshold": "skip-softmax is not among the candidates (it needs block_q)",
-    "p_offset": "every candidate takes P against the running max: a P against the block's own max or a "
-                "normalised P is not among them",
-    "softmax": "every candidate holds P in FP32: a float16 softmax shows only in the residual",
 }
 #: Config fields no candidate sets (a kernel using them is fitted as the nearest config without them).
-UNFITTED_FIELDS: tuple[str, ...] = ("mma_acc_bits", "block_q", "skip_softmax_threshold")
+UNFITTED_FIELDS: tuple[str, ...] = ("mma_acc_bits",)
 #: Largest best residual that still counts as a fit: beyond it the outputs fit no candidate.
 FIT_LIMIT = 0.05
 #: Candidates of the ``cast`` group kept (by their ladder residual) for the search over every row.
 CAST_KEPT = 12
 #: Searches started from other ladder-tied casts when the first does not fit exactly.
 RESTARTS = 2
+#: Groups of the query-tile axes and of what P is taken against: searched only where the others leave a
+#: residual (:func:`_descend`).
+AXIS_GROUPS = ("tile", "skip", "offset")
 #: Group order of a search restarted from another cast: the fields a wrong cast pulled along (an f16
 #: accumulator, a τ, a sink placement absorbing its error) before the order, tile and split.
-RESTART_PASSES = ("accumulator", "sink", "rescale", "walk", "split", "cast")
+RESTART_PASSES = ("accumulator", "sink", "rescale", "walk", "split", "tile", "skip", "offset", "cast")
 #: Tiles kept (in both orders) by the ``walk`` rows' collapse pattern for simulation.
 WALK_KEPT = 4
 
-_P_FORMATS = ("e4m3", "e4m3fnuz", "e5m2", "mxfp8", "nvfp4", "mxfp4", "e2m1")
+_P_FORMATS = ("e4m3", "e4m3fnuz", "e5m2", "mxfp8", "nvfp4", "mxfp4", "e2m1", "int8", "uint8")
+#: P formats of the computed scales (``dynamic``, ``tile_amax``).
+_AMAX_FORMATS = ("e4m3", "e4m3fnuz", "e5m2", "e2m1")
 _TILES = tuple(range(16, 257, 16))
 _SPLITS = (2, 3, 4, 6, 8, 16)
 _TAUS = (0.75, 1.0, 2.0, 4.0, 8.0)
+#: Query tiles (``block_q``): 128 stands for every tile beyond the probes' 64 rows (one padded tile).
+_QUERY_TILES = (16, 32, 64, 128)
+#: Skip-softmax thresholds λ.
+_SKIPS = tuple(2.0**-k for k in (2, 4, 6, 8, 10, 12))
+#: The query tile a candidate that turns a query-tile axis on starts from (the ``tile`` group reads it).
+_START_BLOCK_Q = 64
 
 
 def tolerance(best: float) -> float:
@@ -115,12 +138,11 @@ def tolerance(best: float) -> float:
 
 
 def fittable_presets() -> dict[str, KernelConfig]:
-    """The presets whose values seed the candidates: those the candidates express (P against the running
-    max, held in FP32, a float P format, no query tiles; see :data:`NOT_FITTED`)."""
+    """The presets whose values seed the candidates: every preset of the registry (each field a preset
+    sets is a candidate field, but the MMA accumulator model: :data:`UNFITTED_FIELDS`)."""
     from pcast_jax.presets import PRESETS
 
-    return {n: c for n, c in PRESETS.items()
-            if c.p_offset == "running_max" and c.softmax == "f32" and not c.fmt.is_integer and not c.block_q}
+    return dict(PRESETS)
 
 
 def candidate_values(group: str) -> list[tuple]:
@@ -128,9 +150,13 @@ def candidate_values(group: str) -> list[tuple]:
     fields = GROUPS[group]
     seen = {tuple(getattr(c, f) for f in fields) for c in fittable_presets().values()}
     if group == "cast":
+        from pcast_jax import numberline
+
         scales = sorted({2.0**k for k in range(-8, 13)} | {c.scale for c in fittable_presets().values()})
         grid = {(s, m, p) for s in scales for m in ("multiply", "exponent") for p in _P_FORMATS}
-        grid |= {(1.0, "dynamic", p) for p in ("e4m3", "e4m3fnuz", "e5m2", "e2m1")}
+        grid |= {(1.0, m, p) for m in ("dynamic", "tile_amax") for p in _AMAX_FORMATS}
+        # the tile-amax scale of a tile beyond the probes' rows (_amax_twin): the format's max
+        grid |= {(numberline.get_format(p).max, "multiply", p) for p in _AMAX_FORMATS}
     elif group == "walk":
         grid = {(o, b) for o in ("forward", "reverse") for b in _TILES}
     elif group == "split":
@@ -140,6 +166,12 @@ def candidate_values(group: str) -> list[tuple]:
                                           for c in ("none", "pow2")}
     elif group == "sink":
         grid = {("epilogue",), ("init_max",), ("block_max",)}
+    elif group == "tile":
+        grid = {(0,)} | {(b,) for b in _QUERY_TILES}
+    elif group == "skip":
+        grid = {(0.0,)} | {(lam,) for lam in _SKIPS}
+    elif group == "offset":
+        grid = {(o, f) for o in ("running_max", "block_max", "row_lse") for f in ("f32", "f16")}
     else:
         grid = {("f32", 0, 0.0), ("f16", 0, 0.0), ("f16", 32, 0.0)}
     return sorted(grid | seen, key=repr)
@@ -153,10 +185,21 @@ def _variant(cfg: KernelConfig, group: str, values: tuple) -> KernelConfig | Non
         changes["scale"] = cfg.effective_scale * 2.0 ** changes["rescale_threshold"]
     if group == "cast" and cfg.rescale_compensation == "pow2":
         changes["scale"] = changes["scale"] * 2.0**cfg.rescale_threshold
+    tiled = changes.get("scale_mode", cfg.scale_mode) == "tile_amax" or changes.get("skip_softmax_threshold",
+                                                                                    cfg.skip_softmax_threshold)
+    if tiled and not changes.get("block_q", cfg.block_q):  # a query-tile axis turned on: the tile to start from
+        changes["block_q"] = _START_BLOCK_Q
     try:
         return dataclasses.replace(cfg, name="", **changes)
     except PcastError:
         return None
+
+
+def _variants(cfg: KernelConfig, *changes: tuple) -> KernelConfig | None:
+    """``cfg`` with several groups' values set in turn (:func:`_variant`; None when one is not valid)."""
+    for group, values in changes:
+        cfg = _variant(cfg, group, values) if cfg is not None else None
+    return cfg
 
 
 @functools.lru_cache(maxsize=8)
@@ -343,15 +386,41 @@ def _search(scorer: _Scorer, best: KernelConfig, group: str, values=None) -> Ker
     return min(cands, key=lambda c: (scorer.residual(c), c != best, _simplicity(c)))
 
 
+def _skip_candidates(scorer: _Scorer, best: KernelConfig, tol: float) -> list[KernelConfig]:
+    """The ``skip`` neighbours of a ``best`` that skips nothing, smallest λ first, up to the first that
+    fits worse than ``tol``: a larger λ skips every block a smaller one skips, and more."""
+    out: list[KernelConfig] = []
+    for cfg in _group_candidates(best, "skip", sorted(candidate_values("skip"))):
+        if cfg != best:
+            out.append(cfg)
+            if scorer.residual(cfg) > tol:
+                break
+    return out
+
+
 def _descend(scorer: _Scorer, best: KernelConfig, passes: list[str], values: dict) -> KernelConfig:
     """Searches each group of ``passes`` in turn around the best so far, twice; stops at an exact fit
-    (the evidence then looks at every group around it, so a field an early stop left is still weighed)."""
-    for _ in range(2):
-        for group in passes:
-            best = _search(scorer, best, group, values.get(group))
-            if scorer.residual(best) <= RESIDUAL_FLOOR:
-                return best
-    return best
+    (the evidence then looks at every group around it, so a field an early stop left is still weighed).
+
+    The :data:`AXIS_GROUPS` come in only where the other groups leave a residual: each once around
+    their best, then every group again where one of them moved it (a kernel without those axes
+    searches what it did without them)."""
+    def rounds(best, groups):
+        for _ in range(2):
+            for group in groups:
+                best = _search(scorer, best, group, values.get(group))
+                if scorer.residual(best) <= RESIDUAL_FLOOR:
+                    return best
+        return best
+
+    best = rounds(best, [g for g in passes if g not in AXIS_GROUPS])
+    if scorer.residual(best) <= RESIDUAL_FLOOR:
+        return best
+    moved, axes = best, [g for g in passes if g in AXIS_GROUPS]
+    scorer.simulate([c for g in axes for c in _group_candidates(best, g, values.get(g))])  # one program
+    for group in axes:
+        moved = _search(scorer, moved, group, values.get(group))
+    return best if moved == best else rounds(moved, passes)
 
 
 def _simplicity(cfg: KernelConfig) -> tuple:
@@ -392,7 +461,11 @@ def fit(ps: ProbeSet, outputs, *, output_dtype=None, calls: int = 0, seconds_cal
     start = KernelConfig(causal=ps.causal)
     # the reads count zeros: an 8-bit output type zeroes small outputs itself, so they are not made
     reads = np.dtype(OUTPUT_DTYPES[output_dtype]).itemsize > 1
-    cast = _group_candidates(start, "cast", _read_cast(ps, out) if reads else None)
+    # the cast is read on the ladder with P against the running max (a block's own max is the same there:
+    # one live block) and with P normalised before the cast, which the ladder tells apart
+    values, values_lse = _read_cast(ps, out) if reads else (None, None)
+    cast = _group_candidates(start, "cast", values)
+    cast += _group_candidates(start.replace(p_offset="row_lse"), "cast", values_lse)
     scorer.simulate(cast, "ladder")
     cast = sorted(cast, key=lambda c: (scorer.residual(c, "ladder"), _simplicity(c)))
     kept = [tuple(getattr(c, f) for f in GROUPS["cast"]) for c in cast[:CAST_KEPT]]
@@ -436,7 +509,9 @@ def fit(ps: ProbeSet, outputs, *, output_dtype=None, calls: int = 0, seconds_cal
     cands: list[KernelConfig] = []
     for _ in range(3):
         for group in groups:
-            cands += [c for c in _group_candidates(best, group, kept_values.get(group)) if c not in cands]
+            near = (_skip_candidates(scorer, best, tol) if group == "skip" and not best.skip_softmax_threshold
+                    else _group_candidates(best, group, kept_values.get(group)))
+            cands += [c for c in near if c not in cands]
         scorer.simulate(cands)
         plain = min([best] + [c for c in cands if scorer.residual(c) <= tol], key=_simplicity)
         if plain == best:
@@ -448,6 +523,13 @@ def fit(ps: ProbeSet, outputs, *, output_dtype=None, calls: int = 0, seconds_cal
     twins = [_variant(c, "rescale", (c.rescale_threshold, c.rescale_unit, "pow2"))
              for c in [best] + cands if c.rescale_threshold and c.rescale_compensation == "none"
              and scorer.residual(c) <= tol]
+    # P against each block's own max is P against the running max of splits of one block each
+    for c in [best] + [c for c in cands if scorer.residual(c) <= tol]:
+        if c.p_offset == "block_max" and c.kv_splits == 1:
+            twins.append(_variants(c, ("offset", ("running_max", c.softmax)), ("split", (_blocks(c), "contiguous"))))
+        elif c.p_offset == "running_max" and c.kv_splits == _blocks(c) > 1:
+            twins.append(_variants(c, ("split", (1, "contiguous")), ("offset", ("block_max", c.softmax))))
+    twins += [_amax_twin(c) for c in [best] + cands if scorer.residual(c) <= tol]
     cands += [t for t in twins if t is not None and t not in cands]
     scorer.simulate(cands)
     cands = [c for c in cands if c != best]
@@ -472,39 +554,63 @@ def fit(ps: ProbeSet, outputs, *, output_dtype=None, calls: int = 0, seconds_cal
                        probe_key=ps.key, not_fitted=dict(NOT_FITTED))
 
 
-def _read_cast(ps: ProbeSet, out: np.ndarray) -> list[tuple]:
-    """The ``cast`` candidates whose S agrees with where the ladder's values stop surviving.
+def _amax_twin(cfg: KernelConfig) -> KernelConfig | None:
+    """The config ``cfg`` is on the probes through a query tile beyond their rows, or None: one padded
+    tile, whose padding rows hold P = 1 (``pcast_jax.block.tile_rows``), so its amax is 1 and the
+    tile-amax scale is the format's max: the multiply mode at S = max."""
+    beyond = _QUERY_TILES[-1]
+    if cfg.scale_mode == "tile_amax" and cfg.block_q > ROWS and not cfg.skip_softmax_threshold:
+        return _variant(cfg, "cast", (cfg.fmt.max, "multiply", cfg.p_format))
+    if (cfg.scale_mode == "multiply" and cfg.p_format in _AMAX_FORMATS and cfg.scale == cfg.fmt.max
+            and not cfg.skip_softmax_threshold):
+        return _variants(cfg, ("cast", (1.0, "tile_amax", cfg.p_format)), ("tile", (beyond,)))
+    return None
+
+
+def _read_cast(ps: ProbeSet, out: np.ndarray) -> tuple[list[tuple], list[tuple]]:
+    """The ``cast`` candidates whose S agrees with where the ladder's values stop surviving: those for P
+    against the running max, and those for P normalised before the cast (``p_offset="row_lse"``).
 
     A ladder key at Δ below the row's max survives an element format's cast iff e^-Δ·S exceeds the
-    format's round-to-zero bound r (2^-10 for E4M3): the surviving and the collapsed reads bracket S
-    between r·e^Δ_survived and r·e^Δ_collapsed (a factor 2 of slack either side). Block-scaled formats
-    take their own scale per block, so their S is kept from the registry and the grid's 1.
+    format's round-to-zero bound r (2^-10 for E4M3, 1/2 for INT8): the surviving and the collapsed reads
+    bracket S between r·e^Δ_survived and r·e^Δ_collapsed (a factor 2 of slack either side). A normalised
+    P is e^-Δ/ℓ, so there Δ + ln ℓ (ℓ of the row, known from its logits) stands in for Δ. Block-scaled
+    formats take their own scale per block, so their S is kept from the registry and the grid's 1 (for a
+    normalised P, from the registry's presets that normalise it alone).
     """
     from pcast_jax import numberline
 
-    scores = np.asarray(_inputs(ps.key)["ladder"][0])[0, 0]  # (T, N)
-    z = scores[:, :LADDER_KEYS] - scores[:, :1]  # Δ = −z ≥ 0
+    scores = np.asarray(_inputs(ps.key)["ladder"][0])[0, 0].astype(np.float64)  # (T, N)
+    z = scores - scores[:, :1]  # Δ = −z ≥ 0; the dead keys' e^z is 0
     alive = np.abs(out[0, :, 0, :LADDER_KEYS]) > 0
-    delta = -z[:, 1:].astype(np.float64)
-    surv, dead = delta[alive[:, 1:]], delta[~alive[:, 1:]]
+    delta = -z[:, 1:LADDER_KEYS]
+    log_ell = np.log(np.sum(np.exp(z), axis=1, keepdims=True))
     registry = {(c.scale, c.p_format) for c in fittable_presets().values()}
-    keep = []
+    registry_lse = {(c.scale, c.p_format) for c in fittable_presets().values() if c.p_offset == "row_lse"}
+    reads = []
+    for d in (delta, delta + log_ell):
+        surv, dead = d[alive[:, 1:]], d[~alive[:, 1:]]
+        reads.append((surv.max() if surv.size else None, dead.min() if dead.size else None))
+    keep, keep_lse = [], []
     for vals in candidate_values("cast"):
         scale, mode, fmt = vals
         bf = numberline.BLOCK_FORMATS.get(fmt)
-        if mode == "dynamic":
+        if mode in COMPUTED_SCALE_MODES:
             keep.append(vals)
             continue
         if bf is not None:
             if scale == 1.0 or (scale, fmt) in registry:
                 keep.append(vals)
+            if (scale, fmt) in registry_lse:
+                keep_lse.append(vals)
             continue
         r = numberline.get_format(fmt).round_to_zero
-        lo = r * math.exp(surv.max()) / 2 if surv.size else 0.0
-        hi = r * math.exp(dead.min()) * 2 if dead.size else math.inf
-        if lo <= scale <= hi:
-            keep.append(vals)
-    return keep
+        for (surv_max, dead_min), kept in zip(reads, (keep, keep_lse)):
+            lo = r * math.exp(surv_max) / 2 if surv_max is not None else 0.0
+            hi = r * math.exp(dead_min) * 2 if dead_min is not None else math.inf
+            if lo <= scale <= hi:
+                kept.append(vals)
+    return keep, keep_lse
 
 
 def _read_walk(ps: ProbeSet, out: np.ndarray) -> list[tuple] | None:
@@ -516,7 +622,7 @@ def _read_walk(ps: ProbeSet, out: np.ndarray) -> list[tuple] | None:
     reverse order every key up to the end of it. Each (order, tile) predicts that pattern; the
     :data:`WALK_KEPT` tiles with the fewest mismatches, in both orders, are simulated.
     """
-    rows = np.arange(1, ROWS, 2)  # Δ_R = 17
+    rows = np.arange(1, WALK_ROWS, 2)  # Δ_R = 17
     seg = rows // 2
     width = N_KEYS // SEGMENTS
     observed = out[1, rows, 0, :SEGMENTS] == 0  # (rows, segments)
@@ -526,7 +632,7 @@ def _read_walk(ps: ProbeSet, out: np.ndarray) -> list[tuple] | None:
     first = np.arange(SEGMENTS) * width
     last = first + width - 1
     if ps.causal:  # keys past a row's position are masked: they read 0 in any config
-        visible_to = N_KEYS - ROWS + rows
+        visible_to = N_KEYS - ps.out_shape[1] + rows
         masked = first[None, :] > visible_to[:, None]
     else:
         masked = np.zeros_like(observed)
@@ -561,7 +667,7 @@ def _evidence(scorer: _Scorer, best: KernelConfig, cands: list[KernelConfig], fi
             left.add(other)
         if r < runner_r:
             runner, runner_r = c, r
-    probe = ""
+    probe, determined = "", True
     if runner is not None:
         gap = np.abs(scorer.family_residuals(runner) - scorer.family_residuals(best))
         probe = FAMILIES[int(np.argmax(gap))]
@@ -571,7 +677,14 @@ def _evidence(scorer: _Scorer, best: KernelConfig, cands: list[KernelConfig], fi
         if more:
             left |= more
             note = f"every split count from {value} runs one block of the probes' {value} per split"
-    return FieldEvidence(field=field, value=value, determined=len(left) == 1, note=note,
+    if field == "block_q" and value > ROWS:
+        left.add(value)
+        determined = False
+        note = f"every query tile beyond the probes' {ROWS} rows is one padded tile"
+    if field in GROUPS["walk"] and best.p_offset == "row_lse":
+        left |= {v[GROUPS["walk"].index(field)] for v in candidate_values("walk")}
+        note = "P normalised before the cast is the same in every order and tile"
+    return FieldEvidence(field=field, value=value, determined=determined and len(left) == 1, note=note,
                          candidates=tuple(sorted(left, key=repr)), probe=probe, residual=best_r,
                          runner_up=None if runner is None else getattr(runner, field), runner_up_residual=runner_r)
 

@@ -7,7 +7,7 @@ a power of two whenever ``scale`` is, so the logits are exact in float32; each t
 entry of magnitude 448·2^k (its amax), so a kernel's own per-tensor E4M3 quantization of Q, K and
 V (scale 448/amax, a power of two) changes nothing.
 
-Three batch elements share N = :data:`N_KEYS` keys:
+Five batch elements share N = :data:`N_KEYS` keys and :data:`ROWS` query rows:
 
 * ``ladder`` — :data:`LADDER_KEYS` live keys in the first KV block of any tile (key 0 at logit 0,
   the others at known distances Δ below it), the rest *dead* (logit −120: exp underflows to 0 in
@@ -20,6 +20,13 @@ Three batch elements share N = :data:`N_KEYS` keys:
   row j is nonzero on its segment only, with a value of 1 to 1.75 (an FP16 accumulator rounds the sums).
 * ``ramp`` — the same segments with logits rising (or falling) by a step per segment: a running
   max that lags (a lazy rescale τ) leaves P > 1, P·S saturates; the staircase reads τ.
+* ``tile`` — the first segment at logit 0 in every row, the others below it by Δ_i + c_s, Δ_i
+  rising with the row i and c_s with the segment s: the rows of one query tile differ, so a scale
+  shared by the tile's rows (its amax: the tile's smallest Δ_i) casts each row on another grid than
+  its own, and the blocks every row of a tile holds below λ (skip-softmax) go missing from O and ℓ
+  together; which rows share what reads ``block_q`` and λ. The segments after the first lie below
+  the running max in forward order.
+* ``tile_reverse`` — the same, mirrored (the last segment at 0): what ``tile`` reads, in reverse order.
 
 With ``sinks=True`` the probes have four heads whose learned sink logits sit below, between and
 above the probes' logits: where the sink enters (epilogue, initial max, every block's max) reads
@@ -37,7 +44,7 @@ import numpy as np
 from pcast_jax.errors import PcastError, check_int
 
 __all__ = ["ProbeSet", "probes", "FAMILIES", "N_KEYS", "SEGMENTS", "LADDER_KEYS", "SINK_LOGITS", "FORMAT_TAG",
-           "MIN_HEAD_DIM"]
+           "MIN_HEAD_DIM", "ROWS", "WALK_ROWS"]
 
 #: KV length of every probe: 32 segments of 16 keys; tiles up to 256 keys see at least two blocks.
 N_KEYS = 512
@@ -45,10 +52,12 @@ N_KEYS = 512
 SEGMENTS = 32
 #: Live keys of a ``ladder`` row (all inside the first block of any tile of at least 8 keys).
 LADDER_KEYS = 8
-#: Query rows per probe family.
+#: Query rows per probe family: a query tile of up to 64 rows is read whole (a larger one is padded).
 ROWS = 64
+#: Rows of one ``walk`` pattern (two per segment); the later rows repeat it.
+WALK_ROWS = 2 * SEGMENTS
 #: The probe families, one batch element each, in batch order.
-FAMILIES = ("ladder", "walk", "ramp")
+FAMILIES = ("ladder", "walk", "ramp", "tile", "tile_reverse")
 #: Learned sink logit of each head with ``sinks=True``: head 0 inert, then below, between and above
 #: the probes' logits (whose maximum is 0).
 SINK_LOGITS = (-64.0, -3.0, 2.0, 6.0)
@@ -57,7 +66,7 @@ DEAD_LOGIT = -120.0
 #: Smallest head dim: the segments, the ladder's two dims per key, the dead class and the amax dims.
 MIN_HEAD_DIM = SEGMENTS + 4
 #: Marks an ``.npz`` written by :meth:`ProbeSet.save` (and its layout version).
-FORMAT_TAG = "pcast_fingerprint_probes_v1"
+FORMAT_TAG = "pcast_fingerprint_probes_v2"
 
 _E4M3 = ml_dtypes.float8_e4m3fn
 #: Values of the ``walk`` and ``ramp`` keys, cycling: E4M3 numbers up to 1.75 = 448·2^-8 whose
@@ -75,9 +84,9 @@ class ProbeSet:
     """Crafted Q, K, V (and sink logits) in ``jax.nn``'s (batch, tokens, heads, dim) layout.
 
     Attributes:
-      q: (3, ROWS, heads, head_dim) float32 queries, entries exact in E4M3.
-      k: (3, N_KEYS, heads, head_dim) float32 keys, entries exact in E4M3.
-      v: (3, N_KEYS, heads, head_dim) float32 values, entries exact in E4M3.
+      q: (5, ROWS, heads, head_dim) float32 queries, entries exact in E4M3.
+      k: (5, N_KEYS, heads, head_dim) float32 keys, entries exact in E4M3.
+      v: (5, N_KEYS, heads, head_dim) float32 values, entries exact in E4M3.
       sinks: (heads,) float32 learned sink logits, or None.
       scale: the softmax scale the kernel applies to q·kᵀ (``jax.nn``'s ``scale``).
       causal: whether the kernel masks causally (bottom-right aligned).
@@ -181,7 +190,7 @@ def _walk_levels() -> np.ndarray:
     out = np.empty((ROWS, SEGMENTS))
     for r in range(ROWS):
         out[r] = -reader[r % len(reader)]
-        out[r, r // len(reader)] = 0.0
+        out[r, (r % WALK_ROWS) // len(reader)] = 0.0
     return out
 
 
@@ -194,6 +203,16 @@ def _ramp_levels() -> np.ndarray:
     out = np.empty((ROWS, SEGMENTS))
     out[0::2], out[1::2] = up, down
     return np.maximum(out, DEAD_LOGIT / 2)
+
+
+def _tile_levels() -> np.ndarray:
+    """(ROWS, SEGMENTS): the first segment at 0, segment s ≥ 1 at −(Δ_i + c_s) in row i, with Δ_i from
+    0.3 to 6.3 (rising with the row, so a tile's smallest is its first row's) and c_s = (s − 1)/4."""
+    delta = 0.3 + 6.0 * np.arange(ROWS) / (ROWS - 1)
+    c = 0.25 * (np.arange(SEGMENTS) - 1)
+    out = -(delta[:, None] + c[None, :])
+    out[:, 0] = 0.0
+    return out
 
 
 def probes(head_dim: int, *, scale: float | None = None, causal: bool = False, sinks: bool = False,
@@ -244,9 +263,10 @@ def probes(head_dim: int, *, scale: float | None = None, causal: bool = False, s
     k[0, LADDER_KEYS:, :, dead_dim] = kappa
     q[0, :, :, dead_dim] = _e4m3(DEAD_LOGIT * per_logit)
 
-    # walk and ramp: key j reads the dim of its segment; V one-hot on the segment
+    # walk, ramp and tile: key j reads the dim of its segment; V one-hot on the segment
     seg = np.arange(N_KEYS) // width
-    for f, levels in ((1, _walk_levels()), (2, _ramp_levels())):
+    tile = _tile_levels()
+    for f, levels in ((1, _walk_levels()), (2, _ramp_levels()), (3, tile), (4, tile[:, ::-1])):
         q[f, :, :, :SEGMENTS] = _e4m3(levels * per_logit)[:, None, :]
         k[f, np.arange(N_KEYS), :, seg] = kappa
         v[f, np.arange(N_KEYS), :, seg] = _VALUES[np.arange(N_KEYS) % len(_VALUES)][:, None]
