@@ -147,11 +147,15 @@ def test_bad_theory_threshold_names_it():
         theory.skip_softmax_lost_mass_bound(1.5)
 
 
-def test_the_fingerprint_refuses_to_explain_what_it_cannot_fit():
-    from pcast_jax import fingerprint
+def test_the_fingerprint_has_both_axes_among_its_candidates():
+    """Both axes are fitted fields, with the presets' values among the candidates (tests/test_fingerprint.py
+    identifies the presets that set them)."""
+    from pcast_jax.fingerprint.fit import FIELDS, NOT_FITTED, candidate_values, fittable_presets
 
-    with pytest.raises(PcastError, match="block_q=128, which no candidate"):
-        fingerprint.explain_preset("aiter_mha_fp8_mi355")
+    assert {"block_q", "skip_softmax_threshold"} <= set(FIELDS) - set(NOT_FITTED)
+    assert {"aiter_mha_fp8_mi355", "trtllm_fmha_v2_skip"} <= set(fittable_presets())
+    assert (PRESETS["aiter_mha_fp8_mi355"].block_q,) in candidate_values("tile")
+    assert (PRESETS["trtllm_fmha_v2_skip"].skip_softmax_threshold,) in candidate_values("skip")
 
 
 def test_fields_act_only_where_they_act():

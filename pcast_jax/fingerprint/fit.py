@@ -98,6 +98,9 @@ NOT_FITTED: dict[str, str] = {
                "summing the cast values is fitted as the nearest pre-cast config and shows only in the residual",
     "qkv": "the kernel's own Q/K/V quantization: the probes are exact in E4M3 with power-of-two per-tensor "
            "scales, so it is lossless on them",
+    "sink_prescale": "how a learned sink's logit is weighted when P is scaled in the exponent (2^x, or e^x as "
+                     "fmha_v2's non-exp2f path does): every candidate weights it 2^x, so a kernel weighting it e^x "
+                     "fits no candidate on probes with sinks",
     "overflow": "a NaN output is refused, so only the saturating cast is read",
     "mma_acc_bits": "the tensor core's accumulator model is not among the candidates",
 }
