@@ -24,29 +24,27 @@ HALF_VAR = "PCAST_JAX_TEST_HALF"
 HALF = os.environ.get(HALF_VAR, "").strip()
 
 
-def distinct_configs(configs: dict[str, KernelConfig]) -> list:
-    """One ``pytest.param`` per distinct semantics, its id naming every config it stands for.
+def distinct_configs(configs: dict[str, KernelConfig], by: Callable = lambda cfg: cfg) -> list:
+    """One ``pytest.param`` per group of ``by(config)``, the first config of each, its id naming every config
+    it stands for.
 
-    Configs are equal when their semantics are (the name is a label), so grouping by the config
-    itself leaves one test per behaviour: e.g. ``fwd_s1=hpc_ops_prior``.
+    Configs are equal when their semantics are (the name is a label), so grouping by the config itself
+    leaves one test per behaviour: e.g. ``fwd_s1=hpc_ops_prior``.
     """
-    groups: dict[KernelConfig, list[str]] = {}
+    groups: dict = {}
     for name, cfg in configs.items():
-        groups.setdefault(cfg, []).append(name)
-    return [pytest.param(cfg, id="=".join(names)) for cfg, names in groups.items()]
+        groups.setdefault(by(cfg), []).append((name, cfg))
+    return [pytest.param(members[0][1], id="=".join(n for n, _ in members)) for members in groups.values()]
 
 
 def distinct_programs(configs: dict[str, KernelConfig]) -> list:
-    """One ``pytest.param`` per compiled program (:meth:`KernelConfig.program`), the first config of each.
+    """:func:`distinct_configs` grouped by compiled program (:meth:`KernelConfig.program`).
 
     Configs that differ only in their numbers (S, τ, the V channel max, λ) take the same operations; a
     test of how the operations are composed (one implementation against another, weights against
-    outputs) needs one of them. Its id names every config it stands for.
+    outputs) needs one of them.
     """
-    groups: dict[KernelConfig, list[tuple[str, KernelConfig]]] = {}
-    for name, cfg in configs.items():
-        groups.setdefault(cfg.program(), []).append((name, cfg))
-    return [pytest.param(members[0][1], id="=".join(n for n, _ in members)) for members in groups.values()]
+    return distinct_configs(configs, by=KernelConfig.program)
 
 
 def shared_program(make: Callable) -> Callable:

@@ -73,18 +73,17 @@ def _trim(folder: Path, max_bytes: int) -> None:
 
 def pytest_collection_modifyitems(config, items):
     """Of each parametrized test function, keep every other case in a halved run (:data:`cases.HALF`)."""
-    half = HALF
-    if not half:
+    if not HALF:
         return
-    if half not in ("1", "2"):
-        raise pytest.UsageError(f"{HALF_VAR}={half!r}: expected 1 or 2 (or unset: every case)")
+    if HALF not in ("1", "2"):
+        raise pytest.UsageError(f"{HALF_VAR}={HALF!r}: expected 1 or 2 (or unset: every case)")
     seen: dict[tuple, int] = {}
     keep, drop = [], []
     for item in items:
         key = (item.path, item.cls.__name__ if item.cls else None, getattr(item, "originalname", item.name))
         index = seen[key] = seen.get(key, -1) + 1
         whole = item.get_closest_marker("every_half") is not None or not hasattr(item, "callspec")
-        (keep if whole or index % 2 == int(half) - 1 else drop).append(item)
+        (keep if whole or index % 2 == int(HALF) - 1 else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
