@@ -416,6 +416,9 @@ def _fast_split_parts(scores, counted, cfg: KernelConfig, cast_fn=None, sink=Non
     b = cfg.block_kv
     nb = scores.shape[-1] // b
     sched = block.split_schedule(nb, cfg)  # (splits, steps)
+    # a split with no block (more splits than blocks) keeps m_s = −inf and ℓ_s = 0, weight 0 in the merge:
+    # left out, it adds no term (and no gathered copy of the scores, which cost 3× the rest per config)
+    sched = sched[(sched < nb).any(axis=1)]
 
     def gather(x, fill):
         xb = x.reshape(x.shape[:-1] + (nb, b))
@@ -529,7 +532,7 @@ def weights_and_stats(scores, config, *, count_mask=None, q_offset: int | None =
         p8, w, (m_s, ell_s), stats, sched, sc = _fast_split_parts(scores, counted, cfg, cast_fn, sink)
         p8 = block.dequantize(p8, sc, cfg)
         # the merge is linear in each split's O_s: merging per-key one-hot "outputs" gives the weights
-        eye = jnp.eye(cfg.kv_splits, dtype=jnp.float32)
+        eye = jnp.eye(m_s.shape[-1], dtype=jnp.float32)
         f, ell, stats = _merge_fast(m_s, ell_s, jnp.broadcast_to(eye, m_s.shape + eye.shape[-1:]), stats, cfg, sink)
         wk = p8 * (w * f[..., :, None])[..., None]  # (..., q, splits, steps, B)
         nb = scores.shape[-1] // cfg.block_kv

@@ -236,11 +236,13 @@ def test_second_process_zero_is_refused_and_the_run_goes_on(tmp_path, launched):
 @pytest.mark.slow
 def test_duplicate_process_id_ends_every_process(tmp_path, launched):
     """Two processes started as process 1: JAX's runtime ends process 0 and one of them; the other
-    never joins and gives up at --init-timeout."""
+    never joins and gives up at --init-timeout. The sweep is one no pair finishes before the duplicate
+    connects, however slowly it starts: it is caught while starting or mid-run, and ends the run alike."""
     init_s = 10
     port, out = _free_port(), tmp_path / "out"
+    endless = [a if a != "4000" else "400000" for a in SWEEP]  # minutes of work
     t0 = time.monotonic()
-    launched += [_start(out, port, i, init_s=init_s) for i in (0, 1, 1)]
+    launched += [_start(out, port, i, init_s=init_s, sweep=endless) for i in (0, 1, 1)]
     rc, err = _ended(launched[0], t0, INIT_S + SLACK_S)
     _assert_one_line(rc, err, EXIT_PEER_FAILED, "process 0 of 2", "two processes were started with --process-id 1")
     outcomes = [_ended(p, t0, init_s + HEARTBEAT_S + SLACK_S) for p in launched[1:]]

@@ -208,3 +208,26 @@ def test_analysis_chunks_never_split_a_query_tile(monkeypatch):
     np.testing.assert_allclose(chunked["mse"], whole["mse"], rtol=1e-6)  # sums of other shapes
     masses = heads.scale_masses((q[None], k[None], v[None]), cfg, (1.0,), positions[None], min_keys=8)
     np.testing.assert_array_equal(masses["zeroed_mass"][0, 0], whole["zeroed_mass"])
+
+
+@pytest.mark.parametrize("name", ["fwd_s1", "rev_s256", "fa3_splitkv", "cudnn_fp8", "aiter_mha_fp8_mi355"])
+def test_analysis_chunks_visit_only_the_keys_a_causal_kernel_visits(monkeypatch, name):
+    """A chunk of query rows simulates the kernel on the KV blocks up to its last row only (split-KV: every
+    block); the metrics are those of one chunk of whole rows to FP32 rounding, the counts exactly."""
+    from pcast_jax.analysis import heads
+
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((256, 2, 16)).astype(np.float32) for _ in range(3))
+    q[..., 0], k[:1, :, 0] = 2.5, 12.0  # a sink ~30 logits above the rest
+    positions = np.zeros((2, 1), np.int32)
+    cfg = PRESETS[name]
+    whole = heads.head_metrics(q, k, v, cfg, positions, min_keys=8)
+    monkeypatch.setattr(heads, "_CHUNK_BYTES", 48 * 256 * 64)  # 64 rows per chunk, before rounding to tiles
+    step = heads._whole_tiles(heads._rows_per_chunk(256, 256), cfg)
+    visited = heads.keys_visited(cfg.replace(causal=True), step, 256)
+    assert visited == 256 if cfg.kv_splits > 1 else visited < 256
+    chunked = heads.head_metrics(q, k, v, cfg, positions, min_keys=8)
+    np.testing.assert_array_equal(chunked["frac_zeroed"], whole["frac_zeroed"])
+    assert np.any(whole["frac_zeroed"] > 0)
+    for metric in ("zeroed_mass", "saturated_mass", "mse", "rel_mse"):
+        np.testing.assert_allclose(chunked[metric], whole[metric], rtol=1e-5, atol=1e-12, err_msg=metric)

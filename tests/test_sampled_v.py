@@ -59,11 +59,19 @@ def both():
     return full, free
 
 
+#: mse_expected is a sum of (W − P)²: the subtraction of two nearly equal numbers leaves it P's FP32 rounding
+#: relative to W − P, up to ~1e-5 of it (measured: 1.1e-5 on the presets' sweep below).
+MSE_EXPECTED_RTOL = 3e-5
+
+
 def _same(a, b, label=""):
-    """Counts and masses bit for bit; mse_expected to float32 rounding (XLA may fuse its sums differently)."""
-    for m in ("frac_zeroed", "zeroed_mass", "nonsink_mass"):
-        np.testing.assert_array_equal(_bits(a[m]), _bits(b[m]), err_msg=f"{label} {m}")
-    np.testing.assert_allclose(a["mse_expected"], b["mse_expected"], rtol=4e-6, atol=0, err_msg=label)
+    """Counts bit for bit; masses and mse_expected to float32 rounding. The sweeps with and without V are two
+    programs over every preset, and XLA fuses their sums in ways that depend on the whole program (a
+    change to one preset's graph moved other presets' masses by a few ulps), so bits are not promised."""
+    np.testing.assert_array_equal(a["frac_zeroed"], b["frac_zeroed"], err_msg=f"{label} frac_zeroed")
+    for m in ("zeroed_mass", "nonsink_mass"):
+        np.testing.assert_allclose(a[m], b[m], rtol=1e-6, atol=0, err_msg=f"{label} {m}")
+    np.testing.assert_allclose(a["mse_expected"], b["mse_expected"], rtol=MSE_EXPECTED_RTOL, atol=0, err_msg=label)
 
 
 def test_without_v_every_other_metric_is_the_same_for_every_preset(both):
@@ -96,8 +104,10 @@ def test_without_v_the_alone_evaluation_matches_the_sweep(both):
                                    draw_v=False)
     alone = jax.jit(lambda i: metrics.evaluate(i, spec.configs, sampled=False))(inst)
     assert np.isnan(alone["mse"]).all()
-    for m in ("frac_zeroed", "zeroed_mass", "nonsink_mass", "mse_expected"):  # another program: FP32 rounding
-        np.testing.assert_allclose(alone[m], free.data[m][0, :, 1, 2], rtol=4e-6, atol=0, err_msg=m)
+    for m in ("frac_zeroed", "zeroed_mass", "nonsink_mass"):  # another program: FP32 rounding
+        np.testing.assert_allclose(alone[m], free.data[m][0, :, 1, 2], rtol=1e-6, atol=0, err_msg=m)
+    np.testing.assert_allclose(alone["mse_expected"], free.data["mse_expected"][0, :, 1, 2], rtol=MSE_EXPECTED_RTOL,
+                               atol=0)
 
 
 TINY = ["--n", "64", "--seeds", "2", "--q-len", "2", "--d", "4", "--delta", "7", "--no-progress"]

@@ -110,23 +110,23 @@ def visible_rows(row0, rows: int, num_keys: int, length, window):
     return vis & ((window < 0) | (i - j <= window))
 
 
-def _row_logits(q, k, head, row0, rows: int, cap):
-    """FP32 logits ``[rows, N]`` of head ``head``'s query rows ``row0 .. row0 + rows``; ``q, k [Hq, T, D]``;
-    soft-capped at ``cap`` (None: none)."""
+def _row_logits(q, k, head, row0, rows: int, cap, keys: int):
+    """FP32 logits ``[rows, keys]`` of head ``head``'s query rows ``row0 .. row0 + rows`` on the first ``keys``
+    keys (all they see: :func:`_keys_below`); ``q, k [Hq, T, D]``; soft-capped at ``cap`` (None: none)."""
     head_dim = q.shape[-1]
     q_rows = lax.dynamic_slice(q, (head, row0, 0), (1, rows, head_dim))[0]
-    k_head = lax.dynamic_index_in_dim(k, head, keepdims=False)
+    k_head = lax.dynamic_slice(k, (head, 0, 0), (1, keys, head_dim))[0]
     return soft_capped(jnp.einsum("td,sd->ts", q_rows, k_head, precision=_HIGHEST) / math.sqrt(head_dim), cap)
 
 
-@functools.partial(jax.jit, static_argnames=("rows",))
-def _received_rows(q, k, head, row0, length, window, learned, cap, *, rows: int):
-    """Attention received per key from rows ``row0 .. row0 + rows`` (column sums of the softmax) and the
-    mass those rows put on key 0."""
-    scores = _row_logits(q, k, head, row0, rows, cap)
-    vis = visible_rows(row0, rows, scores.shape[-1], length, window)
+@functools.partial(jax.jit, static_argnames=("rows", "keys"))
+def _received_rows(q, k, head, row0, length, window, learned, cap, *, rows: int, keys: int):
+    """Attention received per key ``[T]`` from rows ``row0 .. row0 + rows`` (column sums of the softmax; 0
+    past their first ``keys`` keys) and the mass those rows put on key 0."""
+    scores = _row_logits(q, k, head, row0, rows, cap, keys)
+    vis = visible_rows(row0, rows, keys, length, window)
     probs = _softmax_rows(scores, vis, learned[head])
-    return jnp.sum(probs, axis=0), jnp.sum(probs[:, 0])
+    return jnp.pad(jnp.sum(probs, axis=0), (0, k.shape[1] - keys)), jnp.sum(probs[:, 0])
 
 
 def _softmax_rows(scores, vis, learned=None):
@@ -142,19 +142,22 @@ def _softmax_rows(scores, vis, learned=None):
     return weights / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)
 
 
-@functools.partial(jax.jit, static_argnames=("rows",))
-def _statistic_rows(q, k, head, row0, length, window, learned, cap, sink_positions, min_keys, *, rows: int):
-    """Per-row sink statistics of head ``head`` on its query rows ``row0 .. row0 + rows``.
+@functools.partial(jax.jit, static_argnames=("rows", "keys"))
+def _statistic_rows(q, k, head, row0, length, window, learned, cap, sink_positions, min_keys, *, rows: int,
+                    keys: int):
+    """Per-row sink statistics of head ``head`` on its query rows ``row0 .. row0 + rows`` (first ``keys`` keys).
 
     Sums over non-sink keys are taken as (sum over visible keys) − (sum over the few sink columns), so
-    each quantity costs one fused pass over the chunk's ``[rows, T]`` logits.
+    each quantity costs one fused pass over the chunk's ``[rows, keys]`` logits.
     """
-    scores = _row_logits(q, k, head, row0, rows, cap)
-    vis = visible_rows(row0, rows, scores.shape[-1], length, window)
+    scores = _row_logits(q, k, head, row0, rows, cap, keys)
+    vis = visible_rows(row0, rows, keys, length, window)
     probs = _softmax_rows(scores, vis, learned[head])
-    sinks = sink_positions[head]
+    # a sink past the chunk's keys is not visible to its rows: its column index is clipped, its visibility False
+    sinks = jnp.minimum(sink_positions[head], keys - 1)
+    vis_sinks = sink_positions[head] < keys
     sink_scores = scores[:, sinks]                                       # [rows, k]
-    sink_visible = vis[:, sinks]                                         # [rows, k]
+    sink_visible = vis[:, sinks] & vis_sinks[None, :]                    # [rows, k]
     n_other = jnp.sum(vis, axis=-1) - jnp.sum(sink_visible, axis=-1)     # [rows]
     valid_row = jnp.all(sink_visible, axis=-1) & (n_other >= min_keys)
     safe_n = jnp.maximum(n_other, 1)
@@ -194,17 +197,19 @@ def _statistic_rows(q, k, head, row0, length, window, learned, cap, sink_positio
 _STAT_BYTES_PER_SCORE = 64
 
 
-def _chunks(num_rows: int, step: int) -> list[tuple[int, int]]:
-    """``(row0, rows)`` of the query-row chunks of ``step`` rows (the last one ragged)."""
-    return [(r0, min(step, num_rows - r0)) for r0 in range(0, num_rows, step)]
+def _chunks(num_rows: int, step: int, length: int) -> list[tuple[int, int, int]]:
+    """``(row0, rows, keys)`` of the query-row chunks of ``step`` rows (the last one ragged): each with the
+    keys its rows see under a causal mask (:func:`_keys_below`), ``length`` the real tokens."""
+    return [(r0, rows, _keys_below(_chunk_end(r0, rows, step, length), num_rows))
+            for r0 in range(0, num_rows, step) for rows in (min(step, num_rows - r0),)]
 
 
 def _layer_sinks(qh, kh, scalars, chunks, *, length: int, num_sinks: int, sink_selection: str):
     """The first pass of :func:`_layer_statistics`: per head, the attention each key receives ``[Hq, T]``, the
     mass on key 0 ``[Hq]`` and the sink positions ``[Hq, num_sinks]`` (the most-received keys, or the first)."""
     num_heads = qh.shape[0]
-    parts = jax.device_get([_received_rows(qh, kh, np.int32(h), np.int32(r0), *scalars, rows=rows)
-                            for h in range(num_heads) for r0, rows in chunks])
+    parts = jax.device_get([_received_rows(qh, kh, np.int32(h), np.int32(r0), *scalars, rows=rows, keys=keys)
+                            for h in range(num_heads) for r0, rows, keys in chunks])
     received = np.stack([np.sum([parts[h * len(chunks) + c][0] for c in range(len(chunks))], axis=0)
                          for h in range(num_heads)]).astype(np.float64) / length   # [Hq, T]
     position0 = np.array([sum(float(parts[h * len(chunks) + c][1]) for c in range(len(chunks)))
@@ -221,7 +226,7 @@ def _layer_inputs(q, k, *, length: int, window: int, learned, soft_cap: float):
     num_tokens, num_heads = q.shape[0], q.shape[1]
     qh = jnp.swapaxes(q, 0, 1)
     kh = jnp.swapaxes(expand_kv(k, num_heads), 0, 1)
-    chunks = _chunks(num_tokens, _rows_per_chunk(num_tokens, num_tokens, _STAT_BYTES_PER_SCORE))
+    chunks = _chunks(num_tokens, _rows_per_chunk(num_tokens, num_tokens, _STAT_BYTES_PER_SCORE), length)
     scalars = (np.int32(length), np.int32(window), learned_logits(learned, num_heads), _cap_arg(soft_cap))
     return qh, kh, scalars, chunks
 
@@ -238,8 +243,8 @@ def _layer_statistics(q, k, *, length: int, window: int, num_sinks: int, sink_se
     sink_positions, received, position0 = _layer_sinks(qh, kh, scalars, chunks, length=length, num_sinks=num_sinks,
                                                        sink_selection=sink_selection)
     rows_out = jax.device_get([_statistic_rows(qh, kh, np.int32(h), np.int32(r0), *scalars,
-                                               jnp.asarray(sink_positions), np.int32(min_keys), rows=rows)
-                               for h in range(num_heads) for r0, rows in chunks])
+                                               jnp.asarray(sink_positions), np.int32(min_keys), rows=rows, keys=keys)
+                               for h in range(num_heads) for r0, rows, keys in chunks])
     per_head = [{name: np.concatenate([rows_out[h * len(chunks) + c][name] for c in range(len(chunks))])
                  for name in rows_out[0]} for h in range(num_heads)]
     out = {"sink_positions": sink_positions}
@@ -438,28 +443,30 @@ def heads_attention(q, k, v, config: str | KernelConfig, *, count_mask=None,
     return jax.vmap(one)(scores, v_seen, jnp.asarray(count_mask, bool))
 
 
-@functools.partial(jax.jit, static_argnames=("rows",))
-def _reference_rows(q, k, v, row0, length, window, learned, cap, *, rows: int):
-    """Exact FP32 attention of query rows ``row0 .. row0 + rows`` of every head, ``q, k, v [Hq, T, D]``."""
+@functools.partial(jax.jit, static_argnames=("rows", "keys"))
+def _reference_rows(q, k, v, row0, length, window, learned, cap, *, rows: int, keys: int):
+    """Exact FP32 attention of query rows ``row0 .. row0 + rows`` of every head, ``q, k, v [Hq, T, D]``, on
+    the first ``keys`` keys (all the rows see)."""
     head_dim = q.shape[-1]
     q_rows = lax.dynamic_slice_in_dim(q, row0, rows, axis=1)
+    k, v = k[:, :keys], v[:, :keys]
     s = soft_capped(jnp.einsum("hrd,hsd->hrs", q_rows, k, precision=_HIGHEST) / math.sqrt(head_dim), cap)
-    probs = _softmax_rows(s, visible_rows(row0, rows, k.shape[1], length, window)[None], learned[:, None, None])
+    probs = _softmax_rows(s, visible_rows(row0, rows, keys, length, window)[None], learned[:, None, None])
     return jnp.einsum("hrs,hsd->hrd", probs, v, precision=_HIGHEST)
 
 
 def _reference(q, k, v, *, length: int | None = None, window: int = -1, sinks=None,
-               soft_cap: float = 0.0) -> np.ndarray:
+               soft_cap: float = 0.0) -> jax.Array:
     """Exact FP32 attention per head of one layer ``[T, H, D]``: ``[Hq, T, D]`` (rows past ``length``: 0),
-    on chunks of query rows."""
+    on chunks of query rows (dispatched: not waited for)."""
     num_tokens, num_heads = q.shape[0], q.shape[1]
     qh, kh, vh = (jnp.swapaxes(expand_kv(jnp.asarray(x, jnp.float32), num_heads), 0, 1) for x in (q, k, v))
     length = num_tokens if length is None else length
-    chunks = _chunks(num_tokens, _rows_per_chunk(num_tokens, num_heads * num_tokens, 8))
+    chunks = _chunks(num_tokens, _rows_per_chunk(num_tokens, num_heads * num_tokens, 8), length)
     learned = learned_logits(sinks, num_heads)
-    parts = jax.device_get([_reference_rows(qh, kh, vh, np.int32(r0), np.int32(length), np.int32(window), learned,
-                                            _cap_arg(soft_cap), rows=rows) for r0, rows in chunks])
-    return jnp.asarray(np.concatenate(parts, axis=1))
+    return jnp.concatenate([_reference_rows(qh, kh, vh, np.int32(r0), np.int32(length), np.int32(window), learned,
+                                            _cap_arg(soft_cap), rows=rows, keys=keys) for r0, rows, keys in chunks],
+                           axis=1)
 
 
 def _reference_jit(q, k, v):
@@ -501,21 +508,50 @@ def _layer_operands(q, k, v, *, config: KernelConfig):
     return ops[0][0], ops[1][0], ops[2][0], factor
 
 
-@functools.partial(jax.jit, static_argnames=("rows",))
-def _kernel_logits_rows(operands, head, row0, *, rows: int):
-    """The logits of head ``head``'s query rows ``row0 .. row0 + rows`` as the kernel multiplies them (from
-    :func:`_layer_operands`; before the soft cap and the mask): one product per chunk of rows, shared by
-    every config and scan whose operands are these (:func:`_layer_passes`)."""
+@functools.partial(jax.jit, static_argnames=("rows", "keys"))
+def _kernel_logits_rows(operands, head, row0, *, rows: int, keys: int):
+    """The logits of head ``head``'s query rows ``row0 .. row0 + rows`` on its first ``keys`` keys as the
+    kernel multiplies them (from :func:`_layer_operands`; before the soft cap and the mask): one product per
+    chunk of rows, shared by every config and scan whose operands are these (:func:`_layer_passes`)."""
     q, k, _, factor = operands
     head_dim = k.shape[2]
     q_rows = lax.dynamic_slice(q, (head, row0, 0), (1, rows, head_dim))
-    return kernel_logits(q_rows[None], lax.dynamic_slice_in_dim(k, head, 1)[None], factor[head])[0, 0]
+    k_head = lax.dynamic_slice(k, (head, 0, 0), (1, keys, head_dim))
+    return kernel_logits(q_rows[None], k_head[None], factor[head])[0, 0]
 
 
-def _chunk_logits(logits, sink_positions, head, row0, length, window, cap):
-    """A chunk's logits (:func:`_kernel_logits_rows`) as the kernel sees them: soft-capped at ``cap`` (None:
-    none), the keys the layer hides (:func:`visible_rows`) masked; with the visible keys, the sink columns
-    and the counted (visible non-sink) keys per row."""
+def keys_visited(config: KernelConfig, row_end: int, num_keys: int) -> int:
+    """The keys a causal kernel visits for query rows below ``row_end`` (:func:`_chunk_end`): its KV blocks
+    up to the last row's diagonal, all ``num_keys`` for split-KV.
+
+    A causal kernel does not visit a block past the diagonal of its query tile (FlashAttention-2/3
+    ``n_block_max``, the Triton kernels' loop bound), so the per-head analysis simulates a chunk of rows on
+    these keys only: the same blocks, without the fully masked ones a full row would add, which change no
+    number but the rounding of sums over blocks (FP32). A split-KV kernel cuts its splits from every block
+    of the row's keys (:func:`pcast_jax.block.split_schedule`): it gets them all.
+    """
+    return num_keys if config.kv_splits > 1 else _keys_below(row_end, num_keys, config.block_kv)
+
+
+def _keys_below(row_end: int, num_keys: int, block: int = 1) -> int:
+    """The keys ``0 .. row_end`` rounded up to whole blocks of ``block``, at most ``num_keys``: all that query
+    rows below ``row_end`` see under a causal mask."""
+    return min(num_keys, -(-row_end // block) * block)
+
+
+def _chunk_end(row0: int, rows: int, step: int, length: int) -> int:
+    """The last key + 1 that the query rows ``row0 .. row0 + rows`` may see: their end, or the real tokens'
+    (``length``) rounded up to a whole chunk of ``step`` rows, so that the chunks of every length take the
+    same few shapes."""
+    return min(row0 + rows, -(-length // step) * step)
+
+
+def _chunk_logits(logits, sink_positions, head, row0, length, window, cap, keys: int):
+    """A chunk's logits (:func:`_kernel_logits_rows`) as the kernel sees them, on its first ``keys`` keys
+    (:func:`keys_visited`): soft-capped at ``cap`` (None: none), the keys the layer hides
+    (:func:`visible_rows`) masked; with the visible keys, the sink columns and the counted (visible
+    non-sink) keys per row."""
+    logits = logits[:, :keys]
     rows, num_keys = logits.shape
     s = soft_capped(logits, cap)
     vis = visible_rows(row0, rows, num_keys, length, window)
@@ -525,15 +561,15 @@ def _chunk_logits(logits, sink_positions, head, row0, length, window, cap):
     return s, vis, is_sink, jnp.sum(vis & ~is_sink[None, :], axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "has_learned"))
+@functools.partial(jax.jit, static_argnames=("config", "has_learned", "keys"))
 def _chunk_rows(logits, operands, sink_positions, ref, head, row0, length, window, learned, cap, *,
-                config: KernelConfig, has_learned: bool):
+                config: KernelConfig, has_learned: bool, keys: int):
     """Per-row quantities of head ``head`` on its query rows ``row0 ..`` (the rows are independent, so a
-    chunk of rows gives those rows of the whole head's result): the chunk's logits (:func:`_chunk_logits`),
-    then the kernel; ``ref [Hq, T, D]``, ``sink_positions [Hq, k]``."""
-    v = operands[2]
+    chunk of rows gives those rows of the whole head's result): the chunk's logits on the keys the kernel
+    visits (:func:`_chunk_logits`), then the kernel; ``ref [Hq, T, D]``, ``sink_positions [Hq, k]``."""
+    v = operands[2][:, :keys]
     rows = logits.shape[0]
-    s, vis, is_sink, counted = _chunk_logits(logits, sink_positions, head, row0, length, window, cap)
+    s, vis, is_sink, counted = _chunk_logits(logits, sink_positions, head, row0, length, window, cap, keys)
     r = lax.dynamic_slice(ref, (head, row0, 0), (1, rows, ref.shape[-1]))[0]
     res = _engine.attention(s, v[head], config, implementation="xla", count_mask=~is_sink, q_offset=row0,
                             sink_logit=learned[head] if has_learned else None)
@@ -551,15 +587,15 @@ def _chunk_rows(logits, operands, sink_positions, ref, head, row0, length, windo
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("configs", "has_learned"))
+@functools.partial(jax.jit, static_argnames=("configs", "has_learned", "keys"))
 def _chunk_masses(logits, sink_positions, head, row0, length, window, learned, cap, *,
-                  configs: tuple[KernelConfig, ...], has_learned: bool):
+                  configs: tuple[KernelConfig, ...], has_learned: bool, keys: int):
     """The zeroed and the clipped mass per row of :func:`_chunk_rows`' rows for every config of ``configs``
     (a family: configs that differ only in ``scale``, so the same operands and logits), ``[C, rows]``
     each, from :func:`pcast_jax.engine.weights_and_stats` (the kernel's own statistics, without the
     contraction with V; the pre-cast P, which does not depend on the scale in the multiply mode, is one
     computation for all of them)."""
-    s, _, is_sink, counted = _chunk_logits(logits, sink_positions, head, row0, length, window, cap)
+    s, _, is_sink, counted = _chunk_logits(logits, sink_positions, head, row0, length, window, cap, keys)
     sink = learned[head] if has_learned else None
     stats = [_engine.weights_and_stats(s, cfg, count_mask=~is_sink, q_offset=row0, sink_logit=sink)
              for cfg in configs]
@@ -581,8 +617,11 @@ def _row_mean(x: np.ndarray, valid: np.ndarray) -> np.ndarray:
 
 def _layer_passes(qkv, reference, configs: Sequence[KernelConfig], families: Sequence[tuple[KernelConfig, ...]],
                   sink_positions, *, min_keys: int, length: int, window: int, sinks=None,
-                  soft_cap: float = 0.0) -> tuple[list[dict], list[dict]]:
-    """Every config's :func:`head_metrics` and every family's :func:`scale_masses` on one layer.
+                  soft_cap: float = 0.0):
+    """Every config's :func:`head_metrics` and every family's :func:`scale_masses` on one layer, dispatched:
+    ``(parts, finish)``, the per-chunk device arrays and the callable that takes them, fetched
+    (``jax.device_get``), to the results. The caller fetches when it needs them, so the layers'
+    computations queue without waiting for each other.
 
     The configs and families whose kernels multiply the same operands (the same Q/K/V quantization) and
     take the same chunks of rows share each chunk's logits: one product of Q and K per chunk of rows and
@@ -609,18 +648,28 @@ def _layer_passes(qkv, reference, configs: Sequence[KernelConfig], families: Seq
         for h in range(num_heads):
             for r0 in range(0, num_tokens, step):
                 head, row0 = np.int32(h), np.int32(r0)
-                logits = _kernel_logits_rows(operands, head, row0, rows=min(step, num_tokens - r0))
-                for kind, i, cfg in members:
+                rows = min(step, num_tokens - r0)
+                end = _chunk_end(r0, rows, step, length)
+                visited = [keys_visited(cfg, end, num_tokens) for _, _, cfg in members]
+                logits = _kernel_logits_rows(operands, head, row0, rows=rows, keys=max(visited))
+                for (kind, i, cfg), keys in zip(members, visited):
                     if kind == "config":
                         part = _chunk_rows(logits, operands, positions, reference, head, row0, *scalars, config=cfg,
-                                           has_learned=has_learned)
+                                           has_learned=has_learned, keys=keys)
                     else:
                         part = _chunk_masses(logits, positions, head, row0, *scalars, configs=families[i],
-                                             has_learned=has_learned)
+                                             has_learned=has_learned, keys=keys)
                     parts[(kind, i)].append(part)
-    parts = jax.device_get(parts)
+    return parts, functools.partial(_layer_results, num_heads=num_heads, num_tokens=num_tokens, head_dim=head_dim,
+                             num_configs=len(configs), families=families, min_keys=min_keys, length=length)
+
+
+def _layer_results(parts: dict, *, num_heads: int, num_tokens: int, head_dim: int, num_configs: int,
+                   families, min_keys: int, length: int) -> tuple[list[dict], list[dict]]:
+    """:func:`_layer_passes`' results from its parts on the host: the metrics per config and
+    ``{"zeroed_mass", "saturated_mass"}`` (each ``[len(family), Hq]``) per family."""
     metrics = [_rows_metrics(parts[("config", i)], num_heads, num_tokens, head_dim, min_keys=min_keys, length=length)
-               for i in range(len(configs))]
+               for i in range(num_configs)]
     masses = []
     for i, family in enumerate(families):
         chunks = parts[("family", i)]
@@ -748,8 +797,9 @@ def head_metrics(q, k, v, config: str | KernelConfig, sink_positions, *,
     q, k, v = (jnp.asarray(np.where(real, np.asarray(x, np.float32), 0.0)) for x in (q, k, v))
     if reference is None:
         reference = _reference(q, k, v, length=length, window=window, sinks=sinks, soft_cap=cap)
-    metrics, _ = _layer_passes((q, k, v), reference, [cfg], (), sink_positions, min_keys=min_keys, length=length,
-                               window=window, sinks=sinks, soft_cap=cap)
+    parts, finish = _layer_passes((q, k, v), reference, [cfg], (), sink_positions, min_keys=min_keys,
+                                  length=length, window=window, sinks=sinks, soft_cap=cap)
+    metrics, _ = finish(jax.device_get(parts))
     return metrics[0]
 
 
@@ -845,6 +895,8 @@ def analyze_layers(trace, configs: Sequence[str | KernelConfig], sink_positions,
         per_layer.append(_layer_passes(qkv, reference, kernels, scans, sink_positions[layer], min_keys=min_keys,
                                        length=length, window=int(windows[layer]), sinks=learned,
                                        soft_cap=float(caps[layer])))
+    # fetched once, after every layer's computations are queued: none waits for the host
+    per_layer = [finish(parts) for parts, (_, finish) in zip(jax.device_get([p for p, _ in per_layer]), per_layer)]
     metrics = None
     if kernels:
         metrics = {m: np.stack([np.stack([layer[0][c][m] for layer in per_layer]) for c in range(len(kernels))])
