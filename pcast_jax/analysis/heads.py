@@ -80,7 +80,7 @@ from pcast_jax.presets import resolve
 __all__ = [
     "SINK_SELECTIONS", "SCALE_GRID", "HEAD_METRICS", "E2EMetrics", "expand_kv", "sink_statistics", "find_sinks",
     "heads_attention", "head_metrics", "analyze_trace", "analyze_layers", "compare_logits", "scored_positions",
-    "validate_lengths",
+    "validate_lengths", "pending_statistics",
 ]
 
 SINK_SELECTIONS = ("received", "first")
@@ -204,15 +204,21 @@ def _chunks(num_rows: int, step: int, length: int) -> list[tuple[int, int, int]]
             for r0 in range(0, num_rows, step) for rows in (min(step, num_rows - r0),)]
 
 
-def _layer_sinks(qh, kh, scalars, chunks, *, length: int, num_sinks: int, sink_selection: str):
-    """The first pass of :func:`_layer_statistics`: per head, the attention each key receives ``[Hq, T]``, the
-    mass on key 0 ``[Hq]`` and the sink positions ``[Hq, num_sinks]`` (the most-received keys, or the first)."""
-    num_heads = qh.shape[0]
-    parts = jax.device_get([_received_rows(qh, kh, np.int32(h), np.int32(r0), *scalars, rows=rows, keys=keys)
-                            for h in range(num_heads) for r0, rows, keys in chunks])
-    received = np.stack([np.sum([parts[h * len(chunks) + c][0] for c in range(len(chunks))], axis=0)
+def _received_parts(qh, kh, scalars, chunks) -> list:
+    """The first pass of the statistics on one layer (:func:`_layer_inputs`), dispatched: per head and chunk of
+    rows (heads outer), :func:`_received_rows`."""
+    return [_received_rows(qh, kh, np.int32(h), np.int32(r0), *scalars, rows=rows, keys=keys)
+            for h in range(qh.shape[0]) for r0, rows, keys in chunks]
+
+
+def _layer_sinks(parts, *, num_heads: int, length: int, num_sinks: int, sink_selection: str):
+    """From one layer's fetched :func:`_received_parts`: per head, the attention each key receives ``[Hq, T]``,
+    the mass on key 0 ``[Hq]`` and the sink positions ``[Hq, num_sinks]`` (the most-received keys, or the
+    first)."""
+    per = len(parts) // num_heads
+    received = np.stack([np.sum([parts[h * per + c][0] for c in range(per)], axis=0)
                          for h in range(num_heads)]).astype(np.float64) / length   # [Hq, T]
-    position0 = np.array([sum(float(parts[h * len(chunks) + c][1]) for c in range(len(chunks)))
+    position0 = np.array([sum(float(parts[h * per + c][1]) for c in range(per))
                           for h in range(num_heads)]) / length
     if sink_selection == "received":  # the most-received keys, the lower position first on a tie
         sink_positions = np.sort(np.argsort(-received, axis=-1, kind="stable")[:, :num_sinks], axis=-1)
@@ -231,21 +237,30 @@ def _layer_inputs(q, k, *, length: int, window: int, learned, soft_cap: float):
     return qh, kh, scalars, chunks
 
 
-def _layer_statistics(q, k, *, length: int, window: int, num_sinks: int, sink_selection: str,
-                      min_keys: int, learned=None, soft_cap: float = 0.0) -> dict[str, np.ndarray]:
-    """Per-head statistics of one layer, ``q [T, Hq, D]``, ``k [T, Hkv, D]``, on chunks of query rows.
+def _trace_inputs(q, k, *, length: int, local_window_size, sinks, logits_soft_cap) -> list:
+    """:func:`_layer_inputs` of every layer of ``q [L, T, Hq, D]``, ``k [L, T, Hkv, D]``."""
+    layers = q.shape[0]
+    windows = layer_windows(local_window_size, layers)
+    caps = layer_soft_caps(logits_soft_cap, layers)
+    return [_layer_inputs(q[layer], k[layer], length=length, window=int(windows[layer]),
+                          learned=None if sinks is None else np.asarray(sinks)[layer], soft_cap=float(caps[layer]))
+            for layer in range(layers)]
 
-    Two passes over the rows: the attention each key receives (which picks the sinks, :func:`_layer_sinks`),
-    then the per-row statistics given the sinks; memory stays at a few ``[rows, T]`` arrays.
-    """
-    num_heads = q.shape[1]
-    qh, kh, scalars, chunks = _layer_inputs(q, k, length=length, window=window, learned=learned, soft_cap=soft_cap)
-    sink_positions, received, position0 = _layer_sinks(qh, kh, scalars, chunks, length=length, num_sinks=num_sinks,
-                                                       sink_selection=sink_selection)
-    rows_out = jax.device_get([_statistic_rows(qh, kh, np.int32(h), np.int32(r0), *scalars,
-                                               jnp.asarray(sink_positions), np.int32(min_keys), rows=rows, keys=keys)
-                               for h in range(num_heads) for r0, rows, keys in chunks])
-    per_head = [{name: np.concatenate([rows_out[h * len(chunks) + c][name] for c in range(len(chunks))])
+
+def _trace_sinks(inputs: list, *, length: int, num_sinks: int, sink_selection: str) -> list:
+    """:func:`_layer_sinks` of every layer of :func:`_trace_inputs`, the layers' first passes dispatched
+    before the one fetch."""
+    fetched = jax.device_get([_received_parts(*inp) for inp in inputs])
+    return [_layer_sinks(parts, num_heads=inp[0].shape[0], length=length, num_sinks=num_sinks,
+                         sink_selection=sink_selection) for parts, inp in zip(fetched, inputs)]
+
+
+def _layer_statistics(rows_out: list, sink_positions, received, position0) -> dict[str, np.ndarray]:
+    """Per-head statistics of one layer from its fetched :func:`_statistic_rows` (heads outer) and
+    :func:`_layer_sinks`: the means over each head's valid rows."""
+    num_heads = len(sink_positions)
+    per = len(rows_out) // num_heads
+    per_head = [{name: np.concatenate([rows_out[h * per + c][name] for c in range(per)])
                  for name in rows_out[0]} for h in range(num_heads)]
     out = {"sink_positions": sink_positions}
     for name in ("delta", "delta_sigma", "sigma", "sink_mass", "underflow_s1", "underflow_s256", "underflow_mass"):
@@ -346,19 +361,36 @@ def sink_statistics(q, k, v=None, cfg=None, *, num_sinks: int = 1, sink_selectio
         (memory a few ``[rows, T]`` arrays, whatever T).
     """
     del v
+    _, finish = pending_statistics(q, k, cfg, num_sinks=num_sinks, sink_selection=sink_selection, min_keys=min_keys,
+                                   length=length, local_window_size=local_window_size, sinks=sinks,
+                                   logits_soft_cap=logits_soft_cap)
+    return finish()
+
+
+def pending_statistics(q, k, cfg=None, *, num_sinks: int = 1, sink_selection: str = "received", min_keys: int = 16,
+                       length: int | None = None, local_window_size=None, sinks=None, logits_soft_cap=None):
+    """:func:`sink_statistics` in two steps: ``(sink_positions [L, Hq, num_sinks], finish)``.
+
+    The sink positions are found (the first pass over every layer's rows, fetched once) and the second
+    pass is dispatched, not waited for: ``finish()`` fetches it and returns :func:`sink_statistics`'
+    dict. Work queued between the two (the kernels, which need only the sink positions) runs beside
+    the statistics. The arguments as :func:`sink_statistics` takes them.
+    """
     q, k, num_sinks, length = _check_qk(q, k, cfg, num_sinks=num_sinks, sink_selection=sink_selection, length=length)
-    layers, num_tokens = q.shape[:2]
-    min_keys = check_int("min_keys", min_keys, min_value=1, max_value=num_tokens)
-    windows = layer_windows(local_window_size, layers)
-    caps = layer_soft_caps(logits_soft_cap, layers)
-    per_layer = [
-        _layer_statistics(q[layer], k[layer], length=length, window=int(windows[layer]), num_sinks=num_sinks,
-                          sink_selection=sink_selection, min_keys=min_keys,
-                          learned=None if sinks is None else np.asarray(sinks)[layer], soft_cap=float(caps[layer]))
-        for layer in range(layers)
-    ]
-    return {name: np.stack([np.asarray(stats[name]) for stats in per_layer])
-            for name in per_layer[0]}
+    min_keys = check_int("min_keys", min_keys, min_value=1, max_value=q.shape[1])
+    inputs = _trace_inputs(q, k, length=length, local_window_size=local_window_size, sinks=sinks,
+                           logits_soft_cap=logits_soft_cap)
+    found = _trace_sinks(inputs, length=length, num_sinks=num_sinks, sink_selection=sink_selection)
+    parts = [[_statistic_rows(qh, kh, np.int32(h), np.int32(r0), *scalars, jnp.asarray(positions),
+                              np.int32(min_keys), rows=rows, keys=keys)
+              for h in range(qh.shape[0]) for r0, rows, keys in chunks]
+             for (qh, kh, scalars, chunks), (positions, _, _) in zip(inputs, found)]
+
+    def finish() -> dict[str, np.ndarray]:
+        per_layer = [_layer_statistics(rows, *layer) for rows, layer in zip(jax.device_get(parts), found)]
+        return {name: np.stack([np.asarray(stats[name]) for stats in per_layer]) for name in per_layer[0]}
+
+    return np.stack([positions for positions, _, _ in found]), finish
 
 
 def _check_qk(q, k, cfg, *, num_sinks, sink_selection: str, length):
@@ -390,14 +422,10 @@ def find_sinks(q, k, *, num_sinks: int = 1, sink_selection: str = "received", le
     layers, _, num_heads = q.shape[:3]
     if sink_selection == "first":
         return np.broadcast_to(np.arange(num_sinks, dtype=np.int32), (layers, num_heads, num_sinks)).copy()
-    windows = layer_windows(local_window_size, layers)
-    caps = layer_soft_caps(logits_soft_cap, layers)
-    out = []
-    for layer in range(layers):
-        inputs = _layer_inputs(q[layer], k[layer], length=length, window=int(windows[layer]),
-                               learned=None if sinks is None else np.asarray(sinks)[layer], soft_cap=float(caps[layer]))
-        out.append(_layer_sinks(*inputs, length=length, num_sinks=num_sinks, sink_selection=sink_selection)[0])
-    return np.stack(out)
+    inputs = _trace_inputs(q, k, length=length, local_window_size=local_window_size, sinks=sinks,
+                           logits_soft_cap=logits_soft_cap)
+    return np.stack([positions for positions, _, _ in _trace_sinks(inputs, length=length, num_sinks=num_sinks,
+                                                                    sink_selection=sink_selection)])
 
 
 def scores_and_values(q, k, v, cfg: KernelConfig):
@@ -561,7 +589,6 @@ def _chunk_logits(logits, sink_positions, head, row0, length, window, cap, keys:
     return s, vis, is_sink, jnp.sum(vis & ~is_sink[None, :], axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "has_learned", "keys"))
 def _chunk_rows(logits, operands, sink_positions, ref, head, row0, length, window, learned, cap, *,
                 config: KernelConfig, has_learned: bool, keys: int):
     """Per-row quantities of head ``head`` on its query rows ``row0 ..`` (the rows are independent, so a
@@ -587,7 +614,6 @@ def _chunk_rows(logits, operands, sink_positions, ref, head, row0, length, windo
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("configs", "has_learned", "keys"))
 def _chunk_masses(logits, sink_positions, head, row0, length, window, learned, cap, *,
                   configs: tuple[KernelConfig, ...], has_learned: bool, keys: int):
     """The zeroed and the clipped mass per row of :func:`_chunk_rows`' rows for every config of ``configs``
@@ -600,6 +626,21 @@ def _chunk_masses(logits, sink_positions, head, row0, length, window, learned, c
     stats = [_engine.weights_and_stats(s, cfg, count_mask=~is_sink, q_offset=row0, sink_logit=sink)
              for cfg in configs]
     return counted, jnp.stack([w.zeroed_mass for w in stats]), jnp.stack([w.saturated_mass for w in stats])
+
+
+@functools.partial(jax.jit, static_argnames=("jobs", "has_learned", "keys"))
+def _chunk_family(logits, operands, sink_positions, ref, head, row0, length, window, learned, cap, *,
+                  jobs: tuple, has_learned: bool, keys: int) -> list:
+    """One chunk's :func:`_chunk_rows` (a job ``("config", config)``) and :func:`_chunk_masses` (``("family",
+    configs)``) of one kernel family (configs that differ only in ``scale``), in one program: one call where
+    there was one per job, and XLA computes what the jobs share before the cast (the masked logits, the block
+    maxima, the running max) as common subexpressions."""
+    scalars = (length, window, learned, cap)
+    return [_chunk_rows(logits, operands, sink_positions, ref, head, row0, *scalars, config=what,
+                        has_learned=has_learned, keys=keys) if kind == "config" else
+            _chunk_masses(logits, sink_positions, head, row0, *scalars, configs=what, has_learned=has_learned,
+                          keys=keys)
+            for kind, what in jobs]
 
 
 def _valid_rows(counted: np.ndarray, min_keys: int, length: int) -> np.ndarray:
@@ -646,20 +687,20 @@ def _layer_passes(qkv, reference, configs: Sequence[KernelConfig], families: Seq
     for (_, _, step), members in groups.items():
         operands = _layer_operands(*qkv, config=members[0][2])
         for h in range(num_heads):
-            for r0 in range(0, num_tokens, step):
+            for r0, rows, seen in _chunks(num_tokens, step, length):
                 head, row0 = np.int32(h), np.int32(r0)
-                rows = min(step, num_tokens - r0)
-                end = _chunk_end(r0, rows, step, length)
-                visited = [keys_visited(cfg, end, num_tokens) for _, _, cfg in members]
+                visited = [keys_visited(cfg, seen, num_tokens) for _, _, cfg in members]
                 logits = _kernel_logits_rows(operands, head, row0, rows=rows, keys=max(visited))
+                by_family: dict = {}  # one program per kernel family and key count
                 for (kind, i, cfg), keys in zip(members, visited):
-                    if kind == "config":
-                        part = _chunk_rows(logits, operands, positions, reference, head, row0, *scalars, config=cfg,
-                                           has_learned=has_learned, keys=keys)
-                    else:
-                        part = _chunk_masses(logits, positions, head, row0, *scalars, configs=families[i],
-                                             has_learned=has_learned, keys=keys)
-                    parts[(kind, i)].append(part)
+                    by_family.setdefault((cfg.replace(scale=1.0), keys), []).append((kind, i))
+                for (_, keys), jobs in by_family.items():
+                    done = _chunk_family(logits, operands, positions, reference, head, row0, *scalars,
+                                         jobs=tuple((kind, configs[i] if kind == "config" else families[i])
+                                                    for kind, i in jobs),
+                                         has_learned=has_learned, keys=keys)
+                    for job, part in zip(jobs, done):
+                        parts[job].append(part)
     return parts, functools.partial(_layer_results, num_heads=num_heads, num_tokens=num_tokens, head_dim=head_dim,
                              num_configs=len(configs), families=families, min_keys=min_keys, length=length)
 

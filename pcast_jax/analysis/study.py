@@ -46,7 +46,14 @@ import numpy as np
 
 from pcast_jax import stats as _stats
 from pcast_jax.analysis.capture import Trace
-from pcast_jax.analysis.heads import SCALE_GRID, E2EMetrics, analyze_layers, compare_logits, find_sinks, sink_statistics
+from pcast_jax.analysis.heads import (
+    SCALE_GRID,
+    E2EMetrics,
+    analyze_layers,
+    compare_logits,
+    find_sinks,
+    pending_statistics,
+)
 from pcast_jax.config import KernelConfig, scale_candidates
 from pcast_jax.errors import PcastError, check_f32, check_int
 from pcast_jax.presets import get_preset, preset_for, resolve
@@ -441,9 +448,10 @@ def analyze(trace: Trace, configs: Sequence[str | KernelConfig], *, num_sinks: i
     say = progress or (lambda _line: None)
     start = time.perf_counter()
     windows = trace.local_window_size
-    stats = trace_statistics(trace, num_sinks=num_sinks, min_keys=min_keys, progress=say)
+    sink_positions, statistics = _pending_statistics(trace, num_sinks=num_sinks, min_keys=min_keys, progress=say)
     families = _families(kernels)
-    heads, masses = _run_kernels(trace, kernels, families, stats["sink_positions"], min_keys, say, start)
+    heads, masses = _run_kernels(trace, kernels, families, sink_positions, min_keys, say, start)
+    stats = statistics()  # computed beside the kernels
     if not np.isfinite(heads["zeroed_mass"]).any():
         raise PcastError(f"no head has a query row that sees min_keys={min_keys} keys besides its sink: "
                          "record more tokens or lower min_keys")
@@ -462,15 +470,27 @@ def trace_statistics(trace: Trace, *, num_sinks: int = 1, min_keys: int = 16,
                      progress: Callable[[str], None] | None = None) -> dict:
     """:func:`~pcast_jax.analysis.heads.sink_statistics` of every sequence of ``trace``, each at its
     length and every layer within its window: ``{name: [B, L, H, ...]}``."""
+    return _pending_statistics(trace, num_sinks=num_sinks, min_keys=min_keys, progress=progress)[1]()
+
+
+def _pending_statistics(trace: Trace, *, num_sinks: int, min_keys: int, progress: Callable[[str], None] | None):
+    """:func:`trace_statistics` in two steps (:func:`~pcast_jax.analysis.heads.pending_statistics`):
+    ``(sink_positions [B, L, H, num_sinks], finish)``, ``finish()`` the statistics' dict."""
     say = progress or (lambda _line: None)
     per_seq = []
     for b in range(trace.num_sequences):
         n = int(trace.lengths[b])
         say(f"sequence {b + 1}/{trace.num_sequences}: sink statistics ({trace.num_layers} layers, {n} tokens)")
-        per_seq.append(sink_statistics(trace.q[:, b], trace.k[:, b], num_sinks=num_sinks, min_keys=min(min_keys, n),
-                                       length=n, local_window_size=trace.local_window_size, sinks=trace.sinks,
-                                       logits_soft_cap=trace.logits_soft_cap))
-    return {name: np.stack([s[name] for s in per_seq]) for name in per_seq[0]}
+        per_seq.append(pending_statistics(trace.q[:, b], trace.k[:, b], num_sinks=num_sinks,
+                                          min_keys=min(min_keys, n), length=n,
+                                          local_window_size=trace.local_window_size, sinks=trace.sinks,
+                                          logits_soft_cap=trace.logits_soft_cap))
+
+    def finish() -> dict:
+        stats = [pending() for _, pending in per_seq]
+        return {name: np.stack([s[name] for s in stats]) for name in stats[0]}
+
+    return np.stack([positions for positions, _ in per_seq]), finish
 
 
 def trace_sinks(trace: Trace, *, num_sinks: int = 1, progress: Callable[[str], None] | None = None) -> np.ndarray:
