@@ -70,6 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pcast_jax import block as _block
 from pcast_jax import engine as _engine
 from pcast_jax.config import KernelConfig
 from pcast_jax.engine import check_implementation
@@ -549,16 +550,36 @@ def _kernel_logits_rows(operands, head, row0, *, rows: int, keys: int):
 
 
 def keys_visited(config: KernelConfig, row_end: int, num_keys: int) -> int:
-    """The keys a causal kernel visits for query rows below ``row_end`` (:func:`_chunk_end`): its KV blocks
-    up to the last row's diagonal, all ``num_keys`` for split-KV.
+    """The keys a causal kernel visits for query rows below ``row_end`` (the keys they see, :func:`_chunks`):
+    its KV blocks up to the last row's diagonal, for split-KV only where that leaves every split as it is.
 
     A causal kernel does not visit a block past the diagonal of its query tile (FlashAttention-2/3
     ``n_block_max``, the Triton kernels' loop bound), so the per-head analysis simulates a chunk of rows on
     these keys only: the same blocks, without the fully masked ones a full row would add, which change no
     number but the rounding of sums over blocks (FP32). A split-KV kernel cuts its splits from every block
-    of the row's keys (:func:`pcast_jax.block.split_schedule`): it gets them all.
+    of the row's keys (:func:`pcast_jax.block.split_schedule`): it gets the chunk's blocks alone only where
+    their schedule puts each of them in the same split at the same step of its walk as the schedule of
+    every block does (:func:`_same_splits`: strided splits, or no more blocks than splits); elsewhere all
+    ``num_keys``.
     """
-    return num_keys if config.kv_splits > 1 else _keys_below(row_end, num_keys, config.block_kv)
+    keys = _keys_below(row_end, num_keys, config.block_kv)
+    if config.kv_splits > 1 and not _same_splits(config, keys, num_keys):
+        return num_keys
+    return keys
+
+
+@functools.lru_cache(maxsize=None)
+def _same_splits(config: KernelConfig, keys: int, num_keys: int) -> bool:
+    """Whether the split schedule of the first ``keys`` keys' blocks walks them as the schedule of all
+    ``num_keys`` keys' blocks does: each split the same of them in the same order (the splits' other
+    blocks are past the rows' diagonal, fully masked, and add nothing to the split or to the merge)."""
+    seen, whole = -(-keys // config.block_kv), -(-num_keys // config.block_kv)
+
+    def walks(n_blocks: int) -> list:
+        return [row for row in ([int(b) for b in split if b < seen]
+                                for split in _block.split_schedule(n_blocks, config)) if row]
+
+    return walks(seen) == walks(whole)
 
 
 def _keys_below(row_end: int, num_keys: int, block: int = 1) -> int:
