@@ -558,9 +558,9 @@ def keys_visited(config: KernelConfig, row_end: int, num_keys: int) -> int:
     these keys only: the same blocks, without the fully masked ones a full row would add, which change no
     number but the rounding of sums over blocks (FP32). A split-KV kernel cuts its splits from every block
     of the row's keys (:func:`pcast_jax.block.split_schedule`): it gets the chunk's blocks alone only where
-    their schedule puts each of them in the same split at the same step of its walk as the schedule of
-    every block does (:func:`_same_splits`: strided splits, or no more blocks than splits); elsewhere all
-    ``num_keys``.
+    their schedule gives each split the same of them in the same order as the schedule of every block does
+    (:func:`_same_splits`: strided splits, or no more blocks than splits; the steps at which a split visits
+    the masked blocks change nothing); elsewhere all ``num_keys``.
     """
     keys = _keys_below(row_end, num_keys, config.block_kv)
     if config.kv_splits > 1 and not _same_splits(config, keys, num_keys):
