@@ -21,6 +21,8 @@ import numpy as np
 
 #: Relative distance from a decision point below which float32 and float64 may decide differently.
 NEAR = 2.0**-20
+#: The unit roundoff of float32.
+U32 = 2.0**-24
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +161,19 @@ class OracleResult:
     zeroed_slack: np.ndarray  # (q,): how many zeroed decisions sit at the boundary
     n_saturated: np.ndarray | None = None  # (q,): visible P·S above the element max (element formats)
     saturated_mass: np.ndarray | None = None  # (q,): their exact probability
+    zeroed_mass_slack: np.ndarray | None = None  # (q,): the mass of the zeroed decisions at the boundary
+    saturated_mass_slack: np.ndarray | None = None  # (q,): the mass of the saturated decisions at the max
+
+    n_keys: int = 0  # the keys of a row
+
+    def mass_tolerance(self, which: str = "zeroed") -> np.ndarray:
+        """(q,): what a float32 kernel's zeroed (or ``"saturated"``) mass may differ by from this one: the
+        slack (every key within float32 error of its decision counts whole) plus float32 accumulation over N
+        keys, (2N + 8)u of the mass (the mass and ℓ each summed over N keys, exp and the division a few ulp),
+        plus 2^-60 where both are zero."""
+        mass, slack = ((self.zeroed_mass, self.zeroed_mass_slack) if which == "zeroed"
+                       else (self.saturated_mass, self.saturated_mass_slack))
+        return (2 * self.n_keys + 8) * U32 * np.abs(mass) + slack + 2.0**-60
 
 
 def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", block_kv=64,
@@ -278,8 +293,10 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
         lz = np.zeros(q)
         ls = np.zeros(q)
         ell_sl = np.zeros(q)
+        lz_sl = np.zeros(q)
+        ls_sl = np.zeros(q)
         wsum = []
-        for m, ell_s, o, _nz, lz_s, slack, _zs, _ns, ls_s, ell_slack in runs:
+        for m, ell_s, o, _nz, lz_s, slack, _zs, _ns, ls_s, ell_slack, lz_slack, ls_slack in runs:
             w = np.where(ell_s > 0, np.exp(m - m_ok) * ell_s, 0.0)
             div = scale * ell_s if scale_mode == "multiply" else ell_s
             if p_offset == "row_lse":  # P was normalised before the cast: O / S
@@ -290,6 +307,8 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
             ell_sl += np.where(ell_s > 0, np.exp(m - m_ok), 0.0) * ell_slack
             lz += np.where(ell_s > 0, np.exp(m - m_ok), 0.0) * lz_s
             ls += np.where(ell_s > 0, np.exp(m - m_ok), 0.0) * ls_s
+            lz_sl += np.where(ell_s > 0, np.exp(m - m_ok), 0.0) * lz_slack
+            ls_sl += np.where(ell_s > 0, np.exp(m - m_ok), 0.0) * ls_slack
         if sink_logit is not None and sink_mode != "init_max":  # the sink's column, once, at the merged max
             ell += np.exp(sink_logit - m_ok) * sink_factor / (
                 row[1] if row is not None else 1.0)  # row_lse: its share of the normalised softmax
@@ -305,7 +324,8 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
             out_slack = out_slack + 4 * 2.0**-24 * np.abs(out)
         out_slack = out_slack + np.abs(out) * (ell_sl / share)[:, None]  # ℓ of float16 P near a midpoint
         ns = sum(r[7] for r in runs)
-        return OracleResult(out * colscale, ell, nz, lz / share, out_slack * colscale, zslack, ns, ls / share)
+        return OracleResult(out * colscale, ell, nz, lz / share, out_slack * colscale, zslack, ns, ls / share,
+                            lz_sl / share, ls_sl / share, n)
 
 
 def _f16(x):
@@ -340,6 +360,8 @@ def _one_split(s, v, counted, blocks, line, block_kv, group, scale, scale_mode, 
     slack = np.zeros((q, d))  # in units of the accumulator, carried by α like O
     zslack = np.zeros(q, np.int64)
     ell_slack = np.zeros(q)  # |Δℓ| that float16 near-ties can explain, carried by α like ℓ
+    lz_slack = np.zeros(q)  # the zeroed mass of decisions at the boundary, carried by α like the mass
+    ls_slack = np.zeros(q)  # likewise, the saturated mass of decisions at the max
     if row is not None:  # P normalised by the row's own max and sum: the running max is the row's throughout
         m = row[0].copy()
     rtz = line.values[1] / 2  # values at or below this round to zero (the tie goes to the even 0)
@@ -440,7 +462,11 @@ def _one_split(s, v, counted, blocks, line, block_kv, group, scale, scale_mode, 
             ls = a * ls + beta * np.where(sat, p, 0.0).sum(axis=1)
             near_zero = near_zero | (f16_near & (np.abs(ps - rtz) <= 2.0**-9 * rtz))
             zslack += (counted[:, cols] & (ps > 0) & near_zero).sum(axis=1)
-    return m, ell, o, nz, lz, slack, zslack, ns, ls, ell_slack
+            lz_slack = a * lz_slack + beta * np.where(counted[:, cols] & (ps > 0) & near_zero, p, 0.0).sum(axis=1)
+            near_max = np.abs(ps - line.max) <= NEAR * line.max
+            near_sat = (z > -np.inf) & near_max & (p_format not in BLOCKED) & (scale_mode != "tile_amax")
+            ls_slack = a * ls_slack + beta * np.where(near_sat, p, 0.0).sum(axis=1)
+    return m, ell, o, nz, lz, slack, zslack, ns, ls, ell_slack, lz_slack, ls_slack
 
 
 def _per_tile(x, block_q: int, filler: float, reduce):
@@ -520,12 +546,22 @@ def sink_scores(rng: np.random.Generator, *, q: int, n: int, d: int, delta: floa
 
 
 __all__ = ["E2M1", "E4M3", "E4M3FNUZ", "E5M2", "INT8", "UINT8",
-           "BLOCKED", "MMA_K", "block_cast", "Fp8Line", "OracleResult", "attention",
+           "BLOCKED", "MMA_K", "block_cast", "Fp8Line", "HeadMasses", "OracleResult", "attention",
            "config_kwargs", "round_fp8", "sink_scores", "truncate"]
 
 
+@dataclasses.dataclass(frozen=True)
+class HeadMasses:
+    """Per scale and query head (``[len(scales), Hq]`` each): the zeroed and clipped mass, and the slack."""
+
+    zeroed: np.ndarray
+    clipped: np.ndarray
+    zeroed_slack: np.ndarray  # the largest |Δ zeroed| a float32 kernel can differ by from these float64 values
+    clipped_slack: np.ndarray  # likewise for the clipped mass
+
+
 def causal_head_masses(q, k, *, block_kv: int, scales, min_keys: int, rescale_gap: float = 0.0,
-                       line: Fp8Line = E4M3):
+                       line: Fp8Line = E4M3) -> HeadMasses:
     """Per query head of one causal self-attention layer, the zeroed and clipped mass of a forward-order
     kernel with P·S cast to ``line`` (multiply mode), at every applied scale of ``scales`` in one pass.
 
@@ -538,7 +574,14 @@ def causal_head_masses(q, k, *, block_kv: int, scales, min_keys: int, rescale_ga
     ``rescale_gap`` > 0: the lazy rescale, the running max moves only when a block's max exceeds it by more
     than that many logits (P may then exceed 1).
 
-    Returns ``(zeroed, clipped)``, each ``[len(scales), Hq]``.
+    The slack bounds what a float32 kernel may differ by, on any CPU and in any summation order. Its logit
+    q·k/√D is off the float64 one by at most e = γ_D·Σ|q_i k_i|/√D + 1.5u|s| (γ_D = Du/(1 − Du), u = 2^-24:
+    the dot product in any order, the division, this oracle's own rounding to float32), so ln(P·S) =
+    s − m + ln S is off by at most ε = e_s + e_m + u|s − m| + 5u (the subtraction; exp and ×S, a few ulp).
+    A key whose ln(P·S) lies within ε of ln(round-to-zero) or ln(max) may be decided either way: its whole
+    exact probability is slack. A lazy-rescale test within ε of the gap may move the running max either way:
+    every later key of that row is slack. Every other probability is off by at most (2ε + 3Tu) of itself
+    (the exact softmax in float32, its sums over T keys and over rows).
     """
     q = np.asarray(q, np.float64)
     k = np.asarray(k, np.float64)
@@ -547,8 +590,12 @@ def causal_head_masses(q, k, *, block_kv: int, scales, min_keys: int, rescale_ga
     kx = np.repeat(k, group, axis=1)
     s = np.einsum("ihd,jhd->hij", q, kx) / np.sqrt(head_dim)
     s = s.astype(np.float32).astype(np.float64)
+    gamma = head_dim * U32 / (1 - head_dim * U32)
+    err = gamma * np.einsum("ihd,jhd->hij", np.abs(q), np.abs(kx)) / np.sqrt(head_dim) + 1.5 * U32 * np.abs(s)
     visible = np.tril(np.ones((t, t), bool))[None]
     s = np.where(visible, s, -np.inf)
+    err = np.where(visible, err, 0.0)
+    err_m = err.max(axis=-1)  # [Hq, T]: bounds the error of any running max of the row
     exact = np.exp(s - s.max(axis=-1, keepdims=True))
     exact /= exact.sum(axis=-1, keepdims=True)
     sink = np.argmax(exact.sum(axis=1), axis=-1)  # [Hq]
@@ -557,21 +604,40 @@ def causal_head_masses(q, k, *, block_kv: int, scales, min_keys: int, rescale_ga
     scales = np.asarray(scales, np.float64)[:, None, None, None]
     rtz = line.values[1] / 2
     zeroed = np.zeros((scales.shape[0], num_heads, t))
-    clipped = np.zeros_like(zeroed)
+    clipped, zeroed_near, clipped_near = (np.zeros_like(zeroed) for _ in range(3))
     m = np.full((num_heads, t), -np.inf)
-    with np.errstate(invalid="ignore", over="ignore"):
+    unsure = np.zeros((num_heads, t), bool)  # a lazy-rescale test so far could have gone either way
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         for b0 in range(0, t, block_kv):
             cols = slice(b0, b0 + block_kv)
             z = s[..., cols]
             bmax = z.max(axis=-1)
+            if rescale_gap > 0:
+                tie = np.abs(bmax - m - rescale_gap) <= 2 * err_m + U32 * np.abs(bmax - m) + 2 * U32
+                unsure |= np.isfinite(m) & np.isfinite(bmax) & tie
             m = np.where(bmax - m > rescale_gap, np.maximum(m, bmax), m)
             m_safe = np.where(m == -np.inf, 0.0, m)
             p = np.exp(z - m_safe[..., None])
             ps = p[None] * scales
+            eps = (err[..., cols] + err_m[..., None] + U32 * np.abs(z - m_safe[..., None]) + 5 * U32)[None]
+            log_ps = np.log(ps)
+            near_zero = (np.abs(log_ps - np.log(rtz)) <= eps) | unsure[None, ..., None]
+            near_max = (np.abs(log_ps - np.log(line.max)) <= eps) | unsure[None, ..., None]
             zero = counted[None, ..., cols] & (ps > 0) & (ps <= rtz)
             over = visible[None, ..., cols] & (ps > line.max)
-            zeroed += np.where(zero, exact[None, ..., cols], 0.0).sum(axis=-1)
-            clipped += np.where(over, exact[None, ..., cols], 0.0).sum(axis=-1)
+            mass = exact[None, ..., cols]
+            zeroed += np.where(zero, mass, 0.0).sum(axis=-1)
+            clipped += np.where(over, mass, 0.0).sum(axis=-1)
+            zeroed_near += np.where(counted[None, ..., cols] & near_zero & ~zero, mass, 0.0).sum(axis=-1)
+            clipped_near += np.where(visible[None, ..., cols] & near_max & ~over, mass, 0.0).sum(axis=-1)
+    rel = 2 * np.where(visible, err + err_m[..., None], 0.0).max(axis=(-1, -2)) + 3 * t * U32  # [Hq]
     mean = np.where(rows, 1.0, np.nan)
-    with np.errstate(invalid="ignore"):
-        return np.nanmean(zeroed * mean, axis=-1), np.nanmean(clipped * mean, axis=-1)
+
+    def per_head(x):
+        with np.errstate(invalid="ignore"):
+            return np.nanmean(x * mean, axis=-1)
+
+    # a near key counts fully whichever way it went: the slack is its mass on the other side too
+    zeroed_slack = per_head(zeroed_near) + per_head(np.where(unsure, zeroed, 0.0)) + rel * per_head(zeroed)
+    clipped_slack = per_head(clipped_near) + per_head(np.where(unsure, clipped, 0.0)) + rel * per_head(clipped)
+    return HeadMasses(per_head(zeroed), per_head(clipped), zeroed_slack, clipped_slack)
