@@ -913,6 +913,15 @@ def test_scale_masses_equal_the_full_kernel_per_scale_bit_for_bit():
         assert np.all(got["zeroed_mass"][0] >= got["zeroed_mass"][1])  # a larger scale zeroes less
 
 
+def test_kernels_that_compute_their_scale_get_no_scale_scan():
+    """A tile-amax or dynamic kernel computes S itself: no candidate static scale is simulated for it, and no
+    safe scale is recommended, where a static kernel beside it gets its scan."""
+    result = analyze(character_trace("sink at 0"), ["aiter_mha_fp8_mi300", "fwd_s1"], min_keys=8)
+    assert [scan.members for scan in result.scans] == [("fwd_s1",)]
+    with pytest.raises(PcastError, match="config='aiter_mha_fp8_mi300' has no scan"):
+        result.safe_scale("aiter_mha_fp8_mi300")
+
+
 def test_safe_scale_is_given_in_the_knob_each_deployment_sets():
     """pcast analyze's safe scale in each family's own knob: cuDNN's scale_s (P multiplied by scale_s·2^-τ),
     vLLM ROCm's prob_scale (S = 0.5/prob_scale on MI300), the config field elsewhere."""

@@ -54,7 +54,7 @@ from pcast_jax.analysis.heads import (
     find_sinks,
     pending_statistics,
 )
-from pcast_jax.config import KernelConfig, scale_candidates
+from pcast_jax.config import COMPUTED_SCALE_MODES, KernelConfig, scale_candidates
 from pcast_jax.errors import PcastError, check_f32, check_int
 from pcast_jax.presets import get_preset, preset_for, resolve
 
@@ -528,7 +528,7 @@ def _families(kernels) -> dict:
     (member indices, the candidate scales no member runs)}``."""
     members: dict = {}
     for ci, cfg in enumerate(kernels):
-        if cfg.scale_mode != "dynamic":
+        if cfg.scale_mode not in COMPUTED_SCALE_MODES:  # a computed scale (dynamic, tile amax) has no S to scan
             members.setdefault(cfg.replace(scale=1.0), []).append(ci)
     out = {}
     for family, cis in members.items():
