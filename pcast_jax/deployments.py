@@ -436,8 +436,8 @@ def diagnose(deployment: Deployment, *, knob_value: float | None = None, scales:
         what = "clips" if all(r["zeroed_mass"] <= ZEROED_MASS_LIMIT for r in bad) else "zeroes"
         if recommended is None:
             advice = (f"the cast {what} more than the limit from Δ = {collapse:g} and no power-of-two S from 1 to "
-                      f"{candidate_scales[-1]:g} (beyond, P·S would pass the format's max) meets the criterion on every Δ; "
-                      "narrow the Δ range to your model's (pcast analyze)")
+                      f"{candidate_scales[-1]:g} (beyond, P·S would pass the format's max) meets the criterion on "
+                      "every Δ; narrow the Δ range to your model's (pcast analyze)")
         else:
             scale = scale_from_knob(knob, recommended, deployment.knob_factor)
             advice = (f"the cast {what} more than the limit from Δ = {collapse:g}; set {knob} = {recommended:g} "
