@@ -1956,3 +1956,101 @@ def test_whatif_report_out_is_written_as_a_set(tmp_path, capsys, monkeypatch):
     line = _cli_error(capsys, argv)
     assert "--out=" in line and str(tmp_path / "w" / "whatif_validate.csv") in line and "unchanged" in line, line
     assert _folder_bytes(tmp_path / "w") == before and sorted(p.name for p in tmp_path.iterdir()) == ["w"]
+
+
+# --------------------------------------------------------------------------------------------
+# Reads under an address-space limit: memory follows the file, never the bound
+# --------------------------------------------------------------------------------------------
+
+#: A child that imports the readers and starts JAX's CPU backend (its threads), then limits its address space
+#: (RLIMIT_AS) to what it has mapped plus 128 MiB and reads small files through every bounded read
+#: path: the trace (``analyze``, ``doctor --trace``, ``jax-fp8 --trace``: a quarter of RAM is its
+#: bound), the probes (1 GiB) and the outputs (256 MiB) of ``fingerprint fit``, and ``read_bounded``
+#: with a 1 GiB bound. A reader that reserves its bound fails there with a MemoryError.
+_LIMITED_READS = r"""
+import resource, sys
+from pcast_jax import fileio
+from pcast_jax.analysis import load_trace
+from pcast_jax.commands.fingerprint import load_outputs
+from pcast_jax.fingerprint import ProbeSet
+from pcast_jax.sweep.plan import default_budget
+
+import jax.numpy as jnp
+
+assert default_budget() > 2**28  # the bound dwarfs the headroom
+(jnp.ones(8) * 2).block_until_ready()  # JAX's backend and its threads start here, before the limit
+mapped = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (mapped + 2**27, resource.getrlimit(resource.RLIMIT_AS)[1]))
+trace, probes, outputs, small = sys.argv[1:5]
+for name, read in [("trace", lambda: load_trace(trace).q.shape),
+                   ("probes", lambda: ProbeSet.load(probes).q.shape),
+                   ("outputs", lambda: load_outputs(outputs).shape),
+                   ("read_bounded", lambda: len(fileio.read_bounded(small, what="f", max_bytes=2**30)))]:
+    try:
+        print(name, "read", read(), flush=True)
+    except MemoryError:
+        print(name, "MemoryError", flush=True)
+"""
+
+
+def _small_files(tmp_path):
+    """A trace (2 layers, 64 tokens, head dim 16), probes and a preset's outputs on them, a 3-byte file."""
+    from pcast_jax import fingerprint
+    from pcast_jax.analysis import Trace
+
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 1, 64, 2, 16)).astype(np.float32)
+    Trace(q=q, k=q[:, :, :, :1].copy(), v=q[:, :, :, 1:].copy(), lengths=np.array([64]),
+          layers=("a", "b")).save(tmp_path / "t.npz")
+    ps = fingerprint.probes(36)
+    ps.save(tmp_path / "p.npz")
+    np.save(tmp_path / "o.npy", _fingerprint().simulate_outputs(ps, "fwd_s1"))
+    (tmp_path / "small").write_bytes(b"abc")
+    return [str(tmp_path / n) for n in ("t.npz", "p.npz", "o.npy", "small")]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the mapped size from /proc")
+def test_every_bounded_read_path_reads_a_small_file_under_an_address_space_limit(tmp_path):
+    files = _small_files(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", _LIMITED_READS, *files], capture_output=True, text=True,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines == ["trace read (2, 1, 64, 2, 16)", "probes read (5, 64, 1, 36)", "outputs read (5, 64, 1, 36)",
+                     "read_bounded read 3"], lines
+
+
+#: Address space each ``pcast`` run below gets: 3 GiB. ``pcast analyze`` on the small trace peaks at
+#: 1.6 GiB mapped (VmPeak, 2-core CPU host, most of it JAX's runtime); the trace's bound alone is a
+#: quarter of RAM, so a reader that reserved it would fail on any host with 8 GiB of RAM or more.
+_CLI_ADDRESS_SPACE = 3 * 2**30
+
+
+#: ``pcast ARGV`` in a child whose address space is limited to ``_CLI_ADDRESS_SPACE`` before anything is imported.
+_LIMITED_CLI = (f"import resource, sys; resource.setrlimit(resource.RLIMIT_AS, ({_CLI_ADDRESS_SPACE}, "
+                "resource.getrlimit(resource.RLIMIT_AS)[1])); from pcast_jax.cli import main; sys.exit(main())")
+
+
+def test_the_trace_commands_and_fingerprint_fit_run_under_an_address_space_limit(tmp_path):
+    trace, probes, outputs, _ = _small_files(tmp_path)
+    runs = {"analyze": ["analyze", trace, "--configs", "fwd_s1", "--out", str(tmp_path / "a"), "--no-progress"],
+            "doctor": ["doctor", "--engine", "jax", "--backend", "cudnn", "--gpu", "sm90", "--trace", trace],
+            "jax-fp8": ["jax-fp8", "--trace", trace, "--format", "json"],
+            "fingerprint fit": ["fingerprint", "fit", probes, outputs, "--format", "json"]}
+    for name, argv in runs.items():
+        proc = subprocess.run([sys.executable, "-c", _LIMITED_CLI, *argv], capture_output=True, text=True,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, (name, proc.stderr[-2000:])
+
+
+@pytest.mark.parametrize("max_bytes, read", [(1000, 100), (100, 100), (50, None), (10, None)])
+def test_a_file_that_grows_while_it_is_read_is_read_to_the_bound(tmp_path, monkeypatch, max_bytes, read):
+    """The size seen when the file is opened is 10 bytes; it holds 100 by the time it is read."""
+    (tmp_path / "f").write_bytes(bytes(range(100)))
+    real = os.fstat
+    monkeypatch.setattr(fileio.os, "fstat", lambda fd: os.stat_result((*tuple(real(fd))[:6], 10, *tuple(real(fd))[7:10])))
+    if read is None:
+        with pytest.raises(PcastError, match=f"f grew past {max_bytes} bytes while it was read"):
+            fileio.read_bounded(tmp_path / "f", what="f", max_bytes=max_bytes)
+    else:
+        assert fileio.read_bounded(tmp_path / "f", what="f", max_bytes=max_bytes) == bytes(range(100))
