@@ -31,9 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run only these experiments (table1, table2, figure1_dp, figure2_delta, "
                              "figure3_n, appendix_a, appendix_b, table3_kernels); report.md then holds "
                              "only them")
-    parser.add_argument("--extras", default="real_model", metavar="NAME[,NAME]",
-                        help="studies beyond the paper to append to a full run: real_model, whatif, formats, "
-                             "mma_accumulation, sinks_and_rescale, vendors_and_knobs, or none (default: real_model; "
+    parser.add_argument("--extras", default=None, metavar="NAME[,NAME]",
+                        help="studies beyond the paper to append, with --only and --quick too: real_model, whatif, "
+                             "formats, mma_accumulation, sinks_and_rescale, vendors_and_knobs, or none (default: "
+                             "real_model on a full run, none with --only or --quick; "
                              "whatif adds about two minutes, formats, mma_accumulation and vendors_and_knobs "
                              "about one each)")
     parser.add_argument("--fresh", action="store_true",
@@ -54,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
         print(line, flush=True)
 
     reproduce(args.out, quick=args.quick, only=args.only, progress=args.progress, fresh=args.fresh,
-              extras=[] if args.extras.strip() == "none" else [e.strip() for e in args.extras.split(",") if e.strip()],
+              extras=None if args.extras is None else [] if args.extras.strip() == "none"
+              else [e.strip() for e in args.extras.split(",") if e.strip()],
               log=log)
     return 0
 

@@ -124,7 +124,7 @@ def _clear_sweeps(out: Path, quick: bool) -> None:
 
 def reproduce(out_dir, *, quick: bool = False, only: Sequence[str] | None = None,
               progress: bool | None = None, fresh: bool = False,
-              extras: Sequence[str] = DEFAULT_EXTRAS,
+              extras: Sequence[str] | None = None,
               log: Callable[[str], None] = print) -> Path:
     """Run the experiments and write the report folder; returns the path of ``report.md``.
 
@@ -134,16 +134,19 @@ def reproduce(out_dir, *, quick: bool = False, only: Sequence[str] | None = None
       only: experiment names (default all, in the paper's order).
       progress: the sweep engine's progress bar (None: when stderr is a terminal).
       fresh: delete this mode's sweep folders first, recomputing everything.
-      extras: names from :data:`EXTRA_SECTIONS` (studies beyond the paper) to append when ``only``
-        is not given and ``quick`` is off (default: the real model; the what-if section adds about
-        two minutes on 2 cores, so it is opt-in); they run at their reduced sizes here (``pcast model-report``
-        and ``pcast whatif report`` give the full ones).
+      extras: names from :data:`EXTRA_SECTIONS` (studies beyond the paper) appended after the
+        experiments, with ``only`` and ``quick`` too (None: :data:`DEFAULT_EXTRAS` on a full run, none
+        with ``only`` or ``quick``; the what-if section adds about two minutes on 2 cores, so it is
+        opt-in); they run at their reduced sizes here (``pcast model-report`` and ``pcast whatif
+        report`` give the full ones).
       log: receives one line per finished experiment.
     """
     import jax
 
     names = _select(only)
-    for name in extras or ():
+    if extras is None:
+        extras = () if (only or quick) else DEFAULT_EXTRAS
+    for name in extras:
         if name not in EXTRA_SECTIONS:
             raise PcastError(f"extras={name!r} is not one of {', '.join(EXTRA_SECTIONS)}")
     out = Path(out_dir)
@@ -158,10 +161,6 @@ def reproduce(out_dir, *, quick: bool = False, only: Sequence[str] | None = None
     t_all, c_all = time.perf_counter(), time.process_time()
     log(f"pcast reproduce: {'QUICK (reduced sizes)' if quick else 'full paper sizes'}, "
         f"{len(names)} experiment(s) → {out}/ on {jax.device_count()} {jax.default_backend()} device(s)")
-    if extras and (only or quick):
-        log(f"extra sections not run: {', '.join(extras)} (studies beyond the paper are appended to a full run "
-            f"only, not with {'--only' if only else '--quick'}; `pcast whatif report` and `pcast model-report` "
-            "run the what-if and real-model studies alone)")
     sections: list[Section] = []
     timings: dict[str, dict] = {}
     for i, name in enumerate(names, 1):
@@ -177,7 +176,7 @@ def reproduce(out_dir, *, quick: bool = False, only: Sequence[str] | None = None
                          "sweeps_computed": sorted(set(ctx.sweep_log) - before)}
         log(f"[{i}/{len(names)}] {section.title:<66} {wall:6.1f} s")
     extra_md, extra_files, descriptions = [], [], dict(FILE_DESCRIPTIONS)
-    if extras and not only and not quick:
+    if extras:
         for name in extras:
             module, func = EXTRA_SECTIONS[name]
             t0, c0 = time.perf_counter(), time.process_time()

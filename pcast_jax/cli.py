@@ -136,6 +136,24 @@ def build_parser(argv: list[str] | None = None, added: dict | None = None) -> ar
     return parser
 
 
+def _undecodable(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """(option, value) of each parsed text value that is not UTF-8: undecodable bytes of ``argv`` (a file name
+    on a POSIX system) arrive as lone surrogates, which no file, report or JSON can hold."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(args, action.dest, None) or "")
+            if chosen is not None:
+                yield from _undecodable(chosen, args)
+            continue
+        values = getattr(args, action.dest, None)
+        for value in values if isinstance(values, list) else [values]:
+            if isinstance(value, str):
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    yield (action.option_strings[0] if action.option_strings else action.metavar or action.dest), value
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     added = added_commands()
@@ -149,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 0
+    bad = next(_undecodable(parser, args), None)
+    if bad is not None:  # before any work: a file name is printed and written into reports
+        print(f"pcast: error: {bad[0]}={bad[1]!r} is not UTF-8 text (a file name of bytes this system's "
+              "encoding does not decode?); pcast reads names as UTF-8: rename the file", file=sys.stderr)
+        return 2
     try:
         return int(_load(args.command, added).run(args) or 0)
     except BrokenPipeError:  # output piped into `head` or similar: stop quietly

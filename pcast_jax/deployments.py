@@ -427,17 +427,17 @@ def diagnose(deployment: Deployment, *, knob_value: float | None = None, scales:
                   "setting of this backend avoids it; use a backend whose kernel passes (pcast doctor on another "
                   "--backend), or check on your model with pcast analyze")
     else:
-        scales = sorted(s for s in {s for _, s in candidates}
-                        if all((name, s) in candidates for name in deployment.presets))
-        for s in scales:
+        candidate_scales = sorted(s for s in {s for _, s in candidates}
+                                  if all((name, s) in candidates for name in deployment.presets))
+        for s in candidate_scales:
             if all(_passes(by_config[candidates[(name, s)]].values()) for name in deployment.presets):
                 recommended = knob_from_scale(knob, s, deployment.knob_factor)
                 break
         what = "clips" if all(r["zeroed_mass"] <= ZEROED_MASS_LIMIT for r in bad) else "zeroes"
         if recommended is None:
             advice = (f"the cast {what} more than the limit from Δ = {collapse:g} and no power-of-two S from 1 to "
-                      f"{scales[-1]:g} (beyond, P·S would pass the format's max) meets the criterion on every Δ; "
-                      "narrow the Δ range to your model's (pcast analyze)")
+                      f"{candidate_scales[-1]:g} (beyond, P·S would pass the format's max) meets the criterion on "
+                      "every Δ; narrow the Δ range to your model's (pcast analyze)")
         else:
             scale = scale_from_knob(knob, recommended, deployment.knob_factor)
             advice = (f"the cast {what} more than the limit from Δ = {collapse:g}; set {knob} = {recommended:g} "

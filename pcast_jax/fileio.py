@@ -293,18 +293,46 @@ def read_bounded(path, *, what: str, max_bytes: int) -> bytes:
 
     A directory, a device (``/dev/zero``), a pipe or a missing file is refused with one line; never
     more than ``max_bytes`` + 1 bytes are read, whatever the file claims or does while it is read.
+    Memory follows the file, not the bound: the buffer asked for is the file's size as it is opened
+    (and one byte that tells a file that grew), then at most a chunk at a time past it, so a bound of
+    gigabytes costs nothing under an address-space limit (``ulimit -v``, RLIMIT_AS) on a small file.
     """
     with _open_regular(path, what) as f:
         st = os.fstat(f.fileno())
         if st.st_size > max_bytes:
             raise PcastError(f"{what} is {_size_text(st.st_size)}; at most {_size_text(max_bytes)} is read")
         try:
-            data = f.read(max_bytes + 1)
+            data = _read_upto(f, st.st_size, max_bytes + 1)
         except OSError as exc:
             raise PcastError(f"{what} cannot be read ({exc.strerror or exc})") from None
     if len(data) > max_bytes:
         raise PcastError(f"{what} grew past {_size_text(max_bytes)} while it was read")
     return data
+
+
+#: Bytes read at a time past a file's size as it was opened (a file that grows while it is read).
+_GROWTH_CHUNK = 1 << 20
+
+
+def _read_upto(f, size: int, limit: int) -> bytes:
+    """At most ``limit`` bytes of file ``f``, whose size was ``size`` when it was opened.
+
+    Python's ``read(n)`` reserves all ``n`` bytes before it reads: the first read asks for the file's
+    size and one byte more (which tells a file that grew), and a file that grew is read on a chunk at
+    a time up to ``limit``.
+    """
+    data = f.read(min(size + 1, limit))
+    if len(data) <= size or len(data) >= limit:
+        return data
+    parts = [data]
+    total = len(data)
+    while total < limit:
+        chunk = f.read(min(_GROWTH_CHUNK, limit - total))
+        if not chunk:
+            break
+        parts.append(chunk)
+        total += len(chunk)
+    return b"".join(parts)
 
 
 def _text(data: bytes, what: str) -> str:

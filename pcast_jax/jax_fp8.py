@@ -219,6 +219,8 @@ def predict(*, fp8_params=None, scale_s: float | None = None, head_dim: int | No
     if fp8_params is not None and scale_s is not None:
         raise PcastError("give fp8_params or scale_s, not both")
     given_s = scale_s_from(fp8_params) if fp8_params is not None else scale_s
+    if scale_s is not None:  # before any work: a trace is read and scanned only for a scale that can run
+        given_s = check_positive("scale_s", scale_s, float32=True)
     tau, gpu_words = gpu_tau(gpu, rescale_threshold)
     synthetic = {"head_dim": head_dim, "seq_len": seq_len, "sinks": sinks, "q_len": q_len, "sigma": sigma,
                  "seeds": seeds, "base_seed": base_seed}

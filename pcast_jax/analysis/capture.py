@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pcast_jax.errors import PcastError
+from pcast_jax.errors import F32_MAX, F32_TINY, PcastError
 
 __all__ = ["Trace", "Recorder", "RecorderWarning", "load_trace", "TRACE_DIMS", "LOGIT_MAX", "VALUE_RANGE"]
 
@@ -196,6 +196,10 @@ def _check_trace(trace: Trace, where: str) -> None:
                 or caps.min() < 0:
             raise PcastError(f"{where}: field 'logits_soft_cap' must be {q.shape[0]} finite numbers >= 0 (one per "
                              f"layer; 0: none), got {caps.dtype} {caps.shape}")
+        odd = caps[(caps != 0) & ((caps < F32_TINY) | (caps > F32_MAX))]  # 0 or inf in float32: not the cap
+        if odd.size:
+            raise PcastError(f"{where}: field 'logits_soft_cap' holds {float(odd[0])!r}; a cap must lie in "
+                             f"[{F32_TINY:.4g}, {F32_MAX:.4g}] (a normal float32; 0: none)")
         object.__setattr__(trace, "logits_soft_cap", caps.astype(np.float32))
 
 

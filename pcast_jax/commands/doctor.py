@@ -8,6 +8,11 @@ import json
 
 from pcast_jax.commands import _options
 
+#: Defaults of the Δ range's options and of --mass-limit (None in the parser: a flag given is told from one not).
+DEFAULT_DELTA, DEFAULT_SEEDS, DEFAULT_MASS_LIMIT = "4:12:2", "4", "1e-3"
+#: The Δ range's options (flag, dest): refused with --trace, which has its own sinks.
+_SYNTHETIC = (("--delta", "delta"), ("--learned-sink", "learned_sink"), ("--seeds", "seeds"))
+
 HELP = "From a deployment (engine, backend, GPU, checkpoint) to its kernel, a P-collapse verdict and the fix."
 
 
@@ -23,15 +28,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prob-scale", type=float, default=None,
                         help="the prob_scale the engine uses (where it sets the P scale: S = 1/prob_scale)")
     parser.add_argument("--scale-s", type=float, default=None, help="the scale_s the caller passes (jax cudnn)")
-    parser.add_argument("--delta", default="4:12:2",
+    parser.add_argument("--delta", default=None,
                         help="sink strengths Δ to test: a value, a list or start:stop:step (default 4:12:2)")
-    parser.add_argument("--learned-sink", action="store_true",
+    parser.add_argument("--learned-sink", action="store_true", default=None,
                         help="a learned sink logit (gpt-oss sinks) instead of four token sinks at the front")
-    parser.add_argument("--seeds", default="4", help="draws per Δ, 2..256 (default 4)")
+    parser.add_argument("--seeds", default=None, help="draws per Δ, 2..256 (default 4)")
     _options.add_trace_arguments(parser, trace_does="the verdict and the fix on it, as pcast analyze computes "
                                                     "them, instead of over a Δ range",
                                  model_adds="adds KL, top-1 agreement and perplexity per kernel")
-    parser.add_argument("--mass-limit", default="1e-3", metavar="X",
+    parser.add_argument("--mass-limit", default=None, metavar="X",
                         help="with --trace: the worst head's zeroed and clipped mass limit, in (0, 1) (default 1e-3)")
     parser.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
 
@@ -41,10 +46,19 @@ def run(args: argparse.Namespace) -> int:
     from pcast_jax.errors import PcastError
 
     row = deployments.find(args.engine, args.backend, args.gpu, args.kv_cache_dtype)
-    deltas = _options.floats("--delta", args.delta, max_count=64)
-    seeds = _options.ints("--seeds", args.seeds, min_value=1)
+    if args.trace is None and args.mass_limit is not None:
+        raise PcastError("--mass-limit: only with --trace (the worst head's limit on your model's trace; the Δ "
+                         "range's criterion is fixed)")
+    if args.trace is not None:  # the trace has its own sinks: the Δ range's options would be ignored
+        given = [flag for flag, dest in _SYNTHETIC if getattr(args, dest) is not None]
+        if given:
+            raise PcastError(f"{', '.join(given)}: options of the Δ range, but --trace was given (the trace has "
+                             "its own sinks; its heads are analysed as they are)")
+    deltas = _options.floats("--delta", DEFAULT_DELTA if args.delta is None else args.delta, max_count=64)
+    seeds_text = DEFAULT_SEEDS if args.seeds is None else args.seeds
+    seeds = _options.ints("--seeds", seeds_text, min_value=1)
     if len(seeds) != 1 or not 2 <= seeds[0] <= 256:
-        raise PcastError(f"--seeds={args.seeds!r} must be one integer in [2, 256] (a verdict needs a standard error)")
+        raise PcastError(f"--seeds={seeds_text!r} must be one integer in [2, 256] (a verdict needs a standard error)")
     given = {k: v for k, v in (("prob_scale", args.prob_scale), ("scale_s", args.scale_s)) if v is not None}
     if len(given) > 1 or (given and row.knob not in given):
         names = ", ".join(f"--{k.replace('_', '-')}" for k in given)
@@ -59,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     if args.trace is not None:
         return _on_trace(args, row, knob_value, scales)
     diag = deployments.diagnose(row, knob_value=knob_value, scales=scales, deltas=deltas, seeds=seeds[0],
-                                learned_sink=args.learned_sink)
+                                learned_sink=bool(args.learned_sink))
     if args.format == "json":
         print(json.dumps(report.json_value(diag.to_dict()), indent=1, ensure_ascii=False))
         return 0
@@ -108,7 +122,8 @@ def _on_trace(args: argparse.Namespace, row, knob_value, scales: dict) -> int:
     from pcast_jax.analysis.report import report_data
     from pcast_jax.commands.analyze import model_logits
 
-    mass_limit = _options.number("--mass-limit", args.mass_limit, positive=True)
+    mass_limit = _options.number("--mass-limit", DEFAULT_MASS_LIMIT if args.mass_limit is None else args.mass_limit,
+                                 positive=True)
     fileio.check_regular(args.trace, what=f"trace file {args.trace}")
     trace = load_trace(args.trace)
     logits_fn = None if args.model is None else model_logits(args.model, trace)

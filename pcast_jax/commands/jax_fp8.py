@@ -56,6 +56,11 @@ def run(args: argparse.Namespace) -> int:
     from pcast_jax.errors import PcastError
 
     jax_fp8.gpu_tau(args.gpu, args.tau, names=("--gpu", "--tau"))  # refused here, naming the options
+    for flag, dest in (("--scale-s", "scale_s"), ("--mass-limit", "mass_limit")):  # before any work
+        if getattr(args, dest) is not None:
+            _options.number(flag, getattr(args, dest), positive=True)
+    if args.mass_limit is not None and not args.mass_limit < 1:
+        raise PcastError(f"--mass-limit={args.mass_limit!r} must be below 1 (a share of the attention mass)")
     if args.trace is None:
         given = [f"--{name.replace('_', '-')}" for name in ("model", "mass_limit") if getattr(args, name) is not None]
         if given:

@@ -312,6 +312,15 @@ def check_outputs(ps: ProbeSet, outputs, *, what: str = "outputs") -> np.ndarray
         idx = tuple(int(i) for i in np.argwhere(bad)[0])
         raise PcastError(f"{what} holds {int(bad.sum())} NaN or inf values (first at {idx}, probe family "
                          f"{FAMILIES[idx[0]]!r}): a kernel's output on the probes must be finite")
+    if not out.any():
+        raise PcastError(f"{what} is zero everywhere: a kernel's output on the probes never is (an unlaunched "
+                         "kernel or an unfilled buffer?); nothing is read from it")
+    dominant = out[FAMILIES.index("ladder"), :, 0, 0]  # key 0 at the row's max: its P is 1, never cast to 0
+    if not dominant.all():
+        rows = np.flatnonzero(dominant == 0)
+        raise PcastError(f"{what} is zero on the ladder's dominant key (family 'ladder', head 0, column 0) in "
+                         f"{rows.size} of {dominant.size} rows (first row {int(rows[0])}): a kernel that zeroes a "
+                         "row's largest probability outputs nothing to read (an unfilled buffer?); nothing is read")
     return out
 
 

