@@ -629,7 +629,10 @@ def split_schedule(n_blocks: int, cfg: KernelConfig) -> np.ndarray:
     s + kv_splits, s + 2·kv_splits, … (TensorRT-LLM XQA multi-block: ``idxKTile = idxKTileInit +
     idxIter · nbSubSeq`` in ``cpp/kernels/xqa/mha_sm90.cu``). Each split walks its own blocks in
     the config's order (:func:`kv_block`). A split with fewer blocks than ``steps`` idles at the end
-    of its schedule: those entries hold ``n_blocks`` (a fully masked block). ``kv_splits = 1`` gives
+    of its schedule: those entries hold ``n_blocks`` (a fully masked block). One schedule serves every
+    row, cut from all ``n_blocks`` blocks: FlashAttention-3 cuts each query tile's from the blocks up to its
+    diagonal (``hopper/block.h`` lines 23-34, 47-54 @0251105), which differs on causal prefill rows
+    (:func:`pcast_jax.analysis.study.analyze` says so beside each split-KV config). ``kv_splits = 1`` gives
     the one-run order of :func:`kv_block`.
     """
     splits = cfg.kv_splits

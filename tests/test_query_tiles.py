@@ -317,3 +317,38 @@ def test_a_split_kv_chunk_keeps_every_block_where_its_splits_would_change(monkey
     np.testing.assert_array_equal(chunked["frac_zeroed"], whole["frac_zeroed"])
     assert np.any(whole["frac_zeroed"] > 0)
     _same_to_rounding(chunked, whole)
+
+
+def test_a_row_split_schedule_overstates_a_per_query_tile_split_on_causal_prefill():
+    """FlashAttention-3 divides each query tile's visible blocks among its splits (``hopper/block.h``
+    ``get_n_block_min_max``); the simulator cuts one schedule per row from all blocks. A per-tile split is the
+    row schedule on the tile's own keys (its blocks up to its diagonal), so the float64 oracle computes both:
+    on causal prefill at 4,096 tokens a forward S = 1 contiguous split (8 × 64 keys) zeroes 1.5–2.5× more mass
+    per row under the row schedule (the factor the analysis states beside every split-KV config), the engine
+    equals the oracle's row schedule, and on a decode row (one tile that sees every block) the two agree."""
+    n, m = 4096, 128
+    s, v, mask = oracle.sink_scores(np.random.default_rng(0), q=n, n=n, d=D, delta=7.0)
+    cfg = KernelConfig(kv_splits=8, block_kv=64, causal=True)
+    kw = oracle.config_kwargs(cfg)
+    row = oracle.attention(s, v, count_mask=mask, **kw).zeroed_mass
+    tile = np.concatenate([oracle.attention(s[t:t + m, :t + m], v[:t + m], count_mask=mask[:t + m], **kw).zeroed_mass
+                           for t in range(0, n, m)])
+    assert 1.5 < row.mean() / tile.mean() < 2.5, (row.mean(), tile.mean())
+    ours = np.asarray(engine.attention(s, v, cfg, count_mask=mask).zeroed_mass, np.float64)
+    # float32 against float64: zeroed P decided by the same codes but at near-ties; masses agree to 1e-4
+    np.testing.assert_allclose(ours.mean(), row.mean(), rtol=1e-4)
+    last = oracle.attention(s[-1:], v, count_mask=mask, **kw)  # decode: the last row alone, every block
+    np.testing.assert_allclose(last.zeroed_mass, row[-1:], rtol=1e-12)
+
+
+def test_the_analysis_states_the_split_schedule_caveat_on_prefill():
+    from test_analysis import character_trace
+
+    from pcast_jax.analysis import analyze
+
+    trace = character_trace("sink at 0", T=320)
+    result = analyze(trace, [PRESETS["vllm_triton_fp8_3d"], KernelConfig(kv_splits=2, name="split2"),
+                             KernelConfig(name="plain")])
+    text = "\n".join(result.summary_lines())
+    assert "`vllm_triton_fp8_3d` is a decode kernel; on these prefill rows" in text
+    assert text.count("Note: its splits are cut from each row's blocks") == 1  # split2 only, not plain
