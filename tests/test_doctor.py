@@ -298,3 +298,31 @@ def test_a_backend_without_the_knob_says_the_checkpoint_does_not_reach_p(tmp_pat
     out = capsys.readouterr().out
     assert "checkpoint prob_scale: 3 tensors (per tensor), 0.00390625 … 0.25 (not used for P by this backend)" in out
     assert "P's cast takes its scale from nothing: the kernel fixes S" in out and "layers without" not in out
+
+
+def test_on_a_trace_each_group_of_layers_gets_its_own_verdict():
+    """``doctor --trace`` with a checkpoint whose layers differ in prob_scale: layer 0 at 1/256 (S = 128 on
+    MI300), layer 1 without one (S = 1); each group's verdict is the float64 oracle's worst head on that
+    layer of the trace at that S, cast to E4M3FNUZ (``oracle.causal_head_masses``)."""
+    from test_analysis import character_trace
+
+    from pcast_jax.analysis import Trace, diagnose_trace
+
+    one = character_trace("sink at 0", T=320)
+    trace = Trace(q=np.concatenate([one.q] * 2), k=np.concatenate([one.k] * 2), v=np.concatenate([one.v] * 2),
+                  lengths=one.lengths, layers=("attn0", "attn1"))
+    row = deployments.find("vllm", "rocm_flash", "gfx942")
+    scales = {"prob_scale": {"model.layers.0.self_attn.prob_scale": 1 / 256},
+              "layers": {"layers.0": 1 / 256, "layers.1": None}}
+    limit = 1e-3
+    diag = diagnose_trace(row, trace, scales=scales, mass_limit=limit)
+    block = deployments.configured(row, head_dim=trace.q.shape[-1])[0].block_kv
+    want = []
+    for layer, scale in ((0, 128.0), (1, 1.0)):
+        zeroed, clipped = oracle.causal_head_masses(trace.q[layer, 0], trace.k[layer, 0], block_kv=block,
+                                                    scales=[scale], min_keys=16, line=oracle.E4M3FNUZ)
+        want.append("safe to serve" if zeroed.max() <= limit and clipped.max() <= limit else "fails")
+    assert [(g["prob_scale"], g["trace_layers"], g["verdict"]) for g in diag.layers] == [
+        (1 / 256, ["attn0"], want[0]), (None, ["attn1"], want[1])]
+    assert want == ["safe to serve", "fails"]  # the two groups part: the test can tell them apart
+    assert diag.to_dict()["layers"][1]["layers"] == ["layers.1"]

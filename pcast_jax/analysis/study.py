@@ -669,6 +669,10 @@ class TraceDiagnosis:
       recommended: the knob value to set (None where the deployment has no knob, where it is already
         safe, or where no candidate scale meets the criterion for every preset of the deployment).
       advice: one sentence: what to do.
+      layers: with the ``prob_scale`` knob and a checkpoint whose layers ``layers.N`` differ in it, per group
+        of layers sharing one (None: none, the engine's default): ``{"prob_scale", "layers", "verdict"}``,
+        the verdict of the group's config on those of the trace's layers (layer N of the trace is the
+        checkpoint's ``layers.N``; a group with no such layer is left out).
     """
 
     deployment: object
@@ -676,13 +680,14 @@ class TraceDiagnosis:
     safe: bool
     recommended: float | None
     advice: str
+    layers: tuple[dict, ...] = ()
 
     def to_dict(self) -> dict:
         """The deployment and the answer (the analysis itself: :func:`pcast_jax.analysis.report.report_data`)."""
         d = self.deployment
         return {"engine": d.engine, "backend": d.backend, "gpus": list(d.gpus), "presets": list(d.presets),
                 "knob": d.knob, "source": d.source, "note": d.note, "safe": self.safe,
-                "recommended": self.recommended, "advice": self.advice}
+                "recommended": self.recommended, "advice": self.advice, "layers": [dict(g) for g in self.layers]}
 
 
 def diagnose_trace(deployment, trace: Trace, *, knob_value: float | None = None, scales: dict | None = None,
@@ -721,4 +726,29 @@ def diagnose_trace(deployment, trace: Trace, *, knob_value: float | None = None,
         else:
             advice = (f"{fail}, and no power-of-two S the format allows meets it for every kernel of {where}; use a "
                       "backend whose kernel passes")
-    return TraceDiagnosis(deployment, result, not failing, recommended, advice)
+    layers = ()
+    if deployment.knob == "prob_scale" and knob_value is None and (scales or {}).get("layers"):
+        layers = _trace_layer_verdicts(result, deployments.layer_groups(scales), mass_limit)
+    return TraceDiagnosis(deployment, result, not failing, recommended, advice, layers)
+
+
+def _trace_layer_verdicts(result: Analysis, groups, mass_limit: float) -> tuple[dict, ...]:
+    """Per group of checkpoint layers with one ``prob_scale``: the verdict of the group's config(s) (one per
+    preset, named ``preset@prob_scale=value``, or the preset's own name at the default) on the trace's layers
+    with the group's indices."""
+    out = []
+    for value, names in groups:
+        index = [int(n.split(".")[1]) for n in names if n.startswith("layers.")]
+        index = [i for i in index if i < len(result.layers)]
+        label = "" if value is None else f"prob_scale={value:g}"  # the preset's own name at the default
+        members = [ci for ci, cfg in enumerate(result.configs) if cfg.name.partition("@")[2] == label]
+        if not index or not members:
+            continue
+        worst = [_worst({m: a[ci][:, index] for m, a in result.heads.items()}, mass_limit,
+                        [result.layers[i] for i in index]) for ci in members]
+        meets = all(meets_criterion(w["zeroed_mass_max"], w["saturated_mass_max"], mass_limit) for w in worst)
+        out.append({"prob_scale": value, "layers": list(names), "trace_layers": [result.layers[i] for i in index],
+                    "zeroed_mass_max": max(w["zeroed_mass_max"] for w in worst),
+                    "saturated_mass_max": max(w["saturated_mass_max"] for w in worst),
+                    "verdict": SAFE if meets else "fails"})
+    return tuple(out)

@@ -157,5 +157,9 @@ def _on_trace(args: argparse.Namespace, row, knob_value, scales: dict) -> int:
     _print_deployment(args, row, scales)
     print()
     print("\n".join(diag.analysis.summary_lines()))
+    for group in diag.layers:
+        value = "none (the engine's default 1)" if group["prob_scale"] is None else f"{group['prob_scale']:g}"
+        print(f"Layers {_names(group['layers'])} (prob_scale {value}): {group['verdict']} — worst head zeroes "
+              f"{report.fmt_sci(group['zeroed_mass_max'])} and clips {report.fmt_sci(group['saturated_mass_max'])}.")
     print(f"Verdict on this model: {'safe to serve' if diag.safe else 'not safe to serve'} — {diag.advice}.")
     return 0
