@@ -55,6 +55,7 @@ __all__ = [
     "add_sink",
     "alpha",
     "tile_rows",
+    "padding_max",
     "skip_rows",
     "drop_skipped",
     "p_reference",
@@ -265,13 +266,31 @@ def hold_softmax(x, cfg: KernelConfig, *, barrier=None):
     return h.astype(jnp.float32)
 
 
-def block_probs(z, m_new, cfg: KernelConfig, *, norm=None, barrier=None, row_axis: int = -1):
+def padding_max(sink, cfg: KernelConfig):
+    """The running max of a padding row of a partial query tile (zero Q: logit 0 on each key it sees)
+    once it has seen a key: line 5 from the max the row starts at, 0 with no sink.
+
+    ``sink``: per row, the learned sink logit the row's running max starts at (``"init_max"``, −inf in a
+    split that does not hold it) or folds into each block's max (``"block_max"``); None: no sink. aiter's
+    Triton MHA starts every row of a query tile, padding rows included, at m = s_L (ROCm/aiter @e404860
+    ``aiter/ops/triton/_triton_kernels/attention/mha.py`` lines 685-692, the padding rows' Q loaded as 0 at
+    line 708), so such a row's P is exp(0 − max(s_L, 0)), not 1 (lines 212-215).
+    """
+    if sink is None or cfg.sink_mode == "epilogue":
+        return jnp.float32(0.0)
+    if cfg.sink_mode == "block_max":
+        return jnp.maximum(sink, 0.0)
+    return update_max(sink, jnp.zeros_like(sink), cfg)
+
+
+def block_probs(z, m_new, cfg: KernelConfig, *, norm=None, barrier=None, row_axis: int = -1, sink=None):
     """Lines 7 and 9 before the cast: (P that ℓ sums, P·S that is cast, per-row unscale or None).
 
     ``z``: ``(..., B)`` scores of a block; ``m_new``: ``(...)`` the max P is taken against
     (:func:`p_reference`; −inf allowed). ``norm``: ``(...)`` ℓ_row of :func:`row_normalizer` that P is
     divided by (``"row_lse"``), or None. ``row_axis``: the query rows' axis of ``m_new`` (the tile-amax
-    mode takes the max over tiles of them).
+    mode takes the max over tiles of them). ``sink``: per row (broadcastable to ``m_new``), the learned
+    sink as :func:`padding_max` takes it, or None.
 
     * multiply mode: P = exp(Z − m), cast P·S (S in FP32 after the exponential);
     * exponent mode: P̃ = exp2(Z·log2 e − (m·log2 e − log2 S)), so ℓ sums the scaled values;
@@ -281,7 +300,8 @@ def block_probs(z, m_new, cfg: KernelConfig, *, norm=None, barrier=None, row_axi
     * tile-amax mode: per query tile (:func:`tile_rows`) a = max(amax P, 10^-9), S = max / a and the
       unscale a / max, each one float32 division (aiter @e404860 ``aiter/ops/triton/utils/_triton/
       mha_kernel_utils.py`` lines 9-15, applied at ``_triton_kernels/attention/mha.py`` lines 256-259).
-      Padding rows of a partial tile have P = 1 wherever the tile's last real row sees a key.
+      Padding rows of a partial tile have P = exp(−:func:`padding_max`) wherever the tile's last real row
+      sees a key: 1 without a learned sink.
 
     With ``softmax="f16"`` the exponential's result and then P·S are rounded to float16
     (:func:`hold_softmax`); ``barrier`` goes there.
@@ -296,10 +316,12 @@ def block_probs(z, m_new, cfg: KernelConfig, *, norm=None, barrier=None, row_axi
     if cfg.scale_mode == "multiply":
         return p, hold_softmax(p * jnp.float32(cfg.numbers().effective_scale), cfg, barrier=barrier), None
     if cfg.scale_mode == "tile_amax":
-        def padding_row():  # Q = 0: logit 0 = the row's max, so P = 1 on each key the last real row sees
-            seen = jnp.where(jnp.max(z, axis=-1) > MASKED_BELOW, 1.0, 0.0)
+        def padding_row():  # Q = 0: logit 0 on each key the last real row sees, P = exp(0 − padding_max)
+            seen = jnp.max(z, axis=-1) > MASKED_BELOW
+            m_pad = jnp.broadcast_to(padding_max(sink, cfg), seen.shape)
+            p_pad = jnp.where(seen, jnp.exp(-m_pad), 0.0)
             ax = row_axis % seen.ndim
-            return lax.slice_in_dim(seen, seen.shape[ax] - 1, seen.shape[ax], axis=ax)
+            return lax.slice_in_dim(p_pad, seen.shape[ax] - 1, seen.shape[ax], axis=ax)
 
         amax = tile_rows(jnp.max(p, axis=-1), cfg, row_axis=row_axis, pad=padding_row)
         amax = jnp.maximum(amax, jnp.float32(TILE_AMAX_FLOOR))
@@ -327,13 +349,14 @@ class BlockStep(NamedTuple):
 
 
 def block_step(m, row_sum, z, block_max, m_new, cfg: KernelConfig, *, norm=None, barrier=None,
-               row_axis: int = -1) -> BlockStep:
+               row_axis: int = -1, sink=None) -> BlockStep:
     """Lines 6–8 for a block whose max (sink folded in) and new running max are known: α, P against
     :func:`p_reference`, ℓ = α ℓ + β·rowsum(P) in FP32 (β of :func:`block_weight`, 1 but for
-    ``"block_max"``); β also multiplies the block's P8·V (in ``unscale``)."""
+    ``"block_max"``); β also multiplies the block's P8·V (in ``unscale``). ``sink``: as
+    :func:`block_probs` takes it."""
     a = alpha(m, m_new, cfg)
     m_p = p_reference(block_max, m_new, cfg)
-    p, ps, unscale = block_probs(z, m_p, cfg, norm=norm, barrier=barrier, row_axis=row_axis)
+    p, ps, unscale = block_probs(z, m_p, cfg, norm=norm, barrier=barrier, row_axis=row_axis, sink=sink)
     beta = block_weight(m_p, m_new, cfg)
     added = jnp.sum(p, axis=-1)
     if beta is not None:
@@ -347,11 +370,12 @@ def online_softmax(m, row_sum, z, cfg: KernelConfig, sink=None, *, norm=None, ba
     """Lines 4–8: a block skipped by skip-softmax (:func:`skip_rows`) has P = 0 in the rows of its query
     tile; m_new = max(m, rowmax Z) (:func:`update_max`, the sink folded in by a ``"block_max"`` kernel),
     then :func:`block_step`. ``norm``: ℓ_row of a ``"row_lse"`` kernel (whose ``m`` is the row's max
-    from the start, so α = 1). ``row_axis``: the rows' axis of ``m``."""
+    from the start, so α = 1). ``row_axis``: the rows' axis of ``m``. ``sink``: per row, the learned sink
+    logit (−inf in a split of an ``"init_max"`` kernel that does not hold it)."""
     z = drop_skipped(z, skip_rows(jnp.max(z, axis=-1), m, cfg, row_axis=row_axis))
     block_max = fold_sink(jnp.max(z, axis=-1), sink, cfg)
     return block_step(m, row_sum, z, block_max, update_max(m, block_max, cfg), cfg, norm=norm, barrier=barrier,
-                      row_axis=row_axis)
+                      row_axis=row_axis, sink=sink)
 
 
 def cast_p(ps, cfg: KernelConfig):
@@ -605,7 +629,10 @@ def split_schedule(n_blocks: int, cfg: KernelConfig) -> np.ndarray:
     s + kv_splits, s + 2·kv_splits, … (TensorRT-LLM XQA multi-block: ``idxKTile = idxKTileInit +
     idxIter · nbSubSeq`` in ``cpp/kernels/xqa/mha_sm90.cu``). Each split walks its own blocks in
     the config's order (:func:`kv_block`). A split with fewer blocks than ``steps`` idles at the end
-    of its schedule: those entries hold ``n_blocks`` (a fully masked block). ``kv_splits = 1`` gives
+    of its schedule: those entries hold ``n_blocks`` (a fully masked block). One schedule serves every
+    row, cut from all ``n_blocks`` blocks: FlashAttention-3 cuts each query tile's from the blocks up to its
+    diagonal (``hopper/block.h`` lines 23-34, 47-54 @0251105), which differs on causal prefill rows
+    (:func:`pcast_jax.analysis.study.analyze` says so beside each split-KV config). ``kv_splits = 1`` gives
     the one-run order of :func:`kv_block`.
     """
     splits = cfg.kv_splits

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -27,6 +28,7 @@ from pcast_jax.presets import get_preset, preset_for
 from pcast_jax.stats import decide, mean_sem
 
 __all__ = ["Deployment", "DEPLOYMENTS", "ENGINES", "GPUS", "KV_CACHE_DTYPES", "KNOBS", "find", "checkpoint_scales",
+           "layer_groups", "PROB_SCALE_DEFAULT", "MAX_SCALE_VALUES",
            "scale_from_knob", "knob_from_scale", "knob_setting", "configured", "SCALE_RANGE", "Diagnosis", "diagnose",
            "ZEROED_MASS_LIMIT",
            "CLIPPED_MASS_LIMIT"]
@@ -167,19 +169,46 @@ def find(engine: str, backend: str, gpu: str, kv_cache_dtype: str = "fp8") -> De
 
 
 _SCALE_NAMES = ("q_scale", "k_scale", "v_scale", "prob_scale")
+#: The most values one q/k/v scale tensor may hold (per head, per token and head).
+MAX_SCALE_VALUES = 1 << 20
+#: What vLLM does with a layer's ``prob_scale``, read from its source (vllm-project/vllm @190900b
+#: ``vllm/model_executor/layers/quantization/kv_cache.py``): every attention layer's ``prob_scale`` starts at
+#: −1.0, "not loaded" (L42); ``process_weights_after_loading`` doubles a loaded one on FNUZ GPUs (L110-113)
+#: and sets a missing one to 1.0, not doubled (L114-115: the kernel's S = 1, the preset as it is), and
+#: refuses one that is not a single number (L117-126). Its loader reads every tensor of each shard the
+#: index names, listed in ``weight_map`` or not (vllm-project/vllm @0a1ee72
+#: ``vllm/model_executor/model_loader/weight_utils.py``: ``filter_duplicate_safetensors_files`` keeps the
+#: files ``weight_map`` names, ``safetensors_weights_iterator`` yields ``for name in f.keys()`` of each).
+PROB_SCALE_DEFAULT = 1.0
+_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
 
 
-def checkpoint_scales(folder: str | os.PathLike) -> dict[str, dict[str, float]]:
-    """The attention scales a checkpoint folder holds: ``{"prob_scale": {tensor name: value}, ...}``.
+def _layer_of(name: str) -> str:
+    """The attention layer a scale tensor belongs to: ``layers.N`` where the name holds it, else its prefix."""
+    match = _LAYER.search(name)
+    return f"layers.{match.group(2)}" if match else (name.rpartition(".")[0] or name)
+
+
+def checkpoint_scales(folder: str | os.PathLike) -> dict:
+    """The attention scales a checkpoint folder holds, and what the engine does where one is missing.
 
     Reads only tensors whose names end in ``q_scale``, ``k_scale``, ``v_scale`` or ``prob_scale`` (never
     the weights), from ``model.safetensors``, the shards ``model.safetensors.index.json`` names or else
     every ``*.safetensors`` file, through :mod:`pcast_jax.safetensors_files` (headers bounded, layout
     validated by the ``safetensors`` library; a pipe, an index entry outside the folder or a tensor in two
-    files refused). A scale that is not one F32, F16 or BF16 number in :data:`SCALE_RANGE` is refused,
-    naming the tensor and the file.
+    files refused). A scale tensor in a shard the index names but missing from its ``weight_map`` is read
+    too (vLLM's loader reads every tensor of a listed shard: :data:`PROB_SCALE_DEFAULT`) and named.
+
+    Returns ``{"q_scale", "k_scale", "v_scale", "prob_scale": {tensor name: value}, "layers": {layer:
+    prob_scale or None}, "unindexed": [tensor names]}``. A q/k/v scale is a number, or a list of numbers
+    per head or per token and head (up to :data:`MAX_SCALE_VALUES`): read and shown, never used for P.
+    ``prob_scale`` must be one number (vLLM refuses any other). ``layers``: every attention layer that holds
+    a scale (``layers.N`` where the name says, and each layer of ``config.json``'s ``num_hidden_layers``),
+    None where it has no ``prob_scale`` (the engine then uses :data:`PROB_SCALE_DEFAULT`). A value that is
+    not finite and in :data:`SCALE_RANGE`, or of another dtype than F32, F16 or BF16, is refused, naming the
+    tensor and the file.
     """
-    from pcast_jax import safetensors_files
+    from pcast_jax import fileio, safetensors_files
 
     path = Path(folder)
     if not path.is_dir():
@@ -188,8 +217,14 @@ def checkpoint_scales(folder: str | os.PathLike) -> dict[str, dict[str, float]]:
     if not any(path.glob("*.safetensors")):
         raise PcastError(f"checkpoint={str(path)!r} holds no *.safetensors file")
     headers: dict = {}
-    files = safetensors_files.tensor_files(path, headers)
-    found: dict[str, dict[str, float]] = {name: {} for name in _SCALE_NAMES}
+    files = dict(safetensors_files.tensor_files(path, headers))
+    unindexed = []
+    for file, (head, _) in headers.items():  # every tensor of each shard read, as the engine reads it
+        for key in head:
+            if key != "__metadata__" and key not in files:
+                files[key] = file
+                unindexed.append(key)
+    found: dict[str, dict] = {name: {} for name in _SCALE_NAMES}
     for key in sorted(files):
         kind = next((n for n in _SCALE_NAMES if key == n or key.endswith("." + n)), None)
         if kind is None:
@@ -197,12 +232,46 @@ def checkpoint_scales(folder: str | os.PathLike) -> dict[str, dict[str, float]]:
         file = files[key]
         if file not in headers:  # named by the index only
             headers[file] = safetensors_files.header(file)
-        value = safetensors_files.read_tensor(file, key, headers)
         where = f"safetensors file {file}: tensor {key!r}"
-        if value.size != 1:
-            raise PcastError(f"{where}: field 'shape' = {list(value.shape)} must hold one number (a per-tensor scale)")
-        found[kind][key] = _check_scale(f"{where}: value", float(value.reshape(-1)[0]))
-    return found
+        shape = headers[file][0].get(key, {}).get("shape")
+        if isinstance(shape, list) and math.prod(shape) > MAX_SCALE_VALUES:
+            raise PcastError(f"{where}: field 'shape' = {shape} holds more than {MAX_SCALE_VALUES} values "
+                             "(a scale per tensor, per head or per token and head)")
+        value = safetensors_files.read_tensor(file, key, headers)
+        if value.size == 0 or (kind == "prob_scale" and value.size != 1):
+            raise PcastError(f"{where}: field 'shape' = {list(value.shape)} must hold one number (a per-tensor "
+                             f"scale{'; vLLM refuses any other prob_scale' if kind == 'prob_scale' else ''})")
+        values = [_check_scale(f"{where}: value", float(x)) for x in value.reshape(-1)]
+        found[kind][key] = values[0] if value.size == 1 else np.asarray(value, np.float64).tolist()
+    layers: dict[str, float | None] = {}
+    for kind in _SCALE_NAMES:
+        for key in found[kind]:
+            layers.setdefault(_layer_of(key), None)
+    config = path / "config.json"
+    if config.is_file():
+        count = fileio.load_json(config, what=str(config))
+        count = count.get("num_hidden_layers") if isinstance(count, dict) else None
+        if isinstance(count, int) and not isinstance(count, bool) and 0 < count <= 1 << 16:
+            for i in range(count):
+                layers.setdefault(f"layers.{i}", None)
+    for key, value in found["prob_scale"].items():
+        layers[_layer_of(key)] = value
+    return {**found, "layers": dict(sorted(layers.items(), key=lambda kv: _layer_key(kv[0]))),
+            "unindexed": sorted(k for k in unindexed if any(k == n or k.endswith("." + n) for n in _SCALE_NAMES))}
+
+
+def _layer_key(layer: str):
+    match = re.fullmatch(r"layers\.(\d+)", layer)
+    return (0, int(match.group(1)), "") if match else (1, 0, layer)
+
+
+def layer_groups(scales: dict) -> list[tuple[float | None, list[str]]]:
+    """The checkpoint's layers (:func:`checkpoint_scales`) grouped by their ``prob_scale``: ``[(value, layers)]``
+    in increasing value, None (no ``prob_scale``: the engine's default) last."""
+    groups: dict[float | None, list[str]] = {}
+    for layer, value in (scales or {}).get("layers", {}).items():
+        groups.setdefault(value, []).append(layer)
+    return sorted(groups.items(), key=lambda kv: (kv[0] is None, kv[0] or 0.0))
 
 
 #: Range of a scale read or given (prob_scale, scale_s, q/k/v scales): S = factor/prob_scale then stays in
@@ -270,8 +339,12 @@ class Diagnosis:
     recommended: float | None
     #: one sentence: what to do
     advice: str
-    #: the checkpoint's scales read (kind → tensor → value), empty without a checkpoint
+    #: the checkpoint's scales read (:func:`checkpoint_scales`), empty without a checkpoint
     scales: dict
+    #: per group of the checkpoint's layers with one ``prob_scale`` (where the knob is ``prob_scale`` and
+    #: no value was given): ``{"prob_scale": value or None (none: the engine's default), "scale": S,
+    #: "layers": [...], "verdict": "over" | "under" | "within noise"}``, the verdict the worst of its rows
+    layers: tuple[dict, ...] = ()
 
     def to_dict(self) -> dict:
         return {"engine": self.deployment.engine, "backend": self.deployment.backend,
@@ -279,6 +352,7 @@ class Diagnosis:
                 "knob": self.deployment.knob, "source": self.deployment.source, "note": self.deployment.note,
                 "rows": [dict(r) for r in self.rows], "safe": self.safe, "collapse_delta": self.collapse_delta,
                 "recommended": self.recommended, "advice": self.advice, "scales": self.scales,
+                "layers": [dict(g) for g in self.layers],
                 "criterion": {"zeroed_mass_max": ZEROED_MASS_LIMIT, "clipped_mass_max": CLIPPED_MASS_LIMIT}}
 
 
@@ -322,8 +396,9 @@ def _over(row: dict) -> bool | None:
 def _configured(deployment: Deployment, knob_value: float | None, scales: dict,
                 head_dim: int | None = None) -> list[tuple[KernelConfig, float | None]]:
     """Each preset of the deployment at each knob value in use, as ``(config, knob value)``: the value
-    given, else the checkpoint's ``prob_scale`` values (the smallest and the largest), else the engine's
-    default (the preset as it is: S = 1 without a calibrated scale); at ``head_dim``'s tile when given."""
+    given, else each distinct ``prob_scale`` of the checkpoint's layers (None for layers without one: the
+    engine's default, the preset as it is, S = 1), else the engine's default; at ``head_dim``'s tile when
+    given."""
     knob = deployment.knob
     values: list[float | None]
     if knob == "none":
@@ -333,9 +408,10 @@ def _configured(deployment: Deployment, knob_value: float | None, scales: dict,
         values = [None]
     elif knob_value is not None:
         values = [_check_scale(knob, knob_value)]
+    elif knob == "prob_scale" and scales.get("layers"):
+        values = [value for value, _ in layer_groups(scales)]  # None: a layer with none runs the default
     elif knob == "prob_scale" and scales.get("prob_scale"):
-        found = sorted(set(scales["prob_scale"].values()))
-        values = [found[0]] if len(found) == 1 else [found[0], found[-1]]
+        values = sorted(set(scales["prob_scale"].values()))
     else:
         values = [None]
     out = []
@@ -351,9 +427,9 @@ def _configured(deployment: Deployment, knob_value: float | None, scales: dict,
 def configured(deployment: Deployment, *, knob_value: float | None = None, scales: dict | None = None,
                head_dim: int | None = None) -> list[KernelConfig]:
     """The configs the deployment runs: each preset (at ``head_dim``'s KV tile when given) with the P scale
-    its knob sets — ``knob_value``, else the checkpoint's ``prob_scale`` values in ``scales``
-    (:func:`checkpoint_scales`; the smallest and the largest), else the engine's default. A preset at a
-    knob value is named ``preset@knob=value``."""
+    its knob sets — ``knob_value``, else each distinct ``prob_scale`` of the checkpoint's layers in ``scales``
+    (:func:`checkpoint_scales`; layers without one at the engine's default), else the engine's default. A
+    preset at a knob value is named ``preset@knob=value``; at the default it keeps its name."""
     if not isinstance(deployment, Deployment):
         raise PcastError(f"deployment={deployment!r} must be a Deployment (a row of DEPLOYMENTS: deployments.find)")
     return [cfg for cfg, _ in _configured(deployment, knob_value, scales or {}, head_dim)]
@@ -368,7 +444,9 @@ def diagnose(deployment: Deployment, *, knob_value: float | None = None, scales:
       deployment: a row of :data:`DEPLOYMENTS` (:func:`find`).
       knob_value: the knob's value (``prob_scale`` or ``scale_s``); None: the checkpoint's ``prob_scale``
         values in ``scales``, else what the engine does without one (the preset as it is).
-      scales: :func:`checkpoint_scales` of the deployed checkpoint.
+      scales: :func:`checkpoint_scales` of the deployed checkpoint: with the ``prob_scale`` knob each distinct
+        layer ``prob_scale`` is simulated, and layers without one at the engine's default
+        (:data:`PROB_SCALE_DEFAULT`); the verdict per group of layers is in ``Diagnosis.layers``.
       deltas: sink strengths Δ to test (the verdict takes the worst).
       n, seeds: KV length and seeds (2 to 256) of the synthetic workload (q_len 8, d 16; four token sinks at the
         front, or a learned sink logit Δ with ``learned_sink``).
@@ -443,4 +521,18 @@ def diagnose(deployment: Deployment, *, knob_value: float | None = None, scales:
             advice = (f"the cast {what} more than the limit from Δ = {collapse:g}; set {knob} = {recommended:g} "
                       f"(S = {scale:g}), the smallest power-of-two S whose simulation "
                       f"keeps both masses under the limit at every Δ by more than {Z:g} s.e.")
-    return Diagnosis(deployment, tuple(rows), safe, collapse, recommended, advice, scales)
+    layers = ()
+    if knob == "prob_scale" and knob_value is None and scales.get("layers"):
+        layers = tuple(_layer_verdict(value, names, [r for r in rows if r["knob_value"] == value],
+                                      scale_from_knob(knob, value, deployment.knob_factor) if value is not None
+                                      else _scale_label(get_preset(deployment.presets[0])))
+                       for value, names in layer_groups(scales))
+    return Diagnosis(deployment, tuple(rows), safe, collapse, recommended, advice, scales, layers)
+
+
+def _layer_verdict(value: float | None, names: list[str], rows: list[dict], scale) -> dict:
+    """One group of layers sharing a ``prob_scale``: the worst verdict of its rows."""
+    verdicts = {r["verdict"] for r in rows}
+    worst = "over" if "over" in verdicts else ("within noise" if "within noise" in verdicts else "under")
+    return {"prob_scale": value, "knob_value": PROB_SCALE_DEFAULT if value is None else value, "scale": scale,
+            "layers": list(names), "verdict": worst}

@@ -256,6 +256,8 @@ def _scan_engine(scores, v, counted, cfg: KernelConfig, sink=None) -> AttentionR
     batch_q = (cfg.kv_splits,) + scores.shape[:-1]
     d = v.shape[-1]
     sink_s = None if sink is None else jnp.broadcast_to(sink, batch_q)
+    if sink_s is not None and cfg.sink_mode == "init_max":  # split 0 alone starts at the sink
+        sink_s = sink_s.at[1:].set(-jnp.inf)
 
     norm = None
     if cfg.p_offset == "row_lse":  # the first pass over the row: its max and sum (one split)
@@ -391,7 +393,7 @@ def _fast_parts(scores, counted, cfg: KernelConfig, cast_fn=None, sink=None):
     m_run = _running_max(block_max, cfg, m0, reverse=reverse)
     z = _skip_blocks(z, m_run, m0, cfg, reverse=reverse, row_axis=-2)
     m_p = block.p_reference(block_max, m_run, cfg)
-    p, ps, unscale = block.block_probs(z, m_p, cfg, norm=norm, barrier=_f16_barrier, row_axis=-2)
+    p, ps, unscale = block.block_probs(z, m_p, cfg, norm=norm, barrier=_f16_barrier, row_axis=-2, sink=sink_b)
     p8, sc = _cast(ps, cfg) if cast_fn is None else (cast_fn(ps), None)
     # α chain: block b's contribution is multiplied by exp(m_b − m_final) by the end (m_b the max its P
     # is taken against: the block's own with p_offset="block_max", β and the α chain in one factor)
@@ -434,7 +436,8 @@ def _fast_split_parts(scores, counted, cfg: KernelConfig, cast_fn=None, sink=Non
     m_run = _running_max(block_max, cfg, m0)
     z = _skip_blocks(z, m_run, m0, cfg, reverse=False, row_axis=-3)
     m_p = block.p_reference(block_max, m_run, cfg)  # row_lse takes one split: not here
-    p, ps, unscale = block.block_probs(z, m_p, cfg, barrier=_f16_barrier, row_axis=-3)
+    p, ps, unscale = block.block_probs(z, m_p, cfg, barrier=_f16_barrier, row_axis=-3,
+                                       sink=sink_b if m0 is None else m0[..., None])
     p8, sc = _cast(ps, cfg) if cast_fn is None else (cast_fn(ps), None)
     m_s = jnp.max(m_run, axis=-1)  # (..., q, splits)
     decay = block.alpha(m_p, m_s[..., None], cfg)  # (..., q, splits, steps)

@@ -221,8 +221,10 @@ def attention(scores, v, *, order="forward", scale=1.0, scale_mode="multiply", b
     Query tiles: rows 0..block_q−1, block_q..2·block_q−1, … of ``scores`` form one tile each.
     ``scale_mode="tile_amax"`` (aiter's Triton MHA FP8): per tile and block a = max(10^-9, the largest P
     of the tile's rows), P·(max/a) is cast and the block's product multiplied by a/max; a last partial
-    tile is filled with rows whose logits are 0 (zero Q), whose P is 1 on every key the tile's last
-    row sees. ``skip_softmax_threshold`` λ > 0: a row votes to skip a block when it sees no key of it
+    tile is filled with rows whose logits are 0 (zero Q) on every key the tile's last row sees, each
+    run like a row of its own (its running max from the sink where the split starts there, the sink in
+    its block maxima with ``"block_max"``): P = 1 without a sink, exp(−max(s_L, 0)) with one.
+    ``skip_softmax_threshold`` λ > 0: a row votes to skip a block when it sees no key of it
     or exp(block max − m) < λ with its running max m before the block (m = −inf: no vote); when every
     row of the tile votes (filling rows do), the block is dropped from those rows.
 
@@ -364,6 +366,7 @@ def _one_split(s, v, counted, blocks, line, block_kv, group, scale, scale_mode, 
     ls_slack = np.zeros(q)  # likewise, the saturated mass of decisions at the max
     if row is not None:  # P normalised by the row's own max and sum: the running max is the row's throughout
         m = row[0].copy()
+    m_fill = m[-1] if q else -np.inf  # a filling row of a partial query tile starts where every row does
     rtz = line.values[1] / 2  # values at or below this round to zero (the tie goes to the even 0)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         for j in blocks:
@@ -404,7 +407,14 @@ def _one_split(s, v, counted, blocks, line, block_kv, group, scale, scale_mode, 
                 p = p if f16 else p * scale
                 ps = p
             elif scale_mode == "tile_amax":  # one scale per tile of block_q rows, not a power of two
-                filler = 1.0 if np.any(z[-1] > -np.inf) else 0.0  # a zero-Q row's P where the last row sees keys
+                # a zero-Q filling row, run like any row: logit 0 on the keys the last row sees
+                z_fill = np.where(z[-1] > -np.inf, 0.0, -np.inf)
+                b_fill = z_fill.max()
+                if sink_logit is not None and sink_mode == "block_max" and b_fill > -np.inf:
+                    b_fill = max(b_fill, sink_logit)
+                if b_fill > m_fill and (not gap or b_fill - m_fill > gap):
+                    m_fill = b_fill
+                filler = np.exp(z_fill - (m_fill if m_fill > -np.inf else 0.0)).max()
                 amax = np.maximum(_per_tile(p.max(axis=1), block_q, filler, np.max), 1e-9)
                 ps = p * (line.max / amax)[:, None]
                 unscale = amax / line.max

@@ -226,3 +226,121 @@ def test_doctor_on_a_trace_is_the_numpy_kernel(kind, tmp_path, capsys):
     assert out["analysis"]["verdicts"] == {r["config"]: r["verdict"] for r in diag.analysis.config_rows()}
     assert cli.main(["doctor", "--engine", "jax", "--backend", "cudnn", "--gpu", "sm100", "--model", "m.gguf"]) == 2
     assert "--model needs --trace" in capsys.readouterr().err
+
+
+def _sharded_checkpoint(folder, shards: dict, weight_map: dict, layers: int | None = None):
+    """A checkpoint folder of ``shards`` ({file: {tensor: array}}), an index with ``weight_map`` and, with
+    ``layers``, a config.json giving num_hidden_layers."""
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    folder.mkdir(exist_ok=True)
+    for file, tensors in shards.items():
+        safetensors_numpy.save_file(tensors, str(folder / file))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    if layers is not None:
+        (folder / "config.json").write_text(json.dumps({"num_hidden_layers": layers}))
+    return folder
+
+
+def _mi300_checkpoint(tmp_path):
+    """Five layers as an MI300 checkpoint of 2026 writes them: per-head q_scale [8] and k/v_scale [2], a
+    per-token-head v_scale [4, 2], prob_scale 1/256 on layers 0 and 2, 1/4 on layer 3 (in its shard but
+    left out of the index's weight_map), none on layers 1 and 4."""
+    f32 = np.float32
+    a = {"model.layers.0.self_attn.prob_scale": np.array(1 / 256, f32),
+         "model.layers.0.self_attn.q_scale": np.linspace(0.5, 1.0, 8).astype(f32),
+         "model.layers.0.self_attn.k_scale": np.array([0.25, 0.5], f32),
+         "model.layers.0.self_attn.v_scale": np.array([0.125, 0.25], f32),
+         "model.layers.1.self_attn.v_scale": np.full((4, 2), 0.5, f32)}
+    b = {"model.layers.2.self_attn.prob_scale": np.array(1 / 256, f32),
+         "model.layers.3.self_attn.prob_scale": np.array(1 / 4, f32),
+         "model.layers.0.mlp.up_proj.weight": np.ones((2, 2), f32)}
+    listed = {name: "a.safetensors" for name in a} | {"model.layers.2.self_attn.prob_scale": "b.safetensors",
+                                                      "model.layers.0.mlp.up_proj.weight": "b.safetensors"}
+    return _sharded_checkpoint(tmp_path / "ckpt", {"a.safetensors": a, "b.safetensors": b}, listed, layers=5)
+
+
+def test_per_head_scales_are_read_and_every_layer_is_accounted_for(tmp_path):
+    """Per-head and per-token-head q/k/v scales are read (values as written), a prob_scale the index leaves
+    out is read and named, and each of the five layers has its prob_scale or None (the engine's default)."""
+    scales = deployments.checkpoint_scales(_mi300_checkpoint(tmp_path))
+    np.testing.assert_array_equal(scales["q_scale"]["model.layers.0.self_attn.q_scale"],
+                                  np.linspace(0.5, 1.0, 8).astype(np.float32))
+    assert scales["k_scale"] == {"model.layers.0.self_attn.k_scale": [0.25, 0.5]}
+    assert scales["v_scale"]["model.layers.1.self_attn.v_scale"] == [[0.5, 0.5]] * 4
+    assert scales["unindexed"] == ["model.layers.3.self_attn.prob_scale"]
+    assert scales["layers"] == {"layers.0": 1 / 256, "layers.1": None, "layers.2": 1 / 256, "layers.3": 0.25,
+                                "layers.4": None}
+    assert deployments.layer_groups(scales) == [(1 / 256, ["layers.0", "layers.2"]), (0.25, ["layers.3"]),
+                                                (None, ["layers.1", "layers.4"])]
+
+
+def test_a_per_head_prob_scale_is_refused_naming_it(tmp_path):
+    ckpt = _write_checkpoint(tmp_path / "ckpt", {"model.layers.0.self_attn.prob_scale": np.full(8, 0.5, np.float32)})
+    with pytest.raises(PcastError, match="prob_scale'.*shape' = \\[8\\] must hold one number.*vLLM refuses"):
+        deployments.checkpoint_scales(ckpt)
+
+
+def test_each_group_of_layers_gets_the_verdict_of_the_scale_p_sees(tmp_path, capsys):
+    """vLLM ROCm on MI300: P sees S = 1/(2·prob_scale) where the layer has one (the loader doubles it on
+    FNUZ) and S = 1 where it has none (prob_scale 1.0, not doubled), written here from that rule alone;
+    each group's verdict is the float64 oracle's on its own draws at that S (far from the limit at Δ = 9)."""
+    row = deployments.find("vllm", "rocm_flash", "gfx942")
+    scales = deployments.checkpoint_scales(_mi300_checkpoint(tmp_path))
+    diag = deployments.diagnose(row, scales=scales, deltas=(9.0,), seeds=2)
+    sees = {1 / 256: 128.0, 0.25: 2.0, None: 1.0}  # what P is multiplied by, per prob_scale read
+    assert [(g["prob_scale"], g["scale"]) for g in diag.layers] == list(sees.items())
+    assert {r["scale"] for r in diag.rows} == set(sees.values())
+    base = get_preset(row.presets[0])
+    for group in diag.layers:
+        z, c = _oracle_masses(base.replace(scale=sees[group["prob_scale"]]), 9.0, seeds=2)
+        over = z > deployments.ZEROED_MASS_LIMIT or c > deployments.CLIPPED_MASS_LIMIT
+        assert group["verdict"] == ("over" if over else "under"), (group, z, c)
+    assert [g["verdict"] for g in diag.layers] == ["under", "over", "over"]
+    assert diag.to_dict()["layers"][2]["layers"] == ["layers.1", "layers.4"]
+    assert cli.main(["doctor", "--engine", "vllm", "--backend", "rocm_flash", "--gpu", "gfx942", "--checkpoint",
+                     str(tmp_path / "ckpt"), "--delta", "9", "--seeds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "layers without prob_scale: layers.1, layers.4" in out and "S = 1), simulated" in out
+    assert "not in its weight_map" in out and "model.layers.3.self_attn.prob_scale" in out
+    assert "checkpoint q_scale: 1 tensors (per head ×8)" in out and "quantize Q, K and V only" in out
+    assert "| layers.1, layers.4 | none: default 1 | 1 | over |" in out
+
+
+def test_a_backend_without_the_knob_says_the_checkpoint_does_not_reach_p(tmp_path, capsys):
+    assert cli.main(["doctor", "--engine", "vllm", "--backend", "triton_attn", "--gpu", "sm90", "--checkpoint",
+                     str(_mi300_checkpoint(tmp_path)), "--delta", "9", "--seeds", "2", "--format", "json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["layers"] == [] and got["scales"]["unindexed"] == ["model.layers.3.self_attn.prob_scale"]
+    assert cli.main(["doctor", "--engine", "vllm", "--backend", "triton_attn", "--gpu", "sm90", "--checkpoint",
+                     str(tmp_path / "ckpt"), "--delta", "9", "--seeds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint prob_scale: 3 tensors (per tensor), 0.00390625 … 0.25 (not used for P by this backend)" in out
+    assert "P's cast takes its scale from nothing: the kernel fixes S" in out and "layers without" not in out
+
+
+def test_on_a_trace_each_group_of_layers_gets_its_own_verdict():
+    """``doctor --trace`` with a checkpoint whose layers differ in prob_scale: layer 0 at 1/256 (S = 128 on
+    MI300), layer 1 without one (S = 1); each group's verdict is the float64 oracle's worst head on that
+    layer of the trace at that S, cast to E4M3FNUZ (``oracle.causal_head_masses``)."""
+    from test_analysis import character_trace
+
+    from pcast_jax.analysis import Trace, diagnose_trace
+
+    one = character_trace("sink at 0", T=320)
+    trace = Trace(q=np.concatenate([one.q] * 2), k=np.concatenate([one.k] * 2), v=np.concatenate([one.v] * 2),
+                  lengths=one.lengths, layers=("attn0", "attn1"))
+    row = deployments.find("vllm", "rocm_flash", "gfx942")
+    scales = {"prob_scale": {"model.layers.0.self_attn.prob_scale": 1 / 256},
+              "layers": {"layers.0": 1 / 256, "layers.1": None}}
+    limit = 1e-3
+    diag = diagnose_trace(row, trace, scales=scales, mass_limit=limit)
+    block = deployments.configured(row, head_dim=trace.q.shape[-1])[0].block_kv
+    want = []
+    for layer, scale in ((0, 128.0), (1, 1.0)):
+        zeroed, clipped = oracle.causal_head_masses(trace.q[layer, 0], trace.k[layer, 0], block_kv=block,
+                                                    scales=[scale], min_keys=16, line=oracle.E4M3FNUZ)
+        want.append("safe to serve" if zeroed.max() <= limit and clipped.max() <= limit else "fails")
+    assert [(g["prob_scale"], g["trace_layers"], g["verdict"]) for g in diag.layers] == [
+        (1 / 256, ["attn0"], want[0]), (None, ["attn1"], want[1])]
+    assert want == ["safe to serve", "fails"]  # the two groups part: the test can tell them apart
+    assert diag.to_dict()["layers"][1]["layers"] == ["layers.1"]

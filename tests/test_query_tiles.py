@@ -13,6 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -89,6 +90,59 @@ def test_a_tile_shares_one_scale_and_padding_rows_raise_it_to_max():
     static = np.asarray(engine.attention(s, v, KernelConfig(scale=448.0)).out)
     np.testing.assert_allclose(base[96:], static[96:], rtol=1e-5, atol=1e-6)
     assert not np.allclose(base[:96], static[:96], rtol=1e-5, atol=1e-6)
+
+
+def _aiter_loop(s, v, sink, *, pad_p):
+    """The query rows ``s`` (q ≤ 128, one query tile) of aiter's Triton MHA FP8 forward on MI300, written
+    from its source (ROCm/aiter @e404860, ``_triton_kernels/attention/mha.py`` lines 685-692, 212-260,
+    877-878) with the tile's other rows padding whose P is ``pad_p(sink)`` on each key: m starts at the
+    sink and ℓ at 1; per 64-key block the tile's amax is the largest P of its rows and of the padding,
+    P·240/amax is cast to E4M3FNUZ and the product multiplied by amax/240; O/ℓ at the end."""
+    s = s.astype(np.float64)
+    m, ell, acc = np.full(s.shape[0], sink), np.ones(s.shape[0]), np.zeros((s.shape[0], v.shape[1]))
+    for j in range(0, s.shape[1], 64):
+        z = s[:, j:j + 64]
+        m_new = np.maximum(m, z.max(axis=1))
+        p = np.exp(z - m_new[:, None])
+        a = np.exp(m - m_new)
+        amax = max(p.max(), pad_p(sink), 1e-9)
+        p8 = (p * (240.0 / amax)).astype(ml_dtypes.float8_e4m3fnuz).astype(np.float64)
+        ell = a * ell + p.sum(axis=1)
+        acc = a[:, None] * acc + (p8 @ v[j:j + 64]) * (amax / 240.0)
+        m = m_new
+    return acc / ell[:, None]
+
+
+@pytest.mark.parametrize("sink", [11.0, -1.5])
+@pytest.mark.parametrize("q", [1, 100])  # decode; a prefill whose one query tile of 128 rows is partial
+def test_padding_rows_of_a_tile_start_at_the_learned_sink(q, sink):
+    """aiter starts every row of a query tile at m = s_L, the zero-Q padding rows too, so their P is
+    exp(−max(s_L, 0)), not 1: both implementations ≡ the oracle (which runs a filling row like any row),
+    ≡ the same call with the padding made real zero-logit rows, and, for one row, ≡ a direct NumPy loop
+    of the kernel; the old model (padding P = 1) is far from it."""
+    cfg = PRESETS["aiter_mha_fp8_mi300"]
+    rng = np.random.default_rng(3)
+    s, v, mask = oracle.sink_scores(rng, q=q, n=N, d=D, delta=6.0)
+    ref = oracle.attention(s, v, count_mask=mask, sink_logit=sink, **oracle.config_kwargs(cfg))
+    full = np.concatenate([s, np.zeros((cfg.block_q - q, N), np.float32)])  # the padding as real rows
+    ref_full = oracle.attention(full, v, sink_logit=sink, **oracle.config_kwargs(cfg))
+    # float64 twins: the same operations; the tile amax may differ in its last bits (a sum order)
+    np.testing.assert_allclose(ref.out, ref_full.out[:q], rtol=1e-12, atol=1e-12)
+    scale = np.abs(ref.out).max()
+    for impl in engine.IMPLEMENTATIONS:
+        r = engine.attention(s, v, cfg, implementation=impl, count_mask=mask, sink_logit=sink)
+        out = np.asarray(r.out, np.float64)
+        # float32 against float64: a few float32 ulps of the output's scale, plus the codes a near-tie
+        # may flip (the oracle's slack)
+        err = np.abs(out - ref.out) - (3e-6 * scale + ref.out_slack)
+        assert err.max() <= 0, f"[{impl}]: off the oracle by {err.max():.3g}"
+        r_full = engine.attention(full, v, cfg, implementation=impl, sink_logit=sink)
+        np.testing.assert_allclose(out, np.asarray(r_full.out)[:q], rtol=0, atol=3e-6 * scale)
+    direct = _aiter_loop(s, v, sink, pad_p=lambda m0: np.exp(-max(m0, 0.0)))  # a zero-Q row started at s_L
+    np.testing.assert_allclose(ref.out, direct, rtol=0, atol=1e-9 * scale)  # float64 twins of one loop
+    if sink > 0:  # the gap is material: the old model (padding P = 1) moves the output far beyond that
+        old = _aiter_loop(s, v, sink, pad_p=lambda m0: 1.0)
+        assert np.abs(old - direct).max() > 100 * 3e-6 * scale
 
 
 def test_skip_softmax_loses_at_most_its_closed_form():
@@ -263,3 +317,38 @@ def test_a_split_kv_chunk_keeps_every_block_where_its_splits_would_change(monkey
     np.testing.assert_array_equal(chunked["frac_zeroed"], whole["frac_zeroed"])
     assert np.any(whole["frac_zeroed"] > 0)
     _same_to_rounding(chunked, whole)
+
+
+def test_a_row_split_schedule_overstates_a_per_query_tile_split_on_causal_prefill():
+    """FlashAttention-3 divides each query tile's visible blocks among its splits (``hopper/block.h``
+    ``get_n_block_min_max``); the simulator cuts one schedule per row from all blocks. A per-tile split is the
+    row schedule on the tile's own keys (its blocks up to its diagonal), so the float64 oracle computes both:
+    on causal prefill at 4,096 tokens a forward S = 1 contiguous split (8 × 64 keys) zeroes 1.5–2.5× more mass
+    per row under the row schedule (the factor the analysis states beside every split-KV config), the engine
+    equals the oracle's row schedule, and on a decode row (one tile that sees every block) the two agree."""
+    n, m = 4096, 128
+    s, v, mask = oracle.sink_scores(np.random.default_rng(0), q=n, n=n, d=D, delta=7.0)
+    cfg = KernelConfig(kv_splits=8, block_kv=64, causal=True)
+    kw = oracle.config_kwargs(cfg)
+    row = oracle.attention(s, v, count_mask=mask, **kw).zeroed_mass
+    tile = np.concatenate([oracle.attention(s[t:t + m, :t + m], v[:t + m], count_mask=mask[:t + m], **kw).zeroed_mass
+                           for t in range(0, n, m)])
+    assert 1.5 < row.mean() / tile.mean() < 2.5, (row.mean(), tile.mean())
+    ours = np.asarray(engine.attention(s, v, cfg, count_mask=mask).zeroed_mass, np.float64)
+    # float32 against float64: zeroed P decided by the same codes but at near-ties; masses agree to 1e-4
+    np.testing.assert_allclose(ours.mean(), row.mean(), rtol=1e-4)
+    last = oracle.attention(s[-1:], v, count_mask=mask, **kw)  # decode: the last row alone, every block
+    np.testing.assert_allclose(last.zeroed_mass, row[-1:], rtol=1e-12)
+
+
+def test_the_analysis_states_the_split_schedule_caveat_on_prefill():
+    from test_analysis import character_trace
+
+    from pcast_jax.analysis import analyze
+
+    trace = character_trace("sink at 0", T=320)
+    result = analyze(trace, [PRESETS["vllm_triton_fp8_3d"], KernelConfig(kv_splits=2, name="split2"),
+                             KernelConfig(name="plain")])
+    text = "\n".join(result.summary_lines())
+    assert "`vllm_triton_fp8_3d` is a decode kernel; on these prefill rows" in text
+    assert text.count("Note: its splits are cut from each row's blocks") == 1  # split2 only, not plain

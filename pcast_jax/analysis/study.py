@@ -318,12 +318,41 @@ class Analysis:
                 f"{_pct(row['saturated_mass_max'])}; {row['heads_over_limit']} of {row['heads']} heads fail the "
                 f"criterion. Mean over heads: {_pct(row['zeroed_mass_mean'])} of the mass zeroed "
                 f"({_pct(row['frac_zeroed_mean'])} of the non-sink P), relative MSE {row['rel_mse_mean']:.2e}."
-                + _share_words(cfg, row))
+                + _share_words(cfg, row) + _split_words(cfg, int(self.lengths.max())))
         lines.append("")
         lines += [_scan_words(scan, self.mass_limit) for scan in self.scans]
         if not self.scans:
             lines.append("No configuration analysed has a static scale to recommend.")
         return lines
+
+
+#: Split-KV configs whose kernel runs on decode rows only (one query row per sequence): on the rows of a
+#: prefill trace they are the decode kernel's split schedule applied to each row, not a kernel that runs.
+DECODE_ONLY = ("sglang_triton_decode", "vllm_triton_fp8_3d")
+
+
+def _split_words(cfg: KernelConfig, rows: int) -> str:
+    """The caveat of a split-KV config on a causal prefill trace (more than one query row per sequence).
+
+    The simulator cuts one split schedule per row from all the row's KV blocks
+    (:func:`pcast_jax.block.split_schedule`). FlashAttention-3 instead divides each query tile's visible
+    blocks among its splits (Dao-AILab/flash-attention @0251105 ``hopper/block.h`` lines 23-34: the tile's
+    ``n_block_max`` at its diagonal; lines 47-54: ``num_n_blocks_per_split = ceil_div(n_block_max −
+    n_block_min, num_splits)``), and the decode kernels (:data:`DECODE_ONLY`) do not run on prefill rows. The
+    two agree on decode rows and where every tile sees every block; on causal prefill a forward S = 1
+    contiguous split (8 splits of 64 keys; ``vllm_triton_fp8_3d``; ``sglang_triton_decode``) zeroes 1.8–1.95×
+    more mass per row than the same kernel split per 128-row query tile at 4,096 tokens.
+    """
+    if cfg.kv_splits <= 1 or rows <= 1:
+        return ""
+    base = cfg.name.partition("@")[0]
+    if base in DECODE_ONLY:
+        return (f" Note: `{base}` is a decode kernel; on these prefill rows its numbers are its split schedule cut "
+                "from each row's blocks, not what a prefill kernel does (a per-query-tile split zeroes about half "
+                "as much on causal prefill).")
+    return (" Note: its splits are cut from each row's blocks; a kernel that splits each query tile's visible "
+            "blocks (FlashAttention-3) differs on causal prefill rows (for a forward S = 1 kernel this overstates "
+            "the zeroed mass about 2×; for a reverse S = 256 kernel it is immaterial).")
 
 
 def _share_words(cfg: KernelConfig, row: dict) -> str:
@@ -640,6 +669,10 @@ class TraceDiagnosis:
       recommended: the knob value to set (None where the deployment has no knob, where it is already
         safe, or where no candidate scale meets the criterion for every preset of the deployment).
       advice: one sentence: what to do.
+      layers: with the ``prob_scale`` knob and a checkpoint whose layers ``layers.N`` differ in it, per group
+        of layers sharing one (None: none, the engine's default): ``{"prob_scale", "layers", "verdict"}``,
+        the verdict of the group's config on those of the trace's layers (layer N of the trace is the
+        checkpoint's ``layers.N``; a group with no such layer is left out).
     """
 
     deployment: object
@@ -647,13 +680,14 @@ class TraceDiagnosis:
     safe: bool
     recommended: float | None
     advice: str
+    layers: tuple[dict, ...] = ()
 
     def to_dict(self) -> dict:
         """The deployment and the answer (the analysis itself: :func:`pcast_jax.analysis.report.report_data`)."""
         d = self.deployment
         return {"engine": d.engine, "backend": d.backend, "gpus": list(d.gpus), "presets": list(d.presets),
                 "knob": d.knob, "source": d.source, "note": d.note, "safe": self.safe,
-                "recommended": self.recommended, "advice": self.advice}
+                "recommended": self.recommended, "advice": self.advice, "layers": [dict(g) for g in self.layers]}
 
 
 def diagnose_trace(deployment, trace: Trace, *, knob_value: float | None = None, scales: dict | None = None,
@@ -692,4 +726,29 @@ def diagnose_trace(deployment, trace: Trace, *, knob_value: float | None = None,
         else:
             advice = (f"{fail}, and no power-of-two S the format allows meets it for every kernel of {where}; use a "
                       "backend whose kernel passes")
-    return TraceDiagnosis(deployment, result, not failing, recommended, advice)
+    layers = ()
+    if deployment.knob == "prob_scale" and knob_value is None and (scales or {}).get("layers"):
+        layers = _trace_layer_verdicts(result, deployments.layer_groups(scales), mass_limit)
+    return TraceDiagnosis(deployment, result, not failing, recommended, advice, layers)
+
+
+def _trace_layer_verdicts(result: Analysis, groups, mass_limit: float) -> tuple[dict, ...]:
+    """Per group of checkpoint layers with one ``prob_scale``: the verdict of the group's config(s) (one per
+    preset, named ``preset@prob_scale=value``, or the preset's own name at the default) on the trace's layers
+    with the group's indices."""
+    out = []
+    for value, names in groups:
+        index = [int(n.split(".")[1]) for n in names if n.startswith("layers.")]
+        index = [i for i in index if i < len(result.layers)]
+        label = "" if value is None else f"prob_scale={value:g}"  # the preset's own name at the default
+        members = [ci for ci, cfg in enumerate(result.configs) if cfg.name.partition("@")[2] == label]
+        if not index or not members:
+            continue
+        worst = [_worst({m: a[ci][:, index] for m, a in result.heads.items()}, mass_limit,
+                        [result.layers[i] for i in index]) for ci in members]
+        meets = all(meets_criterion(w["zeroed_mass_max"], w["saturated_mass_max"], mass_limit) for w in worst)
+        out.append({"prob_scale": value, "layers": list(names), "trace_layers": [result.layers[i] for i in index],
+                    "zeroed_mass_max": max(w["zeroed_mass_max"] for w in worst),
+                    "saturated_mass_max": max(w["saturated_mass_max"] for w in worst),
+                    "verdict": SAFE if meets else "fails"})
+    return tuple(out)

@@ -92,6 +92,13 @@ def run(args: argparse.Namespace) -> int:
                                             ("frac_zeroed", "non-sink P zeroed", report.fmt_pct),
                                             ("verdict", "vs limit")],
                                 name="doctor"))
+    if diag.layers:
+        print()
+        print(report.markdown_table([{**g, "layers": _names(g["layers"]), "prob_scale": "none: default 1"
+                                      if g["prob_scale"] is None else f"{g['prob_scale']:g}"} for g in diag.layers], [
+            ("layers", "layers"), ("prob_scale", "prob_scale"),
+            ("scale", "S", lambda x: x if isinstance(x, str) else f"{x:g}"), ("verdict", "worst vs limit")],
+            name="doctor_layers"))
     print()
     word = {True: "safe", False: "P-collapse", None: "undecided"}[diag.safe]
     print(f"Verdict: {word} — {diag.advice}.")
@@ -105,14 +112,43 @@ def _print_deployment(args: argparse.Namespace, row, scales: dict) -> None:
         print(f"  note: {row.note}")
     print(f"  P scale set by: {'the kernel (no knob)' if row.knob == 'none' else row.knob}")
     if args.checkpoint:
-        for kind, found in scales.items():
-            if found:
-                vals = sorted(set(found.values()))
-                print(f"  checkpoint {kind}: {len(found)} tensors, {vals[0]:g}"
-                      f"{'' if len(vals) == 1 else f' … {vals[-1]:g}'}"
-                      f"{'' if kind == row.knob else ' (not used for P by this backend)'}")
-        if row.knob == "prob_scale" and not scales.get("prob_scale"):
-            print("  checkpoint prob_scale: none — the engine uses 1.0 (S = 1)")
+        for line in _checkpoint_lines(row, scales):
+            print(f"  {line}")
+
+
+def _checkpoint_lines(row, scales: dict) -> list[str]:
+    """What the doctor says of a checkpoint's scales (:func:`pcast_jax.deployments.checkpoint_scales`)."""
+    import numpy as np
+
+    from pcast_jax import deployments
+
+    lines = []
+    for kind in ("q_scale", "k_scale", "v_scale", "prob_scale"):
+        found = scales.get(kind) or {}
+        if not found:
+            continue
+        values = np.concatenate([np.ravel(v) for v in found.values()])
+        shaped = sorted({"per tensor" if isinstance(v, float) else f"per head ×{len(v)}" if np.ndim(v) == 1
+                         else f"shape {list(np.shape(v))}" for v in found.values()})
+        used = "sets P's scale here" if kind == row.knob else "not used for P by this backend"
+        lines.append(f"checkpoint {kind}: {len(found)} tensors ({', '.join(shaped)}), {values.min():g}"
+                     f"{'' if values.min() == values.max() else f' … {values.max():g}'} ({used})")
+    through = {"prob_scale": "the checkpoint's prob_scale", "scale_s": "the caller's scale_s (cuDNN, where the "
+               "kernel applies it)", "none": "nothing: the kernel fixes S"}[row.knob]
+    lines.append(f"P's cast takes its scale from {through}; q/k/v scales (per tensor, per head or per token "
+                 "and head) quantize Q, K and V only")
+    missing = [layer for layer, value in scales.get("layers", {}).items() if value is None]
+    if row.knob == "prob_scale" and missing:
+        lines.append(f"layers without prob_scale: {_names(missing)} — the engine runs them at prob_scale "
+                     f"{deployments.PROB_SCALE_DEFAULT:g} (S = 1), simulated as such")
+    if scales.get("unindexed"):
+        lines.append(f"scale tensors in a shard of the index but not in its weight_map (the engine reads every "
+                     f"tensor of a listed shard, so they are read here too): {_names(scales['unindexed'])}")
+    return lines
+
+
+def _names(names: list[str], most: int = 8) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _on_trace(args: argparse.Namespace, row, knob_value, scales: dict) -> int:
@@ -136,5 +172,9 @@ def _on_trace(args: argparse.Namespace, row, knob_value, scales: dict) -> int:
     _print_deployment(args, row, scales)
     print()
     print("\n".join(diag.analysis.summary_lines()))
+    for group in diag.layers:
+        value = "none (the engine's default 1)" if group["prob_scale"] is None else f"{group['prob_scale']:g}"
+        print(f"Layers {_names(group['layers'])} (prob_scale {value}): {group['verdict']} — worst head zeroes "
+              f"{report.fmt_sci(group['zeroed_mass_max'])} and clips {report.fmt_sci(group['saturated_mass_max'])}.")
     print(f"Verdict on this model: {'safe to serve' if diag.safe else 'not safe to serve'} — {diag.advice}.")
     return 0

@@ -568,8 +568,9 @@ def fit(ps: ProbeSet, outputs, *, output_dtype=None, calls: int = 0, seconds_cal
 
 def _amax_twin(cfg: KernelConfig) -> KernelConfig | None:
     """The config ``cfg`` is on the probes through a query tile beyond their rows, or None: one padded
-    tile, whose padding rows hold P = 1 (``pcast_jax.block.tile_rows``), so its amax is 1 and the
-    tile-amax scale is the format's max: the multiply mode at S = max."""
+    tile, whose padding rows hold P = 1 without a learned sink (``pcast_jax.block.padding_max``), so its
+    amax is 1 and the tile-amax scale is the format's max: the multiply mode at S = max (simulated like
+    every candidate: on sink heads that start the running max, the two part)."""
     beyond = _QUERY_TILES[-1]
     if cfg.scale_mode == "tile_amax" and cfg.block_q > ROWS and not cfg.skip_softmax_threshold:
         return _variant(cfg, "cast", (cfg.fmt.max, "multiply", cfg.p_format))
