@@ -21,8 +21,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", default=None, metavar="DIR",
                         help="a checkpoint folder: its q/k/v/prob_scale tensors are read (never the weights)")
     parser.add_argument("--prob-scale", type=float, default=None,
-                        help="the prob_scale the engine uses (where it sets the P scale: S = 1/prob_scale)")
-    parser.add_argument("--scale-s", type=float, default=None, help="the scale_s the caller passes (jax cudnn)")
+                        help="the prob_scale the engine uses, where it sets the P scale (vllm rocm_flash: S = "
+                             "1/(2·prob_scale) on gfx942, whose FNUZ loader doubles it)")
+    parser.add_argument("--scale-s", type=float, default=None,
+                        help="the scale_s the caller passes, where it reaches P (jax cudnn on sm90; the open "
+                             "sm100 / sm120 kernels ignore it)")
     parser.add_argument("--delta", default="4:12:2",
                         help="sink strengths Δ to test: a value, a list or start:stop:step (default 4:12:2)")
     parser.add_argument("--learned-sink", action="store_true",
@@ -64,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report.json_value(diag.to_dict()), indent=1, ensure_ascii=False))
         return 0
     _print_deployment(args, row, scales)
+    if not row.casts_p:
+        print(f"Verdict: no FP8 P — {diag.advice}.")
+        return 0
     print(f"  criterion: zeroed mass ≤ {deployments.ZEROED_MASS_LIMIT:g} and clipped mass ≤ "
           f"{deployments.CLIPPED_MASS_LIMIT:g} of the softmax (mean over query rows), at every Δ, decided when "
           f"mean ± {deployments.Z:g} s.e. over the seeds excludes the limit")
@@ -85,11 +91,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_deployment(args: argparse.Namespace, row, scales: dict) -> None:
-    print(f"{row.engine} {row.backend} on {args.gpu} runs: {', '.join(row.presets)}")
-    print(f"  picked by: {row.source}")
+    runs = ", ".join(row.presets) if row.casts_p else "no FP8 P-cast (see the note)"
+    print(f"{row.engine} {row.backend} on {args.gpu} with KV cache {args.kv_cache_dtype} runs: {runs}")
+    print(f"  selected by: {row.selection}")
+    print(f"  kernel entry: {row.source}")
     if row.note:
         print(f"  note: {row.note}")
-    print(f"  P scale set by: {'the kernel (no knob)' if row.knob == 'none' else row.knob}")
+    if row.casts_p:
+        print(f"  P scale set by: {'the kernel (no knob)' if row.knob == 'none' else row.knob}")
     if args.checkpoint:
         for kind, found in scales.items():
             if found:
@@ -115,11 +124,22 @@ def _on_trace(args: argparse.Namespace, row, knob_value, scales: dict) -> int:
     diag = diagnose_trace(row, trace, knob_value=knob_value, scales=scales, mass_limit=mass_limit,
                           logits_fn=logits_fn)
     if args.format == "json":
-        data = {**diag.to_dict(), "analysis": report_data(diag.analysis)}
+        data = {**diag.to_dict(), "analysis": None if diag.analysis is None else report_data(diag.analysis)}
         print(json.dumps(report.json_value(data), indent=1, ensure_ascii=False))
         return 0
     _print_deployment(args, row, scales)
+    print(f"  model (from the trace): {diag.features.words()}")
+    if diag.cannot_run:
+        print(f"  can it run this model: no — {'; '.join(diag.cannot_run)}")
+        print(f"Verdict on this model: none — {diag.advice}.")
+        return 0
+    print("  can it run this model: nothing its source refuses"
+          + (f" (not read from its source: whether it supports {', '.join(diag.unread)})" if diag.unread else ""))
+    if diag.analysis is None:
+        print(f"Verdict on this model: no FP8 P — {diag.advice}.")
+        return 0
     print()
-    print("\n".join(diag.analysis.summary_lines()))
-    print(f"Verdict on this model: {'safe to serve' if diag.safe else 'not safe to serve'} — {diag.advice}.")
+    print("\n".join(diag.analysis.summary_lines(fixed_scale=row.knob == "none")))
+    word = "safe to serve" if diag.safe else "not safe to serve"
+    print(f"Verdict on this model: {word} — {diag.advice}.")
     return 0

@@ -2,9 +2,10 @@
 aiter's Triton MHA.
 
 MI300 (gfx942) runs FP8 as ``float8_e4m3fnuz`` (exponent bias 8, max 240, no −0 or inf: values at or
-below 2^-11 round to zero, one binade less than E4M3FN); MI355 (gfx950) runs OCP ``float8_e4m3fn``.
-Below saturation a FNUZ cast of x equals an FN cast of 2x halved, so a P-cast at scale S on MI300 zeroes
-what an FN cast at S/2 zeroes: the collapse threshold moves from 10 ln 2 to 11 ln 2.
+below 2^-11 round to zero, one binade further down than E4M3FN's 2^-10); MI355 (gfx950) runs OCP
+``float8_e4m3fn``. Below saturation a FNUZ cast of x equals an FN cast of 2x halved, so a P-cast at scale S
+on MI300 zeroes what an FN cast at 2S zeroes: FNUZ zeroes *less*, the collapse threshold moves up from
+10 ln 2 to 11 ln 2; it saturates sooner, at 240 instead of 448.
 
 aiter's own Triton MHA FP8 scales each BLOCK_M × BLOCK_N tile of P by FP8_MAX / amax(tile): one scale,
 not a power of two, shared by every query row of the tile (``scale_mode="tile_amax"`` with ``block_q``).
@@ -118,7 +119,8 @@ def vllm_rocm_flash_scale(prob_scale: float | None, *, gpu: str = "mi300") -> fl
     loaded = 2.0 * prob_scale if FP8_FORMAT_BY_GPU[gpu] == "e4m3fnuz" else prob_scale
     scale = 1.0 / loaded
     if not 2.0**-100 <= scale <= 2.0**100:
-        raise PcastError(f"prob_scale={prob_scale!r} gives the P scale 1/prob_scale = {scale!r}, outside "
+        what = "1/(2·prob_scale)" if loaded != prob_scale else "1/prob_scale"
+        raise PcastError(f"prob_scale={prob_scale!r} gives the P scale {what} = {scale!r} on gpu={gpu!r}, outside "
                          f"[2^-100, 2^100]")
     return scale
 
