@@ -942,15 +942,19 @@ def test_scale_masses_equal_the_full_kernel_per_scale_bit_for_bit():
 
 
 def test_safe_scale_is_given_in_the_knob_each_deployment_sets():
-    """pcast analyze's safe scale in each family's own knob: cuDNN's scale_s (P multiplied by scale_s·2^-τ),
-    vLLM ROCm's prob_scale (S = 0.5/prob_scale on MI300), the config field elsewhere."""
-    result = analyze(character_trace("sink at 0"), ["cudnn_fp8", "vllm_rocm_flash_fp8", "fwd_s1"], min_keys=8)
+    """pcast analyze's safe scale in each family's own knob: cuDNN's scale_s where the engine applies it
+    (Hopper's reference, τ = 0: P multiplied by scale_s), vLLM ROCm's prob_scale (S = 0.5/prob_scale on
+    MI300), the config field elsewhere (the older reference at τ = 4 nats and the open SM100 kernel are in
+    no row with a knob)."""
+    names = ["cudnn_fp8_tau0", "vllm_rocm_flash_fp8", "fwd_s1", "cudnn_fp8", "cudnn_sm100_fp8"]
+    result = analyze(character_trace("sink at 0"), names, min_keys=8)
     scans = {scan.members[0]: scan for scan in result.scans}
-    cudnn, rocm, plain = scans["cudnn_fp8"], scans["vllm_rocm_flash_fp8"], scans["fwd_s1"]
+    cudnn, rocm, plain = scans["cudnn_fp8_tau0"], scans["vllm_rocm_flash_fp8"], scans["fwd_s1"]
     assert (cudnn.knob, cudnn.knob_where, rocm.knob, rocm.knob_where, plain.knob) == (
         "scale_s", "jax cudnn", "prob_scale", "vllm rocm_flash", "scale")
+    assert scans["cudnn_fp8"].knob == scans["cudnn_sm100_fp8"].knob == "scale"
     for row in cudnn.rows:
-        assert row["knob_value"] == row["scale"] and row["applied_scale"] == row["scale"] / 16
+        assert row["knob_value"] == row["scale"] and row["applied_scale"] == row["scale"]
     for row in rocm.rows:
         assert row["knob_value"] == 0.5 / row["scale"]
     summary = "\n".join(result.summary_lines())
