@@ -274,6 +274,17 @@ DEPLOYMENTS: tuple[Deployment, ...] = (
                "which serving engines route FP8 attention here is not read from their source.",
                selection="ROCm/aiter aiter/ops/triton/attention/mha.py line 118 at e404860 (called directly: FP8 "
                          "Q/K/V select the FP8 forward)"),
+    Deployment("flydsl", "flash_attn_fp8", ("gfx950",), ("flydsl_fp8_gfx950",), "none",
+               "ROCm/FlyDSL kernels/attention/flash_attn_fp8_gfx950.py (the dual-wave FP8 forward, called directly)",
+               "S = 1 with a lazy rescale τ = 8 (log2): P 10 binades below the running max is zeroed while ℓ "
+               "keeps it (the 0.637-for-1.0 output of FlyDSL PR #1020's V = 1 test). flydsl_fp8_gfx950_pr1020 is "
+               "that PR's fix (S = 448 in the exponent, eager rescale for FP8), not in main at 11c4174.",
+               selection="ROCm/FlyDSL kernels/attention/flash_attn_fp8_gfx950.py line 37 at 11c4174 "
+                         "(build_flash_attn_dualwave_swp_fp8_module: called directly with FP8 Q/K/V, gfx950 only)",
+               capabilities=Capabilities(
+                   learned_sinks="no", head_dims=(128,),
+                   source="ROCm/FlyDSL kernels/attention/flash_attn_fp8_gfx950.py at 11c4174: the D = 128 launcher "
+                          "(docstring of build_flash_attn_dualwave_swp_fp8_module, lines 53-58), no sink argument")),
     Deployment("vllm", "flash_attn", ("sm90",), ("fa3", "fa3_splitkv"), "none",
                "vllm-project/flash-attention (vLLM's FA3 fork, hopper/)",
                "FA3's FP8 path folds S = 256 into the exponent and walks KV blocks in reverse.",
