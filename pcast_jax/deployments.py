@@ -209,6 +209,12 @@ _VLLM_TRITON_SELECTION = (
     "(query_quant, for an fp8 / fp8_e4m3 KV cache) on CUDA only; the backend is TRITON_ATTN when chosen "
     "(--attention-backend) or by the platform's priority list")
 
+_AITER_UNIFIED_CAPS = Capabilities(
+    soft_cap="yes", sliding_window="yes", learned_sinks="yes", min_head_dim=32,
+    source="vllm-project/vllm vllm/v1/attention/backends/rocm_aiter_unified_attn.py at 00e5aa0: supports_head_size "
+           "head_size >= 32 (lines 65-66), supports_sink True (lines 73-74), window_size and softcap passed to the "
+           "kernel (RocmAiterUnifiedAttentionImpl.forward)")
+
 #: Every known deployment. Each kernel's semantics are cited where its preset is defined; ``selection`` says
 #: where the engine picks the backend and its FP8 path, ``source`` which file runs the kernel.
 DEPLOYMENTS: tuple[Deployment, ...] = (
@@ -223,9 +229,29 @@ DEPLOYMENTS: tuple[Deployment, ...] = (
                "No FP8 P by default: on ROCm TRITON_ATTN does not take an FP8 query (is_cuda() is False), so Q "
                "stays in the model dtype, and the kernel hands back raw FP8 V only for an FP8 Q (_cast_kv_tile, "
                "see the vllm_triton_fp8 preset): V is dequantized and P·V runs in the model dtype. "
-               "(vllm_triton_fp8_rocm models the FP8-Q path, E4M3FNUZ P on MI300.) TRITON_ATTN is last in "
+               "(The FP8-Q path, E4M3FNUZ P on MI300, is the rocm_aiter_unified_attn row.) TRITON_ATTN is last in "
                "vLLM's ROCm priority list (vllm/platforms/rocm.py _get_backend_priorities at 001eda3).",
                selection=_VLLM_TRITON_SELECTION, capabilities=_VLLM_TRITON_CAPS),
+    Deployment("vllm", "rocm_aiter_unified_attn", ("gfx942",), ("vllm_triton_fp8_rocm",), "none",
+               "ROCm/aiter aiter.ops.triton.unified_attention (the ROCm port of vLLM's Triton unified attention)",
+               "Q is FP8 here, so P is cast with S = 1 to the platform's FP8 type, E4M3FNUZ on MI300 (which "
+               "zeroes less than E4M3: the collapse threshold is 11 ln 2, max 240). Assumption: aiter's port "
+               "keeps vLLM's kernel semantics (tile 32 for 1-byte Q). vLLM picks this backend when asked "
+               "(--attention-backend ROCM_AITER_UNIFIED_ATTN) or when the backends before it in "
+               "_get_backend_priorities (vllm/platforms/rocm.py at 001eda3: ROCM_ATTN, ROCM_AITER_FA) do not "
+               "validate.",
+               selection="vllm-project/vllm vllm/v1/attention/backends/rocm_aiter_unified_attn.py line 162 at "
+                         "00e5aa0: supports_quant_query_input = True (the attention layer quantizes Q to FP8 for "
+                         "an FP8 KV cache); the kernel is aiter's unified_attention (line 159)",
+               capabilities=_AITER_UNIFIED_CAPS),
+    Deployment("vllm", "rocm_aiter_unified_attn", ("gfx950",), ("vllm_triton_fp8",), "none",
+               "ROCm/aiter aiter.ops.triton.unified_attention (the ROCm port of vLLM's Triton unified attention)",
+               "Q is FP8 here, so P is cast with S = 1 to OCP E4M3 on MI355. Assumption: aiter's port keeps vLLM's "
+               "kernel semantics (tile 32 for 1-byte Q).",
+               selection="vllm-project/vllm vllm/v1/attention/backends/rocm_aiter_unified_attn.py line 162 at "
+                         "00e5aa0: supports_quant_query_input = True; the kernel is aiter's unified_attention "
+                         "(line 159)",
+               capabilities=_AITER_UNIFIED_CAPS),
     Deployment("vllm", "rocm_flash", ("gfx942",), ("vllm_rocm_flash_fp8",), "prob_scale",
                "vllm-project/vllm vllm/attention/ops/triton_flash_attention.py (attn_fwd: p *= p_descale; "
                "acc_scale = p_scale * v_scale), kv-cache scale loader (prob_scale *= 2 on fnuz)",

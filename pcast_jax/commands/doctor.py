@@ -1,5 +1,5 @@
 """``pcast doctor``: from a deployment (engine, backend, GPU, checkpoint scales) to the kernel it runs,
-what it does to P, a verdict over a Δ range and the one setting to change."""
+whether it can run the model (with a trace), what it does to P, a verdict and the one setting to change."""
 
 from __future__ import annotations
 
@@ -8,16 +8,19 @@ import json
 
 from pcast_jax.commands import _options
 
-HELP = "From a deployment (engine, backend, GPU, checkpoint) to its kernel, a P-collapse verdict and the fix."
+HELP = ("From a deployment (engine, backend, GPU, checkpoint) to its kernel, whether it can run your model (with "
+        "--trace), a P-collapse verdict and the fix.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", required=True, help="vllm, sglang, tensorrt-llm, jax, transformer-engine, "
-                                                         "flash-attention, sageattention or aiter")
-    parser.add_argument("--backend", required=True, help="the engine's attention backend (e.g. vllm: triton_attn, "
-                                                          "flash_attn, flashinfer; jax: cudnn)")
+                                                         "flash-attention, sageattention, aiter or flydsl")
+    parser.add_argument("--backend", required=True,
+                        help="the engine's attention backend (e.g. vllm: triton_attn, flash_attn, flashinfer, "
+                             "rocm_aiter_unified_attn; jax: cudnn)")
     parser.add_argument("--gpu", required=True, help="GPU architecture: sm90, sm100, sm120, gfx942 or gfx950")
-    parser.add_argument("--kv-cache-dtype", default="fp8", help="fp8 or fp8_e4m3 (default fp8)")
+    parser.add_argument("--kv-cache-dtype", default="fp8",
+                        help="fp8 or fp8_e4m3 (default fp8); a backend that takes only some is refused with the others")
     parser.add_argument("--checkpoint", default=None, metavar="DIR",
                         help="a checkpoint folder: its q/k/v/prob_scale tensors are read (never the weights)")
     parser.add_argument("--prob-scale", type=float, default=None,
