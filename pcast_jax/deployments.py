@@ -209,6 +209,18 @@ _VLLM_TRITON_SELECTION = (
     "(query_quant, for an fp8 / fp8_e4m3 KV cache) on CUDA only; the backend is TRITON_ATTN when chosen "
     "(--attention-backend) or by the platform's priority list")
 
+_AITER_UNIFIED_SOURCE = "ROCm/aiter aiter.ops.triton.unified_attention (the ROCm port of vLLM's unified attention)"
+_AITER_UNIFIED_SELECTION = (
+    "vllm-project/vllm vllm/v1/attention/backends/rocm_aiter_unified_attn.py line 162 at 00e5aa0: "
+    "supports_quant_query_input = True (the attention layer quantizes Q to FP8 for an FP8 KV cache); the kernel is "
+    "aiter's unified_attention (line 159)")
+_AITER_MHA_SOURCE = "ROCm/aiter aiter/ops/triton/mha.py (FP8 Q/K/V: the Triton MHA's FP8 forward, called directly)"
+_AITER_MHA_SELECTION = ("ROCm/aiter aiter/ops/triton/attention/mha.py line 118 at e404860 (called directly: FP8 Q/K/V "
+                        "select the FP8 forward, FP8_MAX = torch.finfo(q.dtype).max)")
+_FA_TRITON_AMD_SELECTION = (
+    "ROCm/aiter aiter/ops/triton/_triton_kernels/flash_attn_triton_amd/fwd_prefill.py line 1942 at e404860 (the "
+    "launcher passes FP8_P_DESCALE=False; the FP8 path runs for FP8 Q/K/V, lines 1723-1747); FlashAttention's own "
+    "switch (FLASH_ATTENTION_TRITON_AMD_ENABLE) not read at a commit")
 _AITER_UNIFIED_CAPS = Capabilities(
     soft_cap="yes", sliding_window="yes", learned_sinks="yes", min_head_dim=32,
     source="vllm-project/vllm vllm/v1/attention/backends/rocm_aiter_unified_attn.py at 00e5aa0: supports_head_size "
@@ -233,24 +245,20 @@ DEPLOYMENTS: tuple[Deployment, ...] = (
                "vLLM's ROCm priority list (vllm/platforms/rocm.py _get_backend_priorities at 001eda3).",
                selection=_VLLM_TRITON_SELECTION, capabilities=_VLLM_TRITON_CAPS),
     Deployment("vllm", "rocm_aiter_unified_attn", ("gfx942",), ("vllm_triton_fp8_rocm",), "none",
-               "ROCm/aiter aiter.ops.triton.unified_attention (the ROCm port of vLLM's Triton unified attention)",
+               _AITER_UNIFIED_SOURCE,
                "Q is FP8 here, so P is cast with S = 1 to the platform's FP8 type, E4M3FNUZ on MI300 (which "
                "zeroes less than E4M3: the collapse threshold is 11 ln 2, max 240). Assumption: aiter's port "
                "keeps vLLM's kernel semantics (tile 32 for 1-byte Q). vLLM picks this backend when asked "
                "(--attention-backend ROCM_AITER_UNIFIED_ATTN) or when the backends before it in "
                "_get_backend_priorities (vllm/platforms/rocm.py at 001eda3: ROCM_ATTN, ROCM_AITER_FA) do not "
                "validate.",
-               selection="vllm-project/vllm vllm/v1/attention/backends/rocm_aiter_unified_attn.py line 162 at "
-                         "00e5aa0: supports_quant_query_input = True (the attention layer quantizes Q to FP8 for "
-                         "an FP8 KV cache); the kernel is aiter's unified_attention (line 159)",
+               selection=_AITER_UNIFIED_SELECTION,
                capabilities=_AITER_UNIFIED_CAPS),
     Deployment("vllm", "rocm_aiter_unified_attn", ("gfx950",), ("vllm_triton_fp8",), "none",
-               "ROCm/aiter aiter.ops.triton.unified_attention (the ROCm port of vLLM's Triton unified attention)",
+               _AITER_UNIFIED_SOURCE,
                "Q is FP8 here, so P is cast with S = 1 to OCP E4M3 on MI355. Assumption: aiter's port keeps vLLM's "
                "kernel semantics (tile 32 for 1-byte Q).",
-               selection="vllm-project/vllm vllm/v1/attention/backends/rocm_aiter_unified_attn.py line 162 at "
-                         "00e5aa0: supports_quant_query_input = True; the kernel is aiter's unified_attention "
-                         "(line 159)",
+               selection=_AITER_UNIFIED_SELECTION,
                capabilities=_AITER_UNIFIED_CAPS),
     Deployment("vllm", "rocm_flash", ("gfx942",), ("vllm_rocm_flash_fp8",), "prob_scale",
                "vllm-project/vllm vllm/attention/ops/triton_flash_attention.py (attn_fwd: p *= p_descale; "
@@ -278,28 +286,21 @@ DEPLOYMENTS: tuple[Deployment, ...] = (
                "imports aiter's flash_attn_triton_amd)",
                "FP8_P_DESCALE is hard-wired off: S = 1, E4M3FNUZ P (which zeroes less than E4M3: the collapse "
                "threshold is 11 ln 2 instead of 10 ln 2; max 240).",
-               selection="ROCm/aiter aiter/ops/triton/_triton_kernels/flash_attn_triton_amd/fwd_prefill.py line "
-                         "1942 at e404860 (the launcher passes FP8_P_DESCALE=False; the FP8 path runs for FP8 "
-                         "Q/K/V, lines 1723-1747); FlashAttention's own switch (FLASH_ATTENTION_TRITON_AMD_ENABLE) "
-                         "not read at a commit"),
+               selection=_FA_TRITON_AMD_SELECTION),
     Deployment("flash-attention", "triton_amd", ("gfx950",), ("fa_triton_amd_mi355",), "none",
                "Dao-AILab/flash-attention flash_attn/flash_attn_interface.py (aiter's flash_attn_triton_amd)",
                "FP8_P_DESCALE is hard-wired off: S = 1, E4M3 P.",
-               selection="ROCm/aiter aiter/ops/triton/_triton_kernels/flash_attn_triton_amd/fwd_prefill.py line "
-                         "1942 at e404860 (FP8_P_DESCALE=False; FP8 Q/K/V, lines 1723-1747); FlashAttention's "
-                         "own switch not read at a commit"),
+               selection=_FA_TRITON_AMD_SELECTION),
     Deployment("aiter", "triton_mha", ("gfx942",), ("aiter_mha_fp8_mi300",), "none",
-               "ROCm/aiter aiter/ops/triton/mha.py (FP8 Q/K/V: the Triton MHA's FP8 forward, called directly)",
+               _AITER_MHA_SOURCE,
                "One scale FP8_MAX/amax(P) per 128-query × 64-key tile (FP8_MAX 240 on E4M3FNUZ), shared by the "
                "tile's rows; which serving engines route FP8 attention here is not read from their source.",
-               selection="ROCm/aiter aiter/ops/triton/attention/mha.py line 118 at e404860 (called directly: FP8 "
-                         "Q/K/V select the FP8 forward, FP8_MAX = torch.finfo(q.dtype).max)"),
+               selection=_AITER_MHA_SELECTION),
     Deployment("aiter", "triton_mha", ("gfx950",), ("aiter_mha_fp8_mi355",), "none",
-               "ROCm/aiter aiter/ops/triton/mha.py (FP8 Q/K/V: the Triton MHA's FP8 forward, called directly)",
+               _AITER_MHA_SOURCE,
                "One scale FP8_MAX/amax(P) per 128-query × 64-key tile (FP8_MAX 448), shared by the tile's rows; "
                "which serving engines route FP8 attention here is not read from their source.",
-               selection="ROCm/aiter aiter/ops/triton/attention/mha.py line 118 at e404860 (called directly: FP8 "
-                         "Q/K/V select the FP8 forward)"),
+               selection=_AITER_MHA_SELECTION),
     Deployment("flydsl", "flash_attn_fp8", ("gfx950",), ("flydsl_fp8_gfx950",), "none",
                "ROCm/FlyDSL kernels/attention/flash_attn_fp8_gfx950.py (the dual-wave FP8 forward, called directly)",
                "S = 1 with a lazy rescale τ = 8 (log2): P 10 binades below the running max is zeroed while ℓ "
