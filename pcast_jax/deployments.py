@@ -347,6 +347,21 @@ DEPLOYMENTS: tuple[Deployment, ...] = (
                selection="sgl-project/sglang python/sglang/srt/layers/attention/triton_backend.py line 165 at "
                          "0085842 (TritonAttnBackend reads max_kv_splits); the --attention-backend triton choice "
                          "and when its query is FP8 not read"),
+    Deployment("sglang", "fa3", ("sm90",), ("fa3", "fa3_splitkv"), "none",
+               "sgl-project/sglang python/sglang/srt/layers/attention/flashattention_backend.py "
+               "(flash_attn_with_kvcache, FA3 from sgl-kernel)",
+               "With an FP8 KV cache and head dim ≤ 256 SGLang casts Q to the cache's FP8 type, so FA3's FP8 "
+               "path runs: S = 256 in the exponent, reverse KV order; its split-KV decode splits as FA3's "
+               "heuristic picks (fa3_splitkv's count is an assumption). Above head dim 256 Q stays in the model "
+               "dtype and no P is cast to FP8.",
+               selection="sgl-project/sglang python/sglang/srt/layers/attention/flashattention_backend.py at "
+                         "003e7b7: FlashAttentionBackend.forward_extend and forward_decode, q = "
+                         "q.to(self.kv_cache_dtype) when kv_cache_dtype_str != 'auto' and layer.head_dim <= 256",
+               capabilities=Capabilities(
+                   soft_cap="yes", sliding_window="yes",
+                   source="sgl-project/sglang python/sglang/srt/layers/attention/flashattention_backend.py at "
+                          "003e7b7: window_size and softcap=layer.logit_cap passed to flash_attn_with_kvcache in "
+                          "forward_extend")),
     Deployment("tensorrt-llm", "xqa", ("sm90",), ("trtllm_xqa", "trtllm_xqa_multiblock"), "none",
                "NVIDIA/TensorRT-LLM XQA (decode; mha_sm90.cu as vendored by flashinfer)", "",
                selection="NVIDIA/TensorRT-LLM cpp/kernels/xqa/mha_sm90.cu launchHopperF8MHA at 014dadc (the FP8 "
