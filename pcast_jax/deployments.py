@@ -709,11 +709,11 @@ def diagnose(deployment: Deployment, *, knob_value: float | None = None, scales:
         advice = (f"no row is over the limit, but {len(unsure)} are within {Z:g} s.e. of it at "
                   f"{seeds} seeds (first at Δ = {min(r['delta'] for r in unsure):g}); rerun with more --seeds")
     elif safe:
-        advice = (f"safe on this range: every kernel of {deployment.engine} {deployment.backend} keeps the zeroed "
+        advice = (f"every kernel of {deployment.engine} {deployment.backend} keeps the zeroed "
                   f"and the clipped mass ≤ {ZEROED_MASS_LIMIT:g} of the softmax at Δ = {min(deltas):g}…"
                   f"{max(deltas):g}; nothing to change")
     elif knob == "none":
-        advice = (f"P-collapse from Δ = {collapse:g}: {deployment.engine} {deployment.backend} fixes S itself, so no "
+        advice = (f"from Δ = {collapse:g} on, and {deployment.engine} {deployment.backend} fixes S itself, so no "
                   "setting of this backend avoids it; use a backend whose kernel passes (pcast doctor on another "
                   "--backend), or check on your model with pcast analyze")
     else:

@@ -242,6 +242,10 @@ def test_sm100_cudnn_never_recommends_scale_s(tmp_path, capsys):
     assert row.knob == "none" and row.presets == ("cudnn_sm100_fp8",)
     diag = deployments.diagnose(row, deltas=(4.0, 12.0), seeds=2)
     assert diag.recommended is None and "scale_s" not in diag.advice
+    # the verdict word and the advice never say the same thing twice
+    for d in (diag, deployments.diagnose(deployments.find("flash-attention", "fa3", "sm90"), deltas=(4.0,), seeds=2)):
+        word = {True: "safe", False: "P-collapse", None: "undecided"}[d.safe]
+        assert not d.advice.lower().startswith(word.lower()), d.advice
     assert cli.main(["doctor", "--engine", "jax", "--backend", "cudnn", "--gpu", "sm100", "--scale-s", "16"]) == 2
     assert "--scale-s: jax cudnn sets the P scale through nothing" in capsys.readouterr().err
     trace = character_trace("sink at 0", T=320, D=64)  # a head dim the open kernels take
