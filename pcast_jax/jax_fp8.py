@@ -2,23 +2,32 @@
 
 ``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention(q, k, v, ..., fp8_params=...,
 use_fp8=True)`` (jax-ml/jax, the ``FP8Params`` dict of 17 entries, present from jax 0.5 on) runs cuDNN's
-FP8 SDPA, whose P scale is ``fp8_params["scale_s"]`` (the forward reads ``scale_s``, ``descale_s`` and
-the Q/K/V/O scales). What the kernel does with it is :mod:`pcast_jax.presets.cudnn`: forward order,
-128-key blocks, a learned sink as the initial running max, and a lazy rescale τ (natural-log units)
-compensated by S_eff = scale_s·2^-τ. JAX passes no learned sink itself (Transformer Engine does); the
-``sinks`` here answer for a model that has them.
+FP8 SDPA and passes it ``fp8_params["scale_s"]`` as the P scale. Whether that scale reaches P depends on
+the engine cuDNN runs, which depends on the GPU (:data:`pcast_jax.presets.cudnn.ENGINES`, every answer
+names it):
+
+* Blackwell (``sm100``) and Blackwell GeForce (``sm120``): cuDNN's open FP8 kernels cast P at a baked
+  S = 16 in the exponent with a lazy rescale τ = 4 in log2 units and ignore ``scale_s``; a learned sink
+  joins the denominator after the KV loop (presets ``cudnn_sm100_fp8``, ``cudnn_sm120_fp8``). There is
+  no scale_s to choose; the answer is what the kernel does at its own S.
+* Hopper (``sm90``): no open FP8 kernel exists; the closed engine is modelled by the test reference it
+  was held to: forward order, 128-key blocks, a learned sink as the initial running max, P·scale_s cast,
+  τ = 0 (``cudnn_fp8_tau0``). ``rescale_threshold`` (τ in nats, ``CUDNN_RESCALE_THRESHOLD``) given without
+  a GPU asks the same reference at that τ, with S_eff = scale_s·2^-τ.
+
+That XLA's cuDNN call reaches these engines (and not another closed one) is an assumption, stated in every
+answer. JAX passes no learned sink itself (Transformer Engine does); the ``sinks`` here answer for a model
+that has them.
 
 :func:`predict` takes those arguments and returns the matching
 :class:`~pcast_jax.config.KernelConfig`, the closed-form and simulated zeroed and saturated
-fractions and masses per head, and the scale_s that avoids saturation. With ``trace=`` (a recorded
-:class:`~pcast_jax.analysis.Trace` of the user's model) it answers on the model instead: the kernel
-simulated on the trace at every power-of-two ``scale_s``, the worst head's zeroed and clipped mass per
-candidate (the criterion of ``pcast analyze``, :func:`pcast_jax.analysis.study.meets_criterion`), the
-KL of the model run through it when given, and the ``scale_s`` to pass (:class:`JaxFP8Scan`).
-
-The GPU generation sets τ (:data:`GPUS`, :data:`DEFAULT_GPU`): cuDNN's reference runs τ = 4 nats on
-Blackwell (SM100) and τ = 0 on Hopper (:data:`pcast_jax.presets.cudnn.TAU_BY_GPU`, sources in
-:data:`pcast_jax.presets.cudnn.TAU_SOURCE`). ``pcast jax-fp8`` is the same question from the command line.
+fractions and masses per head, and, where scale_s reaches P, the scale_s that avoids saturation. With
+``trace=`` (a recorded :class:`~pcast_jax.analysis.Trace` of the user's model) it answers on the model
+instead: the kernel simulated on the trace at every power-of-two ``scale_s`` where scale_s reaches P (else
+at the kernel's own S), the worst head's zeroed and clipped mass (the criterion of ``pcast analyze``,
+:func:`pcast_jax.analysis.study.meets_criterion`), the KL of the model run through it when given, and the
+``scale_s`` to pass where there is one (:class:`JaxFP8Scan`). ``pcast jax-fp8`` is the same question from
+the command line.
 """
 
 from __future__ import annotations
@@ -31,45 +40,73 @@ import numpy as np
 from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError, check_finite, check_int, check_positive
 
-__all__ = ["DEFAULT_GPU", "GPUS", "JaxFP8Prediction", "JaxFP8Scan", "NO_THEORY", "cudnn_config", "gpu_tau", "predict",
-           "scale_s_from", "theory_text"]
+__all__ = ["DEFAULT_GPU", "GPUS", "JaxFP8Prediction", "JaxFP8Scan", "NO_THEORY", "cudnn_config", "gpu_engine",
+           "predict", "scale_s_from", "theory_text"]
 
 #: GPU generations JAX's cuDNN FP8 attention runs on, by name and compute capability, to the key of
-#: :data:`pcast_jax.presets.cudnn.TAU_BY_GPU`.
-GPUS = {"hopper": "sm90", "sm90": "sm90", "blackwell": "sm100", "sm100": "sm100"}
+#: :data:`pcast_jax.presets.cudnn.ENGINES`.
+GPUS = {"hopper": "sm90", "sm90": "sm90", "blackwell": "sm100", "sm100": "sm100", "sm120": "sm120"}
 #: The generation assumed when none is given (and said so in every answer).
 DEFAULT_GPU = "blackwell"
-_GPU_WORDS = {"sm90": "Hopper (sm90)", "sm100": "Blackwell (sm100)"}
+_GPU_WORDS = {"sm90": "Hopper (sm90)", "sm100": "Blackwell (sm100)", "sm120": "Blackwell GeForce (sm120)"}
 
 
-def gpu_tau(gpu: str | None = None, rescale_threshold: float | None = None, *,
-            names: tuple[str, str] = ("gpu", "rescale_threshold")) -> tuple[float, str]:
-    """cuDNN's lazy-rescale τ (nats) and where it comes from, in words.
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _Engine:
+    """What :func:`gpu_engine` finds: the kernel at scale_s = 1, whether scale_s reaches P, in words."""
 
-    ``gpu`` (:data:`GPUS`) sets τ from :data:`pcast_jax.presets.cudnn.TAU_BY_GPU`; ``rescale_threshold``
-    overrides it (``CUDNN_RESCALE_THRESHOLD``) and is refused when it contradicts a ``gpu`` given with it;
-    neither: :data:`DEFAULT_GPU`. ``names``: the two parameters as the caller spells them in errors.
+    config: KernelConfig
+    scale_s_reaches_p: bool
+    words: str
+
+
+def gpu_engine(gpu: str | None = None, rescale_threshold: float | None = None, *, mxfp8: bool = False,
+               names: tuple[str, str] = ("gpu", "rescale_threshold")) -> _Engine:
+    """The cuDNN engine JAX's FP8 attention runs for ``gpu``, as its config at scale_s = 1, whether
+    ``scale_s`` reaches P, and the GPU and the engine in words.
+
+    ``gpu`` (:data:`GPUS`) picks the engine of :data:`pcast_jax.presets.cudnn.ENGINES`; neither ``gpu``
+    nor ``rescale_threshold``: :data:`DEFAULT_GPU`. ``rescale_threshold`` (τ in nats) asks cuDNN's older
+    test reference at that τ (the closed engines' model); it is refused with a GPU whose engine bakes its
+    own τ or runs another. ``mxfp8``: the MXFP8 SDPA, whose open SM100 kernel casts P as the per-tensor
+    one; the older reference's MXFP8 (S = 16 fixed, no compensation) with ``rescale_threshold``.
+    ``names``: the two parameters as the caller spells them in errors.
     """
-    from pcast_jax.presets.cudnn import TAU_BY_GPU, TAU_SOURCE
+    from pcast_jax.presets import cudnn, get_preset
 
     gpu_name, tau_name = names
     if gpu is not None and (not isinstance(gpu, str) or gpu.lower() not in GPUS):
-        raise PcastError(f"{gpu_name}={gpu!r} must be one of hopper, blackwell (or sm90, sm100)")
+        raise PcastError(f"{gpu_name}={gpu!r} must be one of hopper, blackwell (or sm90, sm100, sm120)")
+    if not isinstance(mxfp8, bool):
+        raise PcastError(f"mxfp8={mxfp8!r} must be True or False")
     if rescale_threshold is not None:
         tau = check_finite(tau_name, rescale_threshold)
         if tau < 0:
             raise PcastError(f"{tau_name}={tau!r} must be >= 0 (nats)")
-        if gpu is None:
-            return tau, f"τ = {tau:g} nats as given (Hopper's is {TAU_BY_GPU['sm90']:g}, Blackwell's " \
-                        f"{TAU_BY_GPU['sm100']:g})"
-        arch = GPUS[gpu.lower()]
-        if tau != TAU_BY_GPU[arch]:
-            raise PcastError(f"{tau_name}={tau:g} contradicts {gpu_name}={gpu!r}, whose cuDNN runs τ = "
-                             f"{TAU_BY_GPU[arch]:g} ({TAU_SOURCE[arch]}): give one of them")
+        if gpu is not None:
+            arch = GPUS[gpu.lower()]
+            engine = cudnn.ENGINES[arch]
+            if not engine.scale_s_reaches_p:
+                raise PcastError(f"{tau_name}={tau:g} with {gpu_name}={gpu!r}: that GPU's engine ({engine.words}) "
+                                 f"bakes τ = {cudnn.OPEN_RESCALE_THRESHOLD:g} in log2 units; a τ in nats asks the "
+                                 "older test reference: give it without a GPU")
+            if tau != cudnn.TAU_BY_GPU[arch]:
+                raise PcastError(f"{tau_name}={tau:g} contradicts {gpu_name}={gpu!r}, whose reference runs τ = "
+                                 f"{cudnn.TAU_BY_GPU[arch]:g} ({cudnn.TAU_SOURCE[arch]}): give one of them")
+        else:
+            return _Engine(config=cudnn_config(1.0, rescale_threshold=tau, mxfp8=mxfp8), scale_s_reaches_p=not mxfp8,
+                           words=f"no GPU given: cuDNN's older test reference (fp8_ref.py at 3929da2, the closed "
+                                 f"engines' model) at τ = {tau:g} nats as given")
     default = gpu is None
     arch = GPUS[(gpu or DEFAULT_GPU).lower()]
-    return TAU_BY_GPU[arch], (f"{_GPU_WORDS[arch]}{', the default' if default else ''}: τ = {TAU_BY_GPU[arch]:g} "
-                              f"nats ({TAU_SOURCE[arch]})")
+    engine = cudnn.ENGINES[arch]
+    if mxfp8 and arch != "sm100":
+        raise PcastError(f"mxfp8=True with {gpu_name}={gpu or DEFAULT_GPU!r}: the MXFP8 SDPA read from source runs on "
+                         "Blackwell (sm100); give that GPU, or rescale_threshold for the older reference")
+    words = (f"{_GPU_WORDS[arch]}{', the default' if default else ''}: {engine.words}"
+             + ("" if not engine.scale_s_reaches_p else f"; τ = {cudnn.TAU_BY_GPU[arch]:g} nats "
+                f"({cudnn.TAU_SOURCE[arch]})"))
+    return _Engine(config=get_preset(engine.preset), scale_s_reaches_p=engine.scale_s_reaches_p, words=words)
 
 
 #: Head dims cuDNN's FP8 SDPA takes through JAX (``fused_attention_stablehlo.py``, the FP8 checks at
@@ -98,7 +135,8 @@ def scale_s_from(fp8_params) -> float:
 
 
 def cudnn_config(scale_s: float = 1.0, *, rescale_threshold: float = 4.0, mxfp8: bool = False) -> KernelConfig:
-    """The :class:`KernelConfig` of cuDNN's FP8 SDPA for a caller's ``scale_s`` and a threshold τ (nats).
+    """The :class:`KernelConfig` of cuDNN's older FP8 test reference (the closed engines' model) for a
+    caller's ``scale_s`` and a threshold τ (nats).
 
     ``mxfp8=True``: the MXFP8 variant, whose P is plain E4M3 at a fixed S = 16 with no 2^-τ
     compensation (``scale_s`` ignored). See :mod:`pcast_jax.presets.cudnn` for the sources.
@@ -117,20 +155,22 @@ class JaxFP8Prediction:
     """What cuDNN's FP8 attention does to P for one call, per head.
 
     Attributes:
-      config: the kernel's :class:`KernelConfig`.
+      config: the kernel's :class:`KernelConfig` (at the caller's scale_s where it reaches P).
       sinks: (H,) the learned sink logits asked about (NaN-free; 0-length when none).
       theory_frac_zeroed: (H,) non-sink P zeroed by the sink as the initial running max,
-        :func:`pcast_jax.theory.learned_sink_collapse_fraction` at S_eff = scale_s·2^-τ; NaN for
-        a head without a learned sink, where that closed form does not apply (:meth:`summary`
-        and ``pcast jax-fp8`` say so in words).
+        :func:`pcast_jax.theory.learned_sink_collapse_fraction` at the kernel's applied S; NaN for a
+        head without a learned sink, or a kernel that adds the sink after the KV loop, where that closed
+        form does not apply (:meth:`summary` and ``pcast jax-fp8`` say so in words).
       frac_zeroed, zeroed_mass, frac_saturated, saturated_mass: (H,) simulated on N(0, σ²)
         logits (the kernel's simulator, mean over ``seeds`` draws), with their standard errors in
         ``sem``.
-      max_scaled_p: the largest P·S_eff the lazy rescale allows (:func:`pcast_jax.theory.max_scaled_p`).
-      safe_scale_s: the largest power-of-two scale_s that never saturates at this τ
-        (:func:`pcast_jax.theory.saturation_free_scale`), and ``safe_critical_delta`` the learned-sink
-        logit at which half the non-sink P would still be zeroed with it.
-      gpu: the GPU generation and the τ it sets, in words (:func:`gpu_tau`).
+      max_scaled_p: the largest P·S the lazy rescale allows (:func:`pcast_jax.theory.max_scaled_p`).
+      safe_scale_s: where scale_s reaches P, the largest power-of-two scale_s that never saturates at
+        this τ (:func:`pcast_jax.theory.saturation_free_scale`), and ``safe_critical_delta`` the
+        learned-sink logit at which half the non-sink P would still be zeroed with it; None where the
+        engine ignores scale_s.
+      gpu: the GPU and the engine the answer is about, in words (:func:`gpu_engine`).
+      scale_s: the scale_s the caller passes; ``scale_s_reaches_p`` whether the engine applies it.
     """
 
     config: KernelConfig
@@ -142,19 +182,28 @@ class JaxFP8Prediction:
     saturated_mass: np.ndarray
     sem: dict
     max_scaled_p: float
-    safe_scale_s: float
-    safe_critical_delta: float
+    safe_scale_s: float | None
+    safe_critical_delta: float | None
     seq_len: int
     seeds: int
     gpu: str = ""
+    scale_s: float = 1.0
+    scale_s_reaches_p: bool = True
 
     def summary(self) -> str:
         """The answer in words, one line per finding."""
         c = self.config
-        s_eff = c.effective_scale
+        fmt = c.p_format.upper()
         lines = [f"GPU: {self.gpu}."] if self.gpu else []
-        lines.append(f"cuDNN FP8 attention with scale_s = {c.scale:g}, tau = {c.rescale_threshold:g} nats: "
-                     f"P is cast to E4M3 at S_eff = {s_eff:g}, forward order, {c.block_kv}-key blocks.")
+        if self.scale_s_reaches_p:
+            unit = "" if not c.rescale_threshold else (" nats" if c.rescale_unit == "natural" else " (log2)")
+            lines.append(f"cuDNN FP8 attention with scale_s = {c.scale:g}, tau = {c.rescale_threshold:g}{unit}: P is "
+                         f"cast to {fmt} at S_eff = {c.effective_scale:g}, {c.order} order, {c.block_kv}-key blocks.")
+        else:
+            lines.append(f"cuDNN FP8 attention: P is cast to {fmt} at the kernel's own S = {c.effective_scale:g} "
+                         f"({c.scale_mode} mode), whatever scale_s is (scale_s = {self.scale_s:g} is accepted and "
+                         f"ignored); {c.order} order, {c.block_kv}-key blocks, lazy rescale tau = "
+                         f"{c.rescale_threshold:g} ({c.rescale_unit}).")
         if self.max_scaled_p > c.fmt.max:
             lines.append(f"A running max lagging by up to tau lets P*S reach {self.max_scaled_p:.4g} > {c.fmt.max:g}: "
                          "the cast can saturate there while the row sum keeps the unclipped value.")
@@ -166,18 +215,24 @@ class JaxFP8Prediction:
                          f"({theory_text(self.theory_frac_zeroed[h])}), carrying "
                          f"{100 * self.zeroed_mass[h]:.2f}% of the probability; "
                          f"{100 * self.frac_saturated[h]:.3f}% saturated.")
-        lines.append(f"Safe choice: scale_s = {self.safe_scale_s:g} (the largest power of two that cannot saturate "
-                     f"at this tau); half the non-sink P is then zeroed only from a sink logit of "
-                     f"{self.safe_critical_delta:.2f} on.")
+        if self.safe_scale_s is None:
+            lines.append("No scale_s to choose: this engine does not apply it to P."
+                         + (" A learned sink joins only its denominator, after the KV loop, so it sets no running "
+                            "max that could zero P." if c.sink_mode == "epilogue" else ""))
+        else:
+            lines.append(f"Safe choice: scale_s = {self.safe_scale_s:g} (the largest power of two that cannot "
+                         f"saturate at this tau); half the non-sink P is then zeroed only from a sink logit of "
+                         f"{self.safe_critical_delta:.2f} on.")
         return "\n".join(lines)
 
 
-#: What the closed form says for a head without a learned sink.
-NO_THEORY = "theory: n/a, its closed form is for a learned sink as the initial running max"
+#: What the closed form says for a head without a learned sink, or a kernel that adds it after the loop.
+NO_THEORY = ("theory: n/a, its closed form is for a learned sink as the initial running max (no sink here, or "
+             "one added after the KV loop)")
 
 
 def theory_text(frac: float) -> str:
-    """``theory 12.3%``, or :data:`NO_THEORY` where there is no closed form (NaN: no learned sink)."""
+    """``theory 12.3%``, or :data:`NO_THEORY` where there is no closed form (NaN)."""
     return NO_THEORY if math.isnan(frac) else f"theory {100 * frac:.1f}%"
 
 
@@ -190,17 +245,17 @@ def predict(*, fp8_params=None, scale_s: float | None = None, head_dim: int | No
 
     Without ``trace``: on synthetic N(0, σ²) logits with the given learned sinks
     (:class:`JaxFP8Prediction`). With ``trace``: on the recorded model, every power-of-two ``scale_s``
-    simulated (:class:`JaxFP8Scan`).
+    simulated where the engine applies it, else the kernel at its own S (:class:`JaxFP8Scan`).
 
     Args:
       fp8_params: the ``fp8_params`` dict passed to JAX's FP8 attention (its ``"scale_s"`` is read);
         or give ``scale_s`` directly (JAX's own tests build every scale from ones: 1). With a trace,
-        the scale_s used now (added to the candidates, and its row named in the answer).
-      gpu: ``"hopper"`` or ``"blackwell"`` (``"sm90"``, ``"sm100"``): sets τ (:func:`gpu_tau`);
-        default :data:`DEFAULT_GPU`.
-      rescale_threshold: cuDNN's τ in nats, overriding the GPU's (``CUDNN_RESCALE_THRESHOLD``); refused
-        when it contradicts ``gpu``.
-      mxfp8: the MXFP8 SDPA variant (fixed S = 16, no compensation; nothing to scan on a trace).
+        the scale_s used now (added to the candidates where it reaches P, and its row named in the answer).
+      gpu: ``"hopper"``, ``"blackwell"`` or ``"sm120"`` (``"sm90"``, ``"sm100"``): the engine
+        (:func:`gpu_engine`); default :data:`DEFAULT_GPU`.
+      rescale_threshold: τ in nats (``CUDNN_RESCALE_THRESHOLD``) of cuDNN's older test reference; without
+        ``gpu`` it asks that reference at this τ; refused with a GPU whose engine does otherwise.
+      mxfp8: the MXFP8 SDPA variant (on Blackwell the open kernel casts P as the per-tensor one).
       head_dim: the head dim (default 128; ≤ 256, a multiple of 16: what JAX accepts for FP8 inference).
       seq_len: KV length N (default 4096).
       sinks: learned sink logits, one per head (a number, a sequence, an array, or a ``.npy`` path),
@@ -219,9 +274,9 @@ def predict(*, fp8_params=None, scale_s: float | None = None, head_dim: int | No
     if fp8_params is not None and scale_s is not None:
         raise PcastError("give fp8_params or scale_s, not both")
     given_s = scale_s_from(fp8_params) if fp8_params is not None else scale_s
-    if scale_s is not None:  # before any work: a trace is read and scanned only for a scale that can run
-        given_s = check_positive("scale_s", scale_s, float32=True)
-    tau, gpu_words = gpu_tau(gpu, rescale_threshold)
+    if given_s is not None:  # before any work: a trace is read and scanned only for a scale that can run
+        given_s = check_positive("scale_s", given_s, float32=True)
+    engine = gpu_engine(gpu, rescale_threshold, mxfp8=mxfp8)
     synthetic = {"head_dim": head_dim, "seq_len": seq_len, "sinks": sinks, "q_len": q_len, "sigma": sigma,
                  "seeds": seeds, "base_seed": base_seed}
     if trace is not None:
@@ -229,17 +284,17 @@ def predict(*, fp8_params=None, scale_s: float | None = None, head_dim: int | No
         if extra:
             raise PcastError(f"{', '.join(extra)}: synthetic logits' arguments, but trace= was given (the trace "
                              "has its own heads, lengths and sinks); give one or the other")
-        if mxfp8:
-            raise PcastError("mxfp8=True with a trace: MXFP8 fixes S = 16, there is no scale_s to choose "
-                             "(pcast analyze TRACE --configs cudnn_mxfp8 analyses it)")
-        return _predict_trace(trace, given_s, tau, gpu_words, logits_fn=logits_fn,
+        if mxfp8 and engine.scale_s_reaches_p is False and rescale_threshold is not None:
+            raise PcastError("mxfp8=True with a trace and rescale_threshold: the older MXFP8 reference fixes "
+                             "S = 16 (pcast analyze TRACE --configs cudnn_mxfp8 analyses it)")
+        return _predict_trace(trace, given_s, engine, logits_fn=logits_fn,
                               mass_limit=1e-3 if mass_limit is None else mass_limit,
                               min_keys=16 if min_keys is None else min_keys, progress=progress)
     extra = [k for k, v in (("logits_fn", logits_fn), ("mass_limit", mass_limit), ("min_keys", min_keys),
                             ("progress", progress)) if v is not None]
     if extra:
         raise PcastError(f"{', '.join(extra)}: only with trace= (the model's recorded Q/K/V)")
-    return _predict_synthetic(1.0 if given_s is None else given_s, tau, gpu_words, mxfp8=mxfp8,
+    return _predict_synthetic(1.0 if given_s is None else given_s, engine,
                               head_dim=128 if head_dim is None else head_dim,
                               seq_len=4096 if seq_len is None else seq_len, sinks=sinks,
                               q_len=32 if q_len is None else q_len, sigma=1.0 if sigma is None else sigma,
@@ -254,7 +309,7 @@ def _check_head_dim(head_dim: int, what: str = "head_dim") -> int:
     return head_dim
 
 
-def _predict_synthetic(s, tau, gpu_words, *, mxfp8, head_dim, seq_len, sinks, q_len, sigma, seeds,
+def _predict_synthetic(s, engine: _Engine, *, head_dim, seq_len, sinks, q_len, sigma, seeds,
                        base_seed) -> JaxFP8Prediction:
     from pcast_jax import theory
 
@@ -263,7 +318,9 @@ def _predict_synthetic(s, tau, gpu_words, *, mxfp8, head_dim, seq_len, sinks, q_
     seeds = check_int("seeds", seeds, min_value=2, max_value=4096)
     q_len = check_int("q_len", q_len, min_value=1, max_value=1 << 20)
     base_seed = check_int("base_seed", base_seed, min_value=0, max_value=2**32 - 1)
-    cfg = cudnn_config(s, rescale_threshold=tau, mxfp8=mxfp8)
+    cfg = engine.config
+    if engine.scale_s_reaches_p:
+        cfg = dataclasses.replace(cfg.replace(scale=s), name=f"cudnn_fp8_s{s:g}_tau{cfg.rescale_threshold:g}")
     sink_arr = _sinks(sinks)
     from pcast_jax.sweep.plan import check_memory
 
@@ -272,17 +329,23 @@ def _predict_synthetic(s, tau, gpu_words, *, mxfp8, head_dim, seq_len, sinks, q_
                  "at a time)", heads * q_len * seq_len * _BYTES_PER_LOGIT)
     frac, lz, fs, ls, sem = _simulate(cfg, sink_arr, seq_len=seq_len, q_len=q_len, d=head_dim, sigma=sigma,
                                       seeds=seeds, base_seed=base_seed)
-    theory_frac = np.asarray(theory.learned_sink_collapse_fraction(sink_arr, cfg.effective_scale, sigma=sigma),
-                             np.float64) if sink_arr.size else np.full(1, np.nan)
-    comp = cfg.rescale_compensation
-    safe = float(theory.saturation_free_scale(cfg.rescale_threshold, unit="natural", compensation=comp))
-    safe_eff = safe * (2.0 ** -cfg.rescale_threshold if comp == "pow2" else 1.0)
+    if sink_arr.size and cfg.sink_mode == "init_max":
+        theory_frac = np.asarray(theory.learned_sink_collapse_fraction(sink_arr, cfg.effective_scale, sigma=sigma),
+                                 np.float64)
+    else:  # no sink, or one added after the loop: the initial-max closed form does not apply
+        theory_frac = np.full(max(sink_arr.size, 1), np.nan)
+    unit, comp = cfg.rescale_unit, cfg.rescale_compensation
+    safe = critical = None
+    if engine.scale_s_reaches_p:
+        safe = float(theory.saturation_free_scale(cfg.rescale_threshold, unit=unit, compensation=comp))
+        safe_eff = safe * (2.0 ** -cfg.rescale_threshold if comp == "pow2" else 1.0)
+        critical = float(theory.learned_sink_critical_delta(safe_eff))
     return JaxFP8Prediction(
         config=cfg, sinks=sink_arr if sink_arr.size else np.full(1, -np.inf), theory_frac_zeroed=theory_frac,
         frac_zeroed=frac, zeroed_mass=lz, frac_saturated=fs, saturated_mass=ls, sem=sem,
-        max_scaled_p=float(theory.max_scaled_p(cfg.scale, cfg.rescale_threshold, unit="natural", compensation=comp)),
-        safe_scale_s=safe, safe_critical_delta=float(theory.learned_sink_critical_delta(safe_eff)),
-        seq_len=seq_len, seeds=seeds, gpu=gpu_words)
+        max_scaled_p=float(theory.max_scaled_p(cfg.scale, cfg.rescale_threshold, unit=unit, compensation=comp)),
+        safe_scale_s=safe, safe_critical_delta=critical, seq_len=seq_len, seeds=seeds, gpu=engine.words,
+        scale_s=float(s), scale_s_reaches_p=engine.scale_s_reaches_p)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,16 +353,18 @@ class JaxFP8Scan:
     """What cuDNN's FP8 attention does to P on a recorded model, per candidate ``scale_s``.
 
     Attributes:
-      config: the kernel at ``scale_s = 1`` (τ of the GPU).
-      gpu: the GPU generation and the τ it sets, in words (:func:`gpu_tau`).
+      config: the kernel at ``scale_s = 1`` (the engine of the GPU).
+      gpu: the GPU and the engine the answer is about, in words (:func:`gpu_engine`).
       scan: :class:`~pcast_jax.analysis.study.ScaleScan`: per candidate ``scale``, i.e. ``scale_s``
-        (``applied_scale`` = scale_s·2^-τ), the worst head's zeroed and clipped mass, the heads
-        failing, whether it meets the criterion; ``recommended`` the smallest that does.
+        (``applied_scale`` = the S P is cast at), the worst head's zeroed and clipped mass, the heads
+        failing, whether it meets the criterion; ``recommended`` the smallest that does. Where the engine
+        ignores scale_s, one row: the kernel at its own S.
       given_scale_s: the scale_s asked about (None: none given).
       mass_limit: the criterion's limit.
-      e2e: ``{scale_s: E2EMetrics}`` of the model run through the kernel at each candidate (with
+      e2e: ``{scale: E2EMetrics}`` of the model run through the kernel at each candidate (with
         ``logits_fn``), else None; ``e2e_fp32`` the FP32 model's own.
       shape: ``(layers, heads, sequences, longest length)`` of the trace.
+      scale_s_reaches_p: whether the engine applies scale_s to P.
     """
 
     config: KernelConfig
@@ -310,20 +375,21 @@ class JaxFP8Scan:
     e2e: dict | None
     e2e_fp32: object
     shape: tuple[int, int, int, int]
+    scale_s_reaches_p: bool = True
 
     @property
     def recommended(self) -> float | None:
-        """The ``scale_s`` to pass (None: no candidate meets the criterion)."""
-        return self.scan.recommended
+        """The ``scale_s`` to pass (None: none meets the criterion, or the engine ignores scale_s)."""
+        return self.scan.recommended if self.scale_s_reaches_p else None
 
     def rows(self) -> list[dict]:
-        """One row per candidate: ``scale_s``, ``s_eff``, the masses, ``heads_over_limit``, ``meets``
-        (and ``kl``, ``top1_agree`` with a model)."""
+        """One row per candidate: ``scale_s`` (None where the engine ignores it), ``s_eff``, the masses,
+        ``heads_over_limit``, ``meets`` (and ``kl``, ``top1_agree`` with a model)."""
         out = []
         for r in self.scan.rows:
-            row = {"scale_s": r["scale"], "s_eff": r["applied_scale"], "zeroed_mass_max": r["zeroed_mass_max"],
-                   "saturated_mass_max": r["saturated_mass_max"], "heads_over_limit": r["heads_over_limit"],
-                   "meets": r["meets"]}
+            row = {"scale_s": r["scale"] if self.scale_s_reaches_p else None, "s_eff": r["applied_scale"],
+                   "zeroed_mass_max": r["zeroed_mass_max"], "saturated_mass_max": r["saturated_mass_max"],
+                   "heads_over_limit": r["heads_over_limit"], "meets": r["meets"]}
             if self.e2e is not None:
                 m = self.e2e[r["scale"]]
                 row.update(kl=m.kl, top1_agree=m.top1_agree, perplexity=m.perplexity)
@@ -331,11 +397,23 @@ class JaxFP8Scan:
         return out
 
     def answer(self) -> str:
-        """The last line: the exact argument to pass and why, or that none passes."""
+        """The last line: the exact argument to pass and why, or that none passes, or that there is none."""
         from pcast_jax.analysis.study import mass_text
 
-        rows = {r["scale_s"]: r for r in self.rows()}
         limit = mass_text(self.mass_limit)
+        if not self.scale_s_reaches_p:
+            (row,) = self.rows()
+            verdict = "meets" if row["meets"] else "fails"
+            text = (f"No scale_s to pass: this engine casts P at its own S = {row['s_eff']:g} whatever scale_s is; "
+                    f"there the worst head loses {mass_text(row['zeroed_mass_max'])} and clips "
+                    f"{mass_text(row['saturated_mass_max'])}, so the kernel {verdict} the criterion (≤ {limit}) on "
+                    "this trace")
+            if not row["meets"]:
+                text += "; no argument of JAX's FP8 attention changes that (pcast analyze TRACE compares kernels)"
+            if self.e2e is not None:
+                text += f"; KL {row['kl']:.2e} nats/token, top-1 agreement {row['top1_agree']:.1%}"
+            return text + "."
+        rows = {r["scale_s"]: r for r in self.rows()}
         if self.recommended is None:
             least = min(rows.values(), key=lambda r: max(r["zeroed_mass_max"], r["saturated_mass_max"]))
             return (f"No scale_s passes: from {min(rows):g} to {max(rows):g} none keeps the worst head's zeroed and "
@@ -358,25 +436,37 @@ class JaxFP8Scan:
         return text + "."
 
     def summary(self) -> str:
-        """The answer in words: the GPU and τ, the trace, the criterion, one line per candidate, the answer."""
+        """The answer in words: the GPU and its engine, the trace, the criterion, one line per candidate, the
+        answer."""
         from pcast_jax.analysis.study import criterion_words, mass_text
 
         c = self.config
         layers, heads, seqs, tokens = self.shape
-        lines = [f"GPU: {self.gpu}.",
-                 f"JAX's cuDNN FP8 attention: P cast to E4M3 at S_eff = scale_s·2^-{c.rescale_threshold:g}, forward "
-                 f"order, {c.block_kv}-key blocks; simulated on the trace ({layers} layer{'s' if layers > 1 else ''} × "
-                 f"{heads} heads, {seqs} "
-                 f"sequence{'s' if seqs > 1 else ''} of up to {tokens} tokens) at each scale_s.",
-                 criterion_words(self.mass_limit)]
+        where = (f"simulated on the trace ({layers} layer{'s' if layers > 1 else ''} × {heads} heads, {seqs} "
+                 f"sequence{'s' if seqs > 1 else ''} of up to {tokens} tokens)")
+        if self.scale_s_reaches_p:
+            unit = "nats" if c.rescale_unit == "natural" else "log2"
+            cast = (f"P cast to {c.p_format.upper()} at S_eff = scale_s·2^-{c.rescale_threshold:g} ({unit}), "
+                    f"{c.order} order, {c.block_kv}-key blocks; {where} at each scale_s.")
+        else:
+            given = ("" if self.given_scale_s is None
+                     else f" (scale_s = {self.given_scale_s:g} given: accepted and ignored)")
+            cast = (f"P cast to {c.p_format.upper()} at the kernel's own S = {c.effective_scale:g}{given}, {c.order} "
+                    f"order, {c.block_kv}-key blocks, lazy rescale τ = {c.rescale_threshold:g} ({c.rescale_unit}); "
+                    f"{where}.")
+        lines = [f"GPU: {self.gpu}.", f"JAX's cuDNN FP8 attention: {cast}", criterion_words(self.mass_limit)]
         if self.e2e is not None:
             lines.append(f"End to end: KL against the FP32 model (perplexity {self.e2e_fp32.perplexity:.3f}) on the "
                          "trace's tokens.")
         for r in self.rows():
-            mark = " (given)" if r["scale_s"] == self.given_scale_s else ""
-            line = (f"  scale_s = {r['scale_s']:g}{mark}: S_eff = {r['s_eff']:g}, worst head loses "
-                    f"{mass_text(r['zeroed_mass_max'])}, clips {mass_text(r['saturated_mass_max'])}, "
-                    f"{r['heads_over_limit']} heads fail: {'meets' if r['meets'] else 'fails'} the criterion")
+            if r["scale_s"] is None:
+                head = f"  S = {r['s_eff']:g} (the kernel's own)"
+            else:
+                mark = " (given)" if r["scale_s"] == self.given_scale_s else ""
+                head = f"  scale_s = {r['scale_s']:g}{mark}: S_eff = {r['s_eff']:g}"
+            line = (f"{head}: worst head loses {mass_text(r['zeroed_mass_max'])}, clips "
+                    f"{mass_text(r['saturated_mass_max'])}, {r['heads_over_limit']} heads fail: "
+                    f"{'meets' if r['meets'] else 'fails'} the criterion")
             if self.e2e is not None:
                 line += f"; KL {r['kl']:.2e}, top-1 {r['top1_agree']:.1%}"
             lines.append(line)
@@ -384,9 +474,10 @@ class JaxFP8Scan:
         return "\n".join(lines)
 
 
-def _predict_trace(trace, given_s, tau, gpu_words, *, logits_fn, mass_limit, min_keys, progress) -> JaxFP8Scan:
+def _predict_trace(trace, given_s, engine: _Engine, *, logits_fn, mass_limit, min_keys, progress) -> JaxFP8Scan:
     """:func:`predict` on a trace: the cuDNN kernel at every candidate scale_s (:func:`scale_candidates`
-    and the one given), judged by the criterion of :func:`pcast_jax.analysis.analyze`."""
+    and the one given) where the engine applies it, else at its own S, judged by the criterion of
+    :func:`pcast_jax.analysis.analyze`."""
     import os
 
     from pcast_jax.analysis import Trace, load_trace
@@ -408,24 +499,28 @@ def _predict_trace(trace, given_s, tau, gpu_words, *, logits_fn, mass_limit, min
     min_keys = check_int("min_keys", min_keys, min_value=1)
     if logits_fn is not None and trace.tokens is None:
         raise PcastError("logits_fn needs the trace's tokens (Recorder.trace(tokens=...))")
-    family = cudnn_config(1.0, rescale_threshold=tau)
-    family = dataclasses.replace(family, name=f"cudnn_fp8_tau{tau:g}")
-    scales = set(scale_candidates(family))
-    if given_s is not None:
-        scales.add(float(given_s))
+    family = engine.config
+    if engine.scale_s_reaches_p:
+        family = dataclasses.replace(family, name=f"cudnn_fp8_tau{family.rescale_threshold:g}")
+        scales = set(scale_candidates(family))
+        if given_s is not None:
+            scales.add(float(given_s))
+    else:
+        scales = {family.scale}
     say = progress or (lambda _line: None)
     positions = trace_sinks(trace, progress=say)
-    say(f"scale_s: {len(scales)} candidates in one pass")
+    say(f"scale_s: {len(scales)} candidate{'s' if len(scales) > 1 else ''} in one pass")
     scan = scale_scan(trace, family, sink_positions=positions, scales=sorted(scales),
                       min_keys=min_keys, mass_limit=mass_limit)
     e2e = fp32 = None
     if logits_fn is not None:
-        configs = [family.replace(scale=s, name=f"scale_s={s:g}") for s in sorted(scales)]
+        label = "scale_s" if engine.scale_s_reaches_p else "S"
+        configs = [family.replace(scale=s, name=f"{label}={s:g}") for s in sorted(scales)]
         fp32, by_name = end_to_end(trace, configs, logits_fn, progress=say)
         e2e = {cfg.scale: by_name[cfg.name] for cfg in configs}
     shape = (trace.num_layers, trace.q.shape[3], trace.num_sequences, int(np.max(trace.lengths)))
-    return JaxFP8Scan(config=family, gpu=gpu_words, scan=scan, given_scale_s=given_s, mass_limit=mass_limit, e2e=e2e,
-                      e2e_fp32=fp32, shape=shape)
+    return JaxFP8Scan(config=family, gpu=engine.words, scan=scan, given_scale_s=given_s, mass_limit=mass_limit,
+                      e2e=e2e, e2e_fp32=fp32, shape=shape, scale_s_reaches_p=engine.scale_s_reaches_p)
 
 
 def _sinks(sinks) -> np.ndarray:

@@ -805,17 +805,19 @@ def test_recorder_jitted_functional_loop_replays_its_layer_names():
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind, gpu, tau", [("sink at 0", "blackwell", 4.0), ("no sink", "hopper", 0.0)])
+@pytest.mark.parametrize("kind, gpu, tau", [("sink at 0", None, 4.0), ("no sink", "hopper", 0.0)])
 def test_jax_fp8_scan_on_a_trace_is_the_numpy_kernel(kind, gpu, tau):
-    """``jax_fp8.predict(trace=...)``: per candidate scale_s the worst head's zeroed and clipped mass, and the
+    """``jax_fp8.predict(trace=...)`` where scale_s reaches P (cuDNN's older reference: Hopper's τ = 0, or a
+    τ in nats given without a GPU): per candidate scale_s the worst head's zeroed and clipped mass, and the
     recommended scale_s, equal an independent NumPy cuDNN kernel (forward order, 128-key blocks, lazy rescale
     τ, P·scale_s·2^-τ cast to E4M3) on a trace with a sink and on one without; the answer names it."""
     from pcast_jax import jax_fp8
 
     trace = character_trace(kind, T=320)
     limit = 1e-3
-    r = jax_fp8.predict(trace=trace, gpu=gpu, min_keys=8, mass_limit=limit)
-    assert r.config.rescale_threshold == tau and f"τ = {tau:g} nats" in r.gpu
+    r = jax_fp8.predict(trace=trace, gpu=gpu, min_keys=8, mass_limit=limit,
+                        rescale_threshold=None if gpu else tau)
+    assert r.config.rescale_threshold == tau and f"τ = {tau:g} nats" in r.gpu and r.scale_s_reaches_p
     rows = r.rows()
     assert [row["scale_s"] for row in rows] == [2.0 ** e for e in range(len(rows))]
     assert rows[-1]["s_eff"] == 256.0  # up to the largest scale_s whose S_eff stays within E4M3's 448
@@ -830,6 +832,28 @@ def test_jax_fp8_scan_on_a_trace_is_the_numpy_kernel(kind, gpu, tau):
     assert want is not None and r.recommended == want
     assert r.answer().startswith(f"Pass fp8_params['scale_s'] = {want:g} ")
     assert r.summary().splitlines()[0] == f"GPU: {r.gpu}." and r.summary().endswith(r.answer())
+
+
+@pytest.mark.parametrize("gpu, order", [("blackwell", "forward"), ("sm120", "reverse")])
+def test_jax_fp8_on_the_open_kernels_scans_nothing_and_says_why(gpu, order):
+    """On cuDNN's open SM100 / SM120 kernels scale_s never reaches P: one row, the kernel at its baked S = 16
+    with τ = 4 (log2), whose masses equal an independent NumPy kernel (forward: S = 16, lag 4 ln 2 logits);
+    no scale_s is recommended and the answer says there is none to pass, whatever scale_s was given."""
+    from pcast_jax import jax_fp8
+
+    trace = character_trace("sink at 0", T=320)
+    r = jax_fp8.predict(trace=trace, gpu=gpu, min_keys=8, scale_s=64.0)
+    (row,) = r.rows()
+    assert row["scale_s"] is None and row["s_eff"] == 16.0 and r.recommended is None and not r.scale_s_reaches_p
+    assert r.config.order == order
+    if order == "forward":  # the NumPy kernel walks forward (the reverse walk is held to tests/oracle.py)
+        zeroed, clipped = numpy_forward_losses(trace.q[0, 0], trace.k[0, 0], 320, -1, 128, 16.0, 8,
+                                               tau=4 * math.log(2))
+        # exp2 of the exponent mode against exp·16: float32 rounding, far below the masses compared
+        assert row["zeroed_mass_max"] == pytest.approx(zeroed.max(), rel=2e-3, abs=1e-7)
+        assert row["saturated_mass_max"] == pytest.approx(clipped.max(), rel=2e-3, abs=1e-7)
+    assert r.answer().startswith("No scale_s to pass: this engine casts P at its own S = 16")
+    assert "scale_s = 64 given: accepted and ignored" in r.summary()
 
 
 def test_jax_fp8_scan_with_a_model_gives_each_candidates_kl():
@@ -877,13 +901,17 @@ def test_jax_fp8_cli_on_a_trace(tmp_path, capsys):
     path = character_trace("no sink", T=320).save(tmp_path / "t.npz")
     assert cli.main(["jax-fp8", "--trace", str(path), "--gpu", "hopper", "--scale-s", "3"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0].startswith("GPU: Hopper (sm90): τ = 0 nats (cudnn-frontend")
+    assert lines[0].startswith("GPU: Hopper (sm90): cuDNN's closed SM90 FP8 engine") and "τ = 0 nats" in lines[0]
     assert any(line.startswith("  scale_s = 3 (given):") for line in lines)
     assert lines[-1].startswith("Pass fp8_params['scale_s'] = ")
+    assert cli.main(["jax-fp8", "--trace", str(path), "--tau", "4", "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["gpu"].startswith("no GPU given: cuDNN's older test reference") and data["scale_s_reaches_p"]
+    assert data["answer"].startswith(f"Pass fp8_params['scale_s'] = {data['recommended_scale_s']:g} ")
     assert cli.main(["jax-fp8", "--trace", str(path), "--format", "json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["gpu"].startswith("Blackwell (sm100), the default: τ = 4 nats")
-    assert data["answer"].startswith(f"Pass fp8_params['scale_s'] = {data['recommended_scale_s']:g} ")
+    assert data["gpu"].startswith("Blackwell (sm100), the default: cuDNN's open SM100 FP8 kernels")
+    assert data["recommended_scale_s"] is None and data["answer"].startswith("No scale_s to pass")
 
 
 def test_scale_masses_equal_the_full_kernel_per_scale_bit_for_bit():
@@ -923,15 +951,19 @@ def test_kernels_that_compute_their_scale_get_no_scale_scan():
 
 
 def test_safe_scale_is_given_in_the_knob_each_deployment_sets():
-    """pcast analyze's safe scale in each family's own knob: cuDNN's scale_s (P multiplied by scale_s·2^-τ),
-    vLLM ROCm's prob_scale (S = 0.5/prob_scale on MI300), the config field elsewhere."""
-    result = analyze(character_trace("sink at 0"), ["cudnn_fp8", "vllm_rocm_flash_fp8", "fwd_s1"], min_keys=8)
+    """pcast analyze's safe scale in each family's own knob: cuDNN's scale_s where the engine applies it
+    (Hopper's reference, τ = 0: P multiplied by scale_s), vLLM ROCm's prob_scale (S = 0.5/prob_scale on
+    MI300), the config field elsewhere (the older reference at τ = 4 nats and the open SM100 kernel are in
+    no row with a knob)."""
+    names = ["cudnn_fp8_tau0", "vllm_rocm_flash_fp8", "fwd_s1", "cudnn_fp8", "cudnn_sm100_fp8"]
+    result = analyze(character_trace("sink at 0"), names, min_keys=8)
     scans = {scan.members[0]: scan for scan in result.scans}
-    cudnn, rocm, plain = scans["cudnn_fp8"], scans["vllm_rocm_flash_fp8"], scans["fwd_s1"]
+    cudnn, rocm, plain = scans["cudnn_fp8_tau0"], scans["vllm_rocm_flash_fp8"], scans["fwd_s1"]
     assert (cudnn.knob, cudnn.knob_where, rocm.knob, rocm.knob_where, plain.knob) == (
         "scale_s", "jax cudnn", "prob_scale", "vllm rocm_flash", "scale")
+    assert scans["cudnn_fp8"].knob == scans["cudnn_sm100_fp8"].knob == "scale"
     for row in cudnn.rows:
-        assert row["knob_value"] == row["scale"] and row["applied_scale"] == row["scale"] / 16
+        assert row["knob_value"] == row["scale"] and row["applied_scale"] == row["scale"]
     for row in rocm.rows:
         assert row["knob_value"] == 0.5 / row["scale"]
     summary = "\n".join(result.summary_lines())

@@ -240,8 +240,12 @@ CASES = [
     ("predict_base_seed_huge", lambda: _predict(base_seed=2**70), ["base_seed=1180591620717411303424", "<= 4294967295"]),
     ("predict_q_len_huge", lambda: _predict(q_len=10**9), ["q_len=1000000000", "<= 1048576"]),
     ("predict_gpu_unknown", lambda: _predict(gpu="ampere"), ["gpu='ampere'", "hopper, blackwell"]),
-    ("predict_tau_contradicts_gpu", lambda: _predict(gpu="blackwell", rescale_threshold=0.0),
-     ["rescale_threshold=0", "contradicts gpu='blackwell'", "τ = 4"]),
+    ("predict_tau_contradicts_gpu", lambda: _predict(gpu="hopper", rescale_threshold=4.0),
+     ["rescale_threshold=4", "contradicts gpu='hopper'", "τ = 0"]),
+    ("predict_tau_with_an_open_kernel", lambda: _predict(gpu="blackwell", rescale_threshold=0.0),
+     ["rescale_threshold=0", "gpu='blackwell'", "bakes τ = 4 in log2 units", "without a GPU"]),
+    ("predict_mxfp8_off_blackwell", lambda: _predict(gpu="hopper", mxfp8=True),
+     ["mxfp8=True", "gpu='hopper'", "Blackwell (sm100)"]),
     ("predict_trace_and_synthetic", lambda: _predict(trace="t.npz"), ["head_dim, seq_len, seeds", "trace="]),
     ("predict_trace_missing", lambda: importlib.import_module("pcast_jax.jax_fp8").predict(trace="no/t.npz"),
      ["trace file no/t.npz", "does not exist"]),
@@ -1283,7 +1287,7 @@ def test_jax_fp8_without_a_sink_prints_no_theory_figure(capsys):
     assert cli.main(["jax-fp8", "--seq-len", "256", "--head-dim", "16", "--seeds", "2", "--format", "json"]) == 0
     (head,) = json.loads(capsys.readouterr().out)["heads"]
     assert head["theory_frac_zeroed"] == jax_fp8.NO_THEORY and head["sink_logit"] is None
-    with_sink = jax_fp8.predict(seq_len=256, head_dim=16, seeds=2, sinks=[8.0])
+    with_sink = jax_fp8.predict(seq_len=256, head_dim=16, seeds=2, sinks=[8.0], gpu="hopper")
     assert 0.0 < with_sink.theory_frac_zeroed[0] <= 1.0 and "theory " in with_sink.summary()
 
 

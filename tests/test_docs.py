@@ -197,6 +197,23 @@ def test_preset_pages_cover_every_preset_with_its_source_line(monkeypatch, tmp_p
             assert f'"{name}"' in source[int(cited[1]) - 1], (name, cited[1])
 
 
+def test_deployments_page_lists_every_row_with_its_citations(monkeypatch, tmp_path):
+    """docs/guides/deployment.md includes a page written from the table: every row, in order, with its
+    selection line, kernel entry and capabilities as the table holds them."""
+    from pcast_jax.deployments import DEPLOYMENTS
+
+    gen = _generator(monkeypatch, tmp_path)
+    assert gen.deployments_page() == len(DEPLOYMENTS)
+    text = (tmp_path / "_generated" / "deployments.md").read_text(encoding="utf-8")
+    heads = re.findall(r"^\*\*(.+)\*\*$", text, re.M)
+    assert heads == [f"{d.engine} · {d.backend} · {', '.join(d.gpus)}" for d in DEPLOYMENTS]
+    for d in DEPLOYMENTS:
+        assert f"- selected by: {d.selection.replace('|', chr(92) + '|')}" in text, d.selection
+        if d.capabilities.source:
+            assert d.capabilities.source.replace("|", "\\|") in text
+    assert "```{include} ../_generated/deployments.md" in (ROOT / "docs/guides/deployment.md").read_text("utf-8")
+
+
 def test_examples_page_shows_each_example_or_says_there_is_none(monkeypatch, tmp_path):
     gen = _generator(monkeypatch, tmp_path)
     monkeypatch.setattr(gen, "ROOT", tmp_path)

@@ -1,6 +1,7 @@
 """pcast doctor: the deployment table, a checkpoint's scales, and the verdict and fix held to the oracle."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -15,8 +16,23 @@ import oracle
 @pytest.mark.parametrize("row", deployments.DEPLOYMENTS, ids=lambda d: f"{d.engine}-{d.backend}-{d.gpus[0]}")
 def test_every_row_is_found_and_names_real_presets(row):
     for gpu in row.gpus:
-        assert deployments.find(row.engine, row.backend, gpu) is row
+        assert deployments.find(row.engine, row.backend, gpu, row.kv_cache_dtypes[0]) is row
     assert all(name in PRESETS for name in row.presets) and row.source
+
+
+#: A citation: an owner/repository, a file path, and a commit of at least 7 hex digits.
+_CITATION = re.compile(r"[\w.-]+/[\w.-]+ [\w./-]+\.(py|cu|h|cuh|hpp)\b.* at [0-9a-f]{7,40}\b")
+
+
+@pytest.mark.parametrize("row", deployments.DEPLOYMENTS, ids=lambda d: f"{d.engine}-{d.backend}-{d.gpus[0]}")
+def test_every_row_cites_the_engines_selection_at_a_commit(row):
+    """Every row says where the engine picks the backend and its FP8 path: a file at a named commit, with
+    the lines (or the symbol) read, or says plainly what was not read; capabilities are cited where set."""
+    assert _CITATION.search(row.selection), row.selection
+    assert re.search(r"lines? \d+|\(\w+|: \w+|not read", row.selection), row.selection
+    cap = row.capabilities
+    if cap != deployments.UNREAD:
+        assert re.search(r" at [0-9a-f]{7,40}\b|not pinned", cap.source), cap.source
 
 
 def test_an_unknown_combination_is_refused_with_the_known_ones():
@@ -168,7 +184,7 @@ def test_a_diagnosis_publishes_the_checkpoints_scales_not_the_candidates(tmp_pat
     diag = deployments.diagnose(row, scales=scales, deltas=(9.0,), seeds=2)
     assert diag.safe is False and diag.recommended is not None  # the candidate search ran
     assert diag.scales == scales == {"prob_scale": {"l0.prob_scale": 0.5}, "k_scale": {"l0.k_scale": 2.0},
-                                     "q_scale": {}, "v_scale": {}}
+                                     "q_scale": {}, "v_scale": {}, "layers": {"l0": 0.5}, "unindexed": []}
     argv = ["doctor", "--engine", "vllm", "--backend", "rocm_flash", "--gpu", "gfx942", "--checkpoint", str(ckpt),
             "--delta", "9", "--seeds", "2", "--format", "json"]
     assert cli.main(argv) == 0
@@ -179,9 +195,12 @@ def test_a_diagnosis_publishes_the_checkpoints_scales_not_the_candidates(tmp_pat
 def test_knob_setting_translates_a_scale_into_each_deployments_knob():
     """One place for the knobs: cuDNN's scale_s is the config's scale (at any τ), vLLM ROCm's prob_scale is
     0.5/S on MI300, a kernel no deployment tunes keeps the KernelConfig field."""
-    assert deployments.knob_setting(get_preset("cudnn_fp8"), 256.0) == ("scale_s", 256.0, "jax cudnn")
+    assert deployments.knob_setting(get_preset("cudnn_fp8_tau0"), 256.0) == ("scale_s", 256.0, "jax cudnn")
     assert deployments.knob_setting(get_preset("cudnn_fp8_tau0").replace(scale=8.0), 16.0) == (
         "scale_s", 16.0, "jax cudnn")
+    # the open SM100 kernel ignores scale_s, and the older reference at τ = 4 nats is in no row: no knob
+    assert deployments.knob_setting(get_preset("cudnn_sm100_fp8"), 16.0) == ("scale", 16.0, "")
+    assert deployments.knob_setting(get_preset("cudnn_fp8"), 256.0) == ("scale", 256.0, "")
     assert deployments.knob_setting(get_preset("vllm_rocm_flash_fp8"), 16.0) == (
         "prob_scale", 0.5 / 16.0, "vllm rocm_flash")
     assert deployments.knob_setting(get_preset("fa3"), 4.0) == ("scale", 4.0, "")
@@ -189,22 +208,21 @@ def test_knob_setting_translates_a_scale_into_each_deployments_knob():
 
 @pytest.mark.parametrize("kind", ["sink at 0", "no sink"])
 def test_doctor_on_a_trace_is_the_numpy_kernel(kind, tmp_path, capsys):
-    """``pcast doctor --trace``: JAX's cuDNN FP8 attention on SM100 (τ = 4, S = scale_s·2^-4) analysed on a
-    trace with a sink and on one without. The verdict of the default scale_s = 1 and the recommended
-    scale_s equal an independent NumPy cuDNN kernel's (forward, 128-key blocks, lazy rescale) on the same
-    trace; the JSON carries the same answer, and a knob given runs at that knob."""
+    """``pcast doctor --trace``: JAX's cuDNN FP8 attention on SM90 (the closed engine's reference: τ = 0,
+    S = scale_s) analysed on a trace with a sink and on one without. The verdict of the default scale_s = 1
+    and the recommended scale_s equal an independent NumPy cuDNN kernel's (forward, 128-key blocks) on the
+    same trace; the JSON carries the same answer, and a knob given runs at that knob."""
     from test_analysis import character_trace, numpy_forward_losses
 
     from pcast_jax import deployments
     from pcast_jax.analysis import diagnose_trace
 
     trace = character_trace(kind, T=320)
-    row = deployments.find("jax", "cudnn", "sm100")
+    row = deployments.find("jax", "cudnn", "sm90")
     limit = 1e-3
 
     def passes(scale_s):
-        zeroed, clipped = numpy_forward_losses(trace.q[0, 0], trace.k[0, 0], 320, -1, 128, scale_s * 2.0 ** -4, 16,
-                                               tau=4.0)
+        zeroed, clipped = numpy_forward_losses(trace.q[0, 0], trace.k[0, 0], 320, -1, 128, scale_s, 16)
         return zeroed.max() <= limit and clipped.max() <= limit
 
     diag = diagnose_trace(row, trace, mass_limit=limit)
@@ -215,10 +233,10 @@ def test_doctor_on_a_trace_is_the_numpy_kernel(kind, tmp_path, capsys):
         assert f"set scale_s = {want:g}" in diag.advice
         assert diagnose_trace(row, trace, knob_value=want, mass_limit=limit).safe
     path = trace.save(tmp_path / "t.npz")
-    argv = ["doctor", "--engine", "jax", "--backend", "cudnn", "--gpu", "sm100", "--trace", str(path)]
+    argv = ["doctor", "--engine", "jax", "--backend", "cudnn", "--gpu", "sm90", "--trace", str(path)]
     assert cli.main(argv) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0] == "jax cudnn on sm100 runs: cudnn_fp8"
+    assert lines[0] == "jax cudnn on sm90 with KV cache fp8 runs: cudnn_fp8_tau0"
     assert lines[-1] == f"Verdict on this model: {'safe' if diag.safe else 'not safe'} to serve — {diag.advice}."
     assert cli.main(argv + ["--format", "json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -337,10 +355,91 @@ def test_on_a_trace_each_group_of_layers_gets_its_own_verdict():
     block = deployments.configured(row, head_dim=trace.q.shape[-1])[0].block_kv
     want = []
     for layer, scale in ((0, 128.0), (1, 1.0)):
-        zeroed, clipped = oracle.causal_head_masses(trace.q[layer, 0], trace.k[layer, 0], block_kv=block,
-                                                    scales=[scale], min_keys=16, line=oracle.E4M3FNUZ)
-        want.append("safe to serve" if zeroed.max() <= limit and clipped.max() <= limit else "fails")
+        masses = oracle.causal_head_masses(trace.q[layer, 0], trace.k[layer, 0], block_kv=block,
+                                           scales=[scale], min_keys=16, line=oracle.E4M3FNUZ)
+        want.append("safe to serve" if masses.zeroed.max() <= limit and masses.clipped.max() <= limit else "fails")
     assert [(g["prob_scale"], g["trace_layers"], g["verdict"]) for g in diag.layers] == [
         (1 / 256, ["attn0"], want[0]), (None, ["attn1"], want[1])]
     assert want == ["safe to serve", "fails"]  # the two groups part: the test can tell them apart
     assert diag.to_dict()["layers"][1]["layers"] == ["layers.1"]
+def test_sm100_cudnn_never_recommends_scale_s(tmp_path, capsys):
+    """cuDNN's open SM100 kernels ignore scale_s: the doctor has no knob for it, refuses --scale-s, never
+    tells the user to pass one (over a Δ range or on a trace), and its masses on a trace are the NumPy
+    kernel's at the baked S = 16 with a lag of τ = 4 (log2) = 4 ln 2 logits."""
+    import math
+
+    from test_analysis import character_trace, numpy_forward_losses
+
+    from pcast_jax.analysis import diagnose_trace
+
+    row = deployments.find("jax", "cudnn", "sm100")
+    assert row.knob == "none" and row.presets == ("cudnn_sm100_fp8",)
+    diag = deployments.diagnose(row, deltas=(4.0, 12.0), seeds=2)
+    assert diag.recommended is None and "scale_s" not in diag.advice
+    # the verdict word and the advice never say the same thing twice
+    for d in (diag, deployments.diagnose(deployments.find("flash-attention", "fa3", "sm90"), deltas=(4.0,), seeds=2)):
+        word = {True: "safe", False: "P-collapse", None: "undecided"}[d.safe]
+        assert not d.advice.lower().startswith(word.lower()), d.advice
+    assert cli.main(["doctor", "--engine", "jax", "--backend", "cudnn", "--gpu", "sm100", "--scale-s", "16"]) == 2
+    assert "--scale-s: jax cudnn sets the P scale through nothing" in capsys.readouterr().err
+    trace = character_trace("sink at 0", T=320, D=64)  # a head dim the open kernels take
+    tdiag = diagnose_trace(row, trace, mass_limit=1e-3)
+    assert tdiag.recommended is None and "scale_s" not in tdiag.advice
+    zeroed, clipped = numpy_forward_losses(trace.q[0, 0], trace.k[0, 0], 320, -1, 128, 16.0, 16,
+                                           tau=4 * math.log(2))
+    assert tdiag.safe == (zeroed.max() <= 1e-3 and clipped.max() <= 1e-3)
+    path = trace.save(tmp_path / "t.npz")
+    assert cli.main(["doctor", "--engine", "jax", "--backend", "cudnn", "--gpu", "sm100", "--trace", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "scale_s =" not in out and "set scale_s" not in out
+    assert "What-if only (this deployment fixes S" in out  # the scan is not a setting
+
+
+def _gemma_like_trace():
+    """One soft-capped (cap 50), windowed (64 keys back) layer: what Gemma-2's local layers ask of a backend."""
+    import dataclasses
+
+    from test_analysis import character_trace
+
+    return dataclasses.replace(character_trace("sink at 0", T=160, D=32), logits_soft_cap=np.array([50.0]),
+                               local_window_size=np.array([64]))
+
+
+def test_the_doctor_says_when_a_backend_cannot_run_the_model(tmp_path, capsys):
+    """vLLM's V0 ROCm Triton flash attention refuses logit soft-capping and has no sliding window (cited on
+    the row): on a soft-capped, windowed trace the doctor says so before any verdict, names what the engine
+    advises instead, simulates nothing and never says "safe to serve"; a backend that supports both
+    (vLLM TRITON_ATTN on CUDA) gets its verdict."""
+    from pcast_jax.analysis import diagnose_trace
+
+    trace = _gemma_like_trace()
+    features = deployments.ModelFeatures.of_trace(trace)
+    assert (features.soft_cap, features.sliding_window, features.learned_sinks) == (True, True, False)
+    assert (features.head_dim, features.gqa_ratio) == (32, 2)
+    row = deployments.find("vllm", "rocm_flash", "gfx942")
+    diag = diagnose_trace(row, trace)
+    assert diag.safe is None and diag.analysis is None and len(diag.cannot_run) == 2
+    assert "soft-capping" in diag.advice and "VLLM_USE_TRITON_FLASH_ATTN=0" in diag.advice
+    path = trace.save(tmp_path / "t.npz")
+    assert cli.main(["doctor", "--engine", "vllm", "--backend", "rocm_flash", "--gpu", "gfx942", "--trace",
+                     str(path)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("  can it run this model: no"))
+    assert lines[-1].startswith("Verdict on this model: none") and at < len(lines) - 1
+    assert not any("safe to serve" in line for line in lines)
+    ok = diagnose_trace(deployments.find("vllm", "triton_attn", "sm90"), trace)
+    assert ok.cannot_run == () and ok.safe is not None and ok.analysis is not None
+    # a head dim the backend does not take is refused too (FlashInfer takes 64, 128, 256)
+    fi = deployments.find("vllm", "flashinfer", "sm90")
+    assert any("head dim 32" in why for why in fi.cannot_run(features))
+
+
+def test_a_backend_that_casts_no_p_to_fp8_says_so():
+    """vLLM's FlashInfer backend on Hopper keeps Q in the model dtype, so FlashInfer's FP8 kernel never runs:
+    the doctor says there is no FP8 P instead of a verdict on a kernel that does not run."""
+    row = deployments.find("vllm", "flashinfer", "sm90")
+    assert not row.casts_p and row.knob == "none"
+    diag = deployments.diagnose(row, deltas=(8.0,), seeds=2)
+    assert diag.rows == () and diag.safe is True and "casts no P to FP8" in diag.advice
+    rocm = deployments.find("vllm", "triton_attn", "gfx942")
+    assert not rocm.casts_p and rocm is deployments.find("vllm", "triton_attn", "gfx950")

@@ -282,8 +282,10 @@ def test_preset_registry_is_one_home_and_keeps_its_fingerprint():
 
 
 def test_jax_fp8_prediction_matches_theory_and_names_bad_input():
-    r = jax_fp8.predict(fp8_params={"scale_s": np.float32(1.0)}, sinks=[3.0, 5.0, 9.0], seq_len=2048, seeds=2)
-    assert r.config.effective_scale == 2.0**-4
+    # the older reference (a τ in nats, no GPU): S_eff = scale_s·2^-τ, the sink as the initial max
+    r = jax_fp8.predict(fp8_params={"scale_s": np.float32(1.0)}, sinks=[3.0, 5.0, 9.0], seq_len=2048, seeds=2,
+                        rescale_threshold=4.0)
+    assert r.scale_s_reaches_p and r.config.effective_scale == 2.0**-4
     np.testing.assert_allclose(r.frac_zeroed, r.theory_frac_zeroed, atol=0.02)
     assert r.safe_scale_s == 128.0 and r.max_scaled_p == pytest.approx(math.exp(4) / 16, rel=1e-5)
     assert "scale_s = 128" in r.summary()
@@ -294,7 +296,39 @@ def test_jax_fp8_prediction_matches_theory_and_names_bad_input():
     with pytest.raises(PcastError, match="sinks"):
         jax_fp8.predict(sinks=[float("nan")])
     # with scale_s = 448 (Transformer Engine's delayed scaling) a lag of 4 nats saturates on wide logits
-    assert jax_fp8.predict(scale_s=448.0, seq_len=512, seeds=2).max_scaled_p > 448
+    assert jax_fp8.predict(scale_s=448.0, seq_len=512, seeds=2, rescale_threshold=4.0).max_scaled_p > 448
+
+
+@pytest.mark.parametrize("gpu, preset", [("blackwell", "cudnn_sm100_fp8"), ("sm120", "cudnn_sm120_fp8")])
+def test_jax_fp8_on_the_open_kernels_says_scale_s_does_not_reach_p(gpu, preset):
+    """cuDNN's open SM100 / SM120 FP8 kernels cast P at the baked S = 16 and ignore scale_s: the answer is the
+    same at every scale_s (simulated, bit for bit), recommends none, and says which engine it is about."""
+    kw = dict(sinks=[3.0, 9.0], seq_len=1024, seeds=2, gpu=gpu)
+    one, big = jax_fp8.predict(scale_s=1.0, **kw), jax_fp8.predict(scale_s=256.0, **kw)
+    assert one.config == big.config == PRESETS[preset] and not one.scale_s_reaches_p
+    np.testing.assert_array_equal(one.zeroed_mass, big.zeroed_mass)
+    np.testing.assert_array_equal(one.frac_saturated, big.frac_saturated)
+    assert one.safe_scale_s is None and one.safe_critical_delta is None
+    assert one.max_scaled_p == 256.0  # 2^(P_CAST_LOG2_SCALE + τ): the kernel's own bound, below 448
+    # the sink joins the denominator only: nothing is zeroed by it, so no closed form for the initial max
+    assert np.all(np.isnan(one.theory_frac_zeroed)) and np.all(one.frac_zeroed < 1e-3)
+    text = big.summary()
+    assert "scale_s = 256 is accepted and ignored" in text and "No scale_s to choose" in text
+    assert "open" in text.splitlines()[0] and "assumption" in text.splitlines()[0]
+    with pytest.raises(PcastError, match="bakes τ = 4 in log2 units"):
+        jax_fp8.predict(rescale_threshold=4.0, gpu=gpu, seeds=2)
+
+
+def test_the_open_kernels_bias_is_the_saturation_free_scale_of_their_tau():
+    """The comment's invariant τ + log2 S ≤ log2 448: the baked S = 16 is the largest power of two a lag of
+    τ = 4 (log2) cannot saturate."""
+    from pcast_jax.presets import cudnn
+
+    assert theory.saturation_free_scale(cudnn.OPEN_RESCALE_THRESHOLD) == 2.0**cudnn.P_CAST_LOG2_SCALE
+    for name in ("cudnn_sm100_fp8", "cudnn_sm100_fp8_e5m2", "cudnn_sm120_fp8"):
+        cfg = PRESETS[name]
+        assert (cfg.scale, cfg.scale_mode, cfg.rescale_threshold, cfg.rescale_unit, cfg.sink_mode) == (
+            16.0, "exponent", 4.0, "log2", "epilogue")
 
 
 def test_drop_in_sinks_match_the_dropped_column_softmax_and_are_differentiable():
@@ -384,8 +418,9 @@ def test_reproduce_section_writes_finite_tables_and_figures(tmp_path):
 def check_sinks_and_rescale_page(scope: dict, printed: str, folder) -> None:
     """docs/guides/sinks_and_rescale.md, after tests/test_docs.py ran its block: JAX's FP8 attention at
     scale_s = 1, three learned sinks."""
-    r = scope["r"]
-    assert r.safe_scale_s == 128.0 and r.frac_zeroed.shape == (3,)
+    r, ref = scope["r"], scope["ref"]
+    assert not r.scale_s_reaches_p and r.safe_scale_s is None and r.frac_zeroed.shape == (3,)
+    assert ref.safe_scale_s == 128.0 and ref.frac_zeroed.shape == (3,)
 
 
 # --------------------------------------------------------------------------------------------

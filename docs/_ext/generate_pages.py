@@ -5,6 +5,7 @@
 * ``_generated/examples.md``: each ``examples/*.py`` (its docstring as text, then the file).
 * ``_generated/exports.md``: the names ``import pcast_jax`` offers and where each is documented.
 * ``_generated/metrics.md``: every metric and coordinate of a sweep (:data:`pcast_jax.quantities.QUANTITIES`).
+* ``_generated/deployments.md``: every row of :data:`pcast_jax.deployments.DEPLOYMENTS` with its citations.
 
 A file is rewritten only when its text changes, so an unchanged page is not rebuilt.
 """
@@ -154,8 +155,36 @@ def metrics_page() -> None:
     _write(OUT / "metrics.md", "\n".join(head + rows) + "\n")
 
 
+def deployments_page() -> int:
+    """Every deployment row: what it runs, the knob, the KV-cache dtypes, the selection line, the kernel's
+    entry, the capabilities read and the note, each as the table holds it."""
+    from pcast_jax.deployments import DEPLOYMENTS, UNREAD
+
+    out = []
+    for d in DEPLOYMENTS:
+        runs = ", ".join(f"`{n}`" for n in d.presets) if d.presets else "no FP8 P-cast"
+        out += [f"**{d.engine} · {d.backend} · {', '.join(d.gpus)}**", "",
+                f"- runs: {runs}; P scale set by: {'the kernel (no knob)' if d.knob == 'none' else f'`{d.knob}`'}; "
+                f"KV cache: {', '.join(f'`{k}`' for k in d.kv_cache_dtypes)}",
+                f"- selected by: {_cell(d.selection)}", f"- kernel entry: {_cell(d.source)}"]
+        cap = d.capabilities
+        if cap != UNREAD:
+            dims = ", ".join(map(str, cap.head_dims)) or (f"≥ {cap.min_head_dim}" if cap.min_head_dim else "not read")
+            out.append(f"- can run: soft-cap {cap.soft_cap}, sliding window {cap.sliding_window}, learned sinks "
+                       f"{cap.learned_sinks}, head dims {dims} — {_cell(cap.source)}"
+                       + (f"; instead: {_cell(cap.instead)}" if cap.instead else ""))
+        else:
+            out.append("- can run: not read from source")
+        if d.note:
+            out.append(f"- note: {_cell(d.note)}")
+        out.append("")
+    _write(OUT / "deployments.md", "\n".join(out).rstrip() + "\n")
+    return len(DEPLOYMENTS)
+
+
 def setup(app):
     metrics_page()
+    deployments_page()
     preset_pages()
     examples_page()
     exports_page()

@@ -280,9 +280,10 @@ class Analysis:
         """The criterion of every verdict and safe scale, in words."""
         return criterion_words(self.mass_limit)
 
-    def summary_lines(self) -> list[str]:
+    def summary_lines(self, *, fixed_scale: bool = False) -> list[str]:
         """The answer in words, first: sinks, the criterion, each kernel's verdict and why, the safe
-        scales, end to end."""
+        scales, end to end. ``fixed_scale``: the kernels' S is fixed (a deployment with no knob), so each
+        scale scan is said as a what-if, not a setting."""
         sink = self.sink_heads()
         n_layers, n_heads = sink.shape
         delta = _nanmean(self.stats["delta"], axis=0)[sink]
@@ -320,7 +321,7 @@ class Analysis:
                 f"({_pct(row['frac_zeroed_mean'])} of the non-sink P), relative MSE {row['rel_mse_mean']:.2e}."
                 + _share_words(cfg, row) + _split_words(cfg, int(self.lengths.max())))
         lines.append("")
-        lines += [_scan_words(scan, self.mass_limit) for scan in self.scans]
+        lines += [_scan_words(scan, self.mass_limit, fixed=fixed_scale) for scan in self.scans]
         if not self.scans:
             lines.append("No configuration analysed has a static scale to recommend.")
         return lines
@@ -374,11 +375,14 @@ def _family_words(cfg: KernelConfig) -> str:
     return words
 
 
-def _scan_words(scan: ScaleScan, limit: float) -> str:
+def _scan_words(scan: ScaleScan, limit: float, *, fixed: bool = False) -> str:
     names = ", ".join(f"`{m}`" for m in scan.members)
+    if fixed:  # no knob reaches S: the scan is what the kernel would need, not a setting
+        return "What-if only (this deployment fixes S; no setting reaches it): " + _scan_words(scan, limit)
     if scan.recommended is None:
         top = scan.rows[-1]
-        return (f"Safe static scale for {names} ({_family_words(scan.family)}): none. No `scale` from 1 to "
+        what = {"scale": "`scale`", "scale_s": "`scale_s`"}.get(scan.knob, f"S (set through `{scan.knob}`)")
+        return (f"Safe static scale for {names} ({_family_words(scan.family)}): none. No {what} from 1 to "
                 f"{top['scale']:g} meets the criterion (at {top['scale']:g} the worst head loses "
                 f"{_pct(top['zeroed_mass_max'])} and clips {_pct(top['saturated_mass_max'])}): use the reverse "
                 "KV order or a dynamic scale.")
@@ -664,8 +668,10 @@ class TraceDiagnosis:
 
     Attributes:
       deployment: the :class:`~pcast_jax.deployments.Deployment`.
-      analysis: the :class:`Analysis` of its configs (each preset at the trace's head dim, with its knob).
-      safe: True when every config meets the analysis' criterion on the trace.
+      analysis: the :class:`Analysis` of its configs (each preset at the trace's head dim, with its knob);
+        None where the backend cannot run the model or casts no P to FP8 (nothing is simulated).
+      safe: True when every config meets the analysis' criterion on the trace (or no P is cast to FP8);
+        None when the backend cannot run the model (no verdict).
       recommended: the knob value to set (None where the deployment has no knob, where it is already
         safe, or where no candidate scale meets the criterion for every preset of the deployment).
       advice: one sentence: what to do.
@@ -673,21 +679,31 @@ class TraceDiagnosis:
         of layers sharing one (None: none, the engine's default): ``{"prob_scale", "layers", "verdict"}``,
         the verdict of the group's config on those of the trace's layers (layer N of the trace is the
         checkpoint's ``layers.N``; a group with no such layer is left out).
+      features: the model's features read from the trace
+        (:class:`~pcast_jax.deployments.ModelFeatures`).
+      cannot_run: why the backend cannot run the model (empty: nothing its capabilities refuse).
+      unread: the model's features whose support by the backend was not read from source.
     """
 
     deployment: object
-    analysis: Analysis
-    safe: bool
+    analysis: Analysis | None
+    safe: bool | None
     recommended: float | None
     advice: str
     layers: tuple[dict, ...] = ()
+    features: object = None
+    cannot_run: tuple[str, ...] = ()
+    unread: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         """The deployment and the answer (the analysis itself: :func:`pcast_jax.analysis.report.report_data`)."""
         d = self.deployment
         return {"engine": d.engine, "backend": d.backend, "gpus": list(d.gpus), "presets": list(d.presets),
-                "knob": d.knob, "source": d.source, "note": d.note, "safe": self.safe,
-                "recommended": self.recommended, "advice": self.advice, "layers": [dict(g) for g in self.layers]}
+                "knob": d.knob, "source": d.source, "selection": d.selection, "note": d.note,
+                "features": None if self.features is None else dataclasses.asdict(self.features),
+                "cannot_run": list(self.cannot_run), "capabilities_not_read": list(self.unread),
+                "safe": self.safe, "recommended": self.recommended, "advice": self.advice,
+                "layers": [dict(g) for g in self.layers]}
 
 
 def diagnose_trace(deployment, trace: Trace, *, knob_value: float | None = None, scales: dict | None = None,
@@ -696,16 +712,34 @@ def diagnose_trace(deployment, trace: Trace, *, knob_value: float | None = None,
     """The doctor's question on a model: the deployment's kernels (:func:`pcast_jax.deployments.configured`,
     at the trace's head dim) analysed on ``trace`` (:func:`analyze`), and the knob value to set.
 
+    First the model's features (:meth:`pcast_jax.deployments.ModelFeatures.of_trace`: soft-cap, windows,
+    learned sinks, head dim, GQA ratio) are held to the backend's capabilities read from source: a backend
+    that cannot run the model gets no verdict (``safe`` None, nothing simulated) and the advice says why and
+    what the engine does instead where its source says. A backend that casts no P to FP8 is not simulated.
+
     The recommendation is the smallest candidate S (:func:`scale_candidates`) at which the scan of every
     preset of the deployment meets the criterion, written in the deployment's knob; it is computed only
     when the current setting does not meet it.
     """
     from pcast_jax import deployments
 
+    features = deployments.ModelFeatures.of_trace(trace)
+    cannot = tuple(deployment.cannot_run(features))
+    unread = tuple(deployment.unread(features))
+    where = f"{deployment.engine} {deployment.backend}"
+    if cannot:
+        instead = deployment.capabilities.instead
+        advice = (f"{where} cannot run this model: {'; '.join(cannot)}"
+                  + (f"; instead, {instead}" if instead else "; its source does not say what the engine does instead")
+                  + f" (read from {deployment.capabilities.source}); no P-cast verdict for a kernel that cannot run "
+                  "the model")
+        return TraceDiagnosis(deployment, None, None, None, advice, features=features, cannot_run=cannot, unread=unread)
+    if not deployment.casts_p:
+        return TraceDiagnosis(deployment, None, True, None, deployments.no_fp8_p_advice(deployment),
+                              features=features, unread=unread)
     configs = deployments.configured(deployment, knob_value=knob_value, scales=scales, head_dim=trace.q.shape[-1])
     result = analyze(trace, configs, mass_limit=mass_limit, logits_fn=logits_fn, progress=progress)
     failing = [r["config"] for r in result.config_rows() if r["verdict"] != SAFE]
-    where = f"{deployment.engine} {deployment.backend}"
     fail = f"{', '.join(failing)} {'fails' if len(failing) == 1 else 'fail'} the criterion on this model"
     recommended = None
     if not failing:
@@ -729,7 +763,7 @@ def diagnose_trace(deployment, trace: Trace, *, knob_value: float | None = None,
     layers = ()
     if deployment.knob == "prob_scale" and knob_value is None and (scales or {}).get("layers"):
         layers = _trace_layer_verdicts(result, deployments.layer_groups(scales), mass_limit)
-    return TraceDiagnosis(deployment, result, not failing, recommended, advice, layers)
+    return TraceDiagnosis(deployment, result, not failing, recommended, advice, layers, features, (), unread)
 
 
 def _trace_layer_verdicts(result: Analysis, groups, mass_limit: float) -> tuple[dict, ...]:

@@ -1,5 +1,5 @@
 """``pcast doctor``: from a deployment (engine, backend, GPU, checkpoint scales) to the kernel it runs,
-what it does to P, a verdict over a Δ range and the one setting to change."""
+whether it can run the model (with a trace), what it does to P, a verdict and the one setting to change."""
 
 from __future__ import annotations
 
@@ -13,21 +13,27 @@ DEFAULT_DELTA, DEFAULT_SEEDS, DEFAULT_MASS_LIMIT = "4:12:2", "4", "1e-3"
 #: The Δ range's options (flag, dest): refused with --trace, which has its own sinks.
 _SYNTHETIC = (("--delta", "delta"), ("--learned-sink", "learned_sink"), ("--seeds", "seeds"))
 
-HELP = "From a deployment (engine, backend, GPU, checkpoint) to its kernel, a P-collapse verdict and the fix."
+HELP = ("From a deployment (engine, backend, GPU, checkpoint) to its kernel, whether it can run your model (with "
+        "--trace), a P-collapse verdict and the fix.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", required=True, help="vllm, sglang, tensorrt-llm, jax, transformer-engine, "
-                                                         "flash-attention, sageattention or aiter")
-    parser.add_argument("--backend", required=True, help="the engine's attention backend (e.g. vllm: triton_attn, "
-                                                          "flash_attn, flashinfer; jax: cudnn)")
+                                                         "flash-attention, sageattention, aiter or flydsl")
+    parser.add_argument("--backend", required=True,
+                        help="the engine's attention backend (e.g. vllm: triton_attn, flash_attn, flashinfer, "
+                             "rocm_aiter_unified_attn; jax: cudnn)")
     parser.add_argument("--gpu", required=True, help="GPU architecture: sm90, sm100, sm120, gfx942 or gfx950")
-    parser.add_argument("--kv-cache-dtype", default="fp8", help="fp8 or fp8_e4m3 (default fp8)")
+    parser.add_argument("--kv-cache-dtype", default="fp8",
+                        help="fp8 or fp8_e4m3 (default fp8); a backend that takes only some is refused with the others")
     parser.add_argument("--checkpoint", default=None, metavar="DIR",
                         help="a checkpoint folder: its q/k/v/prob_scale tensors are read (never the weights)")
     parser.add_argument("--prob-scale", type=float, default=None,
-                        help="the prob_scale the engine uses (where it sets the P scale: S = 1/prob_scale)")
-    parser.add_argument("--scale-s", type=float, default=None, help="the scale_s the caller passes (jax cudnn)")
+                        help="the prob_scale the engine uses, where it sets the P scale (vllm rocm_flash: S = "
+                             "1/(2·prob_scale) on gfx942, whose FNUZ loader doubles it)")
+    parser.add_argument("--scale-s", type=float, default=None,
+                        help="the scale_s the caller passes, where it reaches P (jax cudnn on sm90; the open "
+                             "sm100 / sm120 kernels ignore it)")
     parser.add_argument("--delta", default=None,
                         help="sink strengths Δ to test: a value, a list or start:stop:step (default 4:12:2)")
     parser.add_argument("--learned-sink", action="store_true", default=None,
@@ -78,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report.json_value(diag.to_dict()), indent=1, ensure_ascii=False))
         return 0
     _print_deployment(args, row, scales)
+    if not row.casts_p:
+        print(f"Verdict: no FP8 P — {diag.advice}.")
+        return 0
     print(f"  criterion: zeroed mass ≤ {deployments.ZEROED_MASS_LIMIT:g} and clipped mass ≤ "
           f"{deployments.CLIPPED_MASS_LIMIT:g} of the softmax (mean over query rows), at every Δ, decided when "
           f"mean ± {deployments.Z:g} s.e. over the seeds excludes the limit")
@@ -106,11 +115,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_deployment(args: argparse.Namespace, row, scales: dict) -> None:
-    print(f"{row.engine} {row.backend} on {args.gpu} runs: {', '.join(row.presets)}")
-    print(f"  picked by: {row.source}")
+    runs = ", ".join(row.presets) if row.casts_p else "no FP8 P-cast (see the note)"
+    print(f"{row.engine} {row.backend} on {args.gpu} with KV cache {args.kv_cache_dtype} runs: {runs}")
+    print(f"  selected by: {row.selection}")
+    print(f"  kernel entry: {row.source}")
     if row.note:
         print(f"  note: {row.note}")
-    print(f"  P scale set by: {'the kernel (no knob)' if row.knob == 'none' else row.knob}")
+    if row.casts_p:
+        print(f"  P scale set by: {'the kernel (no knob)' if row.knob == 'none' else row.knob}")
     if args.checkpoint:
         for line in _checkpoint_lines(row, scales):
             print(f"  {line}")
@@ -166,15 +178,26 @@ def _on_trace(args: argparse.Namespace, row, knob_value, scales: dict) -> int:
     diag = diagnose_trace(row, trace, knob_value=knob_value, scales=scales, mass_limit=mass_limit,
                           logits_fn=logits_fn)
     if args.format == "json":
-        data = {**diag.to_dict(), "analysis": report_data(diag.analysis)}
+        data = {**diag.to_dict(), "analysis": None if diag.analysis is None else report_data(diag.analysis)}
         print(json.dumps(report.json_value(data), indent=1, ensure_ascii=False))
         return 0
     _print_deployment(args, row, scales)
+    print(f"  model (from the trace): {diag.features.words()}")
+    if diag.cannot_run:
+        print(f"  can it run this model: no — {'; '.join(diag.cannot_run)}")
+        print(f"Verdict on this model: none — {diag.advice}.")
+        return 0
+    print("  can it run this model: nothing its source refuses"
+          + (f" (not read from its source: whether it supports {', '.join(diag.unread)})" if diag.unread else ""))
+    if diag.analysis is None:
+        print(f"Verdict on this model: no FP8 P — {diag.advice}.")
+        return 0
     print()
-    print("\n".join(diag.analysis.summary_lines()))
+    print("\n".join(diag.analysis.summary_lines(fixed_scale=row.knob == "none")))
     for group in diag.layers:
         value = "none (the engine's default 1)" if group["prob_scale"] is None else f"{group['prob_scale']:g}"
         print(f"Layers {_names(group['layers'])} (prob_scale {value}): {group['verdict']} — worst head zeroes "
               f"{report.fmt_sci(group['zeroed_mass_max'])} and clips {report.fmt_sci(group['saturated_mass_max'])}.")
-    print(f"Verdict on this model: {'safe to serve' if diag.safe else 'not safe to serve'} — {diag.advice}.")
+    word = "safe to serve" if diag.safe else "not safe to serve"
+    print(f"Verdict on this model: {word} — {diag.advice}.")
     return 0

@@ -10,11 +10,12 @@ module                    presets
 ``trtllm``                TensorRT-LLM XQA (one CTA, multi-block) and fmha_v2 (exp2f, non-exp2f, skip-softmax)
 ``sageattention``         SageAttention2, 2++ and 3
 ``hpc_ops``               Tencent hpc-ops before and after the paper
-``cudnn``                 cuDNN FP8 / MXFP8 SDPA (JAX's and Transformer Engine's FP8 attention)
+``cudnn``                 cuDNN FP8 / MXFP8 SDPA: the open SM100 / SM120 kernels and the older test reference
+                          (JAX's and Transformer Engine's FP8 attention)
 ``vllm``                  vLLM's Triton unified attention and its FlashAttention-4 fork
 ``sglang``                SGLang's Triton decode
 ``amd``                   FlashAttention's ROCm Triton backend, vLLM's ROCm Triton attention, aiter's Triton
-                          MHA (MI300, MI355)
+                          MHA (MI300, MI355), FlyDSL's gfx950 FP8 flash attention
 ``modelopt``              NVIDIA Model Optimizer's NVFP4 P fake-quantization
 ``research``              designs no released kernel runs (per-block 2^k, MXFP8 P)
 ``tpu``                   JAX's TPU ragged paged attention (P against each block's own max), FP8-cast
@@ -81,13 +82,14 @@ TAGS: dict[str, Tag] = {
     **dict.fromkeys(("fa3", "fa4", "flashinfer_sm90", "trtllm_xqa", "trtllm_xqa_multiblock", "fa3_splitkv", "sageattn2",
                      "sageattn2pp", "hpc_ops_prior", "hpc_ops", "dynamic_pow2"), "table3"),
     **dict.fromkeys(("sageattn3", "nvfp4_fakequant", "mxfp8_p"), "block_scaled"),
-    **dict.fromkeys(("cudnn_fp8", "cudnn_fp8_tau0", "cudnn_fp8_s32", "cudnn_fp8_s32_tau0", "cudnn_mxfp8", "te_fp8_dpa",
+    **dict.fromkeys(("cudnn_sm100_fp8", "cudnn_sm100_fp8_e5m2", "cudnn_sm120_fp8",
+                     "cudnn_fp8", "cudnn_fp8_tau0", "cudnn_fp8_s32", "cudnn_fp8_s32_tau0", "cudnn_mxfp8", "te_fp8_dpa",
                      "fa4_pr2109", "fa4_pr2717", "vllm_triton_fp8", "vllm_triton_fp8_3d", "vllm_triton_fp8_rocm",
                      "vllm_fa4", "flashinfer_sm100_cutedsl", "flashinfer_sm100_cutedsl_paged", "flashinfer_sm120",
                      "flashinfer_sm120_pr5020", "trtllm_fmha_v2", "trtllm_fmha_v2_nonexp2f", "sglang_triton_decode"),
                     "sinks_and_rescale"),
     **dict.fromkeys(("fa_triton_amd_mi300", "fa_triton_amd_mi355", "vllm_rocm_flash_fp8", "aiter_mha_fp8_mi300",
-                     "aiter_mha_fp8_mi355"), "amd"),
+                     "aiter_mha_fp8_mi355", "flydsl_fp8_gfx950", "flydsl_fp8_gfx950_pr1020"), "amd"),
     **dict.fromkeys(("trtllm_fmha_v2_skip", "tpu_ragged_paged_fp8p", "tensorrt_int8", "litert_uint8"), "p_knobs"),
 }
 assert set(TAGS.values()) == set(get_args(Tag)), "a tag without presets"

@@ -1,10 +1,11 @@
-"""FP8 attention on AMD GPUs (ROCm): FlashAttention's Triton backend, vLLM's ROCm Triton attention and
-aiter's Triton MHA.
+"""FP8 attention on AMD GPUs (ROCm): FlashAttention's Triton backend, vLLM's ROCm Triton attention,
+aiter's Triton MHA and FlyDSL's gfx950 FP8 flash attention.
 
 MI300 (gfx942) runs FP8 as ``float8_e4m3fnuz`` (exponent bias 8, max 240, no −0 or inf: values at or
-below 2^-11 round to zero, one binade less than E4M3FN); MI355 (gfx950) runs OCP ``float8_e4m3fn``.
-Below saturation a FNUZ cast of x equals an FN cast of 2x halved, so a P-cast at scale S on MI300 zeroes
-what an FN cast at S/2 zeroes: the collapse threshold moves from 10 ln 2 to 11 ln 2.
+below 2^-11 round to zero, one binade further down than E4M3FN's 2^-10); MI355 (gfx950) runs OCP
+``float8_e4m3fn``. Below saturation a FNUZ cast of x equals an FN cast of 2x halved, so a P-cast at scale S
+on MI300 zeroes what an FN cast at 2S zeroes: FNUZ zeroes *less*, the collapse threshold moves up from
+10 ln 2 to 11 ln 2; it saturates sooner, at 240 instead of 448.
 
 aiter's own Triton MHA FP8 scales each BLOCK_M × BLOCK_N tile of P by FP8_MAX / amax(tile): one scale,
 not a power of two, shared by every query row of the tile (``scale_mode="tile_amax"`` with ``block_q``).
@@ -84,7 +85,31 @@ _VLLM_ROCM_FLASH = dict(order="forward", scale_mode="multiply", block_kv=64)
 #   autotuning on this path.
 _AITER_MHA = dict(order="forward", scale_mode="tile_amax", block_q=128, block_kv=64, sink_mode="init_max")
 
+# FlyDSL's gfx950 FP8 flash attention (ROCm/FlyDSL, main at commit 11c4174, called directly:
+# kernels/attention/flash_attn_fp8_gfx950.py build_flash_attn_dualwave_swp_fp8_module, line 37; helpers in
+# kernels/attention/flash_attn_utils.py):
+# - forward KV order: `for j in range(t0, t_end, 2)` (flash_attn_fp8_gfx950.py line 266), two BLOCK_N = 64
+#   tiles per step under one merged max and correction ("BN128", line 118; _merge_tile_max): B = 128;
+# - P = exp2((s − m)·softmax_scale·log2 e) (sub_m and exp2, lines 196-198), ℓ sums that FP32 P (line 199),
+#   and P is cast to FP8 with no scale (cast_p_fp8_direct, line 200; cvt_pk_fp8_f32 in _pack_fp8_i32x8,
+#   utils lines 4689-4697, OCP e4m3 on gfx950): S = 1;
+# - lazy rescale: lazy_correct_o (called at lines 301 and 329) keeps the running max while
+#   (m_tile − m_row)·scale ≤ DUALWAVE_SWP_RESCALE_THRESHOLD = 8.0 (utils lines 5206-5212, 2038): τ = 8 in
+#   log2 units. Assumption: the kernel skips the rescale only when every row of a wave is within τ (a wave
+#   ballot) and otherwise moves each row to its tile max; the preset applies the per-row rule.
+# - the FP8 kernel takes no learned sink (no sink argument in flash_attn_fp8_gfx950.py).
+# ROCm/FlyDSL PR #1020 (head 6de2a37, not in main at 11c4174): P scaled by 2^headroom before the cast, the
+# bias riding the exp2 FMA's addend so ℓ sums the scaled P (exponent mode), headroom = log2 448 − τ with the
+# lazy rescale and log2 448 without it (flash_attn_utils.py lines 5113-5128 at 6de2a37); the FP8 default
+# becomes the eager rescale (flash_attn_interface.py lines 809-812): S = 448, not a power of two.
+_FLYDSL_FP8 = dict(order="forward", scale_mode="exponent", block_kv=128, p_format="e4m3")
+
 PRESETS: dict[str, KernelConfig] = {
+    # FlyDSL's gfx950 FP8 flash attention as in main (11c4174): S = 1, lazy rescale τ = 8 (log2): a lagging
+    # max lets P reach 2^8 = 256 < 448 (no saturation), while everything 10 binades below the max is zeroed.
+    "flydsl_fp8_gfx950": KernelConfig(**_FLYDSL_FP8, scale=1.0, rescale_threshold=8.0, name="flydsl_fp8_gfx950"),
+    # The same kernel with PR #1020 (6de2a37): eager rescale for FP8 and P scaled by 448 in the exponent.
+    "flydsl_fp8_gfx950_pr1020": KernelConfig(**_FLYDSL_FP8, scale=448.0, name="flydsl_fp8_gfx950_pr1020"),
     # FlashAttention's ROCm Triton backend on MI300 (gfx942, float8_e4m3fnuz): forward, B = 64, S = 1.
     "fa_triton_amd_mi300": KernelConfig(**_FA_TRITON_AMD, p_format=FP8_FORMAT_BY_GPU["mi300"],
                                         name="fa_triton_amd_mi300"),
@@ -118,7 +143,8 @@ def vllm_rocm_flash_scale(prob_scale: float | None, *, gpu: str = "mi300") -> fl
     loaded = 2.0 * prob_scale if FP8_FORMAT_BY_GPU[gpu] == "e4m3fnuz" else prob_scale
     scale = 1.0 / loaded
     if not 2.0**-100 <= scale <= 2.0**100:
-        raise PcastError(f"prob_scale={prob_scale!r} gives the P scale 1/prob_scale = {scale!r}, outside "
+        what = "1/(2·prob_scale)" if loaded != prob_scale else "1/prob_scale"
+        raise PcastError(f"prob_scale={prob_scale!r} gives the P scale {what} = {scale!r} on gpu={gpu!r}, outside "
                          f"[2^-100, 2^100]")
     return scale
 
