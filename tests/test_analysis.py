@@ -262,7 +262,10 @@ def test_analyze_planted_sinks_verdicts_safe_scale_and_tables():
     trace = planted(layers=2, batch=2)
     lines = []
     result = analyze(trace, ["fwd_s1", "rev_s256"], min_keys=8, progress=lines.append)
-    assert any("layer 2/2, 2 configs (fwd_s1, rev_s256)" in line for line in lines)
+    assert any("2 configs (fwd_s1, rev_s256)" in line for line in lines)
+    # one line per layer done: the layers, the rows and the time left
+    assert [line.split(" (")[0] for line in lines if " done " in line] == ["layer 1/2 done", "layer 2/2 done"]
+    assert all("rows" in line and "s left" in line for line in lines if " done " in line)
     assert result.heads["zeroed_mass"].shape == (2, 2, 2, 4)
     sink = result.sink_heads()
     assert sink[:, :2].all() and not sink[:, 2:].any()  # KV head 0 (query heads 0, 1) carries the sink

@@ -382,7 +382,8 @@ def _save_layers(trace, folder, dtype: str) -> Path:
     def stored(x: np.ndarray, name: str, layer: str) -> np.ndarray:
         if dtype == "float32":
             return x
-        cast = x.astype(_bfloat16() if dtype == "bfloat16" else np.float16)
+        with np.errstate(over="ignore"):  # refused below, naming the field
+            cast = x.astype(_bfloat16() if dtype == "bfloat16" else np.float16)
         if not np.all(np.isfinite(cast)):
             raise PcastError(f"dtype={dtype!r}: field {name!r} of layer {layer!r} holds a value beyond {dtype}'s "
                              f"largest ({float(np.abs(x).max()):.3g}); save it as float32")

@@ -231,10 +231,41 @@ def _chunks(num_rows: int, step: int, length: int) -> list[tuple[int, int, int]]
             for r0 in range(0, num_rows, step) for rows in (min(step, num_rows - r0),)]
 
 
-def sample_rows(length: int, rows: int, rng: np.random.Generator) -> np.ndarray:
-    """``[min(rows, length)]`` int32: a simple random sample of the real query rows ``0 .. length − 1`` (drawn
-    without replacement from ``rng``), sorted."""
-    return np.sort(rng.choice(length, size=min(rows, length), replace=False)).astype(np.int32)
+class RowSample(NamedTuple):
+    """A stratified random sample of query rows (:func:`sample_rows`).
+
+    Attributes:
+      positions: ``[n]`` int32 sorted query positions.
+      bounds: ``[H + 1]`` the strata's edges: stratum ``h`` holds the rows ``bounds[h] .. bounds[h + 1] − 1``.
+    """
+
+    positions: np.ndarray
+    bounds: np.ndarray
+
+    @property
+    def strata(self) -> np.ndarray:
+        """``[n]``: each sampled row's stratum."""
+        return np.searchsorted(self.bounds, self.positions, side="right") - 1
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """``[H]``: the rows of each stratum."""
+        return np.diff(self.bounds)
+
+
+def sample_rows(length: int, rows: int, rng: np.random.Generator) -> RowSample:
+    """A stratified random sample of ``min(rows, length)`` of the real query rows ``0 .. length − 1``: the rows cut
+    into ``rows // 2`` strata of consecutive positions (as equal as whole rows allow), two or three rows drawn
+    without replacement from each (from ``rng``). Strata by position keep what changes along the sequence —
+    the first rows, which see few keys; a local window's edge — in every sample, and leave each stratum two
+    rows or more for its variance (:func:`pcast_jax.stats.stratified_ratio`)."""
+    rows = min(rows, length)
+    num = max(1, rows // 2)
+    bounds = np.round(np.linspace(0, length, num + 1)).astype(np.int64)
+    picks = [bounds[h] + rng.choice(bounds[h + 1] - bounds[h], size=min(rows // num + (h < rows % num),
+                                                                          bounds[h + 1] - bounds[h]), replace=False)
+             for h in range(num)]
+    return RowSample(np.sort(np.concatenate(picks)).astype(np.int32), bounds)
 
 
 #: A sample's chunks see their keys rounded up to whole eighths of the sequence, so that the chunks of any
@@ -441,8 +472,8 @@ def pending_statistics(q, k, cfg=None, *, num_sinks: int = 1, sink_selection: st
     min_keys = check_int("min_keys", min_keys, min_value=1, max_value=q.shape[1])
     sample = _check_sample(sample, length)
     inputs = _trace_inputs(q, k, length=length, local_window_size=local_window_size, sinks=sinks,
-                           logits_soft_cap=logits_soft_cap, sample=sample)
-    found = _trace_sinks(inputs, length=length if sample is None else len(sample), num_sinks=num_sinks,
+                           logits_soft_cap=logits_soft_cap, sample=None if sample is None else sample.positions)
+    found = _trace_sinks(inputs, length=length if sample is None else len(sample.positions), num_sinks=num_sinks,
                          sink_selection=sink_selection)
     parts = [[_statistic_rows(qh, kh, np.int32(h), _row_arg(r0), *scalars, jnp.asarray(positions),
                               np.int32(min_keys), rows=rows, keys=keys)
@@ -456,16 +487,22 @@ def pending_statistics(q, k, cfg=None, *, num_sinks: int = 1, sink_selection: st
     return np.stack([positions for positions, _, _ in found]), finish
 
 
-def _check_sample(sample, length: int):
-    """A sample of query rows: None (every row), or sorted distinct int positions ``[n]`` below ``length``."""
+def _check_sample(sample, length: int) -> RowSample | None:
+    """A sample of query rows: None (every row), a :class:`RowSample`, or sorted distinct int positions ``[n]``
+    below ``length`` (a simple random sample: one stratum of every row)."""
     if sample is None:
         return None
-    arr = np.asarray(sample)
+    if not isinstance(sample, RowSample):
+        sample = RowSample(np.asarray(sample), np.array([0, length]))
+    arr = np.asarray(sample.positions)
+    bounds = np.asarray(sample.bounds)
     if arr.ndim != 1 or not arr.size or not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0 \
             or arr.max() >= length or np.any(np.diff(arr) <= 0):
         raise PcastError(f"sample must be sorted distinct query rows in [0, {length}) (sample_rows), got "
                          f"{arr.dtype} {arr.shape}")
-    return arr.astype(np.int32)
+    if bounds.ndim != 1 or bounds.size < 2 or bounds[0] != 0 or bounds[-1] != length or np.any(np.diff(bounds) <= 0):
+        raise PcastError(f"sample.bounds must rise from 0 to {length} (the strata's edges), got {bounds.tolist()}")
+    return RowSample(arr.astype(np.int32), bounds.astype(np.int64))
 
 
 def _check_qk(q, k, cfg, *, num_sinks, sink_selection: str, length):
@@ -763,22 +800,20 @@ def _row_mean(x: np.ndarray, valid: np.ndarray) -> np.ndarray:
                         np.nan).astype(np.float32)
 
 
-def _row_sem(x: np.ndarray, valid: np.ndarray, ratio_of=None) -> np.ndarray:
-    """Per head (last axis the rows): the standard error of :func:`_row_mean` over a sample of rows
-    (:func:`pcast_jax.stats.mean_sem`), or with ``ratio_of`` that of mean(x) / mean(ratio_of) over the valid
-    rows (:func:`pcast_jax.stats.paired_ratio`, the delta method); NaN with fewer than 2 valid rows or a
-    denominator of mean 0."""
+def _sampled_mean(x: np.ndarray, valid: np.ndarray, sample: RowSample, ratio_of=None):
+    """Per head (last axis the sample's rows): the estimate of :func:`_row_mean` over every row from the
+    stratified ``sample`` and its standard error (:func:`pcast_jax.stats.stratified_ratio`); with ``ratio_of``,
+    of Σ x / Σ ratio_of over the valid rows. Float32 ``(mean, se)``; NaN where no valid row was sampled."""
     valid = np.broadcast_to(valid, x.shape)
-    out = np.full(x.shape[:-1], np.nan)
+    denominator = np.ones(x.shape) if ratio_of is None else np.broadcast_to(ratio_of, x.shape)
+    mean, se = np.full(x.shape[:-1], np.nan), np.full(x.shape[:-1], np.nan)
+    strata, sizes = sample.strata, sample.sizes
     for idx in np.ndindex(*x.shape[:-1]):
         rows = valid[idx]
-        if rows.sum() < 2:
-            continue
-        if ratio_of is None:
-            out[idx] = _stats.mean_sem(x[idx][rows])[1]
-        elif np.mean(ratio_of[idx][rows]) > 0:
-            out[idx] = _stats.paired_ratio(x[idx][rows], ratio_of[idx][rows])[1]
-    return out.astype(np.float32)
+        if rows.any():
+            mean[idx], se[idx] = _stats.stratified_ratio(np.where(rows, x[idx], 0.0),
+                                                         np.where(rows, denominator[idx], 0.0), strata, sizes)
+    return mean.astype(np.float32), se.astype(np.float32)
 
 
 def _layer_passes(qkv, reference, configs: Sequence[KernelConfig], families: Sequence[tuple[KernelConfig, ...]],
@@ -814,7 +849,7 @@ def _layer_passes(qkv, reference, configs: Sequence[KernelConfig], families: Seq
     for (_, _, step), members in groups.items():
         operands = _layer_operands(*qkv, config=members[0][2])
         for h in range(num_heads):
-            for r0, rows, seen in _row_chunks(num_tokens, step, length, sample):
+            for r0, rows, seen in _row_chunks(num_tokens, step, length, None if sample is None else sample.positions):
                 head, row0 = np.int32(h), _row_arg(r0)
                 visited = [keys_visited(cfg, seen, num_tokens) for _, _, cfg in members]
                 logits = _kernel_logits_rows(operands, head, row0, rows=rows, keys=max(visited))
@@ -828,20 +863,20 @@ def _layer_passes(qkv, reference, configs: Sequence[KernelConfig], families: Seq
                                          has_learned=has_learned, keys=keys)
                     for job, part in zip(jobs, done):
                         parts[job].append(part)
-    positions = np.arange(num_tokens) if sample is None else np.asarray(sample)
-    return parts, functools.partial(_layer_results, num_heads=num_heads, positions=positions, head_dim=head_dim,
+    return parts, functools.partial(_layer_results, num_heads=num_heads, num_tokens=num_tokens, head_dim=head_dim,
                                     num_configs=len(configs), families=families, min_keys=min_keys, length=length,
-                                    sampled=sample is not None)
+                                    sample=sample)
 
 
-def _layer_results(parts: dict, *, num_heads: int, positions: np.ndarray, head_dim: int, num_configs: int,
-                   families, min_keys: int, length: int, sampled: bool) -> tuple[list[dict], list[dict]]:
+def _layer_results(parts: dict, *, num_heads: int, num_tokens: int, head_dim: int, num_configs: int,
+                   families, min_keys: int, length: int, sample: RowSample | None) -> tuple[list[dict], list[dict]]:
     """:func:`_layer_passes`' results from its parts on the host: the metrics per config and
-    ``{"zeroed_mass", "saturated_mass"}`` (each ``[len(family), Hq]``) per family (``positions``: the query
-    rows simulated; ``sampled``: a sample, whose standard errors come too)."""
+    ``{"zeroed_mass", "saturated_mass"}`` (each ``[len(family), Hq]``) per family (with a ``sample`` of rows,
+    the sample's estimates and their standard errors)."""
+    positions = np.arange(num_tokens) if sample is None else sample.positions
     num_rows = len(positions)
-    metrics = [_rows_metrics(parts[("config", i)], num_heads, positions, head_dim, min_keys=min_keys, length=length,
-                             sampled=sampled) for i in range(num_configs)]
+    metrics = [_rows_metrics(parts[("config", i)], num_heads, head_dim, min_keys=min_keys, length=length,
+                             sample=sample) for i in range(num_configs)]
     masses = []
     for i, family in enumerate(families):
         chunks = parts[("family", i)]
@@ -851,52 +886,57 @@ def _layer_results(parts: dict, *, num_heads: int, positions: np.ndarray, head_d
         for j, name in ((1, "zeroed_mass"), (2, "saturated_mass")):
             x = np.concatenate([p[j] for p in chunks], axis=-1).reshape(len(family), num_heads,
                                                                         num_rows).astype(np.float64)
-            found[name] = _row_mean(x, valid[None])
-            if sampled:
-                found[f"{name}_sem"] = _row_sem(x, valid[None])
+            if sample is None:
+                found[name] = _row_mean(x, valid[None])
+            else:
+                found[name], found[f"{name}_sem"] = _sampled_mean(x, valid[None], sample)
         masses.append(found)
     return metrics, masses
 
 
-def _rows_metrics(parts: list[dict], num_heads: int, positions: np.ndarray, head_dim: int, *, min_keys: int,
-                  length: int, sampled: bool = False) -> dict:
-    """:func:`head_metrics` from one config's :func:`_chunk_rows` of every head and chunk (heads outer) on the
-    query rows ``positions``: the row means on the host (the sums of squares over the real rows, each
-    ``[Hq]``), and with ``sampled`` each one's standard error over the rows (``<metric>_sem``)."""
-    num_rows = len(positions)
-    rows = {name: np.concatenate([p[name] for p in parts]).reshape(num_heads, num_rows) for name in parts[0]}
-    rows = {name: x.astype(np.float64) for name, x in rows.items()}  # [Hq, n]
+def _rows_metrics(parts: list[dict], num_heads: int, head_dim: int, *, min_keys: int, length: int,
+                  sample: RowSample | None = None) -> dict:
+    """:func:`head_metrics` from one config's :func:`_chunk_rows` of every head and chunk (heads outer): the
+    row means on the host; with a ``sample`` of rows, the sample's estimates of them and each one's standard
+    error (``<metric>_sem``)."""
+    rows = {name: np.concatenate([p[name] for p in parts]).reshape(num_heads, -1) for name in parts[0]}
+    rows = {name: x.astype(np.float64) for name, x in rows.items()}  # [Hq, T], or [Hq, n] of a sample
+    positions = np.arange(rows["n_counted"].shape[-1]) if sample is None else sample.positions
     counted = rows.pop("n_counted")
     valid = _valid_rows(counted, min_keys, length, positions)
-    real = positions < length
     n_rows = valid.sum(axis=-1)
-    n_real = int(real.sum())
+    n_zeroed = rows.pop("n_zeroed")
+    frac = n_zeroed / np.maximum(counted, 1.0)
+    sq_err, ref_rows, qkv_rows = (rows.pop(name) for name in ("sq_err", "ref_sq", "qkv_sq_err"))
+    if sample is not None:
+        real = positions < length
+        out = {}
+        for name, x, where, ratio_of in (("mse", sq_err / head_dim, real, None), ("ref_sq", ref_rows / head_dim, real,
+                                                                                   None),
+                                         ("rel_mse", sq_err, real, ref_rows), ("rel_mse_qkv", qkv_rows, real, ref_rows),
+                                         ("frac_zeroed", frac, valid, None),
+                                         ("frac_zeroed_pooled", n_zeroed, real, counted)):
+            out[name], out[f"{name}_sem"] = _sampled_mean(x, where, sample, ratio_of)
+        out["rows_used"] = n_rows.astype(np.int32)
+        for name, x in rows.items():
+            out[name], out[f"{name}_sem"] = _sampled_mean(x, valid, sample)
+        return out
 
     def row_mean(x):
         return _row_mean(x, valid)
 
-    sq_err, ref_rows, qkv_rows = (rows.pop(name) for name in ("sq_err", "ref_sq", "qkv_sq_err"))
-    err, ref_sq, qkv_err = (x.sum(axis=-1) / (n_real * head_dim) for x in (sq_err, ref_rows, qkv_rows))
-    n_zeroed = rows.pop("n_zeroed")
+    err, ref_sq, qkv_err = (x.sum(axis=-1) / (length * head_dim) for x in (sq_err, ref_rows, qkv_rows))
     with np.errstate(invalid="ignore", divide="ignore"):  # a head whose exact output is 0: inf or NaN, as before
         rel_mse = err / ref_sq
         rel_mse_qkv = qkv_err / ref_sq
-    frac = n_zeroed / np.maximum(counted, 1.0)
     out = {
         "mse": err.astype(np.float32), "ref_sq": ref_sq.astype(np.float32), "rel_mse": rel_mse.astype(np.float32),
         "rel_mse_qkv": rel_mse_qkv.astype(np.float32),
         "frac_zeroed": row_mean(frac),
         "frac_zeroed_pooled": (n_zeroed.sum(axis=-1) / np.maximum(counted.sum(axis=-1), 1)).astype(np.float32),
-        "zeroed_mass": row_mean(rows["zeroed_mass"]), "rows_used": n_rows.astype(np.int32),
+        "zeroed_mass": row_mean(rows.pop("zeroed_mass")), "rows_used": n_rows.astype(np.int32),
     }
-    out.update({name: row_mean(x) for name, x in rows.items() if name != "zeroed_mass"})
-    if sampled:
-        out.update({"mse_sem": _row_sem(sq_err / head_dim, real), "ref_sq_sem": _row_sem(ref_rows / head_dim, real),
-                    "rel_mse_sem": _row_sem(sq_err, real, ratio_of=ref_rows),
-                    "rel_mse_qkv_sem": _row_sem(qkv_rows, real, ratio_of=ref_rows),
-                    "frac_zeroed_sem": _row_sem(frac, valid),
-                    "frac_zeroed_pooled_sem": _row_sem(n_zeroed, real, ratio_of=counted)})
-        out.update({f"{name}_sem": _row_sem(x, valid) for name, x in rows.items()})
+    out.update({name: row_mean(x) for name, x in rows.items()})
     return out
 
 
@@ -1081,7 +1121,8 @@ def analyze_layers(trace, configs: Sequence[str | KernelConfig], sink_positions,
             reference = None
             if kernels:
                 reference = _reference(*qkv, length=length, window=int(windows[layer]), sinks=learned,
-                                       soft_cap=float(caps[layer]), sample=sample)
+                                       soft_cap=float(caps[layer]),
+                                       sample=None if sample is None else sample.positions)
                 if references is not None:
                     layer_inputs[layer] = qkv, reference
         per_layer.append(_layer_passes(qkv, reference, kernels, scans, sink_positions[layer], min_keys=min_keys,
