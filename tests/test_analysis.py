@@ -357,6 +357,9 @@ def check_own_model_page(scope: dict, printed: str, folder: Path) -> None:
     assert result.summary_lines()[0].startswith("On this model (2 layers × 4 heads, 1 sequence of 512 tokens)")
     assert len(scope["frame"]) == 3 * 2 * 4 and "zeroed_mass" in scope["dataset"]
     assert (folder / "trace.npz").is_file() and (folder / "analysis" / "analysis.md").is_file()
+    sampled = scope["sampled"]  # the trace folder, read a layer at a time, 128 rows of each layer sampled
+    assert (folder / "trace" / "index.npz").is_file() and scope["streamed"].dtype == "bfloat16"
+    assert sampled.rows == 128 and sampled.heads_sem is not None
     answer = scope["answer"]  # JAX's FP8 attention on the recorded model: the scale_s the scan recommends
     assert answer.config.rescale_threshold == 0.0 and answer.answer() in printed
     assert answer.recommended is None or answer.answer().startswith(f"Pass fp8_params['scale_s'] = "

@@ -49,6 +49,7 @@ import functools
 import math
 import sys
 import threading
+import types
 import warnings
 from pathlib import Path
 from typing import Literal, get_args
@@ -59,7 +60,8 @@ import numpy as np
 
 from pcast_jax.errors import PcastError
 
-__all__ = ["Trace", "StreamedTrace", "Recorder", "RecorderWarning", "load_trace", "TRACE_DIMS", "TRACE_DTYPES",
+__all__ = ["Trace", "StreamedTrace", "Recorder", "RecorderWarning", "load_trace", "save_layers", "TRACE_DIMS",
+           "TRACE_DTYPES",
            "LOGIT_MAX", "VALUE_RANGE"]
 
 #: The axes of a trace's ``q``, ``k`` and ``v``.
@@ -366,33 +368,64 @@ def _layer_file(index: int, name: str) -> str:
 
 
 def _save_layers(trace, folder, dtype: str) -> Path:
-    """:meth:`Trace.save_layers`: the index and every layer's q, k, v files, written as a set."""
+    """:meth:`Trace.save_layers`: :func:`save_layers` of the trace's own layers."""
+    return save_layers(folder, trace.layer, shape=(*trace.q.shape[:4], trace.k.shape[3], trace.q.shape[4]),
+                       lengths=trace.lengths, layers=trace.layers, dtype=dtype, tokens=trace.tokens,
+                       local_window_size=trace.local_window_size, sinks=trace.sinks,
+                       logits_soft_cap=trace.logits_soft_cap)
+
+
+def save_layers(folder, layer, *, shape: tuple[int, ...], lengths, layers, dtype: TraceDtype = "float32",
+                tokens=None, local_window_size=None, sinks=None, logits_soft_cap=None) -> Path:
+    """Write a trace folder (:meth:`Trace.save_layers`) one layer at a time: ``layer(i)`` returns layer ``i``'s
+    ``(q, k, v)``, ``[B, T, Hq, D]`` and ``[B, T, Hkv, D]`` floats, called once per layer in order, so a trace
+    larger than memory can be written. ``shape``: ``(L, B, T, Hq, Hkv, D)``; the other fields as
+    :class:`Trace` has them (checked as it checks them). Written as a set (all files or none); returns the
+    folder, which :func:`load_trace` reads as a :class:`StreamedTrace`."""
     from pcast_jax import fileio
 
     if dtype not in TRACE_DTYPES:
         raise PcastError(f"dtype={dtype!r} must be one of {list(TRACE_DTYPES)}")
+    shape = tuple(int(x) for x in shape)
+    if len(shape) != 6 or min(shape) < 1 or shape[2] < 2 or shape[3] % shape[4]:
+        raise PcastError(f"shape={list(shape)} must be (layers, sequences, tokens, heads, KV heads, dim), each >= 1, "
+                         "2 tokens or more, query heads a multiple of KV heads")
+    meta = types.SimpleNamespace(lengths=lengths, layers=layers, tokens=tokens, local_window_size=local_window_size,
+                                 sinks=sinks, logits_soft_cap=logits_soft_cap)
+    _check_fields(meta, (*shape[:4], shape[5]), "save_layers")
     index = {"format": np.array(_FOLDER_FORMAT), "dims": np.array(TRACE_DIMS), "dtype": np.array(dtype),
-             "shape": np.array([*trace.q.shape[:4], trace.k.shape[3], trace.q.shape[4]], np.int64),
-             "lengths": trace.lengths, "layers": np.array(trace.layers),
-             "local_window_size": trace.local_window_size}
+             "shape": np.array(shape, np.int64), "lengths": meta.lengths, "layers": np.array(meta.layers),
+             "local_window_size": meta.local_window_size}
     for name in ("tokens", "sinks", "logits_soft_cap"):
-        if getattr(trace, name) is not None:
-            index[name] = getattr(trace, name)
+        if getattr(meta, name) is not None:
+            index[name] = getattr(meta, name)
 
-    def stored(x: np.ndarray, name: str, layer: str) -> np.ndarray:
+    def stored(x, name: str, label: str, want: tuple) -> np.ndarray:
+        x = np.asarray(x)
+        if x.shape != want or not np.issubdtype(x.dtype, np.floating):
+            raise PcastError(f"save_layers: field {name!r} of layer {label!r} must be floats of shape {want}, got "
+                             f"{x.dtype} {x.shape}")
+        x = x.astype(np.float32, copy=False)
+        if not np.all(np.isfinite(x)):
+            raise PcastError(f"save_layers: field {name!r} of layer {label!r} holds a non-finite value")
         if dtype == "float32":
             return x
         with np.errstate(over="ignore"):  # refused below, naming the field
             cast = x.astype(_bfloat16() if dtype == "bfloat16" else np.float16)
         if not np.all(np.isfinite(cast)):
-            raise PcastError(f"dtype={dtype!r}: field {name!r} of layer {layer!r} holds a value beyond {dtype}'s "
+            raise PcastError(f"dtype={dtype!r}: field {name!r} of layer {label!r} holds a value beyond {dtype}'s "
                              f"largest ({float(np.abs(x).max()):.3g}); save it as float32")
         return cast.view(np.uint16) if dtype == "bfloat16" else cast
 
     def write(staging: Path) -> None:
-        for i in range(trace.num_layers):
-            for name in ("q", "k", "v"):
-                np.save(staging / _layer_file(i, name), stored(getattr(trace, name)[i], name, trace.layers[i]))
+        layers_, seqs, tokens_, heads, kv_heads, dim = shape
+        for i in range(layers_):
+            arrays = layer(i)
+            label = meta.layers[i]
+            for name, x in zip(("q", "k", "v"), arrays):
+                want = (seqs, tokens_, heads if name == "q" else kv_heads, dim)
+                np.save(staging / _layer_file(i, name), stored(x, name, label, want))
+            del arrays
         np.savez(staging / _INDEX, **index)
 
     return fileio.write_set(folder, write, what="folder")

@@ -598,7 +598,8 @@ def _reference_rows(q, k, v, row0, length, window, learned, cap, *, rows: int, k
 def _reference(q, k, v, *, length: int | None = None, window: int = -1, sinks=None,
                soft_cap: float = 0.0, sample=None) -> jax.Array:
     """Exact FP32 attention per head of one layer ``[T, H, D]``: ``[Hq, T, D]`` (rows past ``length``: 0; with a
-    ``sample`` of rows, every row but the sample's: 0), on chunks of query rows (dispatched: not waited for)."""
+    ``sample`` of rows ``[n]``, those rows alone: ``[Hq, n, D]``), on chunks of query rows (dispatched: not waited
+    for)."""
     num_tokens, num_heads = q.shape[0], q.shape[1]
     qh, kh, vh = (jnp.swapaxes(expand_kv(jnp.asarray(x, jnp.float32), num_heads), 0, 1) for x in (q, k, v))
     length = num_tokens if length is None else length
@@ -607,9 +608,7 @@ def _reference(q, k, v, *, length: int | None = None, window: int = -1, sinks=No
     out = jnp.concatenate([_reference_rows(qh, kh, vh, _row_arg(r0), np.int32(length), np.int32(window), learned,
                                            _cap_arg(soft_cap), rows=rows, keys=keys) for r0, rows, keys in chunks],
                           axis=1)
-    if sample is None:
-        return out
-    return jnp.zeros((num_heads, num_tokens, q.shape[2]), jnp.float32).at[:, jnp.asarray(sample)].set(out)
+    return out
 
 
 def _reference_jit(q, k, v):
@@ -727,18 +726,18 @@ def _chunk_logits(logits, sink_positions, head, row0, length, window, cap, keys:
     return s, vis, is_sink, jnp.sum(vis & ~is_sink[None, :], axis=-1)
 
 
-def _chunk_rows(logits, operands, sink_positions, ref, head, row0, length, window, learned, cap, *,
+def _chunk_rows(logits, operands, sink_positions, ref, head, row0, ref_row0, length, window, learned, cap, *,
                 config: KernelConfig, has_learned: bool, keys: int):
     """Per-row quantities of head ``head`` on its query rows ``row0 ..`` (the rows are independent, so a
     chunk of rows gives those rows of the whole head's result): the chunk's logits on the keys the kernel
-    visits (:func:`_chunk_logits`), then the kernel; ``ref [Hq, T, D]``, ``sink_positions [Hq, k]``."""
+    visits (:func:`_chunk_logits`), then the kernel; ``ref [Hq, T, D]`` (a sample's: ``[Hq, n, D]``, the chunk's
+    rows from ``ref_row0`` on), ``sink_positions [Hq, k]``."""
     v = operands[2][:, :keys]
     rows = logits.shape[0]
     s, vis, is_sink, counted = _chunk_logits(logits, sink_positions, head, row0, length, window, cap, keys)
-    if jnp.ndim(row0) == 0:
-        r = lax.dynamic_slice(ref, (head, row0, 0), (1, rows, ref.shape[-1]))[0]
-    else:
-        r = jnp.take(lax.dynamic_index_in_dim(ref, head, 0, keepdims=False), row0, axis=0)
+    # the reference's rows: the chunk's (every row), or the sample's from the chunk's first (a sample)
+    ref_at = row0 if jnp.ndim(row0) == 0 else ref_row0
+    r = lax.dynamic_slice(ref, (head, ref_at, 0), (1, rows, ref.shape[-1]))[0]
     config, q_offset = _kernel_mask(config, row0)
     res = _engine.attention(s, v[head], config, implementation="xla", count_mask=~is_sink, q_offset=q_offset,
                             sink_logit=learned[head] if has_learned else None)
@@ -771,14 +770,14 @@ def _chunk_masses(logits, sink_positions, head, row0, length, window, learned, c
 
 
 @functools.partial(jax.jit, static_argnames=("jobs", "has_learned", "keys"))
-def _chunk_family(logits, operands, sink_positions, ref, head, row0, length, window, learned, cap, *,
+def _chunk_family(logits, operands, sink_positions, ref, head, row0, ref_row0, length, window, learned, cap, *,
                   jobs: tuple, has_learned: bool, keys: int) -> list:
     """One chunk's :func:`_chunk_rows` (a job ``("config", config)``) and :func:`_chunk_masses` (``("family",
     configs)``) of one kernel family (configs that differ only in ``scale``), in one program: one call where
     there was one per job, and XLA computes what the jobs share before the cast (the masked logits, the block
     maxima, the running max) as common subexpressions."""
     scalars = (length, window, learned, cap)
-    return [_chunk_rows(logits, operands, sink_positions, ref, head, row0, *scalars, config=what,
+    return [_chunk_rows(logits, operands, sink_positions, ref, head, row0, ref_row0, *scalars, config=what,
                         has_learned=has_learned, keys=keys) if kind == "config" else
             _chunk_masses(logits, sink_positions, head, row0, *scalars, configs=what, has_learned=has_learned,
                           keys=keys)
@@ -849,6 +848,7 @@ def _layer_passes(qkv, reference, configs: Sequence[KernelConfig], families: Seq
     for (_, _, step), members in groups.items():
         operands = _layer_operands(*qkv, config=members[0][2])
         for h in range(num_heads):
+            at = 0  # the chunk's first row among the sample's (the sample's reference holds those rows only)
             for r0, rows, seen in _row_chunks(num_tokens, step, length, None if sample is None else sample.positions):
                 head, row0 = np.int32(h), _row_arg(r0)
                 visited = [keys_visited(cfg, seen, num_tokens) for _, _, cfg in members]
@@ -857,12 +857,13 @@ def _layer_passes(qkv, reference, configs: Sequence[KernelConfig], families: Seq
                 for (kind, i, cfg), keys in zip(members, visited):
                     by_family.setdefault((cfg.replace(scale=1.0), keys), []).append((kind, i))
                 for (_, keys), jobs in by_family.items():
-                    done = _chunk_family(logits, operands, positions, reference, head, row0, *scalars,
+                    done = _chunk_family(logits, operands, positions, reference, head, row0, np.int32(at), *scalars,
                                          jobs=tuple((kind, configs[i] if kind == "config" else families[i])
                                                     for kind, i in jobs),
                                          has_learned=has_learned, keys=keys)
                     for job, part in zip(jobs, done):
                         parts[job].append(part)
+                at += rows
     return parts, functools.partial(_layer_results, num_heads=num_heads, num_tokens=num_tokens, head_dim=head_dim,
                                     num_configs=len(configs), families=families, min_keys=min_keys, length=length,
                                     sample=sample)
