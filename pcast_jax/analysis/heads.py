@@ -1064,6 +1064,11 @@ def analyze_trace(trace, configs: Sequence[str | KernelConfig], sink_positions, 
     return metrics
 
 
+def _real_rows(x: np.ndarray, real: np.ndarray) -> np.ndarray:
+    """``x [T, H, D]`` with the rows past the real tokens zeroed (no copy where every row is real)."""
+    return x if real.all() else np.where(real, x, 0.0)
+
+
 def analyze_layers(trace, configs: Sequence[str | KernelConfig], sink_positions, *,
                    families: Sequence[tuple[KernelConfig, Sequence[float]]] = (), min_keys: int = 16,
                    progress=None, length: int | None = None, local_window_size=None, sinks=None,
@@ -1118,7 +1123,7 @@ def analyze_layers(trace, configs: Sequence[str | KernelConfig], sink_positions,
         if layer in layer_inputs:
             qkv, reference = layer_inputs[layer]
         else:
-            qkv = tuple(jnp.asarray(np.where(real, np.asarray(x[layer], np.float32), 0.0)) for x in (q, k, v))
+            qkv = tuple(jnp.asarray(_real_rows(np.asarray(x[layer], np.float32), real)) for x in (q, k, v))
             reference = None
             if kernels:
                 reference = _reference(*qkv, length=length, window=int(windows[layer]), sinks=learned,

@@ -29,6 +29,11 @@ Judgements, each stated in the report, all on one criterion (:func:`meets_criter
   are its scale's row, so its verdict and the scan cannot disagree. The recommendation is also
   given in the knob a deployment sets it through (:func:`pcast_jax.deployments.knob_setting`:
   cuDNN's ``scale_s``, vLLM ROCm's ``prob_scale``).
+* **Sampled rows** (``analyze(..., rows=N)``): every per-head mean is a stratified sample's estimate with its
+  standard error, and each head is judged by :func:`pcast_jax.stats.decide` against the same limit: the
+  criterion is met where every head lies below it by more than z standard errors, failed where one lies
+  above by more, else the verdict is :data:`WITHIN_NOISE`; a scan recommends nothing where a smaller
+  candidate is within noise.
 * **Where the error comes from**: with E4M3 Q/K/V (``qkv="e4m3"``), ``rel_mse_qkv`` is the relative
   MSE of the same kernel with P in FP32 (its Q/K/V quantization alone), beside ``rel_mse``, the
   kernel's; the report says which dominates.
@@ -614,6 +619,8 @@ def _stream(trace, kernels, scanned: list, *, num_sinks: int, min_keys: int, row
             sample = _sample(trace, rows, seed, b, layer)
             positions, finish = pending_statistics(q[None, b], k[None, b], num_sinks=num_sinks,
                                                    min_keys=min(min_keys, n), length=n, sample=sample, **params)
+            if rows is not None:  # a sample is quick to compute and the layer large: one pass's copies at a time
+                stats[b][layer] = finish()
             metrics[b][layer], found[b][layer] = analyze_layers(
                 (q[None, b], k[None, b], v[None, b]), kernels, positions, families=scanned, min_keys=min_keys,
                 length=n, sample=sample, **params)
@@ -621,7 +628,8 @@ def _stream(trace, kernels, scanned: list, *, num_sinks: int, min_keys: int, row
                 for part in (metrics[b][layer], *found[b][layer]):
                     part.update({f"{m}_sem": np.zeros_like(a, np.float32) for m, a in list(part.items())
                                  if m != "rows_used"})
-            stats[b][layer] = finish()  # computed beside the kernels
+            if rows is None:
+                stats[b][layer] = finish()  # computed beside the kernels
         del q, k, v
         elapsed = time.perf_counter() - start
         left = elapsed / (layer + 1) * (num_layers - layer - 1)
