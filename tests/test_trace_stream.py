@@ -247,6 +247,13 @@ def test_analyze_rows_decides_within_the_error():
     assert tight.scans[0].within_noise and tight.scans[0].recommended is None
     words = "\n".join(tight.summary_lines())
     assert "Sampled: 64 random query rows" in words and WITHIN_NOISE in words and " ± " in words
+    from pcast_jax.analysis.report import report_data
+
+    data = report_data(tight)  # the JSON says why there is no recommendation, and no decision on the row
+    assert data["scans"][0]["recommended"] is None and WITHIN_NOISE in data["scans"][0]["null_reasons"]["recommended"]
+    undecided = [r for r in data["scans"][0]["rows"] if r["meets"] is None]
+    assert undecided and all(WITHIN_NOISE in r["null_reasons"]["meets"] for r in undecided)
+    assert data["configs"][0]["zeroed_mass_max_sem"] > 0
     # rows at least the sequence: every row, the full analysis
     whole = analyze(trace, ["fwd_s1", "rev_s256"], rows=512)
     assert whole.rows is None
@@ -268,6 +275,7 @@ def test_cli_rows_and_flags(tmp_path, capsys):
                      "--out", str(tmp_path / "out"), "--no-progress"]) == 0
     out, err = capsys.readouterr()
     assert "Sampled: 32 random query rows" in out and " ± " in out and err == ""
+    assert "± s.e. (zeroed)" in (tmp_path / "out" / "analysis.md").read_text()
     assert cli.main(["analyze", str(tmp_path / "t.npz"), "--seed", "4", "--out", str(tmp_path / "o2")]) == 2
     assert "--seed='4': only with --rows" in capsys.readouterr().err
     assert cli.main(["analyze", str(tmp_path / "t.npz"), "--rows", "1", "--out", str(tmp_path / "o3")]) == 2
