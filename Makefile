@@ -50,6 +50,7 @@ BENCH_ARGS ?=
 benchmark: venv
 	$(PY) benchmarks/sweep_bench.py $(BENCH_ARGS)
 	$(PY) benchmarks/analysis_bench.py
+	$(PY) benchmarks/stream_bench.py
 	$(PY) benchmarks/doctor_bench.py
 	$(PY) benchmarks/fingerprint_bench.py
 

@@ -78,7 +78,8 @@ def _token_ids(args):
     if args.trace is not None:
         from pcast_jax.analysis import load_trace
 
-        fileio.check_regular(args.trace, what=f"trace file {args.trace}")
+        if not Path(args.trace).is_dir():  # a trace folder: its index is all that is read here
+            fileio.check_regular(args.trace, what=f"trace file {args.trace}")
         trace = load_trace(args.trace)
         if trace.tokens is None:
             raise PcastError(f"--trace={args.trace!r} holds no tokens (record it with Recorder.trace(tokens=...)) ")

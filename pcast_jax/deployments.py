@@ -109,8 +109,9 @@ class ModelFeatures:
 
     @classmethod
     def of_trace(cls, trace) -> "ModelFeatures":
-        """The features of a :class:`~pcast_jax.analysis.Trace` (its soft caps, windows, sinks and shapes)."""
-        for name in ("q", "k", "logits_soft_cap", "local_window_size", "sinks"):
+        """The features of a :class:`~pcast_jax.analysis.Trace` or ``StreamedTrace`` (its soft caps, windows, sinks and
+        shapes; no layer is read)."""
+        for name in ("num_heads", "num_kv_heads", "head_dim", "logits_soft_cap", "local_window_size", "sinks"):
             if not hasattr(trace, name):
                 raise PcastError(f"trace={type(trace).__name__}: a Trace (Recorder.trace() or load_trace) is needed, "
                                  f"with {name!r}")
@@ -118,7 +119,7 @@ class ModelFeatures:
         return cls(soft_cap=cap is not None and bool(np.any(np.asarray(cap) > 0)),
                    sliding_window=window is not None and bool(np.any(np.asarray(window) >= 0)),
                    learned_sinks=sinks is not None and bool(np.any(np.isfinite(np.asarray(sinks)))),
-                   head_dim=int(trace.q.shape[-1]), gqa_ratio=int(trace.q.shape[-2]) // int(trace.k.shape[-2]))
+                   head_dim=int(trace.head_dim), gqa_ratio=int(trace.num_heads) // int(trace.num_kv_heads))
 
     def words(self) -> str:
         """The features in one line."""

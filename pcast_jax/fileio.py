@@ -39,7 +39,7 @@ from pcast_jax.errors import PcastError
 
 __all__ = ["atomic_write", "create_exclusive", "write_set", "temp_prefix", "temp_owner", "clean_stale_temps",
            "STALE_TEMP_S", "check_regular", "read_bounded", "load_json", "parse_json", "load_toml", "load_npy",
-           "load_npz", "MAX_TEXT_BYTES", "MAX_TOML_BYTES", "MAX_DEPTH"]
+           "load_npz", "map_npy", "MAX_TEXT_BYTES", "MAX_TOML_BYTES", "MAX_DEPTH"]
 
 #: Largest JSON file read (spec.json): 4 MiB, thousands of kernels.
 MAX_TEXT_BYTES = 4 * 2**20
@@ -455,3 +455,34 @@ def load_npz(path, *, what: str, max_bytes: int) -> dict[str, np.ndarray]:
             zlib.error, struct.error) as exc:
         raise PcastError(f"{what} is not a readable .npz ({type(exc).__name__}: {exc})") from None
     return out
+
+
+def map_npy(path, *, what: str, shape: tuple[int, ...], dtype) -> np.ndarray:
+    """The array of ``.npy`` file ``path`` memory-mapped read-only (nothing read but its header).
+
+    The file must be a regular file holding exactly a C-ordered ``shape`` array of ``dtype``: the header is
+    checked, and the file's size against it, before the map is made; anything else is one line naming ``what``.
+    """
+    dtype = np.dtype(dtype)
+    with _open_regular(path, what) as f:
+        size = os.fstat(f.fileno()).st_size
+        fmt = np.lib.format
+        try:
+            version = fmt.read_magic(f)
+            header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+            got_shape, fortran, got_dtype = header(f)
+        except (ValueError, OSError, EOFError, SyntaxError) as exc:
+            raise PcastError(f"{what} is not a NumPy array ({exc})") from None
+        offset = f.tell()
+    if got_dtype != dtype or tuple(got_shape) != tuple(shape) or fortran:
+        raise PcastError(f"{what} holds {got_dtype} {tuple(got_shape)}{' (Fortran order)' if fortran else ''}; "
+                         f"expected {dtype} {tuple(shape)}")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if size != offset + nbytes:
+        raise PcastError(f"{what} is {_size_text(size)}, not the {_size_text(offset + nbytes)} its header declares")
+    if nbytes == 0:
+        return np.zeros(shape, dtype)
+    try:
+        return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=tuple(shape))
+    except (OSError, ValueError) as exc:
+        raise PcastError(f"{what} cannot be mapped ({exc})") from None

@@ -480,19 +480,20 @@ def _predict_trace(trace, given_s, engine: _Engine, *, logits_fn, mass_limit, mi
     :func:`pcast_jax.analysis.analyze`."""
     import os
 
-    from pcast_jax.analysis import Trace, load_trace
+    from pcast_jax.analysis import StreamedTrace, Trace, load_trace
     from pcast_jax.analysis.study import end_to_end, scale_candidates, scale_scan, trace_sinks
     from pcast_jax.errors import check_f32
 
     if isinstance(trace, (str, os.PathLike)):
         from pcast_jax import fileio
 
-        fileio.check_regular(trace, what=f"trace file {trace}")
+        if not os.path.isdir(trace):  # a trace folder is read one layer at a time
+            fileio.check_regular(trace, what=f"trace file {trace}")
         trace = load_trace(trace)
-    if not isinstance(trace, Trace):
+    if not isinstance(trace, (Trace, StreamedTrace)):
         raise PcastError(f"trace must be a Trace (Recorder.trace() or load_trace) or a trace file, got "
                          f"{type(trace).__name__}")
-    _check_head_dim(trace.q.shape[-1], "the trace's head dim")
+    _check_head_dim(trace.head_dim, "the trace's head dim")
     mass_limit = check_f32("mass_limit", mass_limit, positive=True)
     if mass_limit >= 1:
         raise PcastError(f"mass_limit={mass_limit} must be below 1 (a share of the attention mass)")
@@ -518,7 +519,7 @@ def _predict_trace(trace, given_s, engine: _Engine, *, logits_fn, mass_limit, mi
         configs = [family.replace(scale=s, name=f"{label}={s:g}") for s in sorted(scales)]
         fp32, by_name = end_to_end(trace, configs, logits_fn, progress=say)
         e2e = {cfg.scale: by_name[cfg.name] for cfg in configs}
-    shape = (trace.num_layers, trace.q.shape[3], trace.num_sequences, int(np.max(trace.lengths)))
+    shape = (trace.num_layers, trace.num_heads, trace.num_sequences, int(np.max(trace.lengths)))
     return JaxFP8Scan(config=family, gpu=engine.words, scan=scan, given_scale_s=given_s, mass_limit=mass_limit,
                       e2e=e2e, e2e_fp32=fp32, shape=shape, scale_s_reaches_p=engine.scale_s_reaches_p)
 

@@ -14,7 +14,8 @@ import numpy as np
 
 from pcast_jax.errors import PcastError
 
-__all__ = ["mean_sem", "summary_cells", "sem", "paired_ratio", "z_value", "decide", "CONFIDENCE", "fmt_pm", "NO_SE"]
+__all__ = ["mean_sem", "summary_cells", "sem", "paired_ratio", "stratified_ratio", "z_value", "decide", "CONFIDENCE",
+           "fmt_pm", "NO_SE"]
 
 #: Two-sided confidence level of a decided comparison (:func:`z_value`).
 CONFIDENCE = 0.95
@@ -72,6 +73,41 @@ def paired_ratio(a, b) -> tuple[float, float]:
         raise PcastError(f"paired_ratio: the denominator's mean is {mb!r}; it must be > 0")
     r = float(np.mean(a)) / mb
     return r, sem((a - r * b) / mb)
+
+
+def stratified_ratio(a, b, strata, sizes) -> tuple[float, float]:
+    """R = Σ_h N_h ā_h / Σ_h N_h b̄_h from a stratified sample without replacement, ± its s.e.
+
+    ``a``, ``b``: the sampled units' values; ``strata``: each unit's stratum (an index into ``sizes``);
+    ``sizes``: N_h, the units of each stratum (the population). A mean over the units is ``b = 1``; a mean over
+    the units where a condition holds is ``a = x·[condition]``, ``b = [condition]``. The standard error is the
+    delta method's (as :func:`paired_ratio`): R − R_true ≈ Σ_h W_h d̄_h with d = (a − R·b) / B̄, W_h = N_h / N
+    and B̄ = Σ_h W_h b̄_h, so se(R)² = Σ_h W_h² (1 − n_h/N_h) s_h²(d) / n_h (a stratum taken whole adds
+    nothing). NaN where B̄ is not > 0 or a stratum has a single unit sampled of several.
+    """
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    strata = np.asarray(strata).ravel()
+    sizes = np.asarray(sizes, np.float64).ravel()
+    if a.shape != b.shape or a.shape != strata.shape or a.size == 0:
+        raise PcastError(f"stratified_ratio needs a, b and strata of one length; got {a.size}, {b.size}, {strata.size}")
+    n_h = np.bincount(strata, minlength=sizes.size).astype(np.float64)
+    weights = sizes / sizes.sum()
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean_a = np.bincount(strata, a, minlength=sizes.size) / n_h
+        mean_b = np.bincount(strata, b, minlength=sizes.size) / n_h
+        taken = n_h > 0
+        big_b = float(np.sum(weights[taken] * mean_b[taken]))
+        if not big_b > 0 or not np.all(taken | (sizes == 0)):
+            return float("nan"), float("nan")
+        r = float(np.sum(weights[taken] * mean_a[taken])) / big_b
+        d = (a - r * b) / big_b
+        dev = d - (np.bincount(strata, d, minlength=sizes.size) / n_h)[strata]
+        s2 = np.bincount(strata, dev * dev, minlength=sizes.size) / (n_h - 1)
+        whole = n_h >= sizes
+        if np.any(~whole & taken & (n_h < 2)):
+            return r, float("nan")
+        var = np.where(whole | ~taken, 0.0, weights ** 2 * (1 - n_h / sizes) * s2 / n_h)
+    return r, math.sqrt(float(np.sum(var)))
 
 
 def z_value(n: int, confidence: float = CONFIDENCE) -> float:

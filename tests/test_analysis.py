@@ -262,7 +262,10 @@ def test_analyze_planted_sinks_verdicts_safe_scale_and_tables():
     trace = planted(layers=2, batch=2)
     lines = []
     result = analyze(trace, ["fwd_s1", "rev_s256"], min_keys=8, progress=lines.append)
-    assert any("layer 2/2, 2 configs (fwd_s1, rev_s256)" in line for line in lines)
+    assert any("2 configs (fwd_s1, rev_s256)" in line for line in lines)
+    # one line per layer done: the layers, the rows and the time left
+    assert [line.split(" (")[0] for line in lines if " done " in line] == ["layer 1/2 done", "layer 2/2 done"]
+    assert all("rows" in line and "s left" in line for line in lines if " done " in line)
     assert result.heads["zeroed_mass"].shape == (2, 2, 2, 4)
     sink = result.sink_heads()
     assert sink[:, :2].all() and not sink[:, 2:].any()  # KV head 0 (query heads 0, 1) carries the sink
@@ -354,6 +357,9 @@ def check_own_model_page(scope: dict, printed: str, folder: Path) -> None:
     assert result.summary_lines()[0].startswith("On this model (2 layers × 4 heads, 1 sequence of 512 tokens)")
     assert len(scope["frame"]) == 3 * 2 * 4 and "zeroed_mass" in scope["dataset"]
     assert (folder / "trace.npz").is_file() and (folder / "analysis" / "analysis.md").is_file()
+    sampled = scope["sampled"]  # the trace folder, read a layer at a time, 128 rows of each layer sampled
+    assert (folder / "trace" / "index.npz").is_file() and scope["streamed"].dtype == "bfloat16"
+    assert sampled.rows == 128 and sampled.heads_sem is not None
     answer = scope["answer"]  # JAX's FP8 attention on the recorded model: the scale_s the scan recommends
     assert answer.config.rescale_threshold == 0.0 and answer.answer() in printed
     assert answer.recommended is None or answer.answer().startswith(f"Pass fp8_params['scale_s'] = "

@@ -4,7 +4,8 @@ Model-agnostic (any JAX model whose attention goes through :func:`pcast_jax.dot_
 Flax's ``attention_fn`` or a :mod:`pcast_jax.models` hook); :mod:`pcast_jax.models` holds only what
 loads and runs checkpoints.
 
-* :mod:`~pcast_jax.analysis.capture` — :class:`Recorder`, :class:`Trace`, :func:`load_trace`;
+* :mod:`~pcast_jax.analysis.capture` — :class:`Recorder`, :class:`Trace`, :class:`StreamedTrace` (a trace
+  folder read one layer at a time), :func:`load_trace`;
 * :mod:`~pcast_jax.analysis.heads` — per layer and head: :func:`sink_statistics`,
   :func:`head_metrics`, :func:`analyze_trace`; :func:`compare_logits` end to end;
 * :mod:`~pcast_jax.analysis.study` — :func:`analyze` (→ :class:`Analysis`: data frame, xarray, words);
@@ -12,7 +13,15 @@ loads and runs checkpoints.
 * :mod:`~pcast_jax.analysis.report` — :func:`write_report` (markdown, JSON, CSV, figures); ``pcast analyze``.
 """
 
-from pcast_jax.analysis.capture import TRACE_DIMS, Recorder, RecorderWarning, Trace, load_trace
+from pcast_jax.analysis.capture import (
+    TRACE_DIMS,
+    TRACE_DTYPES,
+    Recorder,
+    RecorderWarning,
+    StreamedTrace,
+    Trace,
+    load_trace,
+)
 from pcast_jax.analysis.heads import (
     HEAD_METRICS,
     SCALE_GRID,
@@ -27,7 +36,8 @@ from pcast_jax.analysis.heads import (
 from pcast_jax.analysis.report import write_report
 from pcast_jax.analysis.study import SINK_MASS_MIN, Analysis, TraceDiagnosis, analyze, diagnose_trace
 
-__all__ = ["TRACE_DIMS", "Recorder", "RecorderWarning", "Trace", "load_trace", "HEAD_METRICS", "SCALE_GRID",
+__all__ = ["TRACE_DIMS", "TRACE_DTYPES", "Recorder", "RecorderWarning", "Trace", "StreamedTrace", "load_trace",
+           "HEAD_METRICS", "SCALE_GRID",
            "SINK_SELECTIONS", "E2EMetrics", "analyze_trace", "compare_logits", "head_metrics", "heads_attention",
            "sink_statistics", "write_report", "SINK_MASS_MIN", "Analysis", "analyze", "TraceDiagnosis",
            "diagnose_trace"]

@@ -49,8 +49,10 @@ import functools
 import math
 import sys
 import threading
+import types
 import warnings
 from pathlib import Path
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -58,11 +60,19 @@ import numpy as np
 
 from pcast_jax.errors import F32_MAX, F32_TINY, PcastError
 
-__all__ = ["Trace", "Recorder", "RecorderWarning", "load_trace", "TRACE_DIMS", "LOGIT_MAX", "VALUE_RANGE"]
+__all__ = ["Trace", "StreamedTrace", "Recorder", "RecorderWarning", "load_trace", "save_layers", "TRACE_DIMS",
+           "TRACE_DTYPES",
+           "LOGIT_MAX", "VALUE_RANGE"]
 
 #: The axes of a trace's ``q``, ``k`` and ``v``.
 TRACE_DIMS = ("layer", "sequence", "token", "head", "dim")
 _FORMAT = "pcast_jax.trace/1"
+#: The format of a trace folder (:meth:`Trace.save_layers`): ``index.npz`` and one ``.npy`` per layer and q/k/v.
+_FOLDER_FORMAT = "pcast_jax.trace-layers/1"
+_INDEX = "index.npz"
+#: What a trace folder stores q, k, v in (read back as float32; bfloat16 as its 16 bits, ``<u2``).
+TraceDtype = Literal["float32", "bfloat16", "float16"]
+TRACE_DTYPES: tuple[str, ...] = get_args(TraceDtype)
 #: Largest logit bound ``√D · max|q| · max|k|`` (≥ every |q·k/√D|) of a layer that is analysed, 2^40. The
 #: analysis squares centred logits and sums them over a row's keys: (2·2^40)² · 2^24 keys = 2^106, 2^22
 #: below float32's largest value (2^128), and the dot products' partial sums stay under √D · 2^40.
@@ -116,6 +126,29 @@ class Trace:
     def num_heads(self) -> int:
         return self.q.shape[3]
 
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[4]
+
+    def layer(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(q, k, v)`` of layer ``index``, ``[B, T, H, D]`` float32 each (what the analysis reads, layer by layer)."""
+        return self.q[index], self.k[index], self.v[index]
+
+    def save_layers(self, folder, *, dtype: TraceDtype = "float32") -> Path:
+        """Write the trace as a folder the analysis streams, one layer at a time (:class:`StreamedTrace`):
+        ``index.npz`` (lengths, layer names, the layers' parameters, tokens) and per layer one ``.npy`` of
+        ``[B, T, H, D]`` each for q, k, v in ``dtype`` (:data:`TRACE_DTYPES`; bfloat16 as its 16 bits).
+        The folder is written as a set (all files or none); returns it."""
+        return _save_layers(self, folder, dtype)
+
     def sequence(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(q, k, v)`` of sequence ``index``, ``[L, length, H, D]`` each (its real tokens only)."""
         n = int(self.lengths[index])
@@ -157,33 +190,38 @@ def _check_trace(trace: Trace, where: str) -> None:
         if not np.all(np.isfinite(getattr(trace, name))):
             raise PcastError(f"{where}: field {name!r} holds a non-finite value")
     _check_working_range(q, k, v, trace.layers, where)
+    _check_fields(trace, q.shape, where)
+
+
+def _check_fields(trace, shape: tuple[int, ...], where: str) -> None:
+    """Every field of a trace but q, k, v, against its ``[L, B, T, Hq, D]`` shape; a PcastError naming the field."""
     lengths = np.asarray(trace.lengths)
-    if lengths.shape != (q.shape[1],) or not np.issubdtype(lengths.dtype, np.integer) \
-            or lengths.min() < 2 or lengths.max() > q.shape[2]:
-        raise PcastError(f"{where}: field 'lengths' must be {q.shape[1]} integers in [2, {q.shape[2]}], "
+    if lengths.shape != (shape[1],) or not np.issubdtype(lengths.dtype, np.integer) \
+            or lengths.min() < 2 or lengths.max() > shape[2]:
+        raise PcastError(f"{where}: field 'lengths' must be {shape[1]} integers in [2, {shape[2]}], "
                          f"got {lengths.dtype} {lengths.tolist()}")
     object.__setattr__(trace, "lengths", lengths.astype(np.int64))
     layers = tuple(str(x) for x in np.asarray(trace.layers).reshape(-1))
-    if len(layers) != q.shape[0] or len(set(layers)) != len(layers):
-        raise PcastError(f"{where}: field 'layers' must hold {q.shape[0]} distinct names, got {list(layers)}")
+    if len(layers) != shape[0] or len(set(layers)) != len(layers):
+        raise PcastError(f"{where}: field 'layers' must hold {shape[0]} distinct names, got {list(layers)}")
     object.__setattr__(trace, "layers", layers)
     if trace.tokens is not None:
         tokens = np.asarray(trace.tokens)
-        if tokens.shape != q.shape[1:3] or not np.issubdtype(tokens.dtype, np.integer):
-            raise PcastError(f"{where}: field 'tokens' must be integers of shape {q.shape[1:3]}, "
+        if tokens.shape != shape[1:3] or not np.issubdtype(tokens.dtype, np.integer):
+            raise PcastError(f"{where}: field 'tokens' must be integers of shape {shape[1:3]}, "
                              f"got {tokens.dtype} {tokens.shape}")
         object.__setattr__(trace, "tokens", tokens)
-    windows = np.full(q.shape[0], -1, np.int64) if trace.local_window_size is None \
+    windows = np.full(shape[0], -1, np.int64) if trace.local_window_size is None \
         else np.asarray(trace.local_window_size)
-    if windows.shape != (q.shape[0],) or not np.issubdtype(windows.dtype, np.integer) or windows.min() < -1:
-        raise PcastError(f"{where}: field 'local_window_size' must be {q.shape[0]} integers >= -1 (one per "
+    if windows.shape != (shape[0],) or not np.issubdtype(windows.dtype, np.integer) or windows.min() < -1:
+        raise PcastError(f"{where}: field 'local_window_size' must be {shape[0]} integers >= -1 (one per "
                          f"layer; -1: no window), got {windows.dtype} {windows.shape}")
     object.__setattr__(trace, "local_window_size", windows.astype(np.int64))
     if trace.sinks is not None:
         sinks = np.asarray(trace.sinks)
-        if sinks.shape != (q.shape[0], q.shape[3]) or not np.issubdtype(sinks.dtype, np.floating) \
+        if sinks.shape != (shape[0], shape[3]) or not np.issubdtype(sinks.dtype, np.floating) \
                 or np.isnan(sinks).any() or np.isposinf(sinks).any():
-            raise PcastError(f"{where}: field 'sinks' must be {q.shape[0]}×{q.shape[3]} learned sink logits (one per "
+            raise PcastError(f"{where}: field 'sinks' must be {shape[0]}×{shape[3]} learned sink logits (one per "
                              f"layer and query head; -inf: none), got {sinks.dtype} {sinks.shape}")
         if (np.abs(sinks[np.isfinite(sinks)]) > LOGIT_MAX).any():
             raise PcastError(f"{where}: field 'sinks' holds |sink logit| up to "
@@ -192,9 +230,9 @@ def _check_trace(trace: Trace, where: str) -> None:
         object.__setattr__(trace, "sinks", sinks.astype(np.float32))
     if trace.logits_soft_cap is not None:
         caps = np.asarray(trace.logits_soft_cap)
-        if caps.shape != (q.shape[0],) or not np.issubdtype(caps.dtype, np.floating) or not np.all(np.isfinite(caps)) \
+        if caps.shape != (shape[0],) or not np.issubdtype(caps.dtype, np.floating) or not np.all(np.isfinite(caps)) \
                 or caps.min() < 0:
-            raise PcastError(f"{where}: field 'logits_soft_cap' must be {q.shape[0]} finite numbers >= 0 (one per "
+            raise PcastError(f"{where}: field 'logits_soft_cap' must be {shape[0]} finite numbers >= 0 (one per "
                              f"layer; 0: none), got {caps.dtype} {caps.shape}")
         odd = caps[(caps != 0) & ((caps < F32_TINY) | (caps > F32_MAX))]  # 0 or inf in float32: not the cap
         if odd.size:
@@ -221,12 +259,16 @@ def _check_working_range(q, k, v, layers, where: str) -> None:
                              "(squares of outputs) to stay finite and nonzero in float32")
 
 
-def load_trace(path) -> Trace:
-    """Read a trace written by :meth:`Trace.save`; a damaged file raises a PcastError naming it and the field."""
+def load_trace(path) -> Trace | StreamedTrace:
+    """Read a trace written by :meth:`Trace.save` (an ``.npz`` file, read whole: a :class:`Trace`) or by
+    :meth:`Trace.save_layers` (a folder, read one layer at a time as the analysis asks: a
+    :class:`StreamedTrace`); a damaged file raises a PcastError naming it and the field."""
     from pcast_jax import fileio
     from pcast_jax.sweep.plan import default_budget
 
     path = Path(path)
+    if path.is_dir():
+        return _load_folder(path)
     # bounded: the file, each member's declared size and each header are checked before anything is
     # inflated (a truncated zip, a pickle, a pipe or a huge declared shape is one line naming the file)
     fields = fileio.load_npz(path, what=f"trace file {path}", max_bytes=default_budget())
@@ -246,6 +288,182 @@ def load_trace(path) -> Trace:
     object.__setattr__(trace, "logits_soft_cap", fields.get("logits_soft_cap"))
     _check_trace(trace, f"trace file {path}")
     return trace
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class StreamedTrace:
+    """A trace folder (:meth:`Trace.save_layers`) read one layer at a time: the fields of :class:`Trace` but
+    q, k, v, which :meth:`layer` maps from the layer's files (read-only memory maps) into float32.
+
+    Attributes:
+      folder: the trace folder.
+      dtype: what q, k, v are stored in (:data:`TRACE_DTYPES`).
+      shape: ``(L, B, T, Hq, Hkv, D)``.
+      lengths, layers, tokens, local_window_size, sinks, logits_soft_cap: as :class:`Trace` has them.
+    """
+
+    folder: Path
+    dtype: TraceDtype
+    shape: tuple[int, int, int, int, int, int]
+    lengths: np.ndarray
+    layers: tuple[str, ...]
+    tokens: np.ndarray | None = None
+    local_window_size: np.ndarray | None = None
+    sinks: np.ndarray | None = None
+    logits_soft_cap: np.ndarray | None = None
+
+    def __post_init__(self):
+        where = f"trace folder {self.folder}"
+        if self.dtype not in TRACE_DTYPES:
+            raise PcastError(f"{where}: field 'dtype' is {self.dtype!r}; one of {list(TRACE_DTYPES)}")
+        layers, seqs, tokens, heads, kv_heads, dim = self.shape
+        if min(self.shape) < 1 or tokens < 2 or heads % kv_heads:
+            raise PcastError(f"{where}: field 'shape' {list(self.shape)} (layers, sequences, tokens, heads, KV "
+                             "heads, dim) needs at least one of each, 2 tokens, query heads a multiple of KV heads")
+        _check_fields(self, (layers, seqs, tokens, heads, dim), where)
+        for i in range(layers):  # every file's header and size, before any analysis runs (nothing is read)
+            for name in ("q", "k", "v"):
+                self._map(i, name)
+
+    num_layers = property(lambda self: self.shape[0])
+    num_sequences = property(lambda self: self.shape[1])
+    num_tokens = property(lambda self: self.shape[2])
+    num_heads = property(lambda self: self.shape[3])
+    num_kv_heads = property(lambda self: self.shape[4])
+    head_dim = property(lambda self: self.shape[5])
+
+    def _map(self, index: int, name: str) -> np.ndarray:
+        from pcast_jax import fileio
+
+        layers, seqs, tokens, heads, kv_heads, dim = self.shape
+        path = self.folder / _layer_file(index, name)
+        return fileio.map_npy(path, what=f"trace file {path}", shape=(seqs, tokens, heads if name == "q" else kv_heads,
+                                                                       dim), dtype=_STORED[self.dtype])
+
+    def layer(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(q, k, v)`` of layer ``index``, ``[B, T, H, D]`` float32 each, read from its files now (nothing of
+        another layer is held); a non-finite value or one outside float32's working range is refused naming
+        the file."""
+        out = []
+        for name in ("q", "k", "v"):
+            stored = self._map(index, name)
+            if self.dtype == "bfloat16":
+                stored = stored.view(_bfloat16())
+            out.append(np.asarray(stored, np.float32))
+            del stored  # the map is released: only the float32 copy stays
+            if not np.all(np.isfinite(out[-1])):
+                raise PcastError(f"trace file {self.folder / _layer_file(index, name)}: holds a non-finite value")
+        _check_working_range(*(x[None] for x in out), [self.layers[index]], f"trace folder {self.folder}")
+        return tuple(out)
+
+
+#: The NumPy dtype each of :data:`TRACE_DTYPES` is stored as.
+_STORED = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
+
+
+def _bfloat16():
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16
+
+
+def _layer_file(index: int, name: str) -> str:
+    return f"layer{index:05d}_{name}.npy"
+
+
+def _save_layers(trace, folder, dtype: str) -> Path:
+    """:meth:`Trace.save_layers`: :func:`save_layers` of the trace's own layers."""
+    return save_layers(folder, trace.layer, shape=(*trace.q.shape[:4], trace.k.shape[3], trace.q.shape[4]),
+                       lengths=trace.lengths, layers=trace.layers, dtype=dtype, tokens=trace.tokens,
+                       local_window_size=trace.local_window_size, sinks=trace.sinks,
+                       logits_soft_cap=trace.logits_soft_cap)
+
+
+def save_layers(folder, layer, *, shape: tuple[int, ...], lengths, layers, dtype: TraceDtype = "float32",
+                tokens=None, local_window_size=None, sinks=None, logits_soft_cap=None) -> Path:
+    """Write a trace folder (:meth:`Trace.save_layers`) one layer at a time: ``layer(i)`` returns layer ``i``'s
+    ``(q, k, v)``, ``[B, T, Hq, D]`` and ``[B, T, Hkv, D]`` floats, called once per layer in order, so a trace
+    larger than memory can be written. ``shape``: ``(L, B, T, Hq, Hkv, D)``; the other fields as
+    :class:`Trace` has them (checked as it checks them). Written as a set (all files or none); returns the
+    folder, which :func:`load_trace` reads as a :class:`StreamedTrace`."""
+    from pcast_jax import fileio
+
+    if dtype not in TRACE_DTYPES:
+        raise PcastError(f"dtype={dtype!r} must be one of {list(TRACE_DTYPES)}")
+    shape = tuple(int(x) for x in shape)
+    if len(shape) != 6 or min(shape) < 1 or shape[2] < 2 or shape[3] % shape[4]:
+        raise PcastError(f"shape={list(shape)} must be (layers, sequences, tokens, heads, KV heads, dim), each >= 1, "
+                         "2 tokens or more, query heads a multiple of KV heads")
+    meta = types.SimpleNamespace(lengths=lengths, layers=layers, tokens=tokens, local_window_size=local_window_size,
+                                 sinks=sinks, logits_soft_cap=logits_soft_cap)
+    _check_fields(meta, (*shape[:4], shape[5]), "save_layers")
+    index = {"format": np.array(_FOLDER_FORMAT), "dims": np.array(TRACE_DIMS), "dtype": np.array(dtype),
+             "shape": np.array(shape, np.int64), "lengths": meta.lengths, "layers": np.array(meta.layers),
+             "local_window_size": meta.local_window_size}
+    for name in ("tokens", "sinks", "logits_soft_cap"):
+        if getattr(meta, name) is not None:
+            index[name] = getattr(meta, name)
+
+    def stored(x, name: str, label: str, want: tuple) -> np.ndarray:
+        x = np.asarray(x)
+        if x.shape != want or not np.issubdtype(x.dtype, np.floating):
+            raise PcastError(f"save_layers: field {name!r} of layer {label!r} must be floats of shape {want}, got "
+                             f"{x.dtype} {x.shape}")
+        x = x.astype(np.float32, copy=False)
+        if not np.all(np.isfinite(x)):
+            raise PcastError(f"save_layers: field {name!r} of layer {label!r} holds a non-finite value")
+        if dtype == "float32":
+            return x
+        with np.errstate(over="ignore"):  # refused below, naming the field
+            cast = x.astype(_bfloat16() if dtype == "bfloat16" else np.float16)
+        if not np.all(np.isfinite(cast)):
+            raise PcastError(f"dtype={dtype!r}: field {name!r} of layer {label!r} holds a value beyond {dtype}'s "
+                             f"largest ({float(np.abs(x).max()):.3g}); save it as float32")
+        return cast.view(np.uint16) if dtype == "bfloat16" else cast
+
+    def write(staging: Path) -> None:
+        layers_, seqs, tokens_, heads, kv_heads, dim = shape
+        for i in range(layers_):
+            arrays = layer(i)
+            label = meta.layers[i]
+            for name, x in zip(("q", "k", "v"), arrays):
+                want = (seqs, tokens_, heads if name == "q" else kv_heads, dim)
+                np.save(staging / _layer_file(i, name), stored(x, name, label, want))
+            del arrays
+        np.savez(staging / _INDEX, **index)
+
+    return fileio.write_set(folder, write, what="folder")
+
+
+def _load_folder(folder: Path) -> StreamedTrace:
+    """A trace folder's index read and checked, every layer file's header checked (:class:`StreamedTrace`)."""
+    from pcast_jax import fileio
+
+    where = f"trace folder {folder}"
+    path = folder / _INDEX
+    if not path.is_file():
+        raise PcastError(f"{where} has no {_INDEX} (a folder is read as a trace written by Trace.save_layers)")
+    fields = fileio.load_npz(path, what=f"trace file {path}", max_bytes=_INDEX_BYTES)
+    for name in ("format", "dtype", "shape", "lengths", "layers"):
+        if name not in fields:
+            raise PcastError(f"trace file {path}: field {name!r} is missing (write trace folders with "
+                             "Trace.save_layers)")
+    if str(fields["format"]) != _FOLDER_FORMAT:
+        raise PcastError(f"trace file {path}: field 'format' is {str(fields['format'])!r}, expected {_FOLDER_FORMAT!r}")
+    if "dims" in fields and (fields["dims"].ndim != 1 or tuple(str(x) for x in fields["dims"]) != TRACE_DIMS):
+        raise PcastError(f"trace file {path}: field 'dims' is {fields['dims'].tolist()}, expected {list(TRACE_DIMS)}")
+    shape = fields["shape"]
+    if shape.shape != (6,) or not np.issubdtype(shape.dtype, np.integer) or shape.min() < 1 or shape.max() > 2**31:
+        raise PcastError(f"trace file {path}: field 'shape' must be 6 positive integers (layers, sequences, tokens, "
+                         f"heads, KV heads, dim), got {shape.dtype} {shape.tolist()}")
+    return StreamedTrace(folder=folder, dtype=str(fields["dtype"]), shape=tuple(int(x) for x in shape),
+                         lengths=fields["lengths"], layers=fields["layers"], tokens=fields.get("tokens"),
+                         local_window_size=fields.get("local_window_size"), sinks=fields.get("sinks"),
+                         logits_soft_cap=fields.get("logits_soft_cap"))
+
+
+#: Largest index file of a trace folder read (its tokens are the largest field: 2^24 of them in int64).
+_INDEX_BYTES = 2**27
 
 
 class RecorderWarning(UserWarning):
@@ -449,6 +667,10 @@ class Recorder:
         return Trace(q=q, k=k, v=v, lengths=lengths, layers=tuple(_layer_label(n) for n in order), tokens=tokens,
                      local_window_size=windows, sinks=sinks if np.isfinite(sinks).any() else None,
                      logits_soft_cap=caps if caps.any() else None)
+
+    def save_layers(self, folder, *, tokens=None, dtype: TraceDtype = "float32") -> Path:
+        """The recorded calls written as a trace folder the analysis streams (:meth:`Trace.save_layers`)."""
+        return self.trace(tokens=tokens).save_layers(folder, dtype=dtype)
 
     # -- recording ---------------------------------------------------------------------------
 

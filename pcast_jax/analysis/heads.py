@@ -72,6 +72,7 @@ from jax import lax
 
 from pcast_jax import block as _block
 from pcast_jax import engine as _engine
+from pcast_jax import stats as _stats
 from pcast_jax.config import KernelConfig
 from pcast_jax.engine import check_implementation
 from pcast_jax.errors import PcastError, check_choice, check_int
@@ -102,10 +103,32 @@ def expand_kv(kv: jax.Array, num_heads: int) -> jax.Array:
     return jnp.repeat(kv, num_heads // kv.shape[1], axis=1)
 
 
+def row_positions(row0, rows: int):
+    """The query positions of a chunk of rows ``[rows]``: ``row0 .. row0 + rows`` where ``row0`` is the first
+    row (a scalar), or ``row0`` itself where it is a sample's positions ``[rows]`` (:func:`sample_rows`)."""
+    return row0 + jnp.arange(rows) if jnp.ndim(row0) == 0 else row0
+
+
+def _take_rows(x, row0, rows: int, axis: int):
+    """The chunk's rows (:func:`row_positions`) of ``x`` along ``axis``: a slice, or a sample's gather."""
+    if jnp.ndim(row0) == 0:
+        return lax.dynamic_slice_in_dim(x, row0, rows, axis=axis)
+    return jnp.take(x, row0, axis=axis)
+
+
+def _kernel_mask(config: KernelConfig, row0) -> tuple[KernelConfig, object]:
+    """The config and ``q_offset`` the engine takes for a chunk whose logits are masked already: its first
+    row for contiguous rows (the kernel's causal mask, which the masked logits agree with), no causal mask
+    of its own for a sample's rows (their logits carry every hidden key as −inf; the engine counts and
+    sums only keys with P > 0, so the two give the same numbers)."""
+    return (config, row0) if jnp.ndim(row0) == 0 else (dataclasses.replace(config, causal=False), None)
+
+
 def visible_rows(row0, rows: int, num_keys: int, length, window):
-    """``[rows, N]`` bool: query ``row0 + r`` sees key ``j`` (causal, ``j ≤ i``; within the local window
-    ``i − j ≤ window`` when ``window ≥ 0``; both ``i`` and ``j`` below ``length``, the real tokens)."""
-    i = row0 + jnp.arange(rows)[:, None]
+    """``[rows, N]`` bool: query ``i`` (:func:`row_positions`) sees key ``j`` (causal, ``j ≤ i``; within the
+    local window ``i − j ≤ window`` when ``window ≥ 0``; both ``i`` and ``j`` below ``length``, the real
+    tokens)."""
+    i = row_positions(row0, rows)[:, None]
     j = jnp.arange(num_keys)[None, :]
     vis = (j <= i) & (i < length) & (j < length)
     return vis & ((window < 0) | (i - j <= window))
@@ -115,7 +138,10 @@ def _row_logits(q, k, head, row0, rows: int, cap, keys: int):
     """FP32 logits ``[rows, keys]`` of head ``head``'s query rows ``row0 .. row0 + rows`` on the first ``keys``
     keys (all they see: :func:`_keys_below`); ``q, k [Hq, T, D]``; soft-capped at ``cap`` (None: none)."""
     head_dim = q.shape[-1]
-    q_rows = lax.dynamic_slice(q, (head, row0, 0), (1, rows, head_dim))[0]
+    if jnp.ndim(row0) == 0:
+        q_rows = lax.dynamic_slice(q, (head, row0, 0), (1, rows, head_dim))[0]
+    else:
+        q_rows = jnp.take(lax.dynamic_index_in_dim(q, head, 0, keepdims=False), row0, axis=0)
     k_head = lax.dynamic_slice(k, (head, 0, 0), (1, keys, head_dim))[0]
     return soft_capped(jnp.einsum("td,sd->ts", q_rows, k_head, precision=_HIGHEST) / math.sqrt(head_dim), cap)
 
@@ -205,10 +231,70 @@ def _chunks(num_rows: int, step: int, length: int) -> list[tuple[int, int, int]]
             for r0 in range(0, num_rows, step) for rows in (min(step, num_rows - r0),)]
 
 
+class RowSample(NamedTuple):
+    """A stratified random sample of query rows (:func:`sample_rows`).
+
+    Attributes:
+      positions: ``[n]`` int32 sorted query positions.
+      bounds: ``[H + 1]`` the strata's edges: stratum ``h`` holds the rows ``bounds[h] .. bounds[h + 1] − 1``.
+    """
+
+    positions: np.ndarray
+    bounds: np.ndarray
+
+    @property
+    def strata(self) -> np.ndarray:
+        """``[n]``: each sampled row's stratum."""
+        return np.searchsorted(self.bounds, self.positions, side="right") - 1
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """``[H]``: the rows of each stratum."""
+        return np.diff(self.bounds)
+
+
+def sample_rows(length: int, rows: int, rng: np.random.Generator) -> RowSample:
+    """A stratified random sample of ``min(rows, length)`` of the real query rows ``0 .. length − 1``: the rows cut
+    into ``rows // 2`` strata of consecutive positions (as equal as whole rows allow), two or three rows drawn
+    without replacement from each (from ``rng``). Strata by position keep what changes along the sequence —
+    the first rows, which see few keys; a local window's edge — in every sample, and leave each stratum two
+    rows or more for its variance (:func:`pcast_jax.stats.stratified_ratio`)."""
+    rows = min(rows, length)
+    num = max(1, rows // 2)
+    bounds = np.round(np.linspace(0, length, num + 1)).astype(np.int64)
+    picks = [bounds[h] + rng.choice(bounds[h + 1] - bounds[h], size=min(rows // num + (h < rows % num),
+                                                                          bounds[h + 1] - bounds[h]), replace=False)
+             for h in range(num)]
+    return RowSample(np.sort(np.concatenate(picks)).astype(np.int32), bounds)
+
+
+#: A sample's chunks see their keys rounded up to whole eighths of the sequence, so that the chunks of any
+#: sample take a few shapes (one compiled program each); the keys past a chunk's last row are masked.
+_SAMPLE_KEY_PARTS = 8
+
+
+def _row_chunks(num_rows: int, step: int, length: int, sample=None) -> list[tuple]:
+    """:func:`_chunks`, or for ``sample`` (sorted positions ``[n]``) its chunks of ``step`` positions: ``(positions
+    [rows], rows, keys)``, the keys rounded up to whole eighths of ``num_rows`` (:data:`_SAMPLE_KEY_PARTS`)."""
+    if sample is None:
+        return _chunks(num_rows, step, length)
+    unit = max(1, -(-num_rows // _SAMPLE_KEY_PARTS))
+    out = []
+    for i in range(0, len(sample), step):
+        part = np.asarray(sample[i:i + step], np.int32)
+        out.append((part, len(part), min(num_rows, -(-(int(part[-1]) + 1) // unit) * unit)))
+    return out
+
+
+def _row_arg(row0):
+    """A chunk's first row (an int32 scalar) or its sample's positions (an int32 array), as the passes take it."""
+    return np.int32(row0) if np.ndim(row0) == 0 else np.asarray(row0, np.int32)
+
+
 def _received_parts(qh, kh, scalars, chunks) -> list:
     """The first pass of the statistics on one layer (:func:`_layer_inputs`), dispatched: per head and chunk of
     rows (heads outer), :func:`_received_rows`."""
-    return [_received_rows(qh, kh, np.int32(h), np.int32(r0), *scalars, rows=rows, keys=keys)
+    return [_received_rows(qh, kh, np.int32(h), _row_arg(r0), *scalars, rows=rows, keys=keys)
             for h in range(qh.shape[0]) for r0, rows, keys in chunks]
 
 
@@ -228,29 +314,31 @@ def _layer_sinks(parts, *, num_heads: int, length: int, num_sinks: int, sink_sel
     return sink_positions.astype(np.int32), received, position0
 
 
-def _layer_inputs(q, k, *, length: int, window: int, learned, soft_cap: float):
-    """One layer's ``q, k [Hq, T, D]`` (KV heads repeated), the row passes' scalars and chunks of rows."""
+def _layer_inputs(q, k, *, length: int, window: int, learned, soft_cap: float, sample=None):
+    """One layer's ``q, k [Hq, T, D]`` (KV heads repeated), the row passes' scalars and chunks of rows (every
+    row, or the ``sample``'s positions)."""
     num_tokens, num_heads = q.shape[0], q.shape[1]
     qh = jnp.swapaxes(q, 0, 1)
     kh = jnp.swapaxes(expand_kv(k, num_heads), 0, 1)
-    chunks = _chunks(num_tokens, _rows_per_chunk(num_tokens, num_tokens, _STAT_BYTES_PER_SCORE), length)
+    chunks = _row_chunks(num_tokens, _rows_per_chunk(num_tokens, num_tokens, _STAT_BYTES_PER_SCORE), length, sample)
     scalars = (np.int32(length), np.int32(window), learned_logits(learned, num_heads), _cap_arg(soft_cap))
     return qh, kh, scalars, chunks
 
 
-def _trace_inputs(q, k, *, length: int, local_window_size, sinks, logits_soft_cap) -> list:
+def _trace_inputs(q, k, *, length: int, local_window_size, sinks, logits_soft_cap, sample=None) -> list:
     """:func:`_layer_inputs` of every layer of ``q [L, T, Hq, D]``, ``k [L, T, Hkv, D]``."""
     layers = q.shape[0]
     windows = layer_windows(local_window_size, layers)
     caps = layer_soft_caps(logits_soft_cap, layers)
     return [_layer_inputs(q[layer], k[layer], length=length, window=int(windows[layer]),
-                          learned=None if sinks is None else np.asarray(sinks)[layer], soft_cap=float(caps[layer]))
+                          learned=None if sinks is None else np.asarray(sinks)[layer], soft_cap=float(caps[layer]),
+                          sample=sample)
             for layer in range(layers)]
 
 
 def _trace_sinks(inputs: list, *, length: int, num_sinks: int, sink_selection: str) -> list:
     """:func:`_layer_sinks` of every layer of :func:`_trace_inputs`, the layers' first passes dispatched
-    before the one fetch."""
+    before the one fetch (``length``: the rows the column sums are a mean over)."""
     fetched = jax.device_get([_received_parts(*inp) for inp in inputs])
     return [_layer_sinks(parts, num_heads=inp[0].shape[0], length=length, num_sinks=num_sinks,
                          sink_selection=sink_selection) for parts, inp in zip(fetched, inputs)]
@@ -369,20 +457,25 @@ def sink_statistics(q, k, v=None, cfg=None, *, num_sinks: int = 1, sink_selectio
 
 
 def pending_statistics(q, k, cfg=None, *, num_sinks: int = 1, sink_selection: str = "received", min_keys: int = 16,
-                       length: int | None = None, local_window_size=None, sinks=None, logits_soft_cap=None):
+                       length: int | None = None, local_window_size=None, sinks=None, logits_soft_cap=None,
+                       sample=None):
     """:func:`sink_statistics` in two steps: ``(sink_positions [L, Hq, num_sinks], finish)``.
 
     The sink positions are found (the first pass over every layer's rows, fetched once) and the second
     pass is dispatched, not waited for: ``finish()`` fetches it and returns :func:`sink_statistics`'
     dict. Work queued between the two (the kernels, which need only the sink positions) runs beside
-    the statistics. The arguments as :func:`sink_statistics` takes them.
+    the statistics. The arguments as :func:`sink_statistics` takes them; ``sample``: optional sorted query
+    positions ``[n]`` (:func:`sample_rows`), the only rows read (every key kept): the attention received per
+    key, the sinks found from it and every row mean are then those of the sample.
     """
     q, k, num_sinks, length = _check_qk(q, k, cfg, num_sinks=num_sinks, sink_selection=sink_selection, length=length)
     min_keys = check_int("min_keys", min_keys, min_value=1, max_value=q.shape[1])
+    sample = _check_sample(sample, length)
     inputs = _trace_inputs(q, k, length=length, local_window_size=local_window_size, sinks=sinks,
-                           logits_soft_cap=logits_soft_cap)
-    found = _trace_sinks(inputs, length=length, num_sinks=num_sinks, sink_selection=sink_selection)
-    parts = [[_statistic_rows(qh, kh, np.int32(h), np.int32(r0), *scalars, jnp.asarray(positions),
+                           logits_soft_cap=logits_soft_cap, sample=None if sample is None else sample.positions)
+    found = _trace_sinks(inputs, length=length if sample is None else len(sample.positions), num_sinks=num_sinks,
+                         sink_selection=sink_selection)
+    parts = [[_statistic_rows(qh, kh, np.int32(h), _row_arg(r0), *scalars, jnp.asarray(positions),
                               np.int32(min_keys), rows=rows, keys=keys)
               for h in range(qh.shape[0]) for r0, rows, keys in chunks]
              for (qh, kh, scalars, chunks), (positions, _, _) in zip(inputs, found)]
@@ -392,6 +485,24 @@ def pending_statistics(q, k, cfg=None, *, num_sinks: int = 1, sink_selection: st
         return {name: np.stack([np.asarray(stats[name]) for stats in per_layer]) for name in per_layer[0]}
 
     return np.stack([positions for positions, _, _ in found]), finish
+
+
+def _check_sample(sample, length: int) -> RowSample | None:
+    """A sample of query rows: None (every row), a :class:`RowSample`, or sorted distinct int positions ``[n]``
+    below ``length`` (a simple random sample: one stratum of every row)."""
+    if sample is None:
+        return None
+    if not isinstance(sample, RowSample):
+        sample = RowSample(np.asarray(sample), np.array([0, length]))
+    arr = np.asarray(sample.positions)
+    bounds = np.asarray(sample.bounds)
+    if arr.ndim != 1 or not arr.size or not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0 \
+            or arr.max() >= length or np.any(np.diff(arr) <= 0):
+        raise PcastError(f"sample must be sorted distinct query rows in [0, {length}) (sample_rows), got "
+                         f"{arr.dtype} {arr.shape}")
+    if bounds.ndim != 1 or bounds.size < 2 or bounds[0] != 0 or bounds[-1] != length or np.any(np.diff(bounds) <= 0):
+        raise PcastError(f"sample.bounds must rise from 0 to {length} (the strata's edges), got {bounds.tolist()}")
+    return RowSample(arr.astype(np.int32), bounds.astype(np.int64))
 
 
 def _check_qk(q, k, cfg, *, num_sinks, sink_selection: str, length):
@@ -477,7 +588,7 @@ def _reference_rows(q, k, v, row0, length, window, learned, cap, *, rows: int, k
     """Exact FP32 attention of query rows ``row0 .. row0 + rows`` of every head, ``q, k, v [Hq, T, D]``, on
     the first ``keys`` keys (all the rows see)."""
     head_dim = q.shape[-1]
-    q_rows = lax.dynamic_slice_in_dim(q, row0, rows, axis=1)
+    q_rows = _take_rows(q, row0, rows, 1)
     k, v = k[:, :keys], v[:, :keys]
     s = soft_capped(jnp.einsum("hrd,hsd->hrs", q_rows, k, precision=_HIGHEST) / math.sqrt(head_dim), cap)
     probs = _softmax_rows(s, visible_rows(row0, rows, keys, length, window)[None], learned[:, None, None])
@@ -485,17 +596,19 @@ def _reference_rows(q, k, v, row0, length, window, learned, cap, *, rows: int, k
 
 
 def _reference(q, k, v, *, length: int | None = None, window: int = -1, sinks=None,
-               soft_cap: float = 0.0) -> jax.Array:
-    """Exact FP32 attention per head of one layer ``[T, H, D]``: ``[Hq, T, D]`` (rows past ``length``: 0),
-    on chunks of query rows (dispatched: not waited for)."""
+               soft_cap: float = 0.0, sample=None) -> jax.Array:
+    """Exact FP32 attention per head of one layer ``[T, H, D]``: ``[Hq, T, D]`` (rows past ``length``: 0; with a
+    ``sample`` of rows ``[n]``, those rows alone: ``[Hq, n, D]``), on chunks of query rows (dispatched: not waited
+    for)."""
     num_tokens, num_heads = q.shape[0], q.shape[1]
     qh, kh, vh = (jnp.swapaxes(expand_kv(jnp.asarray(x, jnp.float32), num_heads), 0, 1) for x in (q, k, v))
     length = num_tokens if length is None else length
-    chunks = _chunks(num_tokens, _rows_per_chunk(num_tokens, num_heads * num_tokens, 8), length)
+    chunks = _row_chunks(num_tokens, _rows_per_chunk(num_tokens, num_heads * num_tokens, 8), length, sample)
     learned = learned_logits(sinks, num_heads)
-    return jnp.concatenate([_reference_rows(qh, kh, vh, np.int32(r0), np.int32(length), np.int32(window), learned,
-                                            _cap_arg(soft_cap), rows=rows, keys=keys) for r0, rows, keys in chunks],
-                           axis=1)
+    out = jnp.concatenate([_reference_rows(qh, kh, vh, _row_arg(r0), np.int32(length), np.int32(window), learned,
+                                           _cap_arg(soft_cap), rows=rows, keys=keys) for r0, rows, keys in chunks],
+                          axis=1)
+    return out
 
 
 def _reference_jit(q, k, v):
@@ -544,7 +657,10 @@ def _kernel_logits_rows(operands, head, row0, *, rows: int, keys: int):
     chunk of rows, shared by every config and scan whose operands are these (:func:`_layer_passes`)."""
     q, k, _, factor = operands
     head_dim = k.shape[2]
-    q_rows = lax.dynamic_slice(q, (head, row0, 0), (1, rows, head_dim))
+    if jnp.ndim(row0) == 0:
+        q_rows = lax.dynamic_slice(q, (head, row0, 0), (1, rows, head_dim))
+    else:
+        q_rows = jnp.take(lax.dynamic_index_in_dim(q, head, 0, keepdims=True), row0, axis=1)
     k_head = lax.dynamic_slice(k, (head, 0, 0), (1, keys, head_dim))
     return kernel_logits(q_rows[None], k_head[None], factor[head])[0, 0]
 
@@ -610,16 +726,20 @@ def _chunk_logits(logits, sink_positions, head, row0, length, window, cap, keys:
     return s, vis, is_sink, jnp.sum(vis & ~is_sink[None, :], axis=-1)
 
 
-def _chunk_rows(logits, operands, sink_positions, ref, head, row0, length, window, learned, cap, *,
+def _chunk_rows(logits, operands, sink_positions, ref, head, row0, ref_row0, length, window, learned, cap, *,
                 config: KernelConfig, has_learned: bool, keys: int):
     """Per-row quantities of head ``head`` on its query rows ``row0 ..`` (the rows are independent, so a
     chunk of rows gives those rows of the whole head's result): the chunk's logits on the keys the kernel
-    visits (:func:`_chunk_logits`), then the kernel; ``ref [Hq, T, D]``, ``sink_positions [Hq, k]``."""
+    visits (:func:`_chunk_logits`), then the kernel; ``ref [Hq, T, D]`` (a sample's: ``[Hq, n, D]``, the chunk's
+    rows from ``ref_row0`` on), ``sink_positions [Hq, k]``."""
     v = operands[2][:, :keys]
     rows = logits.shape[0]
     s, vis, is_sink, counted = _chunk_logits(logits, sink_positions, head, row0, length, window, cap, keys)
-    r = lax.dynamic_slice(ref, (head, row0, 0), (1, rows, ref.shape[-1]))[0]
-    res = _engine.attention(s, v[head], config, implementation="xla", count_mask=~is_sink, q_offset=row0,
+    # the reference's rows: the chunk's (every row), or the sample's from the chunk's first (a sample)
+    ref_at = row0 if jnp.ndim(row0) == 0 else ref_row0
+    r = lax.dynamic_slice(ref, (head, ref_at, 0), (1, rows, ref.shape[-1]))[0]
+    config, q_offset = _kernel_mask(config, row0)
+    res = _engine.attention(s, v[head], config, implementation="xla", count_mask=~is_sink, q_offset=q_offset,
                             sink_logit=learned[head] if has_learned else None)
     # Q/K/V as the kernel sees them, P in FP32: the Q/K/V quantization's share of the error (none with
     # FP32 Q/K/V, which the kernel sees as the reference does).
@@ -644,29 +764,31 @@ def _chunk_masses(logits, sink_positions, head, row0, length, window, learned, c
     computation for all of them)."""
     s, _, is_sink, counted = _chunk_logits(logits, sink_positions, head, row0, length, window, cap, keys)
     sink = learned[head] if has_learned else None
-    stats = [_engine.weights_and_stats(s, cfg, count_mask=~is_sink, q_offset=row0, sink_logit=sink)
-             for cfg in configs]
+    stats = [_engine.weights_and_stats(s, masked, count_mask=~is_sink, q_offset=q_offset, sink_logit=sink)
+             for masked, q_offset in (_kernel_mask(cfg, row0) for cfg in configs)]
     return counted, jnp.stack([w.zeroed_mass for w in stats]), jnp.stack([w.saturated_mass for w in stats])
 
 
 @functools.partial(jax.jit, static_argnames=("jobs", "has_learned", "keys"))
-def _chunk_family(logits, operands, sink_positions, ref, head, row0, length, window, learned, cap, *,
+def _chunk_family(logits, operands, sink_positions, ref, head, row0, ref_row0, length, window, learned, cap, *,
                   jobs: tuple, has_learned: bool, keys: int) -> list:
     """One chunk's :func:`_chunk_rows` (a job ``("config", config)``) and :func:`_chunk_masses` (``("family",
     configs)``) of one kernel family (configs that differ only in ``scale``), in one program: one call where
     there was one per job, and XLA computes what the jobs share before the cast (the masked logits, the block
     maxima, the running max) as common subexpressions."""
     scalars = (length, window, learned, cap)
-    return [_chunk_rows(logits, operands, sink_positions, ref, head, row0, *scalars, config=what,
+    return [_chunk_rows(logits, operands, sink_positions, ref, head, row0, ref_row0, *scalars, config=what,
                         has_learned=has_learned, keys=keys) if kind == "config" else
             _chunk_masses(logits, sink_positions, head, row0, *scalars, configs=what, has_learned=has_learned,
                           keys=keys)
             for kind, what in jobs]
 
 
-def _valid_rows(counted: np.ndarray, min_keys: int, length: int) -> np.ndarray:
-    """``[..., Hq, T]`` bool: the rows a head's means are taken over (``min_keys`` counted keys, real tokens)."""
-    return (counted >= min_keys) & (np.arange(counted.shape[-1]) < length)
+def _valid_rows(counted: np.ndarray, min_keys: int, length: int, positions=None) -> np.ndarray:
+    """``[..., Hq, n]`` bool: the rows a head's means are taken over (``min_keys`` counted keys, real tokens);
+    ``positions [n]``: the rows' query positions (default ``0 .. n − 1``)."""
+    positions = np.arange(counted.shape[-1]) if positions is None else positions
+    return (counted >= min_keys) & (positions < length)
 
 
 def _row_mean(x: np.ndarray, valid: np.ndarray) -> np.ndarray:
@@ -677,9 +799,25 @@ def _row_mean(x: np.ndarray, valid: np.ndarray) -> np.ndarray:
                         np.nan).astype(np.float32)
 
 
+def _sampled_mean(x: np.ndarray, valid: np.ndarray, sample: RowSample, ratio_of=None):
+    """Per head (last axis the sample's rows): the estimate of :func:`_row_mean` over every row from the
+    stratified ``sample`` and its standard error (:func:`pcast_jax.stats.stratified_ratio`); with ``ratio_of``,
+    of Σ x / Σ ratio_of over the valid rows. Float32 ``(mean, se)``; NaN where no valid row was sampled."""
+    valid = np.broadcast_to(valid, x.shape)
+    denominator = np.ones(x.shape) if ratio_of is None else np.broadcast_to(ratio_of, x.shape)
+    mean, se = np.full(x.shape[:-1], np.nan), np.full(x.shape[:-1], np.nan)
+    strata, sizes = sample.strata, sample.sizes
+    for idx in np.ndindex(*x.shape[:-1]):
+        rows = valid[idx]
+        if rows.any():
+            mean[idx], se[idx] = _stats.stratified_ratio(np.where(rows, x[idx], 0.0),
+                                                         np.where(rows, denominator[idx], 0.0), strata, sizes)
+    return mean.astype(np.float32), se.astype(np.float32)
+
+
 def _layer_passes(qkv, reference, configs: Sequence[KernelConfig], families: Sequence[tuple[KernelConfig, ...]],
                   sink_positions, *, min_keys: int, length: int, window: int, sinks=None,
-                  soft_cap: float = 0.0):
+                  soft_cap: float = 0.0, sample=None):
     """Every config's :func:`head_metrics` and every family's :func:`scale_masses` on one layer, dispatched:
     ``(parts, finish)``, the per-chunk device arrays and the callable that takes them, fetched
     (``jax.device_get``), to the results. The caller fetches when it needs them, so the layers'
@@ -689,8 +827,10 @@ def _layer_passes(qkv, reference, configs: Sequence[KernelConfig], families: Seq
     take the same chunks of rows share each chunk's logits: one product of Q and K per chunk of rows and
     head (:func:`_kernel_logits_rows`), whatever the number of configs and candidate scales. ``qkv``: the
     layer's ``(q, k, v [T, H, D])``, padding zeroed; ``reference [Hq, T, D]`` (None without configs);
-    ``families``: per family its configs (the candidate scales). Returns the metrics per config and
-    ``{"zeroed_mass", "saturated_mass"}`` (each ``[len(family), Hq]``) per family.
+    ``families``: per family its configs (the candidate scales); ``sample``: optional sorted query positions
+    (:func:`sample_rows`), the only rows simulated (every key kept). Returns the metrics per config and
+    ``{"zeroed_mass", "saturated_mass"}`` (each ``[len(family), Hq]``) per family; with a sample, each also
+    with its standard error over the sampled rows (``<metric>_sem``).
     """
     num_tokens, num_heads = np.shape(qkv[0])[:2]
     head_dim = np.shape(qkv[0])[2]
@@ -708,65 +848,92 @@ def _layer_passes(qkv, reference, configs: Sequence[KernelConfig], families: Seq
     for (_, _, step), members in groups.items():
         operands = _layer_operands(*qkv, config=members[0][2])
         for h in range(num_heads):
-            for r0, rows, seen in _chunks(num_tokens, step, length):
-                head, row0 = np.int32(h), np.int32(r0)
+            at = 0  # the chunk's first row among the sample's (the sample's reference holds those rows only)
+            for r0, rows, seen in _row_chunks(num_tokens, step, length, None if sample is None else sample.positions):
+                head, row0 = np.int32(h), _row_arg(r0)
                 visited = [keys_visited(cfg, seen, num_tokens) for _, _, cfg in members]
                 logits = _kernel_logits_rows(operands, head, row0, rows=rows, keys=max(visited))
                 by_family: dict = {}  # one program per kernel family and key count
                 for (kind, i, cfg), keys in zip(members, visited):
                     by_family.setdefault((cfg.replace(scale=1.0), keys), []).append((kind, i))
                 for (_, keys), jobs in by_family.items():
-                    done = _chunk_family(logits, operands, positions, reference, head, row0, *scalars,
+                    done = _chunk_family(logits, operands, positions, reference, head, row0, np.int32(at), *scalars,
                                          jobs=tuple((kind, configs[i] if kind == "config" else families[i])
                                                     for kind, i in jobs),
                                          has_learned=has_learned, keys=keys)
                     for job, part in zip(jobs, done):
                         parts[job].append(part)
+                at += rows
     return parts, functools.partial(_layer_results, num_heads=num_heads, num_tokens=num_tokens, head_dim=head_dim,
-                             num_configs=len(configs), families=families, min_keys=min_keys, length=length)
+                                    num_configs=len(configs), families=families, min_keys=min_keys, length=length,
+                                    sample=sample)
 
 
 def _layer_results(parts: dict, *, num_heads: int, num_tokens: int, head_dim: int, num_configs: int,
-                   families, min_keys: int, length: int) -> tuple[list[dict], list[dict]]:
+                   families, min_keys: int, length: int, sample: RowSample | None) -> tuple[list[dict], list[dict]]:
     """:func:`_layer_passes`' results from its parts on the host: the metrics per config and
-    ``{"zeroed_mass", "saturated_mass"}`` (each ``[len(family), Hq]``) per family."""
-    metrics = [_rows_metrics(parts[("config", i)], num_heads, num_tokens, head_dim, min_keys=min_keys, length=length)
-               for i in range(num_configs)]
+    ``{"zeroed_mass", "saturated_mass"}`` (each ``[len(family), Hq]``) per family (with a ``sample`` of rows,
+    the sample's estimates and their standard errors)."""
+    positions = np.arange(num_tokens) if sample is None else sample.positions
+    num_rows = len(positions)
+    metrics = [_rows_metrics(parts[("config", i)], num_heads, head_dim, min_keys=min_keys, length=length,
+                             sample=sample) for i in range(num_configs)]
     masses = []
     for i, family in enumerate(families):
         chunks = parts[("family", i)]
-        counted = np.concatenate([p[0] for p in chunks]).reshape(num_heads, num_tokens).astype(np.float64)
-        valid = _valid_rows(counted, min_keys, length)
-        masses.append({name: _row_mean(np.concatenate([p[j] for p in chunks], axis=-1).reshape(
-            len(family), num_heads, num_tokens).astype(np.float64), valid[None])
-            for j, name in ((1, "zeroed_mass"), (2, "saturated_mass"))})
+        counted = np.concatenate([p[0] for p in chunks]).reshape(num_heads, num_rows).astype(np.float64)
+        valid = _valid_rows(counted, min_keys, length, positions)
+        found = {}
+        for j, name in ((1, "zeroed_mass"), (2, "saturated_mass")):
+            x = np.concatenate([p[j] for p in chunks], axis=-1).reshape(len(family), num_heads,
+                                                                        num_rows).astype(np.float64)
+            if sample is None:
+                found[name] = _row_mean(x, valid[None])
+            else:
+                found[name], found[f"{name}_sem"] = _sampled_mean(x, valid[None], sample)
+        masses.append(found)
     return metrics, masses
 
 
-def _rows_metrics(parts: list[dict], num_heads: int, num_tokens: int, head_dim: int, *, min_keys: int,
-                  length: int) -> dict:
+def _rows_metrics(parts: list[dict], num_heads: int, head_dim: int, *, min_keys: int, length: int,
+                  sample: RowSample | None = None) -> dict:
     """:func:`head_metrics` from one config's :func:`_chunk_rows` of every head and chunk (heads outer): the
-    row means on the host."""
-    rows = {name: np.concatenate([p[name] for p in parts]).reshape(num_heads, num_tokens) for name in parts[0]}
-    rows = {name: x.astype(np.float64) for name, x in rows.items()}  # [Hq, T]
+    row means on the host; with a ``sample`` of rows, the sample's estimates of them and each one's standard
+    error (``<metric>_sem``)."""
+    rows = {name: np.concatenate([p[name] for p in parts]).reshape(num_heads, -1) for name in parts[0]}
+    rows = {name: x.astype(np.float64) for name, x in rows.items()}  # [Hq, T], or [Hq, n] of a sample
+    positions = np.arange(rows["n_counted"].shape[-1]) if sample is None else sample.positions
     counted = rows.pop("n_counted")
-    valid = _valid_rows(counted, min_keys, length)
+    valid = _valid_rows(counted, min_keys, length, positions)
     n_rows = valid.sum(axis=-1)
+    n_zeroed = rows.pop("n_zeroed")
+    frac = n_zeroed / np.maximum(counted, 1.0)
+    sq_err, ref_rows, qkv_rows = (rows.pop(name) for name in ("sq_err", "ref_sq", "qkv_sq_err"))
+    if sample is not None:
+        real = positions < length
+        out = {}
+        for name, x, where, ratio_of in (("mse", sq_err / head_dim, real, None), ("ref_sq", ref_rows / head_dim, real,
+                                                                                   None),
+                                         ("rel_mse", sq_err, real, ref_rows), ("rel_mse_qkv", qkv_rows, real, ref_rows),
+                                         ("frac_zeroed", frac, valid, None),
+                                         ("frac_zeroed_pooled", n_zeroed, real, counted)):
+            out[name], out[f"{name}_sem"] = _sampled_mean(x, where, sample, ratio_of)
+        out["rows_used"] = n_rows.astype(np.int32)
+        for name, x in rows.items():
+            out[name], out[f"{name}_sem"] = _sampled_mean(x, valid, sample)
+        return out
 
     def row_mean(x):
         return _row_mean(x, valid)
 
-    err = rows.pop("sq_err").sum(axis=-1) / (length * head_dim)
-    ref_sq = rows.pop("ref_sq").sum(axis=-1) / (length * head_dim)
-    qkv_err = rows.pop("qkv_sq_err").sum(axis=-1) / (length * head_dim)
-    n_zeroed = rows.pop("n_zeroed")
+    err, ref_sq, qkv_err = (x.sum(axis=-1) / (length * head_dim) for x in (sq_err, ref_rows, qkv_rows))
     with np.errstate(invalid="ignore", divide="ignore"):  # a head whose exact output is 0: inf or NaN, as before
         rel_mse = err / ref_sq
         rel_mse_qkv = qkv_err / ref_sq
     out = {
         "mse": err.astype(np.float32), "ref_sq": ref_sq.astype(np.float32), "rel_mse": rel_mse.astype(np.float32),
         "rel_mse_qkv": rel_mse_qkv.astype(np.float32),
-        "frac_zeroed": row_mean(n_zeroed / np.maximum(counted, 1.0)),
+        "frac_zeroed": row_mean(frac),
         "frac_zeroed_pooled": (n_zeroed.sum(axis=-1) / np.maximum(counted.sum(axis=-1), 1)).astype(np.float32),
         "zeroed_mass": row_mean(rows.pop("zeroed_mass")), "rows_used": n_rows.astype(np.int32),
     }
@@ -897,10 +1064,15 @@ def analyze_trace(trace, configs: Sequence[str | KernelConfig], sink_positions, 
     return metrics
 
 
+def _real_rows(x: np.ndarray, real: np.ndarray) -> np.ndarray:
+    """``x [T, H, D]`` with the rows past the real tokens zeroed (no copy where every row is real)."""
+    return x if real.all() else np.where(real, x, 0.0)
+
+
 def analyze_layers(trace, configs: Sequence[str | KernelConfig], sink_positions, *,
                    families: Sequence[tuple[KernelConfig, Sequence[float]]] = (), min_keys: int = 16,
                    progress=None, length: int | None = None, local_window_size=None, sinks=None,
-                   references: dict | None = None, logits_soft_cap=None) -> tuple[dict, list[dict]]:
+                   references: dict | None = None, logits_soft_cap=None, sample=None) -> tuple[dict, list[dict]]:
     """:func:`analyze_trace` and :func:`scale_masses` of several families in one pass over the layers.
 
     Layer by layer, every configuration and every family's candidate scales run on the same chunks of
@@ -912,10 +1084,13 @@ def analyze_layers(trace, configs: Sequence[str | KernelConfig], sink_positions,
         logits_soft_cap: as :func:`analyze_trace`.
       families: ``(family, scales)`` pairs, as :func:`scale_masses` takes them.
       progress: optional callable ``(layer) -> None`` called with each layer's index before it runs.
+      sample: optional sorted query positions ``[n]`` (:func:`sample_rows`): only these rows are simulated,
+        on every key they see (so the kernel's running max is exact), and every row mean is the sample's.
 
     Returns:
       ``(metrics, masses)``: :func:`analyze_trace`'s dict (None without configs) and per family
-      :func:`scale_masses`' dict.
+      :func:`scale_masses`' dict; with a sample each metric and mass also as ``<name>_sem``, its standard
+      error over the sampled rows.
     """
     q, k, v = trace
     if np.ndim(q) != 4:
@@ -929,6 +1104,7 @@ def analyze_layers(trace, configs: Sequence[str | KernelConfig], sink_positions,
     min_keys = check_int("min_keys", min_keys, min_value=1)
     num_layers, num_tokens = np.shape(q)[:2]
     length = num_tokens if length is None else check_int("length", length, min_value=1, max_value=num_tokens)
+    sample = _check_sample(sample, length)
     windows = layer_windows(local_window_size, num_layers)
     caps = layer_soft_caps(logits_soft_cap, num_layers)
     kernels = [dataclasses.replace(resolve(config), causal=True) for config in configs]
@@ -947,16 +1123,17 @@ def analyze_layers(trace, configs: Sequence[str | KernelConfig], sink_positions,
         if layer in layer_inputs:
             qkv, reference = layer_inputs[layer]
         else:
-            qkv = tuple(jnp.asarray(np.where(real, np.asarray(x[layer], np.float32), 0.0)) for x in (q, k, v))
+            qkv = tuple(jnp.asarray(_real_rows(np.asarray(x[layer], np.float32), real)) for x in (q, k, v))
             reference = None
             if kernels:
                 reference = _reference(*qkv, length=length, window=int(windows[layer]), sinks=learned,
-                                       soft_cap=float(caps[layer]))
+                                       soft_cap=float(caps[layer]),
+                                       sample=None if sample is None else sample.positions)
                 if references is not None:
                     layer_inputs[layer] = qkv, reference
         per_layer.append(_layer_passes(qkv, reference, kernels, scans, sink_positions[layer], min_keys=min_keys,
                                        length=length, window=int(windows[layer]), sinks=learned,
-                                       soft_cap=float(caps[layer])))
+                                       soft_cap=float(caps[layer]), sample=sample))
     # fetched once, after every layer's computations are queued: none waits for the host
     per_layer = [finish(parts) for parts, (_, finish) in zip(jax.device_get([p for p, _ in per_layer]), per_layer)]
     metrics = None
@@ -964,7 +1141,7 @@ def analyze_layers(trace, configs: Sequence[str | KernelConfig], sink_positions,
         metrics = {m: np.stack([np.stack([layer[0][c][m] for layer in per_layer]) for c in range(len(kernels))])
                    for m in per_layer[0][0][0]}
     masses = [{name: np.stack([layer[1][f][name] for layer in per_layer], axis=1)
-               for name in ("zeroed_mass", "saturated_mass")} for f in range(len(scans))]
+               for name in per_layer[0][1][f]} for f in range(len(scans))]
     return metrics, masses
 
 

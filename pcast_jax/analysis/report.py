@@ -20,7 +20,7 @@ import numpy as np
 
 from pcast_jax import fileio, report
 from pcast_jax import stats as _stats
-from pcast_jax.analysis.study import SINK_MASS_MIN, Analysis
+from pcast_jax.analysis.study import SINK_MASS_MIN, WITHIN_NOISE, Analysis
 
 __all__ = ["write_report", "report_data", "NO_ROWS", "NO_FIGURES", "JSON_FORMAT"]
 
@@ -125,6 +125,14 @@ def _row_reason(key: str) -> str:
     return _stats.NO_SE if key.endswith("_sem") else NO_ROWS
 
 
+def _scan_row(row: dict) -> dict:
+    """A scan row as JSON: its nulls with their reasons, ``meets`` null where the sample's error decides nothing."""
+    out = _json_row(row, _row_reason)
+    if row["meets"] is None:
+        out.setdefault("null_reasons", {})["meets"] = f"{WITHIN_NOISE} (the sample's error keeps the limit inside)"
+    return out
+
+
 def report_data(analysis: Analysis) -> dict:
     """The report as plain JSON data, with the numbers of ``analysis.md`` and ``analysis_configs.csv``
     (the same rows, unrounded): the summary in words, the criterion, the verdicts, one row per
@@ -138,8 +146,11 @@ def report_data(analysis: Analysis) -> dict:
     scans = []
     for scan in analysis.scans:
         entry = {"members": list(scan.members), "family": scan.family.to_string(), "recommended": scan.recommended,
-                 "rows": [_json_row(r, lambda _key: NO_ROWS) for r in scan.rows]}
-        if scan.recommended is None:
+                 "rows": [_scan_row(r) for r in scan.rows]}
+        if scan.within_noise:
+            entry["null_reasons"] = {"recommended": f"{WITHIN_NOISE} (a candidate below the first that meets the "
+                                                   "criterion is within the sample's error)"}
+        elif scan.recommended is None:
             entry["null_reasons"] = {"recommended": f"no scale from 1 to {scan.rows[-1]['scale']:g} meets the "
                                                    "criterion"}
         scans.append(entry)
@@ -183,6 +194,8 @@ def _write_files(analysis: Analysis, out: Path, title: str) -> None:
     columns = [("config", "config"), ("block_kv", "KV tile B", str), ("verdict", "verdict"),
                ("zeroed_mass_max", "worst head: zeroed mass", report.fmt_sci),
                ("saturated_mass_max", "worst head: clipped mass", report.fmt_sci),
+               *([("zeroed_mass_max_sem", "± s.e. (zeroed)", report.fmt_sci),
+                  ("saturated_mass_max_sem", "± s.e. (clipped)", report.fmt_sci)] if analysis.rows is not None else []),
                ("heads_over_limit", "heads failing", str),
                ("zeroed_mass_mean", "zeroed mass (mean over heads)", report.fmt_sci),
                ("frac_zeroed_mean", "non-sink P zeroed", report.fmt_pct),
@@ -198,7 +211,8 @@ def _write_files(analysis: Analysis, out: Path, title: str) -> None:
     scan_rows = [{"kernel": ", ".join(scan.members), "scale": f"{r['scale']:g}", "applied": f"{r['applied_scale']:g}",
                   "knob": (f"{scan.knob_where}: " if scan.knob_where else "") + scan.knob_text(r["scale"]),
                   "zeroed": r["zeroed_mass_max"], "clipped": r["saturated_mass_max"],
-                  "failing": r["heads_over_limit"], "meets": "yes" if r["meets"] else "no"}
+                  "failing": r["heads_over_limit"],
+                  "meets": "within noise" if r["meets"] is None else "yes" if r["meets"] else "no"}
                  for scan in analysis.scans for r in scan.rows]
     scan_table = (report.markdown_table(scan_rows, [
         ("kernel", "kernel"), ("scale", "scale"), ("applied", "P multiplied by"), ("knob", "as the deployment sets it"),

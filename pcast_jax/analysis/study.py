@@ -29,6 +29,11 @@ Judgements, each stated in the report, all on one criterion (:func:`meets_criter
   are its scale's row, so its verdict and the scan cannot disagree. The recommendation is also
   given in the knob a deployment sets it through (:func:`pcast_jax.deployments.knob_setting`:
   cuDNN's ``scale_s``, vLLM ROCm's ``prob_scale``).
+* **Sampled rows** (``analyze(..., rows=N)``): every per-head mean is a stratified sample's estimate with its
+  standard error, and each head is judged by :func:`pcast_jax.stats.decide` against the same limit: the
+  criterion is met where every head lies below it by more than z standard errors, failed where one lies
+  above by more, else the verdict is :data:`WITHIN_NOISE`; a scan recommends nothing where a smaller
+  candidate is within noise.
 * **Where the error comes from**: with E4M3 Q/K/V (``qkv="e4m3"``), ``rel_mse_qkv`` is the relative
   MSE of the same kernel with P in FP32 (its Q/K/V quantization alone), beside ``rel_mse``, the
   kernel's; the report says which dominates.
@@ -45,7 +50,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from pcast_jax import stats as _stats
-from pcast_jax.analysis.capture import Trace
+from pcast_jax.analysis.capture import StreamedTrace, Trace
 from pcast_jax.analysis.heads import (
     SCALE_GRID,
     E2EMetrics,
@@ -53,6 +58,8 @@ from pcast_jax.analysis.heads import (
     compare_logits,
     find_sinks,
     pending_statistics,
+    sample_rows,
+    scale_masses,
 )
 from pcast_jax.config import COMPUTED_SCALE_MODES, KernelConfig, scale_candidates
 from pcast_jax.errors import PcastError, check_f32, check_int
@@ -64,6 +71,8 @@ __all__ = ["SINK_MASS_MIN", "Analysis", "ScaleScan", "analyze", "kernel_for", "m
 
 #: A head is a sink head when its sinks receive at least this share of the attention.
 SINK_MASS_MIN = 0.5
+#: The verdict of a sampled analysis whose error keeps the criterion undecided (:func:`pcast_jax.stats.decide`).
+WITHIN_NOISE = "within noise: analyse more rows"
 #: Per-head quantities that are bookkeeping, not results (left out of the per-config means).
 _BOOKKEEPING = ("rows_used", "ref_sq", "frac_zeroed_pooled")
 SAFE = "safe to serve"
@@ -101,7 +110,8 @@ class ScaleScan:
       rows: per candidate simulated, by scale: ``scale``, ``applied_scale``, ``knob_value`` (the scale in
         ``knob``), ``zeroed_mass_max``, ``saturated_mass_max``, ``heads_over_limit``, ``meets`` (the
         criterion).
-      recommended: the smallest candidate meeting the criterion, or None when none does.
+      recommended: the smallest candidate meeting the criterion, or None when none does (or, with sampled rows,
+        when a smaller candidate is within noise: ``within_noise``).
       knob: the knob a deployment sets the scale through (``"scale_s"``, ``"prob_scale"``; ``"scale"``,
         the config field, where none is known) and ``knob_where``, that deployment
         (:func:`pcast_jax.deployments.knob_setting`).
@@ -113,6 +123,7 @@ class ScaleScan:
     recommended: float | None
     knob: str = "scale"
     knob_where: str = ""
+    within_noise: bool = False
 
     def knob_text(self, scale: float | None = None) -> str:
         """``scale_s = 256`` (the recommendation, or ``scale``'s row, in the knob)."""
@@ -154,6 +165,10 @@ class Analysis:
       e2e: ``{config name: E2EMetrics}`` when the model was given, else None.
       e2e_fp32: the FP32 model's own metrics (its perplexity), or None.
       seconds: wall time of the analysis (without the end-to-end runs).
+      rows: the query rows sampled per sequence, layer and head (:func:`analyze`'s ``rows``), or None: all.
+      seed: the seed of the sample.
+      heads_sem: with sampled rows, each per-head metric's standard error over the sampled rows, ``[C, B, L,
+        H]`` (NaN with fewer than 2 rows), the sink statistics' rows sampled likewise; None: every row analysed.
     """
 
     layers: tuple[str, ...]
@@ -168,6 +183,9 @@ class Analysis:
     e2e: dict | None = None
     e2e_fp32: E2EMetrics | None = None
     seconds: float = 0.0
+    rows: int | None = None
+    seed: int = 0
+    heads_sem: dict | None = None
 
     @property
     def config_names(self) -> list[str]:
@@ -198,7 +216,13 @@ class Analysis:
     def worst(self, ci: int) -> dict:
         """Configuration ``ci``'s worst heads: zeroed and clipped mass (each head a mean over sequences),
         where, and how many heads fail the criterion."""
-        return _worst({m: a[ci] for m, a in self.heads.items()}, self.mass_limit, self.layers)
+        sem = None if self.heads_sem is None else {m: a[ci] for m, a in self.heads_sem.items()}
+        return _worst({m: a[ci] for m, a in self.heads.items()}, self.mass_limit, self.layers, sem=sem,
+                      z=self._z())
+
+    def _z(self) -> float | None:
+        """The quantile the sampled verdicts decide with (:func:`pcast_jax.stats.z_value` at the rows sampled)."""
+        return None if self.rows is None else _stats.z_value(self.rows)
 
     def config_rows(self) -> list[dict]:
         """One row per configuration: every per-head metric's mean over heads (and its s.e.), the
@@ -213,7 +237,8 @@ class Analysis:
                 per_head = per_head[np.isfinite(per_head)]
                 row[f"{metric}_mean"], row[f"{metric}_sem"] = _stats.mean_sem(per_head)
             row.update(self.worst(ci))
-            row["verdict"] = verdict(row["zeroed_mass_max"], row["saturated_mass_max"], self.mass_limit)
+            del row["meets"]
+            row["verdict"] = row.pop("verdict")
             if self.e2e is not None:
                 m = self.e2e[cfg.name]
                 row.update(kl=m.kl, kl_max=m.kl_max, top1_agree=m.top1_agree, perplexity=m.perplexity)
@@ -234,6 +259,8 @@ class Analysis:
                             row[name] = float(self.stats[name][bi, li, hi])
                         for metric, arr in self.heads.items():
                             row[metric] = arr[ci, bi, li, hi].item()
+                        for metric, arr in (self.heads_sem or {}).items():
+                            row[f"{metric}_sem"] = arr[ci, bi, li, hi].item()
                         rows.append(row)
         return rows
 
@@ -256,6 +283,7 @@ class Analysis:
         xr = _optional("xarray")
         dims = ("sequence", "layer", "head")
         data = {m: (("config",) + dims, np.asarray(v)) for m, v in self.heads.items()}
+        data.update({f"{m}_sem": (("config",) + dims, np.asarray(v)) for m, v in (self.heads_sem or {}).items()})
         for name, arr in self.stats.items():
             name = f"sink_{name}" if name in data else name  # rows_used: the sink statistics' own
             if name == "sink_positions":
@@ -311,13 +339,18 @@ class Analysis:
                      f"{m.perplexity:.3f}" for name, m in self.e2e.items()]
             lines += [f"End to end (FP32 perplexity {self.e2e_fp32.perplexity:.3f}): " + "; ".join(parts) + ".", ""]
         lines += [self.criterion_line(), ""]
+        if self.rows is not None:
+            lines += [f"Sampled: {self.rows:,} random query rows of each sequence and layer (seed {self.seed}; the "
+                      "same rows for every head, each on every key it sees); every mass is the sample's mean ± its "
+                      f"standard error, and a verdict or safe scale is decided only where mean ± {self._z():.2f} s.e. "
+                      f"keeps the limit outside (else *{WITHIN_NOISE}*). The sinks are found from the sample.", ""]
         for cfg, row in zip(self.configs, self.config_rows()):
             lines.append(
                 f"- `{row['config']}`: **{row['verdict']}**. Its worst head loses "
-                f"{_pct(row['zeroed_mass_max'])} of the mass to zeroed P ({row['worst_layer']} head "
+                f"{_pm(row, 'zeroed_mass_max')} of the mass to zeroed P ({row['worst_layer']} head "
                 f"{row['worst_head']}) and clips "
-                f"{_pct(row['saturated_mass_max'])}; {row['heads_over_limit']} of {row['heads']} heads fail the "
-                f"criterion. Mean over heads: {_pct(row['zeroed_mass_mean'])} of the mass zeroed "
+                f"{_pm(row, 'saturated_mass_max')}; {row['heads_over_limit']} of {row['heads']} heads fail the "
+                f"criterion{_noise_words(row)}. Mean over heads: {_pct(row['zeroed_mass_mean'])} of the mass zeroed "
                 f"({_pct(row['frac_zeroed_mean'])} of the non-sink P), relative MSE {row['rel_mse_mean']:.2e}."
                 + _share_words(cfg, row) + _split_words(cfg, int(self.lengths.max())))
         lines.append("")
@@ -354,6 +387,11 @@ def _split_words(cfg: KernelConfig, rows: int) -> str:
     return (" Note: its splits are cut from each row's blocks; a kernel that splits each query tile's visible "
             "blocks (FlashAttention-3) differs on causal prefill rows (for a forward S = 1 kernel this overstates "
             "the zeroed mass about 2×; for a reverse S = 256 kernel it is immaterial).")
+def _noise_words(row: dict) -> str:
+    """With sampled rows: how many heads the sample's error leaves undecided."""
+    if not row.get("heads_within_noise"):
+        return ""
+    return f", {row['heads_within_noise']} within noise"
 
 
 def _share_words(cfg: KernelConfig, row: dict) -> str:
@@ -375,27 +413,37 @@ def _family_words(cfg: KernelConfig) -> str:
     return words
 
 
+def _pm(row: dict, key: str) -> str:
+    """A mass of a row as printed (:func:`mass_text`), with ``± s.e.`` where the row carries ``<key>_sem``."""
+    return _pct(row[key]) + (f" ± {_pct(row[f'{key}_sem'])}" if f"{key}_sem" in row else "")
+
+
 def _scan_words(scan: ScaleScan, limit: float, *, fixed: bool = False) -> str:
     names = ", ".join(f"`{m}`" for m in scan.members)
     if fixed:  # no knob reaches S: the scan is what the kernel would need, not a setting
         return "What-if only (this deployment fixes S; no setting reaches it): " + _scan_words(scan, limit)
+    if scan.within_noise:
+        row = next(r for r in scan.rows if r["meets"] is None)
+        return (f"Safe static scale for {names} ({_family_words(scan.family)}): {WITHIN_NOISE}. At `scale = "
+                f"{row['scale']:g}` the worst head loses {_pm(row, 'zeroed_mass_max')} and clips "
+                f"{_pm(row, 'saturated_mass_max')}: the sample's error keeps the limit inside.")
     if scan.recommended is None:
         top = scan.rows[-1]
         what = {"scale": "`scale`", "scale_s": "`scale_s`"}.get(scan.knob, f"S (set through `{scan.knob}`)")
         return (f"Safe static scale for {names} ({_family_words(scan.family)}): none. No {what} from 1 to "
                 f"{top['scale']:g} meets the criterion (at {top['scale']:g} the worst head loses "
-                f"{_pct(top['zeroed_mass_max'])} and clips {_pct(top['saturated_mass_max'])}): use the reverse "
+                f"{_pm(top, 'zeroed_mass_max')} and clips {_pm(top, 'saturated_mass_max')}): use the reverse "
                 "KV order or a dynamic scale.")
     best = next(r for r in scan.rows if r["scale"] == scan.recommended)
     words = (f"Safe static scale for {names} ({_family_words(scan.family)}): `scale = {scan.recommended:g}`"
              f" (P multiplied by {best['applied_scale']:g}){_knob_words(scan)}, the smallest power of two whose "
-             f"simulated kernel meets the criterion: worst head loses {_pct(best['zeroed_mass_max'])}, clips "
-             f"{_pct(best['saturated_mass_max'])}")
+             f"simulated kernel meets the criterion: worst head loses {_pm(best, 'zeroed_mass_max')}, clips "
+             f"{_pm(best, 'saturated_mass_max')}")
     below = [r for r in scan.rows if r["scale"] < scan.recommended]
     if below:
         prev = below[-1]
-        words += (f"; at `scale = {prev['scale']:g}` it loses {_pct(prev['zeroed_mass_max'])} and clips "
-                  f"{_pct(prev['saturated_mass_max'])}")
+        words += (f"; at `scale = {prev['scale']:g}` it loses {_pm(prev, 'zeroed_mass_max')} and clips "
+                  f"{_pm(prev, 'saturated_mass_max')}")
     return words + "."
 
 
@@ -407,18 +455,60 @@ def _knob_words(scan: ScaleScan) -> str:
     return f"; in {scan.knob_where}'s knob: `{scan.knob_text()}`"
 
 
-def _worst(heads: dict, limit: float, layers) -> dict:
+def _worst(heads: dict, limit: float, layers, *, sem: dict | None = None, z: float | None = None) -> dict:
     """The worst heads of one configuration's ``{metric: [B, L, H]}``: zeroed and clipped mass (each head
-    a mean over sequences), where the worst zeroed head is, how many heads fail the criterion."""
+    a mean over sequences), where the worst zeroed head is, how many heads fail the criterion, whether it is
+    met (``meets``) and the verdict.
+
+    With ``sem`` (the same metrics' standard errors over sampled rows) each head is judged by
+    :func:`pcast_jax.stats.decide` at ``z``: the criterion (:func:`meets_criterion`) is met where every head's
+    masses lie below the limit by more than ``z`` standard errors, failed where one lies above by more, and
+    else undecided (``meets`` None, the verdict :data:`WITHIN_NOISE`); the worst head's standard errors come
+    as ``zeroed_mass_max_sem`` and ``saturated_mass_max_sem``."""
     zeroed = _nanmean(heads["zeroed_mass"], axis=0)
     clipped = _nanmean(heads["saturated_mass"], axis=0) if "saturated_mass" in heads else np.zeros_like(zeroed)
     clipped = np.nan_to_num(clipped, nan=0.0)
     filled = np.where(np.isfinite(zeroed), zeroed, -np.inf)
     layer, head = np.unravel_index(np.argmax(filled), zeroed.shape)
-    return {"zeroed_mass_max": float(np.nanmax(zeroed)), "saturated_mass_max": float(np.max(clipped)),
-            "worst_layer": layers[layer], "worst_head": int(head),
-            "heads_over_limit": int(np.sum((np.nan_to_num(zeroed, nan=0.0) > limit) | (clipped > limit))),
-            "heads": int(zeroed.size)}
+    out = {"zeroed_mass_max": float(np.nanmax(zeroed)), "saturated_mass_max": float(np.max(clipped)),
+           "worst_layer": layers[layer], "worst_head": int(head)}
+    if sem is None:
+        out["heads_over_limit"] = int(np.sum((np.nan_to_num(zeroed, nan=0.0) > limit) | (clipped > limit)))
+        out["heads"] = int(zeroed.size)
+        out["meets"] = meets_criterion(out["zeroed_mass_max"], out["saturated_mass_max"], limit)
+        out["verdict"] = verdict(out["zeroed_mass_max"], out["saturated_mass_max"], limit)
+        return out
+    zeroed_se = _sequence_sem(heads["zeroed_mass"], sem["zeroed_mass"])
+    clipped_se = (_sequence_sem(heads["saturated_mass"], sem["saturated_mass"]) if "saturated_mass" in heads
+                  else np.zeros_like(zeroed))
+    clipped_se = np.where(np.isfinite(clipped_se), clipped_se, np.nan)
+    above = {"loses": np.zeros(zeroed.shape, bool), "clips": np.zeros(zeroed.shape, bool)}
+    undecided = np.zeros(zeroed.shape, bool)
+    for idx in np.ndindex(*zeroed.shape):
+        for word, value, se in (("loses", zeroed[idx], zeroed_se[idx]), ("clips", clipped[idx], clipped_se[idx])):
+            if not math.isfinite(value):
+                continue  # a head with no usable row: nothing to judge (as the full analysis)
+            decided = _stats.decide(float(value), float(se), limit, z)
+            above[word][idx] |= decided is True
+            undecided[idx] |= decided is None
+    failing = above["loses"] | above["clips"]
+    out.update(zeroed_mass_max_sem=float(zeroed_se[layer, head]),
+               saturated_mass_max_sem=float(clipped_se[np.unravel_index(np.argmax(clipped), clipped.shape)]),
+               heads_over_limit=int(failing.sum()), heads_within_noise=int((undecided & ~failing).sum()),
+               heads=int(zeroed.size))
+    out["meets"] = False if failing.any() else (None if undecided.any() else True)
+    fails = [word for word in ("loses", "clips") if above[word].any()]
+    out["verdict"] = (" and ".join(fails) + " mass" if fails else WITHIN_NOISE if out["meets"] is None else SAFE)
+    return out
+
+
+def _sequence_sem(values: np.ndarray, sems: np.ndarray) -> np.ndarray:
+    """``[L, H]``: the standard error of the mean over sequences (axis 0) of independent per-sequence means
+    ``values`` with standard errors ``sems``: √(Σ se²) / n over the sequences with a value."""
+    finite = np.isfinite(values)
+    n = finite.sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.sqrt(np.where(finite, np.asarray(sems, np.float64) ** 2, 0.0).sum(axis=0)) / n
 
 
 def _nanmean(x, axis=None):
@@ -444,26 +534,41 @@ def _optional(module: str):
     return optional(module)
 
 
-def analyze(trace: Trace, configs: Sequence[str | KernelConfig], *, num_sinks: int = 1, min_keys: int = 16,
-            mass_limit: float = 1e-3, logits_fn: Callable | None = None,
-            progress: Callable[[str], None] | None = None) -> Analysis:
+def analyze(trace: Trace | StreamedTrace, configs: Sequence[str | KernelConfig], *, num_sinks: int = 1,
+            min_keys: int = 16, mass_limit: float = 1e-3, logits_fn: Callable | None = None,
+            progress: Callable[[str], None] | None = None, rows: int | None = None, seed: int = 0) -> Analysis:
     """Sink statistics and every configuration's per-head P-cast metrics on ``trace``.
+
+    The trace is read one layer at a time (:meth:`Trace.layer`; a :class:`StreamedTrace` maps only that
+    layer's files), and everything of a layer — sink statistics, exact reference, every kernel and every
+    candidate scale — is computed before the next is read: memory holds one layer's q, k, v (float32) and
+    its per-chunk temporaries, whatever the number of layers.
 
     Args:
       trace: a :class:`Trace` (from :class:`~pcast_jax.analysis.capture.Recorder` or
-        :func:`~pcast_jax.analysis.capture.load_trace`).
+        :func:`~pcast_jax.analysis.capture.load_trace`) or a :class:`StreamedTrace` (a trace folder).
       configs: preset names (run at the trace's head dim, :func:`kernel_for`) or KernelConfigs.
       num_sinks, min_keys: as :func:`~pcast_jax.analysis.heads.sink_statistics`.
       mass_limit: the limit of the one criterion (the worst head's zeroed and clipped mass), in (0, 1).
       logits_fn: optional ``logits_fn(config) -> [B, T, V]`` logits of the model on
         ``trace.tokens`` with every attention through ``config`` (``None``: exact FP32); given,
         the end-to-end metrics are computed (needs ``trace.tokens``).
-      progress: optional ``(line) -> None`` called with one line per stage.
+      progress: optional ``(line) -> None`` called with one line per stage and per layer done (layers done,
+        the rows analysed, the time so far and the time left at the pace so far).
+      rows: analyse a simple random sample of this many query rows of each sequence and layer (the same rows
+        for every head; :func:`~pcast_jax.analysis.heads.sample_rows`), each on every key it sees, so the
+        kernel's running max is exact; every per-head mean is then the sample's, with its standard error
+        (:attr:`Analysis.heads_sem`), and verdicts and safe scales are decided only where the error allows
+        (:func:`pcast_jax.stats.decide` at :func:`pcast_jax.stats.z_value` of ``rows``; else
+        :data:`WITHIN_NOISE`). The sinks are found from the sample too. None (default): every row. A
+        sequence of at most ``rows`` tokens is analysed whole.
+      seed: the sample's seed (the rows of sequence ``b`` and layer ``l`` come from
+        ``numpy.random.default_rng([seed, b, l])``).
 
     Returns:
       :class:`Analysis`.
     """
-    if not isinstance(trace, Trace):
+    if not isinstance(trace, (Trace, StreamedTrace)):
         raise PcastError(f"trace must be a Trace (Recorder.trace() or load_trace), got {type(trace).__name__}")
     if isinstance(configs, (str, KernelConfig)) or not len(configs):
         raise PcastError("configs must be a non-empty list of preset names or KernelConfigs")
@@ -471,73 +576,133 @@ def analyze(trace: Trace, configs: Sequence[str | KernelConfig], *, num_sinks: i
     if mass_limit >= 1:
         raise PcastError(f"mass_limit={mass_limit} must be below 1 (a share of the attention mass)")
     min_keys = check_int("min_keys", min_keys, min_value=1)
-    head_dim = trace.q.shape[-1]
-    kernels = tuple(kernel_for(c, head_dim) for c in configs)
+    if rows is not None:
+        rows = check_int("rows", rows, min_value=2)
+        rows = None if rows >= int(np.max(trace.lengths)) else rows  # every sequence whole: no sample
+    seed = check_int("seed", seed, min_value=0, max_value=2**63 - 1)
+    kernels = tuple(kernel_for(c, trace.head_dim) for c in configs)
     names = [k.name for k in kernels]
     if len(set(names)) != len(names):
         raise PcastError(f"configs must have distinct names; got {names}")
+    if rows is not None:
+        tiled = [k.name for k in kernels if k.block_q > 1]
+        if tiled:
+            raise PcastError(f"rows={rows}: {', '.join(tiled)} share one scale or vote over a tile of query rows "
+                             "(block_q > 1), which a sample of single rows does not reproduce; analyse every row "
+                             "(rows=None) for them")
     if logits_fn is not None and trace.tokens is None:
         raise PcastError("logits_fn needs the trace's tokens (Recorder.trace(tokens=...))")
     say = progress or (lambda _line: None)
     start = time.perf_counter()
-    windows = trace.local_window_size
-    sink_positions, statistics = _pending_statistics(trace, num_sinks=num_sinks, min_keys=min_keys, progress=say)
     families = _families(kernels)
-    heads, masses = _run_kernels(trace, kernels, families, sink_positions, min_keys, say, start)
-    stats = statistics()  # computed beside the kernels
+    scanned = [(family, todo) for family, (_, todo) in families.items() if todo]
+    stats, heads, masses = _stream(trace, kernels, scanned, num_sinks=num_sinks, min_keys=min_keys, rows=rows,
+                                   seed=seed, say=say, start=start)
+    heads_sem = {m[:-4]: a for m, a in heads.items() if m.endswith("_sem")} or None
+    heads = {m: a for m, a in heads.items() if not m.endswith("_sem")}
     if not np.isfinite(heads["zeroed_mass"]).any():
         raise PcastError(f"no head has a query row that sees min_keys={min_keys} keys besides its sink: "
                          "record more tokens or lower min_keys")
-    scans = _scale_scans(trace, kernels, families, heads, masses, stats["sink_positions"], min_keys, mass_limit)
+    scans = _scale_scans(trace, kernels, families, heads, heads_sem, masses, stats["sink_positions"], min_keys,
+                         mass_limit, rows)
     seconds = time.perf_counter() - start
     e2e = fp32 = None
     if logits_fn is not None:
         fp32, e2e = end_to_end(trace, kernels, logits_fn, progress=say)
     return Analysis(layers=trace.layers, configs=kernels, lengths=trace.lengths, stats=stats, heads=heads,
-                    mass_limit=mass_limit, scans=scans, local_window_size=windows,
-                    logits_soft_cap=trace.logits_soft_cap, e2e=e2e, e2e_fp32=fp32,
-                    seconds=seconds)
+                    mass_limit=mass_limit, scans=scans, local_window_size=trace.local_window_size,
+                    logits_soft_cap=trace.logits_soft_cap, e2e=e2e, e2e_fp32=fp32, seconds=seconds,
+                    rows=rows, seed=seed, heads_sem=heads_sem)
 
 
-def trace_statistics(trace: Trace, *, num_sinks: int = 1, min_keys: int = 16,
+def _sample(trace, rows: int | None, seed: int, sequence: int, layer: int):
+    """The sorted query rows of ``sequence`` analysed in ``layer``: None (every row) without ``rows`` or where
+    the sequence has no more real tokens than ``rows``, else :func:`~pcast_jax.analysis.heads.sample_rows`."""
+    length = int(trace.lengths[sequence])
+    if rows is None or rows >= length:
+        return None
+    return sample_rows(length, rows, np.random.default_rng([seed, sequence, layer]))
+
+
+def _stream(trace, kernels, scanned: list, *, num_sinks: int, min_keys: int, rows: int | None, seed: int, say,
+            start: float) -> tuple[dict, dict, list]:
+    """Every layer of the trace read once, in order, and analysed before the next: per sequence its sink
+    statistics (:func:`~pcast_jax.analysis.heads.pending_statistics`, each sequence at its length) and every
+    kernel and family scan (:func:`~pcast_jax.analysis.heads.analyze_layers`), on its sample of rows.
+
+    Returns ``(stats {name: [B, L, H, ...]}, heads {metric: [C, B, L, H]} (with ``<metric>_sem`` where
+    sampled), masses)``, ``masses`` per sequence ``{family: {name: [len(todo), L, H]}}``."""
+    num_layers, num_seqs = trace.num_layers, trace.num_sequences
+    stats = [[None] * num_layers for _ in range(num_seqs)]
+    metrics = [[None] * num_layers for _ in range(num_seqs)]
+    found = [[None] * num_layers for _ in range(num_seqs)]
+    analysed = [int(trace.lengths[b]) if rows is None else min(rows, int(trace.lengths[b])) for b in range(num_seqs)]
+    row_words = " + ".join(f"{n:,}" for n in analysed) + " rows" + (
+        "" if rows is None else f" (sampled of {' + '.join(f'{int(n):,}' for n in trace.lengths)})")
+    say(f"{num_layers} layers × {trace.num_heads} heads × {num_seqs} sequence{'s' if num_seqs > 1 else ''}: "
+        f"{row_words} per head, {len(kernels)} configs ({', '.join(k.name for k in kernels)}) and {len(scanned)} "
+        "scale scans, one layer at a time")
+    for layer in range(num_layers):
+        q, k, v = trace.layer(layer)
+        params = _layer_parameters(trace, layer)
+        for b in range(num_seqs):
+            n = int(trace.lengths[b])
+            sample = _sample(trace, rows, seed, b, layer)
+            positions, finish = pending_statistics(q[None, b], k[None, b], num_sinks=num_sinks,
+                                                   min_keys=min(min_keys, n), length=n, sample=sample, **params)
+            if rows is not None:  # a sample is quick to compute and the layer large: one pass's copies at a time
+                stats[b][layer] = finish()
+            metrics[b][layer], found[b][layer] = analyze_layers(
+                (q[None, b], k[None, b], v[None, b]), kernels, positions, families=scanned, min_keys=min_keys,
+                length=n, sample=sample, **params)
+            if rows is not None and sample is None:  # a sequence analysed whole among sampled ones: exact
+                for part in (metrics[b][layer], *found[b][layer]):
+                    part.update({f"{m}_sem": np.zeros_like(a, np.float32) for m, a in list(part.items())
+                                 if m != "rows_used"})
+            if rows is None:
+                stats[b][layer] = finish()  # computed beside the kernels
+        del q, k, v
+        elapsed = time.perf_counter() - start
+        left = elapsed / (layer + 1) * (num_layers - layer - 1)
+        say(f"layer {layer + 1}/{num_layers} done ({trace.layers[layer]}; {row_words} × {trace.num_heads} heads): "
+            f"{elapsed:.1f} s, about {left:.0f} s left")
+    stacked = {name: np.stack([np.concatenate([s[name] for s in seq]) for seq in stats]) for name in stats[0][0]}
+    heads = {name: np.stack([np.concatenate([m[name] for m in seq], axis=1) for seq in metrics], axis=1)
+             for name in metrics[0][0]}
+    masses = [{family: {name: np.concatenate([f[i][name] for f in seq], axis=1) for name in seq[0][i]}
+               for i, (family, _) in enumerate(scanned)} for seq in found]
+    return stacked, heads, masses
+
+
+def trace_statistics(trace: Trace | StreamedTrace, *, num_sinks: int = 1, min_keys: int = 16,
                      progress: Callable[[str], None] | None = None) -> dict:
     """:func:`~pcast_jax.analysis.heads.sink_statistics` of every sequence of ``trace``, each at its
-    length and every layer within its window: ``{name: [B, L, H, ...]}``."""
-    return _pending_statistics(trace, num_sinks=num_sinks, min_keys=min_keys, progress=progress)[1]()
-
-
-def _pending_statistics(trace: Trace, *, num_sinks: int, min_keys: int, progress: Callable[[str], None] | None):
-    """:func:`trace_statistics` in two steps (:func:`~pcast_jax.analysis.heads.pending_statistics`):
-    ``(sink_positions [B, L, H, num_sinks], finish)``, ``finish()`` the statistics' dict."""
+    length and every layer within its window, one layer at a time: ``{name: [B, L, H, ...]}``."""
     say = progress or (lambda _line: None)
-    per_seq = []
-    for b in range(trace.num_sequences):
-        n = int(trace.lengths[b])
-        say(f"sequence {b + 1}/{trace.num_sequences}: sink statistics ({trace.num_layers} layers, {n} tokens)")
-        per_seq.append(pending_statistics(trace.q[:, b], trace.k[:, b], num_sinks=num_sinks,
-                                          min_keys=min(min_keys, n), length=n,
-                                          local_window_size=trace.local_window_size, sinks=trace.sinks,
-                                          logits_soft_cap=trace.logits_soft_cap))
-
-    def finish() -> dict:
-        stats = [pending() for _, pending in per_seq]
-        return {name: np.stack([s[name] for s in stats]) for name in stats[0]}
-
-    return np.stack([positions for positions, _ in per_seq]), finish
+    per_layer = []
+    for layer in range(trace.num_layers):
+        say(f"layer {layer + 1}/{trace.num_layers}: sink statistics")
+        q, k, _ = trace.layer(layer)
+        per_layer.append([pending_statistics(q[None, b], k[None, b], num_sinks=num_sinks,
+                                             min_keys=min(min_keys, int(trace.lengths[b])),
+                                             length=int(trace.lengths[b]), **_layer_parameters(trace, layer))[1]()
+                          for b in range(trace.num_sequences)])
+    return {name: np.stack([np.concatenate([seqs[b][name] for seqs in per_layer]) for b in range(trace.num_sequences)])
+            for name in per_layer[0][0]}
 
 
-def trace_sinks(trace: Trace, *, num_sinks: int = 1, progress: Callable[[str], None] | None = None) -> np.ndarray:
+def trace_sinks(trace: Trace | StreamedTrace, *, num_sinks: int = 1,
+                progress: Callable[[str], None] | None = None) -> np.ndarray:
     """``[B, L, H, num_sinks]``: :func:`trace_statistics`' ``sink_positions`` alone
-    (:func:`~pcast_jax.analysis.heads.find_sinks`), what a scan of candidate scales needs."""
+    (:func:`~pcast_jax.analysis.heads.find_sinks`), what a scan of candidate scales needs; one layer at a time."""
     say = progress or (lambda _line: None)
-    per_seq = []
-    for b in range(trace.num_sequences):
-        n = int(trace.lengths[b])
-        say(f"sequence {b + 1}/{trace.num_sequences}: sink positions ({trace.num_layers} layers, {n} tokens)")
-        per_seq.append(find_sinks(trace.q[:, b], trace.k[:, b], num_sinks=num_sinks, length=n,
-                                  local_window_size=trace.local_window_size, sinks=trace.sinks,
-                                  logits_soft_cap=trace.logits_soft_cap))
-    return np.stack(per_seq)
+    per_layer = []
+    for layer in range(trace.num_layers):
+        say(f"layer {layer + 1}/{trace.num_layers}: sink positions")
+        q, k, _ = trace.layer(layer)
+        per_layer.append([find_sinks(q[None, b], k[None, b], num_sinks=num_sinks, length=int(trace.lengths[b]),
+                                     **_layer_parameters(trace, layer)) for b in range(trace.num_sequences)])
+    return np.stack([np.concatenate([seqs[b] for seqs in per_layer]) for b in range(trace.num_sequences)])
 
 
 def end_to_end(trace: Trace, configs: Sequence[KernelConfig], logits_fn: Callable,
@@ -570,68 +735,49 @@ def _families(kernels) -> dict:
     return out
 
 
-def _run_kernels(trace: Trace, kernels, families: dict, sink_positions, min_keys: int, say, start) -> tuple[dict, list]:
-    """Every kernel on every sequence of the trace, ``{metric: [C, B, L, H]}`` (each sequence at its length,
-    each layer within its local window), and per sequence the masses of every family's candidate scales
-    no member runs (:func:`~pcast_jax.analysis.heads.scale_masses`), in one pass over the layers
-    (:func:`~pcast_jax.analysis.heads.analyze_layers`)."""
-    scanned = [(family, todo) for family, (_, todo) in families.items() if todo]
-    per_seq, masses = [], []
-    for b in range(trace.num_sequences):
-        def layer_line(layer, b=b):
-            say(f"sequence {b + 1}/{trace.num_sequences}: layer {layer + 1}/{trace.num_layers}, {len(kernels)} "
-                f"configs ({', '.join(k.name for k in kernels)}) and {len(scanned)} scale scans "
-                f"({time.perf_counter() - start:.1f} s)")
-
-        metrics, found = analyze_layers((trace.q[:, b], trace.k[:, b], trace.v[:, b]), kernels, sink_positions[b],
-                                        families=scanned, min_keys=min_keys, progress=layer_line,
-                                        length=int(trace.lengths[b]), local_window_size=trace.local_window_size,
-                                        sinks=trace.sinks, logits_soft_cap=trace.logits_soft_cap)
-        per_seq.append(metrics)
-        masses.append(dict(zip((family for family, _ in scanned), found)))
-    return {name: np.stack([h[name] for h in per_seq], axis=1) for name in per_seq[0]}, masses
-
-
-def _scale_scans(trace: Trace, kernels, families: dict, heads: dict, masses: list, sink_positions, min_keys: int,
-                 mass_limit: float) -> tuple[ScaleScan, ...]:
+def _scale_scans(trace, kernels, families: dict, heads: dict, heads_sem: dict | None, masses: list,
+                 sink_positions, min_keys: int, mass_limit: float, rows: int | None) -> tuple[ScaleScan, ...]:
     """The safe-scale scan of each family of static-scale kernels (module docstring): every candidate
     of :func:`scale_candidates`, an analysed member's own rows reused at its scale, the others' masses
-    from :func:`_run_kernels`."""
+    from :func:`_stream` (with their standard errors where the rows were sampled)."""
     scans = []
     for family, (members, todo) in families.items():
-        known = {kernels[ci].scale: {m: a[ci] for m, a in heads.items()} for ci in members}
+        known = {}
+        for ci in members:
+            known[kernels[ci].scale] = {m: a[ci] for m, a in heads.items()}
+            known[kernels[ci].scale].update({f"{m}_sem": a[ci] for m, a in (heads_sem or {}).items()})
         for i, scale in enumerate(todo):
-            known[scale] = {m: np.stack([seq[family][m][i] for seq in masses])
-                            for m in ("zeroed_mass", "saturated_mass")}
+            known[scale] = {m: np.stack([seq[family][m][i] for seq in masses]) for m in masses[0][family]}
         scans.append(scale_scan(trace, family.replace(name=kernels[members[0]].name), sink_positions=sink_positions,
                                 min_keys=min_keys, mass_limit=mass_limit, known=known,
-                                members=tuple(kernels[ci].name for ci in members)))
+                                members=tuple(kernels[ci].name for ci in members), rows=rows))
     return tuple(scans)
 
 
-def scale_scan(trace: Trace, config: KernelConfig, *, sink_positions, scales: Sequence[float] | None = None,
-               min_keys: int = 16, mass_limit: float = 1e-3, known: dict | None = None,
-               members: tuple[str, ...] = ()) -> ScaleScan:
+def scale_scan(trace: Trace | StreamedTrace, config: KernelConfig, *, sink_positions,
+               scales: Sequence[float] | None = None, min_keys: int = 16, mass_limit: float = 1e-3,
+               known: dict | None = None, members: tuple[str, ...] = (), rows: int | None = None) -> ScaleScan:
     """One kernel family simulated on ``trace`` at each candidate scale, judged by :func:`meets_criterion`.
 
     Args:
-      trace: the :class:`Trace`.
+      trace: the :class:`Trace` or :class:`StreamedTrace` (read one layer at a time).
       config: the kernel (its ``scale`` is replaced by each candidate; its name labels the scan).
       sink_positions: ``[B, L, H, k]`` from the sink statistics (:attr:`Analysis.stats`).
       scales: the candidates (default :func:`scale_candidates`).
       min_keys, mass_limit: as :func:`analyze`.
       known: ``{scale: {metric: [B, L, H]}}`` of scales already simulated by the full kernel (an
-        analysed configuration), used as they are; the others come from
-        :func:`~pcast_jax.analysis.heads.scale_masses`, the same kernel's zeroed and clipped masses
-        without the contraction with V, all candidates in one pass.
+        analysed configuration), used as they are (with ``<metric>_sem`` where its rows were sampled); the
+        others come from :func:`~pcast_jax.analysis.heads.scale_masses`, the same kernel's zeroed and clipped
+        masses without the contraction with V, all candidates in one pass.
       members: the analysed configurations of the family (default: the config's name).
+      rows: the rows ``known`` was sampled on (:func:`analyze`'s ``rows``; None: every row): each candidate
+        is then judged within its standard error, and one within noise below the first that meets the
+        criterion leaves no recommendation (``within_noise``).
 
     Returns:
       :class:`ScaleScan`, one row per candidate by scale; ``recommended`` the smallest meeting the
       criterion, or None.
     """
-    from pcast_jax.analysis.heads import scale_masses
-
     known = known or {}
     scales = tuple(sorted({float(s) for s in (scale_candidates(config) if scales is None else scales)}))
     if not scales:
@@ -639,27 +785,46 @@ def scale_scan(trace: Trace, config: KernelConfig, *, sink_positions, scales: Se
     todo = [s for s in scales if s not in known]
     found = dict(known)
     if todo:
-        per_seq = [scale_masses((trace.q[:, b], trace.k[:, b], trace.v[:, b]), config, todo, sink_positions[b],
-                                min_keys=min_keys, length=int(trace.lengths[b]),
-                                local_window_size=trace.local_window_size, sinks=trace.sinks,
-                                logits_soft_cap=trace.logits_soft_cap)
-                   for b in range(trace.num_sequences)]
-        for i, scale in enumerate(todo):
-            found[scale] = {m: np.stack([seq[m][i] for seq in per_seq]) for m in per_seq[0]}
+        per_layer = []
+        for layer in range(trace.num_layers):
+            q, k, v = trace.layer(layer)
+            per_layer.append([scale_masses((q[None, b], k[None, b], v[None, b]), config, todo,
+                                           sink_positions[b][layer:layer + 1], min_keys=min_keys,
+                                           length=int(trace.lengths[b]), **_layer_parameters(trace, layer))
+                              for b in range(trace.num_sequences)])
+        for i, scale in enumerate(todo):  # [B, L, H] per mass
+            found[scale] = {m: np.stack([np.concatenate([seqs[b][m][i] for seqs in per_layer])
+                                         for b in range(trace.num_sequences)])
+                            for m in ("zeroed_mass", "saturated_mass")}
     from pcast_jax.deployments import knob_setting
 
-    head_dim = trace.q.shape[-1]
-    rows = []
+    z = None if rows is None else _stats.z_value(rows)
+    out = []
     for scale in scales:
-        worst = _worst(found[scale], mass_limit, trace.layers)
-        knob, value, where = knob_setting(config, scale, head_dim=head_dim)
-        rows.append({"scale": scale, "applied_scale": config.replace(scale=scale).effective_scale, "knob_value": value,
-                     "zeroed_mass_max": worst["zeroed_mass_max"], "saturated_mass_max": worst["saturated_mass_max"],
-                     "heads_over_limit": worst["heads_over_limit"],
-                     "meets": meets_criterion(worst["zeroed_mass_max"], worst["saturated_mass_max"], mass_limit)})
-    recommended = next((r["scale"] for r in rows if r["meets"]), None)
+        masses = {m: a for m, a in found[scale].items() if not m.endswith("_sem")}
+        sem = {m[:-4]: a for m, a in found[scale].items() if m.endswith("_sem")} or None
+        worst = _worst(masses, mass_limit, trace.layers, sem=sem, z=z)
+        knob, value, where = knob_setting(config, scale, head_dim=trace.head_dim)
+        row = {"scale": scale, "applied_scale": config.replace(scale=scale).effective_scale, "knob_value": value,
+               "zeroed_mass_max": worst["zeroed_mass_max"], "saturated_mass_max": worst["saturated_mass_max"],
+               "heads_over_limit": worst["heads_over_limit"], "meets": worst["meets"]}
+        if sem is not None:
+            row.update(zeroed_mass_max_sem=worst["zeroed_mass_max_sem"],
+                       saturated_mass_max_sem=worst["saturated_mass_max_sem"])
+        out.append(row)
+    first = next((i for i, r in enumerate(out) if r["meets"] is not False), None)
+    recommended = None if first is None or out[first]["meets"] is None else out[first]["scale"]
     return ScaleScan(family=config.replace(scale=1.0, name=config.name), members=members or (config.name,),
-                     rows=tuple(rows), recommended=recommended, knob=knob, knob_where=where)
+                     rows=tuple(out), recommended=recommended, knob=knob, knob_where=where,
+                     within_noise=first is not None and out[first]["meets"] is None)
+
+
+def _layer_parameters(trace, layer: int) -> dict:
+    """What layer ``layer`` lets its queries see, as the per-layer passes of :mod:`~pcast_jax.analysis.heads`
+    take it for a one-layer trace: its window, learned sinks and soft cap."""
+    return {"local_window_size": [int(trace.local_window_size[layer])],
+            "sinks": None if trace.sinks is None else trace.sinks[layer:layer + 1],
+            "logits_soft_cap": None if trace.logits_soft_cap is None else trace.logits_soft_cap[layer:layer + 1]}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -706,8 +871,8 @@ class TraceDiagnosis:
                 "layers": [dict(g) for g in self.layers]}
 
 
-def diagnose_trace(deployment, trace: Trace, *, knob_value: float | None = None, scales: dict | None = None,
-                   mass_limit: float = 1e-3, logits_fn: Callable | None = None,
+def diagnose_trace(deployment, trace: Trace | StreamedTrace, *, knob_value: float | None = None,
+                   scales: dict | None = None, mass_limit: float = 1e-3, logits_fn: Callable | None = None,
                    progress: Callable[[str], None] | None = None) -> TraceDiagnosis:
     """The doctor's question on a model: the deployment's kernels (:func:`pcast_jax.deployments.configured`,
     at the trace's head dim) analysed on ``trace`` (:func:`analyze`), and the knob value to set.
@@ -737,7 +902,7 @@ def diagnose_trace(deployment, trace: Trace, *, knob_value: float | None = None,
     if not deployment.casts_p:
         return TraceDiagnosis(deployment, None, True, None, deployments.no_fp8_p_advice(deployment),
                               features=features, unread=unread)
-    configs = deployments.configured(deployment, knob_value=knob_value, scales=scales, head_dim=trace.q.shape[-1])
+    configs = deployments.configured(deployment, knob_value=knob_value, scales=scales, head_dim=trace.head_dim)
     result = analyze(trace, configs, mass_limit=mass_limit, logits_fn=logits_fn, progress=progress)
     failing = [r["config"] for r in result.config_rows() if r["verdict"] != SAFE]
     fail = f"{', '.join(failing)} {'fails' if len(failing) == 1 else 'fail'} the criterion on this model"

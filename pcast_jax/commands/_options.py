@@ -270,9 +270,28 @@ def add_trace_arguments(parser: argparse.ArgumentParser, *, trace_does: str, mod
     """``--trace TRACE`` (a :class:`~pcast_jax.analysis.Trace` file) and ``--model PATH`` (the model it came
     from), said as what the command does with each."""
     parser.add_argument("--trace", default=None, metavar="TRACE",
-                        help=f"a trace of your model (pcast_jax.analysis.Trace.save, .npz): {trace_does}")
+                        help=f"a trace of your model (pcast_jax.analysis.Trace.save, .npz, or a trace folder of "
+                             f"Trace.save_layers, read one layer at a time): {trace_does}")
     parser.add_argument("--model", default=None, metavar="PATH",
                         help=f"with --trace: the model it came from (GGUF file or Hugging Face folder): {model_adds}")
+
+
+def read_trace(option: str, path):
+    """The trace ``option`` names: a trace folder (:meth:`~pcast_jax.analysis.Trace.save_layers`, read one layer
+    at a time) or an ``.npz`` file, which must be a regular file (a pipe would block the reader)."""
+    from pcast_jax import fileio
+    from pcast_jax.analysis import load_trace
+
+    if not Path(path).is_dir():
+        fileio.check_regular(path, what=f"{option} {path}")
+    return load_trace(path)
+
+
+def progress_lines(show: bool | None):
+    """``(line) -> None`` printing each progress line on stderr, or doing nothing where ``show`` is False."""
+    if show is False:
+        return lambda _line: None
+    return lambda line: print(line, file=sys.stderr, flush=True)
 
 
 def add_progress_argument(parser: argparse.ArgumentParser, what: str = "a progress bar on stderr",

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pcast_jax import fileio, report
+from pcast_jax import report
 from pcast_jax.commands import _options
 
 DEFAULT_CONFIGS = "fwd_s1,fwd_s256,rev_s256,fa3,fa3_splitkv"
@@ -17,7 +17,8 @@ FORMATS = ("text", "json")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", metavar="TRACE",
-                        help="trace file written by pcast_jax.analysis.Trace.save (.npz)")
+                        help="trace file written by pcast_jax.analysis.Trace.save (.npz), or a trace folder written "
+                             "by Trace.save_layers (read one layer at a time)")
     _options.add_kernel_arguments(parser, default_configs=DEFAULT_CONFIGS)
     parser.add_argument("--out", default="analysis", metavar="DIR",
                         help="report folder: analysis.md, analysis.json, analysis_*.csv and, with matplotlib "
@@ -34,25 +35,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="attention mass the worst head may lose to zeroed P, and may have clipped, for a "
                              "kernel to be safe to serve; in (0, 1) (default 1e-3)")
     parser.add_argument("--num-sinks", default="1", metavar="K", help="sink keys per head (default 1)")
-    _options.add_progress_argument(parser, "progress lines on stderr", "on")
+    parser.add_argument("--rows", default=None, metavar="N",
+                        help="analyse a random sample of N query rows per sequence, layer and head (every key kept): "
+                             "every mass carries its standard error and a verdict is decided only where the error "
+                             "allows (default: every row)")
+    parser.add_argument("--seed", default=None, metavar="S", help="with --rows: the sample's seed (default 0)")
+    _options.add_progress_argument(parser, "progress lines on stderr (layers done, rows, time left)", "on")
 
 
 def run(args: argparse.Namespace) -> int:
-    from pcast_jax.analysis import analyze, load_trace, write_report
+    from pcast_jax.analysis import analyze, write_report
     from pcast_jax.analysis.report import NO_FIGURES
+    from pcast_jax.errors import PcastError
     kernels = _options.kernels_from_args(args, default_configs=DEFAULT_CONFIGS)
     if args.configs is not None or not (args.config or args.config_file):
         names = _options.items("--configs", args.configs or DEFAULT_CONFIGS)
         kernels = names + kernels[len(names):]  # preset names: their tile for the trace's head dim
     mass_limit = _options.number("--mass-limit", args.mass_limit, positive=True)
     num_sinks = _options.integer("--num-sinks", args.num_sinks, min_value=1)
-    log = (lambda _line: None) if args.progress is False else (lambda line: print(line, file=sys.stderr, flush=True))
+    rows = None if args.rows is None else _options.integer("--rows", args.rows, min_value=2)
+    seed = 0 if args.seed is None else _options.integer("--seed", args.seed, min_value=0)
+    if args.rows is None and args.seed is not None:
+        raise PcastError(f"--seed={args.seed!r}: only with --rows (the seed of the sample of rows)")
+    log = _options.progress_lines(args.progress)
     report.check_out_dir(args.out)
-    fileio.check_regular(args.trace, what=f"trace file {args.trace}")  # a pipe would block the reader
-    trace = load_trace(args.trace)
+    trace = _options.read_trace("trace file", args.trace)
     logits_fn = None if args.model is None else model_logits(args.model, trace)
     result = analyze(trace, kernels, num_sinks=num_sinks, mass_limit=mass_limit, logits_fn=logits_fn,
-                     progress=log)
+                     progress=log, rows=rows, seed=seed)
     path = write_report(result, Path(args.out), title=f"P-cast analysis of {Path(args.trace).name}", what="--out")
     notes = [NO_FIGURES] if NO_FIGURES[1:] in path.read_text() else []  # the markdown says so too
     if args.format == "json":
@@ -71,8 +81,7 @@ def _check_model_matches(cfg, trace, path) -> None:
     """The model must be the one that made the trace: its layers, heads, KV heads, head dim, vocabulary."""
     from pcast_jax.errors import PcastError
 
-    L, _, _, hq, d = trace.q.shape
-    hkv = trace.k.shape[3]
+    L, hq, hkv, d = trace.num_layers, trace.num_heads, trace.num_kv_heads, trace.head_dim
     pairs = [("layers", cfg.num_layers, L), ("query heads", cfg.num_heads, hq), ("KV heads", cfg.num_kv_heads, hkv),
              ("head dim", cfg.head_dim, d)]
     wrong = [f"{name} {got} vs {want}" for name, got, want in pairs if got != want]

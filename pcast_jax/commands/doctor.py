@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mass-limit", default=None, metavar="X",
                         help="with --trace: the worst head's zeroed and clipped mass limit, in (0, 1) (default 1e-3)")
     parser.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
+    _options.add_progress_argument(parser, "with --trace: progress lines on stderr (layers done, rows, time left)",
+                                   "on")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
     scales = deployments.checkpoint_scales(args.checkpoint) if args.checkpoint else {}
     if args.model is not None and args.trace is None:
         raise PcastError("--model needs --trace (the model's trace: its tokens run through the model)")
+    if args.progress is not None and args.trace is None:
+        raise PcastError("--progress/--no-progress: only with --trace (the analysis of a trace is what takes long)")
     if args.trace is not None:
         return _on_trace(args, row, knob_value, scales)
     diag = deployments.diagnose(row, knob_value=knob_value, scales=scales, deltas=deltas, seeds=seeds[0],
@@ -165,18 +169,17 @@ def _names(names: list[str], most: int = 8) -> str:
 
 def _on_trace(args: argparse.Namespace, row, knob_value, scales: dict) -> int:
     """``--trace``: the deployment's kernels analysed on the model's trace (``analysis.diagnose_trace``)."""
-    from pcast_jax import fileio, report
-    from pcast_jax.analysis import diagnose_trace, load_trace
+    from pcast_jax import report
+    from pcast_jax.analysis import diagnose_trace
     from pcast_jax.analysis.report import report_data
     from pcast_jax.commands.analyze import model_logits
 
     mass_limit = _options.number("--mass-limit", DEFAULT_MASS_LIMIT if args.mass_limit is None else args.mass_limit,
                                  positive=True)
-    fileio.check_regular(args.trace, what=f"trace file {args.trace}")
-    trace = load_trace(args.trace)
+    trace = _options.read_trace("trace file", args.trace)
     logits_fn = None if args.model is None else model_logits(args.model, trace)
     diag = diagnose_trace(row, trace, knob_value=knob_value, scales=scales, mass_limit=mass_limit,
-                          logits_fn=logits_fn)
+                          logits_fn=logits_fn, progress=_options.progress_lines(args.progress))
     if args.format == "json":
         data = {**diag.to_dict(), "analysis": None if diag.analysis is None else report_data(diag.analysis)}
         print(json.dumps(report.json_value(data), indent=1, ensure_ascii=False))

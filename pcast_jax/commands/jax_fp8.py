@@ -79,11 +79,7 @@ def run(args: argparse.Namespace) -> int:
     if args.mxfp8 and args.tau is not None:
         raise PcastError("--mxfp8 with --trace and --tau: the older MXFP8 reference fixes S = 16, there is no "
                          "scale_s to choose (pcast analyze TRACE --configs cudnn_mxfp8 analyses it)")
-    from pcast_jax import fileio
-    from pcast_jax.analysis import load_trace
-
-    fileio.check_regular(args.trace, what=f"trace file {args.trace}")
-    trace = load_trace(args.trace)
+    trace = _options.read_trace("trace file", args.trace)
     logits_fn = None
     if args.model is not None:
         from pcast_jax.commands.analyze import model_logits
