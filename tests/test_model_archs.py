@@ -1,7 +1,8 @@
 """The architectures of Hugging Face transformers the loader reads: Llama 3.x RoPE scaling, qwen3, mistral, gemma2,
-gemma3_text, on tiny random checkpoints the tests write, each held to an independent float64 NumPy forward written
-here from transformers' definitions (v5.25.0, cited in ``pcast_jax.models.hf_loader.HF_ARCHITECTURES``); it shares
-no code with the package. gpt_oss and the multimodal gemma3 are refused by name.
+gemma3_text, gpt_oss (sinks, YaRN, mixture of experts), on tiny random checkpoints the tests write, each held to an
+independent float64 NumPy forward written here from transformers' definitions (v5.25.0, cited in
+``pcast_jax.models.hf_loader.HF_ARCHITECTURES``); it shares no code with the package. The multimodal gemma3 and
+quantized checkpoints are refused by name.
 
 Tolerance: the package's forward runs in float32 (unit roundoff 2^-24 ≈ 6e-8); a logit passes through two layers of
 at most eight chained products of ≤ 48 terms, norms and a softmax, so its error is a few hundred roundoffs of
@@ -14,7 +15,7 @@ import math
 
 import numpy as np
 import pytest
-from test_model_files import D_MODEL, FFN, HD, HKV, HQ, VOCAB, L, hf_weights, write_safetensors
+from test_model_files import D_MODEL, FFN, HD, HKV, HQ, VOCAB, L, analyze_recorded, hf_weights, write_safetensors
 
 from pcast_jax.errors import PcastError
 from pcast_jax.models import forward, load_model
@@ -36,7 +37,11 @@ CASES = {
     "gemma3": ("gemma3_text", {"sliding_window": 5, "sliding_window_pattern": 2, "query_pre_attn_scalar": 16,
                                "rope_theta": 1_000_000.0, "rope_local_base_freq": 100.0,
                                "rope_scaling": {"rope_type": "linear", "factor": 8.0}}),
+    "gpt_oss": ("gpt_oss", {"sliding_window": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "rope_theta": 100.0,
+                            "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 8.0, "beta_slow": 1.0,
+                                             "truncate": False, "original_max_position_embeddings": 16}}),
 }
+EXPERTS = 4
 
 
 def config_json(arch: str, extra: dict) -> dict:
@@ -56,7 +61,7 @@ def weights(arch: str, seed: int = 0) -> dict:
     scales by 1 + w, so it is drawn near 0."""
     rng = np.random.default_rng(seed + 100)
     gemma = arch.startswith("gemma")
-    out = hf_weights("llama", tied=gemma, seed=seed)
+    out = hf_weights("qwen2" if arch == "gpt_oss" else "llama", tied=gemma, seed=seed)  # gpt_oss: Q/K/V biases
 
     def norm(n):
         return (rng.normal(size=n) * 0.1).astype(np.float32) + (0.0 if gemma else 1.0)
@@ -70,15 +75,37 @@ def weights(arch: str, seed: int = 0) -> dict:
                         p + "post_feedforward_layernorm.weight": norm(D_MODEL)})
         if arch in ("qwen3", "gemma3_text"):
             out.update({p + "self_attn.q_norm.weight": norm(HD), p + "self_attn.k_norm.weight": norm(HD)})
+        if arch == "gpt_oss":
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                del out[p + f"mlp.{name}.weight"]
+
+            def w(*shape, scale=0.3):
+                return (rng.normal(size=shape) * scale).astype(np.float32)
+
+            out.update({p + "self_attn.o_proj.bias": w(D_MODEL), p + "self_attn.sinks": w(HQ, scale=1.0),
+                        p + "mlp.router.weight": w(EXPERTS, D_MODEL), p + "mlp.router.bias": w(EXPERTS),
+                        p + "mlp.experts.gate_up_proj": w(EXPERTS, D_MODEL, 2 * FFN, scale=0.6),
+                        p + "mlp.experts.gate_up_proj_bias": w(EXPERTS, 2 * FFN),
+                        p + "mlp.experts.down_proj": w(EXPERTS, FFN, D_MODEL),
+                        p + "mlp.experts.down_proj_bias": w(EXPERTS, D_MODEL)})
     return out
 
 
 def inv_freq(base: float, rope: dict | None) -> np.ndarray:
-    """RoPE frequencies as transformers' rope functions define them (default, linear, llama3)."""
+    """RoPE frequencies as transformers' rope functions define them (default, linear, llama3, yarn)."""
     freq = 1.0 / base ** (np.arange(0, HD, 2) / HD)
     kind = (rope or {}).get("rope_type", "default")
     if kind == "linear":
         return freq / rope["factor"]
+    if kind == "yarn":  # the dims between the beta_fast and beta_slow rotation counts ramp from kept to / factor
+        def dim_at(rotations):
+            return HD * math.log(rope["original_max_position_embeddings"] / (rotations * 2 * math.pi)) \
+                / (2 * math.log(base))
+
+        low, high = max(dim_at(rope["beta_fast"]), 0), min(dim_at(rope["beta_slow"]), HD - 1)
+        assert not rope.get("truncate", True)
+        kept = 1 - np.clip((np.arange(HD // 2) - low) / (high - low), 0, 1)
+        return freq / rope["factor"] * (1 - kept) + freq * kept
     if kind == "llama3":
         out = []
         old = rope["original_max_position_embeddings"]
@@ -105,6 +132,8 @@ def layer_types(arch: str, cfg: dict) -> list:
                 for i in range(L)]
     if arch == "mistral" and cfg.get("sliding_window"):
         return ["sliding_attention"] * L
+    if arch == "gpt_oss":
+        return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(L)]
     if arch == "qwen3" and cfg.get("use_sliding_window"):
         return ["sliding_attention" if i >= cfg["max_window_layers"] else "full_attention" for i in range(L)]
     return ["full_attention"] * L
@@ -124,7 +153,9 @@ def reference(weights: dict, cfg: dict, tokens) -> np.ndarray:
 
     def rotation(base, rope):
         ang = np.arange(n)[:, None] * inv_freq(base, rope)[None]
-        return np.concatenate([np.cos(ang)] * 2, -1)[:, None], np.concatenate([np.sin(ang)] * 2, -1)[:, None]
+        mag = 0.1 * math.log(rope["factor"]) + 1 if (rope or {}).get("rope_type") == "yarn" else 1.0
+        return (mag * np.concatenate([np.cos(ang)] * 2, -1)[:, None],
+                mag * np.concatenate([np.sin(ang)] * 2, -1)[:, None])
 
     def rope_apply(x, cs):
         cos, sin = cs
@@ -148,9 +179,8 @@ def reference(weights: dict, cfg: dict, tokens) -> np.ndarray:
         p = f"model.layers.{i}."
         sliding = types[i] == "sliding_attention"
         h = rms(x, W[p + "input_layernorm.weight"])
-        q = (h @ W[p + "self_attn.q_proj.weight"].T).reshape(n, HQ, HD)
-        k = (h @ W[p + "self_attn.k_proj.weight"].T).reshape(n, HKV, HD)
-        v = (h @ W[p + "self_attn.v_proj.weight"].T).reshape(n, HKV, HD)
+        q, k, v = ((h @ W[p + f"self_attn.{x}_proj.weight"].T + W.get(p + f"self_attn.{x}_proj.bias", 0.0))
+                   .reshape(n, heads, HD) for x, heads in (("q", HQ), ("k", HKV), ("v", HKV)))
         if p + "self_attn.q_norm.weight" in W:
             q, k = rms(q, W[p + "self_attn.q_norm.weight"]), rms(k, W[p + "self_attn.k_norm.weight"])
         rot = local_rot if sliding else global_rot
@@ -165,22 +195,44 @@ def reference(weights: dict, cfg: dict, tokens) -> np.ndarray:
                 for b in range(n):
                     if b > a or (sliding and b <= a - cfg["sliding_window"]):
                         s[a, b] = -np.inf
-            pr = np.exp(s - s.max(1, keepdims=True))
-            out[:, hh] = (pr / pr.sum(1, keepdims=True)) @ v[:, kv]
-        attn = out.reshape(n, HQ * HD) @ W[p + "self_attn.o_proj.weight"].T
+            sink = W[p + "self_attn.sinks"][hh] if arch == "gpt_oss" else -np.inf
+            top = np.maximum(s.max(1, keepdims=True), sink)
+            pr = np.exp(s - top)
+            out[:, hh] = (pr / (pr.sum(1, keepdims=True) + np.exp(sink - top))) @ v[:, kv]
+        attn = out.reshape(n, HQ * HD) @ W[p + "self_attn.o_proj.weight"].T + W.get(p + "self_attn.o_proj.bias", 0.0)
         if gemma:
             x = x + rms(attn, W[p + "post_attention_layernorm.weight"])
             h = rms(x, W[p + "pre_feedforward_layernorm.weight"])
         else:
             x = x + attn
             h = rms(x, W[p + "post_attention_layernorm.weight"])
-        mlp = (act(h @ W[p + "mlp.gate_proj.weight"].T) * (h @ W[p + "mlp.up_proj.weight"].T)) \
-            @ W[p + "mlp.down_proj.weight"].T
+        if arch == "gpt_oss":
+            mlp = moe(h, W, p, cfg)
+        else:
+            mlp = (act(h @ W[p + "mlp.gate_proj.weight"].T) * (h @ W[p + "mlp.up_proj.weight"].T)) \
+                @ W[p + "mlp.down_proj.weight"].T
         x = x + (rms(mlp, W[p + "post_feedforward_layernorm.weight"]) if gemma else mlp)
     head = W["model.embed_tokens.weight"] if cfg["tie_word_embeddings"] else W["lm_head.weight"]
     logits = rms(x, W["model.norm.weight"]) @ head.T
     cap = cfg.get("final_logit_softcapping")
     return cap * np.tanh(logits / cap) if cap else logits
+
+
+def moe(h, W, p, cfg) -> np.ndarray:
+    """gpt-oss's experts token by token: the top-k router logits' softmax weighs each chosen expert's
+    (clamp(up) + 1)·glu(clamp(gate)), gate and up interleaved in one biased projection."""
+    out = np.zeros_like(h)
+    alpha, limit = cfg.get("swiglu_alpha", 1.702), cfg.get("swiglu_limit", 7.0)
+    for t in range(h.shape[0]):
+        logits = W[p + "mlp.router.weight"] @ h[t] + W[p + "mlp.router.bias"]
+        chosen = np.argsort(-logits)[:cfg["num_experts_per_tok"]]
+        weights = np.exp(logits[chosen] - logits[chosen].max())
+        for e, weight in zip(chosen, weights / weights.sum()):
+            gu = h[t] @ W[p + "mlp.experts.gate_up_proj"][e] + W[p + "mlp.experts.gate_up_proj_bias"][e]
+            gate, up = np.minimum(gu[0::2], limit), np.clip(gu[1::2], -limit, limit)
+            y = (up + 1) * gate / (1 + np.exp(-alpha * gate))
+            out[t] += weight * (y @ W[p + "mlp.experts.down_proj"][e] + W[p + "mlp.experts.down_proj_bias"][e])
+    return out
 
 
 def write_checkpoint(folder, arch: str, extra: dict, seed: int = 0):
@@ -197,6 +249,7 @@ WITHOUT = {
     "llama3": {"rope_scaling": None}, "llama3_v5": {"rope_parameters": {"rope_theta": 5000.0}},
     "qwen3_sliding": {"use_sliding_window": False}, "mistral": {"sliding_window": None},
     "gemma2": {"attn_logit_softcapping": None, "sliding_window": 1000}, "gemma3": {"rope_local_base_freq": 1e6},
+    "gpt_oss": {"rope_scaling": None, "sliding_window": 1000},
 }
 
 
@@ -221,16 +274,18 @@ def test_architectures_match_an_independent_numpy_forward(tmp_path, case):
         assert np.abs(reference(plain, cfg_json, TOKENS) - want).max() > 10 * tol
 
 
-def test_window_and_soft_cap_reach_every_hook(tmp_path):
-    """gemma2 through FP8Attention without the cast, and through the Recorder: the same logits; the trace
-    carries each layer's window (W − 1) and soft cap, and Q with the model's query scale folded in."""
+@pytest.mark.parametrize("case", ["gemma2", "gpt_oss"])
+def test_windows_soft_caps_and_sinks_reach_every_hook(tmp_path, case):
+    """gemma2 (window, soft cap, query scale) and gpt_oss (window, sinks) through FP8Attention without the cast
+    and through the Recorder: the reference's logits; the trace carries each layer's window (W − 1), soft cap
+    and sinks, and Q as the model's attention sees it."""
     from pcast_jax.analysis import Recorder
     from pcast_jax.models import FP8Attention, extract_qkv
 
-    arch, extra = CASES["gemma2"]
-    folder, cfg_json, tensors = write_checkpoint(tmp_path / "g2", arch, extra, seed=4)
+    arch, extra = CASES[case]
+    folder, cfg_json, tensors = write_checkpoint(tmp_path / case, arch, extra, seed=4)
     cfg, params = load_model(folder)
-    assert cfg.layer_windows == (3, -1) and cfg.attn_softcap == 3.0
+    assert cfg.layer_windows == (3, -1)
     want = reference(tensors, cfg_json, TOKENS)
     tol = RTOL * np.abs(want).max()
     exact = FP8Attention(config="fwd_s1", p_cast=False)
@@ -240,7 +295,13 @@ def test_window_and_soft_cap_reach_every_hook(tmp_path):
                                atol=tol)
     trace = rec.trace(tokens=TOKENS)
     assert trace.local_window_size.tolist() == [3, -1]
-    np.testing.assert_array_equal(trace.logits_soft_cap, [3.0, 3.0])
+    if case == "gemma2":
+        np.testing.assert_array_equal(trace.logits_soft_cap, [3.0, 3.0])
+        assert trace.sinks is None
+    else:
+        assert trace.logits_soft_cap is None
+        np.testing.assert_array_equal(trace.sinks, np.stack([tensors[f"model.layers.{i}.self_attn.sinks"]
+                                                             for i in range(L)]))
     q = np.asarray(extract_qkv(params, cfg, TOKENS).q)
     np.testing.assert_array_equal(trace.q[0, 0], q[0])  # layer 0: the same float32 operations
     # layer 1 follows each attention's own float32 rounding of layer 0 (the same tolerance as the logits)
@@ -264,9 +325,11 @@ def test_model_report_refuses_what_it_would_analyse_wrong(tmp_path):
 
 
 @pytest.mark.parametrize("override,message", [
-    ({"model_type": "gpt_oss"}, "'gpt_oss' is not supported: its MLP is a mixture of experts.*supported: llama"),
+    ({"model_type": "phi3"}, "'phi3' is not supported \\(supported: llama, qwen2, qwen3, mistral, gemma2, "
+                             "gemma3_text, gpt_oss\\)"),
+    ({"quantization_config": {"quant_method": "mxfp4"}}, "'quantization_config' \\('mxfp4'\\) is not supported"),
     ({"model_type": "gemma3"}, "'gemma3' is not supported: a multimodal checkpoint.*gemma3_text"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn', not supported"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_type 'longrope', not supported"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "key 'low_freq_factor' = None"),
     ({"hidden_act": "gelu"}, "'hidden_act' = 'gelu' is not supported for llama"),
     ({"layer_types": ["sliding_attention"], "model_type": "mistral", "sliding_window": 4}, "'layer_types' must list 2"),
@@ -279,3 +342,14 @@ def test_what_the_forward_would_not_reproduce_is_refused_by_name(tmp_path, overr
     with pytest.raises(PcastError, match=message) as info:
         load_model(folder)
     assert "config.json" in str(info.value)
+
+
+@pytest.mark.parametrize("case", ["gemma2", "gpt_oss"])
+def test_pcast_analyze_with_a_windowed_model_runs_end_to_end(tmp_path, capsys, case):
+    """A right-padded batch recorded through the hook, then `pcast analyze TRACE --model FOLDER`: the windowed
+    layer is analysed as it attends, and the end-to-end forward stays finite where a padded query's window
+    holds only padded keys (that row outputs 0 and is not scored)."""
+    analyze_recorded(tmp_path, write_checkpoint(tmp_path / case, *CASES[case])[0])
+    printed = capsys.readouterr().out
+    assert "1 of 2 layers attend within a local window (3 keys back)" in printed
+    assert "End to end (FP32 perplexity" in printed and "`rev_s256` KL" in printed

@@ -528,13 +528,14 @@ def run_study(sizes: ReportSizes = FULL, *, log: Callable[[str], None] | None = 
 
 
 def _check_full_causal(cfg, tokens: int) -> None:
-    """The study's per-head analysis is of full causal attention without a soft cap: a model whose local
-    windows bind at ``tokens``, or with a logit soft cap, is refused naming the field and the way that
-    carries them (a trace recorded through ``Recorder.hook``, analysed by ``pcast analyze``)."""
+    """The study's per-head analysis is of full causal attention without a soft cap or sinks: a model whose
+    local windows bind at ``tokens``, or with a logit soft cap or learned sinks, is refused naming the field
+    and the way that carries them (a trace recorded through ``Recorder.hook``, analysed by ``pcast analyze``)."""
     binding = [w for w in cfg.layer_windows if 0 <= w < tokens - 1]
-    if binding or cfg.attn_softcap:
+    if binding or cfg.attn_softcap or cfg.attn_sinks:
         what = (f"local windows of {sorted(set(binding))[0] + 1} keys at {tokens} tokens (layer_windows)" if binding
-                else f"an attention logit soft cap of {cfg.attn_softcap} (attn_softcap)")
+                else f"an attention logit soft cap of {cfg.attn_softcap} (attn_softcap)" if cfg.attn_softcap
+                else "learned attention sinks (attn_sinks)")
         raise PcastError(f"model-report analyses full causal attention; this {cfg.architecture} model has {what}. "
                          "Record a trace through pcast_jax.analysis.Recorder().hook() (it carries each layer's "
                          "window and soft cap) and run `pcast analyze TRACE --model MODEL`")

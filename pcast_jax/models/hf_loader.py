@@ -1,12 +1,14 @@
 """Hugging Face checkpoints of decoder-only models: ``config.json`` + ``*.safetensors`` (sharded or not).
 
-``model_type`` llama (Llama 3.x's ``rope_scaling`` ``llama3`` too), qwen2, qwen3 (q/k RMSNorm per
-head), mistral (sliding window), gemma2 and gemma3_text (attention and final logit soft caps,
+``model_type`` llama (Llama 3.x's ``rope_scaling`` ``llama3`` too; ``linear`` and ``yarn``), qwen2,
+qwen3 (q/k RMSNorm per head), mistral (sliding window), gemma2 and gemma3_text (attention and final logit soft caps,
 local/global layers, ``query_pre_attn_scalar``, the ``(1 + w)`` RMSNorm folded into the weights at
 load, the embedding scale √hidden_size, norms after the attention and the MLP, the tanh GELU); each
 as transformers defines it (:data:`HF_ARCHITECTURES` cites the file). A Hugging Face
 ``sliding_window`` of ``W`` keys (query ``i`` sees keys ``j > i − W``) is the local window
-``W − 1`` of :class:`LlamaConfig`. gpt_oss and the multimodal gemma3 are refused by name, saying why.
+``W − 1`` of :class:`LlamaConfig`. gpt_oss (learned sinks, alternating sliding layers, biased projections,
+YaRN RoPE, its mixture of experts) is read in BF16/F16/F32; its MXFP4-quantized experts (a
+``quantization_config``) are refused, as is the multimodal gemma3, by name.
 
 A folder holding ``config.json`` and either ``model.safetensors``, or the shards that
 ``model.safetensors.index.json`` maps every tensor to (any other ``*.safetensors`` files are
@@ -47,11 +49,12 @@ HF_ARCHITECTURES = {
     "gemma3_text": ("models/gemma3/modeling_gemma3.py:132 (1 + w) RMSNorm, 290 query_pre_attn_scalar, 307 sliding "
                     "layers, 310-311 q/k norm, 468 embedding scale; RoPE per layer type: "
                     "configuration_gemma3.py:135-155"),
+    "gpt_oss": ("models/gpt_oss/modeling_gpt_oss.py:68-113 experts, 116-129 router, 215-222 RoPE on the halves, "
+                "241-247 sinks, 270-283 biased projections and sliding layers; configuration_gpt_oss.py:84-96 "
+                "layer types and YaRN; YaRN: modeling_rope_utils.py:346-350, 368-500"),
 }
 #: ``model_type`` values refused by name, and why.
 HF_REFUSED = {
-    "gpt_oss": ("its MLP is a mixture of experts and its RoPE YaRN, neither in this forward (the attention — learned "
-                "sinks, alternating sliding layers — is recorded from PyTorch: pcast_jax.torch_capture)"),
     "gemma3": "a multimodal checkpoint; its text model (model_type 'gemma3_text') is read",
 }
 #: Families whose RMSNorm multiplies by ``1 + w`` (folded into the weights at load).
@@ -72,6 +75,12 @@ _HF_NAMES = {
     "layers.mlp_norm": "model.layers.{i}.post_attention_layernorm.weight",
     "layers.w_gate": "model.layers.{i}.mlp.gate_proj.weight", "layers.w_up": "model.layers.{i}.mlp.up_proj.weight",
     "layers.w_down": "model.layers.{i}.mlp.down_proj.weight",
+    "layers.sinks": "model.layers.{i}.self_attn.sinks", "layers.bo": "model.layers.{i}.self_attn.o_proj.bias",
+    "layers.router": "model.layers.{i}.mlp.router.weight", "layers.router_bias": "model.layers.{i}.mlp.router.bias",
+    "layers.experts_gate_up": "model.layers.{i}.mlp.experts.gate_up_proj",
+    "layers.experts_gate_up_bias": "model.layers.{i}.mlp.experts.gate_up_proj_bias",
+    "layers.experts_down": "model.layers.{i}.mlp.experts.down_proj",
+    "layers.experts_down_bias": "model.layers.{i}.mlp.experts.down_proj_bias",
 }
 #: Where the names of a model with sandwich norms (gemma2/3) differ: its ``post_attention_layernorm``
 #: follows the attention, ``pre_feedforward_layernorm`` is the norm before the MLP.
@@ -130,13 +139,18 @@ def _config(folder: Path) -> LlamaConfig:
     activation = raw.get("hidden_activation" if gemma else "hidden_act",
                          raw.get("hidden_act", "gelu_pytorch_tanh" if gemma else "silu"))
     allowed = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
-    if activation not in (("gelu_pytorch_tanh",) if gemma else ("silu",)):
+    if activation not in (("gelu_pytorch_tanh",) if gemma else ("silu",)):  # gpt_oss: its experts' own gate
         key = "hidden_activation" if gemma and "hidden_activation" in raw else "hidden_act"
         raise PcastError(f"{where}: field {key!r} = {activation!r} is not supported for {arch} "
                          f"({'gelu_pytorch_tanh' if gemma else 'silu'} only)")
+    if raw.get("quantization_config") not in (None, {}):
+        method = raw["quantization_config"].get("quant_method") if isinstance(raw["quantization_config"], dict) \
+            else raw["quantization_config"]
+        raise PcastError(f"{where}: field 'quantization_config' ({method!r}) is not supported: the weights are read in "
+                         "F32, F16 or BF16 (a dequantized checkpoint)")
     # fields that change the model: refused where the forward would not reproduce them
     for key in ("attention_bias", "mlp_bias", "use_bidirectional_attention"):
-        if raw.get(key, False) not in (False, None) and not (arch == "qwen2" and key == "attention_bias"):
+        if raw.get(key, False) not in (False, None) and not (arch in ("qwen2", "gpt_oss") and key == "attention_bias"):
             raise PcastError(f"{where}: field {key!r} = {raw[key]!r} is not supported for {arch} "
                              "(the forward has no such layers)")
     if arch == "qwen2" and raw.get("use_sliding_window", False) not in (False, None):
@@ -169,12 +183,24 @@ def _config(folder: Path) -> LlamaConfig:
                      final_softcap=softcaps["final_logit_softcapping"],
                      query_scale=get("query_pre_attn_scalar", 256.0, kind=float) ** -0.5,
                      embed_scale=float(hidden) ** 0.5, sandwich_norms=True)
+    if arch == "gpt_oss":
+        bias = raw.get("attention_bias", True)
+        if bias is not True:
+            raise PcastError(f"{where}: field 'attention_bias' = {bias!r} is not supported for gpt_oss (biased "
+                             "projections only)")
+        experts = get("num_local_experts", 128)
+        extra = dict(attn_sinks=True, out_bias=True, num_experts=experts,
+                     experts_per_token=min(get("num_experts_per_tok", 4), experts),
+                     swiglu_alpha=get("swiglu_alpha", 1.702, kind=float),
+                     swiglu_limit=get("swiglu_limit", 7.0, kind=float))
+        if get("num_experts_per_tok", 4) > experts:
+            raise PcastError(f"{where}: field 'num_experts_per_tok' must be at most 'num_local_experts' = {experts}")
     cfg = LlamaConfig(
         num_layers=layers, hidden_size=hidden, intermediate_size=get("intermediate_size"),
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         rope_dim=head_dim, rms_eps=get("rms_norm_eps", 1e-6 if gemma else None, kind=float),
         vocab_size=get("vocab_size"), context_length=get("max_position_embeddings"), tied_embeddings=tied,
-        name=str(raw.get("_name_or_path", "")), architecture=arch, rope="half", qkv_bias=arch == "qwen2",
+        name=str(raw.get("_name_or_path", "")), architecture=arch, rope="half", qkv_bias=arch in ("qwen2", "gpt_oss"),
         qk_norm=arch in ("qwen3", "gemma3_text"), layer_windows=windows, activation=allowed[activation],
         **_rope_fields(raw, arch, where, get), **extra)
     from pcast_jax.sweep.plan import check_memory
@@ -190,9 +216,9 @@ def _config(folder: Path) -> LlamaConfig:
 def _layer_windows(raw: dict, arch: str, layers: int, where: str, get) -> tuple[int, ...]:
     """Each layer's local window (``sliding_window`` − 1 on its sliding layers, −1 elsewhere), as transformers
     lays the layers out: ``layer_types`` when given, else mistral every layer, gemma2 every other from the
-    first, gemma3 five of each six (``sliding_window_pattern``), qwen3 from ``max_window_layers`` on with
+    first (gpt_oss too), gemma3 five of each six (``sliding_window_pattern``), qwen3 from ``max_window_layers`` on with
     ``use_sliding_window``; empty when no layer has one."""
-    default = 4096 if arch in _OFFSET_NORMS else None
+    default = {"gemma2": 4096, "gemma3_text": 4096, "gpt_oss": 128}.get(arch)
     if arch in ("llama", "qwen2") or (arch == "qwen3" and not raw.get("use_sliding_window", False)) \
             or raw.get("sliding_window", default) is None:
         return ()
@@ -201,7 +227,7 @@ def _layer_windows(raw: dict, arch: str, layers: int, where: str, get) -> tuple[
     if types is None:
         if arch == "mistral":
             types = ["sliding_attention"] * layers
-        elif arch == "gemma2":
+        elif arch in ("gemma2", "gpt_oss"):
             types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
         elif arch == "gemma3_text":
             pattern = get("sliding_window_pattern", 6)
@@ -228,7 +254,11 @@ def _rope_fields(raw: dict, arch: str, where: str, get) -> dict:
     local = None
     if params and ("full_attention" in params or "sliding_attention" in params):
         local, params = params.get("sliding_attention") or {}, params.get("full_attention") or {}
-    base = {"rope_theta": get("rope_theta", 1_000_000.0 if gemma3 else 10000.0, kind=float)}
+    base = {"rope_theta": get("rope_theta", 1_000_000.0 if gemma3 else 150000.0 if arch == "gpt_oss" else 10000.0,
+                              kind=float)}
+    if arch == "gpt_oss" and not params and not scaling:  # its config's default (configuration_gpt_oss.py:89-96)
+        scaling = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                   "original_max_position_embeddings": 4096}
     fields = _rope_scaling(dict(scaling or {}, **(params or {})), base["rope_theta"], where, "rope_parameters"
                            if params else "rope_scaling")
     if gemma3:
@@ -248,9 +278,12 @@ def _rope_fields(raw: dict, arch: str, where: str, get) -> dict:
 def _rope_scaling(params: dict, default_base: float, where: str, field: str) -> dict:
     """One RoPE dict (``rope_type`` or ``type``, ``rope_theta``, ``factor``, …) → ``LlamaConfig`` fields."""
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ("default", "linear", "llama3"):
+    if kind not in ("default", "linear", "llama3", "yarn"):
         raise PcastError(f"{where}: field {field!r} has rope_type {kind!r}, not supported (supported: default, "
-                         "linear, llama3)")
+                         "linear, llama3, yarn)")
+    if kind == "yarn" and (params.get("mscale") or params.get("mscale_all_dim")):
+        raise PcastError(f"{where}: field {field!r}: YaRN's mscale / mscale_all_dim are not supported (give "
+                         "attention_factor)")
 
     def number(key, default=None, *, integer=False):
         value = params.get(key, default)
@@ -268,6 +301,15 @@ def _rope_scaling(params: dict, default_base: float, where: str, field: str) -> 
     if kind == "llama3":
         fields.update(rope_low_freq_factor=number("low_freq_factor"), rope_high_freq_factor=number("high_freq_factor"),
                       rope_original_context=number("original_max_position_embeddings", integer=True))
+    if kind == "yarn":
+        truncate = params.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise PcastError(f"{where}: field {field!r} key 'truncate' = {truncate!r} must be true or false")
+        fields.update(rope_original_context=number("original_max_position_embeddings", integer=True),
+                      rope_beta_fast=number("beta_fast", 32.0) if params.get("beta_fast") else 32.0,
+                      rope_beta_slow=number("beta_slow", 1.0) if params.get("beta_slow") else 1.0,
+                      rope_truncate=truncate, rope_attention_factor=number("attention_factor")
+                      if params.get("attention_factor") is not None else 0.0)
     return fields
 
 
