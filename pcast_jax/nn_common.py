@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from pcast_jax import block
 from pcast_jax.errors import PcastError, check_int
 
-__all__ = ["broadcast_4d", "local_window", "seq_lengths", "visibility"]
+__all__ = ["broadcast_4d", "causal_keys", "local_window", "seq_lengths", "visibility"]
 
 
 def broadcast_4d(name: str, x, shape, dtype):
@@ -75,3 +75,17 @@ def visibility(shape, mask, causal: bool, alignment: str, q_lens, kv_lens, windo
     for x in parts[1:]:
         vis = vis & x
     return jnp.broadcast_to(vis, shape)
+
+
+def causal_keys(num_tokens: int, valid=None, window=None):
+    """``[T, T]`` bool of one sequence: key ``j`` visible to query ``i`` — causal, a real key where
+    ``valid [T]`` (True at real tokens, right padding) is given, at most ``window`` positions back where it
+    is given and ≥ 0 (an int, traced or not; −1: none)."""
+    idx = jnp.arange(num_tokens)
+    mask = idx[None, :] <= idx[:, None]
+    if valid is not None:
+        mask = mask & jnp.asarray(valid, bool)[None, :]
+    if window is not None:
+        window = jnp.asarray(window, jnp.int32)
+        mask = mask & ((window < 0) | (idx[:, None] - idx[None, :] <= window))
+    return mask

@@ -324,20 +324,25 @@ def test_hostile_hugging_face_checkpoints(tmp_path):
         load_model(write_hf(tmp_path / "inf", bad, "llama", tied=False))
 
 
-def test_pcast_analyze_with_the_model_runs_end_to_end(tmp_path, monkeypatch, capsys):
-    """Record a qwen2 GGUF model's trace through the hook, then `pcast analyze TRACE --model FILE`."""
+def analyze_recorded(tmp_path, model_path) -> None:
+    """Record the model's right-padded two-sequence batch through the hook, then run
+    `pcast analyze TRACE --model PATH --out tmp_path/rep` (asserting it succeeds)."""
     from pcast_jax import cli
     from pcast_jax.analysis import Recorder
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    path = write_gguf(tmp_path / "q.gguf", hf_weights("qwen2", True), "qwen2")
-    cfg, params = load_model(path)
+    cfg, params = load_model(model_path)
     tokens = np.stack([np.resize(TOKENS, 40), np.resize(TOKENS[::-1], 40)])
     rec = Recorder()
     forward(params, cfg, tokens, attention_fn=rec.hook(), lengths=np.array([40, 30]))
     rec.trace(tokens=tokens).save(tmp_path / "trace.npz")
-    assert cli.main(["analyze", str(tmp_path / "trace.npz"), "--configs", "fwd_s1,rev_s256", "--model", str(path),
-                     "--out", str(tmp_path / "rep"), "--no-progress"]) == 0
+    assert cli.main(["analyze", str(tmp_path / "trace.npz"), "--configs", "fwd_s1,rev_s256", "--model",
+                     str(model_path), "--out", str(tmp_path / "rep"), "--no-progress"]) == 0
+
+
+def test_pcast_analyze_with_the_model_runs_end_to_end(tmp_path, monkeypatch, capsys):
+    """Record a qwen2 GGUF model's trace through the hook, then `pcast analyze TRACE --model FILE`."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    analyze_recorded(tmp_path, write_gguf(tmp_path / "q.gguf", hf_weights("qwen2", True), "qwen2"))
     printed = capsys.readouterr().out
     assert printed.startswith("On this model (2 layers × 4 heads, 2 sequences of 40 tokens)")
     assert "End to end (FP32 perplexity" in printed and "`fwd_s1` KL" in printed

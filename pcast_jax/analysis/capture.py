@@ -785,19 +785,30 @@ def _check_recordable(name, query, key, *, bias, causal: bool, mask) -> None:
                          "keys; only self-attention (as many keys as queries, no decode step) is recorded")
 
 
-def _recording_hook(recorder: Recorder, attention_fn, q, k, v, layer, valid=None):
-    """The hook :meth:`Recorder.hook` returns: attend, then record ``[T, H, D]`` q/k/v under the layer index."""
+def _recording_hook(recorder: Recorder, attention_fn, q, k, v, layer, valid=None, window=None,
+                    soft_cap: float = 0.0, sinks=None):
+    """The hook :meth:`Recorder.hook` returns: attend, then record ``[T, H, D]`` q/k/v under the layer index,
+    with the layer's local window, logit soft cap and learned sinks when the model passes them."""
+    from pcast_jax import nn_common
+
+    extra = {name: value for name, value in (("window", window), ("soft_cap", soft_cap), ("sinks", sinks))
+             if value is not None and (name != "soft_cap" or value)}
     if attention_fn is None:
         from pcast_jax import nn
 
         mask = None if valid is None else jnp.asarray(valid, bool)[None, None, :]
-        out = nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
+        if window is not None:
+            mask = nn_common.causal_keys(q.shape[0], valid, window)[None]
+        out = nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, logits_soft_cap=soft_cap or None,
+                                       sinks=sinks)
     elif valid is None:
-        out = attention_fn(q, k, v, layer)
+        out = attention_fn(q, k, v, layer, **extra)
     else:
-        out = attention_fn(q, k, v, layer, valid=valid)
-    recorder._record(layer, q, k, v, scale=None, causal=True,
-                     mask=None if valid is None else jnp.asarray(valid, bool)[None, None, None, :])
+        out = attention_fn(q, k, v, layer, valid=valid, **extra)
+    mask = None if valid is None else jnp.asarray(valid, bool)[None, None, None, :]
+    if window is not None:
+        mask = nn_common.causal_keys(q.shape[0], valid, window)[None, None]
+    recorder._record(layer, q, k, v, scale=None, causal=True, mask=mask, soft_cap=soft_cap or None, sinks=sinks)
     return out
 
 

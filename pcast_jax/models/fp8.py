@@ -43,6 +43,7 @@ from pcast_jax.errors import PcastError, check_choice
 from pcast_jax.models.llama import forward, validate_tokens
 from pcast_jax.models.llama_common import LlamaConfig
 from pcast_jax.nn import dot_product_attention
+from pcast_jax.nn_common import causal_keys
 from pcast_jax.presets import get_preset, preset_for, resolve
 
 __all__ = [
@@ -127,11 +128,14 @@ class FP8Attention:
     def name(self) -> str:
         return self.config.name
 
-    def __call__(self, q, k, v, layer=None, valid=None):
+    def __call__(self, q, k, v, layer=None, valid=None, window=None, soft_cap: float = 0.0, sinks=None):
         """``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` → ``[T, Hq, D]`` (or all with a leading batch ``B``).
 
         ``valid`` (optional ``[T]`` / ``[B, T]`` bool, True at real tokens; right padding) masks
-        the keys at padded positions; ``layer`` is ignored. The kernel path is
+        the keys at padded positions; ``layer`` is ignored; ``window`` (an int, traced or not; −1 or
+        None: none) masks the keys more than ``window`` positions back (the layer's local window);
+        ``soft_cap`` (0: none) is the layer's logit soft cap, the kernel's ``logits_soft_cap``; ``sinks``
+        (``[Hq]``) its learned sink logits, placed as the config's ``sink_mode`` says. The kernel path is
         :func:`pcast_jax.nn.dot_product_attention` (causal, the config's Q/K/V precision), the
         same function a user's own model calls, once per sequence (its own Q/K/V scales).
         """
@@ -148,11 +152,11 @@ class FP8Attention:
                                  f"tokens), got {valid.dtype} {valid.shape}")
         if q.ndim == 4:
             if valid is None:
-                return jax.vmap(lambda a, b, c: self._sequence(a, b, c, None))(q, k, v)
-            return jax.vmap(self._sequence)(q, k, v, valid)
-        return self._sequence(q, k, v, valid)
+                return jax.vmap(lambda a, b, c: self._sequence(a, b, c, None, window, soft_cap, sinks))(q, k, v)
+            return jax.vmap(lambda a, b, c, d: self._sequence(a, b, c, d, window, soft_cap, sinks))(q, k, v, valid)
+        return self._sequence(q, k, v, valid, window, soft_cap, sinks)
 
-    def _sequence(self, q, k, v, valid):
+    def _sequence(self, q, k, v, valid, window=None, soft_cap: float = 0.0, sinks=None):
         """One sequence ``[T, H, D]``: padded positions zeroed (so E4M3 scales see real tokens only).
 
         A config with query tiles (``block_q``: rows that share a tile-amax scale or a skip-softmax
@@ -167,18 +171,28 @@ class FP8Attention:
             q = q if cfg.block_q else jnp.where(keep, q, 0.0)
             k, v = (jnp.where(keep, x, 0.0) for x in (k, v))
             mask = valid[None, None, :]  # (1, 1, S): keys at padded positions removed
+        if window is not None:  # (1, T, S): and those beyond the local window
+            mask = causal_keys(q.shape[0], valid, window)[None]
         if not self.p_cast:
-            return _exact_on_kernel_inputs(q, k, v, cfg, mask)
-        return dot_product_attention(q, k, v, mask=mask, is_causal=True, config=cfg,
-                                     implementation=self.implementation)
+            return _exact_on_kernel_inputs(q, k, v, cfg, mask, soft_cap, sinks)
+        return dot_product_attention(q, k, v, mask=mask, is_causal=True, config=cfg, implementation=self.implementation,
+                                     logits_soft_cap=soft_cap or None, sinks=sinks)
 
 
-def _exact_on_kernel_inputs(q, k, v, cfg: KernelConfig, mask):
-    """Exact FP32 causal softmax on the scores and values the kernel would see, ``[T, Hq, D]``."""
+def _exact_on_kernel_inputs(q, k, v, cfg: KernelConfig, mask, soft_cap: float = 0.0, sinks=None):
+    """Exact FP32 causal softmax on the scores and values the kernel would see (soft-capped when
+    ``soft_cap`` is set, with the learned ``sinks`` ``[Hq]``), ``[T, Hq, D]``."""
     scores, v_seen = scores_and_values(q, k, v, cfg)
+    if soft_cap:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
     if mask is not None:  # key 0 is always real, so no causal row is left empty
         scores = jnp.where(mask[0], scores, -jnp.inf)
-    return jnp.swapaxes(_engine.reference_attention(scores, v_seen, causal=True, q_offset=0), 0, 1)
+    sink = None if sinks is None else jnp.asarray(sinks, jnp.float32)
+    out = _engine.reference_attention(scores, v_seen, causal=True, q_offset=0, sink_logit=sink)
+    # a padded query whose window holds only padded keys sees nothing: it outputs 0, as the kernel's rows do
+    tokens = scores.shape[-1]
+    seen = jnp.any(jnp.isfinite(jnp.where(jnp.tril(jnp.ones((tokens, tokens), bool)), scores, -jnp.inf)), axis=-1)
+    return jnp.swapaxes(jnp.where(seen[..., None], out, 0.0), 0, 1)
 
 
 def end_to_end(params, cfg: LlamaConfig, tokens, hooks: Sequence[FP8Attention], *,

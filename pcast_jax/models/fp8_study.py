@@ -490,6 +490,7 @@ def run_study(sizes: ReportSizes = FULL, *, log: Callable[[str], None] | None = 
         heldout = heldout_tokens(tokenizer, sizes.tokens)
     else:
         analysis, heldout, source = _given_tokens(token_ids, token_source, sizes.tokens, cfg.vocab_size)
+    _check_full_causal(cfg, int(np.shape(analysis)[-1]))
     trace = clock.stage("FP32 forward + Q/K/V trace", extract_qkv, params, cfg, analysis)
     stats = clock.stage("sink statistics", sink_statistics, *trace, cfg)
 
@@ -524,6 +525,20 @@ def run_study(sizes: ReportSizes = FULL, *, log: Callable[[str], None] | None = 
     return ModelStudy(sizes=sizes, model=cfg, stats=stats, hooks=hooks, heads=heads, head_alias=head_alias,
                       fp32=fp32, e2e=e2e, e2e_alias=e2e_alias, theory=_theory_columns(stats, sizes.tokens),
                       clock=clock, decode_pairs=pairs, decode=decode, token_source=source)
+
+
+def _check_full_causal(cfg, tokens: int) -> None:
+    """The study's per-head analysis is of full causal attention without a soft cap or sinks: a model whose
+    local windows bind at ``tokens``, or with a logit soft cap or learned sinks, is refused naming the field
+    and the way that carries them (a trace recorded through ``Recorder.hook``, analysed by ``pcast analyze``)."""
+    binding = [w for w in cfg.layer_windows if 0 <= w < tokens - 1]
+    if binding or cfg.attn_softcap or cfg.attn_sinks:
+        what = (f"local windows of {sorted(set(binding))[0] + 1} keys at {tokens} tokens (layer_windows)" if binding
+                else f"an attention logit soft cap of {cfg.attn_softcap} (attn_softcap)" if cfg.attn_softcap
+                else "learned attention sinks (attn_sinks)")
+        raise PcastError(f"model-report analyses full causal attention; this {cfg.architecture} model has {what}. "
+                         "Record a trace through pcast_jax.analysis.Recorder().hook() (it carries each layer's "
+                         "window and soft cap) and run `pcast analyze TRACE --model MODEL`")
 
 
 def _given_tokens(token_ids, source: str, n: int, vocab_size: int):

@@ -1,4 +1,4 @@
-"""Pure-JAX llama forward pass with a pluggable attention function.
+"""Pure-JAX llama-family forward pass with a pluggable attention function.
 
 The forward pass is ``embed -> L x [RMSNorm -> GQA attention with RoPE -> residual -> RMSNorm ->
 SwiGLU MLP -> residual] -> RMSNorm -> output head``; the layers run under one ``lax.scan`` over
@@ -33,6 +33,20 @@ real query see it anyway. RoPE positions start at 0 in every row. The logits at 
 are computed but meaningless: :func:`next_token_loss` and the metrics of
 :mod:`pcast_jax.models.fp8` take the same ``lengths`` and score real positions only.
 
+Local windows, soft caps and sinks
+----------------------------------
+A model whose layers have local windows (``cfg.layer_windows``: mistral, gemma2/3, qwen3 with
+``use_sliding_window``) calls its hook with ``window=w`` too, an int32 scalar (traced, like
+``layer``): query ``i`` sees keys ``i − w … i``, −1 none. One with an attention soft cap
+(``cfg.attn_softcap``: gemma2) calls it with ``soft_cap=cap``, a Python float: the logits are
+``cap·tanh(logits / cap)`` before the mask. One with learned sinks (``cfg.attn_sinks``: gpt-oss)
+calls it with ``sinks=`` ``[Hq]`` (traced), a softmax column per query head with no value row. A
+hook that does not take what the model passes is refused naming the argument
+(:func:`hook_arguments`), never run without it. A query scale other than 1/√D (``cfg.query_scale``)
+is folded into ``q`` before the hook, so every hook's logits are ``q·k / √D``. The families of
+:mod:`pcast_jax.models.hf_loader` add what :class:`LlamaConfig` describes around the same block
+(q/k norm, sandwich norms, the tanh GELU, gpt-oss's experts, biased output projection).
+
 RoPE convention
 ---------------
 GGUF files store llama Q/K weights permuted for llama.cpp, so RoPE must rotate **adjacent** pairs
@@ -60,6 +74,7 @@ from pcast_jax.analysis.heads import expand_kv, scored_positions
 from pcast_jax.analysis.heads import validate_lengths as _validate_lengths
 from pcast_jax.errors import PcastError, check_choice, check_int
 from pcast_jax.models.llama_common import LlamaConfig
+from pcast_jax.nn_common import causal_keys
 
 __all__ = [
     "ROPE_CONVENTIONS",
@@ -70,6 +85,8 @@ __all__ = [
     "expand_kv",
     "causal_attention",
     "takes_valid",
+    "takes",
+    "hook_arguments",
     "valid_mask",
     "forward",
     "forward_with_aux",
@@ -88,10 +105,33 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
 
-def rope_angles(num_tokens: int, head_dim: int, base: float) -> jax.Array:
-    """Rotation angles ``[T, D/2]``: position ``t`` times frequency ``base^(-2i/D)``."""
+def rope_angles(num_tokens: int, head_dim: int, base: float, cfg: LlamaConfig | None = None) -> jax.Array:
+    """Rotation angles ``[T, D/2]``: position ``t`` times frequency ``base^(-2i/D)``, scaled as
+    ``cfg.rope_scaling`` says when ``cfg`` is given."""
     inv_freq = base ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    if cfg is not None:
+        inv_freq = _scaled_frequencies(inv_freq, cfg)
     return jnp.arange(num_tokens, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+
+
+def _scaled_frequencies(inv_freq: jax.Array, cfg: LlamaConfig) -> jax.Array:
+    """``inv_freq`` under ``cfg.rope_scaling``: ``"linear"`` divides every frequency by the factor;
+    ``"llama3"`` keeps wavelengths below ``context / high_freq_factor``, divides those above
+    ``context / low_freq_factor`` and blends between with weight
+    ``s = (context / wavelength − low) / (high − low)``: ``(1 − s)·f / factor + s·f``."""
+    factor = cfg.rope_factor
+    if cfg.rope_scaling == "linear":
+        return inv_freq / factor
+    if cfg.rope_scaling == "yarn":
+        return _yarn_frequencies(inv_freq, cfg)
+    if cfg.rope_scaling != "llama3":
+        return inv_freq
+    context, low, high = cfg.rope_original_context, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelength = 2 * math.pi / inv_freq
+    blend = (context / wavelength - low) / (high - low)
+    blended = (1 - blend) * inv_freq / factor + blend * inv_freq
+    return jnp.where(wavelength < context / high, inv_freq,
+                     jnp.where(wavelength > context / low, inv_freq / factor, blended))
 
 
 def apply_rope(x: jax.Array, angles: jax.Array, *, rope: str = "adjacent") -> jax.Array:
@@ -115,23 +155,64 @@ def apply_rope(x: jax.Array, angles: jax.Array, *, rope: str = "adjacent") -> ja
     raise PcastError(f"rope={rope!r} is not one of {ROPE_CONVENTIONS}")
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer=None, valid=None) -> jax.Array:
+def _yarn_frequencies(inv_freq: jax.Array, cfg: LlamaConfig) -> jax.Array:
+    """YaRN: the dims before the one that turns ``beta_fast`` times over the original context keep their
+    frequency, those after the one turning ``beta_slow`` times take frequency / factor, a linear ramp between
+    (the ends rounded outwards when ``rope_truncate``)."""
+    dim = cfg.head_dim
+
+    def dim_of(rotations):
+        return dim * math.log(cfg.rope_original_context / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_base))
+
+    low, high = dim_of(cfg.rope_beta_fast), dim_of(cfg.rope_beta_slow)
+    if cfg.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    return inv_freq / cfg.rope_factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_magnitude(cfg: LlamaConfig) -> float:
+    """What RoPE multiplies Q and K by after rotating: YaRN's attention factor (``rope_attention_factor``, else
+    ``0.1·ln(factor) + 1`` for a factor above 1), else 1."""
+    if cfg.rope_scaling != "yarn":
+        return 1.0
+    if cfg.rope_attention_factor:
+        return cfg.rope_attention_factor
+    return 0.1 * math.log(cfg.rope_factor) + 1.0 if cfg.rope_factor > 1 else 1.0
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer=None, valid=None, window=None,
+                     soft_cap: float = 0.0, sinks=None) -> jax.Array:
     """Exact float32 causal softmax attention with GQA, the default ``attention_fn``.
 
     ``softmax(q k^T / sqrt(D) + causal mask) v`` per query head; ``q [T, Hq, D]``,
     ``k, v [T, Hkv, D]`` -> ``[T, Hq, D]``. ``layer`` is ignored. ``valid`` (optional ``[T]``
-    bool, True at real tokens) also masks the keys at padded positions.
+    bool, True at real tokens) also masks the keys at padded positions; ``window`` (int, −1 or
+    None: none) those more than ``window`` positions back; ``soft_cap`` (0: none) caps the logits
+    at ``cap·tanh(logits / cap)`` first; ``sinks`` (``[Hq]`` learned sink logits) add a softmax column
+    with no value row.
     """
     del layer
     num_tokens, num_heads, head_dim = q.shape
     k = expand_kv(k, num_heads)
     v = expand_kv(v, num_heads)
     scores = jnp.einsum("thd,shd->hts", q, k, precision=_HIGHEST) / math.sqrt(head_dim)
-    mask = jnp.tril(jnp.ones((num_tokens, num_tokens), dtype=bool))
-    if valid is not None:
-        mask = mask & jnp.asarray(valid, bool)[None, :]  # key 0 is always real: no row is empty
+    if soft_cap:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    mask = causal_keys(num_tokens, valid, window)
     scores = jnp.where(mask[None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        sink = jnp.asarray(sinks, jnp.float32)[:, None]
+        top = jnp.maximum(jnp.max(scores, axis=-1), sink)
+        e = jnp.exp(scores - top[..., None])
+        probs = e / (jnp.exp(sink - top) + jnp.sum(e, axis=-1))[..., None]
+    # a padded query whose window holds only padded keys sees nothing: it outputs 0 (its logits are not scored)
+    probs = jnp.where(jnp.any(mask, axis=-1)[None, :, None], probs, 0.0)
     return jnp.einsum("hts,shd->thd", probs, v, precision=_HIGHEST)
 
 
@@ -140,13 +221,34 @@ def _linear(x: jax.Array, weight: jax.Array) -> jax.Array:
     return jnp.einsum("ti,oi->to", x, weight, precision=_HIGHEST)
 
 
-def takes_valid(attention_fn) -> bool:
-    """Whether a hook takes the padding mask: its signature has ``valid`` (or ``**kwargs``)."""
+def takes(attention_fn, name: str) -> bool:
+    """Whether a hook takes the keyword ``name``: its signature has it (or ``**kwargs``)."""
     try:
         params = inspect.signature(attention_fn).parameters.values()
     except (TypeError, ValueError):
         return False
-    return any(p.name == "valid" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def takes_valid(attention_fn) -> bool:
+    """Whether a hook takes the padding mask: its signature has ``valid`` (or ``**kwargs``)."""
+    return takes(attention_fn, "valid")
+
+
+def hook_arguments(cfg: LlamaConfig, attention_fn) -> tuple[str, ...]:
+    """The keywords besides ``valid`` the forward passes ``attention_fn`` for this model (``window``,
+    ``soft_cap``, ``sinks``); a PcastError naming the hook and the argument when it does not take one."""
+    needed = (("window",) if cfg.has_windows else ()) + (("soft_cap",) if cfg.attn_softcap else ()) \
+        + (("sinks",) if cfg.attn_sinks else ())
+    for name in needed:
+        if not takes(attention_fn, name):
+            what = {"window": f"local windows (layer_windows={list(cfg.layer_windows)})",
+                    "soft_cap": f"an attention logit soft cap ({cfg.attn_softcap})",
+                    "sinks": "learned attention sinks"}[name]
+            raise PcastError(f"attention_fn {getattr(attention_fn, '__name__', type(attention_fn).__name__)} "
+                             f"does not take {name}=, and this {cfg.architecture} model has {what}; a hook for it "
+                             f"must take {name}= (see pcast_jax.models.llama)")
+    return needed
 
 
 def valid_mask(lengths, num_tokens: int) -> jax.Array:
@@ -160,15 +262,30 @@ def _hidden_states(params, cfg: LlamaConfig, tokens, attention_fn, rope: str, wi
 
     ``valid [T]`` (right padding, True at real tokens) goes to hooks that take it.
     """
-    hook = attention_fn
-    if valid is not None and takes_valid(attention_fn):
-        def hook(q, k, v, layer):
-            return attention_fn(q, k, v, layer, valid=valid)
+    extra = hook_arguments(cfg, attention_fn)
+    pass_valid = valid is not None and takes_valid(attention_fn)
+    windows = jnp.asarray(cfg.layer_windows or (-1,) * cfg.num_layers, jnp.int32)
+
+    def hook(q, k, v, layer, sinks=None):
+        kwargs = {"valid": valid} if pass_valid else {}
+        if "window" in extra:
+            kwargs["window"] = windows[layer]
+        if "soft_cap" in extra:
+            kwargs["soft_cap"] = cfg.attn_softcap
+        if "sinks" in extra:
+            kwargs["sinks"] = sinks
+        return attention_fn(q, k, v, layer, **kwargs)
 
     num_tokens = tokens.shape[0]
     hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    angles = rope_angles(num_tokens, hd, cfg.rope_base)
+    angles = rope_angles(num_tokens, hd, cfg.rope_base, cfg)
+    # local layers with a RoPE base of their own (gemma3) rotate unscaled at that base
+    local_angles = rope_angles(num_tokens, hd, cfg.rope_local_base) if cfg.rope_local_base else None
     x = jnp.take(params["embed"], tokens, axis=0)
+    if cfg.embed_scale != 1.0:
+        x = x * jnp.float32(cfg.embed_scale)
+    activation = jax.nn.silu if cfg.activation == "silu" else functools.partial(jax.nn.gelu, approximate=True)
+    magnitude = rope_magnitude(cfg)
 
     def layer_step(x, scanned):
         layer_params, layer = scanned
@@ -179,14 +296,33 @@ def _hidden_states(params, cfg: LlamaConfig, tokens, attention_fn, rope: str, wi
         q = q.reshape(num_tokens, hq, hd)
         k = k.reshape(num_tokens, hkv, hd)
         v = v.reshape(num_tokens, hkv, hd)
-        q = apply_rope(q, angles, rope=rope)
-        k = apply_rope(k, angles, rope=rope)
-        result = hook(q, k, v, layer)
+        if cfg.qk_norm:  # qwen3, gemma3: each head normed before RoPE
+            q = rms_norm(q, layer_params["q_norm"], cfg.rms_eps)
+            k = rms_norm(k, layer_params["k_norm"], cfg.rms_eps)
+        layer_angles = angles if local_angles is None else jnp.where(windows[layer] >= 0, local_angles, angles)
+        q = apply_rope(q, layer_angles, rope=rope)
+        k = apply_rope(k, layer_angles, rope=rope)
+        if magnitude != 1.0:  # YaRN scales cos and sin, so Q and K
+            q, k = q * jnp.float32(magnitude), k * jnp.float32(magnitude)
+        if cfg.query_scale:  # the model's logit scale, folded so that hooks divide by √D as always
+            q = q * jnp.float32(cfg.query_scale * math.sqrt(hd))
+        result = hook(q, k, v, layer, layer_params.get("sinks"))
         out, aux = result if with_aux else (result, None)
-        x = x + _linear(out.reshape(num_tokens, hq * hd), layer_params["wo"])
+        out = _linear(out.reshape(num_tokens, hq * hd), layer_params["wo"])
+        if cfg.out_bias:
+            out = out + layer_params["bo"]
+        if cfg.sandwich_norms:
+            out = rms_norm(out, layer_params["post_attn_norm"], cfg.rms_eps)
+        x = x + out
         h = rms_norm(x, layer_params["mlp_norm"], cfg.rms_eps)
-        mlp = jax.nn.silu(_linear(h, layer_params["w_gate"])) * _linear(h, layer_params["w_up"])
-        x = x + _linear(mlp, layer_params["w_down"])
+        if cfg.num_experts:
+            mlp = _experts(h, layer_params, cfg)
+        else:
+            mlp = activation(_linear(h, layer_params["w_gate"])) * _linear(h, layer_params["w_up"])
+            mlp = _linear(mlp, layer_params["w_down"])
+        if cfg.sandwich_norms:
+            mlp = rms_norm(mlp, layer_params["post_mlp_norm"], cfg.rms_eps)
+        x = x + mlp
         return x, aux
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
@@ -194,9 +330,25 @@ def _hidden_states(params, cfg: LlamaConfig, tokens, attention_fn, rope: str, wi
     return rms_norm(x, params["final_norm"], cfg.rms_eps), aux
 
 
+def _experts(h: jax.Array, p: dict, cfg: LlamaConfig) -> jax.Array:
+    """The mixture of experts ``[T, d]`` (``cfg.num_experts``; every expert computed, the chosen weighted)."""
+    logits = _linear(h, p["router"]) + p["router_bias"]
+    top, chosen = lax.top_k(logits, cfg.experts_per_token)
+    weights = jnp.sum(jax.nn.one_hot(chosen, cfg.num_experts) * jax.nn.softmax(top, axis=-1)[..., None], axis=1)
+    gate_up = jnp.einsum("td,edf->tef", h, p["experts_gate_up"], precision=_HIGHEST) + p["experts_gate_up_bias"]
+    gate = jnp.minimum(gate_up[..., 0::2], cfg.swiglu_limit)
+    up = jnp.clip(gate_up[..., 1::2], -cfg.swiglu_limit, cfg.swiglu_limit)
+    hidden = (up + 1) * gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha)
+    out = jnp.einsum("tef,efd->ted", hidden, p["experts_down"], precision=_HIGHEST) + p["experts_down_bias"]
+    return jnp.einsum("te,ted->td", weights, out, precision=_HIGHEST)
+
+
 def _head(params, cfg: LlamaConfig, hidden: jax.Array) -> jax.Array:
     weight = params["embed"] if cfg.tied_embeddings else params["output"]
-    return _linear(hidden, weight)
+    logits = _linear(hidden, weight)
+    if cfg.final_softcap:
+        logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
+    return logits
 
 
 def rope_of(cfg: LlamaConfig, rope: str | None) -> str:

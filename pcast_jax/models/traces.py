@@ -33,8 +33,8 @@ def _recording_hook(attention_fn):
     """An attention hook that runs ``attention_fn`` and also returns its inputs as aux."""
     inner = attention_fn or causal_attention
 
-    def hook(q, k, v, layer):
-        return inner(q, k, v, layer), (q, k, v)
+    def hook(q, k, v, layer, **kwargs):  # valid, window, soft_cap: as the forward passes them
+        return inner(q, k, v, layer, **kwargs), (q, k, v)
 
     return hook
 
