@@ -120,7 +120,7 @@ PALLAS_KERNELS = ("mosaic", "triton")
 @dataclasses.dataclass(frozen=True, slots=True)
 class Refusal:
     """Pallas kernels that refuse a field's value: ``when(config)`` true → ``why(config)``, the one-line
-    error (it names the field first) that :func:`kernel_refusal` gives."""
+    error (it names the field first) that :meth:`KernelConfig.refusal` gives."""
 
     kernels: tuple[str, ...]
     when: Callable[["KernelConfig"], Any]

@@ -180,3 +180,12 @@ def test_a_kernel_refusal_names_the_field_that_declares_it(kernel):
             assert named == declaring[0] or tile, (cfg, why)
     assert refused
     assert KernelConfig().refusal(kernel) is None
+
+
+def test_the_oracle_takes_every_field():
+    """The independent oracle is written by hand from the paper: a new field reaches it through
+    ``oracle.config_kwargs`` or this fails. Q/K/V quantization is the one exception: the oracle takes the
+    scores and values the quantized Q/K/V give, so ``qkv`` and ``qkv_granularity`` act before it."""
+    import oracle
+
+    assert set(oracle.config_kwargs(KernelConfig())) | {"qkv", "qkv_granularity"} == set(SEMANTIC)
