@@ -22,7 +22,7 @@ import numpy as np
 from pallas_kernels import mosaic_gpu, tiling, triton_gpu
 from pcast_jax import block
 from pcast_jax import engine as _engine
-from pcast_jax.config import MMA_K, KernelConfig
+from pcast_jax.config import KernelConfig
 from pcast_jax.engine import check_implementation
 from pcast_jax.errors import PcastError, check_choice, check_int, check_positive
 from pcast_jax.presets import resolve
@@ -174,27 +174,11 @@ def _validate(q, k, v, cfg: KernelConfig, backend: str, softmax_scale, num_slots
     if softmax_scale is not None:
         check_positive("scale", softmax_scale)
 
-    # P-cast semantics the kernels implement
-    if cfg.p_format not in ("e4m3", "e4m3fn", "float8_e4m3fn"):
-        raise PcastError(f"p_format={cfg.p_format!r} not supported by the kernels: must be 'e4m3' (E5M2, E2M1 and "
-                         "the block-scaled MXFP8/MXFP4/NVFP4 P formats are simulator-only)")
-    if cfg.overflow == "nan" and cfg.scale_mode != "dynamic" and cfg.scale > cfg.fmt.max:
-        raise PcastError(
-            f"overflow='nan' with scale={cfg.scale:g} > 448 not supported: the kernels saturate "
-            "(cvt.rn.satfinite); use overflow='satfinite'"
-        )
-    # kernel semantics the simulator models but the kernels do not run: refused, never ignored
-    if cfg.f16_round_keys % MMA_K:
-        raise PcastError(f"f16_round_keys={cfg.f16_round_keys} not supported by the kernels: one FP8 MMA "
-                         f"covers a multiple of {MMA_K} keys (use 0, {MMA_K}, {2 * MMA_K}, ...)")
-    if cfg.mma_acc_bits:
-        raise PcastError(f"mma_acc_bits={cfg.mma_acc_bits} is a simulator model of the tensor core's accumulator: "
-                         "the kernels run the hardware's own (use mma_acc_bits=0 and compare the kernel with "
-                         "simulate_fp8_attention under the model)")
-    if cfg.p_offset == "row_lse":
-        raise PcastError("p_offset='row_lse' not supported by the kernels: P normalised before the cast needs the "
-                         "row's whole max and sum first, a second pass over K that these one-pass kernels do not "
-                         "make (simulator-only)")
+    # P-cast semantics the simulator models but the kernels do not run: refused, never ignored (each field
+    # declares which kernels refuse it: KernelConfig.refusal)
+    why = cfg.refusal(backend)
+    if why is not None:
+        raise PcastError(why)
     if cfg.causal and q_len > n_kv:
         raise PcastError(f"q_len={q_len} must be <= N={n_kv} with causal=True (bottom-right aligned)")
 

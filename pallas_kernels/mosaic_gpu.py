@@ -52,14 +52,9 @@ _F8 = jnp.float8_e4m3fn
 
 def check_limits(cfg: KernelConfig, *, q_len: int, head_dim: int, n_kv: int, num_slots: int) -> None:
     """What this backend runs: head dims 64 and 128, q_len a multiple of :data:`BLOCK_Q`, 2–8 TMA
-    slots, and a ring of KV tiles that fits :data:`SMEM_BYTES`; no query-tile semantics (the tile-amax
-    scale, skip-softmax). Raises PcastError naming the parameter."""
-    if cfg.block_q:  # a per-tile reduction over a warpgroup's rows in its WGMMA row layout: not written
-        field = ("scale_mode='tile_amax'" if cfg.scale_mode == "tile_amax"
-                 else f"skip_softmax_threshold={cfg.skip_softmax_threshold:g}")
-        raise PcastError(f"{field} not supported by the mosaic backend: its tile of block_q={cfg.block_q} query "
-                         "rows needs a reduction across a warpgroup's rows, which this kernel does not do "
-                         "(use implementation='triton')")
+    slots, and a ring of KV tiles that fits :data:`SMEM_BYTES` (the query-tile semantics it refuses, the
+    tile-amax scale and skip-softmax, are declared on ``block_q``: :meth:`KernelConfig.refusal`). Raises
+    PcastError naming the parameter."""
     if head_dim not in (64, 128):
         raise PcastError(f"head_dim={head_dim} not supported by the mosaic backend: must be 64 or 128")
     if q_len % BLOCK_Q:

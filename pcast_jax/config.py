@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -41,7 +42,8 @@ import numpy as np
 from pcast_jax import numberline
 from pcast_jax.errors import F32_MAX, PcastError, check_choice, check_int, check_positive
 
-__all__ = ["KernelConfig", "Numbers", "BoundConfig",
+__all__ = ["KernelConfig", "Numbers", "BoundConfig", "Knob", "knob", "Unfitted", "Refusal", "Rule", "KNOBS", "RULES",
+           "NUMERIC_FIELDS", "PALLAS_KERNELS", "choices", "declared_knobs",
            "MMA_K", "QKV_GRANULARITIES", "SINK_MODES", "SINK_PRESCALES", "RESCALE_UNITS", "RESCALE_COMPENSATIONS",
            "P_OFFSETS", "SOFTMAX_PRECISIONS",
            "Order", "ScaleMode", "Accumulator", "QKVPrecision", "QKVGranularity", "SplitLayout", "SinkMode",
@@ -107,6 +109,181 @@ F16_MAX = 65504.0
 _DEFAULT_BLOCK_KV = 64
 
 
+# ------------------------------------------------------------------------------------------------
+# How a field is declared: everything KernelConfig derives from a field comes from its Knob
+# ------------------------------------------------------------------------------------------------
+
+#: The Pallas kernels (:mod:`pallas_kernels`) a :class:`Refusal` names.
+PALLAS_KERNELS = ("mosaic", "triton")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Refusal:
+    """Pallas kernels that refuse a field's value: ``when(config)`` true → ``why(config)``, the one-line
+    error (it names the field first) that :meth:`KernelConfig.refusal` gives."""
+
+    kernels: tuple[str, ...]
+    when: Callable[["KernelConfig"], Any]
+    why: Callable[["KernelConfig"], str]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Unfitted:
+    """Why the fingerprint (:mod:`pcast_jax.fingerprint.fit`) does not read a field. ``excluded``: no
+    candidate of the fit sets it, so a config that sets it cannot be explained from its outputs."""
+
+    why: str
+    excluded: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Knob:
+    """One :class:`KernelConfig` field as declared (:func:`knob`); :data:`KNOBS` holds every field's.
+
+    Attributes:
+      at: where the field's words sit in :meth:`KernelConfig.default_name` and :meth:`KernelConfig.describe`
+        (both list their parts in ``at`` order); None for a field whose words another's part writes.
+      words_of: that other field (a field with no words of its own: ``qkv_granularity`` in ``qkv``'s).
+      name: its part of the default name: a format of the value (``"b{}"``) written where the field
+        differs from its default, or a function of the config ("" for no part).
+      says: its phrase in :meth:`KernelConfig.describe`, alike.
+      check: validates and returns the field's own value (a :class:`PcastError` naming it); default:
+        one of its ``Literal`` type's choices.
+      acts: where the field acts; elsewhere it is normalised to its default, so equality is semantic.
+      saved: where :meth:`KernelConfig.to_dict` writes it: ``"always"``, ``"set"`` (where it differs from
+        its default) or ``"acts"``.
+      stand_in: for a number of the program (:meth:`KernelConfig.program`), the value the program holds
+        in its place; ``feeds``: the :class:`Numbers` it changes.
+      fit: the fingerprint's search group that reads it (:data:`pcast_jax.fingerprint.fit.GROUP_ORDER`),
+        or :class:`Unfitted` with why not.
+      refused: the Pallas kernels that refuse some of its values (:class:`Refusal`).
+    """
+
+    at: int | None = None
+    words_of: str | None = None
+    name: str | Callable | None = None
+    says: str | Callable | None = None
+    check: Callable | None = None
+    acts: Callable | None = None
+    saved: Literal["always", "set", "acts"] = "always"
+    stand_in: Callable | None = None
+    feeds: tuple[str, ...] = ()
+    fit: str | Unfitted
+    refused: tuple[Refusal, ...] = ()
+
+
+def knob(default, *, fit: str | Unfitted, compare: bool = True, **declared) -> Any:
+    """A :class:`KernelConfig` field with its :class:`Knob` (``declared``: the Knob's other attributes).
+
+    ``fit`` is required: a field the fingerprint does not read says why (:class:`Unfitted`).
+    """
+    spec = Knob(fit=fit, **declared)
+    if compare and (spec.at is None) == (spec.words_of is None):  # a label (compare=False) has no words
+        raise TypeError("a field has its own words (at=...) or is written in another field's (words_of=...)")
+    return dataclasses.field(default=default, compare=compare, metadata={"knob": spec})
+
+
+def _num(x) -> str:
+    """A number as a name writes it: ``repr`` without a trailing ``.0`` (``256``, ``2.25``, ``0.001``)."""
+    return repr(x).removesuffix(".0")
+
+
+def _words(spec: str | Callable | None, cfg, field: str) -> str:
+    """A field's part of the name (or phrase of the description) in ``cfg`` (:class:`Knob`)."""
+    if spec is None:
+        return ""
+    if callable(spec):
+        return spec(cfg)
+    value = getattr(cfg, field)
+    return spec.format(_num(value) if isinstance(value, float) else value) if value != _FIELD_DEFAULTS[field] else ""
+
+
+def _real(field: str, value, allowed: str) -> float:
+    """``value`` as a float when it is a real number (not a bool); PcastError naming ``field`` otherwise."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise PcastError(f"{field}={value!r} must be {allowed}")
+    return float(value)
+
+
+def _one_of(field: str, choices) -> Callable:
+    """A check that ``value`` is one of ``choices``."""
+    def check(value):
+        check_choice(field, value, choices)
+        return value
+    return check
+
+
+def _ranged_int(field: str, lo: int, hi: int = 1 << 16) -> Callable:
+    return lambda value: check_int(field, value, min_value=lo, max_value=hi)
+
+
+def _format_named(field: str, choices: tuple[str, ...]) -> Callable:
+    """A dtype is stored as its format's name (``jnp.float8_e5m2`` → ``"e5m2"``); names among ``choices``."""
+    def check(value):
+        value = numberline.format_name(value, param=field, choices=choices)
+        check_choice(field, value.lower() if isinstance(value, str) and field == "p_format" else value, choices)
+        return value
+    return check
+
+
+def _check_scale(value) -> float:
+    scale = check_positive("scale", value)
+    if not SCALE_MIN <= scale <= SCALE_MAX:
+        raise PcastError(f"scale={value!r} must lie in [2^-100, 2^100] "
+                         "(S, 1/S and S·ℓ must stay finite, nonzero float32 numbers)")
+    return scale
+
+
+def _check_causal(value) -> bool:
+    if not isinstance(value, bool):
+        raise PcastError(f"causal={value!r} must be True or False")
+    return value
+
+
+def _check_v_channel_max(value) -> float:
+    v_max = _real("v_channel_max", value, "a number >= 0")
+    if not (math.isfinite(v_max) and 0.0 <= v_max <= F32_MAX):
+        raise PcastError(f"v_channel_max={value!r} must be a number >= 0, finite in float32")
+    return v_max
+
+
+def _check_rescale_threshold(value) -> float:
+    tau = _real("rescale_threshold", value, f"a number in [0, {RESCALE_THRESHOLD_MAX:g}]")
+    if not (math.isfinite(tau) and 0.0 <= tau <= RESCALE_THRESHOLD_MAX):
+        raise PcastError(f"rescale_threshold={value!r} must be a number in "
+                         f"[0, {RESCALE_THRESHOLD_MAX:g}] (0: the running max follows every block)")
+    return tau
+
+
+def _check_skip(value) -> float:
+    lam = _real("skip_softmax_threshold", value, "a number in [0, 1)")
+    if not (math.isfinite(lam) and 0.0 <= lam < 1.0):
+        raise PcastError(f"skip_softmax_threshold={value!r} must be a number in [0, 1) "
+                         "(0: no tile is skipped; λ ≥ 1 would skip a block that raises the running max)")
+    if lam and not np.float32(lam) > 0:  # rounds to 0 in float32: ln λ would be −inf
+        raise PcastError(f"skip_softmax_threshold={lam!r} must be 0 or a positive float32 number")
+    return lam
+
+
+def _check_name(value) -> str:
+    if not isinstance(value, str):
+        raise PcastError(f"name={value!r} must be a string")
+    if len(value) > 200 or not value.isprintable():  # it labels one-line errors and table cells
+        raise PcastError(f"name={value[:40]!r} must be one printable line of at most 200 characters")
+    return value
+
+
+def _tile_words(c) -> str:
+    """What turns a query tile on, as a config names it (the tile-amax scale or skip-softmax)."""
+    if c.scale_mode == "tile_amax":
+        return "scale_mode='tile_amax'"
+    return f"skip_softmax_threshold={c.skip_softmax_threshold:g}"
+
+
+_COMPUTED_NAME = {"dynamic": "sdyn", "tile_amax": "samax"}
+
+
+
 class Numbers(NamedTuple):
     """The numbers a config puts into Algorithm 1, as float32: what :meth:`KernelConfig.bind` takes.
 
@@ -138,19 +315,28 @@ class KernelConfig:
 
     # --- The walk over KV blocks (Algorithm 1's loop) ---------------------------------------------
     #: KV block order, ``"forward"`` (0 → N) or ``"reverse"`` (N → 0).
-    order: Order = "forward"
+    order: Order = knob("forward", at=0, name=lambda c: {"forward": "fwd", "reverse": "rev"}[c.order],
+                        says=lambda c: c.order, fit="walk")
     #: KV block size B. N that is not a multiple is padded with masked keys.
-    block_kv: int = _DEFAULT_BLOCK_KV
+    block_kv: int = knob(_DEFAULT_BLOCK_KV, at=3, name="b{}", says=lambda c: f"B={c.block_kv}",
+                         check=_ranged_int("block_kv", 1), fit="walk")
     #: Bottom-right aligned causal mask (query i of q_len sits at position N − q_len + i).
-    causal: bool = False
+    causal: bool = knob(False, at=10, name="causal", says="causal", check=_check_causal,
+                        fit=Unfitted("given, not read: the caller says whether the kernel masks causally "
+                                     "(identify(causal=...)), and the candidates are masked alike"))
 
     # --- The P scale S and where it goes ----------------------------------------------------------
     #: The static P scale S, in [2^-100, 2^100]. The ``"dynamic"`` mode ignores it.
-    scale: float = 1.0
+    scale: float = knob(1.0, at=1, check=_check_scale, acts=lambda c: c.scale_mode not in COMPUTED_SCALE_MODES,
+                        name=lambda c: _COMPUTED_NAME.get(c.scale_mode) or "s" + _num(c.scale),
+                        says=lambda c: {"dynamic": "dynamic 2^k", "tile_amax": f"tile amax per {c.block_q} query rows"}
+                        .get(c.scale_mode) or f"S={c.scale:g} ({c.scale_mode})",
+                        stand_in=lambda v: 1.0, feeds=("effective_scale", "log2_scale"), fit="cast")
     #: ``"multiply"`` (P·S after the exponential, ℓ from unscaled P), ``"exponent"`` (S folded into
     #: the exponent, so ℓ holds S) or ``"dynamic"`` (per row and block the largest 2^k keeping
     #: rowmax(P)·2^k ≤ the format's max); see the module docstring.
-    scale_mode: ScaleMode = "multiply"
+    scale_mode: ScaleMode = knob("multiply", at=2, name=lambda c: "exp" if c.scale_mode == "exponent" else "",
+                                 fit="cast")
 
     # --- The cast itself --------------------------------------------------------------------------
     #: Format of the P-cast: an element format (``"e4m3"``, ``"e5m2"``, ``"e2m1"``, …) with the one
@@ -159,53 +345,93 @@ class KernelConfig:
     #: multiplied back after its P·V product. Block-scaled formats need blocks that tile ``block_kv``,
     #: the multiply or exponent scale mode and the FP32 accumulator. A dtype (``jnp.float8_e5m2``,
     #: ``ml_dtypes.float8_e4m3fn``) is stored as its format's name.
-    p_format: str = "e4m3"
+    p_format: str = knob("e4m3", at=4, name="{}", says="P in {}", check=_format_named("p_format", numberline.P_FORMATS),
+                         fit="cast", refused=(Refusal(
+                             PALLAS_KERNELS, lambda c: c.p_format not in ("e4m3", "e4m3fn", "float8_e4m3fn"),
+                             lambda c: f"p_format={c.p_format!r} not supported by the kernels: must be 'e4m3' (E5M2, "
+                                       "E2M1 and the block-scaled MXFP8/MXFP4/NVFP4 P formats are simulator-only)"),))
     #: ``"satfinite"`` (Hopper cvt.rn.satfinite; what kernels do) or ``"nan"``.
-    overflow: str = "satfinite"
+    overflow: str = knob("satfinite", at=5, name="{}", check=_one_of("overflow", numberline.OVERFLOW_MODES),
+                         fit=Unfitted("a NaN output is refused, so only the saturating cast is read"),
+                         refused=(Refusal(PALLAS_KERNELS, lambda c: c.overflow == "nan" and c.scale_mode != "dynamic"
+                                          and c.scale > c.fmt.max,
+                                          lambda c: f"overflow='nan' with scale={c.scale:g} > 448 not supported: the "
+                                                    "kernels saturate (cvt.rn.satfinite); use overflow='satfinite'"),))
 
     # --- The P·V product and its accumulator -----------------------------------------------------
     #: ``"f32"``, or ``"f16"``: each block's P8·V product is rounded to float16 before it is added to
     #: the FP32 output (SageAttention2++'s ``fp32+fp16`` PV accumulation). A dtype is accepted.
-    accumulator: Accumulator = "f32"
+    accumulator: Accumulator = knob("f32", at=6, name="{}acc", says="{} PV accumulator",
+                                    check=_format_named("accumulator", ACCUMULATORS), fit="accumulator")
     #: With the f16 accumulator, how many keys one f16 MMA covers: P8·V is rounded to float16 after
     #: every ``f16_round_keys`` keys and the block's f16 result added to the FP32 output. 0 = once per
     #: block.
-    f16_round_keys: int = 0
+    f16_round_keys: int = knob(0, at=7, name="r{}", check=_ranged_int("f16_round_keys", 0), fit="accumulator",
+                               acts=lambda c: c.accumulator != "f32" and c.f16_round_keys != c.block_kv,
+                               refused=(Refusal(PALLAS_KERNELS, lambda c: c.f16_round_keys % MMA_K,
+                                                lambda c: f"f16_round_keys={c.f16_round_keys} not supported by the "
+                                                          f"kernels: one FP8 MMA covers a multiple of {MMA_K} keys "
+                                                          f"(use 0, {MMA_K}, {2 * MMA_K}, ...)"),))
     #: With the f16 accumulator, V is scaled per channel so that max|V| = this value before the f16
     #: accumulation and the scale multiplied back after it (SageAttention2++ ``quant_v_scale_max``).
     #: 0 = V as it is.
-    v_channel_max: float = 0.0
+    v_channel_max: float = knob(0.0, at=8, name="v{}", check=_check_v_channel_max, fit="accumulator",
+                                acts=lambda c: c.accumulator != "f32",
+                                stand_in=lambda v: float(bool(v)), feeds=("v_channel_max",))
     #: A *model* (not measured on a GPU) of the FP8 tensor core's "FP32" P·V accumulator: 0 = exact
     #: FP32. b in 1..23: the MMA's running partial sum keeps b explicit mantissa bits, truncated toward
     #: zero after every K-step of :data:`MMA_K` = 32 keys (assumption from the DeepSeek-V3 technical
     #: report §3.3.2, "retains around 14 bits"; SageAttention's ``sageattention/core.py`` calls it
     #: "FP32 (actually FP22)"). Needs the FP32 accumulator, an element P format and ``block_kv`` a
     #: multiple of 32.
-    mma_acc_bits: int = 0
+    mma_acc_bits: int = knob(
+        0, at=12, check=_ranged_int("mma_acc_bits", 0, MMA_ACC_BITS_MAX),
+        name=lambda c: f"acc{c.mma_acc_bits}" + (f"p{c.mma_promote_keys}" if c.mma_promote_keys else "")
+        if c.mma_acc_bits else "",
+        says=lambda c: f"{c.mma_acc_bits}-bit MMA accumulator model, " + (
+            f"promoted to FP32 every {c.mma_promote_keys} keys" if c.mma_promote_keys else "never promoted")
+        if c.mma_acc_bits else "",
+        fit=Unfitted("the tensor core's accumulator model is not among the candidates", excluded=True),
+        refused=(Refusal(PALLAS_KERNELS, lambda c: c.mma_acc_bits,
+                         lambda c: f"mma_acc_bits={c.mma_acc_bits} is a simulator model of the tensor core's "
+                                   "accumulator: the kernels run the hardware's own (use mma_acc_bits=0 and compare "
+                                   "the kernel with simulate_fp8_attention under the model)"),))
     #: With ``mma_acc_bits``, after how many keys the partial sum is promoted into exact FP32 registers.
     #: 0 = never: O lives in the MMA accumulator across all KV blocks (FlashAttention-3, TensorRT-LLM
     #: XQA, hpc-ops before its double-O accumulator); k > 0: a multiple of 32 dividing ``block_kv``
     #: (``block_kv`` = one fresh accumulator per KV tile: hpc-ops now, SageAttention2 on SM90 with
     #: ``pv_accum_dtype="fp32+fp32"``, this package's Pallas kernels; DeepGEMM promotes every 128).
     #: The never-promoted form cannot take the dynamic scale mode.
-    mma_promote_keys: int = 0
+    mma_promote_keys: int = knob(0, words_of="mma_acc_bits", check=_ranged_int("mma_promote_keys", 0),
+                                 acts=lambda c: c.mma_acc_bits,
+                                 fit=Unfitted("where the MMA accumulator model promotes: the model is not fitted"))
 
     # --- Q, K and V as the kernel multiplies them -------------------------------------------------
     #: ``"f32"`` keeps Q, K, V exact (isolates the P-cast, as the paper does); ``"e4m3"`` quantizes
     #: them to E4M3 (scale = amax/max_E4M3) as production kernels do. A dtype is accepted.
-    qkv: QKVPrecision = "f32"
+    qkv: QKVPrecision = knob(
+        "f32", at=9, check=_format_named("qkv", QKV_PRECISIONS),
+        name=lambda c: ("qkv8h" if c.qkv_granularity == "head" else "qkv8") if c.qkv == "e4m3" else "",
+        says=lambda c: f"{c.qkv} QKV per {c.qkv_granularity}" if c.qkv != "f32" else "",
+        fit=Unfitted("the kernel's own Q/K/V quantization: the probes are exact in E4M3 with power-of-two "
+                     "per-tensor scales, so it is lossless on them"))
     #: Where the E4M3 Q/K/V scales live when ``qkv == "e4m3"``: ``"tensor"`` (one per tensor) or
     #: ``"head"`` (one per attention head). Ignored for FP32 Q/K/V.
-    qkv_granularity: QKVGranularity = "tensor"
+    qkv_granularity: QKVGranularity = knob("tensor", words_of="qkv", acts=lambda c: c.qkv != "f32", saved="acts",
+                                           fit=Unfitted("where E4M3 Q/K/V scales live: Q/K/V quantization is not "
+                                                        "read (qkv)"))
 
     # --- Split-KV (flash-decoding, multi-block) ---------------------------------------------------
     #: The KV blocks are dealt over this many independent Algorithm-1 runs (1 = one run per row), merged
     #: at the end by the FP32 log-sum-exp merge (:func:`pcast_jax.block.merge_splits`).
-    kv_splits: int = 1
+    kv_splits: int = knob(
+        1, at=11, check=_ranged_int("kv_splits", 1),
+        name=lambda c: f"split{c.kv_splits}" + ("s" if c.split_layout == "strided" else "") if c.kv_splits > 1 else "",
+        says=lambda c: f"{c.kv_splits} {c.split_layout} KV splits" if c.kv_splits > 1 else "", fit="split")
     #: ``"contiguous"`` (split s gets a contiguous range of ⌈n_blocks/kv_splits⌉ blocks: FlashAttention-3
     #: ``num_splits``, FlashInfer split-KV) or ``"strided"`` (block b goes to split b mod kv_splits:
     #: TensorRT-LLM XQA multi-block). Each split visits its blocks in ``order``.
-    split_layout: SplitLayout = "contiguous"
+    split_layout: SplitLayout = knob("contiguous", words_of="kv_splits", acts=lambda c: c.kv_splits > 1, fit="split")
 
     # --- Learned sinks ----------------------------------------------------------------------------
     #: Where a learned sink logit s_L goes (one per head, a softmax column with no value row):
@@ -216,19 +442,33 @@ class KernelConfig:
     #: block's max, ℓ gets it once (vllm-gaudi). Split-KV: ``"init_max"`` and ``"epilogue"`` act in
     #: split 0 only; ``"block_max"`` folds it into every split's max. Without a sink logit it does
     #: not act.
-    sink_mode: SinkMode = "epilogue"
+    sink_mode: SinkMode = knob(
+        "epilogue", at=13, acts=lambda c: c.p_offset != "row_lse", fit="sink",
+        name=lambda c: "sink" + {"init_max": "init", "block_max": "block"}[c.sink_mode] if c.sink_mode != "epilogue"
+        else "",
+        says=lambda c: "learned sink as " + ("the initial running max" if c.sink_mode == "init_max" else
+                                             "every block max") if c.sink_mode != "epilogue" else "")
 
     # --- Lazy rescale -----------------------------------------------------------------------------
     #: τ ≥ 0 (0 = Algorithm 1: the running max follows every block). With τ > 0 the running max is
     #: raised only when a block's max exceeds it by more than τ (in ``rescale_unit``); until then
     #: P = exp(Z − m) may exceed 1 and P·S may saturate, while ℓ keeps the unclipped P (FA4,
     #: FlashInfer SM100 CuTe-DSL, cuDNN).
-    rescale_threshold: float = 0.0
+    rescale_threshold: float = knob(
+        0.0, at=14, check=_check_rescale_threshold, fit="rescale",
+        name=lambda c: "tau" + _num(c.rescale_threshold) + ("n" if c.rescale_unit == "natural" else "")
+        + ("c" if c.rescale_compensation == "pow2" else "") if c.rescale_threshold else "",
+        says=lambda c: f"lazy rescale τ={c.rescale_threshold:g} ({c.rescale_unit})" + (
+            f", P scale S·2^-{c.rescale_threshold:g}" if c.rescale_compensation == "pow2" else "")
+        if c.rescale_threshold else "",
+        stand_in=lambda v: float(bool(v)), feeds=("effective_scale", "log2_scale", "rescale_gap"))
     #: ``"log2"`` (τ compares (max − m)·log2 e, as FA4 does) or ``"natural"`` (cuDNN).
-    rescale_unit: RescaleUnit = "log2"
+    rescale_unit: RescaleUnit = knob("log2", words_of="rescale_threshold", acts=lambda c: c.rescale_threshold,
+                                     fit="rescale")
     #: ``"none"``, or ``"pow2"``: the P scale applied is S·2^-τ (cuDNN), so the largest P·S a lagging
     #: max allows is S·e^τ·2^-τ (natural units).
-    rescale_compensation: RescaleCompensation = "none"
+    rescale_compensation: RescaleCompensation = knob("none", words_of="rescale_threshold", fit="rescale",
+                                                     acts=lambda c: c.rescale_threshold)
 
     # --- The learned sink's prescale ---------------------------------------------------------------
     #: In the exponent mode, how the sink's term in ℓ takes the prescale log2 S that every P carries:
@@ -236,7 +476,12 @@ class KernelConfig:
     #: ``"exp"`` — exp(s_L − m + log2 S) = e^(log2 S)·exp(s_L − m), TensorRT-LLM fmha_v2's e4m3 epilogue
     #: on its non-exp2f path (ALiBi or logit soft-capping): e^8 instead of 2^8 at S = 256, the sink
     #: weighted (e/2)^8 ≈ 11.6× too much. Other scale modes: ``"exp2"`` (normalised; nothing to take).
-    sink_prescale: SinkPrescale = "exp2"
+    sink_prescale: SinkPrescale = knob(
+        "exp2", at=15, name="sinkexp", says="learned sink's prescale as e^(log2 S)", saved="set",
+        acts=lambda c: c.scale_mode == "exponent",
+        fit=Unfitted("how a learned sink's logit is weighted when P is scaled in the exponent (2^x, or e^x as "
+                     "fmha_v2's non-exp2f path does): every candidate weights it 2^x, so a kernel weighting it e^x "
+                     "fits no candidate on probes with sinks"))
     # --- Query tiles: the tile-amax scale and skip-softmax ---------------------------------------
     #: Query rows per tile (BLOCK_M): the rows that share one ``"tile_amax"`` scale and one skip-softmax
     #: vote. A call's rows are tiled from its first row (row r in tile r // block_q); a last partial tile
@@ -245,7 +490,13 @@ class KernelConfig:
     #: skip). A causally hidden or masked key has P = 0 and raises no amax; a row with nothing visible
     #: in the tile changes no other row's scale and votes to skip. 0 where neither axis acts; ≥ 1 with
     #: ``scale_mode="tile_amax"`` or a skip threshold (1: per row).
-    block_q: int = 0
+    block_q: int = knob(0, at=16, name="q{}", check=_ranged_int("block_q", 0), saved="set", fit="tile",
+                        acts=lambda c: c.scale_mode == "tile_amax" or c.skip_softmax_threshold,
+                        refused=(Refusal(("mosaic",), lambda c: c.block_q,
+                                         lambda c: f"{_tile_words(c)} not supported by the mosaic backend: its tile "
+                                                   f"of block_q={c.block_q} query rows needs a reduction across a "
+                                                   "warpgroup's rows, which this kernel does not do (use "
+                                                   "implementation='triton')"),))
     #: λ in [0, 1) (0 = no tile is skipped). Skip-softmax (TensorRT-LLM fmha_v2 ``ENABLE_SKIP_SOFTMAX``,
     #: FlashInfer trtllm-gen ``skip_softmax_threshold_scale_factor`` / KV length; BLASST, arXiv
     #: 2512.12087): a KV block is skipped for a query tile when every row of it has
@@ -253,7 +504,11 @@ class KernelConfig:
     #: neither O nor ℓ (renormalised, not zeroed) and leaves m as it is. For λ < 1 the test against the
     #: max after the block's update decides the same; a row whose running max is still −inf never votes
     #: to skip. Like S, a number of the program (:meth:`program`).
-    skip_softmax_threshold: float = 0.0
+    skip_softmax_threshold: float = knob(
+        0.0, at=17, name="skip{}", check=_check_skip, saved="set", fit="skip",
+        says=lambda c: f"skip-softmax λ={c.skip_softmax_threshold:g} per {c.block_q} query rows"
+        if c.skip_softmax_threshold else "",
+        stand_in=lambda v: 0.5 * bool(v), feeds=("skip_log_threshold",))
     # --- What P is taken against, and its precision before the cast --------------------------------
     #: What the exponential subtracts, P = exp(Z − offset): ``"running_max"`` (Algorithm 1: the running
     #: max after the block); ``"block_max"`` (the block's own max, so every block's largest P is 1: the
@@ -265,183 +520,40 @@ class KernelConfig:
     #: ``sink_mode`` does not act and reads ``"epilogue"``). ``"row_lse"`` needs the multiply scale mode,
     #: one KV split, no lazy rescale, the FP32 softmax and no MMA accumulator model; ``"block_max"`` no
     #: lazy rescale.
-    p_offset: POffset = "running_max"
+    p_offset: POffset = knob(
+        "running_max", at=18, saved="set", fit="offset",
+        name=lambda c: {"running_max": "", "block_max": "blockmax", "row_lse": "rowlse"}[c.p_offset],
+        says=lambda c: {"running_max": "", "block_max": "P against the block's own max",
+                        "row_lse": "P normalised before the cast"}[c.p_offset],
+        refused=(Refusal(PALLAS_KERNELS, lambda c: c.p_offset == "row_lse",
+                         lambda c: "p_offset='row_lse' not supported by the kernels: P normalised before the cast "
+                                   "needs the row's whole max and sum first, a second pass over K that these "
+                                   "one-pass kernels do not make (simulator-only)"),))
     #: ``"f32"``, or ``"f16"``: P is computed and held in float16 before the cast (trtllm-gen's
     #: ``use_fp16_softmax``): the exponential's FP32 result rounded to float16, then P·S rounded to
     #: float16, then cast; ℓ sums the float16 P in FP32. Needs P·S ≤ 65504 (S·2^-τ… ≤ the float16
     #: max, no lazy rescale).
-    softmax: SoftmaxPrecision = "f32"
+    softmax: SoftmaxPrecision = knob("f32", at=19, name="{}softmax", says="P held in {}", saved="set", fit="offset")
 
     # --- Label ------------------------------------------------------------------------------------
     #: A label for reports, not part of the identity: two configs are equal (and hash alike) when their
     #: semantics are, whatever their names. Empty → :meth:`default_name`.
-    name: str = dataclasses.field(default="", compare=False)
+    name: str = knob("", compare=False, check=_check_name,
+                     fit=Unfitted("a label, not semantics"))
 
     def __post_init__(self):
-        check_choice("order", self.order, ORDERS)
-        scale = check_positive("scale", self.scale)
-        if not SCALE_MIN <= scale <= SCALE_MAX:
-            raise PcastError(f"scale={self.scale!r} must lie in [2^-100, 2^100] "
-                             "(S, 1/S and S·ℓ must stay finite, nonzero float32 numbers)")
-        object.__setattr__(self, "scale", scale)
-        check_choice("scale_mode", self.scale_mode, SCALE_MODES)
-        object.__setattr__(self, "block_kv", check_int("block_kv", self.block_kv, min_value=1, max_value=1 << 16))
-        # a dtype (jnp.float8_e5m2, ml_dtypes.float8_e4m3fn, np.dtype(...)) is stored as its format's name
-        for key, names in (("p_format", numberline.P_FORMATS), ("accumulator", ACCUMULATORS), ("qkv", QKV_PRECISIONS)):
-            object.__setattr__(self, key, numberline.format_name(getattr(self, key), param=key, choices=names))
-        check_choice("p_format", self.p_format.lower() if isinstance(self.p_format, str) else self.p_format,
-                     numberline.P_FORMATS)
-        check_choice("overflow", self.overflow, numberline.OVERFLOW_MODES)
-        check_choice("accumulator", self.accumulator, ACCUMULATORS)
-        check_choice("qkv", self.qkv, QKV_PRECISIONS)
-        check_choice("qkv_granularity", self.qkv_granularity, QKV_GRANULARITIES)
-        if self.scale_mode in COMPUTED_SCALE_MODES:
-            object.__setattr__(self, "scale", 1.0)
-        if self.qkv == "f32":
-            object.__setattr__(self, "qkv_granularity", "tensor")
-        if not isinstance(self.causal, bool):
-            raise PcastError(f"causal={self.causal!r} must be True or False")
-        object.__setattr__(self, "kv_splits", check_int("kv_splits", self.kv_splits, min_value=1, max_value=1 << 16))
-        check_choice("split_layout", self.split_layout, SPLIT_LAYOUTS)
-        if self.kv_splits == 1:
-            object.__setattr__(self, "split_layout", "contiguous")
-        object.__setattr__(self, "f16_round_keys", check_int("f16_round_keys", self.f16_round_keys, min_value=0,
-                                                             max_value=1 << 16))
-        if self.f16_round_keys and self.block_kv % self.f16_round_keys:
-            raise PcastError(f"f16_round_keys={self.f16_round_keys} must divide block_kv={self.block_kv}")
-        if isinstance(self.v_channel_max, (bool, np.bool_)) or not isinstance(self.v_channel_max,
-                                                                               (int, float, np.integer, np.floating)):
-            raise PcastError(f"v_channel_max={self.v_channel_max!r} must be a number >= 0")
-        v_max = float(self.v_channel_max)
-        if not (math.isfinite(v_max) and 0.0 <= v_max <= F32_MAX):
-            raise PcastError(f"v_channel_max={self.v_channel_max!r} must be a number >= 0, finite in float32")
-        object.__setattr__(self, "v_channel_max", v_max)
-        if self.accumulator == "f32" or self.f16_round_keys == self.block_kv:
-            object.__setattr__(self, "f16_round_keys", 0)
-        if self.accumulator == "f32":
-            object.__setattr__(self, "v_channel_max", 0.0)
-        self._check_mma()
-        self._check_sink_and_rescale()
-        self._check_query_tiles()
-        self._check_p_knobs()
-        bf = self.block_format
-        if bf is not None:
-            if self.block_kv % bf.block:
-                raise PcastError(f"p_format={self.p_format!r} scales blocks of {bf.block} keys, which must tile "
-                                 f"block_kv={self.block_kv}")
-            if self.scale_mode in COMPUTED_SCALE_MODES:
-                raise PcastError(f"p_format={self.p_format!r} carries its own block scales: "
-                                 f"scale_mode={self.scale_mode!r} is not supported with it")
-            if self.accumulator != "f32":
-                raise PcastError(f"p_format={self.p_format!r} needs accumulator='f32' (the block scale is "
-                                 "multiplied back into the FP32 accumulator)")
-        if not isinstance(self.name, str):
-            raise PcastError(f"name={self.name!r} must be a string")
-        if len(self.name) > 200 or not self.name.isprintable():  # it labels one-line errors and table cells
-            raise PcastError(f"name={self.name[:40]!r} must be one printable line of at most 200 characters")
+        """Each field's own check (:class:`Knob`), in the order declared; each field that does not act
+        normalised to its default; then every rule between fields (:data:`RULES`), in order."""
+        for field, spec in KNOBS.items():
+            object.__setattr__(self, field, spec.check(getattr(self, field)))
+        for rule in RULES:
+            if rule.broken(self):
+                raise PcastError(rule.says(self))
+        for field, spec in KNOBS.items():
+            if spec.acts is not None and not spec.acts(self):
+                object.__setattr__(self, field, _FIELD_DEFAULTS[field])
         if not self.name:
             object.__setattr__(self, "name", self.default_name())
-
-    def _check_sink_and_rescale(self) -> None:
-        """Validates ``sink_mode`` and the lazy-rescale fields; unit and compensation normalised at τ = 0."""
-        check_choice("sink_mode", self.sink_mode, SINK_MODES)
-        tau = self.rescale_threshold
-        if isinstance(tau, (bool, np.bool_)) or not isinstance(tau, (int, float, np.integer, np.floating)):
-            raise PcastError(f"rescale_threshold={tau!r} must be a number in [0, {RESCALE_THRESHOLD_MAX:g}]")
-        tau = float(tau)
-        if not (math.isfinite(tau) and 0.0 <= tau <= RESCALE_THRESHOLD_MAX):
-            raise PcastError(f"rescale_threshold={self.rescale_threshold!r} must be a number in "
-                             f"[0, {RESCALE_THRESHOLD_MAX:g}] (0: the running max follows every block)")
-        object.__setattr__(self, "rescale_threshold", tau)
-        check_choice("rescale_unit", self.rescale_unit, RESCALE_UNITS)
-        check_choice("rescale_compensation", self.rescale_compensation, RESCALE_COMPENSATIONS)
-        check_choice("sink_prescale", self.sink_prescale, SINK_PRESCALES)
-        if self.scale_mode != "exponent":  # only the exponent mode folds log2 S into the sink's term
-            object.__setattr__(self, "sink_prescale", "exp2")
-        if tau == 0.0:  # no lag: neither the unit nor a 2^-0 compensation acts
-            object.__setattr__(self, "rescale_unit", "log2")
-            object.__setattr__(self, "rescale_compensation", "none")
-        if self.rescale_compensation == "pow2" and self.scale_mode in COMPUTED_SCALE_MODES:
-            raise PcastError(f"rescale_compensation='pow2' scales a static S; scale_mode={self.scale_mode!r} "
-                             "has none")
-        s_eff = self.effective_scale
-        if not SCALE_MIN <= s_eff <= SCALE_MAX:
-            raise PcastError(f"scale·2^-rescale_threshold = {s_eff!r} must lie in [2^-100, 2^100]")
-
-    def _check_query_tiles(self) -> None:
-        """Validates ``skip_softmax_threshold`` and ``block_q`` (0 where neither the tile-amax scale nor a
-        skip threshold acts, so equality stays semantic)."""
-        lam = self.skip_softmax_threshold
-        if isinstance(lam, (bool, np.bool_)) or not isinstance(lam, (int, float, np.integer, np.floating)):
-            raise PcastError(f"skip_softmax_threshold={lam!r} must be a number in [0, 1)")
-        lam = float(lam)
-        if not (math.isfinite(lam) and 0.0 <= lam < 1.0):
-            raise PcastError(f"skip_softmax_threshold={self.skip_softmax_threshold!r} must be a number in [0, 1) "
-                             "(0: no tile is skipped; λ ≥ 1 would skip a block that raises the running max)")
-        if lam and not math.isfinite(math.log(np.float32(lam))):
-            raise PcastError(f"skip_softmax_threshold={lam!r} must be 0 or a positive float32 number")
-        object.__setattr__(self, "skip_softmax_threshold", lam)
-        block_q = check_int("block_q", self.block_q, min_value=0, max_value=1 << 16)
-        if self.scale_mode != "tile_amax" and not lam:
-            block_q = 0  # no query tile acts
-        elif not block_q:
-            why = "scale_mode='tile_amax'" if self.scale_mode == "tile_amax" else f"skip_softmax_threshold={lam:g}"
-            raise PcastError(f"block_q=0 with {why}: a query tile needs block_q >= 1 rows (1: each row on its own)")
-        object.__setattr__(self, "block_q", block_q)
-    def _check_p_knobs(self) -> None:
-        """Validates ``p_offset``, ``softmax`` and the fixed-point P formats (PcastError naming the field)."""
-        check_choice("p_offset", self.p_offset, P_OFFSETS)
-        check_choice("softmax", self.softmax, SOFTMAX_PRECISIONS)
-        if self.fmt.is_integer and self.overflow != "satfinite":
-            raise PcastError(f"overflow={self.overflow!r}: p_format={self.p_format!r} is an integer format, which "
-                             "clips to its range (use overflow='satfinite')")
-        if self.p_offset != "running_max" and self.rescale_threshold:
-            raise PcastError(f"p_offset={self.p_offset!r} takes P against a max that never lags: "
-                             f"rescale_threshold={self.rescale_threshold:g} must be 0")
-        if self.p_offset == "row_lse":
-            needs = (("scale_mode", "multiply"), ("kv_splits", 1), ("softmax", "f32"), ("mma_acc_bits", 0))
-            for key, value in needs:
-                if getattr(self, key) != value:
-                    raise PcastError(f"p_offset='row_lse' (P normalised before the cast, output O/S) needs "
-                                     f"{key}={value!r}, got {getattr(self, key)!r}")
-            object.__setattr__(self, "sink_mode", "epilogue")  # the sink is a column of the normalised softmax
-        if (self.p_offset != "running_max" or self.softmax != "f32") and self.block_q:
-            what = "scale_mode='tile_amax'" if self.scale_mode == "tile_amax" else "skip-softmax"
-            changed = "p_offset" if self.p_offset != "running_max" else "softmax"
-            raise PcastError(f"{changed}={getattr(self, changed)!r} with {what} is not modelled: use "
-                             f"{changed}={_FIELD_DEFAULTS[changed]!r} or neither query-tile axis")
-        if self.softmax == "f16":
-            if self.rescale_threshold:
-                raise PcastError(f"softmax='f16' with rescale_threshold={self.rescale_threshold:g}: a lagging max "
-                                 "lets P exceed 1 and P·S overflow float16 (not modelled); use rescale_threshold=0")
-            if self.scale_mode != "dynamic" and self.effective_scale > F16_MAX:
-                raise PcastError(f"scale={self.scale!r} with softmax='f16': P·S is held in float16, so S must "
-                                 f"be at most {F16_MAX:g}")
-
-    def _check_mma(self) -> None:
-        """Validates and normalises ``mma_acc_bits`` / ``mma_promote_keys`` (PcastError naming them)."""
-        bits = check_int("mma_acc_bits", self.mma_acc_bits, min_value=0, max_value=MMA_ACC_BITS_MAX)
-        object.__setattr__(self, "mma_acc_bits", bits)
-        keys = check_int("mma_promote_keys", self.mma_promote_keys, min_value=0, max_value=1 << 16)
-        if not bits:  # exact FP32: where the MMA would promote does not act
-            object.__setattr__(self, "mma_promote_keys", 0)
-            return
-        if self.accumulator != "f32":
-            raise PcastError(f"mma_acc_bits={bits} needs accumulator='f32' (the f16 accumulator is its own "
-                             "model: f16_round_keys)")
-        if self.block_format is not None:
-            raise PcastError(f"mma_acc_bits={bits} is not modelled with the block-scaled p_format="
-                             f"{self.p_format!r}: use an element format")
-        if self.block_kv % MMA_K:
-            raise PcastError(f"block_kv={self.block_kv} must be a multiple of the MMA K = {MMA_K} keys with "
-                             f"mma_acc_bits={bits}")
-        if keys and (keys % MMA_K or self.block_kv % keys):
-            raise PcastError(f"mma_promote_keys={keys} must be a multiple of {MMA_K} that divides "
-                             f"block_kv={self.block_kv} (or 0: never promoted)")
-        if not keys and self.scale_mode in COMPUTED_SCALE_MODES:
-            raise PcastError(f"scale_mode={self.scale_mode!r} needs mma_promote_keys > 0 with mma_acc_bits: its "
-                             "per-block inverse scale multiplies the block's product outside the MMA accumulator")
-        object.__setattr__(self, "mma_promote_keys", keys)
 
     def default_name(self) -> str:
         """``fwd_s1``-style label naming every field that differs from its default.
@@ -458,48 +570,7 @@ class KernelConfig:
         ``_blockmax`` / ``_rowlse`` (p_offset) and ``_f16softmax`` (softmax). Two configs with
         different semantics never share a default name.
         """
-        computed = {"dynamic": "sdyn", "tile_amax": "samax"}
-        parts = [{"forward": "fwd", "reverse": "rev"}[self.order],
-                 computed.get(self.scale_mode) or "s" + repr(self.scale).removesuffix(".0")]
-        if self.scale_mode == "exponent":
-            parts.append("exp")
-        if self.block_kv != _DEFAULT_BLOCK_KV:
-            parts.append(f"b{self.block_kv}")
-        if self.p_format != "e4m3":
-            parts.append(self.p_format)
-        if self.overflow != "satfinite":
-            parts.append(self.overflow)
-        if self.accumulator != "f32":
-            parts.append(f"{self.accumulator}acc")
-        if self.f16_round_keys:
-            parts.append(f"r{self.f16_round_keys}")
-        if self.v_channel_max:
-            parts.append("v" + repr(self.v_channel_max).removesuffix(".0"))
-        if self.qkv == "e4m3":
-            parts.append("qkv8h" if self.qkv_granularity == "head" else "qkv8")
-        if self.causal:
-            parts.append("causal")
-        if self.kv_splits > 1:
-            parts.append(f"split{self.kv_splits}" + ("s" if self.split_layout == "strided" else ""))
-        if self.mma_acc_bits:
-            parts.append(f"acc{self.mma_acc_bits}" + (f"p{self.mma_promote_keys}" if self.mma_promote_keys else ""))
-        if self.sink_mode != "epilogue":
-            parts.append("sink" + {"init_max": "init", "block_max": "block"}[self.sink_mode])
-        if self.rescale_threshold:
-            parts.append("tau" + repr(self.rescale_threshold).removesuffix(".0")
-                         + ("n" if self.rescale_unit == "natural" else "")
-                         + ("c" if self.rescale_compensation == "pow2" else ""))
-        if self.sink_prescale != "exp2":
-            parts.append("sinkexp")
-        if self.block_q:
-            parts.append(f"q{self.block_q}")
-        if self.skip_softmax_threshold:
-            parts.append("skip" + repr(self.skip_softmax_threshold))
-        if self.p_offset != "running_max":
-            parts.append({"block_max": "blockmax", "row_lse": "rowlse"}[self.p_offset])
-        if self.softmax != "f32":
-            parts.append(f"{self.softmax}softmax")
-        return "_".join(parts)
+        return "_".join(filter(None, (_words(spec.name, self, f) for f, spec in _WORDS)))
 
     def to_dict(self) -> dict:
         """Every field as a plain value; :meth:`from_dict` reads it back.
@@ -509,13 +580,9 @@ class KernelConfig:
         (where they act): two configs that compute the same thing have one dict, and so one sweep
         fingerprint, and a config that sets none of them keeps the dict it had before they existed.
         """
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        if self.qkv == "f32":
-            del d["qkv_granularity"]
-        for key in _WRITTEN_WHEN_SET:
-            if d[key] == _FIELD_DEFAULTS[key]:
-                del d[key]
-        return d
+        return {f: getattr(self, f) for f, spec in KNOBS.items()
+                if spec.saved == "always" or (spec.acts(self) if spec.saved == "acts"
+                                              else getattr(self, f) != _FIELD_DEFAULTS[f])}
 
     @classmethod
     def from_dict(cls, d: dict) -> "KernelConfig":
@@ -640,9 +707,7 @@ class KernelConfig:
             f = jax.jit(lambda s, v, nums: engine.attention(s, v, cfg.program().bind(nums)).out)
             f(scores, v, cfg.numbers())   # one program for every config with cfg's program
         """
-        return dataclasses.replace(self, scale=1.0, rescale_threshold=float(bool(self.rescale_threshold)),
-                                   v_channel_max=float(bool(self.v_channel_max)),
-                                   skip_softmax_threshold=0.5 * bool(self.skip_softmax_threshold), name="")
+        return dataclasses.replace(self, name="", **{f: KNOBS[f].stand_in(getattr(self, f)) for f in NUMERIC_FIELDS})
 
     def bind(self, numbers: Numbers, *, name: str | None = None) -> "BoundConfig":
         """This program with ``numbers`` (traced or concrete): a :class:`BoundConfig` labelled ``name``
@@ -663,48 +728,146 @@ class KernelConfig:
         return dataclasses.replace(self, **changes)
 
     def describe(self) -> str:
-        computed = {"dynamic": "dynamic 2^k", "tile_amax": f"tile amax per {self.block_q} query rows"}
-        s = computed.get(self.scale_mode) or f"S={self.scale:g} ({self.scale_mode})"
-        extra = []
-        if self.p_format != "e4m3":
-            extra.append(f"P in {self.p_format}")
-        if self.accumulator != "f32":
-            extra.append(f"{self.accumulator} PV accumulator")
-        if self.qkv != "f32":
-            extra.append(f"{self.qkv} QKV per {self.qkv_granularity}")
-        if self.causal:
-            extra.append("causal")
-        if self.kv_splits > 1:
-            extra.append(f"{self.kv_splits} {self.split_layout} KV splits")
-        if self.mma_acc_bits:
-            where = (f"promoted to FP32 every {self.mma_promote_keys} keys" if self.mma_promote_keys
-                     else "never promoted")
-            extra.append(f"{self.mma_acc_bits}-bit MMA accumulator model, {where}")
-        if self.sink_mode != "epilogue":
-            where = "the initial running max" if self.sink_mode == "init_max" else "every block max"
-            extra.append(f"learned sink as {where}")
-        if self.rescale_threshold:
-            comp = f", P scale S·2^-{self.rescale_threshold:g}" if self.rescale_compensation == "pow2" else ""
-            extra.append(f"lazy rescale τ={self.rescale_threshold:g} ({self.rescale_unit}){comp}")
-        if self.sink_prescale != "exp2":
-            extra.append("learned sink's prescale as e^(log2 S)")
-        if self.skip_softmax_threshold:
-            extra.append(f"skip-softmax λ={self.skip_softmax_threshold:g} per {self.block_q} query rows")
-        if self.p_offset != "running_max":
-            extra.append({"block_max": "P against the block's own max",
-                          "row_lse": "P normalised before the cast"}[self.p_offset])
-        if self.softmax != "f32":
-            extra.append(f"P held in {self.softmax}")
-        tail = (", " + ", ".join(extra)) if extra else ""
-        return f"{self.order}, {s}, B={self.block_kv}{tail}"
+        """The config in words: order, scale, block, then what differs from the defaults."""
+        return ", ".join(filter(None, (_words(spec.says, self, f) for f, spec in _WORDS)))
+
+    def refusal(self, kernel: str) -> str | None:
+        """Why Pallas kernel ``kernel`` (:data:`PALLAS_KERNELS`) refuses this config's semantics, or None:
+        the first declared :class:`Refusal` that holds (a kernel's other limits are its own)."""
+        for spec in KNOBS.values():
+            for r in spec.refused:
+                if kernel in r.kernels and r.when(self):
+                    return r.why(self)
+        return None
 
 
+def declared_knobs(cls) -> dict[str, Knob]:
+    """Field name → :class:`Knob` of dataclass ``cls``, each ``Literal`` field checked against its choices
+    where no check is declared; TypeError naming a field declared without :func:`knob` or declared amiss."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, Knob] = {}
+    for f in dataclasses.fields(cls):
+        spec = f.metadata.get("knob")
+        if not isinstance(spec, Knob):
+            raise TypeError(f"{cls.__name__}.{f.name} is declared without knob(...): declare its name part, "
+                            "what it saves, its numbers, whether the fingerprint fits it and which kernels refuse it")
+        if spec.check is None:
+            choices = typing.get_args(hints[f.name])
+            if typing.get_origin(hints[f.name]) is not Literal:
+                raise TypeError(f"{cls.__name__}.{f.name} needs check=...: only a Literal field is checked by its type")
+            spec = dataclasses.replace(spec, check=_one_of(f.name, choices))
+        if spec.saved == "acts" and spec.acts is None or (spec.stand_in is None) != (not spec.feeds):
+            raise TypeError(f"{cls.__name__}.{f.name}: saved='acts' needs acts=...; stand_in and feeds go together")
+        out[f.name] = spec
+    ats = [s.at for s in out.values() if s.at is not None]
+    if len(set(ats)) != len(ats):
+        raise TypeError(f"{cls.__name__}: two fields write their words at the same place (at=...)")
+    for name, spec in out.items():
+        if spec.words_of is not None and out.get(spec.words_of, Knob(fit="")).at is None:
+            raise TypeError(f"{cls.__name__}.{name}: words_of={spec.words_of!r} must name a field with words "
+                            "of its own")
+    return out
 
-#: The fields :meth:`KernelConfig.numbers` carries (a :class:`BoundConfig` holds them as NaN).
-_NUMERIC_FIELDS = ("scale", "rescale_threshold", "v_channel_max", "skip_softmax_threshold")
-#: Fields :meth:`KernelConfig.to_dict` writes only where they differ from their defaults.
-_WRITTEN_WHEN_SET = ("sink_prescale", "block_q", "skip_softmax_threshold", "p_offset", "softmax")
+
+def choices(field: str) -> tuple:
+    """The values a ``Literal`` field of :class:`KernelConfig` takes (``choices("order")``: forward, reverse)."""
+    hint = typing.get_type_hints(KernelConfig)[field]
+    if typing.get_origin(hint) is not Literal:
+        raise PcastError(f"KernelConfig.{field} is not a Literal field: its values are not a list of choices")
+    return typing.get_args(hint)
+
+
+#: Every field's :class:`Knob`, in declaration order (the order fields are checked in).
+KNOBS: dict[str, Knob] = declared_knobs(KernelConfig)
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(KernelConfig)}
+#: Fields with words in the default name and description, in the order they are written.
+_WORDS = sorted(((f, spec) for f, spec in KNOBS.items() if spec.at is not None), key=lambda item: item[1].at)
+#: The fields :meth:`KernelConfig.numbers` carries (a :class:`BoundConfig` holds them as NaN).
+NUMERIC_FIELDS: tuple[str, ...] = tuple(f for f, spec in KNOBS.items() if spec.stand_in is not None)
+
+
+class Rule(NamedTuple):
+    """A rule between fields: ``broken(config)`` → :class:`PcastError` ``says(config)``."""
+
+    broken: Callable[[KernelConfig], Any]
+    says: Callable[[KernelConfig], str]
+
+
+def _row_lse_needs(field: str, value) -> Rule:
+    return Rule(lambda c: c.p_offset == "row_lse" and getattr(c, field) != value,
+                lambda c: f"p_offset='row_lse' (P normalised before the cast, output O/S) needs {field}={value!r}, "
+                          f"got {getattr(c, field)!r}")
+
+
+def _tiles(c: KernelConfig) -> bool:
+    """A query-tile axis acts (the tile-amax scale or skip-softmax)."""
+    return c.scale_mode == "tile_amax" or bool(c.skip_softmax_threshold)
+
+
+def _not_with_tiles(changed: str, c: KernelConfig) -> str:
+    what = "scale_mode='tile_amax'" if c.scale_mode == "tile_amax" else "skip-softmax"
+    return (f"{changed}={getattr(c, changed)!r} with {what} is not modelled: use "
+            f"{changed}={_FIELD_DEFAULTS[changed]!r} or neither query-tile axis")
+
+
+#: Every rule between fields, checked in this order once each field has passed its own check (on the
+#: values as given, before the fields that do not act are normalised).
+RULES: tuple[Rule, ...] = (
+    Rule(lambda c: c.f16_round_keys and c.block_kv % c.f16_round_keys,
+         lambda c: f"f16_round_keys={c.f16_round_keys} must divide block_kv={c.block_kv}"),
+    # the MMA accumulator model
+    Rule(lambda c: c.mma_acc_bits and c.accumulator != "f32",
+         lambda c: f"mma_acc_bits={c.mma_acc_bits} needs accumulator='f32' (the f16 accumulator is its own "
+                   "model: f16_round_keys)"),
+    Rule(lambda c: c.mma_acc_bits and c.block_format is not None,
+         lambda c: f"mma_acc_bits={c.mma_acc_bits} is not modelled with the block-scaled p_format="
+                   f"{c.p_format!r}: use an element format"),
+    Rule(lambda c: c.mma_acc_bits and c.block_kv % MMA_K,
+         lambda c: f"block_kv={c.block_kv} must be a multiple of the MMA K = {MMA_K} keys with "
+                   f"mma_acc_bits={c.mma_acc_bits}"),
+    Rule(lambda c: c.mma_acc_bits and c.mma_promote_keys and (c.mma_promote_keys % MMA_K
+                                                              or c.block_kv % c.mma_promote_keys),
+         lambda c: f"mma_promote_keys={c.mma_promote_keys} must be a multiple of {MMA_K} that divides "
+                   f"block_kv={c.block_kv} (or 0: never promoted)"),
+    Rule(lambda c: c.mma_acc_bits and not c.mma_promote_keys and c.scale_mode in COMPUTED_SCALE_MODES,
+         lambda c: f"scale_mode={c.scale_mode!r} needs mma_promote_keys > 0 with mma_acc_bits: its per-block "
+                   "inverse scale multiplies the block's product outside the MMA accumulator"),
+    # the lazy rescale
+    Rule(lambda c: c.rescale_threshold and c.rescale_compensation == "pow2" and c.scale_mode in COMPUTED_SCALE_MODES,
+         lambda c: f"rescale_compensation='pow2' scales a static S; scale_mode={c.scale_mode!r} has none"),
+    Rule(lambda c: not SCALE_MIN <= c.effective_scale <= SCALE_MAX,
+         lambda c: f"scale·2^-rescale_threshold = {c.effective_scale!r} must lie in [2^-100, 2^100]"),
+    # query tiles
+    Rule(lambda c: _tiles(c) and not c.block_q,
+         lambda c: f"block_q=0 with {_tile_words(c)}: a query tile needs block_q >= 1 rows (1: each row on its own)"),
+    # what P is taken against and its precision
+    Rule(lambda c: c.fmt.is_integer and c.overflow != "satfinite",
+         lambda c: f"overflow={c.overflow!r}: p_format={c.p_format!r} is an integer format, which clips to its "
+                   "range (use overflow='satfinite')"),
+    Rule(lambda c: c.p_offset != "running_max" and c.rescale_threshold,
+         lambda c: f"p_offset={c.p_offset!r} takes P against a max that never lags: "
+                   f"rescale_threshold={c.rescale_threshold:g} must be 0"),
+    *(_row_lse_needs(field, value) for field, value in (("scale_mode", "multiply"), ("kv_splits", 1),
+                                                         ("softmax", "f32"), ("mma_acc_bits", 0))),
+    Rule(lambda c: (c.p_offset != "running_max" or c.softmax != "f32") and _tiles(c),
+         lambda c: _not_with_tiles("p_offset" if c.p_offset != "running_max" else "softmax", c)),
+    Rule(lambda c: c.softmax == "f16" and c.rescale_threshold,
+         lambda c: f"softmax='f16' with rescale_threshold={c.rescale_threshold:g}: a lagging max lets P exceed 1 "
+                   "and P·S overflow float16 (not modelled); use rescale_threshold=0"),
+    Rule(lambda c: c.softmax == "f16" and c.scale_mode not in COMPUTED_SCALE_MODES and c.effective_scale > F16_MAX,
+         lambda c: f"scale={c.scale!r} with softmax='f16': P·S is held in float16, so S must be at most "
+                   f"{F16_MAX:g}"),
+    # block-scaled P formats
+    Rule(lambda c: c.block_format is not None and c.block_kv % c.block_format.block,
+         lambda c: f"p_format={c.p_format!r} scales blocks of {c.block_format.block} keys, which must tile "
+                   f"block_kv={c.block_kv}"),
+    Rule(lambda c: c.block_format is not None and c.scale_mode in COMPUTED_SCALE_MODES,
+         lambda c: f"p_format={c.p_format!r} carries its own block scales: scale_mode={c.scale_mode!r} is not "
+                   "supported with it"),
+    Rule(lambda c: c.block_format is not None and c.accumulator != "f32",
+         lambda c: f"p_format={c.p_format!r} needs accumulator='f32' (the block scale is multiplied back into the "
+                   "FP32 accumulator)"),
+)
 
 
 class BoundConfig(KernelConfig):
@@ -727,8 +890,8 @@ class BoundConfig(KernelConfig):
         for f in dataclasses.fields(KernelConfig):
             object.__setattr__(self, f.name, getattr(program, f.name))
         object.__setattr__(self, "name", name)
-        for name in _NUMERIC_FIELDS:
-            if name == "scale" or getattr(program, name):
+        for name in NUMERIC_FIELDS:
+            if getattr(program, name):  # a stand-in that is not 0: a number the program computes with
                 object.__setattr__(self, name, math.nan)
         object.__setattr__(self, "_program", program)
         object.__setattr__(self, "_numbers", numbers)
@@ -758,7 +921,7 @@ class BoundConfig(KernelConfig):
 
     def replace(self, **changes) -> "BoundConfig":
         """The program with ``changes`` (no numeric field), bound to the same numbers."""
-        numeric = sorted(set(changes) & set(_NUMERIC_FIELDS))
+        numeric = sorted(set(changes) & set(NUMERIC_FIELDS))
         if numeric:
             raise PcastError(f"a BoundConfig's numbers are bound: replace {numeric} on the config, then bind")
         name = changes.pop("name", self.name)

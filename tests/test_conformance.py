@@ -184,8 +184,9 @@ def _refuse_kernel(backend: str):
     def refuses(cfg, kind: str, h: int) -> str | None:  # in the order the drop-in checks them
         if kind not in ("none", "causal"):
             return "causal_alignment='bottom_right'" if kind == "causal_rect" else "take no"
-        if cfg.p_format != "e4m3":
-            return "p_format"
+        why = cfg.refusal(backend)  # what the config's fields declare this kernel refuses
+        if why is not None:
+            return why.split("=", 1)[0]
         try:  # what the backend says it refuses, by the parameter its message names first
             limits(cfg, q_len=case(kind, h).t, head_dim=h, n_kv=S, num_slots=2)
         except PcastError as exc:

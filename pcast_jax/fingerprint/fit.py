@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -71,7 +72,8 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 
-from pcast_jax.config import COMPUTED_SCALE_MODES, KernelConfig
+from pcast_jax import numberline
+from pcast_jax.config import COMPUTED_SCALE_MODES, KNOBS, MMA_K, KernelConfig, Unfitted, choices
 from pcast_jax.errors import PcastError, check_int
 from pcast_jax.fingerprint.probes import FAMILIES, LADDER_KEYS, N_KEYS, ROWS, SEGMENTS, WALK_ROWS, ProbeSet, probes
 from pcast_jax.fingerprint.result import RESIDUAL_FLOOR, FieldEvidence, Fingerprint
@@ -79,33 +81,23 @@ from pcast_jax.fingerprint.result import RESIDUAL_FLOOR, FieldEvidence, Fingerpr
 __all__ = ["identify", "fit", "check_outputs", "simulate_outputs", "explain_preset", "fittable_presets", "GROUPS",
            "FIELDS", "FIT_LIMIT", "NOT_FITTED", "UNFITTED_FIELDS", "tolerance", "candidate_values"]
 
-#: Field groups, searched in this order after ``cast``.
-GROUPS: dict[str, tuple[str, ...]] = {
-    "cast": ("scale", "scale_mode", "p_format"),
-    "walk": ("order", "block_kv"),
-    "split": ("kv_splits", "split_layout"),
-    "rescale": ("rescale_threshold", "rescale_unit", "rescale_compensation"),
-    "sink": ("sink_mode",),
-    "accumulator": ("accumulator", "f16_round_keys", "v_channel_max"),
-    "tile": ("block_q",),
-    "skip": ("skip_softmax_threshold",),
-    "offset": ("p_offset", "softmax"),
-}
+#: The search groups, searched in this order after ``cast``; each field declares its group (or why it is
+#: not fitted) where :class:`~pcast_jax.config.KernelConfig` declares it (``knob(fit=...)``).
+GROUP_ORDER = ("cast", "walk", "split", "rescale", "sink", "accumulator", "tile", "skip", "offset")
+#: Field groups, in :data:`GROUP_ORDER`: each group's fields in declaration order.
+GROUPS: dict[str, tuple[str, ...]] = {g: tuple(f for f, spec in KNOBS.items() if spec.fit == g) for g in GROUP_ORDER}
 FIELDS: tuple[str, ...] = tuple(f for fields in GROUPS.values() for f in fields)
-#: What the fit does not read, and why: reported in every fingerprint (``Fingerprint.not_fitted``).
+_LABELS = {f.name for f in dataclasses.fields(KernelConfig) if not f.compare}
+#: What the fit does not read, and why: reported in every fingerprint (``Fingerprint.not_fitted``): what ℓ
+#: sums (no field selects it), then each field that declares itself not fitted (:class:`~pcast_jax.config.Unfitted`).
 NOT_FITTED: dict[str, str] = {
     "row_sum": "what ℓ sums: every KernelConfig sums the pre-cast P (no field selects the cast P), so a kernel "
                "summing the cast values is fitted as the nearest pre-cast config and shows only in the residual",
-    "qkv": "the kernel's own Q/K/V quantization: the probes are exact in E4M3 with power-of-two per-tensor "
-           "scales, so it is lossless on them",
-    "sink_prescale": "how a learned sink's logit is weighted when P is scaled in the exponent (2^x, or e^x as "
-                     "fmha_v2's non-exp2f path does): every candidate weights it 2^x, so a kernel weighting it e^x "
-                     "fits no candidate on probes with sinks",
-    "overflow": "a NaN output is refused, so only the saturating cast is read",
-    "mma_acc_bits": "the tensor core's accumulator model is not among the candidates",
+    **{f: spec.fit.why for f, spec in KNOBS.items() if isinstance(spec.fit, Unfitted) and f not in _LABELS},
 }
 #: Config fields no candidate sets (a kernel using them is fitted as the nearest config without them).
-UNFITTED_FIELDS: tuple[str, ...] = ("mma_acc_bits",)
+UNFITTED_FIELDS: tuple[str, ...] = tuple(f for f, spec in KNOBS.items()
+                                         if isinstance(spec.fit, Unfitted) and spec.fit.excluded)
 #: Largest best residual that still counts as a fit: beyond it the outputs fit no candidate.
 FIT_LIMIT = 0.05
 #: Candidates of the ``cast`` group kept (by their ladder residual) for the search over every row.
@@ -121,9 +113,12 @@ RESTART_PASSES = ("accumulator", "sink", "rescale", "walk", "split", "tile", "sk
 #: Tiles kept (in both orders) by the ``walk`` rows' collapse pattern for simulation.
 WALK_KEPT = 4
 
-_P_FORMATS = ("e4m3", "e4m3fnuz", "e5m2", "mxfp8", "nvfp4", "mxfp4", "e2m1", "int8", "uint8")
-#: P formats of the computed scales (``dynamic``, ``tile_amax``).
-_AMAX_FORMATS = ("e4m3", "e4m3fnuz", "e5m2", "e2m1")
+#: P formats, each once by its own name (no alias).
+_P_FORMATS = tuple(dict.fromkeys(f.name for f in numberline.FORMATS.values())) + tuple(numberline.BLOCK_FORMATS)
+#: P formats of the computed scales (``dynamic``, ``tile_amax``): the element formats that are not integers.
+_AMAX_FORMATS = tuple(dict.fromkeys(f.name for f in numberline.FORMATS.values() if not f.is_integer))
+#: Scale modes with a static S (the others compute theirs per block).
+_STATIC_MODES = tuple(m for m in choices("scale_mode") if m not in COMPUTED_SCALE_MODES)
 _TILES = tuple(range(16, 257, 16))
 _SPLITS = (2, 3, 4, 6, 8, 16)
 _TAUS = (0.75, 1.0, 2.0, 4.0, 8.0)
@@ -148,36 +143,37 @@ def fittable_presets() -> dict[str, KernelConfig]:
     return dict(PRESETS)
 
 
+def _grid(group: str) -> set[tuple]:
+    """The grid part of a group's candidates: choices from the fields' declared types, numbers from the
+    grids above; a group with no grid of its own crosses its fields' choices."""
+    d = {f: getattr(KernelConfig(), f) for f in GROUPS[group]}  # the group's defaults
+    if group == "cast":
+        scales = sorted({2.0**k for k in range(-8, 13)} | {c.scale for c in fittable_presets().values()})
+        grid = {(s, m, p) for s in scales for m in _STATIC_MODES for p in _P_FORMATS}
+        grid |= {(1.0, m, p) for m in COMPUTED_SCALE_MODES for p in _AMAX_FORMATS}
+        # the tile-amax scale of a tile beyond the probes' rows (_amax_twin): the format's max
+        return grid | {(numberline.get_format(p).max, "multiply", p) for p in _AMAX_FORMATS}
+    if group == "walk":
+        return {(o, b) for o in choices("order") for b in _TILES}
+    if group == "split":
+        return {tuple(d.values())} | {(n, lay) for n in _SPLITS for lay in choices("split_layout")}
+    if group == "rescale":
+        return {tuple(d.values())} | {(t, u, c) for t in _TAUS for u in choices("rescale_unit")
+                                      for c in choices("rescale_compensation")}
+    if group == "accumulator":  # FP32, and f16 rounded once per block or per MMA of 32 keys
+        return {(a, keys, d["v_channel_max"]) for a in choices("accumulator")
+                for keys in ((0,) if a == d["accumulator"] else (0, MMA_K))}
+    if group == "tile":
+        return {(0,)} | {(b,) for b in _QUERY_TILES}
+    if group == "skip":
+        return {(0.0,)} | {(lam,) for lam in _SKIPS}
+    return set(itertools.product(*(choices(f) for f in GROUPS[group])))
+
+
 def candidate_values(group: str) -> list[tuple]:
     """The candidate value tuples of one group's fields (:data:`GROUPS`): the grid and the registry's."""
-    fields = GROUPS[group]
-    seen = {tuple(getattr(c, f) for f in fields) for c in fittable_presets().values()}
-    if group == "cast":
-        from pcast_jax import numberline
-
-        scales = sorted({2.0**k for k in range(-8, 13)} | {c.scale for c in fittable_presets().values()})
-        grid = {(s, m, p) for s in scales for m in ("multiply", "exponent") for p in _P_FORMATS}
-        grid |= {(1.0, m, p) for m in ("dynamic", "tile_amax") for p in _AMAX_FORMATS}
-        # the tile-amax scale of a tile beyond the probes' rows (_amax_twin): the format's max
-        grid |= {(numberline.get_format(p).max, "multiply", p) for p in _AMAX_FORMATS}
-    elif group == "walk":
-        grid = {(o, b) for o in ("forward", "reverse") for b in _TILES}
-    elif group == "split":
-        grid = {(1, "contiguous")} | {(n, lay) for n in _SPLITS for lay in ("contiguous", "strided")}
-    elif group == "rescale":
-        grid = {(0.0, "log2", "none")} | {(t, u, c) for t in _TAUS for u in ("log2", "natural")
-                                          for c in ("none", "pow2")}
-    elif group == "sink":
-        grid = {("epilogue",), ("init_max",), ("block_max",)}
-    elif group == "tile":
-        grid = {(0,)} | {(b,) for b in _QUERY_TILES}
-    elif group == "skip":
-        grid = {(0.0,)} | {(lam,) for lam in _SKIPS}
-    elif group == "offset":
-        grid = {(o, f) for o in ("running_max", "block_max", "row_lse") for f in ("f32", "f16")}
-    else:
-        grid = {("f32", 0, 0.0), ("f16", 0, 0.0), ("f16", 32, 0.0)}
-    return sorted(grid | seen, key=repr)
+    seen = {tuple(getattr(c, f) for f in GROUPS[group]) for c in fittable_presets().values()}
+    return sorted(_grid(group) | seen, key=repr)
 
 
 def _variant(cfg: KernelConfig, group: str, values: tuple) -> KernelConfig | None:
@@ -591,8 +587,6 @@ def _read_cast(ps: ProbeSet, out: np.ndarray) -> tuple[list[tuple], list[tuple]]
     formats take their own scale per block, so their S is kept from the registry and the grid's 1 (for a
     normalised P, from the registry's presets that normalise it alone).
     """
-    from pcast_jax import numberline
-
     scores = np.asarray(_inputs(ps.key)["ladder"][0])[0, 0].astype(np.float64)  # (T, N)
     z = scores - scores[:, :1]  # Δ = −z ≥ 0; the dead keys' e^z is 0
     alive = np.abs(out[0, :, 0, :LADDER_KEYS]) > 0
@@ -662,7 +656,7 @@ def _read_walk(ps: ProbeSet, out: np.ndarray) -> list[tuple] | None:
     for _, tile in ranked:
         if tile not in tiles:
             tiles.append(tile)
-    return [(o, t) for t in tiles[:WALK_KEPT] for o in ("forward", "reverse")]
+    return [(o, t) for t in tiles[:WALK_KEPT] for o in choices("order")]
 
 
 def _evidence(scorer: _Scorer, best: KernelConfig, cands: list[KernelConfig], field: str,
