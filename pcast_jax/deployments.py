@@ -31,8 +31,7 @@ __all__ = ["no_fp8_p_advice", "Capabilities", "ModelFeatures", "Support", "SUPPO
            "Deployment", "DEPLOYMENTS", "ENGINES", "GPUS", "KV_CACHE_DTYPES", "KNOBS", "find", "checkpoint_scales",
            "layer_groups", "PROB_SCALE_DEFAULT", "MAX_SCALE_VALUES",
            "scale_from_knob", "knob_from_scale", "knob_setting", "configured", "SCALE_RANGE", "Diagnosis", "diagnose",
-           "ZEROED_MASS_LIMIT",
-           "CLIPPED_MASS_LIMIT"]
+           "ZEROED_MASS_LIMIT", "CLIPPED_MASS_LIMIT", "Z", "over_limits"]
 
 #: GPU architectures: NVIDIA compute capabilities and AMD gfx targets.
 GPUS = ("sm90", "sm100", "sm120", "gfx942", "gfx950")
@@ -669,17 +668,25 @@ def _scale_label(cfg: KernelConfig) -> float | str:
     return cfg.scale_mode if cfg.scale_mode in COMPUTED_SCALE_MODES else cfg.scale
 
 
+def over_limits(zeroed: tuple[float, float], clipped: tuple[float, float]) -> bool | None:
+    """The verdict's criterion on one row: is its zeroed or its clipped mass over the limit?
+
+    ``zeroed`` and ``clipped`` are (mean, s.e.) over seeds. True when either mass is decidedly over its
+    limit (:data:`ZEROED_MASS_LIMIT`, :data:`CLIPPED_MASS_LIMIT`: mean − Z·s.e. above it), False when both are
+    decidedly under (mean + Z·s.e. below it), else None: within noise (:func:`pcast_jax.stats.decide`).
+    """
+    calls = [decide(zeroed[0], zeroed[1], ZEROED_MASS_LIMIT, Z), decide(clipped[0], clipped[1], CLIPPED_MASS_LIMIT, Z)]
+    return True if True in calls else (False if calls == [False, False] else None)
+
+
 def _passes(values) -> bool:
     """Every Δ's zeroed and clipped mass decided under its limit (mean + Z·s.e. below it)."""
-    return all(decide(z[0], z[1], ZEROED_MASS_LIMIT, Z) is False and decide(c[0], c[1], CLIPPED_MASS_LIMIT, Z) is False
-               for z, c, _ in values)
+    return all(over_limits(z, c) is False for z, c, _ in values)
 
 
 def _over(row: dict) -> bool | None:
     """Is the row over a limit? True / False when mean ± Z·s.e. excludes the limits, else None."""
-    calls = [decide(row["zeroed_mass"], row["zeroed_mass_sem"], ZEROED_MASS_LIMIT, Z),
-             decide(row["clipped_mass"], row["clipped_mass_sem"], CLIPPED_MASS_LIMIT, Z)]
-    return True if True in calls else (False if calls == [False, False] else None)
+    return over_limits((row["zeroed_mass"], row["zeroed_mass_sem"]), (row["clipped_mass"], row["clipped_mass_sem"]))
 
 
 def _configured(deployment: Deployment, knob_value: float | None, scales: dict,

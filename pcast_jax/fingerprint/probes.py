@@ -44,6 +44,7 @@ import numpy as np
 from pcast_jax.errors import PcastError, check_int
 
 __all__ = ["ProbeSet", "probes", "FAMILIES", "N_KEYS", "SEGMENTS", "LADDER_KEYS", "SINK_LOGITS", "FORMAT_TAG",
+           "e4m3_values", "key_entry", "amax_entry",
            "MIN_HEAD_DIM", "ROWS", "WALK_ROWS"]
 
 #: KV length of every probe: 32 segments of 16 keys; tiles up to 256 keys see at least two blocks.
@@ -74,7 +75,7 @@ _E4M3 = ml_dtypes.float8_e4m3fn
 _VALUES = np.array([1.0, 1.125, 1.25, 1.375, 1.5, 1.625, 1.75], np.float32)
 
 
-def _e4m3(x) -> np.ndarray:
+def e4m3_values(x) -> np.ndarray:
     """``x`` rounded to E4M3 (float32 storage)."""
     return np.asarray(np.asarray(x, np.float32).astype(_E4M3).astype(np.float32))
 
@@ -163,12 +164,12 @@ class ProbeSet:
         return fresh
 
 
-def _kappa(scale: float) -> float:
+def key_entry(scale: float) -> float:
     """K's entry: a power of two with scale·κ in [2^-0.5, 2^0.5) (exactly 1 for a power-of-two scale)."""
     return 2.0 ** round(-math.log2(scale))
 
 
-def _amax_entry(value: float) -> float:
+def amax_entry(value: float) -> float:
     """The smallest 448·2^k ≥ ``value``: a tensor whose amax it is quantizes to E4M3 without loss."""
     return 448.0 * 2.0 ** math.ceil(math.log2(value / 448.0))
 
@@ -242,7 +243,7 @@ def probes(head_dim: int, *, scale: float | None = None, causal: bool = False, s
     seed = check_int("seed", seed, min_value=0, max_value=2**31 - 1)
     rng = np.random.default_rng(seed)
     heads = len(SINK_LOGITS) if sinks else 1
-    kappa = _kappa(scale)
+    kappa = key_entry(scale)
     per_logit = 1.0 / (scale * kappa)  # Q entry per unit of logit (1 for a power-of-two scale)
     spare_q, spare_k, dead_dim = d - 1, d - 2, d - 3  # dims no live key reads
     n_fam = len(FAMILIES)
@@ -253,28 +254,28 @@ def probes(head_dim: int, *, scale: float | None = None, causal: bool = False, s
 
     # ladder: live key j reads dims 2j (coarse) and 2j+1 (fine); the rest are dead
     lev = _ladder_levels(rng) * per_logit
-    coarse = _e4m3(np.trunc(lev))
-    fine = _e4m3(lev - coarse)
+    coarse = e4m3_values(np.trunc(lev))
+    fine = e4m3_values(lev - coarse)
     for j in range(LADDER_KEYS):
         q[0, :, :, 2 * j] = coarse[:, j, None]
         q[0, :, :, 2 * j + 1] = fine[:, j, None]
         k[0, j, :, 2 * j] = k[0, j, :, 2 * j + 1] = kappa
         v[0, j, :, j] = 1.0
     k[0, LADDER_KEYS:, :, dead_dim] = kappa
-    q[0, :, :, dead_dim] = _e4m3(DEAD_LOGIT * per_logit)
+    q[0, :, :, dead_dim] = e4m3_values(DEAD_LOGIT * per_logit)
 
     # walk, ramp and tile: key j reads the dim of its segment; V one-hot on the segment
     seg = np.arange(N_KEYS) // width
     tile = _tile_levels()
     for f, levels in ((1, _walk_levels()), (2, _ramp_levels()), (3, tile), (4, tile[:, ::-1])):
-        q[f, :, :, :SEGMENTS] = _e4m3(levels * per_logit)[:, None, :]
+        q[f, :, :, :SEGMENTS] = e4m3_values(levels * per_logit)[:, None, :]
         k[f, np.arange(N_KEYS), :, seg] = kappa
         v[f, np.arange(N_KEYS), :, seg] = _VALUES[np.arange(N_KEYS) % len(_VALUES)][:, None]
 
     # each tensor's amax 448·2^k, where no live product reads it
     q[:, :, :, spare_q] = 448.0
     k[:, :, :, spare_k] = 0.0
-    k[:, -1, :, spare_k] = _amax_entry(kappa)
+    k[:, -1, :, spare_k] = amax_entry(kappa)
     v[0, -1, :, spare_k] = 1.75  # a dead key's value: 448·2^-8
     v[1:, :, :, spare_k] = 0.0
     v[1:, 0, :, spare_k] = 1.75  # a live key's: the column is read like any other
