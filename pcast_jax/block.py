@@ -39,7 +39,7 @@ import numpy as np
 from jax import lax
 
 from pcast_jax import formats
-from pcast_jax.config import MMA_K, TILE_AMAX_FLOOR, KernelConfig
+from pcast_jax.config import COMPUTED_SCALE_MODES, MMA_K, TILE_AMAX_FLOOR, KernelConfig
 from pcast_jax.errors import PcastError
 
 __all__ = [
@@ -423,18 +423,24 @@ def saturated(ps, cfg: KernelConfig):
     Element formats: P·S > max (448 for E4M3, with ``"satfinite"``; the ``"nan"`` overflow turns
     it into NaN instead). Block-scaled formats: P·S above its block's largest element
     (element max × block scale). The tile-amax mode: none (its S maps the tile's amax to max, so P·S
-    exceeds max only by float32 rounding, which the cast rounds back to max). Only a lagging running
-    max (``rescale_threshold``) or S above the format's max makes P·S > max at all; ℓ keeps the
-    unclipped value either way.
+    exceeds max only by float32 rounding, which the cast rounds back to max), and likewise a static S at
+    most max without a lazy rescale (P ≤ 1). Only a lagging running max (``rescale_threshold``) or S
+    above the format's max makes P·S > max at all; ℓ keeps the unclipped value either way.
     """
     if cfg.scale_mode == "tile_amax":  # S maps the tile's amax to max: P·S exceeds it by rounding alone
         return jnp.zeros(ps.shape, bool)
+    fmax = jnp.float32(cfg.fmt.max)
+    if cfg.block_format is None and cfg.scale_mode not in COMPUTED_SCALE_MODES:
+        # without a lazy rescale P ≤ 1, so with S ≤ max P·S exceeds max only by exp2's float32 rounding (S = 448
+        # in the exponent: FlyDSL PR #1020), which the cast rounds back to max as it rounds any value
+        can_exceed = (jnp.asarray(cfg.rescale_threshold) > 0) | (jnp.asarray(cfg.effective_scale) > fmax)
+        return can_exceed & (ps > fmax)
     if cfg.block_format is not None:
         _, scales = cast_p(ps, cfg)
         bs = cfg.block_format.block
         top = jnp.repeat(scales, bs, axis=-1) * jnp.float32(cfg.block_format.element.max)
         return ps > top
-    return ps > jnp.float32(cfg.fmt.max)
+    return ps > fmax
 
 
 def round_product(pv, cfg: KernelConfig, *, carry=None, barrier=None):
