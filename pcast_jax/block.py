@@ -433,8 +433,8 @@ def saturated(ps, cfg: KernelConfig):
     if cfg.block_format is None and cfg.scale_mode not in COMPUTED_SCALE_MODES:
         # without a lazy rescale P ≤ 1, so with S ≤ max P·S exceeds max only by exp2's float32 rounding (S = 448
         # in the exponent: FlyDSL PR #1020), which the cast rounds back to max as it rounds any value
-        can_exceed = (jnp.asarray(cfg.rescale_threshold) > 0) | (jnp.asarray(cfg.effective_scale) > fmax)
-        return can_exceed & (ps > fmax)
+        if not cfg.rescale_threshold:  # (whether it is 0 selects the program; its value may be bound)
+            return (jnp.asarray(cfg.effective_scale) > fmax) & (ps > fmax)
     if cfg.block_format is not None:
         _, scales = cast_p(ps, cfg)
         bs = cfg.block_format.block

@@ -24,6 +24,17 @@ HALF_VAR = "PCAST_JAX_TEST_HALF"
 HALF = os.environ.get(HALF_VAR, "").strip()
 
 
+def subprocess_env(devices: int) -> dict[str, str]:
+    """The environment of a JAX subprocess with ``devices`` CPU devices: this process's, with its
+    ``XLA_FLAGS`` kept (a subprocess compiled for another ISA, e.g. ``--xla_cpu_max_isa``, computes other
+    float32 bits than the reference it is held to bit for bit) and only the device count replaced; no
+    proxy variable (gRPC would use it for the coordinator on 127.0.0.1)."""
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={devices}"]))
+    return env
+
+
 def distinct_configs(configs: dict[str, KernelConfig], by: Callable = lambda cfg: cfg) -> list:
     """One ``pytest.param`` per group of ``by(config)``, the first config of each, its id naming every config
     it stands for.

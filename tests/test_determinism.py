@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 import textwrap
@@ -42,6 +41,8 @@ import pytest
 
 from pcast_jax import engine, formats, metrics, sweep, workloads
 from pcast_jax.presets import get_preset
+
+from cases import subprocess_env
 
 # every scale mode, both orders, the f16 accumulator, and each engine at least twice
 PAIRS = [("fwd_s1", "scan"), ("rev_s256", "xla"), ("fa3", "scan"), ("sageattn2pp", "xla"),
@@ -225,7 +226,7 @@ _FOUR_DEVICES = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def four_device_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("devices") / "four.npz"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = subprocess_env(4)
     proc = subprocess.run([sys.executable, "-c", _FOUR_DEVICES, json.dumps(SWEEP_KW), str(path)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -25,6 +25,8 @@ from pcast_jax.errors import PcastError
 from pcast_jax.sweep import SweepSpec, init_distributed, load_result, run_sweep, run_sweep_distributed
 from pcast_jax.sweep.store import claim_dir
 
+from cases import subprocess_env
+
 HARD_TIMEOUT_S = 150  # per group of workers; a healthy group finishes far sooner
 
 WORKER = textwrap.dedent("""
@@ -62,9 +64,7 @@ def _free_port() -> int:
 
 
 def _worker_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}  # gRPC would use a proxy
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1", PYTHONUNBUFFERED="1")
-    return env
+    return {**subprocess_env(1), "PYTHONUNBUFFERED": "1"}
 
 
 def _launch(tmp_path, n_procs: int, *, specs, out_dir=None, chunk_size=None, timeout_s=60.0,

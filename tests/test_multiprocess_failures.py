@@ -22,6 +22,8 @@ import pytest
 
 from pcast_jax.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_PEER_FAILED, PcastError
 
+from cases import subprocess_env
+
 HEARTBEAT_S = 5
 INIT_S = 30
 SLACK_S = 15  # start-up of the survivor's exit and a loaded CI machine
@@ -38,10 +40,8 @@ def _free_port() -> int:
 
 
 def _env(devices: int, tmp: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}  # gRPC would use a proxy
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               PYTHONUNBUFFERED="1", TMPDIR=str(tmp))  # the runtime's last words are kept there
-    return env
+    # the runtime's last words are kept in TMPDIR
+    return {**subprocess_env(devices), "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp)}
 
 
 def _start(out: Path, port: int, process_id: int, *, devices: int = 1, init_s: float = INIT_S,
@@ -177,7 +177,8 @@ def test_hung_process_is_given_up_after_the_heartbeat_timeout(tmp_path, launched
     rc, err = _ended(launched[0], t0, HEARTBEAT_S + SLACK_S)
     _assert_one_line(rc, err, EXIT_PEER_FAILED, "process 0 of 2: lost process 1: it sent no heartbeat for "
                      f"--heartbeat-timeout={HEARTBEAT_S} s")
-    assert time.monotonic() - t0 >= HEARTBEAT_S - 1  # the runtime waited for the heartbeat timeout
+    # No lower bound on the time since SIGSTOP: the timeout runs from the last heartbeat received, which a
+    # loaded machine may have delivered well before the signal (an earlier 3.9 s < 5 − 1 s was such a case).
 
 
 @pytest.mark.slow

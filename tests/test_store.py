@@ -399,7 +399,7 @@ def fake_model(tmp_path, monkeypatch):
     from pcast_jax.models import gguf_loader
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(gguf_loader, "require_model_extra", lambda: None)
+    monkeypatch.setattr(gguf_loader, "require_model_extra", lambda **_: None)
     parses = []
     monkeypatch.setattr(gguf_loader, "_read_gguf", lambda p: parses.append(p) or _tiny_model())
     model = tmp_path / "venv1" / "tiny.gguf"

@@ -2,7 +2,6 @@
 
 import csv
 import json
-import os
 import struct
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from pcast_jax.errors import PcastError
 from pcast_jax.sweep import SweepSpec, estimate_instance_bytes, load_result, run_sweep
 from pcast_jax.workloads import SinkWorkload, make_instance
 
-from cases import count_chunks
+from cases import count_chunks, subprocess_env
 
 #: multiply, exponent and dynamic scale modes; N = 300 pads to 320 (B = 64) and 384 (B = 128)
 SPEC_KW = dict(configs=("rev_s256", "fa3", "dynamic_pow2"), deltas=(5.0, 7.0, 9.0), ns=(300,), seeds=5,
@@ -99,9 +98,7 @@ np.savez(sys.argv[2], **{"four_" + k: v for k, v in four.data.items()},
 
 
 def _four_device_results(tmp_path, spec_kw):
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
-    env["JAX_PLATFORMS"] = "cpu"
+    env = subprocess_env(4)
     out = tmp_path / "four.npz"
     kw = {k: list(v) if isinstance(v, tuple) else v for k, v in spec_kw.items()}
     proc = subprocess.run([sys.executable, "-c", _SUBPROCESS, json.dumps(kw), str(out)], env=env,

@@ -21,8 +21,8 @@ VENDORS_FAIL = {
     "fwd_s1", "rev_s1", "fa4_pr2109", "flashinfer_sm100_cutedsl", "flashinfer_sm100_cutedsl_paged", "flashinfer_sm120",
     "sageattn3", "hpc_ops_prior", "cudnn_fp8", "cudnn_fp8_tau0", "cudnn_fp8_s32", "cudnn_fp8_s32_tau0", "cudnn_mxfp8",
     "vllm_triton_fp8", "vllm_triton_fp8_3d", "vllm_triton_fp8_rocm", "sglang_triton_decode", "fa_triton_amd_mi300",
-    "fa_triton_amd_mi355", "vllm_rocm_flash_fp8", "nvfp4_fakequant", "mxfp8_p", "tensorrt_int8", "litert_uint8", "cudnn_sm100_fp8",
-    "flydsl_fp8_gfx950"}
+    "fa_triton_amd_mi355", "vllm_rocm_flash_fp8", "nvfp4_fakequant", "mxfp8_p", "tensorrt_int8", "litert_uint8",
+    "cudnn_sm100_fp8", "flydsl_fp8_gfx950"}
 #: Presets whose verdict on these probes differs from the vendors study's, and why.
 DIFFERS = {
     "mxfp8_p": "the E8M0 block scale clips block maxima whose mantissa exceeds 1.75 among the weaker keys; the probes "
