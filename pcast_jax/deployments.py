@@ -245,7 +245,9 @@ DEPLOYMENTS: tuple[Deployment, ...] = (
                "see the vllm_triton_fp8 preset): V is dequantized and P·V runs in the model dtype. "
                "(The FP8-Q path, E4M3FNUZ P on MI300, is the rocm_aiter_unified_attn row.) TRITON_ATTN is last in "
                "vLLM's ROCm priority list (vllm/platforms/rocm.py _get_backend_priorities at 001eda3).",
-               selection=_VLLM_TRITON_SELECTION, capabilities=_VLLM_TRITON_CAPS),
+               selection=_VLLM_TRITON_SELECTION + "; unchanged at 6301388 (TritonAttentionImpl.__init__: "
+                         "self.supports_quant_query_input = current_platform.is_cuda())",
+               capabilities=_VLLM_TRITON_CAPS),
     Deployment("vllm", "rocm_aiter_unified_attn", ("gfx942",), ("vllm_triton_fp8_rocm",), "none",
                _AITER_UNIFIED_SOURCE,
                "Q is FP8 here, so P is cast with S = 1 to the platform's FP8 type, E4M3FNUZ on MI300 (which "
@@ -303,6 +305,15 @@ DEPLOYMENTS: tuple[Deployment, ...] = (
                "One scale FP8_MAX/amax(P) per 128-query × 64-key tile (FP8_MAX 448), shared by the tile's rows; "
                "which serving engines route FP8 attention here is not read from their source.",
                selection=_AITER_MHA_SELECTION),
+    Deployment("aiter", "mla_decode_asm", ("gfx950",), ("aiter_mla_asm_fp8_gfx950",), "none",
+               "ROCm/aiter aiter/mla.py mla_decode_fwd (line 523 at e404860) → the closed code object "
+               "hsa/gfx950/mla/mla_a8w8_qh16_qseqlen1_gqaratio16.co",
+               "MLA decode with FP8 Q and an FP8 latent KV cache, one query token, 16 query heads per KV head: P is "
+               "cast to FP8 with S = 1 (ROCm/aiter PR #5535). Assumptions: forward order, 64-key tile (the kernel "
+               "is closed). Which serving engines route DeepSeek-style MLA decode on MI355 here (SGLang's and "
+               "vLLM's aiter MLA backends) is not read from their source.",
+               selection="ROCm/aiter hsa/gfx950/mla/mla_asm.csv line 14 at e404860 (qType fp8, kvType fp8, Gqa 16, "
+                         "ps 0, qSeqLen 1 → mla_a8w8_qh16_qseqlen1_gqaratio16.co)"),
     Deployment("flydsl", "flash_attn_fp8", ("gfx950",), ("flydsl_fp8_gfx950",), "none",
                "ROCm/FlyDSL kernels/attention/flash_attn_fp8_gfx950.py (the dual-wave FP8 forward, called directly)",
                "S = 1 with a lazy rescale τ = 8 (log2): P 10 binades below the running max is zeroed while ℓ "
@@ -343,6 +354,27 @@ DEPLOYMENTS: tuple[Deployment, ...] = (
                           "64, 128, 256 (lines 167-169); NotImplementedError for attention sinks without TRT-LLM "
                           "attention (lines 370-375)",
                    instead="for sinks the error advises 'trtllm on blackwell or flash attention on earlier GPUs'")),
+    Deployment("vllm", "flashinfer", ("sm100",), ("trtllm_fmha_v2",), "none",
+               "flashinfer-ai/flashinfer flashinfer/decode.py trtllm_batch_decode_with_kv_cache (line 3073) and "
+               "flashinfer/prefill.py trtllm_batch_context_with_kv_cache (line 5289) at fb28d72: TRT-LLM-gen FMHA "
+               "cubins, downloaded from NVIDIA's artifactory (closed)",
+               "Q is quantized to the FP8 KV dtype here (the one vLLM path fed FP8 Q), so the TRT-LLM-gen kernels "
+               "run FP8 Q·K and P·V. Their P cast is closed: the launch passes no P scale "
+               "(include/flashinfer/trtllm/fmha/kernelParams.h at fb28d72 holds mScaleSoftmaxLog2, mOutputScale, "
+               "mScaleSfKv, mScaleSfO and the skip-softmax factor, lines 179-188). Assumption: they cast P as "
+               "TensorRT-LLM's open FP8 context kernel fmha_v2 does (trtllm_fmha_v2: forward, S = 256 in the "
+               "exponent); order, S, τ and tile are unread, so this verdict is the assumption's, to be settled by "
+               "a fingerprint on an SM100 GPU.",
+               selection="vllm-project/vllm vllm/utils/flashinfer.py at 487151d: supports_trtllm_attention "
+                         "requires current_platform.is_device_capability_family(100); use_trtllm_attention returns "
+                         "True when q_dtype == current_platform.fp8_dtype() ('Must use TRTLLM attention if query is "
+                         "FP8 quantized'); vllm/v1/attention/backends/flashinfer.py lines 347-355 at 00a817a: "
+                         "q_data_type = the FP8 KV dtype when can_use_trtllm_attention(...)",
+               capabilities=Capabilities(
+                   learned_sinks="yes", head_dims=(64, 128, 256),
+                   source="vllm-project/vllm vllm/v1/attention/backends/flashinfer.py at 00a817a: head sizes 64, "
+                          "128, 256 (lines 167-169); vllm/utils/flashinfer.py use_trtllm_attention at 487151d: "
+                          "sinks run on TRT-LLM attention ('the only backend that supports them')")),
     Deployment("sglang", "triton", ("sm90", "sm100", "sm120"), ("sglang_triton_decode",), "none",
                "sgl-project/sglang python/sglang/srt/layers/attention/triton_ops/decode_attention.py",
                "Decode with split KV; 8 splits is SGLang's maximum (the count is chosen per request).",
@@ -373,6 +405,26 @@ DEPLOYMENTS: tuple[Deployment, ...] = (
                selection="flashinfer-ai/flashinfer flashinfer/jit/attention/fmha_v2/fmha_library.py lines 183 and "
                          "265 at fb28d72 (the warp-specialized e4m3 context kernel generated for SM90); "
                          "TensorRT-LLM's own dispatch not read"),
+    Deployment("tensorrt-llm", "fmha_v2", ("sm120",), ("trtllm_fmha_v2",), "none",
+               "NVIDIA/TensorRT-LLM fmha_v2 (context), its non-warp-specialized FP8 path as vendored by flashinfer "
+               "(csrc/fmha_v2/fmha/softmax.h)",
+               "S = 256 in the exponent on this path too: apply_exp_with_mask takes max − logf(SOFTMAX_FP_QUANT_SCALE) "
+               "(csrc/fmha_v2/fmha/softmax.h lines 1250-1255 and 2802-2807 at fb28d72; Softmax_fp_quant_scale<e4m3> "
+               "= 256, fmha/numeric_types.h lines 48-53). Assumptions: the forward KV order and the 256-key tile of "
+               "the SM90 warp-specialized kernel (the non-warp-specialized loop and tile were not read).",
+               selection="flashinfer-ai/flashinfer flashinfer/prefill.py line 5728 at fb28d72 (fmha_v2_prefill_sm120, "
+                         "the SM120 entry of the fmha_v2 context kernels); TensorRT-LLM's own choice of fmha_v2 for "
+                         "an FP8 KV cache on SM120 not read (assumption)"),
+    Deployment("tensorrt-llm", "fmha_v2_skip_softmax", ("sm90",), ("trtllm_fmha_v2_skip",), "none",
+               "NVIDIA/TensorRT-LLM fmha_v2 (context) with skip-softmax, as vendored by flashinfer "
+               "(csrc/fmha_v2/fmha/warpspec/epilogue.h, ENABLE_SKIP_SOFTMAX kernels)",
+               "fmha_v2's FP8 context kernel (S = 256 in the exponent) with skip-softmax on: a KV tile whose "
+               "exp(local max − running max) is below λ = factor / KV length for every row of a warpgroup adds to "
+               "neither O nor ℓ. Off unless the caller passes a factor; the preset takes factor 4 at 4,096 keys "
+               "(λ = 2^-10), an assumed setting.",
+               selection="flashinfer-ai/flashinfer flashinfer/prefill.py at fb28d72: trtllm_fmha_v2_prefill (line "
+                         "5995) takes skip_softmax_threshold_scale_factor: float = 0 (line 6021, off), threshold = "
+                         "factor / seqlen (line 6111); TensorRT-LLM's own switch not read"),
     Deployment("jax", "cudnn", ("sm90",), ("cudnn_fp8_tau0",), "scale_s",
                "jax-ml/jax jax/_src/cudnn/fused_attention_stablehlo.py (dot_product_attention, use_fp8=True, "
                "fp8_params['scale_s'])",
