@@ -20,8 +20,9 @@ def test_every_row_is_found_and_names_real_presets(row):
     assert all(name in PRESETS for name in row.presets) and row.source
 
 
-#: A citation: an owner/repository, a file path, and a commit of at least 7 hex digits.
-_CITATION = re.compile(r"[\w.-]+/[\w.-]+ [\w./-]+\.(py|cu|h|cuh|hpp)\b.* at [0-9a-f]{7,40}\b")
+#: A citation: an owner/repository, a file path (source, or a kernel table read as source), and a commit of at
+#: least 7 hex digits.
+_CITATION = re.compile(r"[\w.-]+/[\w.-]+ [\w./-]+\.(py|cu|h|cuh|hpp|csv)\b.* at [0-9a-f]{7,40}\b")
 
 
 @pytest.mark.parametrize("row", deployments.DEPLOYMENTS, ids=lambda d: f"{d.engine}-{d.backend}-{d.gpus[0]}")
