@@ -310,8 +310,11 @@ DEPLOYMENTS: tuple[Deployment, ...] = (
                "hsa/gfx950/mla/mla_a8w8_qh16_qseqlen1_gqaratio16.co",
                "MLA decode with FP8 Q and an FP8 latent KV cache, one query token, 16 query heads per KV head: P is "
                "cast to FP8 with S = 1 (ROCm/aiter PR #5535). Assumptions: forward order, 64-key tile (the kernel "
-               "is closed). Which serving engines route DeepSeek-style MLA decode on MI355 here (SGLang's and "
-               "vLLM's aiter MLA backends) is not read from their source.",
+               "is closed). Which serving engines route DeepSeek-style MLA decode on MI355 here is not settled: "
+               "SGLang's aiter backend (aiter_backend.py at 25b38cc) runs mla_decode_fwd with the persistent "
+               "work metadata for an FP8 KV cache (SGLANG_AITER_MLA_PERSIST, default on), i.e. the _ps code "
+               "object (mla_asm.csv line 9: mla_a8w8_qh16_qseqlen1_gqaratio16_ps.co), whose P cast PR #5535 does "
+               "not report; vLLM's not read.",
                selection="ROCm/aiter hsa/gfx950/mla/mla_asm.csv line 14 at e404860 (qType fp8, kvType fp8, Gqa 16, "
                          "ps 0, qSeqLen 1 → mla_a8w8_qh16_qseqlen1_gqaratio16.co)"),
     Deployment("flydsl", "flash_attn_fp8", ("gfx950",), ("flydsl_fp8_gfx950",), "none",
@@ -381,6 +384,41 @@ DEPLOYMENTS: tuple[Deployment, ...] = (
                selection="sgl-project/sglang python/sglang/srt/layers/attention/triton_backend.py line 165 at "
                          "0085842 (TritonAttnBackend reads max_kv_splits); the --attention-backend triton choice "
                          "and when its query is FP8 not read"),
+    Deployment("sglang", "flashinfer", ("sm90", "sm100", "sm120"), (), "none",
+               "sgl-project/sglang python/sglang/srt/layers/attention/flashinfer_backend.py "
+               "(BatchPrefill/DecodeWithPagedKVCacheWrapper planned with a model-dtype query)",
+               "No FP8 P: SGLang plans FlashInfer's wrappers with the model dtype as the query dtype, and FlashInfer "
+               "runs its FP8 attention only when Q is FP8, so the FP8 KV cache is read into a model-dtype P·V "
+               "(as vLLM's FlashInfer backend off Blackwell).",
+               selection="sgl-project/sglang python/sglang/srt/layers/attention/flashinfer_backend.py at 454e84d: "
+                         "FlashInferIndicesUpdaterDecode.__init__ and FlashInferIndicesUpdaterPrefill.__init__ set "
+                         "self.q_data_type = model_runner.dtype, passed as q_data_type to begin_forward "
+                         "(call_begin_forward)",
+               capabilities=Capabilities(
+                   sliding_window="yes",
+                   source="sgl-project/sglang python/sglang/srt/layers/attention/flashinfer_backend.py at 454e84d: "
+                          "a second wrapper for sliding-window layers (WrapperDispatch.SLIDING_WINDOW, "
+                          "update_sliding_window)")),
+    Deployment("sglang", "aiter", ("gfx942", "gfx950"), (), "none",
+               "sgl-project/sglang python/sglang/srt/layers/attention/aiter_backend.py (aiter mha_batch_prefill_func "
+               "for extend, paged_attention_ragged for decode; MLA models: mla_decode_fwd / mla_prefill_fwd)",
+               "No FP8 P for standard (non-MLA) attention: with an FP8 KV cache SGLang converts the cache to the "
+               "query's (model) dtype before both kernels and runs paged_attention_ragged with kv_cache_dtype "
+               "'auto' (its TODOs: 'remove it when mha_batch_prefill_func / paged_attention_ragged support "
+               "fp8-kv'). Were the FP8 path of paged_attention_ragged used, it would normalise P within each "
+               "256-token partition before an unscaled FP8 cast (ROCm/aiter csrc/cpp_itfs/pa/pa_kernels.cuh at "
+               "e404860: T_PAR_SIZE 256 line 46, inv_sum_scale lines 586-588, __builtin_amdgcn_cvt_pk_fp8_f32 lines "
+               "633-647; ROCm/aiter PR #5642): KernelConfig cannot express a P normalised per partition "
+               "(p_offset='row_lse' normalises the whole row and takes no KV split), so no preset models it. MLA "
+               "models take aiter's MLA kernels (the aiter mla_decode_asm row; not read for SGLang).",
+               selection="sgl-project/sglang python/sglang/srt/layers/attention/aiter_backend.py at 25b38cc: "
+                         "AiterAttnBackend.forward_extend and forward_decode, k_cache = k_cache.to(q.dtype) and "
+                         "v_cache = v_cache.to(q.dtype) when self.kv_cache_dtype == fp8_dtype",
+               capabilities=Capabilities(
+                   soft_cap="yes",
+                   source="sgl-project/sglang python/sglang/srt/layers/attention/aiter_backend.py at 25b38cc: "
+                          "logits_soft_cap = layer.logit_cap passed to mha_batch_prefill_func (forward_extend) and "
+                          "to paged_attention_ragged (forward_decode)")),
     Deployment("sglang", "fa3", ("sm90",), ("fa3", "fa3_splitkv"), "none",
                "sgl-project/sglang python/sglang/srt/layers/attention/flashattention_backend.py "
                "(flash_attn_with_kvcache, FA3 from sgl-kernel)",
