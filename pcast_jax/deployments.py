@@ -264,6 +264,28 @@ DEPLOYMENTS: tuple[Deployment, ...] = (
                "kernel semantics (tile 32 for 1-byte Q).",
                selection=_AITER_UNIFIED_SELECTION,
                capabilities=_AITER_UNIFIED_CAPS),
+    Deployment("vllm", "rocm_attn", ("gfx942", "gfx950"), (), "none",
+               "vllm-project/vllm vllm/v1/attention/backends/rocm_attn.py (chunked_prefill_paged_decode: "
+               "context_attention_fwd for prefill, ops.paged_attention_rocm or kernel_paged_attention_2d for decode)",
+               "No FP8 P: Q stays in the model dtype, and every path dequantizes the FP8 KV cache to it: the prefill "
+               "kernel (vllm/v1/attention/ops/prefix_prefill.py _fwd_kernel at 53285d9: v = (v_load·v_scale)"
+               ".to(q.dtype), p = p.to(v.dtype)), the Triton decode (chunked_prefill_paged_decode.py "
+               "kernel_paged_attention_2d at 69f87df: V dequantized to Q.dtype, tl.dot(p.to(V.dtype), V)) and the "
+               "ROCm custom paged attention (csrc/rocm/attention.cu at 4388f06: P normalised per 256-token partition "
+               "and stored as the model dtype, from_floatx4<scalar_t>; FP8 V converted by convert_b8x8_custom"
+               "<scalar_t> before a 16-bit MFMA). The ROCm priority list puts ROCM_ATTN first "
+               "(vllm/platforms/rocm.py _get_backend_priorities at 001eda3).",
+               selection="vllm-project/vllm vllm/v1/attention/backends/rocm_attn.py at f65b079: RocmAttentionImpl "
+                         "does not set supports_quant_query_input, so the AttentionImpl default False holds "
+                         "(vllm/v1/attention/backend.py, its commit not pinned) and the attention layer does not "
+                         "quantize Q; forward calls chunked_prefill_paged_decode",
+               capabilities=Capabilities(
+                   soft_cap="no", sliding_window="yes", learned_sinks="yes",
+                   head_dims=(32, 64, 96, 128, 160, 192, 224, 256),
+                   source="vllm-project/vllm vllm/v1/attention/backends/rocm_attn.py at f65b079: "
+                          "get_supported_head_sizes 32 … 256; RocmAttentionImpl.forward passes sliding_window and "
+                          "sinks to chunked_prefill_paged_decode but not logits_soft_cap, which __init__ stores and "
+                          "the kernels never see (not refused: the cap is dropped)")),
     Deployment("vllm", "rocm_flash", ("gfx942",), ("vllm_rocm_flash_fp8",), "prob_scale",
                "vllm-project/vllm vllm/attention/ops/triton_flash_attention.py (attn_fwd: p *= p_descale; "
                "acc_scale = p_scale * v_scale), kv-cache scale loader (prob_scale *= 2 on fnuz)",
