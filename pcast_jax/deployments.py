@@ -470,11 +470,24 @@ DEPLOYMENTS: tuple[Deployment, ...] = (
                "(csrc/fmha_v2/fmha/softmax.h)",
                "S = 256 in the exponent on this path too: apply_exp_with_mask takes max − logf(SOFTMAX_FP_QUANT_SCALE) "
                "(csrc/fmha_v2/fmha/softmax.h lines 1250-1255 and 2802-2807 at fb28d72; Softmax_fp_quant_scale<e4m3> "
-               "= 256, fmha/numeric_types.h lines 48-53). Assumptions: the forward KV order and the 256-key tile of "
-               "the SM90 warp-specialized kernel (the non-warp-specialized loop and tile were not read).",
-               selection="flashinfer-ai/flashinfer flashinfer/prefill.py line 5728 at fb28d72 (fmha_v2_prefill_sm120, "
-                         "the SM120 entry of the fmha_v2 context kernels); TensorRT-LLM's own choice of fmha_v2 for "
-                         "an FP8 KV cache on SM120 not read (assumption)"),
+               "= 256, fmha/numeric_types.h lines 48-53), in FlashInfer's vendored copy. Assumptions: that "
+               "TensorRT-LLM's own fmha_v2 casts P alike on SM120 (its tree has a warp-specialized SM120 path, "
+               "not read), the forward KV order and the 256-key tile of the SM90 warp-specialized kernel (the "
+               "SM120 loop and tile were not read); that an FP8 KV cache runs the FP8 context kernel (Q in FP8) is "
+               "not read.",
+               selection="NVIDIA/TensorRT-LLM cpp/tensorrt_llm/common/attentionOp.h at 6a9c95e: AttentionOp "
+                         "mUseTllmGen = (mSM >= 100) && (mSM != 120), so SM120 keeps the fmha_v2 runner "
+                         "(FusedMHARunnerV2); flashinfer-ai/flashinfer flashinfer/prefill.py line 5728 at fb28d72 "
+                         "(fmha_v2_prefill_sm120, FlashInfer's SM120 entry to the same kernels)"),
+    Deployment("tensorrt-llm", "trtllm_gen", ("sm100",), ("trtllm_fmha_v2",), "none",
+               "NVIDIA/TensorRT-LLM cpp/tensorrt_llm/kernels/trtllmGenKernels/fmha (TRT-LLM-gen FMHA: closed cubins)",
+               "The same closed TRT-LLM-gen kernels as vLLM's FlashInfer backend on SM100: the P cast is not "
+               "readable. Assumption: they cast P as the open fmha_v2 FP8 context kernel does (trtllm_fmha_v2: "
+               "forward, S = 256 in the exponent); that an FP8 KV cache runs them with FP8 Q is not read either. "
+               "The verdict is the assumption's, to be settled by a fingerprint on an SM100 GPU.",
+               selection="NVIDIA/TensorRT-LLM cpp/tensorrt_llm/common/attentionOp.h at 6a9c95e: AttentionOp "
+                         "mUseTllmGen = (mSM >= 100) && (mSM != 120) selects TRT-LLM-gen on SM100; the FP8 path "
+                         "within it not read"),
     Deployment("tensorrt-llm", "fmha_v2_skip_softmax", ("sm90",), ("trtllm_fmha_v2_skip",), "none",
                "NVIDIA/TensorRT-LLM fmha_v2 (context) with skip-softmax, as vendored by flashinfer "
                "(csrc/fmha_v2/fmha/warpspec/epilogue.h, ENABLE_SKIP_SOFTMAX kernels)",
