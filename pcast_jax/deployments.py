@@ -245,7 +245,9 @@ DEPLOYMENTS: tuple[Deployment, ...] = (
                "see the vllm_triton_fp8 preset): V is dequantized and P·V runs in the model dtype. "
                "(The FP8-Q path, E4M3FNUZ P on MI300, is the rocm_aiter_unified_attn row.) TRITON_ATTN is last in "
                "vLLM's ROCm priority list (vllm/platforms/rocm.py _get_backend_priorities at 001eda3).",
-               selection=_VLLM_TRITON_SELECTION, capabilities=_VLLM_TRITON_CAPS),
+               selection=_VLLM_TRITON_SELECTION + "; unchanged at 6301388 (TritonAttentionImpl.__init__: "
+                         "self.supports_quant_query_input = current_platform.is_cuda())",
+               capabilities=_VLLM_TRITON_CAPS),
     Deployment("vllm", "rocm_aiter_unified_attn", ("gfx942",), ("vllm_triton_fp8_rocm",), "none",
                _AITER_UNIFIED_SOURCE,
                "Q is FP8 here, so P is cast with S = 1 to the platform's FP8 type, E4M3FNUZ on MI300 (which "
@@ -262,6 +264,28 @@ DEPLOYMENTS: tuple[Deployment, ...] = (
                "kernel semantics (tile 32 for 1-byte Q).",
                selection=_AITER_UNIFIED_SELECTION,
                capabilities=_AITER_UNIFIED_CAPS),
+    Deployment("vllm", "rocm_attn", ("gfx942", "gfx950"), (), "none",
+               "vllm-project/vllm vllm/v1/attention/backends/rocm_attn.py (chunked_prefill_paged_decode: "
+               "context_attention_fwd for prefill, ops.paged_attention_rocm or kernel_paged_attention_2d for decode)",
+               "No FP8 P: Q stays in the model dtype, and every path dequantizes the FP8 KV cache to it: the prefill "
+               "kernel (vllm/v1/attention/ops/prefix_prefill.py _fwd_kernel at 53285d9: v = (v_load·v_scale)"
+               ".to(q.dtype), p = p.to(v.dtype)), the Triton decode (chunked_prefill_paged_decode.py "
+               "kernel_paged_attention_2d at 69f87df: V dequantized to Q.dtype, tl.dot(p.to(V.dtype), V)) and the "
+               "ROCm custom paged attention (csrc/rocm/attention.cu at 4388f06: P normalised per 256-token partition "
+               "and stored as the model dtype, from_floatx4<scalar_t>; FP8 V converted by convert_b8x8_custom"
+               "<scalar_t> before a 16-bit MFMA). The ROCm priority list puts ROCM_ATTN first "
+               "(vllm/platforms/rocm.py _get_backend_priorities at 001eda3).",
+               selection="vllm-project/vllm vllm/v1/attention/backends/rocm_attn.py at f65b079: RocmAttentionImpl "
+                         "does not set supports_quant_query_input, so the AttentionImpl default False holds "
+                         "(vllm/v1/attention/backend.py, its commit not pinned) and the attention layer does not "
+                         "quantize Q; forward calls chunked_prefill_paged_decode",
+               capabilities=Capabilities(
+                   soft_cap="no", sliding_window="yes", learned_sinks="yes",
+                   head_dims=(32, 64, 96, 128, 160, 192, 224, 256),
+                   source="vllm-project/vllm vllm/v1/attention/backends/rocm_attn.py at f65b079: "
+                          "get_supported_head_sizes 32 … 256; RocmAttentionImpl.forward passes sliding_window and "
+                          "sinks to chunked_prefill_paged_decode but not logits_soft_cap, which __init__ stores and "
+                          "the kernels never see (not refused: the cap is dropped)")),
     Deployment("vllm", "rocm_flash", ("gfx942",), ("vllm_rocm_flash_fp8",), "prob_scale",
                "vllm-project/vllm vllm/attention/ops/triton_flash_attention.py (attn_fwd: p *= p_descale; "
                "acc_scale = p_scale * v_scale), kv-cache scale loader (prob_scale *= 2 on fnuz)",
@@ -303,6 +327,18 @@ DEPLOYMENTS: tuple[Deployment, ...] = (
                "One scale FP8_MAX/amax(P) per 128-query × 64-key tile (FP8_MAX 448), shared by the tile's rows; "
                "which serving engines route FP8 attention here is not read from their source.",
                selection=_AITER_MHA_SELECTION),
+    Deployment("aiter", "mla_decode_asm", ("gfx950",), ("aiter_mla_asm_fp8_gfx950",), "none",
+               "ROCm/aiter aiter/mla.py mla_decode_fwd (line 523 at e404860) → the closed code object "
+               "hsa/gfx950/mla/mla_a8w8_qh16_qseqlen1_gqaratio16.co",
+               "MLA decode with FP8 Q and an FP8 latent KV cache, one query token, 16 query heads per KV head: P is "
+               "cast to FP8 with S = 1 (ROCm/aiter PR #5535). Assumptions: forward order, 64-key tile (the kernel "
+               "is closed). Which serving engines route DeepSeek-style MLA decode on MI355 here is not settled: "
+               "SGLang's aiter backend (aiter_backend.py at 25b38cc) runs mla_decode_fwd with the persistent "
+               "work metadata for an FP8 KV cache (SGLANG_AITER_MLA_PERSIST, default on), i.e. the _ps code "
+               "object (mla_asm.csv line 9: mla_a8w8_qh16_qseqlen1_gqaratio16_ps.co), whose P cast PR #5535 does "
+               "not report; vLLM's not read.",
+               selection="ROCm/aiter hsa/gfx950/mla/mla_asm.csv line 14 at e404860 (qType fp8, kvType fp8, Gqa 16, "
+                         "ps 0, qSeqLen 1 → mla_a8w8_qh16_qseqlen1_gqaratio16.co)"),
     Deployment("flydsl", "flash_attn_fp8", ("gfx950",), ("flydsl_fp8_gfx950",), "none",
                "ROCm/FlyDSL kernels/attention/flash_attn_fp8_gfx950.py (the dual-wave FP8 forward, called directly)",
                "S = 1 with a lazy rescale τ = 8 (log2): P 10 binades below the running max is zeroed while ℓ "
@@ -343,12 +379,68 @@ DEPLOYMENTS: tuple[Deployment, ...] = (
                           "64, 128, 256 (lines 167-169); NotImplementedError for attention sinks without TRT-LLM "
                           "attention (lines 370-375)",
                    instead="for sinks the error advises 'trtllm on blackwell or flash attention on earlier GPUs'")),
+    Deployment("vllm", "flashinfer", ("sm100",), ("trtllm_fmha_v2",), "none",
+               "flashinfer-ai/flashinfer flashinfer/decode.py trtllm_batch_decode_with_kv_cache (line 3073) and "
+               "flashinfer/prefill.py trtllm_batch_context_with_kv_cache (line 5289) at fb28d72: TRT-LLM-gen FMHA "
+               "cubins, downloaded from NVIDIA's artifactory (closed)",
+               "Q is quantized to the FP8 KV dtype here (the one vLLM path fed FP8 Q), so the TRT-LLM-gen kernels "
+               "run FP8 Q·K and P·V. Their P cast is closed: the launch passes no P scale "
+               "(include/flashinfer/trtllm/fmha/kernelParams.h at fb28d72 holds mScaleSoftmaxLog2, mOutputScale, "
+               "mScaleSfKv, mScaleSfO and the skip-softmax factor, lines 179-188). Assumption: they cast P as "
+               "TensorRT-LLM's open FP8 context kernel fmha_v2 does (trtllm_fmha_v2: forward, S = 256 in the "
+               "exponent); order, S, τ and tile are unread, so this verdict is the assumption's, to be settled by "
+               "a fingerprint on an SM100 GPU.",
+               selection="vllm-project/vllm vllm/utils/flashinfer.py at 487151d: supports_trtllm_attention "
+                         "requires current_platform.is_device_capability_family(100); use_trtllm_attention returns "
+                         "True when q_dtype == current_platform.fp8_dtype() ('Must use TRTLLM attention if query is "
+                         "FP8 quantized'); vllm/v1/attention/backends/flashinfer.py lines 347-355 at 00a817a: "
+                         "q_data_type = the FP8 KV dtype when can_use_trtllm_attention(...)",
+               capabilities=Capabilities(
+                   learned_sinks="yes", head_dims=(64, 128, 256),
+                   source="vllm-project/vllm vllm/v1/attention/backends/flashinfer.py at 00a817a: head sizes 64, "
+                          "128, 256 (lines 167-169); vllm/utils/flashinfer.py use_trtllm_attention at 487151d: "
+                          "sinks run on TRT-LLM attention ('the only backend that supports them')")),
     Deployment("sglang", "triton", ("sm90", "sm100", "sm120"), ("sglang_triton_decode",), "none",
                "sgl-project/sglang python/sglang/srt/layers/attention/triton_ops/decode_attention.py",
                "Decode with split KV; 8 splits is SGLang's maximum (the count is chosen per request).",
                selection="sgl-project/sglang python/sglang/srt/layers/attention/triton_backend.py line 165 at "
                          "0085842 (TritonAttnBackend reads max_kv_splits); the --attention-backend triton choice "
                          "and when its query is FP8 not read"),
+    Deployment("sglang", "flashinfer", ("sm90", "sm100", "sm120"), (), "none",
+               "sgl-project/sglang python/sglang/srt/layers/attention/flashinfer_backend.py "
+               "(BatchPrefill/DecodeWithPagedKVCacheWrapper planned with a model-dtype query)",
+               "No FP8 P: SGLang plans FlashInfer's wrappers with the model dtype as the query dtype, and FlashInfer "
+               "runs its FP8 attention only when Q is FP8, so the FP8 KV cache is read into a model-dtype P·V "
+               "(as vLLM's FlashInfer backend off Blackwell).",
+               selection="sgl-project/sglang python/sglang/srt/layers/attention/flashinfer_backend.py at 454e84d: "
+                         "FlashInferIndicesUpdaterDecode.__init__ and FlashInferIndicesUpdaterPrefill.__init__ set "
+                         "self.q_data_type = model_runner.dtype, passed as q_data_type to begin_forward "
+                         "(call_begin_forward)",
+               capabilities=Capabilities(
+                   sliding_window="yes",
+                   source="sgl-project/sglang python/sglang/srt/layers/attention/flashinfer_backend.py at 454e84d: "
+                          "a second wrapper for sliding-window layers (WrapperDispatch.SLIDING_WINDOW, "
+                          "update_sliding_window)")),
+    Deployment("sglang", "aiter", ("gfx942", "gfx950"), (), "none",
+               "sgl-project/sglang python/sglang/srt/layers/attention/aiter_backend.py (aiter mha_batch_prefill_func "
+               "for extend, paged_attention_ragged for decode; MLA models: mla_decode_fwd / mla_prefill_fwd)",
+               "No FP8 P for standard (non-MLA) attention: with an FP8 KV cache SGLang converts the cache to the "
+               "query's (model) dtype before both kernels and runs paged_attention_ragged with kv_cache_dtype "
+               "'auto' (its TODOs: 'remove it when mha_batch_prefill_func / paged_attention_ragged support "
+               "fp8-kv'). Were the FP8 path of paged_attention_ragged used, it would normalise P within each "
+               "256-token partition before an unscaled FP8 cast (ROCm/aiter csrc/cpp_itfs/pa/pa_kernels.cuh at "
+               "e404860: T_PAR_SIZE 256 line 46, inv_sum_scale lines 586-588, __builtin_amdgcn_cvt_pk_fp8_f32 lines "
+               "633-647; ROCm/aiter PR #5642): KernelConfig cannot express a P normalised per partition "
+               "(p_offset='row_lse' normalises the whole row and takes no KV split), so no preset models it. MLA "
+               "models take aiter's MLA kernels (the aiter mla_decode_asm row; not read for SGLang).",
+               selection="sgl-project/sglang python/sglang/srt/layers/attention/aiter_backend.py at 25b38cc: "
+                         "AiterAttnBackend.forward_extend and forward_decode, k_cache = k_cache.to(q.dtype) and "
+                         "v_cache = v_cache.to(q.dtype) when self.kv_cache_dtype == fp8_dtype",
+               capabilities=Capabilities(
+                   soft_cap="yes",
+                   source="sgl-project/sglang python/sglang/srt/layers/attention/aiter_backend.py at 25b38cc: "
+                          "logits_soft_cap = layer.logit_cap passed to mha_batch_prefill_func (forward_extend) and "
+                          "to paged_attention_ragged (forward_decode)")),
     Deployment("sglang", "fa3", ("sm90",), ("fa3", "fa3_splitkv"), "none",
                "sgl-project/sglang python/sglang/srt/layers/attention/flashattention_backend.py "
                "(flash_attn_with_kvcache, FA3 from sgl-kernel)",
@@ -373,6 +465,39 @@ DEPLOYMENTS: tuple[Deployment, ...] = (
                selection="flashinfer-ai/flashinfer flashinfer/jit/attention/fmha_v2/fmha_library.py lines 183 and "
                          "265 at fb28d72 (the warp-specialized e4m3 context kernel generated for SM90); "
                          "TensorRT-LLM's own dispatch not read"),
+    Deployment("tensorrt-llm", "fmha_v2", ("sm120",), ("trtllm_fmha_v2",), "none",
+               "NVIDIA/TensorRT-LLM fmha_v2 (context), its non-warp-specialized FP8 path as vendored by flashinfer "
+               "(csrc/fmha_v2/fmha/softmax.h)",
+               "S = 256 in the exponent on this path too: apply_exp_with_mask takes max − logf(SOFTMAX_FP_QUANT_SCALE) "
+               "(csrc/fmha_v2/fmha/softmax.h lines 1250-1255 and 2802-2807 at fb28d72; Softmax_fp_quant_scale<e4m3> "
+               "= 256, fmha/numeric_types.h lines 48-53), in FlashInfer's vendored copy. Assumptions: that "
+               "TensorRT-LLM's own fmha_v2 casts P alike on SM120 (its tree has a warp-specialized SM120 path, "
+               "not read), the forward KV order and the 256-key tile of the SM90 warp-specialized kernel (the "
+               "SM120 loop and tile were not read); that an FP8 KV cache runs the FP8 context kernel (Q in FP8) is "
+               "not read.",
+               selection="NVIDIA/TensorRT-LLM cpp/tensorrt_llm/common/attentionOp.h at 6a9c95e: AttentionOp "
+                         "mUseTllmGen = (mSM >= 100) && (mSM != 120), so SM120 keeps the fmha_v2 runner "
+                         "(FusedMHARunnerV2); flashinfer-ai/flashinfer flashinfer/prefill.py line 5728 at fb28d72 "
+                         "(fmha_v2_prefill_sm120, FlashInfer's SM120 entry to the same kernels)"),
+    Deployment("tensorrt-llm", "trtllm_gen", ("sm100",), ("trtllm_fmha_v2",), "none",
+               "NVIDIA/TensorRT-LLM cpp/tensorrt_llm/kernels/trtllmGenKernels/fmha (TRT-LLM-gen FMHA: closed cubins)",
+               "The same closed TRT-LLM-gen kernels as vLLM's FlashInfer backend on SM100: the P cast is not "
+               "readable. Assumption: they cast P as the open fmha_v2 FP8 context kernel does (trtllm_fmha_v2: "
+               "forward, S = 256 in the exponent); that an FP8 KV cache runs them with FP8 Q is not read either. "
+               "The verdict is the assumption's, to be settled by a fingerprint on an SM100 GPU.",
+               selection="NVIDIA/TensorRT-LLM cpp/tensorrt_llm/common/attentionOp.h at 6a9c95e: AttentionOp "
+                         "mUseTllmGen = (mSM >= 100) && (mSM != 120) selects TRT-LLM-gen on SM100; the FP8 path "
+                         "within it not read"),
+    Deployment("tensorrt-llm", "fmha_v2_skip_softmax", ("sm90",), ("trtllm_fmha_v2_skip",), "none",
+               "NVIDIA/TensorRT-LLM fmha_v2 (context) with skip-softmax, as vendored by flashinfer "
+               "(csrc/fmha_v2/fmha/warpspec/epilogue.h, ENABLE_SKIP_SOFTMAX kernels)",
+               "fmha_v2's FP8 context kernel (S = 256 in the exponent) with skip-softmax on: a KV tile whose "
+               "exp(local max − running max) is below λ = factor / KV length for every row of a warpgroup adds to "
+               "neither O nor ℓ. Off unless the caller passes a factor; the preset takes factor 4 at 4,096 keys "
+               "(λ = 2^-10), an assumed setting.",
+               selection="flashinfer-ai/flashinfer flashinfer/prefill.py at fb28d72: trtllm_fmha_v2_prefill (line "
+                         "5995) takes skip_softmax_threshold_scale_factor: float = 0 (line 6021, off), threshold = "
+                         "factor / seqlen (line 6111); TensorRT-LLM's own switch not read"),
     Deployment("jax", "cudnn", ("sm90",), ("cudnn_fp8_tau0",), "scale_s",
                "jax-ml/jax jax/_src/cudnn/fused_attention_stablehlo.py (dot_product_attention, use_fp8=True, "
                "fp8_params['scale_s'])",

@@ -20,8 +20,9 @@ def test_every_row_is_found_and_names_real_presets(row):
     assert all(name in PRESETS for name in row.presets) and row.source
 
 
-#: A citation: an owner/repository, a file path, and a commit of at least 7 hex digits.
-_CITATION = re.compile(r"[\w.-]+/[\w.-]+ [\w./-]+\.(py|cu|h|cuh|hpp)\b.* at [0-9a-f]{7,40}\b")
+#: A citation: an owner/repository, a file path (source, or a kernel table read as source), and a commit of at
+#: least 7 hex digits.
+_CITATION = re.compile(r"[\w.-]+/[\w.-]+ [\w./-]+\.(py|cu|h|cuh|hpp|csv)\b.* at [0-9a-f]{7,40}\b")
 
 
 @pytest.mark.parametrize("row", deployments.DEPLOYMENTS, ids=lambda d: f"{d.engine}-{d.backend}-{d.gpus[0]}")
@@ -443,3 +444,19 @@ def test_a_backend_that_casts_no_p_to_fp8_says_so():
     assert diag.rows == () and diag.safe is True and "casts no P to FP8" in diag.advice
     rocm = deployments.find("vllm", "triton_attn", "gfx942")
     assert not rocm.casts_p and rocm is deployments.find("vllm", "triton_attn", "gfx950")
+
+
+def test_the_backends_the_help_names_are_rows_of_the_table():
+    """``--backend``'s examples name only backends the table knows, for the engine they are listed under."""
+    import argparse
+
+    from pcast_jax.commands import doctor
+
+    parser = argparse.ArgumentParser()
+    doctor.add_arguments(parser)
+    text = next(a.help for a in parser._actions if a.dest == "backend")
+    examples = re.search(r"\(e\.g\. (.*)\)", text)[1]
+    known = {(d.engine, d.backend) for d in deployments.DEPLOYMENTS}
+    named = [(engine, backend.strip()) for part in examples.split("; ")
+             for engine, _, backends in [part.partition(": ")] for backend in backends.split(",")]
+    assert len(named) >= 10 and all(pair in known for pair in named), set(named) - known

@@ -22,7 +22,7 @@ VENDORS_FAIL = {
     "sageattn3", "hpc_ops_prior", "cudnn_fp8", "cudnn_fp8_tau0", "cudnn_fp8_s32", "cudnn_fp8_s32_tau0", "cudnn_mxfp8",
     "vllm_triton_fp8", "vllm_triton_fp8_3d", "vllm_triton_fp8_rocm", "sglang_triton_decode", "fa_triton_amd_mi300",
     "fa_triton_amd_mi355", "vllm_rocm_flash_fp8", "nvfp4_fakequant", "mxfp8_p", "tensorrt_int8", "litert_uint8",
-    "cudnn_sm100_fp8", "flydsl_fp8_gfx950"}
+    "cudnn_sm100_fp8", "flydsl_fp8_gfx950", "aiter_mla_asm_fp8_gfx950"}
 #: Presets whose verdict on these probes differs from the vendors study's, and why.
 DIFFERS = {
     "mxfp8_p": "the E8M0 block scale clips block maxima whose mantissa exceeds 1.75 among the weaker keys; the probes "
@@ -109,6 +109,23 @@ def test_the_numpy_kernel_reproduces_aiter_5535():
     v = np.ones((1, 2048, 1, 16), np.float32)
     assert numpy_kernel(q, k, v, scale=1.0)[0, 0, 0, 0] == pytest.approx(0.3496, abs=2e-3)
     assert numpy_kernel(q, k, v, scale=1.0, s=448.0)[0, 0, 0, 0] == pytest.approx(0.9964, abs=2e-3)
+
+
+def test_the_aiter_mla_preset_reproduces_aiter_5535_as_the_numpy_kernel_does():
+    """The gfx950 ASM MLA decode preset (S = 1, forward, B = 64) on the PR's case, against the independent NumPy
+    kernel at the same tile: both zero the 2,047 keys at −7 (e^-7 ≈ 9.1e-4 lies 7 % below the E4M3 rounding
+    midpoint 2^-10 ≈ 9.8e-4, so exp's last-ulp differences cannot move it) and divide 1 by ℓ = 1 + 2047·e^-7."""
+    q = np.zeros((1, 1, 1, 16), np.float32)
+    q[..., 0] = 1.0
+    k = np.zeros((1, 2048, 1, 16), np.float32)
+    k[:, 1:, :, 0] = -7.0
+    v = np.ones((1, 2048, 1, 16), np.float32)
+    got = testing.simulated_kernel("aiter_mla_asm_fp8_gfx950", scale=1.0)(q, k, v)
+    want = numpy_kernel(q, k, v, scale=1.0, block=PRESETS["aiter_mla_asm_fp8_gfx950"].block_kv)
+    # ℓ is a float32 sum of 2,048 positive terms: summed in another order it differs by at most 2048·2^-24
+    # ≈ 1.2e-4 of itself, and so does the output (V = 1).
+    np.testing.assert_allclose(got, want, rtol=1.3e-4, atol=0)
+    assert got[0, 0, 0, 0] == pytest.approx(1.0 / (1.0 + 2047.0 * np.exp(-7.0)), rel=1.3e-4)
 
 
 CASES = {  # name: (broken kernel options, fixed kernel options, Δ range the fix is held to)

@@ -95,6 +95,17 @@ def test_aiters_padded_tile_scales_like_a_static_fp8_max(section):
         assert aiter[f"zeroed_mass_{t}"] == s448[f"zeroed_mass_{t}"]
 
 
+def test_aiters_mla_decode_preset_gets_the_unscaled_amd_paths_numbers_and_verdict(section):
+    """The gfx950 ASM MLA decode preset (S = 1, forward, B = 64, OCP E4M3: its source notes say why) casts as
+    FlashAttention's ROCm Triton path on MI355 does, so the study gives both the same numbers and verdict."""
+    rows = {r["preset"]: r for r in section[3]["presets"]}
+    mla, fa = rows["aiter_mla_asm_fp8_gfx950"], rows["fa_triton_amd_mi355"]
+    assert PRESETS["aiter_mla_asm_fp8_gfx950"] == PRESETS["fa_triton_amd_mi355"]
+    assert mla["family"] == "amd" and mla["ran"] == "true"
+    for col in ("frac_zeroed_d7", "zeroed_mass_d7", "frac_zeroed_d10", "zeroed_mass_d10", "verdict"):
+        assert mla[col] == fa[col], col
+
+
 def test_local_max_zeroes_only_inside_the_sinks_block(section):
     _, _, _, tables, sz = section
     rows = tables["axes"]

@@ -22,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                          "flash-attention, sageattention, aiter or flydsl")
     parser.add_argument("--backend", required=True,
                         help="the engine's attention backend (e.g. vllm: triton_attn, flash_attn, flashinfer, "
-                             "rocm_aiter_unified_attn; jax: cudnn)")
+                             "rocm_attn, rocm_aiter_unified_attn; sglang: triton, fa3, flashinfer, aiter; jax: cudnn); "
+                             "an unknown one is refused with the known ones listed")
     parser.add_argument("--gpu", required=True, help="GPU architecture: sm90, sm100, sm120, gfx942 or gfx950")
     parser.add_argument("--kv-cache-dtype", default="fp8",
                         help="fp8 or fp8_e4m3 (default fp8); a backend that takes only some is refused with the others")

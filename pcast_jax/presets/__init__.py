@@ -15,7 +15,7 @@ module                    presets
 ``vllm``                  vLLM's Triton unified attention and its FlashAttention-4 fork
 ``sglang``                SGLang's Triton decode
 ``amd``                   FlashAttention's ROCm Triton backend, vLLM's ROCm Triton attention, aiter's Triton
-                          MHA (MI300, MI355), FlyDSL's gfx950 FP8 flash attention
+                          MHA (MI300, MI355) and gfx950 ASM MLA decode, FlyDSL's gfx950 FP8 flash attention
 ``modelopt``              NVIDIA Model Optimizer's NVFP4 P fake-quantization
 ``research``              designs no released kernel runs (per-block 2^k, MXFP8 P)
 ``tpu``                   JAX's TPU ragged paged attention (P against each block's own max), FP8-cast
@@ -89,7 +89,8 @@ TAGS: dict[str, Tag] = {
                      "flashinfer_sm120_pr5020", "trtllm_fmha_v2", "trtllm_fmha_v2_nonexp2f", "sglang_triton_decode"),
                     "sinks_and_rescale"),
     **dict.fromkeys(("fa_triton_amd_mi300", "fa_triton_amd_mi355", "vllm_rocm_flash_fp8", "aiter_mha_fp8_mi300",
-                     "aiter_mha_fp8_mi355", "flydsl_fp8_gfx950", "flydsl_fp8_gfx950_pr1020"), "amd"),
+                     "aiter_mha_fp8_mi355", "aiter_mla_asm_fp8_gfx950", "flydsl_fp8_gfx950",
+                     "flydsl_fp8_gfx950_pr1020"), "amd"),
     **dict.fromkeys(("trtllm_fmha_v2_skip", "tpu_ragged_paged_fp8p", "tensorrt_int8", "litert_uint8"), "p_knobs"),
 }
 assert set(TAGS.values()) == set(get_args(Tag)), "a tag without presets"

@@ -126,6 +126,15 @@ PRESETS: dict[str, KernelConfig] = {
     "aiter_mha_fp8_mi300": KernelConfig(**_AITER_MHA, p_format=FP8_FORMAT_BY_GPU["mi300"], name="aiter_mha_fp8_mi300"),
     # The same on MI355 (float8_e4m3fn, FP8_MAX 448).
     "aiter_mha_fp8_mi355": KernelConfig(**_AITER_MHA, p_format=FP8_FORMAT_BY_GPU["mi355"], name="aiter_mha_fp8_mi355"),
+    # aiter's gfx950 ASM MLA decode for FP8 Q and FP8 KV, one query token, 16 query heads per KV head
+    # (ROCm/aiter commit e404860, hsa/gfx950/mla/mla_asm.csv line 14: qType fp8, kvType fp8, Gqa 16, qSeqLen 1
+    # → mla_a8w8_qh16_qseqlen1_gqaratio16.co). The kernel is a closed code object; ROCm/aiter PR #5535
+    # (2026-09-15) reports that it casts P to FP8 with S = 1 (one logit at 0 and 2,047 at −7 with V = 1 give
+    # 0.3496; ×448 before the cast, 0.9964). Assumptions: the forward KV order (the PR's case zeroes the keys
+    # seen after the max, as a forward walk does), the 64-key tile and OCP E4M3 P (gfx950's FP8 type); under
+    # them it casts as fa_triton_amd_mi355 does.
+    "aiter_mla_asm_fp8_gfx950": KernelConfig(**_FA_TRITON_AMD, p_format=FP8_FORMAT_BY_GPU["mi355"],
+                                             name="aiter_mla_asm_fp8_gfx950"),
 }
 
 
