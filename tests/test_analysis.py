@@ -467,7 +467,7 @@ def assert_report_agrees_with_its_rows(result, limit):
     """The report never contradicts itself: every verdict and scan row applies the one criterion to its own
     numbers, the recommendation is the smallest scanned scale meeting it, every analysed configuration of a
     family says what the scan's row at its scale says, and the words print the recommendation."""
-    from pcast_jax.analysis.study import SAFE, meets_criterion
+    from pcast_jax.criterion import SAFE, meets_criterion
 
     rows = {r["config"]: r for r in result.config_rows()}
     for row in rows.values():  # one criterion: the verdict is the worst head's zeroed and clipped mass

@@ -9,7 +9,7 @@ import pytest
 from pcast_jax import cli
 from pcast_jax.analysis import StreamedTrace, Trace, analyze, load_trace
 from pcast_jax.analysis import heads as H
-from pcast_jax.analysis.study import WITHIN_NOISE
+from pcast_jax.criterion import WITHIN_NOISE_ROWS as WITHIN_NOISE
 from pcast_jax.errors import PcastError
 
 CONFIGS = ["fwd_s1", "fwd_s256", "rev_s256", "fa3", "fa3_splitkv"]
