@@ -1,5 +1,8 @@
 """Writing reports: number formatting, markdown tables, CSV, PNG (matplotlib, Agg) and JSON files.
 
+One module, over 600 lines: every published number and file goes through it (formatters, tables, CSV,
+JSON, figures), so that :func:`check_published` guards each writer.
+
 No published number hides: :func:`check_published` (called by :func:`write_csv`,
 :func:`markdown_table` and :func:`save_figure`) turns a non-finite value, a missing cell, a bare
 "—" or a number rendered as ``nan``/``inf`` into a :class:`~pcast_jax.errors.PcastError` naming

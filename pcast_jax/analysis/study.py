@@ -1,8 +1,11 @@
 """Is my model safe under kernel X? The analysis of a captured trace, in numbers and in words.
 
+One module, over 600 lines: :class:`Analysis` and its words, the safe-scale scan and the trace diagnosis
+read one set of per-head results; the criterion itself is :mod:`pcast_jax.criterion`.
+
 :func:`analyze` takes a :class:`~pcast_jax.analysis.capture.Trace` and kernel configurations and
 returns an :class:`Analysis`: per sequence, layer and head the sink statistics
-(:func:`~pcast_jax.analysis.heads.sink_statistics`) and every configuration's P-cast metrics
+(:func:`~pcast_jax.analysis.statistics.sink_statistics`) and every configuration's P-cast metrics
 (:func:`~pcast_jax.analysis.heads.head_metrics`: output error, zeroed fraction and mass, and every
 further per-row count or mass the engine reports); optionally, given the model as a function from
 a configuration to logits, the end-to-end effect (KL, top-1 agreement, perplexity).
@@ -50,16 +53,10 @@ import numpy as np
 
 from pcast_jax import stats as _stats
 from pcast_jax.analysis.capture import StreamedTrace, Trace
-from pcast_jax.analysis.heads import (
-    SCALE_GRID,
-    E2EMetrics,
-    analyze_layers,
-    compare_logits,
-    find_sinks,
-    pending_statistics,
-    sample_rows,
-    scale_masses,
-)
+from pcast_jax.analysis.heads import analyze_layers, scale_masses
+from pcast_jax.analysis.logit_metrics import E2EMetrics, compare_logits
+from pcast_jax.analysis.rows import sample_rows
+from pcast_jax.analysis.statistics import SCALE_GRID, find_sinks, pending_statistics
 from pcast_jax.config import COMPUTED_SCALE_MODES, KernelConfig, scale_candidates
 from pcast_jax.criterion import (
     MASS_LIMIT,
@@ -462,7 +459,7 @@ def analyze(trace: Trace | StreamedTrace, configs: Sequence[str | KernelConfig],
       trace: a :class:`Trace` (from :class:`~pcast_jax.analysis.capture.Recorder` or
         :func:`~pcast_jax.analysis.capture.load_trace`) or a :class:`StreamedTrace` (a trace folder).
       configs: preset names (run at the trace's head dim, :func:`kernel_for`) or KernelConfigs.
-      num_sinks, min_keys: as :func:`~pcast_jax.analysis.heads.sink_statistics`.
+      num_sinks, min_keys: as :func:`~pcast_jax.analysis.statistics.sink_statistics`.
       mass_limit: the limit of the one criterion (the worst head's zeroed and clipped mass), in (0, 1).
       logits_fn: optional ``logits_fn(config) -> [B, T, V]`` logits of the model on
         ``trace.tokens`` with every attention through ``config`` (``None``: exact FP32); given,
@@ -470,7 +467,7 @@ def analyze(trace: Trace | StreamedTrace, configs: Sequence[str | KernelConfig],
       progress: optional ``(line) -> None`` called with one line per stage and per layer done (layers done,
         the rows analysed, the time so far and the time left at the pace so far).
       rows: analyse a simple random sample of this many query rows of each sequence and layer (the same rows
-        for every head; :func:`~pcast_jax.analysis.heads.sample_rows`), each on every key it sees, so the
+        for every head; :func:`~pcast_jax.analysis.rows.sample_rows`), each on every key it sees, so the
         kernel's running max is exact; every per-head mean is then the sample's, with its standard error
         (:attr:`Analysis.heads_sem`), and verdicts and safe scales are decided only where the error allows
         (:func:`pcast_jax.stats.decide` at :func:`pcast_jax.stats.z_value` of ``rows``; else
@@ -529,7 +526,7 @@ def analyze(trace: Trace | StreamedTrace, configs: Sequence[str | KernelConfig],
 
 def _sample(trace, rows: int | None, seed: int, sequence: int, layer: int):
     """The sorted query rows of ``sequence`` analysed in ``layer``: None (every row) without ``rows`` or where
-    the sequence has no more real tokens than ``rows``, else :func:`~pcast_jax.analysis.heads.sample_rows`."""
+    the sequence has no more real tokens than ``rows``, else :func:`~pcast_jax.analysis.rows.sample_rows`."""
     length = int(trace.lengths[sequence])
     if rows is None or rows >= length:
         return None
@@ -539,7 +536,7 @@ def _sample(trace, rows: int | None, seed: int, sequence: int, layer: int):
 def _stream(trace, kernels, scanned: list, *, num_sinks: int, min_keys: int, rows: int | None, seed: int, say,
             start: float) -> tuple[dict, dict, list]:
     """Every layer of the trace read once, in order, and analysed before the next: per sequence its sink
-    statistics (:func:`~pcast_jax.analysis.heads.pending_statistics`, each sequence at its length) and every
+    statistics (:func:`~pcast_jax.analysis.statistics.pending_statistics`, each sequence at its length) and every
     kernel and family scan (:func:`~pcast_jax.analysis.heads.analyze_layers`), on its sample of rows.
 
     Returns ``(stats {name: [B, L, H, ...]}, heads {metric: [C, B, L, H]} (with ``<metric>_sem`` where
@@ -588,7 +585,7 @@ def _stream(trace, kernels, scanned: list, *, num_sinks: int, min_keys: int, row
 
 def trace_statistics(trace: Trace | StreamedTrace, *, num_sinks: int = 1, min_keys: int = 16,
                      progress: Callable[[str], None] | None = None) -> dict:
-    """:func:`~pcast_jax.analysis.heads.sink_statistics` of every sequence of ``trace``, each at its
+    """:func:`~pcast_jax.analysis.statistics.sink_statistics` of every sequence of ``trace``, each at its
     length and every layer within its window, one layer at a time: ``{name: [B, L, H, ...]}``."""
     say = progress or (lambda _line: None)
     per_layer = []
@@ -606,7 +603,7 @@ def trace_statistics(trace: Trace | StreamedTrace, *, num_sinks: int = 1, min_ke
 def trace_sinks(trace: Trace | StreamedTrace, *, num_sinks: int = 1,
                 progress: Callable[[str], None] | None = None) -> np.ndarray:
     """``[B, L, H, num_sinks]``: :func:`trace_statistics`' ``sink_positions`` alone
-    (:func:`~pcast_jax.analysis.heads.find_sinks`), what a scan of candidate scales needs; one layer at a time."""
+    (:func:`~pcast_jax.analysis.statistics.find_sinks`), what a scan of candidate scales needs; one layer at a time."""
     say = progress or (lambda _line: None)
     per_layer = []
     for layer in range(trace.num_layers):
@@ -732,7 +729,7 @@ def scale_scan(trace: Trace | StreamedTrace, config: KernelConfig, *, sink_posit
 
 
 def _layer_parameters(trace, layer: int) -> dict:
-    """What layer ``layer`` lets its queries see, as the per-layer passes of :mod:`~pcast_jax.analysis.heads`
+    """What layer ``layer`` lets its queries see, as the per-layer passes of :mod:`~pcast_jax.analysis.rows`
     take it for a one-layer trace: its window, learned sinks and soft cap."""
     return {"local_window_size": [int(trace.local_window_size[layer])],
             "sinks": None if trace.sinks is None else trace.sinks[layer:layer + 1],
