@@ -228,10 +228,6 @@ def _sci(x):
     return report.fmt_sci(x, 2)
 
 
-def _pct(x):
-    return report.fmt_pct(x, 1)
-
-
 def _x(x):
     return report.fmt_ratio(x, 2)
 
@@ -259,7 +255,8 @@ def _summary(study: ModelStudy, layer_rows, theory_rows, e2e_rows, tokens) -> li
     if sink_heads == 0:
         out.append(
             f"**Sinks: none.** No head of this model has a sink: no key takes ≥ {SINK_MASS_MIN:.0%} of a head's "
-            f"attention (the most-attended key of a head takes a median {_pct(_med(stats['sink_mass']))}); {gap}. "
+            "attention (the most-attended key of a head takes a median "
+            f"{report.fmt_pct(_med(stats['sink_mass']))}); {gap}. "
             "P-collapse needs a sink far above the other logits, so it is not expected here.")
     else:
         sink0 = np.all(stats["sink_positions"][:, :, 0] == 0, axis=1)
@@ -289,29 +286,30 @@ def _summary(study: ModelStudy, layer_rows, theory_rows, e2e_rows, tokens) -> li
                      "row's mass per head).**")
         out.append(
             f"{title} Forward S=1 zeroes a median "
-            f"{_pct(_med(fz1))} of the non-sink P per head (up to {_pct(np.nanmax(fz1))}), carrying "
+            f"{report.fmt_pct(_med(fz1))} of the non-sink P per head (up to {report.fmt_pct(np.nanmax(fz1))}), "
+            "carrying "
             f"a median {_sci(_med(heads['fwd_s1']['zeroed_mass']))} of each row's softmax mass. "
             f"Eq. (7) with each head's measured Δ and σ, Φ((Δ − 6.93 − ln S)/σ), predicts the "
-            f"fraction with a mean absolute error of {_pct(mae('eq7_sigma_s1', 'measured_fwd_s1'))}"
+            f"fraction with a mean absolute error of {report.fmt_pct(mae('eq7_sigma_s1', 'measured_fwd_s1'))}"
             f" over heads; counting the logits below max sink − 6.93 (Eq. (6), no Gaussian "
-            f"assumption) is off by {_pct(mae('eq6_count_s1', 'measured_fwd_s1'))}. The paper's "
-            f"σ = 1 form Φ(Δ − 6.93) is off by {_pct(mae('eq7_sigma1_s1', 'measured_fwd_s1'))}: it "
+            f"assumption) is off by {report.fmt_pct(mae('eq6_count_s1', 'measured_fwd_s1'))}. The paper's "
+            f"σ = 1 form Φ(Δ − 6.93) is off by {report.fmt_pct(mae('eq7_sigma1_s1', 'measured_fwd_s1'))}: it "
             f"is too steep (near-total collapse for Δ ≳ 9, none for Δ ≲ 4).")
     if "fwd_s256" in heads:
         fz256 = heads["fwd_s256"]["frac_zeroed"]
         lead = ("**S = 256 does not stop underflow on this model (the σ = 1 prediction fails), but what it zeroes "
                 "carries almost no mass.**" if _med(fz256) > 0.01 else "**S = 256 stops underflow on this model.**")
         txt = (f"{lead} Forward S=256 still zeroes a median "
-               f"{_pct(_med(fz256))} of non-sink P per head (max {_pct(np.nanmax(fz256))}); "
+               f"{report.fmt_pct(_med(fz256))} of non-sink P per head (max {report.fmt_pct(np.nanmax(fz256))}); "
                f"Eq. (7) with the measured σ tracks it (mean abs. error "
-               f"{_pct(mae('eq7_sigma_s256', 'measured_fwd_s256'))}) where the paper's σ = 1 form "
-               f"predicts almost none (error {_pct(mae('eq7_sigma1_s256', 'measured_fwd_s256'))}).")
+               f"{report.fmt_pct(mae('eq7_sigma_s256', 'measured_fwd_s256'))}) where the paper's σ = 1 form "
+               f"predicts almost none (error {report.fmt_pct(mae('eq7_sigma1_s256', 'measured_fwd_s256'))}).")
         if "rev_s256" in heads:
-            txt += (f" Reverse S=256 zeroes a median {_pct(_med(heads['rev_s256']['frac_zeroed']))} "
+            txt += (f" Reverse S=256 zeroes a median {report.fmt_pct(_med(heads['rev_s256']['frac_zeroed']))} "
                     f"too: its pre-sink running max sits ~σ·√(2 ln N) above the non-sink mean, so "
                     f"with σ ≈ 3 the tail below max − 12.5 is not empty (Thm. 4's zero-underflow "
                     f"bound assumes σ = 1; at the measured σ it predicts "
-                    f"{_pct(_med(th['thm4_sigma_s256']))} for the median head).")
+                    f"{report.fmt_pct(_med(th['thm4_sigma_s256']))} for the median head).")
         txt += (f" The softmax mass of the zeroed P is a median "
                 f"{_sci(_med(heads['fwd_s256']['zeroed_mass']))} per row for Forward S=256 vs "
                 f"{_sci(_med(heads['fwd_s1']['zeroed_mass']))} for Forward S=1." if "fwd_s1" in heads else "")
@@ -334,7 +332,7 @@ def _summary(study: ModelStudy, layer_rows, theory_rows, e2e_rows, tokens) -> li
             if "dynamic_pow2" in heads and r2 >= 1.25:
                 r3 = safe_ratio(np.sum(heads["dynamic_pow2"]["mse"]), np.sum(heads["fwd_s256"]["mse"]))
                 txt += (f" The gap is not underflow: the forward dynamic per-block 2^k scale zeroes "
-                        f"a median {_pct(_med(heads['dynamic_pow2']['frac_zeroed']))} of non-sink P "
+                        f"a median {report.fmt_pct(_med(heads['dynamic_pow2']['frac_zeroed']))} of non-sink P "
                         f"yet has {_x(r3)} the MSE of Forward S=256. The likely cause (seen on a "
                         f"deep head by splitting Σ(W − P)² by the size of P): the MSE is dominated "
                         f"by the E4M3 rounding of the few large non-sink P (0.02–1); reverse order "
@@ -356,8 +354,8 @@ def _summary(study: ModelStudy, layer_rows, theory_rows, e2e_rows, tokens) -> li
         txt = (f"**End to end ({tokens} {held}tokens; the metric the paper lacks).** "
                f"FP32 perplexity {_f3(e2e['fp32']['perplexity'])}. Forward S=1: perplexity "
                f"{_f3(a['perplexity'])}, KL {_sci(a['kl'])} nats/token, top-1 agreement "
-               f"{_pct(a['top1_agree'])}; Reverse S=256: {_f3(b['perplexity'])}, KL {_sci(b['kl'])}, "
-               f"{_pct(b['top1_agree'])} — Forward S=1 has {_x(safe_ratio(a['kl'], b['kl']))} the KL.")
+               f"{report.fmt_pct(a['top1_agree'])}; Reverse S=256: {_f3(b['perplexity'])}, KL {_sci(b['kl'])}, "
+               f"{report.fmt_pct(b['top1_agree'])} — Forward S=1 has {_x(safe_ratio(a['kl'], b['kl']))} the KL.")
         p_only = [r for r in e2e_rows if r["config"] != "fp32" and study.is_p_cast_only(r["config"])]
         fixed = [r for r in p_only if study.fixes_p_collapse(r["config"])]
         if len(p_only) > 2:
@@ -454,7 +452,7 @@ def _markdown(study: ModelStudy, layer_rows, theory_rows, e2e_rows, level: int, 
         prow.append(row)
     cols = [("config", "Configuration"), ("desc", "What it does"), ("rel", "rel. MSE (all heads)", _sci),
             ("med_rel", "median head rel. MSE", _sci), ("ratio", "MSE / Rev S=256", _x),
-            ("frac", "median non-sink P zeroed", _pct), ("mass", "median zeroed mass", _sci)]
+            ("frac", "median non-sink P zeroed", report.fmt_pct), ("mass", "median zeroed mass", _sci)]
     lines += [report.markdown_table(prow, cols, align="llrrrrr", name="model_heads (per config)"), ""]
 
     # Per layer
@@ -473,7 +471,7 @@ def _markdown(study: ModelStudy, layer_rows, theory_rows, e2e_rows, level: int, 
     for name, head in (("fwd_s1", "zeroed Fwd S=1"), ("fwd_s256", "zeroed Fwd S=256"),
                        ("rev_s256", "zeroed Rev S=256")):
         if name in heads:
-            cols.append((f"frac_zeroed_{name}", head, _pct))
+            cols.append((f"frac_zeroed_{name}", head, report.fmt_pct))
     lines += [report.markdown_table(layer_rows, cols, name="model_layers"), ""]
     lines += ["![Sink gap Δ and σ per layer × head](model_sink_gap.png)", "",
               "![Fwd S=1 / Rev S=256 MSE ratio](model_mse_ratio.png)", ""]
@@ -494,14 +492,14 @@ def _markdown(study: ModelStudy, layer_rows, theory_rows, e2e_rows, level: int, 
                       for k in rs[0] if k not in ("head",)} | {"layer": layer})
     cols = [("layer", "Layer"), ("delta", "Δ", _f2), ("sigma", "σ", _f2)]
     for scale in SCALES:
-        cols += [(f"eq7_sigma1_s{scale}", f"S={scale}: Eq.7 σ=1", _pct),
-                 (f"eq7_sigma_s{scale}", f"S={scale}: Eq.7 σ", _pct),
-                 (f"eq6_count_s{scale}", f"S={scale}: Eq.6 count", _pct)]
+        cols += [(f"eq7_sigma1_s{scale}", f"S={scale}: Eq.7 σ=1", report.fmt_pct),
+                 (f"eq7_sigma_s{scale}", f"S={scale}: Eq.7 σ", report.fmt_pct),
+                 (f"eq6_count_s{scale}", f"S={scale}: Eq.6 count", report.fmt_pct)]
         if f"measured_fwd_s{scale}" in theory_rows[0]:
-            cols.append((f"measured_fwd_s{scale}", f"S={scale}: measured Fwd", _pct))
+            cols.append((f"measured_fwd_s{scale}", f"S={scale}: measured Fwd", report.fmt_pct))
     if "measured_rev_s256" in theory_rows[0]:
-        cols += [("thm4_sigma_s256", "Rev S=256: Thm.4 σ", _pct),
-                 ("measured_rev_s256", "Rev S=256: measured", _pct)]
+        cols += [("thm4_sigma_s256", "Rev S=256: Thm.4 σ", report.fmt_pct),
+                 ("measured_rev_s256", "Rev S=256: measured", report.fmt_pct)]
     lines += [report.markdown_table(trows, cols, name="model_theory"), ""]
     lines += ["![Theory vs measured zeroed fraction per head](model_theory.png)", ""]
 
@@ -535,18 +533,19 @@ def _decode_markdown(study: ModelStudy, h: str) -> list[str]:
         pre = next(r for r in summary if r["kernel"] == row["kernel"] and r["phase"] == "prefill")
         sentences.append(
             f"{row['kernel']}: `{row['config']}` ({row['kv_splits']} {row['split_layout']} splits, "
-            f"B = {row['block_kv']}) zeroes on average {_pct(row['mean_frac_zeroed'])} of a row's non-sink P "
-            f"against {_pct(pre['mean_frac_zeroed'])} for `{pre['config']}` in one pass "
-            f"({_x(row['zeroed_ratio_to_prefill'])}; fewer in {_pct(row['heads_less_zeroed_frac'])} of the "
-            f"heads, more in {_pct(row['heads_more_zeroed_frac'])}), and its MSE over all heads is "
+            f"B = {row['block_kv']}) zeroes on average {report.fmt_pct(row['mean_frac_zeroed'])} of a row's non-sink P "
+            f"against {report.fmt_pct(pre['mean_frac_zeroed'])} for `{pre['config']}` in one pass "
+            f"({_x(row['zeroed_ratio_to_prefill'])}; fewer in {report.fmt_pct(row['heads_less_zeroed_frac'])} of the "
+            f"heads, more in {report.fmt_pct(row['heads_more_zeroed_frac'])}), and its MSE over all heads is "
             f"{_x(row['mse_ratio_to_prefill'])} the one-pass MSE.")
     lines += [" ".join(sentences), ""]
     cols = [("kernel", "Kernel"), ("phase", "phase"), ("config", "preset"), ("block_kv", "B"),
             ("kv_splits", "splits"), ("rel_mse", "rel. MSE (all heads)", _sci),
-            ("median_frac_zeroed", "median non-sink P zeroed", _pct),
-            ("mean_frac_zeroed", "mean non-sink P zeroed", _pct), ("mean_zeroed_mass", "mean zeroed mass", _sci),
+            ("median_frac_zeroed", "median non-sink P zeroed", report.fmt_pct),
+            ("mean_frac_zeroed", "mean non-sink P zeroed", report.fmt_pct),
+            ("mean_zeroed_mass", "mean zeroed mass", _sci),
             ("mse_ratio_to_prefill", "MSE / prefill", _x),
-            ("heads_less_zeroed_frac", "heads zeroing less", _pct)]
+            ("heads_less_zeroed_frac", "heads zeroing less", report.fmt_pct)]
     reference = {k: "n/a: the one-pass reference" for k in ("mse_ratio_to_prefill", "heads_less_zeroed_frac")}
     shown = [r if r["phase"] == "decode" else {**reference, **r} for r in summary]
     lines += [report.markdown_table(shown, cols, align="lllrrrrrrrr", name="model_decode (summary)"), ""]

@@ -210,7 +210,7 @@ def _real_model_study(n_tokens: int, presets, log) -> tuple[list[dict], dict]:
     import jax.numpy as jnp
 
     from pcast_jax import nn
-    from pcast_jax.analysis.heads import compare_logits
+    from pcast_jax.analysis.logit_metrics import compare_logits
     from pcast_jax.models import extract_qkv, forward, load_model, load_tokenizer, stdlib_text_tokens
 
     cfg, params = load_model()

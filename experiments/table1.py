@@ -7,6 +7,8 @@ spread-integrated version (:mod:`pcast_jax.theory`) and the paper's printed valu
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from pcast_jax import report, theory
@@ -34,8 +36,8 @@ TOL_FRAC_PP = 2.0
 TOL_MASS_PP = 2.0
 
 
-def _pct(x):
-    return report.fmt_num(x, 1)
+#: A percentage (the values are in percent already) with one decimal.
+_percent = functools.partial(report.fmt_num, digits=1)
 
 
 def _pp(x):
@@ -76,15 +78,15 @@ def run(ctx: Context) -> Section:
 
     cols = [
         Column("delta", "Δ", lambda x: f"{x:g}"),
-        Column("s1_ours", "S=1 ours", _pct), Column("s1_paper", "S=1 paper", _pct),
-        Column("s1_diff_pp", "Δpp", _pp), Column("s1_eq7", "Eq.(7)", _pct),
-        Column("s1_eq7_spread", "Eq.(7)+spread", _pct),
+        Column("s1_ours", "S=1 ours", _percent), Column("s1_paper", "S=1 paper", _percent),
+        Column("s1_diff_pp", "Δpp", _pp), Column("s1_eq7", "Eq.(7)", _percent),
+        Column("s1_eq7_spread", "Eq.(7)+spread", _percent),
         Column("s256_ours", "S=256 ours", lambda x: report.fmt_num(x, 2)),
-        Column("s256_paper", "S=256 paper", _pct), Column("s256_diff_pp", "Δpp", _pp),
+        Column("s256_paper", "S=256 paper", _percent), Column("s256_diff_pp", "Δpp", _pp),
         Column("s256_eq7_spread", "Eq.(7)+spread", lambda x: report.fmt_num(x, 2)),
-        Column("mass_ours", "non-sink mass ours", _pct), Column("mass_paper", "paper", _pct),
+        Column("mass_ours", "non-sink mass ours", _percent), Column("mass_paper", "paper", _percent),
         Column("mass_diff_pp", "Δpp", _pp),
-        Column("loss_ours", "info loss ours", _pct), Column("loss_paper", "paper", _pct),
+        Column("loss_ours", "info loss ours", _percent), Column("loss_paper", "paper", _percent),
         Column("loss_diff_pp", "Δpp", _pp),
     ]
     dk = float(theory.delta_k(s.k_sink))

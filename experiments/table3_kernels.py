@@ -21,6 +21,7 @@ import dataclasses
 
 import numpy as np
 
+from pcast_jax import report
 from pcast_jax.config import KernelConfig
 from pcast_jax.metrics import expected_is_exact
 from pcast_jax.presets import XQA_DECODE_LAUNCH, get_preset, preset_for, xqa_nb_sub_seq
@@ -475,7 +476,8 @@ def run(ctx: Context) -> Section:
                   Column("split_protects", f"≤ {SAFETY_NET:g}×?"),
                   Column("ratio", f"MSE Δ={DELTAS[0]:g} / best"), Column("verdict", "ours")]
     study_md = [{"n": r["n"], "nb_sub_seq": f"**{r['nb_sub_seq']}**" if r["preset_value"] else r["nb_sub_seq"],
-                 "launches": r["launches"], "zeroed": _pct(r[f"zeroed_{t10}_frac"], r[f"zeroed_sem_{t10}_frac"]),
+                 "launches": r["launches"],
+                 "zeroed": report.fmt_pct_sig(r[f"zeroed_{t10}_frac"], r[f"zeroed_sem_{t10}_frac"]),
                  "vs_forward": _pm_ratio(r[f"zeroed_vs_one_forward_pass_{t10}"],
                                          r[f"zeroed_vs_one_forward_pass_sem_{t10}"]),
                  "ratio": _pm_ratio(r[f"mse_ratio_to_best_{t7}"], r[f"mse_ratio_to_best_sem_{t7}"]),
@@ -562,10 +564,6 @@ def _tile_note(k: Kernel, d: int) -> str:
     return f"B = {preset_for(k.prefill, d).block_kv} at d = {d}: {TILE_SOURCE.get(k.prefill, 'assumption')}"
 
 
-def _pct(x, se=None) -> str:
-    return f"{100 * x:.3g}%" + (f" ± {100 * se:.2g}%" if se is not None else "")
-
-
 def _pm_ratio(x, se) -> str:
     """A paired ratio ± its s.e. (or the row's reason for having none)."""
     return x if isinstance(x, str) else fmt_pm(x, se, 3, "×")
@@ -587,7 +585,7 @@ def _md_row(r: dict) -> dict:
         md["finding"] = "; ".join(x for x in (md["finding"], "verdict holds " + r["holds_if"]) if x)
     for delta in DELTAS:
         t = _dtag(delta)
-        md[f"zeroed_{t}"] = _pct(r[f"zeroed_{t}_frac"], r[f"zeroed_sem_{t}_frac"])
+        md[f"zeroed_{t}"] = report.fmt_pct_sig(r[f"zeroed_{t}_frac"], r[f"zeroed_sem_{t}_frac"])
         md[f"mse_{t}"] = f"{r[f'mse_{t}'] * 1e5:.3f} ± {r[f'mse_sem_{t}'] * 1e5:.3f}"
     t7, t10 = _dtag(DELTAS[0]), _dtag(DELTAS[1])
     md["vs_forward"] = _pm_ratio(r[f"zeroed_vs_one_forward_pass_{t10}"], r[f"zeroed_vs_one_forward_pass_sem_{t10}"])
@@ -603,9 +601,9 @@ def _finding_text(r: dict, t7: str, t10: str) -> str:
     parts = [f"{r['phase']} ({r['preset']}, {r['order']}, S = {r['scale']}, B = {r['block_kv']}"
              + (f", {r['kv_splits']} {r['split_layout']} splits" if r["kv_splits"] > 1 else "") + ")"]
     vs = _pm_ratio(r[f"zeroed_vs_one_forward_pass_{t10}"], r[f"zeroed_vs_one_forward_pass_sem_{t10}"])
-    parts.append(f"zeroes {_pct(r[f'zeroed_{t10}_frac'])} of non-sink P at Δ = {DELTAS[1]:g} against "
-                 f"{_pct(fwd)} for one forward pass ({vs})")
-    parts.append(f"{_pct(r[f'zeroed_{t7}_frac'])} at Δ = {DELTAS[0]:g}")
+    parts.append(f"zeroes {report.fmt_pct_sig(r[f'zeroed_{t10}_frac'])} of non-sink P at Δ = {DELTAS[1]:g} against "
+                 f"{report.fmt_pct_sig(fwd)} for one forward pass ({vs})")
+    parts.append(f"{report.fmt_pct_sig(r[f'zeroed_{t7}_frac'])} at Δ = {DELTAS[0]:g}")
     parts.append(f"MSE at Δ = {DELTAS[0]:g} "
                  f"{_pm_ratio(r[f'mse_ratio_to_best_{t7}'], r[f'mse_ratio_to_best_sem_{t7}'])} the phase's best "
                  f"(paired, {r['verdict_seeds']} seeds)")

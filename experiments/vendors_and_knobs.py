@@ -6,8 +6,8 @@ Q/K/V in FP32 so the P-cast is isolated; expected MSE, which averages V out):
 1. **Every preset of the registry at Table 3's operating point** (N, q_len, d, k_sink of Table 3,
    Δ = 7 and 10), grouped by kernel family (:data:`pcast_jax.presets.FAMILIES`): zeroed fraction of
    non-sink P, zeroed and clipped mass, MSE relative to the exact output's mean square, and a verdict
-   on the doctor's criterion (:data:`pcast_jax.deployments.ZEROED_MASS_LIMIT`,
-   :data:`~pcast_jax.deployments.CLIPPED_MASS_LIMIT`) decided with its standard error over seeds
+   on the doctor's criterion (:mod:`pcast_jax.criterion`'s worst-Δ pooling, :data:`~pcast_jax.criterion.MASS_LIMIT`)
+   decided with its standard error over seeds
    (:func:`verdict`). A preset the workload cannot run is listed with the reason.
 2. **The new scale axes against Δ**: aiter's tile-amax scale at its BLOCK_M (128), at one tile of the
    call's rows and per row (``block_q = 1``), beside the per-row power-of-two ``dynamic_pow2``, the
@@ -32,11 +32,11 @@ import numpy as np
 
 from pcast_jax import report, theory
 from pcast_jax.config import KernelConfig
-from pcast_jax.deployments import CLIPPED_MASS_LIMIT, ZEROED_MASS_LIMIT
+from pcast_jax.criterion import CLIPPED_MASS_LIMIT, ZEROED_MASS_LIMIT, over_limit, worst_delta
 from pcast_jax.errors import PcastError
 from pcast_jax.metrics import expected_is_exact
 from pcast_jax.presets import FAMILIES, PRESETS, TAGS, get_preset, preset_for
-from pcast_jax.stats import decide, fmt_pm, mean_sem, paired_ratio, z_value
+from pcast_jax.stats import fmt_pm, mean_sem, paired_ratio, z_value
 from pcast_jax.sweep import SweepResult, SweepSpec, run_sweep
 
 from .common import FULL as PAPER_SIZES
@@ -146,17 +146,17 @@ def verdict(zeroed: list[tuple[float, float]], clipped: list[tuple[float, float]
     """The doctor's criterion on one preset's (mean, s.e.) zeroed and clipped mass at each Δ.
 
     ``"fails: zeroes"`` / ``"fails: clips"`` (or both) when some mass is decidedly above its limit
-    (:data:`~pcast_jax.deployments.ZEROED_MASS_LIMIT`, :data:`~pcast_jax.deployments.CLIPPED_MASS_LIMIT`),
+    (:data:`~pcast_jax.criterion.ZEROED_MASS_LIMIT`, :data:`~pcast_jax.criterion.CLIPPED_MASS_LIMIT`),
     ``"passes"`` when every one is decidedly below it, else ``"within noise at n seeds"``; each comparison
-    as :func:`pcast_jax.stats.decide` with z the 95 % Student-t quantile at ``seeds`` − 1 degrees of freedom.
+    :func:`pcast_jax.criterion.over_limit` with z the 95 % Student-t quantile at ``seeds`` − 1 degrees of freedom.
     """
     z = z_value(seeds)
-    over_z = [decide(m, se, ZEROED_MASS_LIMIT, z) for m, se in zeroed]
-    over_c = [decide(m, se, CLIPPED_MASS_LIMIT, z) for m, se in clipped]
-    failed = [word for word, over in (("zeroes", over_z), ("clips", over_c)) if True in over]
+    over_z = [over_limit(m, se, ZEROED_MASS_LIMIT, z) for m, se in zeroed]
+    over_c = [over_limit(m, se, CLIPPED_MASS_LIMIT, z) for m, se in clipped]
+    failed = [word for word, over in (("zeroes", over_z), ("clips", over_c)) if worst_delta(over)]
     if failed:
         return "fails: " + " and ".join(failed)
-    if all(o is False for o in over_z + over_c):
+    if worst_delta(over_z + over_c) is False:
         return "passes"
     return f"within noise at {seeds} seeds"
 
@@ -464,21 +464,13 @@ def _findings(presets: list[dict], axes: list[dict], diffuse: list[dict], sz: Si
     return lines
 
 
-def _pm_pct(x, se) -> str:
-    return x if isinstance(x, str) else f"{100 * x:.3g}% ± {100 * se:.2g}%"
-
-
-def _pm_sci(x, se) -> str:
-    return x if isinstance(x, str) else f"{report.fmt_sci(x)} ± {report.fmt_sci(se, 1)}"
-
-
 def _presets_md(rows: list[dict]) -> str:
     t7, t10 = (_dtag(d) for d in TABLE3_DELTAS)
     md = [{"family": r["family"], "preset": r["preset"], "verdict": r["verdict"],
-           **{f"z_{t}": _pm_pct(r[f"frac_zeroed_{t}"], r[f"frac_zeroed_sem_{t}"]) for t in (t7, t10)},
-           **{f"m_{t}": _pm_pct(r[f"zeroed_mass_{t}"], r[f"zeroed_mass_sem_{t}"]) for t in (t7, t10)},
-           **{f"c_{t}": _pm_pct(r[f"clipped_mass_{t}"], r[f"clipped_mass_sem_{t}"]) for t in (t7, t10)},
-           **{f"r_{t}": _pm_sci(r[f"rel_mse_{t}"], r[f"rel_mse_sem_{t}"]) for t in (t7,)}} for r in rows]
+           **{f"z_{t}": report.fmt_pct_sig(r[f"frac_zeroed_{t}"], r[f"frac_zeroed_sem_{t}"]) for t in (t7, t10)},
+           **{f"m_{t}": report.fmt_pct_sig(r[f"zeroed_mass_{t}"], r[f"zeroed_mass_sem_{t}"]) for t in (t7, t10)},
+           **{f"c_{t}": report.fmt_pct_sig(r[f"clipped_mass_{t}"], r[f"clipped_mass_sem_{t}"]) for t in (t7, t10)},
+           **{f"r_{t}": report.fmt_sci_pm(r[f"rel_mse_{t}"], r[f"rel_mse_sem_{t}"]) for t in (t7,)}} for r in rows]
     cols = [("family", "family"), ("preset", "preset")]
     for t, d in zip((t7, t10), TABLE3_DELTAS):
         cols += [(f"z_{t}", f"zeroed Δ={d:g}"), (f"m_{t}", f"zeroed mass Δ={d:g}"), (f"c_{t}", f"clipped Δ={d:g}")]

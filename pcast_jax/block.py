@@ -1,5 +1,8 @@
 """The per-block lines of Algorithm 1, written once for every engine and kernel.
 
+One module, over 600 lines: each line of Algorithm 1 exists once, here, so that the engines and both
+kernels run the same lines; splitting it would put the lines of one algorithm in several places.
+
 Algorithm 1 of the paper, per query row and KV block j in the kernel's order::
 
     m_new = max(m, rowmax(Z_j));  α = exp(m − m_new)                         # lines 4–6

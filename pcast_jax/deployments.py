@@ -23,15 +23,23 @@ from typing import Literal
 import numpy as np
 
 from pcast_jax.config import COMPUTED_SCALE_MODES, KernelConfig, scale_candidates
+from pcast_jax.criterion import (
+    CLIPPED_MASS_LIMIT,
+    ZEROED_MASS_LIMIT,
+    Z,
+    over_limits,
+    verdict_word,
+    worst_delta,
+)
 from pcast_jax.errors import PcastError, check_choice, check_int
 from pcast_jax.presets import get_preset, preset_for
-from pcast_jax.stats import decide, mean_sem
+from pcast_jax.stats import mean_sem
 
 __all__ = ["no_fp8_p_advice", "Capabilities", "ModelFeatures", "Support", "SUPPORTS", "UNREAD",
            "Deployment", "DEPLOYMENTS", "ENGINES", "GPUS", "KV_CACHE_DTYPES", "KNOBS", "find", "checkpoint_scales",
            "layer_groups", "PROB_SCALE_DEFAULT", "MAX_SCALE_VALUES",
            "scale_from_knob", "knob_from_scale", "knob_setting", "configured", "SCALE_RANGE", "Diagnosis", "diagnose",
-           "ZEROED_MASS_LIMIT", "CLIPPED_MASS_LIMIT", "Z", "over_limits"]
+           ]
 
 #: GPU architectures: NVIDIA compute capabilities and AMD gfx targets.
 GPUS = ("sm90", "sm100", "sm120", "gfx942", "gfx950")
@@ -41,13 +49,6 @@ KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 #: a checkpoint's calibrated scale) or ``"scale_s"`` (S = scale_s, the caller's argument).
 Knob = Literal["none", "prob_scale", "scale_s"]
 KNOBS = ("none", "prob_scale", "scale_s")
-#: The verdict's criterion: the largest share of the softmax's mass the cast may zero (non-sink keys) and
-#: clip (saturate), as a mean over query rows, at the worst Δ of the range.
-ZEROED_MASS_LIMIT = 1e-3
-CLIPPED_MASS_LIMIT = 1e-3
-#: A row is over (or under) a limit when its mean ± Z·s.e. over the seeds excludes the limit; else it is
-#: within noise, and the verdict says so instead of deciding.
-Z = 2.0
 
 
 #: Whether a backend supports a model feature, as read from its source (``"unknown"``: not read).
@@ -793,17 +794,6 @@ def _scale_label(cfg: KernelConfig) -> float | str:
     return cfg.scale_mode if cfg.scale_mode in COMPUTED_SCALE_MODES else cfg.scale
 
 
-def over_limits(zeroed: tuple[float, float], clipped: tuple[float, float]) -> bool | None:
-    """The verdict's criterion on one row: is its zeroed or its clipped mass over the limit?
-
-    ``zeroed`` and ``clipped`` are (mean, s.e.) over seeds. True when either mass is decidedly over its
-    limit (:data:`ZEROED_MASS_LIMIT`, :data:`CLIPPED_MASS_LIMIT`: mean − Z·s.e. above it), False when both are
-    decidedly under (mean + Z·s.e. below it), else None: within noise (:func:`pcast_jax.stats.decide`).
-    """
-    calls = [decide(zeroed[0], zeroed[1], ZEROED_MASS_LIMIT, Z), decide(clipped[0], clipped[1], CLIPPED_MASS_LIMIT, Z)]
-    return True if True in calls else (False if calls == [False, False] else None)
-
-
 def _passes(values) -> bool:
     """Every Δ's zeroed and clipped mass decided under its limit (mean + Z·s.e. below it)."""
     return all(over_limits(z, c) is False for z, c, _ in values)
@@ -873,7 +863,7 @@ def diagnose(deployment: Deployment, *, knob_value: float | None = None, scales:
         front, or a learned sink logit Δ with ``learned_sink``).
 
     Returns:
-      A :class:`Diagnosis`: the criterion is :data:`ZEROED_MASS_LIMIT` and :data:`CLIPPED_MASS_LIMIT` on
+      A :class:`Diagnosis`: the criterion is :mod:`pcast_jax.criterion`'s worst-Δ pooling on
       the mean over query rows at every Δ; the recommendation is the smallest power-of-two S (of
       :func:`pcast_jax.config.scale_candidates`, simulated in the verdict's program; as the
       knob's value) whose simulation meets it, computed only when the current setting does not.
@@ -903,17 +893,18 @@ def diagnose(deployment: Deployment, *, knob_value: float | None = None, scales:
     extra = [c for c in candidates.values() if c not in configs]
     sim = _simulate(configs + extra, tuple(float(d) for d in deltas), n=n, seeds=seeds, learned_sink=learned_sink)
     by_config = {cfg: sim[cfg.name] for cfg in configs + extra}
-    rows = []
+    rows, calls = [], []
     for cfg, (name, value) in zip(configs, labels):
         for d, (z, c, f) in sim[cfg.name].items():
             row = {"preset": name, "scale": _scale_label(cfg), "knob_value": value, "delta": d, "zeroed_mass": z[0],
                    "zeroed_mass_sem": z[1], "clipped_mass": c[0], "clipped_mass_sem": c[1], "frac_zeroed": f[0]}
-            over = _over(row)
-            row["verdict"] = {True: "over", False: "under", None: "within noise"}[over]
+            calls.append(_over(row))
+            row["verdict"] = verdict_word(calls[-1])
             rows.append(row)
     bad = [r for r in rows if r["verdict"] == "over"]
     unsure = [r for r in rows if r["verdict"] == "within noise"]
-    safe = False if bad else (None if unsure else True)
+    pooled = worst_delta(calls)  # the worst row decides
+    safe = None if pooled is None else not pooled
     collapse = min((r["delta"] for r in bad), default=None)
     recommended = None
     if safe is None:

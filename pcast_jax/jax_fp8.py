@@ -25,7 +25,7 @@ fractions and masses per head, and, where scale_s reaches P, the scale_s that av
 ``trace=`` (a recorded :class:`~pcast_jax.analysis.Trace` of the user's model) it answers on the model
 instead: the kernel simulated on the trace at every power-of-two ``scale_s`` where scale_s reaches P (else
 at the kernel's own S), the worst head's zeroed and clipped mass (the criterion of ``pcast analyze``,
-:func:`pcast_jax.analysis.study.meets_criterion`), the KL of the model run through it when given, and the
+:func:`pcast_jax.criterion.meets_criterion`), the KL of the model run through it when given, and the
 ``scale_s`` to pass where there is one (:class:`JaxFP8Scan`). ``pcast jax-fp8`` is the same question from
 the command line.
 """
@@ -38,6 +38,7 @@ import math
 import numpy as np
 
 from pcast_jax.config import KernelConfig
+from pcast_jax.criterion import MASS_LIMIT, check_mass_limit
 from pcast_jax.errors import PcastError, check_finite, check_int, check_positive
 
 __all__ = ["DEFAULT_GPU", "GPUS", "JaxFP8Prediction", "JaxFP8Scan", "NO_THEORY", "cudnn_config", "gpu_engine",
@@ -267,7 +268,8 @@ def predict(*, fp8_params=None, scale_s: float | None = None, head_dim: int | No
         arguments above are then refused (the trace has its own).
       logits_fn: with a trace, ``logits_fn(config) -> logits`` of the model on ``trace.tokens``
         (as :func:`pcast_jax.analysis.analyze` takes it): adds KL and top-1 agreement per candidate.
-      mass_limit, min_keys: with a trace, the criterion's limit (default 1e-3) and the rows counted
+      mass_limit, min_keys: with a trace, the criterion's limit (default
+        :data:`pcast_jax.criterion.MASS_LIMIT`) and the rows counted
         (default 16), as :func:`pcast_jax.analysis.analyze`.
       progress: with a trace, optional ``(line) -> None`` called per stage.
     """
@@ -288,7 +290,7 @@ def predict(*, fp8_params=None, scale_s: float | None = None, head_dim: int | No
             raise PcastError("mxfp8=True with a trace and rescale_threshold: the older MXFP8 reference fixes "
                              "S = 16 (pcast analyze TRACE --configs cudnn_mxfp8 analyses it)")
         return _predict_trace(trace, given_s, engine, logits_fn=logits_fn,
-                              mass_limit=1e-3 if mass_limit is None else mass_limit,
+                              mass_limit=MASS_LIMIT if mass_limit is None else mass_limit,
                               min_keys=16 if min_keys is None else min_keys, progress=progress)
     extra = [k for k, v in (("logits_fn", logits_fn), ("mass_limit", mass_limit), ("min_keys", min_keys),
                             ("progress", progress)) if v is not None]
@@ -398,7 +400,7 @@ class JaxFP8Scan:
 
     def answer(self) -> str:
         """The last line: the exact argument to pass and why, or that none passes, or that there is none."""
-        from pcast_jax.analysis.study import mass_text
+        from pcast_jax.criterion import mass_text
 
         limit = mass_text(self.mass_limit)
         if not self.scale_s_reaches_p:
@@ -438,7 +440,7 @@ class JaxFP8Scan:
     def summary(self) -> str:
         """The answer in words: the GPU and its engine, the trace, the criterion, one line per candidate, the
         answer."""
-        from pcast_jax.analysis.study import criterion_words, mass_text
+        from pcast_jax.criterion import criterion_words, mass_text
 
         c = self.config
         layers, heads, seqs, tokens = self.shape
@@ -482,7 +484,6 @@ def _predict_trace(trace, given_s, engine: _Engine, *, logits_fn, mass_limit, mi
 
     from pcast_jax.analysis import StreamedTrace, Trace, load_trace
     from pcast_jax.analysis.study import end_to_end, scale_candidates, scale_scan, trace_sinks
-    from pcast_jax.errors import check_f32
 
     if isinstance(trace, (str, os.PathLike)):
         from pcast_jax import fileio
@@ -494,9 +495,7 @@ def _predict_trace(trace, given_s, engine: _Engine, *, logits_fn, mass_limit, mi
         raise PcastError(f"trace must be a Trace (Recorder.trace() or load_trace) or a trace file, got "
                          f"{type(trace).__name__}")
     _check_head_dim(trace.head_dim, "the trace's head dim")
-    mass_limit = check_f32("mass_limit", mass_limit, positive=True)
-    if mass_limit >= 1:
-        raise PcastError(f"mass_limit={mass_limit} must be below 1 (a share of the attention mass)")
+    mass_limit = check_mass_limit(mass_limit)
     min_keys = check_int("min_keys", min_keys, min_value=1)
     if logits_fn is not None and trace.tokens is None:
         raise PcastError("logits_fn needs the trace's tokens (Recorder.trace(tokens=...))")

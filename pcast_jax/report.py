@@ -1,5 +1,8 @@
 """Writing reports: number formatting, markdown tables, CSV, PNG (matplotlib, Agg) and JSON files.
 
+One module, over 600 lines: every published number and file goes through it (formatters, tables, CSV,
+JSON, figures), so that :func:`check_published` guards each writer.
+
 No published number hides: :func:`check_published` (called by :func:`write_csv`,
 :func:`markdown_table` and :func:`save_figure`) turns a non-finite value, a missing cell, a bare
 "—" or a number rendered as ``nan``/``inf`` into a :class:`~pcast_jax.errors.PcastError` naming
@@ -35,6 +38,8 @@ __all__ = [
     "fmt_num",
     "fmt_sci",
     "fmt_pct",
+    "fmt_pct_sig",
+    "fmt_sci_pm",
     "fmt_ratio",
     "fmt_signed",
     "fmt_cell",
@@ -99,6 +104,20 @@ def fmt_sci(x, digits: int = 2) -> str:
 def fmt_pct(x, digits: int = 1) -> str:
     """A fraction in [0, 1] as a percentage (``0.223`` → ``22.3%``)."""
     return f"{100.0 * _num(x):.{digits}f}%"
+
+
+@words_or
+def fmt_pct_sig(x, se=None) -> str:
+    """A fraction as a percentage to 3 significant digits, with ``± se`` to 2 when given
+    (``0.01234, 0.00041`` → ``1.23% ± 0.041%``)."""
+    x = float("nan") if x is None else x
+    return f"{100 * x:.3g}%" + ("" if se is None else f" ± {100 * se:.2g}%")
+
+
+@words_or
+def fmt_sci_pm(x, se) -> str:
+    """Scientific notation with its standard error (``5.65e-05 ± 1.2e-06``)."""
+    return f"{fmt_sci(x)} ± {fmt_sci(se, 1)}"
 
 
 @words_or

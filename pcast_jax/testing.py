@@ -29,7 +29,7 @@ per-tensor FP8 quantization of Q, K and V changes nothing (as in :mod:`pcast_jax
 With ``sinks=True`` a second head has a learned sink at logit 0 and every key weaker (the sink is the
 dominant one; head 0's sink is inert at −64).
 
-**The verdict** is the doctor's criterion (:func:`pcast_jax.deployments.over_limits`): at each Δ the
+**The verdict** is the doctor's criterion (:func:`pcast_jax.criterion.over_limits`): at each Δ the
 mass lost on the weaker keys (what the cast zeroed) and on the dominant key (what it clipped), each a
 mean ± s.e. over the replicates, must be decidedly under 10^-3 (mean + 2 s.e. below it); over it at
 any Δ fails, anything else is *within noise*. :func:`check_p_collapse` returns it as a
@@ -52,9 +52,10 @@ from collections.abc import Callable
 import numpy as np
 
 from pcast_jax import report
-from pcast_jax.deployments import CLIPPED_MASS_LIMIT, ZEROED_MASS_LIMIT, Z, over_limits
+from pcast_jax.criterion import CLIPPED_MASS_LIMIT, ZEROED_MASS_LIMIT, Z, over_limits
 from pcast_jax.errors import PcastError, check_int
 from pcast_jax.fingerprint.probes import amax_entry, e4m3_values, key_entry
+from pcast_jax.report import fmt_sci_pm as _pm
 from pcast_jax.stats import mean_sem
 
 __all__ = ["DELTAS", "N_KEYS", "REPLICATES", "MIN_HEAD_DIM", "FORMAT_TAG", "PROBES", "CollapseProbes",
@@ -319,7 +320,7 @@ class CollapseRow:
         learned-sink probe, whose dominant logit has no value row.
       output_error: RMS error of the random-V columns over the exact output's RMS.
       *_sem: the standard errors.
-      verdict: ``"over"``, ``"under"`` or ``"within noise"``: :func:`pcast_jax.deployments.over_limits` on
+      verdict: ``"over"``, ``"under"`` or ``"within noise"``: :func:`pcast_jax.criterion.over_limits` on
         ``zeroed`` (the zeroed mass) and ``lost_dominant`` (the clipped mass).
     """
 
@@ -414,10 +415,6 @@ class CollapseCheck:
         out["rows"] = [r.to_dict() for r in self.rows]
         out["criterion"] = {"zeroed_mass_max": ZEROED_MASS_LIMIT, "clipped_mass_max": CLIPPED_MASS_LIMIT, "z": Z}
         return out
-
-
-def _pm(x: float, se: float) -> str:
-    return f"{report.fmt_sci(x)} ± {report.fmt_sci(se, 1)}"
 
 
 def _check_out(probes: CollapseProbes, out, what: str) -> np.ndarray:

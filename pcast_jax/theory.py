@@ -1,5 +1,8 @@
 """The paper's closed forms, exact and differentiable.
 
+One module, over 600 lines: the closed forms build on one another (δk, F, Δc, the thresholds, the
+theorems) and are read and checked as one set, one function per equation.
+
 Every function names its equation / proposition. Scores follow the paper's model (§3.1): non-sink
 scores ``s ~ N(0, σ²)`` and the ``k_sink`` sink scores ``Δ + σ·z`` with ``z ~ N(0, 1)``; the paper
 is the case ``σ = 1``. ``scale`` is the static P-scale ``S`` of Alg. 1 (``P_fp8 = cast(P·S)``).

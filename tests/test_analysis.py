@@ -17,8 +17,9 @@ import pcast_jax as pj
 from pcast_jax import cli
 from pcast_jax import nn as pnn
 from pcast_jax.analysis import Recorder, Trace, analyze, compare_logits, load_trace, sink_statistics, write_report
-from pcast_jax.analysis.heads import SCALE_GRID, _further_row_metrics
+from pcast_jax.analysis.chunk import further_row_metrics
 from pcast_jax.analysis.report import NO_ROWS
+from pcast_jax.analysis.statistics import SCALE_GRID
 from pcast_jax.errors import PcastError
 from pcast_jax.models import FP8Attention, extract_qkv, forward
 
@@ -204,10 +205,11 @@ def test_underflow_mass_per_scale_matches_float64_rows():
 
 
 @pytest.mark.parametrize("config", ["fwd_s1", "fa3_splitkv", "e4m3 Q/K/V per head"])
-def test_head_metrics_on_row_chunks_equal_the_whole_layer(monkeypatch, config):
+def test_head_metrics_on_row_chunks_equal_the_whole_layer(config):
     """head_metrics runs the kernel on chunks of each head's query rows (here 32, 32, 32 and a ragged 4)
     with Q/K/V quantized over the whole layer: the metrics of heads_attention's whole-layer rows."""
     from pcast_jax.analysis import heads
+    from pcast_jax.analysis.plan import KERNEL_BYTES_PER_SCORE, Chunking, rows_per_chunk
     from pcast_jax.presets import PRESETS
 
     if config.startswith("e4m3"):
@@ -215,9 +217,9 @@ def test_head_metrics_on_row_chunks_equal_the_whole_layer(monkeypatch, config):
     tr = planted(layers=1, T=100)
     q, k, v = (x[0, 0] for x in (tr.q, tr.k, tr.v))
     sinks = sink_statistics(q[None], k[None])["sink_positions"][0]
-    monkeypatch.setattr(heads, "_CHUNK_BYTES", heads._BYTES_PER_SCORE * 100 * 40)
-    assert heads._rows_per_chunk(100, 100) == 32
-    got = heads.head_metrics(q, k, v, config, sinks)
+    chunking = Chunking(chunk_bytes=KERNEL_BYTES_PER_SCORE * 100 * 40)
+    assert rows_per_chunk(100, 100, chunking.chunk_bytes) == 32
+    got = heads.head_metrics(q, k, v, config, sinks, chunking=chunking)
 
     is_sink = np.zeros((4, 100), bool)
     np.put_along_axis(is_sink, sinks, True, axis=1)
@@ -237,6 +239,46 @@ def test_head_metrics_on_row_chunks_equal_the_whole_layer(monkeypatch, config):
         assert got["frac_zeroed"].max() > 0
 
 
+@pytest.mark.parametrize("name", ["fwd_s1", "fa3_splitkv", "aiter_mha_fp8_mi355"])
+def test_the_planned_layer_equals_one_chunk_of_every_row_on_every_key(name):
+    """plan_layer cuts a layer into chunks of query rows (whole query tiles) on the keys a causal kernel visits,
+    one Q·K product per chunk for every config and candidate scale; the metrics and the candidates' masses equal
+    those of one chunk holding every row on every key: the counts exactly, the masses and the MSE to FP32
+    rounding of sums over blocks of other shapes."""
+    from pcast_jax.analysis.heads import analyze_layers
+    from pcast_jax.analysis.plan import Chunking, plan_layer
+    from pcast_jax.presets import PRESETS
+
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((1, 256, 2, 16)).astype(np.float32) for _ in range(3))
+    q[..., 0], k[:, :1, :, 0] = 2.5, 12.0  # a sink ~30 logits above the rest
+    positions = np.zeros((1, 2, 1), np.int32)
+    cfg = PRESETS[name].replace(causal=True)
+    scans = (tuple(cfg.replace(scale=s) for s in (1.0, 16.0)),)
+    planned, one = Chunking(chunk_bytes=48 * 256 * 32), Chunking(chunk_bytes=1 << 40, causal_keys=False)
+    layout = plan_layer([cfg], scans, num_tokens=256, length=256, chunking=planned)
+    whole = plan_layer([cfg], scans, num_tokens=256, length=256, chunking=one)
+    assert len(layout.groups) == 1 and layout.groups[0].jobs == (("config", 0), ("family", 0))
+    assert len(layout.groups[0].chunks) > 1 and layout.keys_visited() < 256 * 256 * 2
+    assert [(c.rows, c.keys) for c in whole.groups[0].chunks] == [(256, 256)]
+    assert whole.keys_visited() == 256 * 256 * len(whole.groups[0].chunks[0].programs)
+    families = ((cfg, (1.0, 16.0)),)
+    got, got_masses = analyze_layers((q, k, v), [cfg], positions, families=families, min_keys=8, chunking=planned)
+    ref, ref_masses = analyze_layers((q, k, v), [cfg], positions, families=families, min_keys=8, chunking=one)
+    assert np.any(ref["frac_zeroed"] > 0)
+    for metric in ("frac_zeroed", "frac_zeroed_pooled", "rows_used"):
+        np.testing.assert_array_equal(got[metric], ref[metric], err_msg=metric)
+    # masses: sums of at most 256 float32 terms in another order, about 1e-6 relative; 1e-5 leaves a margin
+    for metric in ("zeroed_mass", "saturated_mass"):
+        np.testing.assert_allclose(got[metric], ref[metric], rtol=1e-5, atol=1e-12, err_msg=metric)
+        np.testing.assert_allclose(got_masses[0][metric], ref_masses[0][metric], rtol=1e-5, atol=1e-12,
+                                   err_msg=metric)
+    # the MSE: FP32 rounding of the outputs (about 1e-6 of them) moves a mean of (O − O_ref)² by at most
+    # 1e-6 · sqrt(MSE · mean O_ref²)
+    bound = 1e-6 * np.sqrt(ref["mse"] * ref["ref_sq"])
+    np.testing.assert_array_less(np.abs(got["mse"] - ref["mse"]), bound + 1e-30)
+
+
 def test_further_engine_fields_become_metrics_by_name():
     class Result(NamedTuple):
         out: jax.Array
@@ -251,7 +293,7 @@ def test_further_engine_fields_become_metrics_by_name():
     counted = jnp.array([[4.0, 2.0]])
     res = Result(jnp.zeros((1, 2, 3)), counted, counted, counted, jnp.array([[1.0, 2.0]]), jnp.array([[5.0, 4.0]]),
                  jnp.array([[0.5, 0.25]]), jnp.array([[5.0, 2.0]]))
-    got = _further_row_metrics(res, counted)
+    got = further_row_metrics(res, counted)
     assert sorted(got) == ["frac_future", "frac_saturated", "saturated_mass"]
     np.testing.assert_allclose(got["frac_saturated"], [[0.2, 0.5]])  # of the visible keys, sinks included
     np.testing.assert_allclose(got["frac_future"], [[1.0, 0.5]])
@@ -467,7 +509,7 @@ def assert_report_agrees_with_its_rows(result, limit):
     """The report never contradicts itself: every verdict and scan row applies the one criterion to its own
     numbers, the recommendation is the smallest scanned scale meeting it, every analysed configuration of a
     family says what the scan's row at its scale says, and the words print the recommendation."""
-    from pcast_jax.analysis.study import SAFE, meets_criterion
+    from pcast_jax.criterion import SAFE, meets_criterion
 
     rows = {r["config"]: r for r in result.config_rows()}
     for row in rows.values():  # one criterion: the verdict is the worst head's zeroed and clipped mass
@@ -608,28 +650,31 @@ def test_learned_sinks_are_recorded_and_analysed():
     assert np.all(result.stats["sink_mass"] < 0.9 * analyze(trace, ["fwd_s1"], min_keys=8).stats["sink_mass"])
 
 
-def test_statistics_and_reference_on_row_chunks_equal_one_chunk(monkeypatch):
+def test_statistics_and_reference_on_row_chunks_equal_one_chunk():
     """Every per-row pass runs on chunks of query rows (bounded memory at any T): 7 ragged chunks give
     what one chunk gives, in the statistics, the reference and a windowed, padded layer's metrics."""
     from pcast_jax.analysis import heads
+    from pcast_jax.analysis.plan import STAT_BYTES_PER_SCORE, Chunking, rows_per_chunk
+    from pcast_jax.analysis.statistics import find_sinks
 
     tr = character_trace("sink in the middle", T=100)
     q, k, v = (x[0, 0] for x in (tr.q, tr.k, tr.v))
     whole = sink_statistics(q[None], k[None], min_keys=8, length=90, local_window_size=40)
     # the sink positions alone (what a scan of candidate scales needs) are the statistics' own
-    np.testing.assert_array_equal(heads.find_sinks(q[None], k[None], length=90, local_window_size=40),
+    np.testing.assert_array_equal(find_sinks(q[None], k[None], length=90, local_window_size=40),
                                   whole["sink_positions"])
     ref = np.asarray(heads._reference(q, k, v, length=90, window=40))
     metrics = heads.head_metrics(q, k, v, "fwd_s1", whole["sink_positions"][0], min_keys=8, length=90,
                                  local_window_size=40)
-    monkeypatch.setattr(heads, "_CHUNK_BYTES", heads._STAT_BYTES_PER_SCORE * 100 * 16)
-    assert heads._rows_per_chunk(100, 100, heads._STAT_BYTES_PER_SCORE) == 16
-    chunked = sink_statistics(q[None], k[None], min_keys=8, length=90, local_window_size=40)
+    chunking = Chunking(chunk_bytes=STAT_BYTES_PER_SCORE * 100 * 16)
+    assert rows_per_chunk(100, 100, chunking.chunk_bytes, STAT_BYTES_PER_SCORE) == 16
+    chunked = sink_statistics(q[None], k[None], min_keys=8, length=90, local_window_size=40, chunking=chunking)
     for name, value in whole.items():
         np.testing.assert_allclose(chunked[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
-    np.testing.assert_allclose(np.asarray(heads._reference(q, k, v, length=90, window=40)), ref, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(heads._reference(q, k, v, length=90, window=40, chunking=chunking)), ref,
+                               rtol=1e-6, atol=1e-7)
     again = heads.head_metrics(q, k, v, "fwd_s1", whole["sink_positions"][0], min_keys=8, length=90,
-                               local_window_size=40)
+                               local_window_size=40, chunking=chunking)
     for name, value in metrics.items():
         np.testing.assert_allclose(again[name], value, rtol=1e-5, atol=1e-9, err_msg=name)
     assert np.all(ref[:, 90:] == 0) and metrics["zeroed_mass"].max() > 0

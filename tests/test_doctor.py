@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from pcast_jax import cli, deployments
+from pcast_jax import cli, criterion, deployments
 from pcast_jax.errors import PcastError
 from pcast_jax.presets import PRESETS, get_preset
 
@@ -68,7 +68,7 @@ def test_the_verdict_and_the_recommended_scale_s_agree_with_the_oracle():
     deltas = (2.0, 9.0)
     diag = deployments.diagnose(row, deltas=deltas)
     base = get_preset(row.presets[0])
-    limit_z, limit_c = deployments.ZEROED_MASS_LIMIT, deployments.CLIPPED_MASS_LIMIT
+    limit_z, limit_c = criterion.ZEROED_MASS_LIMIT, criterion.CLIPPED_MASS_LIMIT
 
     def passes(scale):
         return all(z <= limit_z and c <= limit_c for z, c in
@@ -90,7 +90,7 @@ def test_a_safe_deployment_says_so_and_recommends_nothing():
     assert diag.safe is True and diag.recommended is None and "nothing to change" in diag.advice
     for r in diag.rows:
         z, c = _oracle_masses(get_preset("fa3"), r["delta"], seeds=2)
-        assert z <= deployments.ZEROED_MASS_LIMIT and c <= deployments.CLIPPED_MASS_LIMIT
+        assert z <= criterion.ZEROED_MASS_LIMIT and c <= criterion.CLIPPED_MASS_LIMIT
 
 
 def _write_checkpoint(folder, tensors):
@@ -312,7 +312,7 @@ def test_each_group_of_layers_gets_the_verdict_of_the_scale_p_sees(tmp_path, cap
     base = get_preset(row.presets[0])
     for group in diag.layers:
         z, c = _oracle_masses(base.replace(scale=sees[group["prob_scale"]]), 9.0, seeds=2)
-        over = z > deployments.ZEROED_MASS_LIMIT or c > deployments.CLIPPED_MASS_LIMIT
+        over = z > criterion.ZEROED_MASS_LIMIT or c > criterion.CLIPPED_MASS_LIMIT
         assert group["verdict"] == ("over" if over else "under"), (group, z, c)
     assert [g["verdict"] for g in diag.layers] == ["under", "over", "over"]
     assert diag.to_dict()["layers"][2]["layers"] == ["layers.1", "layers.4"]

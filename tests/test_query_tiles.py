@@ -242,10 +242,11 @@ def test_triton_kernel_runs_both_axes_like_the_simulator():
         pk.fp8_attention(w.q, w.k, w.v, config=cfg, implementation="mosaic", interpret=True, **kwargs)
 
 
-def test_analysis_chunks_never_split_a_query_tile(monkeypatch):
+def test_analysis_chunks_never_split_a_query_tile():
     """The per-head analysis simulates chunks of query rows; with query tiles a chunk is whole tiles,
     so chunks small enough to split a 128-row tile give the bits of one chunk holding every row."""
     from pcast_jax.analysis import heads
+    from pcast_jax.analysis.plan import Chunking, rows_per_chunk, whole_tiles
 
     rng = np.random.default_rng(3)
     q, k, v = (rng.standard_normal((256, 1, 16)).astype(np.float32) for _ in range(3))
@@ -253,9 +254,9 @@ def test_analysis_chunks_never_split_a_query_tile(monkeypatch):
     positions = np.zeros((1, 1), np.int32)
     cfg = PRESETS["aiter_mha_fp8_mi355"]
     whole = heads.head_metrics(q, k, v, cfg, positions, min_keys=8)
-    monkeypatch.setattr(heads, "_CHUNK_BYTES", 48 * 256 * 32)  # 32 rows per chunk before rounding to tiles
-    assert heads._whole_tiles(heads._rows_per_chunk(256, 256), cfg) == 128
-    chunked = heads.head_metrics(q, k, v, cfg, positions, min_keys=8)
+    chunking = Chunking(chunk_bytes=48 * 256 * 32)  # 32 rows per chunk before rounding to tiles
+    assert whole_tiles(rows_per_chunk(256, 256, chunking.chunk_bytes), cfg) == 128
+    chunked = heads.head_metrics(q, k, v, cfg, positions, min_keys=8, chunking=chunking)
     assert 0.1 < whole["frac_zeroed"][0] < 0.9  # split tiles (each with padding rows: S = 448) would zero 99 %
     for name in ("frac_zeroed", "zeroed_mass"):
         np.testing.assert_array_equal(chunked[name], whole[name], err_msg=name)
@@ -275,11 +276,12 @@ def _same_to_rounding(chunked: dict, whole: dict) -> None:
 
 
 @pytest.mark.parametrize("name", ["fwd_s1", "rev_s256", "fa3_splitkv", "cudnn_fp8", "aiter_mha_fp8_mi355"])
-def test_analysis_chunks_visit_only_the_keys_a_causal_kernel_visits(monkeypatch, name):
+def test_analysis_chunks_visit_only_the_keys_a_causal_kernel_visits(name):
     """A chunk of query rows simulates the kernel on the KV blocks up to its last row only (split-KV too, where
     that leaves its splits as they are: 2 blocks of 224 keys in 8 splits); the metrics are those of one chunk
     of whole rows to FP32 rounding, the counts exactly."""
     from pcast_jax.analysis import heads
+    from pcast_jax.analysis.plan import Chunking, keys_visited, rows_per_chunk, whole_tiles
 
     rng = np.random.default_rng(5)
     q, k, v = (rng.standard_normal((256, 2, 16)).astype(np.float32) for _ in range(3))
@@ -287,23 +289,24 @@ def test_analysis_chunks_visit_only_the_keys_a_causal_kernel_visits(monkeypatch,
     positions = np.zeros((2, 1), np.int32)
     cfg = PRESETS[name]
     whole = heads.head_metrics(q, k, v, cfg, positions, min_keys=8)
-    monkeypatch.setattr(heads, "_CHUNK_BYTES", 48 * 256 * 64)  # 64 rows per chunk, before rounding to tiles
-    step = heads._whole_tiles(heads._rows_per_chunk(256, 256), cfg)
-    visited = heads.keys_visited(cfg.replace(causal=True), step, 256)
+    chunking = Chunking(chunk_bytes=48 * 256 * 64)  # 64 rows per chunk, before rounding to tiles
+    step = whole_tiles(rows_per_chunk(256, 256, chunking.chunk_bytes), cfg)
+    visited = keys_visited(cfg.replace(causal=True), step, 256)
     assert visited < 256
-    chunked = heads.head_metrics(q, k, v, cfg, positions, min_keys=8)
+    chunked = heads.head_metrics(q, k, v, cfg, positions, min_keys=8, chunking=chunking)
     np.testing.assert_array_equal(chunked["frac_zeroed"], whole["frac_zeroed"])
     assert np.any(whole["frac_zeroed"] > 0)
     _same_to_rounding(chunked, whole)
 
 
 @pytest.mark.parametrize("layout, visited", [("contiguous", 256), ("strided", 64)])
-def test_a_split_kv_chunk_keeps_every_block_where_its_splits_would_change(monkeypatch, layout, visited):
+def test_a_split_kv_chunk_keeps_every_block_where_its_splits_would_change(layout, visited):
     """Split-KV over 16 blocks of 16 keys in 4 splits: a chunk of 64 rows sees 4 blocks. Contiguous splits of
     those 4 alone would be one block each, where the whole row's splits are 4 blocks each (block 0 to 3 all
     in split 0): the chunk keeps every key. Strided splits put block s in split s either way: the chunk
     takes its 4 blocks. Either way the metrics are those of whole rows."""
     from pcast_jax.analysis import heads
+    from pcast_jax.analysis.plan import Chunking, keys_visited
 
     rng = np.random.default_rng(6)
     q, k, v = (rng.standard_normal((256, 2, 16)).astype(np.float32) for _ in range(3))
@@ -311,9 +314,9 @@ def test_a_split_kv_chunk_keeps_every_block_where_its_splits_would_change(monkey
     positions = np.zeros((2, 1), np.int32)
     cfg = PRESETS["fa3_splitkv"].replace(block_kv=16, kv_splits=4, split_layout=layout, name=f"split4_{layout}")
     whole = heads.head_metrics(q, k, v, cfg, positions, min_keys=8)
-    monkeypatch.setattr(heads, "_CHUNK_BYTES", 48 * 256 * 64)  # 64 rows per chunk
-    assert heads.keys_visited(cfg.replace(causal=True), 64, 256) == visited
-    chunked = heads.head_metrics(q, k, v, cfg, positions, min_keys=8)
+    chunking = Chunking(chunk_bytes=48 * 256 * 64)  # 64 rows per chunk
+    assert keys_visited(cfg.replace(causal=True), 64, 256) == visited
+    chunked = heads.head_metrics(q, k, v, cfg, positions, min_keys=8, chunking=chunking)
     np.testing.assert_array_equal(chunked["frac_zeroed"], whole["frac_zeroed"])
     assert np.any(whole["frac_zeroed"] > 0)
     _same_to_rounding(chunked, whole)

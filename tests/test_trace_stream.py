@@ -9,7 +9,9 @@ import pytest
 from pcast_jax import cli
 from pcast_jax.analysis import StreamedTrace, Trace, analyze, load_trace
 from pcast_jax.analysis import heads as H
-from pcast_jax.analysis.study import WITHIN_NOISE
+from pcast_jax.analysis.rows import sample_rows
+from pcast_jax.analysis.statistics import find_sinks
+from pcast_jax.criterion import WITHIN_NOISE_ROWS as WITHIN_NOISE
 from pcast_jax.errors import PcastError
 
 CONFIGS = ["fwd_s1", "fwd_s256", "rev_s256", "fa3", "fa3_splitkv"]
@@ -175,24 +177,24 @@ def test_cli_reads_trace_folders(tmp_path, capsys):
 
 
 def test_sample_rows_is_stratified_seeded_and_in_range():
-    a = H.sample_rows(1000, 64, np.random.default_rng(5))
-    b = H.sample_rows(1000, 64, np.random.default_rng(5))
+    a = sample_rows(1000, 64, np.random.default_rng(5))
+    b = sample_rows(1000, 64, np.random.default_rng(5))
     np.testing.assert_array_equal(a.positions, b.positions)
     assert len(a.positions) == 64 and len(set(a.positions.tolist())) == 64
     assert a.positions.min() >= 0 and a.positions.max() < 1000 and np.all(np.diff(a.positions) > 0)
     assert np.array_equal(np.bincount(a.strata), np.full(32, 2))  # two rows of each of the 32 strata
     assert a.sizes.sum() == 1000
-    assert len(H.sample_rows(10, 64, np.random.default_rng(0)).positions) == 10
+    assert len(sample_rows(10, 64, np.random.default_rng(0)).positions) == 10
 
 
 def test_a_sample_of_every_row_is_the_full_analysis():
     trace = character("window", T=256)
     q, k, v = (x[:, 0] for x in (trace.q, trace.k, trace.v))
     w = trace.local_window_size
-    positions = H.find_sinks(q, k, local_window_size=w)
+    positions = find_sinks(q, k, local_window_size=w)
     family = ((H.resolve("fwd_s1"), (2.0, 16.0)),)
     full, full_masses = H.analyze_layers((q, k, v), CONFIGS, positions, local_window_size=w, families=family)
-    every = H.sample_rows(256, 256, np.random.default_rng(0))
+    every = sample_rows(256, 256, np.random.default_rng(0))
     sampled, masses = H.analyze_layers((q, k, v), CONFIGS, positions, local_window_size=w, families=family,
                                        sample=every)
     # every row, in chunks whose keys are rounded up differently: the same numbers up to the FP32 rounding of
@@ -215,9 +217,9 @@ def test_sampled_rows_hold_the_full_value_within_their_error(kind):
     trace = character(kind)
     q, k, v = (x[:, 0] for x in (trace.q, trace.k, trace.v))
     w = trace.local_window_size
-    positions = H.find_sinks(q, k, local_window_size=w)  # the full analysis' sinks: the rows' error alone
+    positions = find_sinks(q, k, local_window_size=w)  # the full analysis' sinks: the rows' error alone
     full, _ = H.analyze_layers((q, k, v), ["fwd_s1"], positions, local_window_size=w)
-    sample = H.sample_rows(512, 64, np.random.default_rng(11))
+    sample = sample_rows(512, 64, np.random.default_rng(11))
     sampled, _ = H.analyze_layers((q, k, v), ["fwd_s1"], positions, local_window_size=w, sample=sample)
     checked = 0
     for name in ("zeroed_mass", "frac_zeroed", "frac_zeroed_pooled", "mse", "rel_mse", "saturated_mass"):

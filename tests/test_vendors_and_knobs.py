@@ -59,7 +59,7 @@ def test_every_preset_is_in_the_vendor_table_by_family_or_says_why(section):
 
 
 def test_verdicts_apply_the_stated_criterion_to_their_own_numbers(section):
-    from pcast_jax.deployments import CLIPPED_MASS_LIMIT, ZEROED_MASS_LIMIT
+    from pcast_jax.criterion import CLIPPED_MASS_LIMIT, ZEROED_MASS_LIMIT
 
     rows = [r for r in section[3]["presets"] if r["ran"] == "true"]
     seen = set()

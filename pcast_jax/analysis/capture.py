@@ -1,5 +1,8 @@
 """Record the Q, K, V that a JAX model's attention layers see, and save them as a trace file.
 
+One module, over 600 lines: the three ways of recording (the drop-in, Flax, a model hook) and the two
+ways of storing (an ``.npz``, a trace folder streamed one layer at a time) share the trace's one set of checks.
+
 A :class:`Recorder` hands out the same three entry points the package already has, each of which
 records its inputs (post-RoPE, exactly as the kernel would see them) and then runs the attention
 as before::

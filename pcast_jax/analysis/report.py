@@ -20,7 +20,8 @@ import numpy as np
 
 from pcast_jax import fileio, report
 from pcast_jax import stats as _stats
-from pcast_jax.analysis.study import SINK_MASS_MIN, WITHIN_NOISE, Analysis
+from pcast_jax.analysis.study import SINK_MASS_MIN, Analysis
+from pcast_jax.criterion import WITHIN_NOISE_ROWS
 
 __all__ = ["write_report", "report_data", "NO_ROWS", "NO_FIGURES", "JSON_FORMAT"]
 
@@ -129,7 +130,7 @@ def _scan_row(row: dict) -> dict:
     """A scan row as JSON: its nulls with their reasons, ``meets`` null where the sample's error decides nothing."""
     out = _json_row(row, _row_reason)
     if row["meets"] is None:
-        out.setdefault("null_reasons", {})["meets"] = f"{WITHIN_NOISE} (the sample's error keeps the limit inside)"
+        out.setdefault("null_reasons", {})["meets"] = f"{WITHIN_NOISE_ROWS} (the sample's error keeps the limit inside)"
     return out
 
 
@@ -148,7 +149,7 @@ def report_data(analysis: Analysis) -> dict:
         entry = {"members": list(scan.members), "family": scan.family.to_string(), "recommended": scan.recommended,
                  "rows": [_scan_row(r) for r in scan.rows]}
         if scan.within_noise:
-            entry["null_reasons"] = {"recommended": f"{WITHIN_NOISE} (a candidate below the first that meets the "
+            entry["null_reasons"] = {"recommended": f"{WITHIN_NOISE_ROWS} (a candidate below the first that meets the "
                                                    "criterion is within the sample's error)"}
         elif scan.recommended is None:
             entry["null_reasons"] = {"recommended": f"no scale from 1 to {scan.rows[-1]['scale']:g} meets the "

@@ -1,13 +1,17 @@
 """Is my model safe under kernel X? The analysis of a captured trace, in numbers and in words.
 
+One module, over 600 lines: :class:`Analysis` and its words, the safe-scale scan and the trace diagnosis
+read one set of per-head results; the criterion itself is :mod:`pcast_jax.criterion`.
+
 :func:`analyze` takes a :class:`~pcast_jax.analysis.capture.Trace` and kernel configurations and
 returns an :class:`Analysis`: per sequence, layer and head the sink statistics
-(:func:`~pcast_jax.analysis.heads.sink_statistics`) and every configuration's P-cast metrics
+(:func:`~pcast_jax.analysis.statistics.sink_statistics`) and every configuration's P-cast metrics
 (:func:`~pcast_jax.analysis.heads.head_metrics`: output error, zeroed fraction and mass, and every
 further per-row count or mass the engine reports); optionally, given the model as a function from
 a configuration to logits, the end-to-end effect (KL, top-1 agreement, perplexity).
 
-Judgements, each stated in the report, all on one criterion (:func:`meets_criterion`):
+Judgements, each stated in the report, all on one criterion (:mod:`pcast_jax.criterion`, its worst-head
+pooling: :func:`~pcast_jax.criterion.worst_head`):
 
 * **Sink head**: a head whose sinks receive at least :data:`SINK_MASS_MIN` of the attention
   (mean over query rows and sequences).
@@ -32,8 +36,8 @@ Judgements, each stated in the report, all on one criterion (:func:`meets_criter
 * **Sampled rows** (``analyze(..., rows=N)``): every per-head mean is a stratified sample's estimate with its
   standard error, and each head is judged by :func:`pcast_jax.stats.decide` against the same limit: the
   criterion is met where every head lies below it by more than z standard errors, failed where one lies
-  above by more, else the verdict is :data:`WITHIN_NOISE`; a scan recommends nothing where a smaller
-  candidate is within noise.
+  above by more, else the verdict is :data:`~pcast_jax.criterion.WITHIN_NOISE_ROWS`; a scan recommends
+  nothing where a smaller candidate is within noise.
 * **Where the error comes from**: with E4M3 Q/K/V (``qkv="e4m3"``), ``rel_mse_qkv`` is the relative
   MSE of the same kernel with P in FP32 (its Q/K/V quantization alone), beside ``rel_mse``, the
   kernel's; the report says which dominates.
@@ -42,62 +46,39 @@ Judgements, each stated in the report, all on one criterion (:func:`meets_criter
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
-import warnings
 from typing import Callable, Sequence
 
 import numpy as np
 
 from pcast_jax import stats as _stats
 from pcast_jax.analysis.capture import StreamedTrace, Trace
-from pcast_jax.analysis.heads import (
-    SCALE_GRID,
-    E2EMetrics,
-    analyze_layers,
-    compare_logits,
-    find_sinks,
-    pending_statistics,
-    sample_rows,
-    scale_masses,
-)
+from pcast_jax.analysis.heads import analyze_layers, scale_masses
+from pcast_jax.analysis.logit_metrics import E2EMetrics, compare_logits
+from pcast_jax.analysis.rows import sample_rows
+from pcast_jax.analysis.statistics import SCALE_GRID, find_sinks, pending_statistics
 from pcast_jax.config import COMPUTED_SCALE_MODES, KernelConfig, scale_candidates
-from pcast_jax.errors import PcastError, check_f32, check_int
+from pcast_jax.criterion import (
+    MASS_LIMIT,
+    SAFE,
+    WITHIN_NOISE_ROWS,
+    check_mass_limit,
+    criterion_words,
+    mass_text,
+    meets_criterion,
+    nanmean,
+    worst_head,
+)
+from pcast_jax.errors import PcastError, check_int
 from pcast_jax.presets import get_preset, preset_for, resolve
 
-__all__ = ["SINK_MASS_MIN", "Analysis", "ScaleScan", "analyze", "kernel_for", "meets_criterion", "scale_candidates",
-           "scale_scan", "trace_statistics", "trace_sinks", "end_to_end", "criterion_words",
-           "mass_text", "TraceDiagnosis", "diagnose_trace"]
+__all__ = ["SINK_MASS_MIN", "Analysis", "ScaleScan", "analyze", "kernel_for", "scale_candidates",
+           "scale_scan", "trace_statistics", "trace_sinks", "end_to_end", "TraceDiagnosis", "diagnose_trace"]
 
 #: A head is a sink head when its sinks receive at least this share of the attention.
 SINK_MASS_MIN = 0.5
-#: The verdict of a sampled analysis whose error keeps the criterion undecided (:func:`pcast_jax.stats.decide`).
-WITHIN_NOISE = "within noise: analyse more rows"
 #: Per-head quantities that are bookkeeping, not results (left out of the per-config means).
 _BOOKKEEPING = ("rows_used", "ref_sq", "frac_zeroed_pooled")
-SAFE = "safe to serve"
-
-
-def meets_criterion(zeroed_mass_max: float, saturated_mass_max: float, mass_limit: float) -> bool:
-    """The one criterion of verdicts and safe scales: the worst head's zeroed mass and the worst head's
-    clipped (saturated) mass are both at most ``mass_limit``."""
-    return bool(zeroed_mass_max <= mass_limit and saturated_mass_max <= mass_limit)
-
-
-def criterion_words(mass_limit: float) -> str:
-    """The one criterion (:func:`meets_criterion`) in words."""
-    return (f"A kernel is *safe to serve* here when its worst head loses at most {_pct(mass_limit)} of the "
-            f"attention mass to zeroed P and has at most {_pct(mass_limit)} clipped at the format's max "
-            "(each head: mean over its query rows and the sequences); safe scales are found by simulating "
-            "that kernel on this trace.")
-
-
-def verdict(zeroed_mass_max: float, saturated_mass_max: float, mass_limit: float) -> str:
-    """``"safe to serve"``, or what fails the criterion: ``"loses mass"``, ``"clips mass"`` or both."""
-    if meets_criterion(zeroed_mass_max, saturated_mass_max, mass_limit):
-        return SAFE
-    fails = [word for word, mass in (("loses", zeroed_mass_max), ("clips", saturated_mass_max)) if mass > mass_limit]
-    return " and ".join(fails) + " mass"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,16 +174,16 @@ class Analysis:
 
     def sink_heads(self) -> np.ndarray:
         """``[L, H]`` bool: the sink heads (sink mass ≥ :data:`SINK_MASS_MIN`, mean over sequences)."""
-        return _nanmean(self.stats["sink_mass"], axis=0) >= SINK_MASS_MIN
+        return nanmean(self.stats["sink_mass"], axis=0) >= SINK_MASS_MIN
 
     def head_mean(self, metric: str) -> np.ndarray:
         """``[C, L, H]``: a per-head metric averaged over sequences."""
-        return _nanmean(self.heads[metric], axis=1)
+        return nanmean(self.heads[metric], axis=1)
 
     def worst_underflow_mass(self) -> np.ndarray:
         """``[len(SCALE_GRID)]``: per scale, the largest zeroed mass of any head that the closed form
         (running max at the sink's logit) predicts; a guide beside the scans, never the decision."""
-        return np.nanmax(_nanmean(self.stats["underflow_mass"], axis=0), axis=(0, 1))
+        return np.nanmax(nanmean(self.stats["underflow_mass"], axis=0), axis=(0, 1))
 
     def safe_scale(self, config: str | None = None) -> float | None:
         """The recommended ``scale`` of the family of ``config`` (a name; default: the first family
@@ -217,7 +198,7 @@ class Analysis:
         """Configuration ``ci``'s worst heads: zeroed and clipped mass (each head a mean over sequences),
         where, and how many heads fail the criterion."""
         sem = None if self.heads_sem is None else {m: a[ci] for m, a in self.heads_sem.items()}
-        return _worst({m: a[ci] for m, a in self.heads.items()}, self.mass_limit, self.layers, sem=sem,
+        return worst_head({m: a[ci] for m, a in self.heads.items()}, self.mass_limit, self.layers, sem=sem,
                       z=self._z())
 
     def _z(self) -> float | None:
@@ -314,8 +295,8 @@ class Analysis:
         scale scan is said as a what-if, not a setting."""
         sink = self.sink_heads()
         n_layers, n_heads = sink.shape
-        delta = _nanmean(self.stats["delta"], axis=0)[sink]
-        sigma = _nanmean(self.stats["sigma"], axis=0)[sink]
+        delta = nanmean(self.stats["delta"], axis=0)[sink]
+        sigma = nanmean(self.stats["sigma"], axis=0)[sink]
         seq = f"{len(self.lengths)} sequence{'s' if len(self.lengths) > 1 else ''} of {int(self.lengths.max())} tokens"
         if sink.any():
             verb = "has" if sink.sum() == 1 else "have"
@@ -343,15 +324,16 @@ class Analysis:
             lines += [f"Sampled: {self.rows:,} random query rows of each sequence and layer (seed {self.seed}; the "
                       "same rows for every head, each on every key it sees); every mass is the sample's mean ± its "
                       f"standard error, and a verdict or safe scale is decided only where mean ± {self._z():.2f} s.e. "
-                      f"keeps the limit outside (else *{WITHIN_NOISE}*). The sinks are found from the sample.", ""]
+                      f"keeps the limit outside (else *{WITHIN_NOISE_ROWS}*). The sinks are found from the sample.", ""]
         for cfg, row in zip(self.configs, self.config_rows()):
             lines.append(
                 f"- `{row['config']}`: **{row['verdict']}**. Its worst head loses "
                 f"{_pm(row, 'zeroed_mass_max')} of the mass to zeroed P ({row['worst_layer']} head "
                 f"{row['worst_head']}) and clips "
                 f"{_pm(row, 'saturated_mass_max')}; {row['heads_over_limit']} of {row['heads']} heads fail the "
-                f"criterion{_noise_words(row)}. Mean over heads: {_pct(row['zeroed_mass_mean'])} of the mass zeroed "
-                f"({_pct(row['frac_zeroed_mean'])} of the non-sink P), relative MSE {row['rel_mse_mean']:.2e}."
+                f"criterion{_noise_words(row)}. Mean over heads: {mass_text(row['zeroed_mass_mean'])} of the mass "
+                "zeroed "
+                f"({mass_text(row['frac_zeroed_mean'])} of the non-sink P), relative MSE {row['rel_mse_mean']:.2e}."
                 + _share_words(cfg, row) + _split_words(cfg, int(self.lengths.max())))
         lines.append("")
         lines += [_scan_words(scan, self.mass_limit, fixed=fixed_scale) for scan in self.scans]
@@ -415,7 +397,7 @@ def _family_words(cfg: KernelConfig) -> str:
 
 def _pm(row: dict, key: str) -> str:
     """A mass of a row as printed (:func:`mass_text`), with ``± s.e.`` where the row carries ``<key>_sem``."""
-    return _pct(row[key]) + (f" ± {_pct(row[f'{key}_sem'])}" if f"{key}_sem" in row else "")
+    return mass_text(row[key]) + (f" ± {mass_text(row[f'{key}_sem'])}" if f"{key}_sem" in row else "")
 
 
 def _scan_words(scan: ScaleScan, limit: float, *, fixed: bool = False) -> str:
@@ -424,7 +406,7 @@ def _scan_words(scan: ScaleScan, limit: float, *, fixed: bool = False) -> str:
         return "What-if only (this deployment fixes S; no setting reaches it): " + _scan_words(scan, limit)
     if scan.within_noise:
         row = next(r for r in scan.rows if r["meets"] is None)
-        return (f"Safe static scale for {names} ({_family_words(scan.family)}): {WITHIN_NOISE}. At `scale = "
+        return (f"Safe static scale for {names} ({_family_words(scan.family)}): {WITHIN_NOISE_ROWS}. At `scale = "
                 f"{row['scale']:g}` the worst head loses {_pm(row, 'zeroed_mass_max')} and clips "
                 f"{_pm(row, 'saturated_mass_max')}: the sample's error keeps the limit inside.")
     if scan.recommended is None:
@@ -455,77 +437,6 @@ def _knob_words(scan: ScaleScan) -> str:
     return f"; in {scan.knob_where}'s knob: `{scan.knob_text()}`"
 
 
-def _worst(heads: dict, limit: float, layers, *, sem: dict | None = None, z: float | None = None) -> dict:
-    """The worst heads of one configuration's ``{metric: [B, L, H]}``: zeroed and clipped mass (each head
-    a mean over sequences), where the worst zeroed head is, how many heads fail the criterion, whether it is
-    met (``meets``) and the verdict.
-
-    With ``sem`` (the same metrics' standard errors over sampled rows) each head is judged by
-    :func:`pcast_jax.stats.decide` at ``z``: the criterion (:func:`meets_criterion`) is met where every head's
-    masses lie below the limit by more than ``z`` standard errors, failed where one lies above by more, and
-    else undecided (``meets`` None, the verdict :data:`WITHIN_NOISE`); the worst head's standard errors come
-    as ``zeroed_mass_max_sem`` and ``saturated_mass_max_sem``."""
-    zeroed = _nanmean(heads["zeroed_mass"], axis=0)
-    clipped = _nanmean(heads["saturated_mass"], axis=0) if "saturated_mass" in heads else np.zeros_like(zeroed)
-    clipped = np.nan_to_num(clipped, nan=0.0)
-    filled = np.where(np.isfinite(zeroed), zeroed, -np.inf)
-    layer, head = np.unravel_index(np.argmax(filled), zeroed.shape)
-    out = {"zeroed_mass_max": float(np.nanmax(zeroed)), "saturated_mass_max": float(np.max(clipped)),
-           "worst_layer": layers[layer], "worst_head": int(head)}
-    if sem is None:
-        out["heads_over_limit"] = int(np.sum((np.nan_to_num(zeroed, nan=0.0) > limit) | (clipped > limit)))
-        out["heads"] = int(zeroed.size)
-        out["meets"] = meets_criterion(out["zeroed_mass_max"], out["saturated_mass_max"], limit)
-        out["verdict"] = verdict(out["zeroed_mass_max"], out["saturated_mass_max"], limit)
-        return out
-    zeroed_se = _sequence_sem(heads["zeroed_mass"], sem["zeroed_mass"])
-    clipped_se = (_sequence_sem(heads["saturated_mass"], sem["saturated_mass"]) if "saturated_mass" in heads
-                  else np.zeros_like(zeroed))
-    clipped_se = np.where(np.isfinite(clipped_se), clipped_se, np.nan)
-    above = {"loses": np.zeros(zeroed.shape, bool), "clips": np.zeros(zeroed.shape, bool)}
-    undecided = np.zeros(zeroed.shape, bool)
-    for idx in np.ndindex(*zeroed.shape):
-        for word, value, se in (("loses", zeroed[idx], zeroed_se[idx]), ("clips", clipped[idx], clipped_se[idx])):
-            if not math.isfinite(value):
-                continue  # a head with no usable row: nothing to judge (as the full analysis)
-            decided = _stats.decide(float(value), float(se), limit, z)
-            above[word][idx] |= decided is True
-            undecided[idx] |= decided is None
-    failing = above["loses"] | above["clips"]
-    out.update(zeroed_mass_max_sem=float(zeroed_se[layer, head]),
-               saturated_mass_max_sem=float(clipped_se[np.unravel_index(np.argmax(clipped), clipped.shape)]),
-               heads_over_limit=int(failing.sum()), heads_within_noise=int((undecided & ~failing).sum()),
-               heads=int(zeroed.size))
-    out["meets"] = False if failing.any() else (None if undecided.any() else True)
-    fails = [word for word in ("loses", "clips") if above[word].any()]
-    out["verdict"] = (" and ".join(fails) + " mass" if fails else WITHIN_NOISE if out["meets"] is None else SAFE)
-    return out
-
-
-def _sequence_sem(values: np.ndarray, sems: np.ndarray) -> np.ndarray:
-    """``[L, H]``: the standard error of the mean over sequences (axis 0) of independent per-sequence means
-    ``values`` with standard errors ``sems``: √(Σ se²) / n over the sequences with a value."""
-    finite = np.isfinite(values)
-    n = finite.sum(axis=0)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.sqrt(np.where(finite, np.asarray(sems, np.float64) ** 2, 0.0).sum(axis=0)) / n
-
-
-def _nanmean(x, axis=None):
-    """``np.nanmean`` without the warning for an all-NaN slice (a head with no usable row stays NaN)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return np.nanmean(x, axis=axis)
-
-
-def mass_text(x: float) -> str:
-    """A share of the attention mass as printed: a percentage, or scientific below 0.1 %."""
-    if not math.isfinite(x):
-        return "n/a (no usable row)"
-    return f"{x:.1%}" if x >= 0.001 or x == 0 else f"{x:.1e}"
-
-
-_pct = mass_text
 
 
 def _optional(module: str):
@@ -535,7 +446,7 @@ def _optional(module: str):
 
 
 def analyze(trace: Trace | StreamedTrace, configs: Sequence[str | KernelConfig], *, num_sinks: int = 1,
-            min_keys: int = 16, mass_limit: float = 1e-3, logits_fn: Callable | None = None,
+            min_keys: int = 16, mass_limit: float = MASS_LIMIT, logits_fn: Callable | None = None,
             progress: Callable[[str], None] | None = None, rows: int | None = None, seed: int = 0) -> Analysis:
     """Sink statistics and every configuration's per-head P-cast metrics on ``trace``.
 
@@ -548,7 +459,7 @@ def analyze(trace: Trace | StreamedTrace, configs: Sequence[str | KernelConfig],
       trace: a :class:`Trace` (from :class:`~pcast_jax.analysis.capture.Recorder` or
         :func:`~pcast_jax.analysis.capture.load_trace`) or a :class:`StreamedTrace` (a trace folder).
       configs: preset names (run at the trace's head dim, :func:`kernel_for`) or KernelConfigs.
-      num_sinks, min_keys: as :func:`~pcast_jax.analysis.heads.sink_statistics`.
+      num_sinks, min_keys: as :func:`~pcast_jax.analysis.statistics.sink_statistics`.
       mass_limit: the limit of the one criterion (the worst head's zeroed and clipped mass), in (0, 1).
       logits_fn: optional ``logits_fn(config) -> [B, T, V]`` logits of the model on
         ``trace.tokens`` with every attention through ``config`` (``None``: exact FP32); given,
@@ -556,12 +467,12 @@ def analyze(trace: Trace | StreamedTrace, configs: Sequence[str | KernelConfig],
       progress: optional ``(line) -> None`` called with one line per stage and per layer done (layers done,
         the rows analysed, the time so far and the time left at the pace so far).
       rows: analyse a simple random sample of this many query rows of each sequence and layer (the same rows
-        for every head; :func:`~pcast_jax.analysis.heads.sample_rows`), each on every key it sees, so the
+        for every head; :func:`~pcast_jax.analysis.rows.sample_rows`), each on every key it sees, so the
         kernel's running max is exact; every per-head mean is then the sample's, with its standard error
         (:attr:`Analysis.heads_sem`), and verdicts and safe scales are decided only where the error allows
         (:func:`pcast_jax.stats.decide` at :func:`pcast_jax.stats.z_value` of ``rows``; else
-        :data:`WITHIN_NOISE`). The sinks are found from the sample too. None (default): every row. A
-        sequence of at most ``rows`` tokens is analysed whole.
+        :data:`~pcast_jax.criterion.WITHIN_NOISE_ROWS`). The sinks are found from the sample too. None
+        (default): every row. A sequence of at most ``rows`` tokens is analysed whole.
       seed: the sample's seed (the rows of sequence ``b`` and layer ``l`` come from
         ``numpy.random.default_rng([seed, b, l])``).
 
@@ -572,9 +483,7 @@ def analyze(trace: Trace | StreamedTrace, configs: Sequence[str | KernelConfig],
         raise PcastError(f"trace must be a Trace (Recorder.trace() or load_trace), got {type(trace).__name__}")
     if isinstance(configs, (str, KernelConfig)) or not len(configs):
         raise PcastError("configs must be a non-empty list of preset names or KernelConfigs")
-    mass_limit = check_f32("mass_limit", mass_limit, positive=True)
-    if mass_limit >= 1:
-        raise PcastError(f"mass_limit={mass_limit} must be below 1 (a share of the attention mass)")
+    mass_limit = check_mass_limit(mass_limit)
     min_keys = check_int("min_keys", min_keys, min_value=1)
     if rows is not None:
         rows = check_int("rows", rows, min_value=2)
@@ -617,7 +526,7 @@ def analyze(trace: Trace | StreamedTrace, configs: Sequence[str | KernelConfig],
 
 def _sample(trace, rows: int | None, seed: int, sequence: int, layer: int):
     """The sorted query rows of ``sequence`` analysed in ``layer``: None (every row) without ``rows`` or where
-    the sequence has no more real tokens than ``rows``, else :func:`~pcast_jax.analysis.heads.sample_rows`."""
+    the sequence has no more real tokens than ``rows``, else :func:`~pcast_jax.analysis.rows.sample_rows`."""
     length = int(trace.lengths[sequence])
     if rows is None or rows >= length:
         return None
@@ -627,7 +536,7 @@ def _sample(trace, rows: int | None, seed: int, sequence: int, layer: int):
 def _stream(trace, kernels, scanned: list, *, num_sinks: int, min_keys: int, rows: int | None, seed: int, say,
             start: float) -> tuple[dict, dict, list]:
     """Every layer of the trace read once, in order, and analysed before the next: per sequence its sink
-    statistics (:func:`~pcast_jax.analysis.heads.pending_statistics`, each sequence at its length) and every
+    statistics (:func:`~pcast_jax.analysis.statistics.pending_statistics`, each sequence at its length) and every
     kernel and family scan (:func:`~pcast_jax.analysis.heads.analyze_layers`), on its sample of rows.
 
     Returns ``(stats {name: [B, L, H, ...]}, heads {metric: [C, B, L, H]} (with ``<metric>_sem`` where
@@ -676,7 +585,7 @@ def _stream(trace, kernels, scanned: list, *, num_sinks: int, min_keys: int, row
 
 def trace_statistics(trace: Trace | StreamedTrace, *, num_sinks: int = 1, min_keys: int = 16,
                      progress: Callable[[str], None] | None = None) -> dict:
-    """:func:`~pcast_jax.analysis.heads.sink_statistics` of every sequence of ``trace``, each at its
+    """:func:`~pcast_jax.analysis.statistics.sink_statistics` of every sequence of ``trace``, each at its
     length and every layer within its window, one layer at a time: ``{name: [B, L, H, ...]}``."""
     say = progress or (lambda _line: None)
     per_layer = []
@@ -694,7 +603,7 @@ def trace_statistics(trace: Trace | StreamedTrace, *, num_sinks: int = 1, min_ke
 def trace_sinks(trace: Trace | StreamedTrace, *, num_sinks: int = 1,
                 progress: Callable[[str], None] | None = None) -> np.ndarray:
     """``[B, L, H, num_sinks]``: :func:`trace_statistics`' ``sink_positions`` alone
-    (:func:`~pcast_jax.analysis.heads.find_sinks`), what a scan of candidate scales needs; one layer at a time."""
+    (:func:`~pcast_jax.analysis.statistics.find_sinks`), what a scan of candidate scales needs; one layer at a time."""
     say = progress or (lambda _line: None)
     per_layer = []
     for layer in range(trace.num_layers):
@@ -755,9 +664,9 @@ def _scale_scans(trace, kernels, families: dict, heads: dict, heads_sem: dict | 
 
 
 def scale_scan(trace: Trace | StreamedTrace, config: KernelConfig, *, sink_positions,
-               scales: Sequence[float] | None = None, min_keys: int = 16, mass_limit: float = 1e-3,
+               scales: Sequence[float] | None = None, min_keys: int = 16, mass_limit: float = MASS_LIMIT,
                known: dict | None = None, members: tuple[str, ...] = (), rows: int | None = None) -> ScaleScan:
-    """One kernel family simulated on ``trace`` at each candidate scale, judged by :func:`meets_criterion`.
+    """One kernel family simulated on ``trace`` at each candidate scale, judged by the worst-head criterion.
 
     Args:
       trace: the :class:`Trace` or :class:`StreamedTrace` (read one layer at a time).
@@ -803,7 +712,7 @@ def scale_scan(trace: Trace | StreamedTrace, config: KernelConfig, *, sink_posit
     for scale in scales:
         masses = {m: a for m, a in found[scale].items() if not m.endswith("_sem")}
         sem = {m[:-4]: a for m, a in found[scale].items() if m.endswith("_sem")} or None
-        worst = _worst(masses, mass_limit, trace.layers, sem=sem, z=z)
+        worst = worst_head(masses, mass_limit, trace.layers, sem=sem, z=z)
         knob, value, where = knob_setting(config, scale, head_dim=trace.head_dim)
         row = {"scale": scale, "applied_scale": config.replace(scale=scale).effective_scale, "knob_value": value,
                "zeroed_mass_max": worst["zeroed_mass_max"], "saturated_mass_max": worst["saturated_mass_max"],
@@ -820,7 +729,7 @@ def scale_scan(trace: Trace | StreamedTrace, config: KernelConfig, *, sink_posit
 
 
 def _layer_parameters(trace, layer: int) -> dict:
-    """What layer ``layer`` lets its queries see, as the per-layer passes of :mod:`~pcast_jax.analysis.heads`
+    """What layer ``layer`` lets its queries see, as the per-layer passes of :mod:`~pcast_jax.analysis.rows`
     take it for a one-layer trace: its window, learned sinks and soft cap."""
     return {"local_window_size": [int(trace.local_window_size[layer])],
             "sinks": None if trace.sinks is None else trace.sinks[layer:layer + 1],
@@ -872,7 +781,7 @@ class TraceDiagnosis:
 
 
 def diagnose_trace(deployment, trace: Trace | StreamedTrace, *, knob_value: float | None = None,
-                   scales: dict | None = None, mass_limit: float = 1e-3, logits_fn: Callable | None = None,
+                   scales: dict | None = None, mass_limit: float = MASS_LIMIT, logits_fn: Callable | None = None,
                    progress: Callable[[str], None] | None = None) -> TraceDiagnosis:
     """The doctor's question on a model: the deployment's kernels (:func:`pcast_jax.deployments.configured`,
     at the trace's head dim) analysed on ``trace`` (:func:`analyze`), and the knob value to set.
@@ -943,7 +852,7 @@ def _trace_layer_verdicts(result: Analysis, groups, mass_limit: float) -> tuple[
         members = [ci for ci, cfg in enumerate(result.configs) if cfg.name.partition("@")[2] == label]
         if not index or not members:
             continue
-        worst = [_worst({m: a[ci][:, index] for m, a in result.heads.items()}, mass_limit,
+        worst = [worst_head({m: a[ci][:, index] for m, a in result.heads.items()}, mass_limit,
                         [result.layers[i] for i in index]) for ci in members]
         meets = all(meets_criterion(w["zeroed_mass_max"], w["saturated_mass_max"], mass_limit) for w in worst)
         out.append({"prob_scale": value, "layers": list(names), "trace_layers": [result.layers[i] for i in index],

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pcast_jax import report
 from pcast_jax.commands import _options
+from pcast_jax.criterion import MASS_LIMIT
 
 DEFAULT_CONFIGS = "fwd_s1,fwd_s256,rev_s256,fa3,fa3_splitkv"
 #: What ``--format`` prints.
@@ -31,9 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the model the trace came from (a llama or qwen2 GGUF file, or a Hugging Face "
                              "checkpoint folder): adds KL, top-1 agreement and "
                              "perplexity per kernel, run on the trace's tokens")
-    parser.add_argument("--mass-limit", default="1e-3", metavar="X",
+    parser.add_argument("--mass-limit", default=f"{MASS_LIMIT:g}", metavar="X",
                         help="attention mass the worst head may lose to zeroed P, and may have clipped, for a "
-                             "kernel to be safe to serve; in (0, 1) (default 1e-3)")
+                             f"kernel to be safe to serve; in (0, 1) (default {MASS_LIMIT:g})")
     parser.add_argument("--num-sinks", default="1", metavar="K", help="sink keys per head (default 1)")
     parser.add_argument("--rows", default=None, metavar="N",
                         help="analyse a random sample of N query rows per sequence, layer and head (every key kept): "

@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pcast_jax import deployments, report
+    from pcast_jax import criterion, deployments, report
     from pcast_jax.errors import PcastError
 
     row = deployments.find(args.engine, args.backend, args.gpu, args.kv_cache_dtype)
@@ -92,9 +92,9 @@ def run(args: argparse.Namespace) -> int:
     if not row.casts_p:
         print(f"Verdict: no FP8 P — {diag.advice}.")
         return 0
-    print(f"  criterion: zeroed mass ≤ {deployments.ZEROED_MASS_LIMIT:g} and clipped mass ≤ "
-          f"{deployments.CLIPPED_MASS_LIMIT:g} of the softmax (mean over query rows), at every Δ, decided when "
-          f"mean ± {deployments.Z:g} s.e. over the seeds excludes the limit")
+    print(f"  criterion: zeroed mass ≤ {criterion.ZEROED_MASS_LIMIT:g} and clipped mass ≤ "
+          f"{criterion.CLIPPED_MASS_LIMIT:g} of the softmax (mean over query rows), at every Δ, decided when "
+          f"mean ± {criterion.Z:g} s.e. over the seeds excludes the limit")
     print()
     print(report.markdown_table(diag.rows, [("preset", "preset"),
                                             ("scale", "S", lambda x: x if isinstance(x, str) else f"{x:g}"),

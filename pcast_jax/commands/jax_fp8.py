@@ -9,6 +9,7 @@ import math
 import sys
 
 from pcast_jax.commands import _options
+from pcast_jax.criterion import MASS_LIMIT
 
 #: Arguments that describe synthetic logits only (refused with --trace, which has its own).
 _SYNTHETIC = ("head_dim", "seq_len", "sinks", "seeds")
@@ -30,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "JAX's own tests pass); with --trace, the one you pass now (a row of the scan)")
     parser.add_argument("--mass-limit", type=float, default=None,
                         help="with --trace: the mass the worst head may lose to zeroed P, and have clipped "
-                             "(default 1e-3, as pcast analyze)")
+                             f"(default {MASS_LIMIT:g}, as pcast analyze)")
     parser.add_argument("--head-dim", type=int, default=None, help="head dim (default 128; synthetic logits)")
     parser.add_argument("--seq-len", type=int, default=None, help="KV length N (default 4096; synthetic logits)")
     parser.add_argument("--sinks", default=None,

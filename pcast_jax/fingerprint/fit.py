@@ -1,5 +1,8 @@
 """Fit a kernel's P-cast to its outputs on the probes: candidate configs through the simulator.
 
+One module, over 600 lines: the field groups of the search narrow one another in order (each group's
+candidates crossed while the others stay at the best so far), so they read as one sequence.
+
 Each candidate is a :class:`~pcast_jax.config.KernelConfig` run by :func:`pcast_jax.engine.attention`
 on the probes' logits; its residual is the RMS of |o − s| / (|o| + |s|) over the output elements
 either side holds nonzero, so a probability read at e^-17 weighs as much as the dominant key's. The

@@ -3,7 +3,8 @@
 The hook, :class:`FP8Attention`, and the end-to-end comparison, :func:`end_to_end`, of a loaded
 model. The per-head metrics of a trace (:func:`head_metrics`, :func:`analyze_trace`,
 :func:`heads_attention`) and :func:`compare_logits` are model-agnostic and live in
-:mod:`pcast_jax.analysis.heads` (re-exported here; their definitions are in its docstring).
+:mod:`pcast_jax.analysis.heads` and :mod:`pcast_jax.analysis.logit_metrics` (re-exported here; the metrics'
+definitions are in the first's docstring).
 
 Batches: the hook takes one sequence ``[T, H, D]`` or a batch ``[B, T, H, D]``, with an optional
 ``valid`` padding mask (``[T]`` / ``[B, T]``, True at real tokens, right padding); the forward
@@ -27,16 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from pcast_jax import engine as _engine
-from pcast_jax.analysis.heads import (
-    HEAD_METRICS,
-    E2EMetrics,
-    analyze_trace,
-    compare_logits,
-    head_metrics,
-    heads_attention,
-    scores_and_values,
-    validate_lengths,
-)
+from pcast_jax.analysis.heads import HEAD_METRICS, analyze_trace, head_metrics, heads_attention, scores_and_values
+from pcast_jax.analysis.logit_metrics import E2EMetrics, compare_logits, validate_lengths
 from pcast_jax.config import QKV_GRANULARITIES, QKV_PRECISIONS, KernelConfig
 from pcast_jax.engine import check_implementation
 from pcast_jax.errors import PcastError, check_choice

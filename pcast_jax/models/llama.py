@@ -69,9 +69,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pcast_jax.analysis.heads import check_scored as _check_scored
-from pcast_jax.analysis.heads import expand_kv, scored_positions
-from pcast_jax.analysis.heads import validate_lengths as _validate_lengths
+from pcast_jax.analysis.logit_metrics import check_scored as _check_scored
+from pcast_jax.analysis.logit_metrics import scored_positions
+from pcast_jax.analysis.logit_metrics import validate_lengths as _validate_lengths
+from pcast_jax.analysis.rows import expand_kv
 from pcast_jax.errors import PcastError, check_choice, check_int
 from pcast_jax.models.llama_common import LlamaConfig
 from pcast_jax.nn_common import causal_keys

@@ -1,6 +1,6 @@
 """Attention traces of a loaded model: post-RoPE Q/K/V per layer and head.
 
-The sink statistics of a trace are model-agnostic and live in :mod:`pcast_jax.analysis.heads`
+The sink statistics of a trace are model-agnostic and live in :mod:`pcast_jax.analysis.statistics`
 (re-exported here: ``sink_statistics``, ``SINK_SELECTIONS``).
 """
 
@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import jax
 
-from pcast_jax.analysis.heads import SINK_SELECTIONS, sink_statistics
+from pcast_jax.analysis.statistics import SINK_SELECTIONS, sink_statistics
 from pcast_jax.models.llama import causal_attention, forward_with_aux
 from pcast_jax.models.llama_common import LlamaConfig
 

@@ -1,5 +1,8 @@
 """The multi-process sweep driver: one sweep over many processes and hosts (``jax.distributed``).
 
+One module, over 600 lines: the collectives that keep every process agreeing (a refusal, a failure, the
+missing chunks, the merge) are one protocol and are read together.
+
 Every process runs the same program: :func:`init_distributed` joins the runtime, then
 :func:`run_sweep_distributed` (also reached through :func:`pcast_jax.sweep.run_sweep` once more
 than one process runs) computes up to one chunk per process in each compiled call, over one mesh of
