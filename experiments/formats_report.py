@@ -54,7 +54,8 @@ FILES: dict[str, str] = {
     "formats_delta.png": "P formats beyond E4M3: zeroed fraction (simulation and closed form), non-sink mass "
                          "lost and MSE vs Δ",
     "formats_heads.csv": "P formats beyond E4M3 on SmolLM2-135M, per (config, layer, head): measured Δ and σ, "
-                         "fraction of non-sink P zeroed, zeroed mass, MSE and relative MSE vs FP32",
+                         "fraction of non-sink P zeroed (frac_zeroed_row_mean: the mean of per-row fractions), "
+                         "zeroed mass, MSE and relative MSE vs FP32",
     "formats_e2e.csv": "P formats beyond E4M3 on SmolLM2-135M end to end: perplexity, its change, "
                        "KL(FP32 ‖ run) (nats, mean and max), top-1 agreement with the FP32 model",
 }
@@ -353,7 +354,7 @@ def _real_model(sizes: FormatsSizes, log: Callable[[str], None]) -> tuple[list[d
                               "delta": float(stats["delta"][layer, head]),
                               "sigma": float(stats["sigma"][layer, head]),
                               **{k: float(per[k][i, layer, head]) for k in
-                                 ("frac_zeroed", "zeroed_mass", "mse", "rel_mse")}})
+                                 ("frac_zeroed_row_mean", "zeroed_mass", "mse", "rel_mse")}})
     log(f"formats: real model: end to end ({len(cases)} formats) …")
     fp32, e2e = end_to_end(params, cfg, heldout_tokens(tokenizer, sizes.tokens),
                            [FP8Attention(config=c.config) for c in cases])
@@ -373,8 +374,8 @@ def _head_summary(heads: list[dict]) -> list[dict]:
     out = []
     for name in dict.fromkeys(h["config"] for h in heads):
         hs = [h for h in heads if h["config"] == name]
-        fz = np.array([h["frac_zeroed"] for h in hs])
-        out.append({"config": name, "label": hs[0]["label"], "frac_zeroed_median": float(np.nanmedian(fz)),
+        fz = np.array([h["frac_zeroed_row_mean"] for h in hs])
+        out.append({"config": name, "label": hs[0]["label"], "frac_zeroed_row_mean_median": float(np.nanmedian(fz)),
                     "heads_over_half": int(np.sum(fz > 0.5)), "heads": len(hs),
                     "zeroed_mass_mean": float(np.nanmean([h["zeroed_mass"] for h in hs])),
                     "rel_mse_median": float(np.nanmedian([h["rel_mse"] for h in hs]))})
@@ -478,7 +479,8 @@ def _real_md(heads, e2e_rows, ctx) -> list[str]:
     for r in e2e_rows[1:]:
         h = summ[r["config"]]
         rows.append({**r, **h})
-    cols = [("label", "format"), ("frac_zeroed_median", "median F over heads", report.fmt_num),
+    cols = [("label", "format"),
+            ("frac_zeroed_row_mean_median", "median F over heads (mean of per-row fractions)", report.fmt_num),
             ("heads_over_half", "heads with F > ½"), ("zeroed_mass_mean", "mean zeroed mass", report.fmt_sci),
             ("rel_mse_median", "median rel. MSE", report.fmt_sci), ("kl", "KL (nats)", report.fmt_sci),
             ("ppl_change", "perplexity change", lambda x: report.fmt_signed(100 * x, 2, "%")),
@@ -494,11 +496,11 @@ def _real_md(heads, e2e_rows, ctx) -> list[str]:
              report.markdown_table(rows, cols, name="formats (real model)"), ""]
     notes = []
     if "nvfp4_fakequant" in by and "fwd_s256" in by:
-        notes.append(f"NVFP4 zeroes a median {by['nvfp4_fakequant']['frac_zeroed_median']:.3f} of a head's "
-                     f"non-sink P (E4M3 S=256: {by['fwd_s256']['frac_zeroed_median']:.3f}), with KL "
+        notes.append(f"NVFP4 zeroes a median {by['nvfp4_fakequant']['frac_zeroed_row_mean_median']:.3f} of a head's "
+                     f"non-sink P (E4M3 S=256: {by['fwd_s256']['frac_zeroed_row_mean_median']:.3f}), with KL "
                      f"{by['nvfp4_fakequant']['kl']:.2g} nats vs {by['fwd_s256']['kl']:.2g}.")
     if "nvfp4_fakequant" in by and "nvfp4_fakequant_rev" in by:
-        fwd, rev = (by[c]["frac_zeroed_median"] for c in ("nvfp4_fakequant", "nvfp4_fakequant_rev"))
+        fwd, rev = (by[c]["frac_zeroed_row_mean_median"] for c in ("nvfp4_fakequant", "nvfp4_fakequant_rev"))
         why = ("on these heads the loss is the element floor, which order cannot change" if abs(fwd - rev) < 0.05
                else "order matters here, so part of the loss is the block-scale collapse")
         notes.append(f"Reverse order gives NVFP4 a median head fraction of {rev:.3f} (forward {fwd:.3f}): {why}.")

@@ -41,17 +41,19 @@ __all__ = ["HELDOUT_FILES", "ReportSizes", "FULL", "QUICK", "build_report", "hel
 #: Files :func:`build_report` writes (name → what it holds).
 FILES: dict[str, str] = {
     "model_heads.csv": "per (configuration, layer, head): MSE, relative MSE, fraction of non-sink P "
-                       "zeroed, zeroed mass, with the head's sink statistics",
+                       "zeroed (pooled over rows, frac_zeroed, and the mean of per-row fractions, "
+                       "frac_zeroed_row_mean), zeroed mass, with the head's sink statistics",
     "model_layers.csv": "per layer: sink gap Δ, σ, relative MSE of every configuration, MSE ratios, "
-                        "fractions zeroed",
+                        "fractions zeroed (mean over heads of frac_zeroed_row_mean)",
     "model_theory.csv": "per (layer, head): Δ, σ, Eq. (7) with σ = 1 and with the measured σ, the "
                         "Eq. (6) count, Thm. 4 at the measured σ, and the simulator's measured "
-                        "zeroed fractions",
+                        "zeroed fractions (frac_zeroed_row_mean)",
     "model_e2e.csv": "per configuration: perplexity, mean and max KL(FP32 ‖ FP8), top-1 agreement "
                      "on the held-out text",
     "model_decode.csv": "decode view per (kernel, phase, layer, head): the last positions' queries against "
                         "the whole KV cache under the prefill preset and the split-KV decode preset: MSE, "
-                        "relative MSE, fraction of non-sink P zeroed, zeroed mass, the head's sink",
+                        "relative MSE, fraction of non-sink P zeroed (frac_zeroed_row_mean), zeroed mass, "
+                        "the head's sink",
     "model_sink_gap.png": "heatmaps of the sink gap Δ and of σ per layer × head",
     "model_mse_ratio.png": "heatmap of the Fwd S=1 / Rev S=256 MSE ratio per layer × head, and "
                            "per-layer ratios",
@@ -274,7 +276,7 @@ def _summary(study: ModelStudy, layer_rows, theory_rows, e2e_rows, tokens) -> li
         return float(np.mean(np.abs(th[pred][ok] - th[meas][ok]))) if ok.any() else float("nan")
 
     if "fwd_s1" in heads:
-        fz1 = heads["fwd_s1"]["frac_zeroed"]
+        fz1 = heads["fwd_s1"]["frac_zeroed_row_mean"]
         worst = float(np.nanmax(heads["fwd_s1"]["zeroed_mass"]))
         if sink_heads == 0:
             title = (f"**No sink, so no P-collapse; what Forward S=1 zeroes comes from the spread of the logits** "
@@ -296,7 +298,7 @@ def _summary(study: ModelStudy, layer_rows, theory_rows, e2e_rows, tokens) -> li
             f"σ = 1 form Φ(Δ − 6.93) is off by {report.fmt_pct(mae('eq7_sigma1_s1', 'measured_fwd_s1'))}: it "
             f"is too steep (near-total collapse for Δ ≳ 9, none for Δ ≲ 4).")
     if "fwd_s256" in heads:
-        fz256 = heads["fwd_s256"]["frac_zeroed"]
+        fz256 = heads["fwd_s256"]["frac_zeroed_row_mean"]
         lead = ("**S = 256 does not stop underflow on this model (the σ = 1 prediction fails), but what it zeroes "
                 "carries almost no mass.**" if _med(fz256) > 0.01 else "**S = 256 stops underflow on this model.**")
         txt = (f"{lead} Forward S=256 still zeroes a median "
@@ -305,7 +307,7 @@ def _summary(study: ModelStudy, layer_rows, theory_rows, e2e_rows, tokens) -> li
                f"{report.fmt_pct(mae('eq7_sigma_s256', 'measured_fwd_s256'))}) where the paper's σ = 1 form "
                f"predicts almost none (error {report.fmt_pct(mae('eq7_sigma1_s256', 'measured_fwd_s256'))}).")
         if "rev_s256" in heads:
-            txt += (f" Reverse S=256 zeroes a median {report.fmt_pct(_med(heads['rev_s256']['frac_zeroed']))} "
+            txt += (f" Reverse S=256 zeroes a median {report.fmt_pct(_med(heads['rev_s256']['frac_zeroed_row_mean']))} "
                     f"too: its pre-sink running max sits ~σ·√(2 ln N) above the non-sink mean, so "
                     f"with σ ≈ 3 the tail below max − 12.5 is not empty (Thm. 4's zero-underflow "
                     f"bound assumes σ = 1; at the measured σ it predicts "
@@ -332,7 +334,7 @@ def _summary(study: ModelStudy, layer_rows, theory_rows, e2e_rows, tokens) -> li
             if "dynamic_pow2" in heads and r2 >= 1.25:
                 r3 = safe_ratio(np.sum(heads["dynamic_pow2"]["mse"]), np.sum(heads["fwd_s256"]["mse"]))
                 txt += (f" The gap is not underflow: the forward dynamic per-block 2^k scale zeroes "
-                        f"a median {report.fmt_pct(_med(heads['dynamic_pow2']['frac_zeroed']))} of non-sink P "
+                        f"a median {report.fmt_pct(_med(heads['dynamic_pow2']['frac_zeroed_row_mean']))} of non-sink P "
                         f"yet has {_x(r3)} the MSE of Forward S=256. The likely cause (seen on a "
                         f"deep head by splitting Σ(W − P)² by the size of P): the MSE is dominated "
                         f"by the E4M3 rounding of the few large non-sink P (0.02–1); reverse order "
@@ -415,7 +417,9 @@ def _markdown(study: ModelStudy, layer_rows, theory_rows, e2e_rows, level: int, 
         "",
         "Definitions: a head's *sink* is the key receiving the most attention (mean column sum); "
         "*non-sink P zeroed* = share of a row's non-sink causal P that were > 0 before the cast and "
-        "0 after, averaged over the rows that see the sink and ≥ 16 non-sink keys; *MSE* = mean "
+        "0 after, averaged over the rows with ≥ 16 non-sink keys (the mean of per-row fractions, "
+        "`frac_zeroed_row_mean`; `frac_zeroed` in `model_heads.csv` pools the counts over the rows instead); "
+        "*MSE* = mean "
         "over rows and dims of (O − O_FP32)², *relative MSE* = MSE / mean(O_FP32²) (V is not unit "
         "variance); *KL* = mean over positions of KL(p_FP32 ‖ p_FP8) of the next-token "
         "distributions; *top-1* = share of positions whose argmax matches the FP32 model.",
@@ -446,7 +450,7 @@ def _markdown(study: ModelStudy, layer_rows, theory_rows, e2e_rows, level: int, 
                "desc": describe(study.hooks[name], study.model.head_dim),
                "rel": float(np.sum(m["mse"]) / np.sum(m["ref_sq"])),
                "med_rel": _med(m["rel_mse"]),
-               "frac": _med(m["frac_zeroed"]), "mass": _med(m["zeroed_mass"])}
+               "frac": _med(m["frac_zeroed_row_mean"]), "mass": _med(m["zeroed_mass"])}
         if ref is not None:
             row["ratio"] = safe_ratio(np.sum(m["mse"]), np.sum(ref["mse"]))
         prow.append(row)
@@ -471,7 +475,7 @@ def _markdown(study: ModelStudy, layer_rows, theory_rows, e2e_rows, level: int, 
     for name, head in (("fwd_s1", "zeroed Fwd S=1"), ("fwd_s256", "zeroed Fwd S=256"),
                        ("rev_s256", "zeroed Rev S=256")):
         if name in heads:
-            cols.append((f"frac_zeroed_{name}", head, report.fmt_pct))
+            cols.append((f"frac_zeroed_row_mean_{name}", head, report.fmt_pct))
     lines += [report.markdown_table(layer_rows, cols, name="model_layers"), ""]
     lines += ["![Sink gap Δ and σ per layer × head](model_sink_gap.png)", "",
               "![Fwd S=1 / Rev S=256 MSE ratio](model_mse_ratio.png)", ""]
@@ -533,16 +537,17 @@ def _decode_markdown(study: ModelStudy, h: str) -> list[str]:
         pre = next(r for r in summary if r["kernel"] == row["kernel"] and r["phase"] == "prefill")
         sentences.append(
             f"{row['kernel']}: `{row['config']}` ({row['kv_splits']} {row['split_layout']} splits, "
-            f"B = {row['block_kv']}) zeroes on average {report.fmt_pct(row['mean_frac_zeroed'])} of a row's non-sink P "
-            f"against {report.fmt_pct(pre['mean_frac_zeroed'])} for `{pre['config']}` in one pass "
+            f"B = {row['block_kv']}) zeroes on average {report.fmt_pct(row['mean_frac_zeroed_row_mean'])} of a row's "
+            "non-sink P "
+            f"against {report.fmt_pct(pre['mean_frac_zeroed_row_mean'])} for `{pre['config']}` in one pass "
             f"({_x(row['zeroed_ratio_to_prefill'])}; fewer in {report.fmt_pct(row['heads_less_zeroed_frac'])} of the "
             f"heads, more in {report.fmt_pct(row['heads_more_zeroed_frac'])}), and its MSE over all heads is "
             f"{_x(row['mse_ratio_to_prefill'])} the one-pass MSE.")
     lines += [" ".join(sentences), ""]
     cols = [("kernel", "Kernel"), ("phase", "phase"), ("config", "preset"), ("block_kv", "B"),
             ("kv_splits", "splits"), ("rel_mse", "rel. MSE (all heads)", _sci),
-            ("median_frac_zeroed", "median non-sink P zeroed", report.fmt_pct),
-            ("mean_frac_zeroed", "mean non-sink P zeroed", report.fmt_pct),
+            ("median_frac_zeroed_row_mean", "median non-sink P zeroed", report.fmt_pct),
+            ("mean_frac_zeroed_row_mean", "mean non-sink P zeroed", report.fmt_pct),
             ("mean_zeroed_mass", "mean zeroed mass", _sci),
             ("mse_ratio_to_prefill", "MSE / prefill", _x),
             ("heads_less_zeroed_frac", "heads zeroing less", report.fmt_pct)]

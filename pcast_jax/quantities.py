@@ -1,5 +1,9 @@
 """Every quantity a sweep reports, one record each: name, long name, unit, meaning, direction.
 
+A name means one thing wherever it appears: the trace analysis (:mod:`pcast_jax.analysis`) reports
+``frac_zeroed`` with the sweep's pooling, and its one metric of another pooling,
+``frac_zeroed_row_mean``, has its record here too (kind ``"analysis"``: no sweep computes it).
+
 The sweep's metric list (:data:`METRICS`), the attributes of its xarray and pandas exports, the
 choices and help of ``pcast plot --y`` and the metrics table of the documentation are all derived
 from :data:`QUANTITIES`. Adding a metric: its record here, its computation in the block and the
@@ -18,8 +22,9 @@ from pcast_jax.errors import PcastError
 __all__ = ["Quantity", "QUANTITIES", "METRICS", "CONFIG_METRICS", "Kind", "Direction", "describe", "axis_label"]
 
 #: ``"metric"``: computed per instance and config; ``"input"``: a metric of the workload alone (the
-#: same for every config); ``"coordinate"``: an axis of the results.
-Kind = Literal["metric", "input", "coordinate"]
+#: same for every config); ``"coordinate"``: an axis of the results; ``"analysis"``: a per-head metric of the
+#: trace analysis only (:func:`pcast_jax.analysis.head_metrics`), not in a sweep's results.
+Kind = Literal["metric", "input", "coordinate", "analysis"]
 #: Which way is better for a metric: ``"lower"`` (an error or a loss), ``"none"`` (a description).
 Direction = Literal["lower", "none"]
 
@@ -66,8 +71,14 @@ QUANTITIES: dict[str, Quantity] = {
                              "σ_V² Σ_j (W_j − P_j)² averaged over query rows: the MSE's mean given the scores, "
                              "without the noise of the V draw; NaN when the sweep skips it.", direction="lower"),
     "frac_zeroed": Quantity("fraction of non-sink P cast to zero", "1",
-                            "Fraction of the non-sink probabilities P > 0 that the FP8 cast sets to 0 (Eq. (7)).",
-                            direction="lower"),
+                            "Fraction of the non-sink probabilities P > 0 that the FP8 cast sets to 0 (Eq. (7)), "
+                            "pooled over the query rows: the zeroed count of all rows over their non-sink count "
+                            "(in the trace analysis, over one head's rows).", direction="lower"),
+    "frac_zeroed_row_mean": Quantity("mean over rows of the fraction of non-sink P cast to zero", "1",
+                                     "Per head of a trace: each query row's fraction of its non-sink visible P > 0 "
+                                     "that the FP8 cast sets to 0, averaged over the rows with at least min_keys "
+                                     "non-sink visible keys (frac_zeroed pools the counts instead).",
+                                     kind="analysis", direction="lower"),
     "zeroed_mass": Quantity("probability mass cast to zero", "1",
                             "Exact softmax probability carried by the non-sink values the cast sets to 0, "
                             "mean over query rows.", direction="lower"),

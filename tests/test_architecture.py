@@ -77,10 +77,26 @@ def test_one_record_per_metric_feeds_the_metric_list_the_plot_flag_and_the_docs(
     from pcast_jax import cli, metrics, quantities
 
     assert metrics.METRICS == quantities.METRICS and metrics.QUANTITIES is quantities.QUANTITIES
-    assert set(quantities.METRICS) == {k for k, q in quantities.QUANTITIES.items() if q.kind != "coordinate"}
+    assert set(quantities.METRICS) == {k for k, q in quantities.QUANTITIES.items() if q.kind in ("metric", "input")}
     with pytest.raises(SystemExit):
         cli.main(["plot", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     for name in quantities.METRICS:
         assert name in help_text, name
     assert "quantities import QUANTITIES" in (ROOT / "docs" / "_ext" / "generate_pages.py").read_text()
+
+
+def test_a_zeroed_fraction_has_one_name_per_pooling():
+    """``frac_zeroed`` pools the counts over the rows in a sweep and in the trace analysis alike; the analysis's
+    mean of per-row fractions has a name and a record of its own, and every fraction a head or decode view
+    reports is registered."""
+    from pcast_jax.analysis import HEAD_METRICS
+    from pcast_jax.models.fp8_study import DECODE_METRICS
+    from pcast_jax.quantities import METRICS, QUANTITIES
+
+    for name in (*HEAD_METRICS, *DECODE_METRICS):
+        if name.startswith("frac_"):
+            assert name in QUANTITIES, name
+    assert {"frac_zeroed", "frac_zeroed_row_mean"} <= set(HEAD_METRICS)
+    assert "pooled over the query rows" in QUANTITIES["frac_zeroed"].description
+    assert QUANTITIES["frac_zeroed_row_mean"].kind == "analysis" and "frac_zeroed_row_mean" not in METRICS

@@ -222,7 +222,7 @@ def test_sampled_rows_hold_the_full_value_within_their_error(kind):
     sample = sample_rows(512, 64, np.random.default_rng(11))
     sampled, _ = H.analyze_layers((q, k, v), ["fwd_s1"], positions, local_window_size=w, sample=sample)
     checked = 0
-    for name in ("zeroed_mass", "frac_zeroed", "frac_zeroed_pooled", "mse", "rel_mse", "saturated_mass"):
+    for name in ("zeroed_mass", "frac_zeroed", "frac_zeroed_row_mean", "mse", "rel_mse", "saturated_mass"):
         err = np.abs(sampled[name].astype(np.float64) - full[name])
         se = sampled[name + "_sem"].astype(np.float64)
         assert np.all(err <= Z_TEST * se + 1e-6 * np.abs(full[name])), (name, err, se)  # + FP32 rounding

@@ -4,7 +4,8 @@
   its fields, the source citation written beside it in its family module, and its KV tile by head dim.
 * ``_generated/examples.md``: each ``examples/*.py`` (its docstring as text, then the file).
 * ``_generated/exports.md``: the names ``import pcast_jax`` offers and where each is documented.
-* ``_generated/metrics.md``: every metric and coordinate of a sweep (:data:`pcast_jax.quantities.QUANTITIES`).
+* ``_generated/metrics.md``: every metric and coordinate of a sweep, and the trace analysis's own metrics
+  (:data:`pcast_jax.quantities.QUANTITIES`).
 * ``_generated/deployments.md``: every row of :data:`pcast_jax.deployments.DEPLOYMENTS` with its citations.
 
 A file is rewritten only when its text changes, so an unchanged page is not rebuilt.

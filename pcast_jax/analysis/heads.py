@@ -17,10 +17,12 @@ Definitions used in the reports
 * **Non-sink position** of a head: every key position except the head's ``num_sinks`` sink
   positions from :func:`~pcast_jax.analysis.statistics.sink_statistics` (by default the single key receiving the
   most attention).
-* **Fraction of non-sink P zeroed** (``frac_zeroed``): for each query row ``i``, the share of its
-  non-sink visible keys whose P was positive before the cast and 0 after it; averaged over the
-  rows with at least ``min_keys`` non-sink visible keys (whether or not they see the sink: a row
-  past a local window loses mass too). ``frac_zeroed_pooled`` pools the counts of all rows instead.
+* **Fraction of non-sink P zeroed**, two poolings (both registered in :data:`pcast_jax.quantities.QUANTITIES`):
+  ``frac_zeroed``, as in a sweep, pools the counts of the head's real query rows (the non-sink visible keys
+  whose P was positive before the cast and 0 after it, over all non-sink visible keys);
+  ``frac_zeroed_row_mean`` is the mean of per-row fractions instead, over the rows with at least
+  ``min_keys`` non-sink visible keys (whether or not they see the sink: a row past a local window loses
+  mass too).
 * **zeroed_mass**: exact FP32 softmax probability carried by the zeroed positions, averaged over
   the same rows; ``saturated_mass`` likewise for the keys whose P·S the cast clips.
 * **MSE**: mean over rows and head dimensions of ``(O − O_ref)²``, O_ref the exact FP32
@@ -82,7 +84,7 @@ __all__ = ["HEAD_METRICS", "scores_and_values", "heads_attention", "head_metrics
 #: per-row count ``n_<what>`` or mass ``<what>_mass`` the engine's result carries comes as
 #: ``frac_<what>`` (of the visible keys) / ``<what>_mass`` beside them: ``frac_saturated`` and
 #: ``saturated_mass`` (P·S clipped at the format's max).
-HEAD_METRICS = ("mse", "ref_sq", "rel_mse", "rel_mse_qkv", "frac_zeroed", "frac_zeroed_pooled", "zeroed_mass",
+HEAD_METRICS = ("mse", "ref_sq", "rel_mse", "rel_mse_qkv", "frac_zeroed", "frac_zeroed_row_mean", "zeroed_mass",
                 "rows_used")
 
 
@@ -285,8 +287,8 @@ def _rows_metrics(parts: list[dict], num_heads: int, head_dim: int, *, min_keys:
         for name, x, where, ratio_of in (("mse", sq_err / head_dim, real, None), ("ref_sq", ref_rows / head_dim, real,
                                                                                    None),
                                          ("rel_mse", sq_err, real, ref_rows), ("rel_mse_qkv", qkv_rows, real, ref_rows),
-                                         ("frac_zeroed", frac, valid, None),
-                                         ("frac_zeroed_pooled", n_zeroed, real, counted)):
+                                         ("frac_zeroed", n_zeroed, real, counted),
+                                         ("frac_zeroed_row_mean", frac, valid, None)):
             out[name], out[f"{name}_sem"] = _sampled_mean(x, where, sample, ratio_of)
         out["rows_used"] = n_rows.astype(np.int32)
         for name, x in rows.items():
@@ -303,8 +305,8 @@ def _rows_metrics(parts: list[dict], num_heads: int, head_dim: int, *, min_keys:
     out = {
         "mse": err.astype(np.float32), "ref_sq": ref_sq.astype(np.float32), "rel_mse": rel_mse.astype(np.float32),
         "rel_mse_qkv": rel_mse_qkv.astype(np.float32),
-        "frac_zeroed": row_mean(frac),
-        "frac_zeroed_pooled": (n_zeroed.sum(axis=-1) / np.maximum(counted.sum(axis=-1), 1)).astype(np.float32),
+        "frac_zeroed": (n_zeroed.sum(axis=-1) / np.maximum(counted.sum(axis=-1), 1)).astype(np.float32),
+        "frac_zeroed_row_mean": row_mean(frac),
         "zeroed_mass": row_mean(rows.pop("zeroed_mass")), "rows_used": n_rows.astype(np.int32),
     }
     out.update({name: row_mean(x) for name, x in rows.items()})

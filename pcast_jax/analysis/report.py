@@ -199,12 +199,12 @@ def _write_files(analysis: Analysis, out: Path, title: str) -> None:
                   ("saturated_mass_max_sem", "± s.e. (clipped)", report.fmt_sci)] if analysis.rows is not None else []),
                ("heads_over_limit", "heads failing", str),
                ("zeroed_mass_mean", "zeroed mass (mean over heads)", report.fmt_sci),
-               ("frac_zeroed_mean", "non-sink P zeroed", report.fmt_pct),
+               ("frac_zeroed_row_mean_mean", "non-sink P zeroed (mean of per-row fractions)", report.fmt_pct),
                ("rel_mse_mean", "relative MSE", report.fmt_sci)]
     if any(c.qkv == "e4m3" for c in analysis.configs):
         columns.append(("rel_mse_qkv_mean", "relative MSE, P in FP32 (Q/K/V quantization alone)", report.fmt_sci))
     extra = [k for k in rows[0] if k.endswith("_mean") and k[:-5] not in
-             ("frac_zeroed", "zeroed_mass", "rel_mse", "rel_mse_qkv", "mse")]
+             ("frac_zeroed_row_mean", "zeroed_mass", "rel_mse", "rel_mse_qkv", "mse")]
     columns += [(k, k[:-5].replace("_", " ") + " (mean)", report.fmt_sci) for k in extra]
     if analysis.e2e is not None:
         columns += [("kl", "KL (nats/token)", report.fmt_sci), ("top1_agree", "top-1 agreement", report.fmt_pct),

@@ -77,8 +77,9 @@ __all__ = ["SINK_MASS_MIN", "Analysis", "ScaleScan", "analyze", "kernel_for", "s
 
 #: A head is a sink head when its sinks receive at least this share of the attention.
 SINK_MASS_MIN = 0.5
-#: Per-head quantities that are bookkeeping, not results (left out of the per-config means).
-_BOOKKEEPING = ("rows_used", "ref_sq", "frac_zeroed_pooled")
+#: Per-head quantities left out of the per-config means: bookkeeping, and ``frac_zeroed`` (pooled over each
+#: head's rows; the per-config table averages ``frac_zeroed_row_mean``, the mean of per-row fractions).
+_BOOKKEEPING = ("rows_used", "ref_sq", "frac_zeroed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,8 +333,8 @@ class Analysis:
                 f"{row['worst_head']}) and clips "
                 f"{_pm(row, 'saturated_mass_max')}; {row['heads_over_limit']} of {row['heads']} heads fail the "
                 f"criterion{_noise_words(row)}. Mean over heads: {mass_text(row['zeroed_mass_mean'])} of the mass "
-                "zeroed "
-                f"({mass_text(row['frac_zeroed_mean'])} of the non-sink P), relative MSE {row['rel_mse_mean']:.2e}."
+                f"zeroed ({mass_text(row['frac_zeroed_row_mean_mean'])} of the non-sink P, a mean of per-row "
+                f"fractions), relative MSE {row['rel_mse_mean']:.2e}."
                 + _share_words(cfg, row) + _split_words(cfg, int(self.lengths.max())))
         lines.append("")
         lines += [_scan_words(scan, self.mass_limit, fixed=fixed_scale) for scan in self.scans]

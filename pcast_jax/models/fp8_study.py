@@ -79,7 +79,7 @@ DECODE_PAIRS: tuple[tuple[str, str, str | KernelConfig], ...] = (
      get_preset("hpc_ops_prior").replace(kv_splits=8, split_layout="strided", name="hpc_ops_prior_split8s")),
 )
 #: What :func:`decode_view` returns per config, layer and head.
-DECODE_METRICS = ("mse", "ref_sq", "frac_zeroed", "zeroed_mass")
+DECODE_METRICS = ("mse", "ref_sq", "frac_zeroed_row_mean", "zeroed_mass")
 
 
 # the paper's configurations and the E4M3 kernels (block-scaled P formats are not in this study yet)
@@ -212,7 +212,7 @@ def _decode_layer(q, k, v, sink_positions, *, config: KernelConfig, rows: int):
     ref = engine.reference_attention(scores, v_seen, causal=True, q_offset=q_offset)
     frac = res.n_zeroed / jnp.maximum(res.n_counted, 1).astype(jnp.float32)
     return {"mse": jnp.mean(jnp.square(res.out - ref), axis=(1, 2)), "ref_sq": jnp.mean(jnp.square(ref), axis=(1, 2)),
-            "frac_zeroed": jnp.mean(frac, axis=-1), "zeroed_mass": jnp.mean(res.zeroed_mass, axis=-1)}
+            "frac_zeroed_row_mean": jnp.mean(frac, axis=-1), "zeroed_mass": jnp.mean(res.zeroed_mass, axis=-1)}
 
 
 def decode_view(trace, configs, sink_positions, *, rows: int, progress=None) -> dict[str, np.ndarray]:
@@ -222,7 +222,7 @@ def decode_view(trace, configs, sink_positions, *, rows: int, progress=None) -> 
       trace: :class:`pcast_jax.models.QKVTrace` of one sequence (``q [L, T, Hq, D]``).
       configs: preset names or :class:`KernelConfig` objects (FP32 Q/K/V: the P-cast alone).
       sink_positions: ``[L, Hq, k]`` from :func:`pcast_jax.models.sink_statistics`; those keys are
-        not counted in ``frac_zeroed`` / ``zeroed_mass``.
+        not counted in ``frac_zeroed_row_mean`` / ``zeroed_mass``.
       rows: decode query rows: positions ``T − rows .. T − 1``, each seeing keys ``0 ..`` itself.
       progress: optional callable ``(config_name) -> None`` called before each configuration.
 
@@ -340,7 +340,7 @@ class ModelStudy:
                         "sigma": float(stats["sigma"][layer, head]),
                         "sink_mass": float(stats["sink_mass"][layer, head]),
                         **{k: float(m[k][layer, head]) for k in ("mse", "ref_sq", "rel_mse", "frac_zeroed",
-                                                                "frac_zeroed_pooled", "zeroed_mass")},
+                                                                "frac_zeroed_row_mean", "zeroed_mass")},
                         "rows_used": int(m["rows_used"][layer, head]),
                     })
         return rows
@@ -358,7 +358,7 @@ class ModelStudy:
             for name, m in heads.items():
                 row[f"rel_mse_{name}"] = float(np.sum(m["mse"][layer]) / np.sum(m["ref_sq"][layer]))
                 row[f"mse_{name}"] = float(np.mean(m["mse"][layer]))
-                row[f"frac_zeroed_{name}"] = float(np.nanmean(m["frac_zeroed"][layer]))
+                row[f"frac_zeroed_row_mean_{name}"] = float(np.nanmean(m["frac_zeroed_row_mean"][layer]))
                 row[f"zeroed_mass_{name}"] = float(np.nanmean(m["zeroed_mass"][layer]))
             for a, b in (("fwd_s1", "rev_s256"), ("fwd_s256", "rev_s256"), ("rev_s1", "rev_s256"),
                          ("fwd_s1+qkv8", "rev_s256+qkv8")):
@@ -386,12 +386,12 @@ class ModelStudy:
                     row[f"eq6_count_s{scale}"] = float(stats[f"underflow_s{scale}"][layer, head])
                     fwd = f"fwd_s{scale}"
                     if fwd in heads:
-                        row[f"measured_{fwd}"] = float(heads[fwd]["frac_zeroed"][layer, head])
+                        row[f"measured_{fwd}"] = float(heads[fwd]["frac_zeroed_row_mean"][layer, head])
                 row["thm4_sigma1_s256"] = float(th["thm4_sigma1_s256"][layer, head])
                 row["thm4_sigma_s256"] = float(th["thm4_sigma_s256"][layer, head])
                 for name in ("rev_s1", "rev_s256"):
                     if name in heads:
-                        row[f"measured_{name}"] = float(heads[name]["frac_zeroed"][layer, head])
+                        row[f"measured_{name}"] = float(heads[name]["frac_zeroed_row_mean"][layer, head])
                 rows.append(row)
         return rows
 
@@ -413,7 +413,7 @@ class ModelStudy:
                             "delta": float(stats["delta"][layer, head]),
                             "mse": float(m["mse"][layer, head]), "ref_sq": float(m["ref_sq"][layer, head]),
                             "rel_mse": safe_ratio(m["mse"][layer, head], m["ref_sq"][layer, head]),
-                            "frac_zeroed": float(m["frac_zeroed"][layer, head]),
+                            "frac_zeroed_row_mean": float(m["frac_zeroed_row_mean"][layer, head]),
                             "zeroed_mass": float(m["zeroed_mass"][layer, head]),
                         })
         return rows
@@ -429,14 +429,15 @@ class ModelStudy:
                 row = {"kernel": label, "phase": phase, "config": cfg.name, "block_kv": cfg.block_kv,
                        "kv_splits": cfg.kv_splits, "split_layout": cfg.split_layout if cfg.kv_splits > 1 else "",
                        "rel_mse": safe_ratio(np.sum(m["mse"]), np.sum(m["ref_sq"])),
-                       "median_frac_zeroed": float(np.median(m["frac_zeroed"])),
-                       "mean_frac_zeroed": float(np.mean(m["frac_zeroed"])),
+                       "median_frac_zeroed_row_mean": float(np.median(m["frac_zeroed_row_mean"])),
+                       "mean_frac_zeroed_row_mean": float(np.mean(m["frac_zeroed_row_mean"])),
                        "mean_zeroed_mass": float(np.mean(m["zeroed_mass"]))}
                 if phase == "decode":
                     row["mse_ratio_to_prefill"] = safe_ratio(np.sum(d["mse"]), np.sum(p["mse"]))
-                    row["zeroed_ratio_to_prefill"] = safe_ratio(np.mean(d["frac_zeroed"]), np.mean(p["frac_zeroed"]))
-                    row["heads_less_zeroed_frac"] = float(np.mean(d["frac_zeroed"] < p["frac_zeroed"]))
-                    row["heads_more_zeroed_frac"] = float(np.mean(d["frac_zeroed"] > p["frac_zeroed"]))
+                    fd, fp = d["frac_zeroed_row_mean"], p["frac_zeroed_row_mean"]
+                    row["zeroed_ratio_to_prefill"] = safe_ratio(np.mean(fd), np.mean(fp))
+                    row["heads_less_zeroed_frac"] = float(np.mean(fd < fp))
+                    row["heads_more_zeroed_frac"] = float(np.mean(fd > fp))
                 out.append(row)
         return out
 
