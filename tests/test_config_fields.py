@@ -189,3 +189,19 @@ def test_the_oracle_takes_every_field():
     import oracle
 
     assert set(oracle.config_kwargs(KernelConfig())) | {"qkv", "qkv_granularity"} == set(SEMANTIC)
+
+
+def test_a_presets_name_is_its_key_written_once():
+    """The registry names each preset by its key: in the registry and in each family module's dict, and no
+    family module writes the name again in its ``PRESETS`` (its only ``name=`` builds derived configs)."""
+    import inspect
+    import re
+
+    from pcast_jax import presets
+
+    assert all(cfg.name == key for key, cfg in presets.PRESETS.items())
+    for family in presets.FAMILIES:
+        module = importlib.import_module(f"pcast_jax.presets.{family}")
+        assert all(cfg.name == key for key, cfg in module.PRESETS.items()), module.__name__
+        written = set(re.findall(r'\bname="(\w+)"', inspect.getsource(module)))
+        assert not written & set(module.PRESETS), (module.__name__, written & set(module.PRESETS))

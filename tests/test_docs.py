@@ -200,7 +200,7 @@ def test_preset_pages_cover_every_preset_with_its_source_line(monkeypatch, tmp_p
 def test_deployments_page_lists_every_row_with_its_citations(monkeypatch, tmp_path):
     """docs/guides/deployment.md includes a page written from the table: every row, in order, with its
     selection line, kernel entry and capabilities as the table holds them."""
-    from pcast_jax.deployments import DEPLOYMENTS
+    from pcast_jax.deployments import DEPLOYMENTS, MODEL_DTYPE_KV
 
     gen = _generator(monkeypatch, tmp_path)
     assert gen.deployments_page() == len(DEPLOYMENTS)
@@ -211,6 +211,8 @@ def test_deployments_page_lists_every_row_with_its_citations(monkeypatch, tmp_pa
         assert f"- selected by: {d.selection.replace('|', chr(92) + '|')}" in text, d.selection
         if d.capabilities.source:
             assert d.capabilities.source.replace("|", "\\|") in text
+    for entry in MODEL_DTYPE_KV:  # the rows of a KV cache in the model dtype, each cited
+        assert f"- {entry.engine} · {', '.join(entry.backends)}: " in text and entry.selection in text
     assert "```{include} ../_generated/deployments.md" in (ROOT / "docs/guides/deployment.md").read_text("utf-8")
 
 

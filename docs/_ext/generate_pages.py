@@ -159,7 +159,7 @@ def metrics_page() -> None:
 def deployments_page() -> int:
     """Every deployment row: what it runs, the knob, the KV-cache dtypes, the selection line, the kernel's
     entry, the capabilities read and the note, each as the table holds it."""
-    from pcast_jax.deployments import DEPLOYMENTS, UNREAD
+    from pcast_jax.deployment_table import DEPLOYMENTS, MODEL_DTYPE_KV, UNREAD
 
     out = []
     for d in DEPLOYMENTS:
@@ -179,6 +179,11 @@ def deployments_page() -> int:
         if d.note:
             out.append(f"- note: {_cell(d.note)}")
         out.append("")
+    out += ["With the KV cache in the model dtype (`--kv-cache-dtype auto`) these backends cast no P to FP8, on every "
+            "GPU of their rows above; any other row is refused with `auto`:", ""]
+    for entry in MODEL_DTYPE_KV:
+        out += [f"- {entry.engine} · {', '.join(entry.backends)}: {_cell(entry.note)} Selected by: "
+                f"{_cell(entry.selection)}"]
     _write(OUT / "deployments.md", "\n".join(out).rstrip() + "\n")
     return len(DEPLOYMENTS)
 

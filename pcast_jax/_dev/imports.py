@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "pcast_jax.quantities"),
     ("pcast_jax.formats",),
     ("pcast_jax.theory", "pcast_jax.config"),
-    ("pcast_jax.presets",),
+    ("pcast_jax.presets", "pcast_jax.deployment_table"),
     ("pcast_jax.block",),
     ("pcast_jax.engine", "pcast_jax.workloads", "pallas_kernels"),
     ("pcast_jax.nn", "pcast_jax.nn_common", "pcast_jax.metrics", "pcast_jax.cache", "pallas_kernels.machine_code"),

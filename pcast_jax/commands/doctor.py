@@ -18,15 +18,18 @@ HELP = ("From a deployment (engine, backend, GPU, checkpoint) to its kernel, whe
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine", required=True, help="vllm, sglang, tensorrt-llm, jax, transformer-engine, "
-                                                         "flash-attention, sageattention, aiter or flydsl")
+    from pcast_jax import deployment_table as table  # data only: no JAX for --help
+
+    parser.add_argument("--engine", required=True, help=f"the engine: {_words(table.ENGINES)}")
+    backends = "; ".join(f"{engine}: {', '.join(names)}" for engine, names in table.BACKENDS.items())
     parser.add_argument("--backend", required=True,
-                        help="the engine's attention backend (e.g. vllm: triton_attn, flash_attn, flashinfer, "
-                             "rocm_attn, rocm_aiter_unified_attn; sglang: triton, fa3, flashinfer, aiter; jax: cudnn); "
-                             "an unknown one is refused with the known ones listed")
-    parser.add_argument("--gpu", required=True, help="GPU architecture: sm90, sm100, sm120, gfx942 or gfx950")
+                        help=f"the engine's attention backend ({backends}); an unknown one is refused with the known "
+                             "ones listed")
+    parser.add_argument("--gpu", required=True, help=f"GPU architecture: {_words(table.GPUS)}")
     parser.add_argument("--kv-cache-dtype", default="fp8",
-                        help="fp8 or fp8_e4m3 (default fp8); a backend that takes only some is refused with the others")
+                        help=f"{_words(table.KV_CACHE_DTYPES)} (default fp8; auto: the cache in the model dtype, "
+                             "where the engine then casts no P to FP8); a backend that takes only some is refused "
+                             "with the others")
     parser.add_argument("--checkpoint", default=None, metavar="DIR",
                         help="a checkpoint folder: its q/k/v/prob_scale tensors are read (never the weights)")
     parser.add_argument("--prob-scale", type=float, default=None,
@@ -48,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
     _options.add_progress_argument(parser, "with --trace: progress lines on stderr (layers done, rows, time left)",
                                    "on")
+
+
+def _words(names) -> str:
+    """``a, b or c``."""
+    names = list(names)
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def run(args: argparse.Namespace) -> int:

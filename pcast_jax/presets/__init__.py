@@ -24,7 +24,8 @@ module                    presets
 ========================  =================================================================
 
 A preset's identity is its semantics (:class:`~pcast_jax.config.KernelConfig` equality), so moving
-it between modules changes no sweep fingerprint. Each preset has a tag (:data:`TAGS`) naming the study
+it between modules changes no sweep fingerprint. Its name is its key in its module's ``PRESETS``, written
+once: the registry names each config by its key. Each preset has a tag (:data:`TAGS`) naming the study
 that runs it; :func:`tagged` gives a study its presets.
 """
 
@@ -95,7 +96,18 @@ TAGS: dict[str, Tag] = {
 }
 assert set(TAGS.values()) == set(get_args(Tag)), "a tag without presets"
 
-_BY_NAME: dict[str, KernelConfig] = {name: cfg for module in _MODULES for name, cfg in module.PRESETS.items()}
+
+
+def _register(presets: dict[str, KernelConfig]) -> dict[str, KernelConfig]:
+    """A family's ``PRESETS`` registered: each config named by its key, the one place a preset's name is
+    written (the modules leave ``name`` out). The module's dict is updated in place, so its own look-ups
+    (``cudnn.PRESETS["cudnn_fp8"]``) carry the name too."""
+    presets.update({key: dataclasses.replace(cfg, name=key) for key, cfg in presets.items() if cfg.name != key})
+    return presets
+
+
+_BY_NAME: dict[str, KernelConfig] = {name: cfg for module in _MODULES
+                                     for name, cfg in _register(module.PRESETS).items()}
 assert sorted(_BY_NAME) == sorted(TAGS), f"presets without a tag or tags without a preset: {set(_BY_NAME) ^ set(TAGS)}"
 
 #: Every preset by name, in registry order.

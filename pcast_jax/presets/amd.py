@@ -107,25 +107,22 @@ _FLYDSL_FP8 = dict(order="forward", scale_mode="exponent", block_kv=128, p_forma
 PRESETS: dict[str, KernelConfig] = {
     # FlyDSL's gfx950 FP8 flash attention as in main (11c4174): S = 1, lazy rescale τ = 8 (log2): a lagging
     # max lets P reach 2^8 = 256 < 448 (no saturation), while everything 10 binades below the max is zeroed.
-    "flydsl_fp8_gfx950": KernelConfig(**_FLYDSL_FP8, scale=1.0, rescale_threshold=8.0, name="flydsl_fp8_gfx950"),
+    "flydsl_fp8_gfx950": KernelConfig(**_FLYDSL_FP8, scale=1.0, rescale_threshold=8.0),
     # The same kernel with PR #1020 (6de2a37): eager rescale for FP8 and P scaled by 448 in the exponent.
-    "flydsl_fp8_gfx950_pr1020": KernelConfig(**_FLYDSL_FP8, scale=448.0, name="flydsl_fp8_gfx950_pr1020"),
+    "flydsl_fp8_gfx950_pr1020": KernelConfig(**_FLYDSL_FP8, scale=448.0),
     # FlashAttention's ROCm Triton backend on MI300 (gfx942, float8_e4m3fnuz): forward, B = 64, S = 1.
-    "fa_triton_amd_mi300": KernelConfig(**_FA_TRITON_AMD, p_format=FP8_FORMAT_BY_GPU["mi300"],
-                                        name="fa_triton_amd_mi300"),
+    "fa_triton_amd_mi300": KernelConfig(**_FA_TRITON_AMD, p_format=FP8_FORMAT_BY_GPU["mi300"]),
     # The same on MI355 (gfx950, OCP float8_e4m3fn); B = 64 assumed (its autotuner may pick 128). The same
     # semantics as the paper's fwd_s1.
-    "fa_triton_amd_mi355": KernelConfig(**_FA_TRITON_AMD, p_format=FP8_FORMAT_BY_GPU["mi355"],
-                                        name="fa_triton_amd_mi355"),
+    "fa_triton_amd_mi355": KernelConfig(**_FA_TRITON_AMD, p_format=FP8_FORMAT_BY_GPU["mi355"]),
     # vLLM's ROCm Triton flash attention on MI300 with a checkpoint that has no prob_scale (S = 1 / 1.0 = 1):
     # the same semantics as fa_triton_amd_mi300 at B = 64; they part once prob_scale is calibrated
     # (vllm_rocm_flash_config) or the autotuner picks BLOCK_N 128.
-    "vllm_rocm_flash_fp8": KernelConfig(**_VLLM_ROCM_FLASH, scale=1.0, p_format=FP8_FORMAT_BY_GPU["mi300"],
-                                        name="vllm_rocm_flash_fp8"),
+    "vllm_rocm_flash_fp8": KernelConfig(**_VLLM_ROCM_FLASH, scale=1.0, p_format=FP8_FORMAT_BY_GPU["mi300"]),
     # aiter's Triton MHA FP8 on MI300 (float8_e4m3fnuz, FP8_MAX 240): one scale per 128 × 64 tile.
-    "aiter_mha_fp8_mi300": KernelConfig(**_AITER_MHA, p_format=FP8_FORMAT_BY_GPU["mi300"], name="aiter_mha_fp8_mi300"),
+    "aiter_mha_fp8_mi300": KernelConfig(**_AITER_MHA, p_format=FP8_FORMAT_BY_GPU["mi300"]),
     # The same on MI355 (float8_e4m3fn, FP8_MAX 448).
-    "aiter_mha_fp8_mi355": KernelConfig(**_AITER_MHA, p_format=FP8_FORMAT_BY_GPU["mi355"], name="aiter_mha_fp8_mi355"),
+    "aiter_mha_fp8_mi355": KernelConfig(**_AITER_MHA, p_format=FP8_FORMAT_BY_GPU["mi355"]),
     # aiter's gfx950 ASM MLA decode for FP8 Q and FP8 KV, one query token, 16 query heads per KV head
     # (ROCm/aiter commit e404860, hsa/gfx950/mla/mla_asm.csv line 14: qType fp8, kvType fp8, Gqa 16, qSeqLen 1
     # → mla_a8w8_qh16_qseqlen1_gqaratio16.co). The kernel is a closed code object; ROCm/aiter PR #5535
@@ -133,8 +130,7 @@ PRESETS: dict[str, KernelConfig] = {
     # 0.3496; ×448 before the cast, 0.9964). Assumptions: the forward KV order (the PR's case zeroes the keys
     # seen after the max, as a forward walk does), the 64-key tile and OCP E4M3 P (gfx950's FP8 type); under
     # them it casts as fa_triton_amd_mi355 does.
-    "aiter_mla_asm_fp8_gfx950": KernelConfig(**_FA_TRITON_AMD, p_format=FP8_FORMAT_BY_GPU["mi355"],
-                                             name="aiter_mla_asm_fp8_gfx950"),
+    "aiter_mla_asm_fp8_gfx950": KernelConfig(**_FA_TRITON_AMD, p_format=FP8_FORMAT_BY_GPU["mi355"]),
 }
 
 

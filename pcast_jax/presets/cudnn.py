@@ -75,18 +75,17 @@ P_CAST_LOG2_SCALE = 4.0
 OPEN_RESCALE_THRESHOLD = 4.0
 
 
-def _open(order: str, name: str, *, p_format: str = "e4m3") -> KernelConfig:
+def _open(order: str, *, p_format: str = "e4m3") -> KernelConfig:
     """An open cudnn-frontend FP8 kernel: S = 2^4 in the exponent, τ = 4 (log2), 128-key tiles, the sink
     in the denominator after the KV loop."""
     return KernelConfig(order=order, scale=2.0**P_CAST_LOG2_SCALE, scale_mode="exponent", block_kv=128,
                         rescale_threshold=OPEN_RESCALE_THRESHOLD, rescale_unit="log2", sink_mode="epilogue",
-                        p_format=p_format, name=name)
+                        p_format=p_format)
 
 
-def _cudnn(scale: float, tau: float, name: str, *, compensation: str = "pow2") -> KernelConfig:
+def _cudnn(scale: float, tau: float, *, compensation: str = "pow2") -> KernelConfig:
     return KernelConfig(order="forward", scale=scale, scale_mode="multiply", block_kv=128, sink_mode="init_max",
-                        rescale_threshold=tau, rescale_unit="natural", rescale_compensation=compensation,
-                        name=name)
+                        rescale_threshold=tau, rescale_unit="natural", rescale_compensation=compensation)
 
 
 #: The P scale JAX's own cuDNN FP8 test passes: its FP8 metas are built from ``jnp.ones``
@@ -111,33 +110,33 @@ TAU_SOURCE = {"sm100": "cudnn-frontend test/python/test_mhas_v2.py lines 659-660
 PRESETS: dict[str, KernelConfig] = {
     # The open SM100 FP8 kernels (d64-d512, per-tensor FP8 and MXFP8 alike, E4M3 Q/K/V): forward, B = 128,
     # S = 16 in the exponent whatever scale_s is, τ = 4 (log2), the learned sink in the epilogue.
-    "cudnn_sm100_fp8": _open("forward", "cudnn_sm100_fp8"),
+    "cudnn_sm100_fp8": _open("forward"),
     # The same with E5M2 Q/K/V: P is cast to E5M2 (prefill_d128_fp8.py lines 165-167).
-    "cudnn_sm100_fp8_e5m2": _open("forward", "cudnn_sm100_fp8_e5m2", p_format="e5m2"),
+    "cudnn_sm100_fp8_e5m2": _open("forward", p_format="e5m2"),
     # The open SM120 per-tensor FP8 kernel (commit 020f739): the same P, walked right to left; B = 128 assumed.
-    "cudnn_sm120_fp8": _open("reverse", "cudnn_sm120_fp8"),
+    "cudnn_sm120_fp8": _open("reverse"),
     # The older reference (commit 3929da2; the closed engines' model, see ENGINES) at its SM100 default
     # τ = 4 (nats) and the scale_s JAX's tests pass (1):
     # S_eff = 2^-4, so non-sink P collapses from Δ ≈ 10 ln 2 + ln(2^-4) ≈ 4.2 on.
-    "cudnn_fp8": _cudnn(JAX_TEST_SCALE_S, TAU_BY_GPU["sm100"], "cudnn_fp8"),
+    "cudnn_fp8": _cudnn(JAX_TEST_SCALE_S, TAU_BY_GPU["sm100"]),
     # The older reference without a lazy rescale (τ = 0, what its tests use off SM100, e.g. Hopper),
     # scale_s = 1: S_eff = 1, collapse from Δ ≈ 10 ln 2 ≈ 6.9.
-    "cudnn_fp8_tau0": _cudnn(JAX_TEST_SCALE_S, TAU_BY_GPU["sm90"], "cudnn_fp8_tau0"),
+    "cudnn_fp8_tau0": _cudnn(JAX_TEST_SCALE_S, TAU_BY_GPU["sm90"]),
     # The older reference at τ = 4 nats with the scale_s cuDNN's own harness passed (32): S_eff = 32·2^-4 = 2,
     # so non-sink P collapses from Δ ≈ 10 ln 2 + ln 2 ≈ 7.6 on; the lag lets P·S_eff reach (e/2)^4·32 ≈ 109 < 448.
-    "cudnn_fp8_s32": _cudnn(HARNESS_SCALE_S, TAU_BY_GPU["sm100"], "cudnn_fp8_s32"),
+    "cudnn_fp8_s32": _cudnn(HARNESS_SCALE_S, TAU_BY_GPU["sm100"]),
     # The same scale_s = 32 off SM100 (τ = 0, Hopper): S_eff = 32, collapse from Δ ≈ 15 ln 2 ≈ 10.4.
-    "cudnn_fp8_s32_tau0": _cudnn(HARNESS_SCALE_S, TAU_BY_GPU["sm90"], "cudnn_fp8_s32_tau0"),
+    "cudnn_fp8_s32_tau0": _cudnn(HARNESS_SCALE_S, TAU_BY_GPU["sm90"]),
     # The older MXFP8 reference (commit 3929da2, test/python/sdpa/mxfp8_ref.py lines 67, 72-76, 96,
     # 112-115): τ = 4 nats, P cast to plain E4M3 (not micro-scaled) with a fixed S = 16 and no 2^-τ
     # compensation: P·S reaches 16·e^4 ≈ 874. (The open MXFP8 kernel casts P as cudnn_sm100_fp8 does.)
-    "cudnn_mxfp8": _cudnn(16.0, 4.0, "cudnn_mxfp8", compensation="none"),
+    "cudnn_mxfp8": _cudnn(16.0, 4.0, compensation="none"),
     # Transformer Engine fp8_dpa (NVIDIA/TransformerEngine commit d0067d0): S comes from a delayed-scaling
     # recipe even under current scaling (transformer_engine/pytorch/attention/dot_product_attention/
     # dot_product_attention.py lines 1011-1027), sf = (fp8_max / amax) / 2^margin (quantization.py line
     # 1111), margin 0, amax history 1 (lines 239-244): S = 448 once amax_S ≈ 1 (our inference: cuDNN
     # defines amax_S). With τ = 0 (off SM100).
-    "te_fp8_dpa": _cudnn(448.0, 0.0, "te_fp8_dpa"),
+    "te_fp8_dpa": _cudnn(448.0, 0.0),
 }
 
 

@@ -20,7 +20,7 @@ PRESETS: dict[str, KernelConfig] = {
     # FlashAttention-3 (Hopper): hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp walks n_block from
     # n_block_max - 1 down (reverse); hopper/softmax.h folds S = 2^8 into exp2 (Max_offset = 8 for
     # FP8), so the row sum holds scaled values. B = 224 at d = 128 (TILES_BY_HEAD_DIM).
-    "fa3": KernelConfig(order="reverse", scale=256.0, scale_mode="exponent", block_kv=224, name="fa3"),
+    "fa3": KernelConfig(order="reverse", scale=256.0, scale_mode="exponent", block_kv=224),
     # FlashAttention-4 (Blackwell, CuTe DSL): flash_attn/cute/flash_fwd_sm100.py iterates
     # n_block = n_block_max - 1 - n_tile (reverse); softmax.py uses max_offset = 8 for 8-bit P.
     # B = 128: flash_attn/cute/interface.py line 318 (commit 0251105a), cfg = FwdConfig(128, 128, ...),
@@ -29,13 +29,13 @@ PRESETS: dict[str, KernelConfig] = {
     # max_offset = 8 (S = 256) and line 2190 a rescale threshold of 0 for FP8 (no lazy rescale); the
     # learnable sink enters the epilogue's denominator only, with the +8 of the exponent (lines 2730-2742,
     # split 0 only): sink_mode "epilogue". Earlier 2026 versions: fa4_pr2109, fa4_pr2717 below.
-    "fa4": KernelConfig(order="reverse", scale=256.0, scale_mode="exponent", block_kv=128, name="fa4"),
+    "fa4": KernelConfig(order="reverse", scale=256.0, scale_mode="exponent", block_kv=128),
     # FlashAttention-3 split-KV decode (flash_attn_interface num_splits > 1): each split takes a
     # contiguous range of ⌈n_blocks / num_splits⌉ KV blocks (hopper/block.h, n_block_min/max per
     # split), reverse within it, merged by hopper/flash_fwd_combine_kernel.h from per-split LSE.
     # num_splits = 8 is an assumption (the heuristic num_splits_heuristic picks it from the launch).
     "fa3_splitkv": KernelConfig(
-        order="reverse", scale=256.0, scale_mode="exponent", block_kv=224, kv_splits=8, name="fa3_splitkv",
+        order="reverse", scale=256.0, scale_mode="exponent", block_kv=224, kv_splits=8,
     ),
     # FlashAttention-4's FP8 forward as each 2026 version ran it (Dao-AILab/flash-attention,
     # flash_attn/cute/flash_fwd_sm100.py and softmax.py). The lazy rescale keeps the row max while
@@ -44,8 +44,8 @@ PRESETS: dict[str, KernelConfig] = {
     # that lags by up to 4 (log2) lets P̃ = exp2(… + 8) reach 2^12 = 4096: the cast saturates at 448 while
     # ℓ keeps the unclipped sum (issues #2577, 2026-05-21, and #2716, 2026-07).
     "fa4_pr2109": KernelConfig(order="reverse", scale=256.0, scale_mode="exponent", block_kv=128,
-                               rescale_threshold=4.0, name="fa4_pr2109"),
+                               rescale_threshold=4.0),
     # PR #2717 (merged 2026-07-19, 2409214a): τ = 4 kept, max_offset 4 for e4m3 (S = 16): P̃ ≤ 2^8 = 256 < 448.
     "fa4_pr2717": KernelConfig(order="reverse", scale=16.0, scale_mode="exponent", block_kv=128,
-                               rescale_threshold=4.0, name="fa4_pr2717"),
+                               rescale_threshold=4.0),
 }

@@ -18,5 +18,5 @@ from pcast_jax.config import KernelConfig
 
 PRESETS: dict[str, KernelConfig] = {
     "litert_uint8": KernelConfig(order="forward", scale=256.0, scale_mode="multiply", block_kv=64, p_format="uint8",
-                                 p_offset="row_lse", name="litert_uint8"),
+                                 p_offset="row_lse"),
 }

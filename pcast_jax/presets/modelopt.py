@@ -21,5 +21,5 @@ PRESETS: dict[str, KernelConfig] = {
     # (The offline quantizer modelopt/torch/quantization/qtensor/nvfp4_tensor.py clamps block scales to
     # [2^-9, 448] and so never zeroes a block; it is not what runs on P.)
     "nvfp4_fakequant": KernelConfig(order="forward", scale=448.0 * 6.0, scale_mode="multiply", block_kv=32,
-                                    p_format="nvfp4", name="nvfp4_fakequant"),
+                                    p_format="nvfp4"),
 }

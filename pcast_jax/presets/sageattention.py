@@ -10,7 +10,7 @@ PRESETS: dict[str, KernelConfig] = {
     # forward order. B = 128: CTA_K = 128 in csrc/qattn/qk_int_sv_f8_cuda_sm90.cu lines 687 and 863 (both
     # SM90 FP8 entry points). Its INT8 per-block Q/K quantization is not modelled (P-cast isolated).
     "sageattn2": KernelConfig(
-        order="forward", scale=2.0**8.807, scale_mode="exponent", block_kv=128, name="sageattn2"
+        order="forward", scale=2.0**8.807, scale_mode="exponent", block_kv=128
     ),
     # SageAttention2++ (pv_accum_dtype="fp32+fp16", what sageattention/core.py line 149 picks on SM89):
     # core.py keeps P at 448 and cuts the V range to 2.25 (quant_v_scale_max, lines 805-807): V is
@@ -24,7 +24,7 @@ PRESETS: dict[str, KernelConfig] = {
     # not in the released code; we follow the code.
     "sageattn2pp": KernelConfig(
         order="forward", scale=2.0**8.807, scale_mode="exponent", block_kv=64, accumulator="f16",
-        f16_round_keys=32, v_channel_max=2.25, name="sageattn2pp",
+        f16_round_keys=32, v_channel_max=2.25,
     ),
     # SageAttention3's P is block-scaled (NVFP4): simulator only.
     # SageAttention3 (thu-ml/SageAttention, commit d1a57a5, sageattention3_blackwell/sageattn3/blackwell/):
@@ -40,5 +40,5 @@ PRESETS: dict[str, KernelConfig] = {
     # multiplies by its E4M3 rounding in the MMA; we divide by the E4M3 value (Model Optimizer's order),
     # a difference below one E2M1 step. Q/K/V stay FP32 (P-cast isolated).
     "sageattn3": KernelConfig(order="reverse", scale=448.0 * 6.0, scale_mode="exponent", block_kv=128,
-                              p_format="nvfp4", name="sageattn3"),
+                              p_format="nvfp4"),
 }

@@ -71,6 +71,5 @@ PRESETS: dict[str, KernelConfig] = {
     # denominator only ("epilogue"). (The MHA kernel, BLOCK_N = 64, multiplies P·V in FP32: no P-cast.)
     # Splits: sglang_num_kv_splits for SGLANG_DECODE_LAUNCH (8; fewer at larger batches).
     "sglang_triton_decode": KernelConfig(order="forward", scale=1.0, scale_mode="multiply", block_kv=32,
-                                         kv_splits=sglang_num_kv_splits(**SGLANG_DECODE_LAUNCH),
-                                         name="sglang_triton_decode"),
+                                         kv_splits=sglang_num_kv_splits(**SGLANG_DECODE_LAUNCH)),
 }

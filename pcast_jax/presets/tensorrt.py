@@ -24,5 +24,5 @@ from pcast_jax.config import KernelConfig
 
 PRESETS: dict[str, KernelConfig] = {
     "tensorrt_int8": KernelConfig(order="forward", scale=127.0, scale_mode="multiply", block_kv=64, p_format="int8",
-                                  p_offset="row_lse", name="tensorrt_int8"),
+                                  p_offset="row_lse"),
 }

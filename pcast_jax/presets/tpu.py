@@ -25,5 +25,5 @@ from pcast_jax.config import KernelConfig
 
 PRESETS: dict[str, KernelConfig] = {
     "tpu_ragged_paged_fp8p": KernelConfig(order="forward", scale=256.0, scale_mode="multiply", block_kv=128,
-                                          p_offset="block_max", name="tpu_ragged_paged_fp8p"),
+                                          p_offset="block_max"),
 }

@@ -73,7 +73,7 @@ PRESETS: dict[str, KernelConfig] = {
     # (forward) and scales acc by kE4M3_MAX = 448 after the row sum; output × 1/448. Tile:
     # gemm0CtaTileNbTokens = gemm0WarpGrpTileNbTokens (64) × gemm0NbGmmaGrps (1) = 64 keys.
     # One CTA per (request, KV head): multi-block mode off (see trtllm_xqa_multiblock).
-    "trtllm_xqa": KernelConfig(order="forward", scale=448.0, scale_mode="multiply", block_kv=64, name="trtllm_xqa"),
+    "trtllm_xqa": KernelConfig(order="forward", scale=448.0, scale_mode="multiply", block_kv=64),
     # TensorRT-LLM XQA in multi-block mode (its decode default, ALLOW_MULTI_BLOCK_MODE): launchHopperF8MHA
     # runs nbSubSeqPerSeq CTAs per (request, KV head) (xqa_nb_sub_seq, above); CTA idxSubSeq takes tiles
     # idxKTile = idxKTileInit + idxIter · nbSubSeq (strided, each CTA forward with its own max), and
@@ -82,7 +82,6 @@ PRESETS: dict[str, KernelConfig] = {
     "trtllm_xqa_multiblock": KernelConfig(
         order="forward", scale=448.0, scale_mode="multiply", block_kv=XQA_CTA_TILE_TOKENS,
         kv_splits=xqa_nb_sub_seq(**XQA_DECODE_LAUNCH), split_layout="strided",
-        name="trtllm_xqa_multiblock",
     ),
     # TensorRT-LLM fmha_v2 FP8 context attention, as vendored by FlashInfer (commit fb28d72, csrc/fmha_v2):
     # Softmax_fp_quant_scale<e4m3_t> = 256 (fmha/numeric_types.h lines 48-53), folded into the exponent as
@@ -92,8 +91,7 @@ PRESETS: dict[str, KernelConfig] = {
     # exp(local max − running max) < λ/N for every row of the warpgroup, compute.h lines 282-285, adding to
     # neither O nor ℓ) is off by default (trtllm_fmha_v2_skip turns it on). B = 256 at d = 128
     # (TILES_BY_HEAD_DIM).
-    "trtllm_fmha_v2": KernelConfig(order="forward", scale=256.0, scale_mode="exponent", block_kv=256,
-                                   name="trtllm_fmha_v2"),
+    "trtllm_fmha_v2": KernelConfig(order="forward", scale=256.0, scale_mode="exponent", block_kv=256),
     # The same kernel on its non-exp2f path (EXP2F_OPTIMIZATION off: ALiBi or logit soft-capping,
     # fmha/warpspec/kernel_traits.h line 204): P is still S·exp(s − m) (expf(p − (max − logf(256))) in the
     # e4m3 Softmax's compute_and_update_scale, epilogue.h), but the e4m3 epilogue adds the learned sink as
@@ -101,7 +99,7 @@ PRESETS: dict[str, KernelConfig] = {
     # 1152-1163): the sink weighs (e/2)^8 ≈ 11.6× what ℓ's scale says (sink_prescale="exp"). ALiBi and
     # soft-capping themselves change the logits, which a workload's scores stand for; not modelled here.
     "trtllm_fmha_v2_nonexp2f": KernelConfig(order="forward", scale=256.0, scale_mode="exponent", block_kv=256,
-                                            sink_prescale="exp", name="trtllm_fmha_v2_nonexp2f"),
+                                            sink_prescale="exp"),
     # fmha_v2 with skip-softmax on (ENABLE_SKIP_SOFTMAX kernels; FlashInfer commit fb28d72,
     # csrc/fmha_v2/fmha/warpspec/epilogue.h lines 743-806): each row compares exp(local max − global max)
     # with λ, global max being the running max *before* this tile (line 772; line 778 updates it after);
@@ -112,6 +110,5 @@ PRESETS: dict[str, KernelConfig] = {
     # wgmma M; an assumption that each of the two compute warpgroups owns its own 64 query rows). λ from
     # FMHA_V2_SKIP (an assumed setting).
     "trtllm_fmha_v2_skip": KernelConfig(order="forward", scale=256.0, scale_mode="exponent", block_kv=256, block_q=64,
-                                        skip_softmax_threshold=skip_softmax_threshold(**FMHA_V2_SKIP),
-                                        name="trtllm_fmha_v2_skip"),
+                                        skip_softmax_threshold=skip_softmax_threshold(**FMHA_V2_SKIP)),
 }

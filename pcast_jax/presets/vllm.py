@@ -15,17 +15,17 @@ _VLLM = dict(order="forward", scale=1.0, scale_mode="multiply", block_kv=32, sin
 VLLM_SEGMENTS = 16
 
 PRESETS: dict[str, KernelConfig] = {
-    "vllm_triton_fp8": KernelConfig(**_VLLM, name="vllm_triton_fp8"),
+    "vllm_triton_fp8": KernelConfig(**_VLLM),
     # The 3-D path: contiguous segments (tiles_per_segment = cdiv(seq_len, NUM_SEGMENTS·TILE)); only
     # segment 0 loads the sink, and reduce_segments carries it in segment 0's stored M and L.
-    "vllm_triton_fp8_3d": KernelConfig(**_VLLM, kv_splits=VLLM_SEGMENTS, name="vllm_triton_fp8_3d"),
+    "vllm_triton_fp8_3d": KernelConfig(**_VLLM, kv_splits=VLLM_SEGMENTS),
     # The same on ROCm (MI300), where vLLM's current_platform.fp8_dtype() is float8_e4m3fnuz: max 240,
     # values at or below 2^-11 round to zero (the collapse threshold moves from 10 ln 2 to 11 ln 2).
-    "vllm_triton_fp8_rocm": KernelConfig(**_VLLM, p_format="e4m3fnuz", name="vllm_triton_fp8_rocm"),
+    "vllm_triton_fp8_rocm": KernelConfig(**_VLLM, p_format="e4m3fnuz"),
     # vLLM's FlashAttention-4 fork (vllm-project/flash-attention commit 617264c, PR #166 = 16892023,
     # 2026-07-20): FA4's FP8 path with max_offset 8 (S = 256) and a rescale threshold τ = 0.75 (log2 units,
     # flash_attn/cute/flash_fwd_sm100.py lines 2030-2034): P̃ reaches 2^8.75 ≈ 430 < 448. Reverse order,
     # B = 128 and the epilogue sink as upstream FA4.
     "vllm_fa4": KernelConfig(order="reverse", scale=256.0, scale_mode="exponent", block_kv=128,
-                             rescale_threshold=0.75, name="vllm_fa4"),
+                             rescale_threshold=0.75),
 }
