@@ -773,7 +773,8 @@ class TraceDiagnosis:
     def to_dict(self) -> dict:
         """The deployment and the answer (the analysis itself: :func:`pcast_jax.analysis.report.report_data`)."""
         d = self.deployment
-        return {"engine": d.engine, "backend": d.backend, "gpus": list(d.gpus), "presets": list(d.presets),
+        return {"engine": d.engine, "backend": d.backend, "gpus": list(d.gpus),
+                "kv_cache_dtypes": list(d.kv_cache_dtypes), "presets": list(d.presets),
                 "knob": d.knob, "source": d.source, "selection": d.selection, "note": d.note,
                 "features": None if self.features is None else dataclasses.asdict(self.features),
                 "cannot_run": list(self.cannot_run), "capabilities_not_read": list(self.unread),
