@@ -21,8 +21,8 @@ VENDORS_FAIL = {
     "fwd_s1", "rev_s1", "fa4_pr2109", "flashinfer_sm100_cutedsl", "flashinfer_sm100_cutedsl_paged", "flashinfer_sm120",
     "sageattn3", "hpc_ops_prior", "cudnn_fp8", "cudnn_fp8_tau0", "cudnn_fp8_s32", "cudnn_fp8_s32_tau0", "cudnn_mxfp8",
     "vllm_triton_fp8", "vllm_triton_fp8_3d", "vllm_triton_fp8_rocm", "sglang_triton_decode", "fa_triton_amd_mi300",
-    "fa_triton_amd_mi355", "vllm_rocm_flash_fp8", "nvfp4_fakequant", "mxfp8_p", "tensorrt_int8", "litert_uint8", "cudnn_sm100_fp8",
-    "flydsl_fp8_gfx950"}
+    "fa_triton_amd_mi355", "vllm_rocm_flash_fp8", "nvfp4_fakequant", "mxfp8_p", "tensorrt_int8", "litert_uint8",
+    "cudnn_sm100_fp8", "flydsl_fp8_gfx950"}
 #: Presets whose verdict on these probes differs from the vendors study's, and why.
 DIFFERS = {
     "mxfp8_p": "the E8M0 block scale clips block maxima whose mantissa exceeds 1.75 among the weaker keys; the probes "
@@ -130,3 +130,62 @@ def test_each_amd_case_is_caught_and_its_fix_passes(case):
                                     deltas=tuple(float(d) for d in np.arange(lo, hi + 1)), fingerprint=False)
     assert good.safe is True, good.summary()
     assert seconds < 30, seconds
+
+
+# --------------------------------------------------------------------------------------------
+# The opt-in pytest plugin: the fixture p_collapse in a kernel author's own test file
+# --------------------------------------------------------------------------------------------
+
+pytest_plugins = ["pytester"]
+
+#: A kernel author's test file: one line loads the plugin; an S = 1 forward kernel (its own NumPy, one KV
+#: block: key 0 is the row max) and an exact one, each through the fixture.
+KERNEL_TEST_FILE = '''
+import ml_dtypes
+import numpy as np
+
+pytest_plugins = ["pcast_jax.testing.pytest_plugin"]
+
+
+def attention(q, k, v, *, fp8_s=None):
+    z = np.einsum("bthd,bnhd->bhtn", q.astype(np.float64), k.astype(np.float64)) / np.sqrt(q.shape[-1])
+    p = np.exp(z - z.max(axis=-1, keepdims=True))
+    ell = p.sum(axis=-1, keepdims=True)
+    if fp8_s is not None:  # P·S cast to E4M3 before the product, as an FP8 kernel does
+        p = (p * fp8_s).astype(np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) / fp8_s
+    return np.einsum("bhtn,bnhd->bthd", p / ell, v)
+
+
+def test_s1_kernel(p_collapse):
+    p_collapse(lambda q, k, v: attention(q, k, v, fp8_s=1.0), head_dim=16, n_keys=512, fingerprint=False)
+
+
+def test_exact_kernel(p_collapse):
+    check = p_collapse(attention, head_dim=16, n_keys=512, fingerprint=False)
+    assert check.safe is True
+'''
+
+
+def test_the_fixture_fails_a_collapsing_kernel_with_the_report(pytester):
+    pytester.makepyfile(test_kernel=KERNEL_TEST_FILE)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-rA", "--junitxml=junit.xml")
+    result.assert_outcomes(passed=1, failed=1)
+    text = result.stdout.str()
+    failure = text[text.index("_ test_s1_kernel _"):text.index("Captured P-collapse check call")]
+    # the report is the failure's message, with no traceback into the check
+    assert "**P-collapse check: fails: P-collapse from Δ = " in failure, failure
+    assert "pcast_jax" not in failure.replace("pcast_jax.testing.pytest_plugin", ""), failure
+    # the passing test's report is kept as its section (-rA prints it)
+    passed = text[text.index("_ test_exact_kernel _"):]
+    assert "P-collapse check: passes" in passed, passed
+    junit = (pytester.path / "junit.xml").read_text()
+    assert 'name="p_collapse" value="passes:' in junit and 'name="p_collapse" value="fails:' in junit, junit
+
+
+def test_the_plugin_is_opt_in(pytester):
+    """Installing pcast_jax registers no plugin: without the pytest_plugins line the fixture is unknown."""
+    pytester.makepyfile(test_kernel=KERNEL_TEST_FILE.replace('pytest_plugins = ["pcast_jax.testing.pytest_plugin"]',
+                                                             ""))
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(errors=2)
+    result.stdout.fnmatch_lines(["*fixture 'p_collapse' not found*"])
