@@ -189,3 +189,51 @@ def test_the_plugin_is_opt_in(pytester):
     result = pytester.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(errors=2)
     result.stdout.fnmatch_lines(["*fixture 'p_collapse' not found*"])
+
+
+# --------------------------------------------------------------------------------------------
+# pcast probe: the same check for a kernel run elsewhere, through files
+# --------------------------------------------------------------------------------------------
+
+
+def test_pcast_probe_writes_the_probes_and_checks_outputs_as_the_api_does(tmp_path, capsys):
+    import json
+
+    from pcast_jax import cli
+
+    probes = tmp_path / "probes.npz"
+    assert cli.main(["probe", "write", "--head-dim", "64", "--n-keys", "1024", "--delta", "2:14:2",
+                     "--out", str(probes)]) == 0
+    capsys.readouterr()
+    with np.load(probes) as z:
+        q, k, v = z["q"], z["k"], z["v"]
+    for options, status in ((dict(s=1.0), 1), (dict(s=448.0), 0)):
+        np.savez(tmp_path / "out.npz", out=numpy_kernel(q, k, v, scale=1 / 8, **options))
+        assert cli.main(["probe", "check", str(probes), str(tmp_path / "out.npz"), "--format", "json"]) == status
+        got = json.loads(capsys.readouterr().out)
+        want = testing.check_p_collapse(lambda q, k, v: numpy_kernel(q, k, v, scale=1 / 8, **options), head_dim=64,
+                                        n_keys=1024, deltas=(2, 4, 6, 8, 10, 12, 14), fingerprint=False)
+        assert got["safe"] is want.safe and got["verdict"] == want.verdict
+        # the same probes and outputs: the same readings, to JSON's round trip of a float64
+        assert got["rows"] == [r.to_dict() for r in want.rows]
+    assert cli.main(["probe", "check", str(probes), str(tmp_path / "out.npz")]) == 0
+    assert capsys.readouterr().out.startswith("**P-collapse check: passes")
+
+
+def test_pcast_probe_check_names_the_nearest_preset_from_the_fingerprint_files(tmp_path, capsys):
+    """The simulator running fwd_s1 as the kernel: the fingerprint's fields agree with fwd_s1, S = 1, Δc = 10 ln 2."""
+    from pcast_jax import cli, fingerprint
+
+    kernel = testing.simulated_kernel("fwd_s1")
+    probes = testing.collapse_probes(64, n_keys=1024, deltas=(4.0, 10.0))
+    probes.save(tmp_path / "p.npz")
+    np.savez(tmp_path / "o.npz", out=kernel(*probes.arrays()))
+    ps = fingerprint.probes(64)
+    ps.save(tmp_path / "fp.npz")
+    np.savez(tmp_path / "fo.npz", out=kernel(ps.q, ps.k, ps.v))
+    assert cli.main(["probe", "check", str(tmp_path / "p.npz"), str(tmp_path / "o.npz"), "--fingerprint",
+                     str(tmp_path / "fp.npz"), str(tmp_path / "fo.npz")]) == 1
+    out = capsys.readouterr().out
+    assert "fails: P-collapse from Δ = 10" in out, out
+    assert "fwd_s1" in out.split("Nearest preset:")[1].split("\n")[0], out
+    assert "Δc = 6.93 " in out, out  # 10 ln 2 = 6.931…
