@@ -60,18 +60,16 @@ def _cast(x):
     return np.asarray(x, np.float32).astype(F8).astype(np.float32)
 
 
-def numpy_kernel(q, k, v, *, scale, s=1.0, tau_from_n=False, partition=0, normalised=True, block=128):
+def numpy_kernel(q, k, v, *, scale, s=1.0, partition=0, normalised=True, block=128):
     """Forward-order FP8 attention in [batch, tokens, heads, dim]: P = exp(z − m)·S cast to E4M3 against the
-    running max, O/(S·ℓ). ``tau_from_n``: S = 448·2^-τ with τ = 6 for N ≤ 4096, else 4 (FlyDSL #1020's fix).
-    ``partition``: P normalised within each partition of that many keys before the cast, partitions merged
-    by their log-sum-exp (aiter #5642); ``normalised=False`` casts exp(z − partition max)·S instead and divides
-    by the partition's ℓ after the product (the fixed variant: an assumption, the fix's code was not read)."""
+    running max, O/(S·ℓ), the max rebased every block (an eager rescale). ``partition``: P normalised within
+    each partition of that many keys before the cast, partitions merged by their log-sum-exp (aiter #5642);
+    ``normalised=False`` casts exp(z − partition max)·S instead and divides by the partition's ℓ after the
+    product (the fixed variant: an assumption, the fix's code was not read)."""
     f32 = np.float32
     qt, kt, vt = (np.moveaxis(np.asarray(a, f32), 2, 1) for a in (q, k, v))
     z = (f32(scale) * np.einsum("bhtd,bhnd->bhtn", qt, kt)).astype(f32)
     n = z.shape[-1]
-    if tau_from_n:
-        s = 448.0 * 2.0 ** -(6 if n <= 4096 else 4)
     if partition:
         outs, lses = [], []
         for lo in range(0, n, partition):
@@ -111,16 +109,26 @@ def test_the_numpy_kernel_reproduces_aiter_5535():
     assert numpy_kernel(q, k, v, scale=1.0, s=448.0)[0, 0, 0, 0] == pytest.approx(0.9964, abs=2e-3)
 
 
-CASES = {  # name: (broken kernel options, fixed kernel options, Δ range the fix is held to)
-    "aiter_5535_s1": (dict(s=1.0), dict(s=448.0), (2.0, 12.0)),
-    "aiter_5642_partition": (dict(partition=256), dict(partition=256, normalised=False, s=256.0), (2.0, 14.0)),
-    "flydsl_1020_tau": (dict(s=1.0), dict(tau_from_n=True), (2.0, 6.0)),
+#: The fixes as the pull requests ship them. FlyDSL #1020 (ROCm/FlyDSL at 6de2a37,
+#: kernels/attention/flash_attn_utils.py lines 5113-5128: P·2^headroom with headroom = log2 448, less the lazy
+#: rescale's threshold when that path runs; flash_attn_interface.py lines 809-812: FP8 defaults to the eager
+#: rescale) and aiter #5535 (×448 before the cast) both make S = 448: the closed form's Δc = 10 ln 2 + ln 448
+#: ≈ 13.0 for one dominant key, so each fix passes to Δ = 12 and still collapses at Δ = 14, as the paper says
+#: any static S ≤ 448 must. aiter #5642's fix takes P against each partition's own max (an assumption: the
+#: fix's code was not read), so only the dominant key's partition is cast against it: it passes to Δ = 14.
+CASES = {  # name: (broken kernel options, fixed kernel options, Δ range the fix passes, whether Δ = 14 fails)
+    "aiter_5535_s1": (dict(s=1.0), dict(s=448.0), (2.0, 12.0), True),
+    "aiter_5642_partition": (dict(partition=256), dict(partition=256, normalised=False, s=256.0), (2.0, 14.0),
+                             False),
+    "flydsl_1020_s448": (dict(s=1.0), dict(s=448.0), (2.0, 12.0), True),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_each_amd_case_is_caught_and_its_fix_passes(case):
-    broken, fixed, (lo, hi) = CASES[case]
+    from pcast_jax import theory
+
+    broken, fixed, (lo, hi), beyond_fails = CASES[case]
     t0 = time.perf_counter()
     bad = testing.check_p_collapse(lambda q, k, v: numpy_kernel(q, k, v, scale=1 / 8, **broken), head_dim=64,
                                    fingerprint=False)
@@ -130,6 +138,11 @@ def test_each_amd_case_is_caught_and_its_fix_passes(case):
                                     deltas=tuple(float(d) for d in np.arange(lo, hi + 1)), fingerprint=False)
     assert good.safe is True, good.summary()
     assert seconds < 30, seconds
+    if beyond_fails:  # S = 448: Δc ≈ 13.0 lies between the last Δ the fix passes and 14
+        assert hi < float(theory.critical_delta(448.0, k_sink=1, fmt="e4m3")) < 14.0
+        past = testing.check_p_collapse(lambda q, k, v: numpy_kernel(q, k, v, scale=1 / 8, **fixed), head_dim=64,
+                                        deltas=(14.0,), fingerprint=False)
+        assert past.safe is False, past.summary()
 
 
 # --------------------------------------------------------------------------------------------
