@@ -14,7 +14,8 @@
 # accumulator's mantissa bits fitted to the Mosaic kernel's outputs (the simulator's
 # KernelConfig.mma_acc_bits model, 14 bits by assumption until this step has run on Hopper), (f) JAX's
 # own cuDNN FP8 attention beside the cuDNN presets: which lazy-rescale threshold reproduces it, (g) the
-# same attention fingerprinted from its outputs on designed probes (pcast_jax.fingerprint).
+# same attention fingerprinted from its outputs on designed probes (pcast_jax.fingerprint), (h) the
+# P-collapse check (pcast_jax.testing) on both kernels, compiled, against the simulator's verdicts.
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
@@ -35,7 +36,7 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,dri
 if [ -z "$SMOKE" ]; then
   echo
   echo "== (a) tests/test_pallas.py on the GPU (interpret-mode classes deselected) =="
-  timeout 120 "$PY" -m pytest tests/test_pallas.py -q -p no:cacheprovider -k "not Interpret" -rs || status=1
+  timeout 100 "$PY" -m pytest tests/test_pallas.py -q -p no:cacheprovider -k "not Interpret" -rs || status=1
 fi
 
 echo
@@ -66,7 +67,13 @@ timeout 60 "$PY" benchmarks/gpu_bench.py --part cudnn $SMOKE || status=1
 
 echo
 echo "== (g) fingerprint: JAX's cuDNN FP8 attention read from its outputs (scale_s 1 and 32) =="
-timeout 120 "$PY" benchmarks/gpu_bench.py --part fingerprint $SMOKE || status=1
+timeout 100 "$PY" benchmarks/gpu_bench.py --part fingerprint $SMOKE || status=1
+
+if [ -z "$SMOKE" ]; then
+  echo
+  echo "== (h) P-collapse check on both Pallas kernels, compiled (fwd_s1 fails, fa3 passes, as simulated) =="
+  timeout 40 "$PY" -m pytest tests/test_testing.py -q -p no:cacheprovider -k pallas_kernels_get -rA || status=1
+fi
 
 echo
 echo "gpu_check exit status: $status"

@@ -38,6 +38,7 @@ COMMANDS: dict[str, str] = {
                "and the scale_s to pass.",
     "doctor": "From a deployment (engine, backend, GPU, checkpoint) to its kernel, a P-collapse verdict and the fix.",
     "fingerprint": "Read a closed kernel's P-cast from its outputs on designed probes (probe, fit, --preset).",
+    "probe": "P-collapse check of a kernel run elsewhere: write the probes, check its outputs (write, check).",
 }
 #: Entry-point group through which other packages add sub-commands.
 ENTRY_POINT_GROUP = "pcast_jax.commands"

@@ -1755,6 +1755,38 @@ def _jax_fp8():
     return importlib.import_module("pcast_jax.jax_fp8")
 
 
+def _testing():
+    return importlib.import_module("pcast_jax.testing")
+
+
+def _collapse_file(tmp_path, change=None, drop=(), name="cp.npz", head_dim=16):
+    """A probes file of ``pcast probe write`` (64 keys), ``change`` {key: value} edited into it."""
+    _testing().collapse_probes(head_dim, n_keys=64).save(tmp_path / name)
+    if change is None and not drop:
+        return tmp_path / name
+    with np.load(tmp_path / name) as z:
+        data = {k: v for k, v in z.items() if k not in drop}
+    data.update(change or {})
+    np.savez(tmp_path / name, **data)
+    return tmp_path / name
+
+
+def _load_collapse(change=None, drop=()):
+    return lambda tmp_path: _testing().CollapseProbes.load(_collapse_file(tmp_path, change, drop))
+
+
+def _collapse_kernel(kernel, **kw):
+    kw = {"fingerprint": False, **kw}
+    return _api(lambda: _testing().check_p_collapse(kernel, head_dim=16, n_keys=64, **kw))
+
+
+def _collapse_outputs(tmp_path, make, head_dim=16):
+    """An outputs file (``out``) for _collapse_file's probes: ``make(exact output)``."""
+    probes = _testing().collapse_probes(head_dim, n_keys=64)
+    np.savez(tmp_path / f"co{head_dim}.npz", out=make(probes.exact.astype(np.float32)))
+    return tmp_path / f"co{head_dim}.npz"
+
+
 def _fit_simulated(transform):
     """fingerprint.fit on fwd_s1's simulated outputs (a fit that succeeds), ``transform`` applied first."""
     def call(tmp_path):
@@ -1902,6 +1934,34 @@ SURFACE_CASES = [
     ("identify_fn_returns_a_string", _api(lambda: _fingerprint().identify(lambda q, k, v: "done", head_dim=36)),
      ["outputs.dtype=<U4", "floating-point"]),
     ("explain_preset_unknown", _api(lambda: _fingerprint().explain_preset("fa5")), ["preset='fa5'", "'fa3'"]),
+    # pcast_jax.testing (and pcast probe): the P-collapse probes, kernels, probe files
+    ("collapse_head_dim_8", _api(lambda: _testing().collapse_probes(8)), ["head_dim=8", ">= 16"]),
+    ("collapse_n_keys_32", _api(lambda: _testing().collapse_probes(16, n_keys=32)), ["n_keys=32", ">= 64"]),
+    ("collapse_one_replicate", _api(lambda: _testing().collapse_probes(16, replicates=1)), ["replicates=1", ">= 2"]),
+    ("collapse_no_deltas", _api(lambda: _testing().collapse_probes(16, deltas=())), ["deltas=()", "at least one"]),
+    ("collapse_delta_repeated", _api(lambda: _testing().collapse_probes(16, deltas=(5, 5))),
+     ["deltas=(5, 5)", "must not repeat"]),
+    ("collapse_delta_nan", _api(lambda: _testing().collapse_probes(16, deltas=(NAN,))), ["deltas=(nan,)", "[0, 30]"]),
+    ("collapse_delta_31", _api(lambda: _testing().collapse_probes(16, deltas=(31.0,))), ["deltas=(31.0,)", "[0, 30]"]),
+    ("collapse_scale_zero", _api(lambda: _testing().collapse_probes(16, scale=0.0)), ["scale=0.0", "[2^-20, 2^20]"]),
+    ("collapse_causal_not_bool", _api(lambda: _testing().collapse_probes(16, causal=1)), ["causal=1", "True or False"]),
+    ("collapse_kernel_not_callable", _api(lambda: _testing().check_p_collapse("k", head_dim=16)),
+     ["kernel='k'", "callable"]),
+    ("collapse_kernel_heads_first", _collapse_kernel(lambda q, k, v: np.swapaxes(q, 1, 2)),
+     ["outputs.shape=(32, 1, 13, 16)", "query shape (32, 13, 1, 16)"]),
+    ("collapse_kernel_nan", _collapse_kernel(lambda q, k, v: np.full(q.shape, NAN)),
+     ["outputs holds 6656 NaN or inf", "must be finite"]),
+    ("collapse_kernel_returns_a_string", _collapse_kernel(lambda q, k, v: "done"),
+     ["outputs.dtype=<U4", "floating-point"]),
+    ("collapse_fingerprint_not_bool", _collapse_kernel(lambda q, k, v: q, fingerprint="yes"),
+     ["fingerprint='yes'", "True or False"]),
+    ("collapse_probes_file_missing", lambda t: _testing().CollapseProbes.load(t / "none.npz"),
+     ["probes file", "does not exist"]),
+    ("collapse_probes_file_of_the_fingerprint", lambda t: _testing().CollapseProbes.load(_probes_file(t)),
+     ["probes file", "not written by 'pcast probe write'"]),
+    ("collapse_probes_file_no_seed", _load_collapse(drop=("seed",)), ["probes file", "lacks", "seed"]),
+    ("collapse_probes_file_v_edited", _load_collapse({"v": np.zeros((32, 64, 1, 16), np.float32)}),
+     ["probes file", "v is not what 'pcast probe write' writes"]),
     # degenerate outputs: nothing is read from a buffer the kernel never filled
     ("fit_outputs_all_zero", _fit_simulated(np.zeros_like), ["outputs is zero everywhere", "nothing is read"]),
     ("fit_outputs_negative_zero", _fit_simulated(lambda o: np.full_like(o, -0.0)), ["outputs is zero everywhere"]),
@@ -2018,6 +2078,37 @@ SURFACE_CLI_CASES = [
     ("fingerprint_preset_unknown", lambda t: ["fingerprint", "--preset", "fa5"], ["preset='fa5'"]),
     ("fingerprint_preset_head_dim_8", lambda t: ["fingerprint", "--preset", "fa3", "--head-dim", "8"],
      ["head_dim=8"]),
+    # pcast probe: the P-collapse check of a kernel run elsewhere
+    ("probe_write_head_dim_8", lambda t: ["probe", "write", "--head-dim", "8", "--out", str(t / "p.npz")],
+     ["head_dim=8", ">= 16"]),
+    ("probe_write_delta_nan", lambda t: ["probe", "write", "--head-dim", "16", "--delta", "4,nan", "--out",
+                                         str(t / "p.npz")], ["--delta", "nan"]),
+    ("probe_write_n_keys_32", lambda t: ["probe", "write", "--head-dim", "16", "--n-keys", "32", "--out",
+                                         str(t / "p.npz")], ["n_keys=32", ">= 64"]),
+    ("probe_write_out_a_folder", lambda t: ["probe", "write", "--head-dim", "16", "--out", str(t)],
+     ["--out=", "is a folder"]),
+    ("probe_no_action", lambda t: ["probe"], ["needs an action", "write", "check"]),
+    ("probe_check_outputs_missing", lambda t: ["probe", "check", str(_collapse_file(t)), str(t / "none.npz")],
+     ["outputs file", "does not exist"]),
+    ("probe_check_outputs_heads_first", lambda t: ["probe", "check", str(_collapse_file(t)),
+                                                   str(_collapse_outputs(t, lambda o: np.swapaxes(o, 1, 2)))],
+     ["outputs.shape=(32, 1, 13, 16)", "query shape (32, 13, 1, 16)"]),
+    ("probe_check_outputs_nan", lambda t: ["probe", "check", str(_collapse_file(t)),
+                                           str(_collapse_outputs(t, lambda o: o * NAN))], ["NaN or inf", "finite"]),
+    ("probe_check_the_fingerprint_probes", lambda t: ["probe", "check", str(_probes_file(t)), str(_zeros_npy(t))],
+     ["probes file", "not written by 'pcast probe write'"]),
+    ("probe_check_fingerprint_other_head_dim", lambda t: ["probe", "check", str(_collapse_file(t)),
+                                                          str(_collapse_outputs(t, np.copy)), "--fingerprint",
+                                                          str(_probes_file(t)), str(_zeros_npy(t))],
+     ["--fingerprint", "head dim, scale, causal, sinks = (36,"]),
+    ("probe_check_fingerprint_outputs_missing", lambda t: ["probe", "check", str(_collapse_file(t, head_dim=36)),
+                                                           str(_collapse_outputs(t, np.copy, 36)), "--fingerprint", str(_probes_file(t)),
+                                                           str(t / "none.npz")],
+     ["--fingerprint: outputs file", "none.npz", "does not exist"]),
+    ("probe_check_fingerprint_outputs_of_the_probe", lambda t: [
+        "probe", "check", str(_collapse_file(t, head_dim=36)), str(_collapse_outputs(t, np.copy, 36)), "--fingerprint",
+        str(_probes_file(t)), str(_collapse_outputs(t, np.copy))],
+     ["--fingerprint: outputs.shape=(32, 13, 1, 16)", "(5, 64, 1, 36)"]),
     # flags that would be ignored are refused, naming them (the trace need not exist: refused before)
     ("doctor_mass_limit_without_trace", lambda t: [*_CUDNN, "--mass-limit", "0.01"], ["--mass-limit", "only with --trace"]),
     ("doctor_delta_with_trace", lambda t: [*_CUDNN, "--trace", "t.npz", "--delta", "4"], ["--delta:", "--trace"]),

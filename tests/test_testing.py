@@ -60,18 +60,16 @@ def _cast(x):
     return np.asarray(x, np.float32).astype(F8).astype(np.float32)
 
 
-def numpy_kernel(q, k, v, *, scale, s=1.0, tau_from_n=False, partition=0, normalised=True, block=128):
+def numpy_kernel(q, k, v, *, scale, s=1.0, partition=0, normalised=True, block=128):
     """Forward-order FP8 attention in [batch, tokens, heads, dim]: P = exp(z − m)·S cast to E4M3 against the
-    running max, O/(S·ℓ). ``tau_from_n``: S = 448·2^-τ with τ = 6 for N ≤ 4096, else 4 (FlyDSL #1020's fix).
-    ``partition``: P normalised within each partition of that many keys before the cast, partitions merged
-    by their log-sum-exp (aiter #5642); ``normalised=False`` casts exp(z − partition max)·S instead and divides
-    by the partition's ℓ after the product (the fixed variant: an assumption, the fix's code was not read)."""
+    running max, O/(S·ℓ), the max rebased every block (an eager rescale). ``partition``: P normalised within
+    each partition of that many keys before the cast, partitions merged by their log-sum-exp (aiter #5642);
+    ``normalised=False`` casts exp(z − partition max)·S instead and divides by the partition's ℓ after the
+    product (the fixed variant: an assumption, the fix's code was not read)."""
     f32 = np.float32
     qt, kt, vt = (np.moveaxis(np.asarray(a, f32), 2, 1) for a in (q, k, v))
     z = (f32(scale) * np.einsum("bhtd,bhnd->bhtn", qt, kt)).astype(f32)
     n = z.shape[-1]
-    if tau_from_n:
-        s = 448.0 * 2.0 ** -(6 if n <= 4096 else 4)
     if partition:
         outs, lses = [], []
         for lo in range(0, n, partition):
@@ -128,16 +126,26 @@ def test_the_aiter_mla_preset_reproduces_aiter_5535_as_the_numpy_kernel_does():
     assert got[0, 0, 0, 0] == pytest.approx(1.0 / (1.0 + 2047.0 * np.exp(-7.0)), rel=1.3e-4)
 
 
-CASES = {  # name: (broken kernel options, fixed kernel options, Δ range the fix is held to)
-    "aiter_5535_s1": (dict(s=1.0), dict(s=448.0), (2.0, 12.0)),
-    "aiter_5642_partition": (dict(partition=256), dict(partition=256, normalised=False, s=256.0), (2.0, 14.0)),
-    "flydsl_1020_tau": (dict(s=1.0), dict(tau_from_n=True), (2.0, 6.0)),
+#: The fixes as the pull requests ship them. FlyDSL #1020 (ROCm/FlyDSL at 6de2a37,
+#: kernels/attention/flash_attn_utils.py lines 5113-5128: P·2^headroom with headroom = log2 448, less the lazy
+#: rescale's threshold when that path runs; flash_attn_interface.py lines 809-812: FP8 defaults to the eager
+#: rescale) and aiter #5535 (×448 before the cast) both make S = 448: the closed form's Δc = 10 ln 2 + ln 448
+#: ≈ 13.0 for one dominant key, so each fix passes to Δ = 12 and still collapses at Δ = 14, as the paper says
+#: any static S ≤ 448 must. aiter #5642's fix takes P against each partition's own max (an assumption: the
+#: fix's code was not read), so only the dominant key's partition is cast against it: it passes to Δ = 14.
+CASES = {  # name: (broken kernel options, fixed kernel options, Δ range the fix passes, whether Δ = 14 fails)
+    "aiter_5535_s1": (dict(s=1.0), dict(s=448.0), (2.0, 12.0), True),
+    "aiter_5642_partition": (dict(partition=256), dict(partition=256, normalised=False, s=256.0), (2.0, 14.0),
+                             False),
+    "flydsl_1020_s448": (dict(s=1.0), dict(s=448.0), (2.0, 12.0), True),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_each_amd_case_is_caught_and_its_fix_passes(case):
-    broken, fixed, (lo, hi) = CASES[case]
+    from pcast_jax import theory
+
+    broken, fixed, (lo, hi), beyond_fails = CASES[case]
     t0 = time.perf_counter()
     bad = testing.check_p_collapse(lambda q, k, v: numpy_kernel(q, k, v, scale=1 / 8, **broken), head_dim=64,
                                    fingerprint=False)
@@ -147,3 +155,165 @@ def test_each_amd_case_is_caught_and_its_fix_passes(case):
                                     deltas=tuple(float(d) for d in np.arange(lo, hi + 1)), fingerprint=False)
     assert good.safe is True, good.summary()
     assert seconds < 30, seconds
+    if beyond_fails:  # S = 448: Δc ≈ 13.0 lies between the last Δ the fix passes and 14
+        assert hi < float(theory.critical_delta(448.0, k_sink=1, fmt="e4m3")) < 14.0
+        past = testing.check_p_collapse(lambda q, k, v: numpy_kernel(q, k, v, scale=1 / 8, **fixed), head_dim=64,
+                                        deltas=(14.0,), fingerprint=False)
+        assert past.safe is False, past.summary()
+
+
+# --------------------------------------------------------------------------------------------
+# The opt-in pytest plugin: the fixture p_collapse in a kernel author's own test file
+# --------------------------------------------------------------------------------------------
+
+pytest_plugins = ["pytester"]
+
+#: A kernel author's test file: one line loads the plugin; an S = 1 forward kernel (its own NumPy, one KV
+#: block: key 0 is the row max) and an exact one, each through the fixture.
+KERNEL_TEST_FILE = '''
+import ml_dtypes
+import numpy as np
+
+pytest_plugins = ["pcast_jax.testing.pytest_plugin"]
+
+
+def attention(q, k, v, *, fp8_s=None):
+    z = np.einsum("bthd,bnhd->bhtn", q.astype(np.float64), k.astype(np.float64)) / np.sqrt(q.shape[-1])
+    p = np.exp(z - z.max(axis=-1, keepdims=True))
+    ell = p.sum(axis=-1, keepdims=True)
+    if fp8_s is not None:  # P·S cast to E4M3 before the product, as an FP8 kernel does
+        p = (p * fp8_s).astype(np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) / fp8_s
+    return np.einsum("bhtn,bnhd->bthd", p / ell, v)
+
+
+def test_s1_kernel(p_collapse):
+    p_collapse(lambda q, k, v: attention(q, k, v, fp8_s=1.0), head_dim=16, n_keys=512, fingerprint=False)
+
+
+def test_exact_kernel(p_collapse):
+    check = p_collapse(attention, head_dim=16, n_keys=512, fingerprint=False)
+    assert check.safe is True
+'''
+
+
+def test_the_fixture_fails_a_collapsing_kernel_with_the_report(pytester):
+    pytester.makepyfile(test_kernel=KERNEL_TEST_FILE)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-rA", "--junitxml=junit.xml")
+    result.assert_outcomes(passed=1, failed=1)
+    text = result.stdout.str()
+    failure = text[text.index("_ test_s1_kernel _"):text.index("Captured P-collapse check call")]
+    # the report is the failure's message, with no traceback into the check
+    assert "**P-collapse check: fails: P-collapse from Δ = " in failure, failure
+    assert "pcast_jax" not in failure.replace("pcast_jax.testing.pytest_plugin", ""), failure
+    # the passing test's report is kept as its section (-rA prints it)
+    passed = text[text.index("_ test_exact_kernel _"):]
+    assert "P-collapse check: passes" in passed, passed
+    junit = (pytester.path / "junit.xml").read_text()
+    assert 'name="p_collapse" value="passes:' in junit and 'name="p_collapse" value="fails:' in junit, junit
+
+
+def test_the_plugin_is_opt_in(pytester):
+    """Installing pcast_jax registers no plugin: without the pytest_plugins line the fixture is unknown."""
+    pytester.makepyfile(test_kernel=KERNEL_TEST_FILE.replace('pytest_plugins = ["pcast_jax.testing.pytest_plugin"]',
+                                                             ""))
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(errors=2)
+    result.stdout.fnmatch_lines(["*fixture 'p_collapse' not found*"])
+
+
+# --------------------------------------------------------------------------------------------
+# pcast probe: the same check for a kernel run elsewhere, through files
+# --------------------------------------------------------------------------------------------
+
+
+def test_pcast_probe_writes_the_probes_and_checks_outputs_as_the_api_does(tmp_path, capsys):
+    import json
+
+    from pcast_jax import cli
+
+    probes = tmp_path / "probes.npz"
+    assert cli.main(["probe", "write", "--head-dim", "64", "--n-keys", "1024", "--delta", "2:14:2",
+                     "--out", str(probes)]) == 0
+    capsys.readouterr()
+    with np.load(probes) as z:
+        q, k, v = z["q"], z["k"], z["v"]
+    for options, status in ((dict(s=1.0), 1), (dict(s=448.0), 0)):
+        np.savez(tmp_path / "out.npz", out=numpy_kernel(q, k, v, scale=1 / 8, **options))
+        assert cli.main(["probe", "check", str(probes), str(tmp_path / "out.npz"), "--format", "json"]) == status
+        got = json.loads(capsys.readouterr().out)
+        want = testing.check_p_collapse(lambda q, k, v: numpy_kernel(q, k, v, scale=1 / 8, **options), head_dim=64,
+                                        n_keys=1024, deltas=(2, 4, 6, 8, 10, 12, 14), fingerprint=False)
+        assert got["safe"] is want.safe and got["verdict"] == want.verdict
+        # the same probes and outputs: the same readings, to JSON's round trip of a float64
+        assert got["rows"] == [r.to_dict() for r in want.rows]
+    assert cli.main(["probe", "check", str(probes), str(tmp_path / "out.npz")]) == 0
+    assert capsys.readouterr().out.startswith("**P-collapse check: passes")
+
+
+def test_pcast_probe_check_names_the_nearest_preset_from_the_fingerprint_files(tmp_path, capsys):
+    """The simulator running fwd_s1 as the kernel: the fingerprint's fields agree with fwd_s1, S = 1, Δc = 10 ln 2."""
+    from pcast_jax import cli, fingerprint
+
+    kernel = testing.simulated_kernel("fwd_s1")
+    probes = testing.collapse_probes(64, n_keys=1024, deltas=(4.0, 10.0))
+    probes.save(tmp_path / "p.npz")
+    np.savez(tmp_path / "o.npz", out=kernel(*probes.arrays()))
+    ps = fingerprint.probes(64)
+    ps.save(tmp_path / "fp.npz")
+    np.savez(tmp_path / "fo.npz", out=kernel(ps.q, ps.k, ps.v))
+    assert cli.main(["probe", "check", str(tmp_path / "p.npz"), str(tmp_path / "o.npz"), "--fingerprint",
+                     str(tmp_path / "fp.npz"), str(tmp_path / "fo.npz")]) == 1
+    out = capsys.readouterr().out
+    assert "fails: P-collapse from Δ = 10" in out, out
+    assert "fwd_s1" in out.split("Nearest preset:")[1].split("\n")[0], out
+    assert "Δc = 6.93 " in out, out  # 10 ln 2 = 6.931…
+
+
+# --------------------------------------------------------------------------------------------
+# Both Pallas kernels in interpret mode as the kernel under test
+# --------------------------------------------------------------------------------------------
+
+#: KV length of the Pallas probes: 8 KV blocks of fwd_s1 (64 keys), 4 of fa3 (160: 3.2 blocks, the last partial).
+PALLAS_N_KEYS = 512
+
+
+def pallas_kernel(backend: str, cfg, *, interpret: bool):
+    """``kernel(q, k, v)`` as a kernel author wraps a Pallas kernel: jax.nn's layout to (batch, heads, tokens,
+    dim), Q/K/V quantized per tensor to E4M3 (lossless on the probes), the query rows padded with zeros to
+    the kernels' 64-row query tile and dropped again."""
+    import jax.numpy as jnp
+
+    import pallas_kernels
+
+    def kernel(q, k, v):
+        rows = q.shape[1]
+        q = np.pad(q, ((0, 0), (0, -rows % 64), (0, 0), (0, 0)))
+        q8, k8, v8, descales = pallas_kernels.quantize_qkv(*(jnp.swapaxes(jnp.asarray(x), 1, 2) for x in (q, k, v)))
+        out = pallas_kernels.fp8_attention(q8, k8, v8, config=cfg, implementation=backend, interpret=interpret,
+                                           **descales)
+        return np.swapaxes(np.asarray(out), 1, 2)[:, :rows]
+
+    return kernel
+
+
+@pytest.mark.parametrize("name", ["fwd_s1", "fa3"])
+@pytest.mark.parametrize("backend", ["mosaic", "triton"])
+def test_both_pallas_kernels_get_the_simulators_verdict(backend, name):
+    """fwd_s1 (S = 1, forward: collapses) and fa3 (S = 448·2^-8 as an exponent, reverse: passes) on each
+    kernel, compiled on a GPU (benchmarks/gpu_check.sh), else in interpret mode: the verdict and collapse Δ
+    the simulator gets for the same preset."""
+    import jax
+
+    on_gpu = jax.default_backend() == "gpu"
+    cfg = preset_for(name, 64)
+    got = testing.check_p_collapse(pallas_kernel(backend, cfg, interpret=not on_gpu), head_dim=64,
+                                   n_keys=PALLAS_N_KEYS, fingerprint=False)
+    want = testing.check_p_collapse(testing.simulated_kernel(cfg), head_dim=64, n_keys=PALLAS_N_KEYS,
+                                    fingerprint=False)
+    assert got.safe is want.safe is (name == "fa3"), got.summary()
+    assert got.collapse_delta == want.collapse_delta
+    for g, w in zip(got.rows, want.rows):
+        # the kernels zero exactly the P the simulator zeroes (tests/test_pallas.py): the witnesses read the same
+        assert g.zeroed == w.zeroed and g.verdict == w.verdict, (g, w)
+        if not on_gpu:  # the V = 1 column: float32 sums of ≤ 512 terms in another order, each within 512·2^-24
+            assert abs(g.lost_mass - w.lost_mass) <= PALLAS_N_KEYS * 2.0**-24, (g, w)

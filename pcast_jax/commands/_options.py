@@ -299,3 +299,15 @@ def add_progress_argument(parser: argparse.ArgumentParser, what: str = "a progre
     """``--progress/--no-progress`` (``args.progress``: True, False or None for the default)."""
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help=f"{what} (default: {default})")
+
+
+def add_probe_arguments(parser: argparse.ArgumentParser, *, min_head_dim: int) -> None:
+    """The kernel's calling convention for probes written to a file (``fingerprint probe``, ``probe write``):
+    ``--head-dim``, ``--scale``, ``--causal``, ``--sinks``, ``--seed``."""
+    parser.add_argument("--head-dim", dest="head_dim", type=int, required=True,
+                        help=f"the kernel's head dim (>= {min_head_dim})")
+    parser.add_argument("--scale", type=float, default=None,
+                        help="softmax scale the kernel applies (default 1/sqrt(head dim), as jax.nn)")
+    parser.add_argument("--causal", action="store_true", help="the kernel masks causally (bottom-right aligned)")
+    parser.add_argument("--sinks", action="store_true", help="the kernel takes learned sink logits, one per head")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the probes (default 0)")

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from pcast_jax.commands import _options
+
 #: Largest outputs file read: 256 MiB.
 MAX_OUTPUTS_BYTES = 1 << 28
 
@@ -27,12 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("probe", help="write the probes (q, k, v, sinks) as an .npz",
                        description="Write the probes (q, k, v and sinks) as an .npz for your kernel.")
-    p.add_argument("--head-dim", dest="head_dim", type=int, required=True, help="the kernel's head dim")
-    p.add_argument("--scale", type=float, default=None,
-                   help="softmax scale the kernel applies (default 1/sqrt(head dim), as jax.nn)")
-    p.add_argument("--causal", action="store_true", help="the kernel masks causally (bottom-right aligned)")
-    p.add_argument("--sinks", action="store_true", help="the kernel takes learned sink logits, one per head")
-    p.add_argument("--seed", type=int, default=0, help="seed of the probes (default 0)")
+    _options.add_probe_arguments(p, min_head_dim=36)
     p.add_argument("--out", required=True, metavar="FILE", help="where the probes go (.npz)")
 
     p = sub.add_parser("fit", help="fit a kernel's outputs on the probes",
