@@ -358,7 +358,8 @@ class CollapseCheck:
       closed_form_delta: Δc = 10 ln 2 + ln S − δ1 of the nearest preset (or the fitted config), or None.
       closed_form_note: what Δc is, or why there is none.
       head_dim, scale, causal, sinks, n_keys, replicates, seed: the probes'.
-      seconds_kernel: the kernel call's seconds on the probes; seconds_check: the whole check's.
+      seconds_kernel: the kernel call's seconds on the probes (None where it ran elsewhere: :func:`evaluate` on
+        outputs read back); seconds_check: the whole check's.
     """
 
     rows: tuple[CollapseRow, ...]
@@ -377,7 +378,7 @@ class CollapseCheck:
     n_keys: int
     replicates: int
     seed: int
-    seconds_kernel: float
+    seconds_kernel: float | None
     seconds_check: float
 
     def worst(self) -> CollapseRow:
@@ -394,7 +395,9 @@ class CollapseCheck:
                 f"Probes: head dim {self.head_dim}, scale {report.fmt_num(self.scale, 4)}, {self.n_keys} keys, "
                 f"{'causal (bottom-right), ' if self.causal else ''}"
                 f"{'with a learned-sink probe, ' if self.sinks else ''}seed {self.seed}; kernel call "
-                f"{report.fmt_num(self.seconds_kernel, 2)} s, check {report.fmt_num(self.seconds_check, 2)} s.",
+                + ("not timed (it ran elsewhere)" if self.seconds_kernel is None
+                   else f"{report.fmt_num(self.seconds_kernel, 2)} s")
+                + f", check {report.fmt_num(self.seconds_check, 2)} s.",
                 "Starts to collapse at: " + ("no Δ of the probes" if self.collapse_delta is None
                                              else f"Δ = {self.collapse_delta:g}")
                 + "; closed form: " + (f"Δc = {report.fmt_num(self.closed_form_delta, 2)} ({self.closed_form_note})"
@@ -495,7 +498,7 @@ def _nearest(fp, head_dim: int) -> tuple[str | None, str]:
 
 
 def evaluate(probes: CollapseProbes, outputs, *, fingerprint=None, fingerprint_error: str | None = None,
-             seconds_kernel: float = 0.0, started: float | None = None) -> CollapseCheck:
+             seconds_kernel: float | None = None, started: float | None = None) -> CollapseCheck:
     """The check from a kernel's outputs on ``probes`` (and its :class:`~pcast_jax.fingerprint.Fingerprint`,
     when one was read): what ``pcast probe check`` prints."""
     t0 = time.perf_counter() if started is None else started
