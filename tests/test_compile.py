@@ -34,6 +34,29 @@ def test_fingerprint_of_the_default_spec_is_unchanged():
         SweepSpec(micro_batch=0)
 
 
+def test_configs_past_one_group_compile_in_groups_that_do_not_see_each_other(monkeypatch):
+    """A sweep of CONFIG_GROUP + 1 configs is two programs; each config's numbers are those of its group
+    swept alone (bit for bit), and only such a sweep has the group size in its fingerprint."""
+    from pcast_jax.sweep import compute_chunk
+    from pcast_jax.sweep.spec import CONFIG_GROUP
+
+    names = ("fwd_s1", "rev_s1", "fwd_s256", "rev_s256", "fwd_s448", "fa3", "dynamic_pow2", "hpc_ops", "trtllm_xqa")
+    assert len(names) == CONFIG_GROUP + 1
+    kw = dict(deltas=(9.0,), ns=(64,), seeds=2, q_len=2, d=4)
+    before = chunk_metrics._cache_size()
+    both = compute_chunk(SweepSpec(configs=names, **kw), 64, 0, 2)
+    assert chunk_metrics._cache_size() - before <= 2  # the two groups (fewer where an earlier test compiled one)
+    first = compute_chunk(SweepSpec(configs=names[:-1], **kw), 64, 0, 2)
+    last = compute_chunk(SweepSpec(configs=names[-1:], **kw), 64, 0, 2)
+    _same_bits({m: both[m][..., :-1] for m in both}, first, "first group")
+    _same_bits({m: both[m][..., -1:] for m in both}, last, "second group")
+    assert chunk_metrics._cache_size() - before == 2, "the groups swept alone are the sweep's own programs"
+    nine, eight = SweepSpec(configs=names, **kw), SweepSpec(configs=names[:-1], **kw)
+    prints = nine.fingerprint(), eight.fingerprint()
+    monkeypatch.setattr("pcast_jax.sweep.spec.CONFIG_GROUP", 2 * CONFIG_GROUP)
+    assert nine.fingerprint() != prints[0] and eight.fingerprint() == prints[1]
+
+
 def test_same_shapes_with_other_seeds_base_seed_and_deltas_do_not_recompile():
     first = run_sweep(SweepSpec(**SPEC_KW), chunk_size=4, progress=False)
     compiled = chunk_metrics._cache_size()

@@ -6,8 +6,6 @@ of the AMD cases as its pull request describes it, broken and fixed.
 
 from __future__ import annotations
 
-import time
-
 import ml_dtypes
 import numpy as np
 import pytest
@@ -38,15 +36,16 @@ DIFFERS = {
 }
 
 
-def test_every_preset_through_the_simulator_gets_the_vendors_verdict():
+def test_the_verdict_tables_name_presets():
+    assert set(VENDORS_FAIL) <= set(PRESETS) and set(DIFFERS) <= set(PRESETS)
+
+
+@pytest.mark.parametrize("name", [n for n in PRESETS if n not in DIFFERS])
+def test_every_preset_through_the_simulator_gets_the_vendors_verdict(name):
     """At the vendors study's Δ = 7 and 10 (one compiled program per program class: simulated_kernel)."""
-    got = {}
-    for name in PRESETS:
-        kernel = testing.simulated_kernel(preset_for(name, 128))
-        check = testing.check_p_collapse(kernel, head_dim=128, deltas=(7.0, 10.0), fingerprint=False)
-        got[name] = check.safe
-    wrong = [n for n in PRESETS if n not in DIFFERS and got[n] is not (n not in VENDORS_FAIL)]
-    assert not wrong, {n: got[n] for n in wrong}
+    kernel = testing.simulated_kernel(preset_for(name, 128))
+    check = testing.check_p_collapse(kernel, head_dim=128, deltas=(7.0, 10.0), fingerprint=False)
+    assert check.safe is (name not in VENDORS_FAIL), check.summary()
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,15 +145,12 @@ def test_each_amd_case_is_caught_and_its_fix_passes(case):
     from pcast_jax import theory
 
     broken, fixed, (lo, hi), beyond_fails = CASES[case]
-    t0 = time.perf_counter()
     bad = testing.check_p_collapse(lambda q, k, v: numpy_kernel(q, k, v, scale=1 / 8, **broken), head_dim=64,
                                    fingerprint=False)
-    seconds = time.perf_counter() - t0
     assert bad.safe is False and bad.collapse_delta is not None, bad.summary()
     good = testing.check_p_collapse(lambda q, k, v: numpy_kernel(q, k, v, scale=1 / 8, **fixed), head_dim=64,
                                     deltas=tuple(float(d) for d in np.arange(lo, hi + 1)), fingerprint=False)
     assert good.safe is True, good.summary()
-    assert seconds < 30, seconds
     if beyond_fails:  # S = 448: Δc ≈ 13.0 lies between the last Δ the fix passes and 14
         assert hi < float(theory.critical_delta(448.0, k_sink=1, fmt="e4m3")) < 14.0
         past = testing.check_p_collapse(lambda q, k, v: numpy_kernel(q, k, v, scale=1 / 8, **fixed), head_dim=64,

@@ -28,12 +28,16 @@ from pcast_jax.stats import summary_cells
 from pcast_jax.workloads import DELTA_MAX, SinkWorkload
 
 __all__ = ["FORMAT_VERSION", "SIMULATOR_VERSION", "SweepSpec", "SweepResult", "check_spec", "instance_key",
-           "auto_micro_batch",
+           "auto_micro_batch", "CONFIG_GROUP",
            "estimate_instance_bytes", "software_identity"]
 
 #: Version of the files a sweep writes (spec.json, chunks, results.npz). A folder of another version
 #: is refused (its results are recomputable), never read through a conversion.
 FORMAT_VERSION = 2
+#: Most configs compiled into one program: a chunk runs its configs in consecutive groups of this many
+#: (:mod:`pcast_jax.sweep.compute`'s docstring has the compile times that set it). A sweep of more
+#: configs has it in its fingerprint: its last bits depend on the groups.
+CONFIG_GROUP = 8
 #: Bump whenever the simulator's numbers change (engine, workloads, metrics): saved chunks of an
 #: older version then no longer match the fingerprint and are recomputed instead of resumed.
 SIMULATOR_VERSION = 3  # 2: per-instance loops instead of vmap (last-bit changes); 3: causal nonsink_mass from
@@ -168,6 +172,8 @@ class SweepSpec:
     def fingerprint(self) -> str:
         """Identity of the results: the spec, the file format and the simulator version."""
         ident = {"spec": self.to_dict(), "format": FORMAT_VERSION, "simulator": SIMULATOR_VERSION}
+        if len(self.configs) > CONFIG_GROUP:  # more than one program: the last bits depend on the groups
+            ident["config_group"] = CONFIG_GROUP
         blob = json.dumps(ident, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -242,12 +248,13 @@ def estimate_instance_bytes(spec: SweepSpec, n: int) -> int:
 
     What XLA allocates for the chunk (arguments, outputs and temporaries, from
     ``compiled.memory_analysis()``) is five (q_len, N) float32 arrays of the instance, five more per
-    config, and three (N, d) arrays for sampled V, whatever the number of seeds or Δ values (the
-    chunk loops over them: one instance is live at a time, ``micro_batch`` of them with M > 1).
+    config of the largest group (:data:`CONFIG_GROUP`: the groups' programs run one after another),
+    and three (N, d) arrays for sampled V, whatever the number of seeds or Δ values (the chunk loops
+    over them: one instance is live at a time, ``micro_batch`` of them with M > 1).
     This is that count with N padded by one 256-key block; ``tests/test_sweep.py`` holds it between
     1× and 1.6× XLA's own figure across shapes, configs and both engines.
     """
-    rows = 4 * spec.q_len * (n + 256) * (5 + 5 * len(spec.configs))
+    rows = 4 * spec.q_len * (n + 256) * (5 + 5 * min(len(spec.configs), CONFIG_GROUP))
     v_bytes = 4 * 3 * (n + 256) * spec.d if spec.sampled_mse else 0
     return int(rows + v_bytes)
 
