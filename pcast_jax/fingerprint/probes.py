@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import ml_dtypes
 import numpy as np
@@ -44,7 +45,7 @@ import numpy as np
 from pcast_jax.errors import PcastError, check_int
 
 __all__ = ["ProbeSet", "probes", "FAMILIES", "N_KEYS", "SEGMENTS", "LADDER_KEYS", "SINK_LOGITS", "FORMAT_TAG",
-           "e4m3_values", "key_entry", "amax_entry",
+           "e4m3_values", "key_entry", "amax_entry", "OUTPUT_DTYPES", "check_kernel_output",
            "MIN_HEAD_DIM", "ROWS", "WALK_ROWS"]
 
 #: KV length of every probe: 32 segments of 16 keys; tiles up to 256 keys see at least two blocks.
@@ -172,6 +173,39 @@ def key_entry(scale: float) -> float:
 def amax_entry(value: float) -> float:
     """The smallest 448·2^k ≥ ``value``: a tensor whose amax it is quantizes to E4M3 without loss."""
     return 448.0 * 2.0 ** math.ceil(math.log2(value / 448.0))
+
+
+#: Output types a kernel may return, by name (besides any NumPy floating-point type); the fingerprint
+#: rounds its simulated outputs to the one the kernel returned before comparing.
+OUTPUT_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
+                 "e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
+
+
+def check_kernel_output(outputs, *, shape: tuple[int, ...], dtype, what: str = "outputs",
+                        where: Callable[[tuple[int, ...]], str] | None = None) -> np.ndarray:
+    """A kernel's output on probes (these, or :mod:`pcast_jax.testing`'s) as ``dtype``; PcastError naming ``what``.
+
+    The output must be an array of a floating-point type (:data:`OUTPUT_DTYPES` or a NumPy float) of the
+    probes' query ``shape``, finite once cast to ``dtype``. ``where(index)`` says what the first non-finite
+    value's index reads (the fingerprint's probe family); the callers add their own refusals.
+    """
+    try:
+        out = np.asarray(outputs)
+    except Exception as exc:  # noqa: BLE001 - anything that is not an array
+        raise PcastError(f"{what} is not an array ({exc})") from None
+    if out.dtype.kind != "f" and out.dtype not in [np.dtype(d) for d in OUTPUT_DTYPES.values()]:
+        raise PcastError(f"{what}.dtype={out.dtype} must be a floating-point type (the attention output)")
+    if out.shape != tuple(shape):
+        raise PcastError(f"{what}.shape={out.shape} must be the probes' query shape {tuple(shape)} "
+                         "[batch, q_tokens, heads, head_dim]")
+    out = out.astype(dtype)
+    bad = ~np.isfinite(out)
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        at = f"{idx}, {where(idx)}" if where is not None else f"{idx}"
+        raise PcastError(f"{what} holds {int(bad.sum())} NaN or inf values (first at {at}): a kernel's output on "
+                         "the probes must be finite")
+    return out
 
 
 def _ladder_levels(rng) -> np.ndarray:

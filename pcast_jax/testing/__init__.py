@@ -54,7 +54,7 @@ import numpy as np
 from pcast_jax import report
 from pcast_jax.criterion import CLIPPED_MASS_LIMIT, ZEROED_MASS_LIMIT, Z, over_limits
 from pcast_jax.errors import PcastError, check_int
-from pcast_jax.fingerprint.probes import amax_entry, e4m3_values, key_entry
+from pcast_jax.fingerprint.probes import amax_entry, check_kernel_output, e4m3_values, key_entry
 from pcast_jax.report import fmt_sci_pm as _pm
 from pcast_jax.stats import mean_sem
 
@@ -420,25 +420,6 @@ class CollapseCheck:
         return out
 
 
-def _check_out(probes: CollapseProbes, out, what: str) -> np.ndarray:
-    try:
-        arr = np.asarray(out)
-    except Exception as exc:  # noqa: BLE001 - whatever the kernel returned
-        raise PcastError(f"{what} is not an array ({exc})") from None
-    if arr.dtype.kind not in "fiu" and arr.dtype.name not in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
-        raise PcastError(f"{what}.dtype={arr.dtype} must be a floating-point type (the attention output)")
-    if arr.shape != probes.out_shape:
-        raise PcastError(f"{what}.shape={arr.shape} must be the probes' query shape {probes.out_shape} "
-                         "[batch, q_tokens, heads, head_dim]")
-    arr = arr.astype(np.float64)
-    bad = ~np.isfinite(arr)
-    if bad.any():
-        idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise PcastError(f"{what} holds {int(bad.sum())} NaN or inf values (first at {idx}): a kernel's output on "
-                         "the probes must be finite")
-    return arr
-
-
 def _rows(probes: CollapseProbes, out: np.ndarray) -> list[CollapseRow]:
     exact, reps = probes.exact, probes.replicates
     lost = exact[..., :_WITNESS] - out[..., :_WITNESS]  # (2R, T, H, 4)
@@ -502,7 +483,7 @@ def evaluate(probes: CollapseProbes, outputs, *, fingerprint=None, fingerprint_e
     """The check from a kernel's outputs on ``probes`` (and its :class:`~pcast_jax.fingerprint.Fingerprint`,
     when one was read): what ``pcast probe check`` prints."""
     t0 = time.perf_counter() if started is None else started
-    out = _check_out(probes, outputs, "outputs")
+    out = check_kernel_output(outputs, shape=probes.out_shape, dtype=np.float64)
     rows = _rows(probes, out)
     over = [r for r in rows if r.verdict == "over"]
     unsure = [r for r in rows if r.verdict == "within noise"]
