@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from pcast_jax.errors import PcastError, check_int
-from pcast_jax.fingerprint.probes import amax_entry, e4m3_values, key_entry
+from pcast_jax.fingerprint.probes import KernelArguments, amax_entry, e4m3_values, key_entry, read_probes_file
 
 __all__ = ["DELTAS", "N_KEYS", "REPLICATES", "MIN_HEAD_DIM", "FORMAT_TAG", "PROBES", "INERT_SINK", "WITNESS_SPAN",
            "V_ONES", "V_DOMINANT", "V_WEAKER", "V_AMAX", "V_WITNESS", "CollapseProbes", "collapse_probes",
@@ -45,7 +45,7 @@ WITNESS_SPAN = 12.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
-class CollapseProbes:
+class CollapseProbes(KernelArguments):
     """The probes' Q, K, V (and sinks) in ``jax.nn``'s [batch, tokens, heads, dim] layout, and their exact output.
 
     Attributes:
@@ -62,20 +62,12 @@ class CollapseProbes:
       seed: what drew the weaker keys and the random V.
     """
 
-    q: np.ndarray
-    k: np.ndarray
-    v: np.ndarray
-    sinks: np.ndarray | None
     exact: np.ndarray
     witness_share: np.ndarray
     scale: float
     causal: bool
     deltas: tuple[float, ...]
     seed: int
-
-    @property
-    def head_dim(self) -> int:
-        return int(self.q.shape[-1])
 
     @property
     def n_keys(self) -> int:
@@ -85,54 +77,32 @@ class CollapseProbes:
     def replicates(self) -> int:
         return int(self.q.shape[0]) // 2
 
-    @property
-    def out_shape(self) -> tuple[int, ...]:
-        """Shape of the kernel's output on the probes: q's shape."""
-        return tuple(self.q.shape)
-
-    def arrays(self) -> tuple:
-        """``(q, k, v)`` or ``(q, k, v, sinks)``: the kernel's arguments."""
-        return (self.q, self.k, self.v) if self.sinks is None else (self.q, self.k, self.v, self.sinks)
-
     def save(self, path) -> None:
         """Writes the probes as an ``.npz`` (atomically) that :meth:`load` and ``pcast probe check`` read."""
-        from pcast_jax.fileio import atomic_write
-
-        arrays = {"q": self.q, "k": self.k, "v": self.v, "format": np.array(FORMAT_TAG),
-                  "scale": np.float64(self.scale), "causal": np.bool_(self.causal), "seed": np.int64(self.seed),
-                  "deltas": np.asarray(self.deltas, np.float64)}
-        if self.sinks is not None:
-            arrays["sinks"] = self.sinks
-        atomic_write(path, lambda f: np.savez(f, **arrays))
+        self.save_arrays(path, tag=FORMAT_TAG, scale=np.float64(self.scale), causal=np.bool_(self.causal),
+                         seed=np.int64(self.seed), deltas=np.asarray(self.deltas, np.float64))
 
     @classmethod
     def load(cls, path) -> "CollapseProbes":
         """The probes in ``path`` (written by :meth:`save`), rebuilt from their parameters and compared
         array by array; PcastError naming the file when it is not such probes."""
-        from pcast_jax.fileio import load_npz
+        return read_probes_file(path, tag=FORMAT_TAG, writer="pcast probe write", rebuild=_rebuild,
+                                differs="what 'pcast probe write' writes for its parameters")
 
-        what = f"probes file {str(path)!r}"
-        data = load_npz(path, what=what, max_bytes=1 << 30)
-        tag = data.get("format")
-        if tag is None or tag.shape != () or str(tag) != FORMAT_TAG:
-            raise PcastError(f"{what} was not written by 'pcast probe write' (no format tag {FORMAT_TAG!r})")
-        try:
-            params = dict(head_dim=int(data["q"].shape[-1]), scale=float(data["scale"]), causal=bool(data["causal"]),
-                          sinks="sinks" in data, n_keys=int(data["k"].shape[1]),
-                          deltas=tuple(float(d) for d in data["deltas"]), replicates=int(data["q"].shape[0]) // 2,
-                          seed=int(data["seed"]))
-        except (KeyError, TypeError, ValueError, IndexError):
-            raise PcastError(f"{what} lacks q, k, scale, causal, deltas or seed") from None
-        try:
-            fresh = collapse_probes(**params)
-        except PcastError as exc:
-            raise PcastError(f"{what}: {exc}") from None
-        for name, want in zip(("q", "k", "v", "sinks"), fresh.arrays()):
-            got = data.get(name)
-            if got is None or got.shape != want.shape or not np.array_equal(got, want):
-                raise PcastError(f"{what}: {name} is not what 'pcast probe write' writes for its parameters "
-                                 "(edited, or another version)")
-        return fresh
+
+def _rebuild(data: dict, what: str) -> CollapseProbes:
+    """The probes a file's parameters give (:func:`~pcast_jax.fingerprint.probes.read_probes_file`)."""
+    try:
+        params = dict(head_dim=int(data["q"].shape[-1]), scale=float(data["scale"]), causal=bool(data["causal"]),
+                      sinks="sinks" in data, n_keys=int(data["k"].shape[1]),
+                      deltas=tuple(float(d) for d in data["deltas"]), replicates=int(data["q"].shape[0]) // 2,
+                      seed=int(data["seed"]))
+    except (KeyError, TypeError, ValueError, IndexError):
+        raise PcastError(f"{what} lacks q, k, scale, causal, deltas or seed") from None
+    try:
+        return collapse_probes(**params)
+    except PcastError as exc:
+        raise PcastError(f"{what}: {exc}") from None
 
 
 def _check_deltas(deltas) -> tuple[float, ...]:
