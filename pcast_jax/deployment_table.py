@@ -1,5 +1,9 @@
 """The deployment table, as data: (engine, backend, GPU, KV-cache dtype) → the preset(s) it runs.
 
+One module, over 600 lines: it is data, one cited row per deployment (most of its lines are
+:data:`DEPLOYMENTS`), beside the record types of its rows and the look-ups over them; cutting the rows
+apart would scatter one table that is read and cited as a whole.
+
 A deployment is what a user configures — an engine, its attention backend, the GPU architecture and the
 KV-cache dtype — not a preset. :data:`DEPLOYMENTS` maps each known combination to the preset(s) of
 :mod:`pcast_jax.presets` it runs, with the engine's line that makes the choice and the knob, if any, through

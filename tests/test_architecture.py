@@ -1,4 +1,5 @@
-"""The code's shape: no import cycle, no import running back up the layers ARCHITECTURE.md draws."""
+"""The code's shape: no import cycle, no import running back up the layers ARCHITECTURE.md draws, no long
+module without its reason."""
 
 import pathlib
 import re
@@ -50,6 +51,50 @@ def test_the_checker_sees_private_names_imported_or_read_from_another_module(tmp
     )
     assert imports.private_uses(tmp_path) == [("pcast_jax.nn", 1, "pcast_jax.engine._helper"),
                                               ("pcast_jax.nn", 5, "pcast_jax.engine._helper")]
+
+
+#: Lines a library module may hold before it must say why at its top.
+MAX_MODULE_LINES = 600
+#: What a longer module's docstring states in its first lines, followed by the reason.
+LONG_MODULE_REASON = "One module, over 600 lines:"
+
+
+def unexplained_long_modules(root: pathlib.Path) -> list[str]:
+    """Each module under ``root``'s pcast_jax/ and pallas_kernels/ over MAX_MODULE_LINES lines whose docstring
+    does not state LONG_MODULE_REASON in its first 5 lines, as ``path (N lines)``."""
+    import ast
+
+    offenders = []
+    for package in ("pcast_jax", "pallas_kernels"):
+        for path in sorted((root / package).rglob("*.py")):
+            text = path.read_text(encoding="utf-8")
+            n = len(text.splitlines())
+            if n <= MAX_MODULE_LINES:
+                continue
+            doc = ast.get_docstring(ast.parse(text)) or ""
+            if not any(line.startswith(LONG_MODULE_REASON) for line in doc.splitlines()[:5]):
+                offenders.append(f"{path.relative_to(root).as_posix()} ({n} lines)")
+    return offenders
+
+
+def test_every_module_over_600_lines_states_why_at_its_top():
+    offenders = unexplained_long_modules(ROOT)
+    assert not offenders, (f"over {MAX_MODULE_LINES} lines without {LONG_MODULE_REASON!r} <reason> in the "
+                           f"docstring's first 5 lines (split along a seam, or say why not): {', '.join(offenders)}")
+
+
+def test_the_length_check_sees_a_long_module_without_its_reason(tmp_path):
+    (tmp_path / "pcast_jax" / "sub").mkdir(parents=True)
+    (tmp_path / "pallas_kernels").mkdir()
+    body = "x = 1\n" * MAX_MODULE_LINES
+    (tmp_path / "pcast_jax" / "short.py").write_text('"""Short."""\n' + "x = 1\n" * (MAX_MODULE_LINES - 1))
+    (tmp_path / "pcast_jax" / "sub" / "long.py").write_text('"""Long.\n\nNo reason."""\n' + body)
+    (tmp_path / "pcast_jax" / "late.py").write_text(f'"""Late.\n\n\n\n\n{LONG_MODULE_REASON} too late."""\n' + body)
+    (tmp_path / "pallas_kernels" / "kernel.py").write_text(body + "y = 2\n")  # one line over, no docstring
+    (tmp_path / "pcast_jax" / "said.py").write_text(f'"""Said.\n\n{LONG_MODULE_REASON} a reason."""\n' + body)
+    assert unexplained_long_modules(tmp_path) == [f"pcast_jax/late.py ({MAX_MODULE_LINES + 6} lines)",
+                                                  f"pcast_jax/sub/long.py ({MAX_MODULE_LINES + 3} lines)",
+                                                  f"pallas_kernels/kernel.py ({MAX_MODULE_LINES + 1} lines)"]
 
 
 def test_the_registry_owns_its_look_ups_and_config_needs_only_the_number_line():

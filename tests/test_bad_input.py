@@ -1953,6 +1953,8 @@ SURFACE_CASES = [
      ["outputs holds 6656 NaN or inf", "must be finite"]),
     ("collapse_kernel_returns_a_string", _collapse_kernel(lambda q, k, v: "done"),
      ["outputs.dtype=<U4", "floating-point"]),
+    ("collapse_kernel_returns_integers", _collapse_kernel(lambda q, k, v: np.ones(q.shape, np.int32)),
+     ["outputs.dtype=int32", "floating-point"]),
     ("collapse_fingerprint_not_bool", _collapse_kernel(lambda q, k, v: q, fingerprint="yes"),
      ["fingerprint='yes'", "True or False"]),
     ("collapse_probes_file_missing", lambda t: _testing().CollapseProbes.load(t / "none.npz"),

@@ -78,7 +78,18 @@ import numpy as np
 from pcast_jax import numberline
 from pcast_jax.config import COMPUTED_SCALE_MODES, KNOBS, MMA_K, KernelConfig, Unfitted, choices
 from pcast_jax.errors import PcastError, check_int
-from pcast_jax.fingerprint.probes import FAMILIES, LADDER_KEYS, N_KEYS, ROWS, SEGMENTS, WALK_ROWS, ProbeSet, probes
+from pcast_jax.fingerprint.probes import (
+    FAMILIES,
+    LADDER_KEYS,
+    N_KEYS,
+    OUTPUT_DTYPES,
+    ROWS,
+    SEGMENTS,
+    WALK_ROWS,
+    ProbeSet,
+    check_kernel_output,
+    probes,
+)
 from pcast_jax.fingerprint.result import RESIDUAL_FLOOR, FieldEvidence, Fingerprint
 
 __all__ = ["identify", "fit", "check_outputs", "simulate_outputs", "explain_preset", "fittable_presets", "GROUPS",
@@ -275,11 +286,6 @@ def _simulate(key: tuple, part: str, cfg: KernelConfig) -> np.ndarray | None:
     return _SIM_CACHE[(key, part, cfg)]
 
 
-#: Output types a kernel may return, by name: the simulated outputs are rounded to it before comparing.
-OUTPUT_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
-                 "e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
-
-
 def output_dtype_name(dtype) -> str:
     """The :data:`OUTPUT_DTYPES` name of ``dtype`` (a name or a dtype); PcastError naming ``output_dtype``."""
     if isinstance(dtype, str) and dtype in OUTPUT_DTYPES:
@@ -295,22 +301,10 @@ def output_dtype_name(dtype) -> str:
 
 
 def check_outputs(ps: ProbeSet, outputs, *, what: str = "outputs") -> np.ndarray:
-    """The kernel's outputs on ``ps`` as float32 (F, T, H, D); PcastError naming ``what`` otherwise."""
-    try:
-        out = np.asarray(outputs)
-    except Exception as exc:  # noqa: BLE001 - anything that is not an array
-        raise PcastError(f"{what} is not an array ({exc})") from None
-    if out.dtype.kind != "f" and out.dtype not in [np.dtype(d) for d in OUTPUT_DTYPES.values()]:
-        raise PcastError(f"{what}.dtype={out.dtype} must be a floating-point type (the attention output)")
-    if out.shape != ps.out_shape:
-        raise PcastError(f"{what}.shape={out.shape} must be the probes' query shape {ps.out_shape} "
-                         "(batch, tokens, heads, head_dim)")
-    out = out.astype(np.float32)
-    bad = ~np.isfinite(out)
-    if bad.any():
-        idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise PcastError(f"{what} holds {int(bad.sum())} NaN or inf values (first at {idx}, probe family "
-                         f"{FAMILIES[idx[0]]!r}): a kernel's output on the probes must be finite")
+    """The kernel's outputs on ``ps`` as float32 (F, T, H, D): :func:`~.probes.check_kernel_output`'s checks, and
+    never zero everywhere nor on the ladder's dominant key; PcastError naming ``what`` otherwise."""
+    out = check_kernel_output(outputs, shape=ps.out_shape, dtype=np.float32, what=what,
+                              where=lambda idx: f"probe family {FAMILIES[idx[0]]!r}")
     if not out.any():
         raise PcastError(f"{what} is zero everywhere: a kernel's output on the probes never is (an unlaunched "
                          "kernel or an unfilled buffer?); nothing is read from it")

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import ml_dtypes
 import numpy as np
@@ -44,7 +45,8 @@ import numpy as np
 from pcast_jax.errors import PcastError, check_int
 
 __all__ = ["ProbeSet", "probes", "FAMILIES", "N_KEYS", "SEGMENTS", "LADDER_KEYS", "SINK_LOGITS", "FORMAT_TAG",
-           "e4m3_values", "key_entry", "amax_entry",
+           "KernelArguments", "read_probes_file",
+           "e4m3_values", "key_entry", "amax_entry", "OUTPUT_DTYPES", "check_kernel_output",
            "MIN_HEAD_DIM", "ROWS", "WALK_ROWS"]
 
 #: KV length of every probe: 32 segments of 16 keys; tiles up to 256 keys see at least two blocks.
@@ -80,8 +82,59 @@ def e4m3_values(x) -> np.ndarray:
     return np.asarray(np.asarray(x, np.float32).astype(_E4M3).astype(np.float32))
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class ProbeSet:
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class KernelArguments:
+    """Q, K, V (and learned sink logits) a kernel is called on, in ``jax.nn``'s (batch, tokens, heads, dim)
+    layout, as probes written to a file and read back: what :class:`ProbeSet` and the P-collapse probes
+    (:class:`pcast_jax.testing.CollapseProbes`) share."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    sinks: np.ndarray | None
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.q.shape[-1])
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        """Shape of the kernel's output on the probes: the queries' shape."""
+        return tuple(self.q.shape)
+
+    def arrays(self) -> tuple:
+        """``(q, k, v)`` or ``(q, k, v, sinks)``: the kernel's arguments."""
+        return (self.q, self.k, self.v) if self.sinks is None else (self.q, self.k, self.v, self.sinks)
+
+    def save_arrays(self, path, *, tag: str, **parameters) -> None:
+        """Writes the arrays, the format ``tag`` and ``parameters`` as an ``.npz``, atomically."""
+        from pcast_jax.fileio import atomic_write
+
+        arrays = dict(zip(("q", "k", "v", "sinks"), self.arrays()), format=np.array(tag), **parameters)
+        atomic_write(path, lambda f: np.savez(f, **arrays))
+
+
+def read_probes_file(path, *, tag: str, writer: str, rebuild: Callable, differs: str):
+    """The probes in ``path``: a file with the format ``tag`` that ``writer`` wrote, rebuilt from its parameters
+    by ``rebuild(data, what)`` and compared array by array; PcastError naming the file otherwise (``differs``:
+    what an array that is not the rebuilt one is not)."""
+    from pcast_jax.fileio import load_npz
+
+    what = f"probes file {str(path)!r}"
+    data = load_npz(path, what=what, max_bytes=1 << 30)
+    found = data.get("format")
+    if found is None or found.shape != () or str(found) != tag:
+        raise PcastError(f"{what} was not written by {writer!r} (no format tag {tag!r})")
+    fresh = rebuild(data, what)
+    for name, want in zip(("q", "k", "v", "sinks"), fresh.arrays()):
+        got = data.get(name)
+        if got is None or got.shape != want.shape or not np.array_equal(got, want):
+            raise PcastError(f"{what}: {name} is not {differs} (edited, or another version)")
+    return fresh
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class ProbeSet(KernelArguments):
     """Crafted Q, K, V (and sink logits) in ``jax.nn``'s (batch, tokens, heads, dim) layout.
 
     Attributes:
@@ -94,17 +147,9 @@ class ProbeSet:
       seed: what jittered the ladder's distances.
     """
 
-    q: np.ndarray
-    k: np.ndarray
-    v: np.ndarray
-    sinks: np.ndarray | None
     scale: float
     causal: bool
     seed: int
-
-    @property
-    def head_dim(self) -> int:
-        return int(self.q.shape[-1])
 
     @property
     def heads(self) -> int:
@@ -115,53 +160,29 @@ class ProbeSet:
         """What identifies the probes (their arrays follow from it): the fit's candidate cache key."""
         return (self.head_dim, self.scale, self.causal, self.sinks is not None, self.seed)
 
-    @property
-    def out_shape(self) -> tuple[int, ...]:
-        """Shape of the kernel's output on the probes: the queries' shape."""
-        return tuple(self.q.shape)
-
-    def arrays(self) -> tuple:
-        """``(q, k, v)`` or ``(q, k, v, sinks)``: the black box's arguments."""
-        return (self.q, self.k, self.v) if self.sinks is None else (self.q, self.k, self.v, self.sinks)
-
     def save(self, path) -> None:
         """Writes the probes as an ``.npz`` (atomically) that :meth:`load` and ``pcast fingerprint fit`` read."""
-        from pcast_jax.fileio import atomic_write
-
-        meta = {"format": np.array(FORMAT_TAG), "scale": np.float64(self.scale), "causal": np.bool_(self.causal),
-                "seed": np.int64(self.seed)}
-        arrays = {"q": self.q, "k": self.k, "v": self.v, **meta}
-        if self.sinks is not None:
-            arrays["sinks"] = self.sinks
-        atomic_write(path, lambda f: np.savez(f, **arrays))
+        self.save_arrays(path, tag=FORMAT_TAG, scale=np.float64(self.scale), causal=np.bool_(self.causal),
+                         seed=np.int64(self.seed))
 
     @classmethod
     def load(cls, path) -> "ProbeSet":
         """The probes in ``path`` (written by :meth:`save`); PcastError if the file is not such probes."""
-        from pcast_jax.fileio import load_npz
+        return read_probes_file(path, tag=FORMAT_TAG, writer="pcast fingerprint probe", rebuild=_rebuild,
+                                differs="the probes 'pcast fingerprint probe' writes for its head dim, scale and seed")
 
-        data = load_npz(path, what=f"probes file {str(path)!r}", max_bytes=1 << 30)
-        tag = data.get("format")
-        if tag is None or tag.shape != () or str(tag) != FORMAT_TAG:
-            raise PcastError(f"probes file {str(path)!r} was not written by 'pcast fingerprint probe' "
-                             f"(no format tag {FORMAT_TAG!r})")
-        try:
-            scale, causal, seed = float(data["scale"]), bool(data["causal"]), int(data["seed"])
-            d = int(data["q"].shape[-1])
-        except (KeyError, TypeError, ValueError, IndexError):
-            raise PcastError(f"probes file {str(path)!r} lacks scale, causal, seed or q") from None
-        try:
-            fresh = probes(d, scale=scale, causal=causal, sinks="sinks" in data, seed=seed)
-        except PcastError as exc:  # the file's values out of range: name the file
-            raise PcastError(f"probes file {str(path)!r}: {exc}") from None
-        for name, want in zip(("q", "k", "v", "sinks"), fresh.arrays() + (None,) * (4 - len(fresh.arrays()))):
-            if want is None:
-                continue
-            got = data.get(name)
-            if got is None or got.shape != want.shape or not np.array_equal(got, want):
-                raise PcastError(f"probes file {str(path)!r}: {name} is not the probes 'pcast fingerprint probe' "
-                                 "writes for its head dim, scale and seed (edited, or another version)")
-        return fresh
+
+def _rebuild(data: dict, what: str) -> ProbeSet:
+    """The probes a file's parameters give (:func:`read_probes_file`)."""
+    try:
+        scale, causal, seed = float(data["scale"]), bool(data["causal"]), int(data["seed"])
+        d = int(data["q"].shape[-1])
+    except (KeyError, TypeError, ValueError, IndexError):
+        raise PcastError(f"{what} lacks scale, causal, seed or q") from None
+    try:
+        return probes(d, scale=scale, causal=causal, sinks="sinks" in data, seed=seed)
+    except PcastError as exc:  # the file's values out of range: name the file
+        raise PcastError(f"{what}: {exc}") from None
 
 
 def key_entry(scale: float) -> float:
@@ -172,6 +193,39 @@ def key_entry(scale: float) -> float:
 def amax_entry(value: float) -> float:
     """The smallest 448·2^k ≥ ``value``: a tensor whose amax it is quantizes to E4M3 without loss."""
     return 448.0 * 2.0 ** math.ceil(math.log2(value / 448.0))
+
+
+#: Output types a kernel may return, by name (besides any NumPy floating-point type); the fingerprint
+#: rounds its simulated outputs to the one the kernel returned before comparing.
+OUTPUT_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
+                 "e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
+
+
+def check_kernel_output(outputs, *, shape: tuple[int, ...], dtype, what: str = "outputs",
+                        where: Callable[[tuple[int, ...]], str] | None = None) -> np.ndarray:
+    """A kernel's output on probes (these, or :mod:`pcast_jax.testing`'s) as ``dtype``; PcastError naming ``what``.
+
+    The output must be an array of a floating-point type (:data:`OUTPUT_DTYPES` or a NumPy float) of the
+    probes' query ``shape``, finite once cast to ``dtype``. ``where(index)`` says what the first non-finite
+    value's index reads (the fingerprint's probe family); the callers add their own refusals.
+    """
+    try:
+        out = np.asarray(outputs)
+    except Exception as exc:  # noqa: BLE001 - anything that is not an array
+        raise PcastError(f"{what} is not an array ({exc})") from None
+    if out.dtype.kind != "f" and out.dtype not in [np.dtype(d) for d in OUTPUT_DTYPES.values()]:
+        raise PcastError(f"{what}.dtype={out.dtype} must be a floating-point type (the attention output)")
+    if out.shape != tuple(shape):
+        raise PcastError(f"{what}.shape={out.shape} must be the probes' query shape {tuple(shape)} "
+                         "[batch, q_tokens, heads, head_dim]")
+    out = out.astype(dtype)
+    bad = ~np.isfinite(out)
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        at = f"{idx}, {where(idx)}" if where is not None else f"{idx}"
+        raise PcastError(f"{what} holds {int(bad.sum())} NaN or inf values (first at {at}): a kernel's output on "
+                         "the probes must be finite")
+    return out
 
 
 def _ladder_levels(rng) -> np.ndarray:
