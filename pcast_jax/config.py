@@ -707,7 +707,10 @@ class KernelConfig:
             f = jax.jit(lambda s, v, nums: engine.attention(s, v, cfg.program().bind(nums)).out)
             f(scores, v, cfg.numbers())   # one program for every config with cfg's program
         """
-        return dataclasses.replace(self, name="", **{f: KNOBS[f].stand_in(getattr(self, f)) for f in NUMERIC_FIELDS})
+        stand_ins = {f: KNOBS[f].stand_in(getattr(self, f)) for f in NUMERIC_FIELDS}
+        if all(getattr(self, f) == x for f, x in stand_ins.items()) and self.name == self.default_name():
+            return self  # a program already (what bind() checks)
+        return dataclasses.replace(self, name="", **stand_ins)
 
     def bind(self, numbers: Numbers, *, name: str | None = None) -> "BoundConfig":
         """This program with ``numbers`` (traced or concrete): a :class:`BoundConfig` labelled ``name``

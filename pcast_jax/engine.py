@@ -21,6 +21,7 @@ zeroed mass of 0, as the kernels do.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import typing
 from typing import Literal, NamedTuple
@@ -38,6 +39,10 @@ __all__ = [
     "AttentionResult",
     "attention",
     "attention_qkv",
+    "bound",
+    "run",
+    "run_qkv",
+    "run_weights",
     "effective_weights",
     "weights_and_stats",
     "WeightsResult",
@@ -527,7 +532,14 @@ def weights_and_stats(scores, config, *, count_mask=None, q_offset: int | None =
     output is ``weights @ v`` (equal to :func:`attention`'s to FP32 rounding), so several configs
     can share one matrix product with V (what :func:`pcast_jax.metrics.evaluate` does).
     """
-    cfg = _bound(resolve(config))
+    return run_weights(scores, bound(resolve(config)), count_mask=count_mask, q_offset=q_offset, cast_fn=cast_fn,
+                       sink_logit=sink_logit)
+
+
+def run_weights(scores, config: BoundConfig, *, count_mask=None, q_offset: int | None = None,
+                cast_fn=None, sink_logit=None) -> WeightsResult:
+    """:func:`weights_and_stats` for a config an entry point bound once (:func:`bound`), taken as it is."""
+    cfg = _require_bound(config, "run_weights")
     n = jnp.shape(scores)[-1]
     scores, _, counted = _prepare(scores, jnp.zeros((n, 1)), cfg, count_mask, q_offset)
     sink = _sink_rows(sink_logit, scores.shape[:-1])
@@ -593,7 +605,15 @@ def attention(
         a scalar or one per head (broadcasting against ``scores.shape[:-2]``). It is a softmax column
         with no value row, placed as ``config.sink_mode`` says.
     """
-    cfg = _bound(resolve(config))
+    return run(scores, v, bound(resolve(config)), implementation=implementation, count_mask=count_mask,
+               q_offset=q_offset, sink_logit=sink_logit)
+
+
+def run(scores, v, config: BoundConfig, *, implementation: str = "xla", count_mask=None, q_offset: int | None = None,
+        sink_logit=None) -> AttentionResult:
+    """:func:`attention` for a config an entry point bound once (:func:`bound`), taken as it is: the engines
+    never look a name up or bind numbers again."""
+    cfg = _require_bound(config, "run")
     impl = check_implementation(implementation)
     scores, v, counted = _prepare(scores, v, cfg, count_mask, q_offset)
     sink = _sink_rows(sink_logit, scores.shape[:-1])
@@ -604,17 +624,36 @@ def attention(
     return _check_output(fn(scores, v, counted, cfg, sink), v, cfg)
 
 
-def _bound(cfg: KernelConfig) -> BoundConfig:
-    """``cfg`` with its numbers as values the compiler cannot see through (a :class:`BoundConfig` as it is).
+def bound(config: KernelConfig, *, causal: bool | None = None) -> BoundConfig:
+    """A resolved config (:func:`pcast_jax.presets.resolve`) as the engines compute with it: its program
+    bound to its numbers, as values the compiler cannot see through (a :class:`BoundConfig` as it is).
+    ``causal`` sets the causal mask (a caller that masks the scores itself passes False).
 
     A config whose numbers are constants of the program then computes exactly what the same program
     computes with them as traced arguments (:meth:`KernelConfig.program`): XLA would otherwise fold
-    and fuse the constants, changing the last bits.
+    and fuse the constants, changing the last bits. Called once per call, by the entry point, inside
+    the program it runs in (the barrier is an operation of that program).
     """
-    if isinstance(cfg, BoundConfig):
-        return cfg
-    nums = Numbers(*jax.lax.optimization_barrier(tuple(jnp.float32(x) for x in cfg.numbers())))
-    return cfg.program().bind(nums, name=cfg.name)
+    if isinstance(config, BoundConfig):
+        return config if causal is None or causal == config.causal else config.replace(causal=causal)
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"config={config!r}: engine.bound takes a resolved KernelConfig "
+                        "(pcast_jax.presets.resolve resolves a preset name, once, at the entry point)")
+    program = config.program()
+    if causal is not None and causal != config.causal:
+        program = dataclasses.replace(program, causal=causal)
+    nums = Numbers(*jax.lax.optimization_barrier(tuple(jnp.float32(x) for x in config.numbers())))
+    return program.bind(nums, name=config.name)
+
+
+def _require_bound(config, fn: str) -> BoundConfig:
+    """``config`` if it is a :class:`BoundConfig`; else a TypeError naming the parameter: the engines take the
+    config an entry point resolved and bound once, never a preset name or a config with its own numbers."""
+    if not isinstance(config, BoundConfig):
+        raise TypeError(f"config={config!r}: engine.{fn} takes a BoundConfig, the config an entry point resolved "
+                        "and bound once (engine.bound(pcast_jax.presets.resolve(config))), not "
+                        f"{type(config).__name__}")
+    return config
 
 
 def _check_output(res: AttentionResult, v, cfg: KernelConfig) -> AttentionResult:
@@ -709,7 +748,11 @@ def prepare_qkv(q, k, v, config, *, scale: float | None = None):
     FP8 value (its descale applied to the values, which equals applying it to the output).
     ``scale`` is the logit scale (default 1/√d), as in :func:`jax.nn.dot_product_attention`.
     """
-    cfg = resolve(config)
+    return _prepare_qkv(q, k, v, resolve(config), scale)
+
+
+def _prepare_qkv(q, k, v, cfg: KernelConfig, scale):
+    """:func:`prepare_qkv` for a resolved config (only its Q/K/V fields are read: bound or not)."""
     q, k, v = (_real_array(name, a) for name, a in (("q", q), ("k", k), ("v", v)))
     if q.ndim < 2 or k.ndim < 2 or v.ndim < 2:
         raise PcastError(f"q, k, v must be (..., len, d); got q.shape={q.shape}, k.shape={k.shape}, "
@@ -739,7 +782,14 @@ def prepare_qkv(q, k, v, config, *, scale: float | None = None):
 def attention_qkv(q, k, v, config, *, scale=None, implementation: str = "xla", count_mask=None,
                   q_offset=None, sink_logit=None) -> AttentionResult:
     """:func:`attention` from Q, K, V (see :func:`prepare_qkv` for the FP8 Q/K/V path)."""
-    cfg = resolve(config)
-    scores, v_seen = prepare_qkv(q, k, v, cfg, scale=scale)
-    return attention(scores, v_seen, cfg, implementation=check_implementation(implementation),
-                     count_mask=count_mask, q_offset=q_offset, sink_logit=sink_logit)
+    return run_qkv(q, k, v, bound(resolve(config)), scale=scale, implementation=implementation,
+                   count_mask=count_mask, q_offset=q_offset, sink_logit=sink_logit)
+
+
+def run_qkv(q, k, v, config: BoundConfig, *, scale=None, implementation: str = "xla", count_mask=None,
+            q_offset=None, sink_logit=None) -> AttentionResult:
+    """:func:`attention_qkv` for a config an entry point bound once (:func:`bound`), taken as it is."""
+    cfg = _require_bound(config, "run_qkv")
+    scores, v_seen = _prepare_qkv(q, k, v, cfg, scale)
+    return run(scores, v_seen, cfg, implementation=check_implementation(implementation),
+               count_mask=count_mask, q_offset=q_offset, sink_logit=sink_logit)
