@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pcast_jax.numberline", "pcast_jax.stats", "pcast_jax.fileio", "pcast_jax.safetensors_files",
      "pcast_jax.quantities"),
     ("pcast_jax.formats",),
-    ("pcast_jax.theory", "pcast_jax.config"),
+    ("pcast_jax.theory", "pcast_jax.knob", "pcast_jax.config"),
     ("pcast_jax.presets", "pcast_jax.deployment_table"),
     ("pcast_jax.block",),
     ("pcast_jax.engine", "pcast_jax.workloads", "pallas_kernels"),
