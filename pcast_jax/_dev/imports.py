@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pcast_jax.theory", "pcast_jax.knob", "pcast_jax.config"),
     ("pcast_jax.presets", "pcast_jax.deployment_table"),
     ("pcast_jax.block",),
-    ("pcast_jax.engine", "pcast_jax.workloads", "pallas_kernels"),
+    ("pcast_jax.implementations", "pcast_jax.engine", "pcast_jax.workloads", "pallas_kernels"),
     ("pcast_jax.nn", "pcast_jax.nn_common", "pcast_jax.metrics", "pcast_jax.cache", "pallas_kernels.machine_code"),
     ("pcast_jax.sweep", "pcast_jax.report", "pcast_jax.criterion"),
     ("pcast_jax.whatif", "pcast_jax.analysis", "pcast_jax.fingerprint", "pcast_jax.deployments", "pcast_jax.jax_fp8"),
