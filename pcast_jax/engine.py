@@ -229,7 +229,7 @@ def weights_and_stats(scores, config, *, count_mask=None, q_offset: int | None =
 def run_weights(scores, config: BoundConfig, *, count_mask=None, q_offset: int | None = None,
                 cast_fn=None, sink_logit=None) -> WeightsResult:
     """:func:`weights_and_stats` for a config an entry point bound once (:func:`bound`), taken as it is."""
-    cfg = _require_bound(config, "run_weights")
+    cfg = implementations.require_bound(config, "engine.run_weights")
     n = jnp.shape(scores)[-1]
     scores, _, counted = _prepare(scores, jnp.zeros((n, 1)), cfg, count_mask, q_offset)
     sink = _sink_rows(sink_logit, scores.shape[:-1])
@@ -280,7 +280,7 @@ def run(scores, v, config: BoundConfig, *, implementation: str = "xla", count_ma
         sink_logit=None) -> AttentionResult:
     """:func:`attention` for a config an entry point bound once (:func:`bound`), taken as it is: the engines
     never look a name up or bind numbers again."""
-    cfg = _require_bound(config, "run")
+    cfg = implementations.require_bound(config, "engine.run")
     impl = check_implementation(implementation)
     scores, v, counted = _prepare(scores, v, cfg, count_mask, q_offset)
     sink = _sink_rows(sink_logit, scores.shape[:-1])
@@ -311,16 +311,6 @@ def bound(config: KernelConfig, *, causal: bool | None = None) -> BoundConfig:
         program = dataclasses.replace(program, causal=causal)
     nums = Numbers(*jax.lax.optimization_barrier(tuple(jnp.float32(x) for x in config.numbers())))
     return program.bind(nums, name=config.name)
-
-
-def _require_bound(config, fn: str) -> BoundConfig:
-    """``config`` if it is a :class:`BoundConfig`; else a TypeError naming the parameter: the engines take the
-    config an entry point resolved and bound once, never a preset name or a config with its own numbers."""
-    if not isinstance(config, BoundConfig):
-        raise TypeError(f"config={config!r}: engine.{fn} takes a BoundConfig, the config an entry point resolved "
-                        "and bound once (engine.bound(pcast_jax.presets.resolve(config))), not "
-                        f"{type(config).__name__}")
-    return config
 
 
 def _check_output(res: AttentionResult, v, cfg: KernelConfig) -> AttentionResult:
@@ -456,7 +446,7 @@ def attention_qkv(q, k, v, config, *, scale=None, implementation: str = "xla", c
 def run_qkv(q, k, v, config: BoundConfig, *, scale=None, implementation: str = "xla", count_mask=None,
             q_offset=None, sink_logit=None) -> AttentionResult:
     """:func:`attention_qkv` for a config an entry point bound once (:func:`bound`), taken as it is."""
-    cfg = _require_bound(config, "run_qkv")
+    cfg = implementations.require_bound(config, "engine.run_qkv")
     scores, v_seen = _prepare_qkv(q, k, v, cfg, scale)
     return run(scores, v_seen, cfg, implementation=check_implementation(implementation),
                count_mask=count_mask, q_offset=q_offset, sink_logit=sink_logit)

@@ -22,9 +22,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from pcast_jax import block, formats
-from pcast_jax.config import KernelConfig
+from pcast_jax.config import BoundConfig, KernelConfig
 
-__all__ = ["cast", "scan", "xla", "xla_weights"]
+__all__ = ["cast", "require_bound", "scan", "xla", "xla_weights"]
+
+
+def require_bound(config, fn: str) -> BoundConfig:
+    """``config`` if it is a :class:`~pcast_jax.config.BoundConfig`; else a TypeError naming the parameter and
+    ``fn``: the engines take the config an entry point resolved and bound once, never a preset name or a
+    config with its own numbers."""
+    if not isinstance(config, BoundConfig):
+        raise TypeError(f"config={config!r}: {fn} takes a BoundConfig, the config an entry point resolved and "
+                        "bound once (engine.bound(pcast_jax.presets.resolve(config))), not "
+                        f"{type(config).__name__}")
+    return config
 
 
 def cast(ps, cfg: KernelConfig):
@@ -86,9 +97,10 @@ def _visible(scores):
     return scores > block.MASKED_BELOW
 
 
-def scan(scores, v, counted, cfg: KernelConfig, sink=None) -> tuple:
+def scan(scores, v, counted, cfg: BoundConfig, sink=None) -> tuple:
     """The scan implementation: Algorithm 1 block by block in the kernel's order (``lax.scan``), each split's
     blocks in its visiting order; line 12 per split, merged."""
+    require_bound(cfg, "implementations.scan")
     v, c = _channel_scale(v, cfg)
     zb = _split_order(scores, cfg, -1, -jnp.inf)  # (steps, splits, ..., q, B)
     vb = _split_order(v, cfg, -2, 0.0)  # (steps, splits, ..., B, d)
@@ -302,9 +314,10 @@ def _result(out, ell, stats: _Stats, scores, counted) -> tuple:
             jnp.sum(_visible(scores), axis=-1, dtype=jnp.int32), stats.saturated)
 
 
-def xla(scores, v, counted, cfg: KernelConfig, sink=None) -> tuple:
+def xla(scores, v, counted, cfg: BoundConfig, sink=None) -> tuple:
     """The xla implementation: every block's P and its cast at once against the running max after each block
     (:func:`_fast_parts`), then one product with V (per block where the accumulator rounds or scales)."""
+    require_bound(cfg, "implementations.xla")
     v, c = _channel_scale(v, cfg)
     if cfg.kv_splits > 1:
         out, ell, stats = _fast_split_engine(scores, v, counted, cfg, sink)
@@ -340,10 +353,11 @@ def _fast_split_engine(scores, v, counted, cfg: KernelConfig, sink=None):
     return _merge_fast(m_s, ell_s, o_s, stats, cfg, sink)
 
 
-def xla_weights(scores, counted, cfg: KernelConfig, n: int, cast_fn=None, sink=None) -> tuple:
+def xla_weights(scores, counted, cfg: BoundConfig, n: int, cast_fn=None, sink=None) -> tuple:
     """The xla implementation's effective weights W (..., q_len, ``n``: padding dropped), output = W · V for an
     FP32 accumulator, and its per-row statistics: the fields of :class:`~pcast_jax.engine.WeightsResult`.
     ``cast_fn`` replaces line 9's cast (:func:`_fast_parts`)."""
+    require_bound(cfg, "implementations.xla_weights")
     if cfg.kv_splits > 1:
         p8, w, (m_s, ell_s), stats, sched, sc = _fast_split_parts(scores, counted, cfg, cast_fn, sink)
         p8 = block.dequantize(p8, sc, cfg)

@@ -539,13 +539,19 @@ def test_table2_mse_within_15_percent_of_the_paper():
 
 @pytest.mark.parametrize("config", ["fa3", PRESETS["fa3"]], ids=["name", "KernelConfig"])
 def test_the_engines_refuse_a_config_no_entry_point_bound(config):
-    """engine.run, run_weights and run_qkv take the BoundConfig an entry point made once (engine.bound of
-    presets.resolve); a preset name or a config with its own numbers is a TypeError naming ``config``, before any
-    computation; engine.bound itself takes no preset name."""
-    scores, v = jnp.zeros((2, 8)), jnp.ones((8, 4))
-    for run, args in (("run", (scores, v)), ("run_weights", (scores,)), ("run_qkv", (v, v, v))):
-        with pytest.raises(TypeError, match=rf"^config=.*: engine\.{run} takes a BoundConfig"):
-            getattr(engine, run)(*args, config)
+    """engine.run, run_weights and run_qkv, and the implementations they run, take the BoundConfig an entry point
+    made once (engine.bound of presets.resolve); a preset name or a config with its own numbers is a TypeError
+    naming ``config``, before any computation; engine.bound itself takes no preset name."""
+    from pcast_jax import implementations
+
+    scores, v, counted = jnp.zeros((2, 8)), jnp.ones((8, 4)), jnp.ones((2, 8), bool)
+    for module, run, args in ((engine, "run", (scores, v)), (engine, "run_weights", (scores,)),
+                              (engine, "run_qkv", (v, v, v)), (implementations, "scan", (scores, v, counted)),
+                              (implementations, "xla", (scores, v, counted))):
+        with pytest.raises(TypeError, match=rf"^config=.*: {module.__name__[10:]}\.{run} takes a BoundConfig"):
+            getattr(module, run)(*args, config)
+    with pytest.raises(TypeError, match=r"implementations\.xla_weights takes a BoundConfig"):
+        implementations.xla_weights(scores, counted, config, 8)
     if isinstance(config, str):
         with pytest.raises(TypeError, match=r"^config='fa3': engine\.bound takes a resolved KernelConfig"):
             engine.bound(config)
