@@ -625,7 +625,7 @@ class KernelConfig:
         ``skip_softmax_threshold`` 0.5 where they are not 0 (0 selects another program: no lag, V as it
         is, no tile skipped). Bind numbers to it under ``jax.jit``::
 
-            f = jax.jit(lambda s, v, nums: engine.attention(s, v, cfg.program().bind(nums)).out)
+            f = jax.jit(lambda s, v, nums: engine.run(s, v, cfg.program().bind(nums)).out)
             f(scores, v, cfg.numbers())   # one program for every config with cfg's program
         """
         stand_ins = {f: KNOBS[f].stand_in(getattr(self, f)) for f in NUMERIC_FIELDS}
