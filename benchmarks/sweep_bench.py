@@ -186,7 +186,7 @@ def _breakdown(seeds: int, repeats: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from pcast_jax import block, engine, formats, metrics
+    from pcast_jax import block, engine, formats, implementations, metrics
     from pcast_jax.presets import resolve
     from pcast_jax.sweep import SweepSpec, compute_chunk, instance_key
     from pcast_jax.workloads import make_instance, threefry_unrolled
@@ -214,7 +214,7 @@ def _breakdown(seeds: int, repeats: int) -> dict:
         return jax.random.bits(ks, (w.q_len, n)), jax.random.bits(kv, (n, w.d))
 
     def cast_all(i):  # as the engine casts (float32 arithmetic for a saturating E4M3 / E5M2 cast)
-        return [engine._cast(ps[c.name][i], c)[0] for c in cfgs]
+        return [implementations.cast(ps[c.name][i], c)[0] for c in cfgs]
 
     def cast_fp8_type(i):  # through the FP8 type, as XLA converts it
         return [formats.cast(ps[c.name][i], c.fmt, overflow=c.overflow) for c in cfgs]

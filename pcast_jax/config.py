@@ -1,5 +1,10 @@
 """What an FP8 attention kernel does at the P-cast: :class:`KernelConfig` (presets: :mod:`pcast_jax.presets`).
 
+One module, over 600 lines: :class:`KernelConfig` is one definition — its fields, each declared once with
+everything derived from it, the rules between them (:data:`RULES`), its names, dicts and strings, and the
+bound form the engines take (:class:`BoundConfig`, a subclass that :meth:`KernelConfig.bind` makes); how a
+field is declared, checked and read from text, knowing no field, is ``pcast_jax.knob``.
+
 Algorithm 1 of the paper, per query row and KV block j (in the kernel's order)::
 
     m_new = max(m, rowmax(Z_j));  α = exp(m − m_new)
@@ -40,7 +45,21 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from pcast_jax import numberline
-from pcast_jax.errors import F32_MAX, PcastError, check_choice, check_int, check_positive
+from pcast_jax.errors import F32_MAX, PcastError, check_positive
+from pcast_jax.knob import (
+    PALLAS_KERNELS,
+    Knob,
+    Refusal,
+    Unfitted,
+    declared_knobs,
+    field_types,
+    format_named,
+    knob,
+    one_of,
+    parse_field,
+    ranged_int,
+    real_number,
+)
 
 __all__ = ["KernelConfig", "Numbers", "BoundConfig", "Knob", "knob", "Unfitted", "Refusal", "Rule", "KNOBS", "RULES",
            "NUMERIC_FIELDS", "PALLAS_KERNELS", "choices", "declared_knobs",
@@ -110,78 +129,8 @@ _DEFAULT_BLOCK_KV = 64
 
 
 # ------------------------------------------------------------------------------------------------
-# How a field is declared: everything KernelConfig derives from a field comes from its Knob
+# The fields' own checks and words (how a field is declared: pcast_jax.knob)
 # ------------------------------------------------------------------------------------------------
-
-#: The Pallas kernels (:mod:`pallas_kernels`) a :class:`Refusal` names.
-PALLAS_KERNELS = ("mosaic", "triton")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Refusal:
-    """Pallas kernels that refuse a field's value: ``when(config)`` true → ``why(config)``, the one-line
-    error (it names the field first) that :meth:`KernelConfig.refusal` gives."""
-
-    kernels: tuple[str, ...]
-    when: Callable[["KernelConfig"], Any]
-    why: Callable[["KernelConfig"], str]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Unfitted:
-    """Why the fingerprint (:mod:`pcast_jax.fingerprint.fit`) does not read a field. ``excluded``: no
-    candidate of the fit sets it, so a config that sets it cannot be explained from its outputs."""
-
-    why: str
-    excluded: bool = False
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Knob:
-    """One :class:`KernelConfig` field as declared (:func:`knob`); :data:`KNOBS` holds every field's.
-
-    Attributes:
-      at: where the field's words sit in :meth:`KernelConfig.default_name` and :meth:`KernelConfig.describe`
-        (both list their parts in ``at`` order); None for a field whose words another's part writes.
-      words_of: that other field (a field with no words of its own: ``qkv_granularity`` in ``qkv``'s).
-      name: its part of the default name: a format of the value (``"b{}"``) written where the field
-        differs from its default, or a function of the config ("" for no part).
-      says: its phrase in :meth:`KernelConfig.describe`, alike.
-      check: validates and returns the field's own value (a :class:`PcastError` naming it); default:
-        one of its ``Literal`` type's choices.
-      acts: where the field acts; elsewhere it is normalised to its default, so equality is semantic.
-      saved: where :meth:`KernelConfig.to_dict` writes it: ``"always"``, ``"set"`` (where it differs from
-        its default) or ``"acts"``.
-      stand_in: for a number of the program (:meth:`KernelConfig.program`), the value the program holds
-        in its place; ``feeds``: the :class:`Numbers` it changes.
-      fit: the fingerprint's search group that reads it (:data:`pcast_jax.fingerprint.fit.GROUP_ORDER`),
-        or :class:`Unfitted` with why not.
-      refused: the Pallas kernels that refuse some of its values (:class:`Refusal`).
-    """
-
-    at: int | None = None
-    words_of: str | None = None
-    name: str | Callable | None = None
-    says: str | Callable | None = None
-    check: Callable | None = None
-    acts: Callable | None = None
-    saved: Literal["always", "set", "acts"] = "always"
-    stand_in: Callable | None = None
-    feeds: tuple[str, ...] = ()
-    fit: str | Unfitted
-    refused: tuple[Refusal, ...] = ()
-
-
-def knob(default, *, fit: str | Unfitted, compare: bool = True, **declared) -> Any:
-    """A :class:`KernelConfig` field with its :class:`Knob` (``declared``: the Knob's other attributes).
-
-    ``fit`` is required: a field the fingerprint does not read says why (:class:`Unfitted`).
-    """
-    spec = Knob(fit=fit, **declared)
-    if compare and (spec.at is None) == (spec.words_of is None):  # a label (compare=False) has no words
-        raise TypeError("a field has its own words (at=...) or is written in another field's (words_of=...)")
-    return dataclasses.field(default=default, compare=compare, metadata={"knob": spec})
-
 
 def _num(x) -> str:
     """A number as a name writes it: ``repr`` without a trailing ``.0`` (``256``, ``2.25``, ``0.001``)."""
@@ -196,34 +145,6 @@ def _words(spec: str | Callable | None, cfg, field: str) -> str:
         return spec(cfg)
     value = getattr(cfg, field)
     return spec.format(_num(value) if isinstance(value, float) else value) if value != _FIELD_DEFAULTS[field] else ""
-
-
-def _real(field: str, value, allowed: str) -> float:
-    """``value`` as a float when it is a real number (not a bool); PcastError naming ``field`` otherwise."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise PcastError(f"{field}={value!r} must be {allowed}")
-    return float(value)
-
-
-def _one_of(field: str, choices) -> Callable:
-    """A check that ``value`` is one of ``choices``."""
-    def check(value):
-        check_choice(field, value, choices)
-        return value
-    return check
-
-
-def _ranged_int(field: str, lo: int, hi: int = 1 << 16) -> Callable:
-    return lambda value: check_int(field, value, min_value=lo, max_value=hi)
-
-
-def _format_named(field: str, choices: tuple[str, ...]) -> Callable:
-    """A dtype is stored as its format's name (``jnp.float8_e5m2`` → ``"e5m2"``); names among ``choices``."""
-    def check(value):
-        value = numberline.format_name(value, param=field, choices=choices)
-        check_choice(field, value.lower() if isinstance(value, str) and field == "p_format" else value, choices)
-        return value
-    return check
 
 
 def _check_scale(value) -> float:
@@ -241,14 +162,14 @@ def _check_causal(value) -> bool:
 
 
 def _check_v_channel_max(value) -> float:
-    v_max = _real("v_channel_max", value, "a number >= 0")
+    v_max = real_number("v_channel_max", value, "a number >= 0")
     if not (math.isfinite(v_max) and 0.0 <= v_max <= F32_MAX):
         raise PcastError(f"v_channel_max={value!r} must be a number >= 0, finite in float32")
     return v_max
 
 
 def _check_rescale_threshold(value) -> float:
-    tau = _real("rescale_threshold", value, f"a number in [0, {RESCALE_THRESHOLD_MAX:g}]")
+    tau = real_number("rescale_threshold", value, f"a number in [0, {RESCALE_THRESHOLD_MAX:g}]")
     if not (math.isfinite(tau) and 0.0 <= tau <= RESCALE_THRESHOLD_MAX):
         raise PcastError(f"rescale_threshold={value!r} must be a number in "
                          f"[0, {RESCALE_THRESHOLD_MAX:g}] (0: the running max follows every block)")
@@ -256,7 +177,7 @@ def _check_rescale_threshold(value) -> float:
 
 
 def _check_skip(value) -> float:
-    lam = _real("skip_softmax_threshold", value, "a number in [0, 1)")
+    lam = real_number("skip_softmax_threshold", value, "a number in [0, 1)")
     if not (math.isfinite(lam) and 0.0 <= lam < 1.0):
         raise PcastError(f"skip_softmax_threshold={value!r} must be a number in [0, 1) "
                          "(0: no tile is skipped; λ ≥ 1 would skip a block that raises the running max)")
@@ -319,7 +240,7 @@ class KernelConfig:
                         says=lambda c: c.order, fit="walk")
     #: KV block size B. N that is not a multiple is padded with masked keys.
     block_kv: int = knob(_DEFAULT_BLOCK_KV, at=3, name="b{}", says=lambda c: f"B={c.block_kv}",
-                         check=_ranged_int("block_kv", 1), fit="walk")
+                         check=ranged_int("block_kv", 1), fit="walk")
     #: Bottom-right aligned causal mask (query i of q_len sits at position N − q_len + i).
     causal: bool = knob(False, at=10, name="causal", says="causal", check=_check_causal,
                         fit=Unfitted("given, not read: the caller says whether the kernel masks causally "
@@ -345,13 +266,13 @@ class KernelConfig:
     #: multiplied back after its P·V product. Block-scaled formats need blocks that tile ``block_kv``,
     #: the multiply or exponent scale mode and the FP32 accumulator. A dtype (``jnp.float8_e5m2``,
     #: ``ml_dtypes.float8_e4m3fn``) is stored as its format's name.
-    p_format: str = knob("e4m3", at=4, name="{}", says="P in {}", check=_format_named("p_format", numberline.P_FORMATS),
+    p_format: str = knob("e4m3", at=4, name="{}", says="P in {}", check=format_named("p_format", numberline.P_FORMATS),
                          fit="cast", refused=(Refusal(
                              PALLAS_KERNELS, lambda c: c.p_format not in ("e4m3", "e4m3fn", "float8_e4m3fn"),
                              lambda c: f"p_format={c.p_format!r} not supported by the kernels: must be 'e4m3' (E5M2, "
                                        "E2M1 and the block-scaled MXFP8/MXFP4/NVFP4 P formats are simulator-only)"),))
     #: ``"satfinite"`` (Hopper cvt.rn.satfinite; what kernels do) or ``"nan"``.
-    overflow: str = knob("satfinite", at=5, name="{}", check=_one_of("overflow", numberline.OVERFLOW_MODES),
+    overflow: str = knob("satfinite", at=5, name="{}", check=one_of("overflow", numberline.OVERFLOW_MODES),
                          fit=Unfitted("a NaN output is refused, so only the saturating cast is read"),
                          refused=(Refusal(PALLAS_KERNELS, lambda c: c.overflow == "nan" and c.scale_mode != "dynamic"
                                           and c.scale > c.fmt.max,
@@ -362,11 +283,11 @@ class KernelConfig:
     #: ``"f32"``, or ``"f16"``: each block's P8·V product is rounded to float16 before it is added to
     #: the FP32 output (SageAttention2++'s ``fp32+fp16`` PV accumulation). A dtype is accepted.
     accumulator: Accumulator = knob("f32", at=6, name="{}acc", says="{} PV accumulator",
-                                    check=_format_named("accumulator", ACCUMULATORS), fit="accumulator")
+                                    check=format_named("accumulator", ACCUMULATORS), fit="accumulator")
     #: With the f16 accumulator, how many keys one f16 MMA covers: P8·V is rounded to float16 after
     #: every ``f16_round_keys`` keys and the block's f16 result added to the FP32 output. 0 = once per
     #: block.
-    f16_round_keys: int = knob(0, at=7, name="r{}", check=_ranged_int("f16_round_keys", 0), fit="accumulator",
+    f16_round_keys: int = knob(0, at=7, name="r{}", check=ranged_int("f16_round_keys", 0), fit="accumulator",
                                acts=lambda c: c.accumulator != "f32" and c.f16_round_keys != c.block_kv,
                                refused=(Refusal(PALLAS_KERNELS, lambda c: c.f16_round_keys % MMA_K,
                                                 lambda c: f"f16_round_keys={c.f16_round_keys} not supported by the "
@@ -385,7 +306,7 @@ class KernelConfig:
     #: "FP32 (actually FP22)"). Needs the FP32 accumulator, an element P format and ``block_kv`` a
     #: multiple of 32.
     mma_acc_bits: int = knob(
-        0, at=12, check=_ranged_int("mma_acc_bits", 0, MMA_ACC_BITS_MAX),
+        0, at=12, check=ranged_int("mma_acc_bits", 0, MMA_ACC_BITS_MAX),
         name=lambda c: f"acc{c.mma_acc_bits}" + (f"p{c.mma_promote_keys}" if c.mma_promote_keys else "")
         if c.mma_acc_bits else "",
         says=lambda c: f"{c.mma_acc_bits}-bit MMA accumulator model, " + (
@@ -402,7 +323,7 @@ class KernelConfig:
     #: (``block_kv`` = one fresh accumulator per KV tile: hpc-ops now, SageAttention2 on SM90 with
     #: ``pv_accum_dtype="fp32+fp32"``, this package's Pallas kernels; DeepGEMM promotes every 128).
     #: The never-promoted form cannot take the dynamic scale mode.
-    mma_promote_keys: int = knob(0, words_of="mma_acc_bits", check=_ranged_int("mma_promote_keys", 0),
+    mma_promote_keys: int = knob(0, words_of="mma_acc_bits", check=ranged_int("mma_promote_keys", 0),
                                  acts=lambda c: c.mma_acc_bits,
                                  fit=Unfitted("where the MMA accumulator model promotes: the model is not fitted"))
 
@@ -410,7 +331,7 @@ class KernelConfig:
     #: ``"f32"`` keeps Q, K, V exact (isolates the P-cast, as the paper does); ``"e4m3"`` quantizes
     #: them to E4M3 (scale = amax/max_E4M3) as production kernels do. A dtype is accepted.
     qkv: QKVPrecision = knob(
-        "f32", at=9, check=_format_named("qkv", QKV_PRECISIONS),
+        "f32", at=9, check=format_named("qkv", QKV_PRECISIONS),
         name=lambda c: ("qkv8h" if c.qkv_granularity == "head" else "qkv8") if c.qkv == "e4m3" else "",
         says=lambda c: f"{c.qkv} QKV per {c.qkv_granularity}" if c.qkv != "f32" else "",
         fit=Unfitted("the kernel's own Q/K/V quantization: the probes are exact in E4M3 with power-of-two "
@@ -425,7 +346,7 @@ class KernelConfig:
     #: The KV blocks are dealt over this many independent Algorithm-1 runs (1 = one run per row), merged
     #: at the end by the FP32 log-sum-exp merge (:func:`pcast_jax.block.merge_splits`).
     kv_splits: int = knob(
-        1, at=11, check=_ranged_int("kv_splits", 1),
+        1, at=11, check=ranged_int("kv_splits", 1),
         name=lambda c: f"split{c.kv_splits}" + ("s" if c.split_layout == "strided" else "") if c.kv_splits > 1 else "",
         says=lambda c: f"{c.kv_splits} {c.split_layout} KV splits" if c.kv_splits > 1 else "", fit="split")
     #: ``"contiguous"`` (split s gets a contiguous range of ⌈n_blocks/kv_splits⌉ blocks: FlashAttention-3
@@ -490,7 +411,7 @@ class KernelConfig:
     #: skip). A causally hidden or masked key has P = 0 and raises no amax; a row with nothing visible
     #: in the tile changes no other row's scale and votes to skip. 0 where neither axis acts; ≥ 1 with
     #: ``scale_mode="tile_amax"`` or a skip threshold (1: per row).
-    block_q: int = knob(0, at=16, name="q{}", check=_ranged_int("block_q", 0), saved="set", fit="tile",
+    block_q: int = knob(0, at=16, name="q{}", check=ranged_int("block_q", 0), saved="set", fit="tile",
                         acts=lambda c: c.scale_mode == "tile_amax" or c.skip_softmax_threshold,
                         refused=(Refusal(("mosaic",), lambda c: c.block_q,
                                          lambda c: f"{_tile_words(c)} not supported by the mosaic backend: its tile "
@@ -607,7 +528,7 @@ class KernelConfig:
         """
         if not isinstance(text, str):
             raise PcastError(f"a kernel config string must be a str, got {text!r}")
-        hints = _field_types(cls)
+        hints = field_types(cls)
         values: dict = {}
         items = [t.strip() for t in text.split(",")]
         if not text.strip() or any(not t for t in items):
@@ -624,7 +545,7 @@ class KernelConfig:
                 if hints[key] is not bool:
                     raise PcastError(f"KernelConfig field {key!r} needs a value ({key}=...) in {text!r}")
                 raw = "true"
-            values[key] = _parse_field(key, raw, hints[key])
+            values[key] = parse_field(key, raw, hints[key])
         try:
             return cls(**values)
         except PcastError as exc:
@@ -704,10 +625,13 @@ class KernelConfig:
         ``skip_softmax_threshold`` 0.5 where they are not 0 (0 selects another program: no lag, V as it
         is, no tile skipped). Bind numbers to it under ``jax.jit``::
 
-            f = jax.jit(lambda s, v, nums: engine.attention(s, v, cfg.program().bind(nums)).out)
+            f = jax.jit(lambda s, v, nums: engine.run(s, v, cfg.program().bind(nums)).out)
             f(scores, v, cfg.numbers())   # one program for every config with cfg's program
         """
-        return dataclasses.replace(self, name="", **{f: KNOBS[f].stand_in(getattr(self, f)) for f in NUMERIC_FIELDS})
+        stand_ins = {f: KNOBS[f].stand_in(getattr(self, f)) for f in NUMERIC_FIELDS}
+        if all(getattr(self, f) == x for f, x in stand_ins.items()) and self.name == self.default_name():
+            return self  # a program already (what bind() checks)
+        return dataclasses.replace(self, name="", **stand_ins)
 
     def bind(self, numbers: Numbers, *, name: str | None = None) -> "BoundConfig":
         """This program with ``numbers`` (traced or concrete): a :class:`BoundConfig` labelled ``name``
@@ -739,34 +663,6 @@ class KernelConfig:
                 if kernel in r.kernels and r.when(self):
                     return r.why(self)
         return None
-
-
-def declared_knobs(cls) -> dict[str, Knob]:
-    """Field name → :class:`Knob` of dataclass ``cls``, each ``Literal`` field checked against its choices
-    where no check is declared; TypeError naming a field declared without :func:`knob` or declared amiss."""
-    hints = typing.get_type_hints(cls)
-    out: dict[str, Knob] = {}
-    for f in dataclasses.fields(cls):
-        spec = f.metadata.get("knob")
-        if not isinstance(spec, Knob):
-            raise TypeError(f"{cls.__name__}.{f.name} is declared without knob(...): declare its name part, "
-                            "what it saves, its numbers, whether the fingerprint fits it and which kernels refuse it")
-        if spec.check is None:
-            choices = typing.get_args(hints[f.name])
-            if typing.get_origin(hints[f.name]) is not Literal:
-                raise TypeError(f"{cls.__name__}.{f.name} needs check=...: only a Literal field is checked by its type")
-            spec = dataclasses.replace(spec, check=_one_of(f.name, choices))
-        if spec.saved == "acts" and spec.acts is None or (spec.stand_in is None) != (not spec.feeds):
-            raise TypeError(f"{cls.__name__}.{f.name}: saved='acts' needs acts=...; stand_in and feeds go together")
-        out[f.name] = spec
-    ats = [s.at for s in out.values() if s.at is not None]
-    if len(set(ats)) != len(ats):
-        raise TypeError(f"{cls.__name__}: two fields write their words at the same place (at=...)")
-    for name, spec in out.items():
-        if spec.words_of is not None and out.get(spec.words_of, Knob(fit="")).at is None:
-            raise TypeError(f"{cls.__name__}.{name}: words_of={spec.words_of!r} must name a field with words "
-                            "of its own")
-    return out
 
 
 def choices(field: str) -> tuple:
@@ -938,63 +834,3 @@ def scale_candidates(config: KernelConfig) -> tuple[float, ...]:
     applied_per_unit = config.replace(scale=1.0).effective_scale
     top = max(0, math.floor(math.log2(config.fmt.max / applied_per_unit)))
     return tuple(float(2 ** e) for e in range(top + 1))
-
-
-def _field_types(cls) -> dict[str, type]:
-    """Field name → the type its string form is parsed to (the annotation, else the default's type)."""
-    try:
-        hints = typing.get_type_hints(cls)
-    except Exception:  # noqa: BLE001 - an annotation that cannot be evaluated: use the defaults
-        hints = {}
-    out = {}
-    for f in dataclasses.fields(cls):
-        t = hints.get(f.name, f.type)
-        if not isinstance(t, type):
-            t = type(f.default) if f.default is not dataclasses.MISSING else str
-        out[f.name] = t
-    return out
-
-
-_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
-
-
-def _power(base: float, exp: float, sign: float) -> float:
-    """``sign · base^exp`` for a finite base > 0 and a finite exponent; ValueError otherwise."""
-    if not (0 < base < math.inf and math.isfinite(exp)):
-        raise ValueError("not a power")
-    return sign * base**exp
-
-
-def _parse_field(key: str, raw: str, kind: type):
-    """One value of :meth:`KernelConfig.from_string`, as ``kind``; PcastError naming ``key``."""
-    if kind is bool:
-        if raw.lower() in _TRUE:
-            return True
-        if raw.lower() in _FALSE:
-            return False
-        raise PcastError(f"{key}={raw!r} must be true or false")
-    if kind is int:
-        try:
-            return int(raw)
-        except ValueError:
-            raise PcastError(f"{key}={raw!r} must be an integer") from None
-    if kind is float:
-        text = raw.replace("**", "^").strip()
-        sign = -1.0 if text.startswith("-") else 1.0  # -2^2 is -(2^2), as written in mathematics
-        base, op, exp = text.lstrip("+-").partition("^")
-        try:
-            value = float(text) if not op else _power(float(base), float(exp), sign)
-        except (ValueError, OverflowError):
-            raise PcastError(f"{key}={raw!r} must be a number (e.g. 256, 0.5, 2^8.807; a power's base "
-                             "> 0, both finite)") from None
-        if not math.isfinite(value):
-            raise PcastError(f"{key}={raw!r} must be finite")
-        return value
-    if kind is str:
-        if not raw:
-            raise PcastError(f"{key}= needs a value")
-        return raw
-    try:
-        return kind(raw)
-    except (TypeError, ValueError) as exc:
-        raise PcastError(f"{key}={raw!r}: {exc}") from None

@@ -51,7 +51,7 @@ from pcast_jax.deployment_table import (
     find,
 )
 from pcast_jax.errors import PcastError, check_choice, check_int
-from pcast_jax.presets import get_preset, preset_for
+from pcast_jax.presets import get_preset, resolve
 from pcast_jax.stats import mean_sem
 
 __all__ = ["no_fp8_p_advice", "Capabilities", "ModelFeatures", "Support", "SUPPORTS", "UNREAD",
@@ -202,14 +202,12 @@ def knob_setting(config: KernelConfig, scale: float, *, head_dim: int | None = N
     factor/scale, "vllm rocm_flash")``; any other kernel ``("scale", scale, "")``, the
     :class:`KernelConfig` field.
     """
-    from pcast_jax.presets import preset_for
-
     family = config.replace(scale=1.0)
     for row in DEPLOYMENTS:
         if row.knob == "none":
             continue
         for name in row.presets:
-            preset = get_preset(name) if head_dim is None else preset_for(name, head_dim)
+            preset = resolve(name, head_dim=head_dim)
             if preset.replace(scale=1.0) == family:
                 return row.knob, knob_from_scale(row.knob, scale, row.knob_factor), f"{row.engine} {row.backend}"
     return "scale", float(scale), ""
@@ -313,7 +311,7 @@ def _configured(deployment: Deployment, knob_value: float | None, scales: dict,
         values = [None]
     out = []
     for name in deployment.presets:
-        base = get_preset(name) if head_dim is None else preset_for(name, head_dim)
+        base = resolve(name, head_dim=head_dim)
         for value in values:
             cfg = base if value is None else base.replace(
                 scale=scale_from_knob(knob, value, deployment.knob_factor), name=f"{name}@{knob}={value:g}")

@@ -17,10 +17,18 @@ Scores are logits with the softmax scale already applied, shape ``(..., q_len, N
 any value ≤ −2^127 (``finfo(float32).min`` included, :data:`pcast_jax.block.MASKED_BELOW`), is a
 masked key: it contributes nothing, and a row with every key masked outputs 0 with ℓ = 0 and a
 zeroed mass of 0, as the kernels do.
+
+This module is the driver: each entry point (:func:`attention`, :func:`attention_qkv`,
+:func:`weights_and_stats`) resolves a caller's config once (:func:`pcast_jax.presets.resolve`) and binds it
+once (:func:`bound`); :func:`run`, :func:`run_qkv` and :func:`run_weights` take that bound config as it is
+(a caller that resolved and bound its config already calls them), validate and pad the inputs and run one
+of the two implementations (``pcast_jax.implementations``), naming their results and refusing a non-finite
+output.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import typing
 from typing import Literal, NamedTuple
@@ -29,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pcast_jax import block, formats
+from pcast_jax import block, formats, implementations
 from pcast_jax.config import QKV_GRANULARITIES, BoundConfig, KernelConfig, Numbers
 from pcast_jax.errors import PcastError, check_choice, check_int, check_positive
 from pcast_jax.presets import resolve
@@ -38,6 +46,10 @@ __all__ = [
     "AttentionResult",
     "attention",
     "attention_qkv",
+    "bound",
+    "run",
+    "run_qkv",
+    "run_weights",
     "effective_weights",
     "weights_and_stats",
     "WeightsResult",
@@ -86,26 +98,6 @@ class AttentionResult(NamedTuple):
     n_saturated: jax.Array
     n_visible: jax.Array
     saturated_mass: jax.Array
-
-
-def _cast(ps, cfg: KernelConfig):
-    """Line 9 as the simulator sees it: the FP8 values widened to FP32.
-
-    Returns ``(p8, scales)``: ``scales`` is None for an element format, else the per-block scales
-    of a block-scaled format (:func:`block.cast_p`), multiplied back after P8·V. A saturating
-    element cast is computed in float32 (:func:`formats.cast_arithmetic`, the same bits); any other goes
-    through the FP8 type behind a barrier.
-    """
-    if cfg.block_format is not None:
-        return jax.lax.optimization_barrier(block.cast_p(ps, cfg))
-    if cfg.overflow == "satfinite" and cfg.fmt.name in formats.ARITHMETIC_CAST_FORMATS:
-        return formats.cast_arithmetic(ps, cfg.fmt), None
-    return jax.lax.optimization_barrier(block.cast_p(ps, cfg)).astype(jnp.float32), None
-
-
-def _pv(p8, v):
-    """Line 10's product P8 · V_j, exact FP32 products (the kernel's FP32 MMA accumulator)."""
-    return jnp.einsum("...qb,...bd->...qd", p8, v, precision=jax.lax.Precision.HIGHEST)
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,303 +195,6 @@ def _prepare(scores, v, cfg: KernelConfig, count_mask, q_offset):
     return scores, v, counted
 
 
-def _blocks(x, block_kv: int, axis: int):
-    """Split ``axis`` into (n_blocks, block_kv) and move n_blocks to the front."""
-    axis = axis % x.ndim
-    shape = x.shape[:axis] + (x.shape[axis] // block_kv, block_kv) + x.shape[axis + 1 :]
-    return jnp.moveaxis(x.reshape(shape), axis, 0)
-
-
-def _order(x, cfg: KernelConfig):
-    """Stacked blocks (n_blocks, ...) in the kernel's visiting order."""
-    n_blocks = x.shape[0]
-    return x[block.kv_block(np.arange(n_blocks), n_blocks, cfg)]
-
-
-# --------------------------------------------------------------------------------------------
-# Engines
-# --------------------------------------------------------------------------------------------
-
-
-def _f16_barrier(h):
-    """Keeps XLA from folding the f32 → f16 → f32 round trip of an f16 accumulator."""
-    return jax.lax.optimization_barrier(h)
-
-
-def _split_order(x, cfg: KernelConfig, axis: int, fill):
-    """Blocks (steps, splits, ...) in each split's visiting order (:func:`block.split_schedule`).
-
-    One extra block filled with ``fill`` (masked) stands in for the idle steps of a short split.
-    """
-    xb = _blocks(x, cfg.block_kv, axis)  # (nb, ...)
-    nb = xb.shape[0]
-    xb = jnp.concatenate([xb, jnp.full((1,) + xb.shape[1:], fill, xb.dtype)], axis=0)
-    return xb[block.split_schedule(nb, cfg).T]
-
-
-def _channel_scale(v, cfg: KernelConfig):
-    """V / c per channel for an f16 accumulator with ``v_channel_max`` (V and c=None otherwise)."""
-    c = block.v_channel_scale(v, cfg)
-    return (v, None) if c is None else (v / c[..., None, :], c)
-
-
-def _visible(scores):
-    """Keys that are not masked (:data:`pcast_jax.block.MASKED_BELOW`)."""
-    return scores > block.MASKED_BELOW
-
-
-def _scan_engine(scores, v, counted, cfg: KernelConfig, sink=None) -> AttentionResult:
-    v, c = _channel_scale(v, cfg)
-    zb = _split_order(scores, cfg, -1, -jnp.inf)  # (steps, splits, ..., q, B)
-    vb = _split_order(v, cfg, -2, 0.0)  # (steps, splits, ..., B, d)
-    cb = _split_order(counted, cfg, -1, False)
-    batch_q = (cfg.kv_splits,) + scores.shape[:-1]
-    d = v.shape[-1]
-    sink_s = None if sink is None else jnp.broadcast_to(sink, batch_q)
-    if sink_s is not None and cfg.sink_mode == "init_max":  # split 0 alone starts at the sink
-        sink_s = sink_s.at[1:].set(-jnp.inf)
-
-    norm = None
-    if cfg.p_offset == "row_lse":  # the first pass over the row: its max and sum (one split)
-        m_row, norm = (x[None] for x in block.row_normalizer(scores, sink))
-
-    def step(carry, xs):
-        m, ell, o, nz, lz, ns, ls = carry
-        z, vj, cj = xs
-        st = block.online_softmax(m, ell, z, cfg, sink_s, norm=norm, barrier=_f16_barrier)  # lines 4-8
-        p8, sc = _cast(st.ps, cfg)  # line 9
-        o = block.accumulate_pv(o, st.alpha, lambda lo, hi: _pv(p8[..., lo:hi], vj[..., lo:hi, :]), st.unscale,
-                                cfg, barrier=_f16_barrier, scales=sc)  # line 10
-
-        def mass(mask):  # ΣP of the keys in mask, weighted like the block's ΣP in ℓ
-            x = jnp.sum(jnp.where(mask, st.p, 0.0), axis=-1)
-            return x if st.weight is None else st.weight * x
-
-        zero = cj & block.zeroed(st.ps, cfg)
-        nz = nz + jnp.sum(zero, axis=-1, dtype=jnp.int32)
-        lz = st.alpha * lz + mass(zero)
-        sat = _visible(z) & block.saturated(st.ps, cfg)
-        ns = ns + jnp.sum(sat, axis=-1, dtype=jnp.int32)
-        ls = st.alpha * ls + mass(sat)
-        return (st.m, st.row_sum, o, nz, lz, ns, ls), None
-
-    m0, l0 = block.sink_start(sink, batch_q[1:], cfg)  # the sink as initial max lives in split 0 only
-    if norm is not None:
-        m0 = m_row[0]
-    rest = (cfg.kv_splits - 1,) + batch_q[1:]
-    init = (
-        jnp.concatenate([m0[None], jnp.full(rest, -jnp.inf, jnp.float32)]),
-        jnp.concatenate([l0[None], jnp.zeros(rest, jnp.float32)]),
-        jnp.zeros(batch_q + (d,), jnp.float32),
-        jnp.zeros(batch_q, jnp.int32),
-        jnp.zeros(batch_q, jnp.float32),
-        jnp.zeros(batch_q, jnp.int32),
-        jnp.zeros(batch_q, jnp.float32),
-    )
-    (m, ell, o, nz, lz, ns, ls), _ = jax.lax.scan(step, init, (zb, vb, cb))
-    if cfg.kv_splits == 1:
-        ell = block.add_sink(ell[0], m[0], sink, cfg, norm=None if norm is None else norm[0])
-        out = block.finalize(o[0], ell, cfg)  # line 12
-        lz, ls = lz[0], ls[0]
-    else:  # line 12 per split, merged
-        out, ell, (lz, ls) = block.merge_splits(m, ell, o, cfg, extra=(lz, ls), sink=sink)
-    if c is not None:
-        out = out * c[..., None, :]
-    return AttentionResult(out, ell, jnp.sum(nz, axis=0), jnp.sum(counted, axis=-1, dtype=jnp.int32),
-                           block.row_share(lz, ell), jnp.sum(ns, axis=0),
-                           jnp.sum(_visible(scores), axis=-1, dtype=jnp.int32), block.row_share(ls, ell))
-
-
-def _running_max(block_max, cfg: KernelConfig, m0=None, *, reverse: bool = False):
-    """The running max after each block (last axis, in the visiting order): line 5 for every block.
-
-    Without a lazy rescale it is a cumulative max (from the right in reverse order), with ``m0`` the
-    max before the first block (a learned sink as initial max); with one it is the recurrence of
-    :func:`pcast_jax.block.update_max`, a scan over the (few) block maxima. Either way it never
-    decreases, so the final running max is its maximum.
-    """
-    if not cfg.rescale_threshold:
-        m_run = jax.lax.cummax(block_max, axis=block_max.ndim - 1, reverse=reverse)
-        return m_run if m0 is None else jnp.maximum(m_run, m0[..., None])
-    if m0 is None:
-        m0 = jnp.full(block_max.shape[:-1], -jnp.inf, block_max.dtype)
-
-    def step(m, bm):
-        m = block.update_max(m, bm, cfg)
-        return m, m
-
-    _, m_run = jax.lax.scan(step, m0, jnp.moveaxis(block_max, -1, 0), reverse=reverse)
-    return jnp.moveaxis(m_run, 0, -1)
-
-
-def _skip_blocks(z, m_run, m0, cfg: KernelConfig, *, reverse: bool, row_axis: int):
-    """``z`` (..., blocks, B) with the blocks skip-softmax skips masked (:func:`block.skip_rows`), from the
-    running max before each block: the one after the block visited before it (``m0`` or −inf first).
-
-    A skipped block's max lies below that running max, so it never moved the running max: ``m_run``
-    (computed with every block) holds as it is.
-    """
-    if not cfg.skip_softmax_threshold:
-        return z
-    first = jnp.full(m_run.shape[:-1] + (1,), -jnp.inf, m_run.dtype) if m0 is None else m0[..., None]
-    before = (jnp.concatenate([m_run[..., 1:], first], axis=-1) if reverse
-              else jnp.concatenate([first, m_run[..., :-1]], axis=-1))
-    return block.drop_skipped(z, block.skip_rows(jnp.max(z, axis=-1), before, cfg, row_axis=row_axis))
-
-
-class _Stats(NamedTuple):
-    """Per-row loss statistics decayed to the final running max (masses not yet divided by ℓ)."""
-
-    n_zeroed: jax.Array
-    zeroed: jax.Array
-    n_saturated: jax.Array
-    saturated: jax.Array
-
-
-def _loss_stats(z, p, ps, counted, decay, cfg: KernelConfig, axes) -> _Stats:
-    """Zeroed (over counted keys) and saturated (over visible keys) counts and decayed P sums."""
-    zero = counted & block.zeroed(ps, cfg)
-    sat = _visible(z) & block.saturated(ps, cfg)
-
-    def mass(mask):
-        return jnp.sum(decay * jnp.sum(jnp.where(mask, p, 0.0), axis=-1), axis=-1)
-
-    return _Stats(jnp.sum(zero, axis=axes, dtype=jnp.int32), mass(zero),
-                  jnp.sum(sat, axis=axes, dtype=jnp.int32), mass(sat))
-
-
-def _fast_parts(scores, counted, cfg: KernelConfig, cast_fn=None, sink=None):
-    """Everything of the xla implementation except the contraction with V (shared with the weights).
-
-    Works in key order on a (..., q, n_blocks, B) view of the scores, so no data moves: the
-    running max after each block in the kernel's order is a cumulative max of the block maxima
-    (from the right in reverse order; :func:`_running_max`), and block b's contribution ends up
-    multiplied by exp(m_b − m_final). Returns P8 (..., q, nb, B), the per-block factor w (..., q, nb)
-    that multiplies it, ℓ (with a learned sink's term), the loss statistics (:class:`_Stats`) and
-    the block scales of a block-scaled format (None otherwise, and with ``cast_fn``). ``cast_fn``
-    replaces line 9's cast (default: the config's exact cast; a replacement returns the dequantized
-    P); the zeroed count is that of the exact cast either way.
-    """
-    shape = scores.shape[:-1] + (scores.shape[-1] // cfg.block_kv, cfg.block_kv)
-    z = scores.reshape(shape)
-    sink_b = None if sink is None else sink[..., None]
-    block_max = block.fold_sink(jnp.max(z, axis=-1), sink_b, cfg)  # (..., q, nb)
-    m0 = sink if sink is not None and cfg.sink_mode == "init_max" else None
-    norm = None
-    if cfg.p_offset == "row_lse":  # the first pass over the row: the running max is the row's throughout
-        m0, norm = block.row_normalizer(scores, sink)
-        norm = norm[..., None]
-    reverse = cfg.order == "reverse"
-    m_run = _running_max(block_max, cfg, m0, reverse=reverse)
-    z = _skip_blocks(z, m_run, m0, cfg, reverse=reverse, row_axis=-2)
-    m_p = block.p_reference(block_max, m_run, cfg)
-    p, ps, unscale = block.block_probs(z, m_p, cfg, norm=norm, barrier=_f16_barrier, row_axis=-2, sink=sink_b)
-    p8, sc = _cast(ps, cfg) if cast_fn is None else (cast_fn(ps), None)
-    # α chain: block b's contribution is multiplied by exp(m_b − m_final) by the end (m_b the max its P
-    # is taken against: the block's own with p_offset="block_max", β and the α chain in one factor)
-    m_final = jnp.max(m_run, axis=-1)
-    decay = block.alpha(m_p, m_final[..., None], cfg)  # (..., q, nb)
-    ell = jnp.sum(decay * jnp.sum(p, axis=-1), axis=-1)
-    if sink is not None:  # every mode: the sink's term at the final max (init_max: 1 decayed to it)
-        w_sink = block.sink_weight(sink, m_final, cfg)
-        ell = ell + (w_sink if norm is None else w_sink / norm[..., 0])  # row_lse: the sink's normalised share
-    stats = _loss_stats(z, p, ps, counted.reshape(shape), decay, cfg, (-2, -1))
-    w = decay if unscale is None else decay * unscale  # per block and row, multiplies P8
-    return p8, w, ell, stats, sc
-
-
-def _fast_split_parts(scores, counted, cfg: KernelConfig, cast_fn=None, sink=None):
-    """:func:`_fast_parts` for split-KV: per split a running max in its visiting order.
-
-    Returns P8 (..., q, splits, steps, B), the factor per block that multiplies it into its split's
-    output (the α chain of its split and 2^-k), (m_s, ℓ_s) per split, the loss statistics per split
-    (masses decayed to m_s), the schedule (:func:`block.split_schedule`) and the block scales.
-    """
-    b = cfg.block_kv
-    nb = scores.shape[-1] // b
-    sched = block.split_schedule(nb, cfg)  # (splits, steps)
-    # a split with no block (more splits than blocks) keeps m_s = −inf and ℓ_s = 0, weight 0 in the merge:
-    # left out, it adds no term (and no gathered copy of the scores, which cost 3× the rest per config)
-    sched = sched[(sched < nb).any(axis=1)]
-
-    def gather(x, fill):
-        xb = x.reshape(x.shape[:-1] + (nb, b))
-        xb = jnp.concatenate([xb, jnp.full(xb.shape[:-2] + (1, b), fill, xb.dtype)], axis=-2)
-        return xb[..., sched, :]  # (..., q, splits, steps, B)
-
-    z = gather(scores, -jnp.inf)
-    sink_b = None if sink is None else sink[..., None, None]
-    block_max = block.fold_sink(jnp.max(z, axis=-1), sink_b, cfg)  # (..., q, splits, steps)
-    m0 = None
-    if sink is not None and cfg.sink_mode == "init_max":  # split 0 alone starts at the sink
-        m0 = jnp.full(block_max.shape[:-1], -jnp.inf, jnp.float32).at[..., 0].set(sink)
-    m_run = _running_max(block_max, cfg, m0)
-    z = _skip_blocks(z, m_run, m0, cfg, reverse=False, row_axis=-3)
-    m_p = block.p_reference(block_max, m_run, cfg)  # row_lse takes one split: not here
-    p, ps, unscale = block.block_probs(z, m_p, cfg, barrier=_f16_barrier, row_axis=-3,
-                                       sink=sink_b if m0 is None else m0[..., None])
-    p8, sc = _cast(ps, cfg) if cast_fn is None else (cast_fn(ps), None)
-    m_s = jnp.max(m_run, axis=-1)  # (..., q, splits)
-    decay = block.alpha(m_p, m_s[..., None], cfg)  # (..., q, splits, steps)
-    ell_s = jnp.sum(decay * jnp.sum(p, axis=-1), axis=-1)
-    if m0 is not None:
-        ell_s = ell_s.at[..., 0].add(block.sink_weight(sink, m_s[..., 0], cfg))
-    stats = _loss_stats(z, p, ps, gather(counted, False), decay, cfg, (-3, -2, -1))
-    w = decay if unscale is None else decay * unscale
-    return p8, w, (m_s, ell_s), stats, sched, sc
-
-
-def _merge_fast(m_s, ell_s, o_s, stats: _Stats, cfg, sink=None):
-    """block.merge_splits on the xla implementation's (..., q, splits[, d]) layout; masses merged alike."""
-    out, ell, (lz, ls) = block.merge_splits(
-        jnp.moveaxis(m_s, -1, 0), jnp.moveaxis(ell_s, -1, 0), jnp.moveaxis(o_s, -2, 0), cfg,
-        extra=(jnp.moveaxis(stats.zeroed, -1, 0), jnp.moveaxis(stats.saturated, -1, 0)), sink=sink)
-    return out, ell, stats._replace(zeroed=block.row_share(lz, ell), saturated=block.row_share(ls, ell))
-
-
-def _result(out, ell, stats: _Stats, scores, counted) -> AttentionResult:
-    """The engines' result from merged statistics (masses already shares of ℓ)."""
-    return AttentionResult(out, ell, stats.n_zeroed, jnp.sum(counted, axis=-1, dtype=jnp.int32), stats.zeroed,
-                           stats.n_saturated, jnp.sum(_visible(scores), axis=-1, dtype=jnp.int32),
-                           stats.saturated)
-
-
-def _fast_engine(scores, v, counted, cfg: KernelConfig, sink=None) -> AttentionResult:
-    v, c = _channel_scale(v, cfg)
-    if cfg.kv_splits > 1:
-        out, ell, stats = _fast_split_engine(scores, v, counted, cfg, sink)
-    else:
-        p8, w, ell, stats, sc = _fast_parts(scores, counted, cfg, sink=sink)
-        if cfg.accumulator == "f32" and sc is None and not cfg.mma_acc_bits:  # one (q, N) x (N, d) product
-            weighted = (p8 * w[..., None]).reshape(scores.shape)
-            o = jnp.einsum("...qn,...nd->...qd", weighted, v, precision=jax.lax.Precision.HIGHEST)
-        else:  # per block: rounded to f16, block scales multiplied back, or the promoted MMA model, then FP32
-            vb = v.reshape(v.shape[:-2] + p8.shape[-2:] + v.shape[-1:])  # (..., nb, B, d)
-            y = block.block_pv(lambda lo, hi: jnp.einsum(
-                "...qnb,...nbd->...qnd", p8[..., lo:hi], vb[..., lo:hi, :], precision=jax.lax.Precision.HIGHEST),
-                cfg, barrier=_f16_barrier, scales=sc)
-            o = jnp.sum(w[..., None] * y, axis=-2)
-        out = block.finalize(o, ell, cfg)
-        stats = stats._replace(zeroed=block.row_share(stats.zeroed, ell),
-                               saturated=block.row_share(stats.saturated, ell))
-    if c is not None:
-        out = out * c[..., None, :]
-    return _result(out, ell, stats, scores, counted)
-
-
-def _fast_split_engine(scores, v, counted, cfg: KernelConfig, sink=None):
-    p8, w, (m_s, ell_s), stats, sched, sc = _fast_split_parts(scores, counted, cfg, sink=sink)
-    b = cfg.block_kv
-    vb = v.reshape(v.shape[:-2] + (-1, b) + v.shape[-1:])  # (..., nb, B, d)
-    vb = jnp.concatenate([vb, jnp.zeros(vb.shape[:-3] + (1,) + vb.shape[-2:], vb.dtype)], axis=-3)
-    vb = vb[..., sched, :, :]  # (..., splits, steps, B, d)
-    y = block.block_pv(lambda lo, hi: jnp.einsum(
-        "...qstb,...stbd->...qstd", p8[..., lo:hi], vb[..., lo:hi, :], precision=jax.lax.Precision.HIGHEST),
-        cfg, barrier=_f16_barrier, scales=sc)
-    o_s = jnp.sum(w[..., None] * y, axis=-2)  # (..., q, splits, d)
-    return _merge_fast(m_s, ell_s, o_s, stats, cfg, sink)
-
-
 class WeightsResult(NamedTuple):
     """The xla implementation's effective weights and per-row statistics (see :func:`weights_and_stats`).
 
@@ -527,34 +222,18 @@ def weights_and_stats(scores, config, *, count_mask=None, q_offset: int | None =
     output is ``weights @ v`` (equal to :func:`attention`'s to FP32 rounding), so several configs
     can share one matrix product with V (what :func:`pcast_jax.metrics.evaluate` does).
     """
-    cfg = _bound(resolve(config))
+    return run_weights(scores, bound(resolve(config)), count_mask=count_mask, q_offset=q_offset, cast_fn=cast_fn,
+                       sink_logit=sink_logit)
+
+
+def run_weights(scores, config: BoundConfig, *, count_mask=None, q_offset: int | None = None,
+                cast_fn=None, sink_logit=None) -> WeightsResult:
+    """:func:`weights_and_stats` for a config an entry point bound once (:func:`bound`), taken as it is."""
+    cfg = implementations.require_bound(config, "engine.run_weights")
     n = jnp.shape(scores)[-1]
     scores, _, counted = _prepare(scores, jnp.zeros((n, 1)), cfg, count_mask, q_offset)
     sink = _sink_rows(sink_logit, scores.shape[:-1])
-    if cfg.kv_splits > 1:
-        p8, w, (m_s, ell_s), stats, sched, sc = _fast_split_parts(scores, counted, cfg, cast_fn, sink)
-        p8 = block.dequantize(p8, sc, cfg)
-        # the merge is linear in each split's O_s: merging per-key one-hot "outputs" gives the weights
-        eye = jnp.eye(m_s.shape[-1], dtype=jnp.float32)
-        f, ell, stats = _merge_fast(m_s, ell_s, jnp.broadcast_to(eye, m_s.shape + eye.shape[-1:]), stats, cfg, sink)
-        wk = p8 * (w * f[..., :, None])[..., None]  # (..., q, splits, steps, B)
-        nb = scores.shape[-1] // cfg.block_kv
-        pos = np.zeros(nb, np.int32)  # where block b sits in the flattened (splits, steps) schedule
-        flat = sched.reshape(-1)
-        pos[flat[flat < nb]] = np.nonzero(flat < nb)[0]
-        wk = wk.reshape(wk.shape[:-3] + (-1, cfg.block_kv))[..., pos, :]
-    else:
-        p8, w, ell, stats, sc = _fast_parts(scores, counted, cfg, cast_fn, sink)
-        p8 = block.dequantize(p8, sc, cfg)
-        # times 1/(S ℓ), not divided by it: XLA rewrites x / broadcast(d) into x · broadcast(1/d) in
-        # some programs and not in others (a sharded one), which differ in the last bit; written as
-        # the multiply it is one program everywhere, with the bits of the rewritten one
-        wk = p8 * w[..., None] * (1.0 / block.epilogue_divisor(ell, cfg))[..., None, None]  # (..., q, nb, B)
-        stats = stats._replace(zeroed=block.row_share(stats.zeroed, ell),
-                               saturated=block.row_share(stats.saturated, ell))
-    weights = wk.reshape(wk.shape[:-2] + (-1,))[..., :n]
-    r = _result(None, ell, stats, scores, counted)
-    return WeightsResult(weights, *r[1:])
+    return WeightsResult(*implementations.xla_weights(scores, counted, cfg, n, cast_fn, sink))
 
 
 def effective_weights(scores, config, *, q_offset: int | None = None, cast_fn=None, sink_logit=None):
@@ -593,28 +272,45 @@ def attention(
         a scalar or one per head (broadcasting against ``scores.shape[:-2]``). It is a softmax column
         with no value row, placed as ``config.sink_mode`` says.
     """
-    cfg = _bound(resolve(config))
+    return run(scores, v, bound(resolve(config)), implementation=implementation, count_mask=count_mask,
+               q_offset=q_offset, sink_logit=sink_logit)
+
+
+def run(scores, v, config: BoundConfig, *, implementation: str = "xla", count_mask=None, q_offset: int | None = None,
+        sink_logit=None) -> AttentionResult:
+    """:func:`attention` for a config an entry point bound once (:func:`bound`), taken as it is: the engines
+    never look a name up or bind numbers again."""
+    cfg = implementations.require_bound(config, "engine.run")
     impl = check_implementation(implementation)
     scores, v, counted = _prepare(scores, v, cfg, count_mask, q_offset)
     sink = _sink_rows(sink_logit, scores.shape[:-1])
     # The never-promoted MMA accumulator model truncates O itself after every 32 keys, a chain through
     # every block that the xla implementation's one weighted sum cannot express: both engines run the scan.
     chained = cfg.mma_acc_bits and not cfg.mma_promote_keys
-    fn = _scan_engine if impl == "scan" or chained else _fast_engine
-    return _check_output(fn(scores, v, counted, cfg, sink), v, cfg)
+    fn = implementations.scan if impl == "scan" or chained else implementations.xla
+    return _check_output(AttentionResult(*fn(scores, v, counted, cfg, sink)), v, cfg)
 
 
-def _bound(cfg: KernelConfig) -> BoundConfig:
-    """``cfg`` with its numbers as values the compiler cannot see through (a :class:`BoundConfig` as it is).
+def bound(config: KernelConfig, *, causal: bool | None = None) -> BoundConfig:
+    """A resolved config (:func:`pcast_jax.presets.resolve`) as the engines compute with it: its program
+    bound to its numbers, as values the compiler cannot see through (a :class:`BoundConfig` as it is).
+    ``causal`` sets the causal mask (a caller that masks the scores itself passes False).
 
     A config whose numbers are constants of the program then computes exactly what the same program
     computes with them as traced arguments (:meth:`KernelConfig.program`): XLA would otherwise fold
-    and fuse the constants, changing the last bits.
+    and fuse the constants, changing the last bits. Called once per call, by the entry point, inside
+    the program it runs in (the barrier is an operation of that program).
     """
-    if isinstance(cfg, BoundConfig):
-        return cfg
-    nums = Numbers(*jax.lax.optimization_barrier(tuple(jnp.float32(x) for x in cfg.numbers())))
-    return cfg.program().bind(nums, name=cfg.name)
+    if isinstance(config, BoundConfig):
+        return config if causal is None or causal == config.causal else config.replace(causal=causal)
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"config={config!r}: engine.bound takes a resolved KernelConfig "
+                        "(pcast_jax.presets.resolve resolves a preset name, once, at the entry point)")
+    program = config.program()
+    if causal is not None and causal != config.causal:
+        program = dataclasses.replace(program, causal=causal)
+    nums = Numbers(*jax.lax.optimization_barrier(tuple(jnp.float32(x) for x in config.numbers())))
+    return program.bind(nums, name=config.name)
 
 
 def _check_output(res: AttentionResult, v, cfg: KernelConfig) -> AttentionResult:
@@ -709,7 +405,11 @@ def prepare_qkv(q, k, v, config, *, scale: float | None = None):
     FP8 value (its descale applied to the values, which equals applying it to the output).
     ``scale`` is the logit scale (default 1/√d), as in :func:`jax.nn.dot_product_attention`.
     """
-    cfg = resolve(config)
+    return _prepare_qkv(q, k, v, resolve(config), scale)
+
+
+def _prepare_qkv(q, k, v, cfg: KernelConfig, scale):
+    """:func:`prepare_qkv` for a resolved config (only its Q/K/V fields are read: bound or not)."""
     q, k, v = (_real_array(name, a) for name, a in (("q", q), ("k", k), ("v", v)))
     if q.ndim < 2 or k.ndim < 2 or v.ndim < 2:
         raise PcastError(f"q, k, v must be (..., len, d); got q.shape={q.shape}, k.shape={k.shape}, "
@@ -739,7 +439,14 @@ def prepare_qkv(q, k, v, config, *, scale: float | None = None):
 def attention_qkv(q, k, v, config, *, scale=None, implementation: str = "xla", count_mask=None,
                   q_offset=None, sink_logit=None) -> AttentionResult:
     """:func:`attention` from Q, K, V (see :func:`prepare_qkv` for the FP8 Q/K/V path)."""
-    cfg = resolve(config)
-    scores, v_seen = prepare_qkv(q, k, v, cfg, scale=scale)
-    return attention(scores, v_seen, cfg, implementation=check_implementation(implementation),
-                     count_mask=count_mask, q_offset=q_offset, sink_logit=sink_logit)
+    return run_qkv(q, k, v, bound(resolve(config)), scale=scale, implementation=implementation,
+                   count_mask=count_mask, q_offset=q_offset, sink_logit=sink_logit)
+
+
+def run_qkv(q, k, v, config: BoundConfig, *, scale=None, implementation: str = "xla", count_mask=None,
+            q_offset=None, sink_logit=None) -> AttentionResult:
+    """:func:`attention_qkv` for a config an entry point bound once (:func:`bound`), taken as it is."""
+    cfg = implementations.require_bound(config, "engine.run_qkv")
+    scores, v_seen = _prepare_qkv(q, k, v, cfg, scale)
+    return run(scores, v_seen, cfg, implementation=check_implementation(implementation),
+               count_mask=count_mask, q_offset=q_offset, sink_logit=sink_logit)

@@ -86,11 +86,11 @@ def evaluate(instance, configs: tuple[KernelConfig | str, ...], *, implementatio
     rows = {k: [None] * len(configs) for k in METRICS}
     shared = []  # (config index, W − P) of the configs whose error is (W − P)·V
     for i, cfg in enumerate(configs):
-        cfg = resolve(cfg)
+        cfg = _engine.bound(resolve(cfg))  # resolved and bound once, for every engine call below
         p_ref = reference(cfg.causal)
         shares_product = impl == "xla" and expected_is_exact(cfg)
         if shares_product or not sampled:  # output = W·V exactly, or no V: what the weights say
-            r = _engine.weights_and_stats(scores, cfg, count_mask=count_mask, sink_logit=sink)
+            r = _engine.run_weights(scores, cfg, count_mask=count_mask, sink_logit=sink)
             diff = r.weights - p_ref
             if sampled:
                 shared.append((i, diff))
@@ -99,10 +99,10 @@ def evaluate(instance, configs: tuple[KernelConfig | str, ...], *, implementatio
                 if shares_product:  # materialized, as the product with V makes it: the sums fuse alike
                     diff = jax.lax.optimization_barrier(diff)
         else:
-            r = _engine.attention(scores, v, cfg, implementation=impl, count_mask=count_mask, sink_logit=sink)
+            r = _engine.run(scores, v, cfg, implementation=impl, count_mask=count_mask, sink_logit=sink)
             o_ref = jnp.einsum("qn,nd->qd", p_ref, v, precision="highest")
             rows["mse"][i] = jnp.mean((r.out - o_ref) ** 2)
-            diff = _engine.effective_weights(scores, cfg, sink_logit=sink) - p_ref if expected else None
+            diff = _engine.run_weights(scores, cfg, sink_logit=sink).weights - p_ref if expected else None
         if expected:
             rows["mse_expected"][i] = sigma_v**2 * jnp.mean(jnp.sum(diff**2, axis=-1))
         else:

@@ -64,7 +64,7 @@ import numpy as np
 from pcast_jax import block, engine, nn_common
 from pcast_jax.config import KernelConfig
 from pcast_jax.errors import PcastError, check_choice, check_positive
-from pcast_jax.presets import get_preset, preset_for, resolve
+from pcast_jax.presets import resolve
 
 __all__ = ["IMPLEMENTATIONS", "GRADIENTS", "CAUSAL_ALIGNMENTS", "attention_fn", "attention_weights",
            "dot_product_attention", "kernel_inputs", "soft_capped"]
@@ -189,10 +189,12 @@ def _exact(q, k, v, bias, visible, scale, empty_rows_zero: bool, sinks=None, sof
 
 
 def _simulated(q, k, v, bias, visible, cfg: KernelConfig, scale, engine_name: str, sinks=None, soft_cap=None):
+    """The kernel's output (B, N, T, H): ``cfg`` (resolved at the entry point) bound once for the engine, which
+    sees the visibility in the logits (so not causal itself)."""
     logits, vv = kernel_inputs(q, k, v, cfg, scale)
     logits = _masked(logits, bias, visible, -jnp.inf, soft_cap)
-    return engine.attention(logits, vv, cfg.replace(causal=False), implementation=engine_name,
-                            sink_logit=_sink_rows(sinks, logits)).out
+    return engine.run(logits, vv, engine.bound(cfg, causal=False), implementation=engine_name,
+                      sink_logit=_sink_rows(sinks, logits)).out
 
 
 def _soft_gate_cast(scale: float, threshold: float, temperature: float):
@@ -248,7 +250,7 @@ def _smooth(q, k, v, bias, visible, cfg: KernelConfig, scale, temperature: float
         gate = _soft_gate_cast(cfg.effective_scale, cfg.fmt.round_to_zero, temperature)
     static = cfg.replace(scale=1.0, scale_mode="multiply", causal=False, qkv="f32", accumulator="f32",
                          rescale_compensation="none")
-    w = engine.effective_weights(logits, static, cast_fn=gate, sink_logit=_sink_rows(sinks, logits))
+    w = engine.run_weights(logits, engine.bound(static), cast_fn=gate, sink_logit=_sink_rows(sinks, logits)).weights
     return jnp.einsum("bnts,bnsh->bnth", w, vv, precision="highest")
 
 
@@ -275,15 +277,6 @@ def _attend_bwd(cfg, engine_name, gradient, temperature, soft_cap, res, g):
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
-
-
-def _resolve_config(config, head_dim: int) -> KernelConfig | None:
-    """None, a preset name (its KV tile resolved for ``head_dim``, :func:`preset_for`) or a KernelConfig."""
-    if config is None:
-        return None
-    if isinstance(config, str):
-        return preset_for(config, head_dim)  # an unknown name: a PcastError naming the presets
-    return resolve(config)
 
 
 def _check_soft_cap(logits_soft_cap) -> float | None:
@@ -375,10 +368,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     scale = _check_scale(scale, head_dim)
     temperature = check_positive("smooth_temperature", smooth_temperature)
     soft_cap = _check_soft_cap(logits_soft_cap)
-    cfg = _resolve_config(config, head_dim)
+    # the one resolution of the call: a preset name gets the KV tile of the head dim (an unknown name: a
+    # PcastError naming the presets); the engine path binds it once (_simulated), the kernels take it
+    cfg = None if config is None else resolve(config, head_dim=head_dim)
     causal = is_causal or (cfg is not None and cfg.causal)
-    if cfg is not None and causal:
-        cfg = cfg.replace(causal=True, name=cfg.name)
     if cfg is not None and gradient == "smooth" and cfg.scale_mode == "dynamic":
         raise PcastError(f"gradient='smooth' needs a static scale; config={cfg.name!r} is dynamic "
                          "(use gradient='ste')")
@@ -426,7 +419,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
             raise PcastError(f"implementation={impl!r} with is_causal=True and T={t} != S={s}: the kernels "
                              "align the causal mask bottom-right; pass causal_alignment='bottom_right' "
                              "(or use implementation='xla' or 'scan')")
-        out = _kernel(q, k, v, cfg, scale, impl, sinks)
+        out = _kernel(q, k, v, cfg.replace(causal=True, name=cfg.name) if causal else cfg, scale, impl, sinks)
         out = jnp.swapaxes(out, 1, 2).astype(query.dtype)
         return out[0] if unbatched else out
 
@@ -493,7 +486,7 @@ def attention_weights(query, key, bias=None, mask=None, *, scale: float | None =
     head_dim = query.shape[-1]
     scale = _check_scale(scale, head_dim)
     soft_cap = _check_soft_cap(logits_soft_cap)
-    cfg = _resolve_config(config, head_dim)
+    cfg = None if config is None else resolve(config, head_dim=head_dim)
     causal = is_causal or (cfg is not None and cfg.causal)
     q, k = _as_bnth(query), _as_bnth(key)
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
@@ -508,8 +501,8 @@ def attention_weights(query, key, bias=None, mask=None, *, scale: float | None =
     kernel = None
     if cfg is not None:
         klogits, _ = kernel_inputs(q, k, k, cfg, scale)
-        kernel = engine.effective_weights(_masked(klogits, bias4, visible, -jnp.inf, soft_cap),
-                                          cfg.replace(causal=False))
+        kernel = engine.run_weights(_masked(klogits, bias4, visible, -jnp.inf, soft_cap),
+                                    engine.bound(cfg, causal=False)).weights
     if unbatched:
         probs = probs[0]
         kernel = None if kernel is None else kernel[0]
@@ -543,10 +536,8 @@ def attention_fn(config: str | KernelConfig | None = None, *, implementation: st
     keyword arguments this function does not know, rather than being ignored. ``logits_soft_cap``
     caps every call's logits (:func:`dot_product_attention`).
     """
-    if config is not None and not isinstance(config, str):
-        config = resolve(config)
-    elif config is not None:
-        get_preset(config)
+    if config is not None:  # refused now, not at the layer's first call; each call resolves it for its head dim
+        resolve(config)
     check_choice("gradient", gradient, GRADIENTS)
     check_choice("causal_alignment", causal_alignment, CAUSAL_ALIGNMENTS)
     _check_soft_cap(logits_soft_cap)

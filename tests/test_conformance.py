@@ -432,12 +432,13 @@ def test_preset_through_entry_point_matches_the_oracle_or_is_refused(entry: Entr
 
 def test_a_preset_name_runs_the_tile_the_matrix_computes(monkeypatch):
     """The matrix hands each entry point the preset's config at the head dim (:meth:`Entry.config`); given
-    the preset's *name*, every tiled entry point must run that same config. Traced, not compiled."""
+    the preset's *name*, every tiled entry point must run that same config (the one it binds for the engine,
+    engine.bound). Traced, not compiled."""
     from pcast_jax.models.fp8 import FP8Attention
 
     seen = []
-    real = engine.attention
-    monkeypatch.setattr(engine, "attention", lambda *a, **kw: seen.append(a[2]) or real(*a, **kw))
+    real = engine.bound
+    monkeypatch.setattr(engine, "bound", lambda *a, **kw: seen.append(a[0]) or real(*a, **kw))
     for h in HEAD_DIMS:
         q = jax.ShapeDtypeStruct((1, 4, N_HEADS, h), jnp.float32)
         for name in PRESETS:

@@ -128,7 +128,7 @@ def test_presets_that_differ_only_in_numbers_share_a_program():
 @pytest.mark.parametrize("name", ["fa3", "cudnn_fp8_s32", "sageattn2pp"])
 def test_numbers_bound_as_arguments_give_the_same_bits(name):
     """One program for every config of a program computes each config's numbers bit for bit as the
-    config itself does (its numbers are opaque to XLA either way, engine._bound): exponent mode at
+    config itself does (its numbers are opaque to XLA either way, engine.bound): exponent mode at
     S = 256, cuDNN's τ with S·2^-τ and a learned sink as initial max, the V channel scale."""
     cfg = PRESETS[name]
     scores, v, mask = _batch(deltas=(9.0,), seeds=(0,))
@@ -541,3 +541,26 @@ def test_table2_mse_within_15_percent_of_the_paper():
     assert np.all(ratio >= 3.0), ratio  # forward S=1 worst by at least 3x at every N
     assert np.all(np.diff(ratio) > 0), ratio  # and the gap grows with N (paper: 3.4, 5.5, 10.5)
     assert np.all(mse["fwd_s256"] < mse["fwd_s448"])  # S = 256 beats S = 448 (paper: by 10-15 %)
+
+
+@pytest.mark.parametrize("config", ["fa3", PRESETS["fa3"]], ids=["name", "KernelConfig"])
+def test_the_engines_refuse_a_config_no_entry_point_bound(config):
+    """engine.run, run_weights and run_qkv, and the implementations they run, take the BoundConfig an entry point
+    made once (engine.bound of presets.resolve); a preset name or a config with its own numbers is a TypeError
+    naming ``config``, before any computation; engine.bound itself takes no preset name."""
+    from pcast_jax import implementations
+
+    scores, v, counted = jnp.zeros((2, 8)), jnp.ones((8, 4)), jnp.ones((2, 8), bool)
+    for module, run, args in ((engine, "run", (scores, v)), (engine, "run_weights", (scores,)),
+                              (engine, "run_qkv", (v, v, v)), (implementations, "scan", (scores, v, counted)),
+                              (implementations, "xla", (scores, v, counted))):
+        with pytest.raises(TypeError, match=rf"^config=.*: {module.__name__[10:]}\.{run} takes a BoundConfig"):
+            getattr(module, run)(*args, config)
+    with pytest.raises(TypeError, match=r"implementations\.xla_weights takes a BoundConfig"):
+        implementations.xla_weights(scores, counted, config, 8)
+    if isinstance(config, str):
+        with pytest.raises(TypeError, match=r"^config='fa3': engine\.bound takes a resolved KernelConfig"):
+            engine.bound(config)
+    else:
+        bound = engine.bound(config, causal=True)
+        assert bound.causal and bound.name == "fa3" and engine.bound(bound) is bound

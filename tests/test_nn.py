@@ -384,3 +384,44 @@ def test_logits_soft_cap_is_applied_before_the_mask_on_every_path():
             nn.dot_product_attention(q, k, v, logits_soft_cap=bad)
     with pytest.raises(PcastError, match="take no logits_soft_cap"):
         nn.dot_product_attention(q, k, v, logits_soft_cap=cap, config="fwd_s1", implementation="triton")
+
+
+def _count_calls(monkeypatch, owner, name: str, calls: dict) -> None:
+    """Count the calls of ``owner.name`` under ``calls[name]``, wherever the package imported it by name."""
+    import sys
+
+    real = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        calls[name] += 1
+        return real(*args, **kwargs)
+
+    calls[name] = 0
+    holders = [owner] + [m for n, m in list(sys.modules.items())
+                         if n.startswith(("pcast_jax", "pallas_kernels")) and getattr(m, name, None) is real]
+    for holder in holders:
+        monkeypatch.setattr(holder, name, counted)
+
+
+def test_a_call_resolves_and_binds_its_config_once(monkeypatch):
+    """Each entry point resolves the caller's config once (presets.resolve: one preset look-up) and binds it
+    once (engine.bound, one KernelConfig.bind); the engine takes the bound config as it is, never resolving or
+    binding again (engine.attention_qkv resolved it three times before)."""
+    from pcast_jax import presets
+
+    calls: dict = {}
+    for owner, name in ((presets, "resolve"), (presets, "get_preset"), (engine, "bound"), (KernelConfig, "bind")):
+        _count_calls(monkeypatch, owner, name, calls)
+    q, k, v = (x[:1, :, :2, :] for x in _qkv(t=4, s=8))
+    entries = {"dot_product_attention": lambda q, k, v: nn.dot_product_attention(q, k, v, is_causal=True,
+                                                                                 config="fa3"),
+               "dot_product_attention scan": lambda q, k, v: nn.dot_product_attention(q, k, v, config="fa3",
+                                                                                      implementation="scan"),
+               "attention_weights": lambda q, k, v: nn.attention_weights(q, k, is_causal=True, config="fa3"),
+               "engine.attention_qkv": lambda q, k, v: engine.attention_qkv(q[0, :, 0], k[0, :, 0], v[0, :, 0],
+                                                                            "fa3")}
+    for entry, call in entries.items():
+        for name in calls:
+            calls[name] = 0
+        jax.eval_shape(call, q, k, v)  # traced once, nothing compiled or run: every call the Python makes
+        assert calls == {"resolve": 1, "get_preset": 1, "bound": 1, "bind": 1}, entry

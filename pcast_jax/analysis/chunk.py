@@ -104,8 +104,8 @@ def _chunk_rows(ctx: ChunkContext, *, config: KernelConfig, has_learned: bool, k
     ref_at = ctx.row0 if jnp.ndim(ctx.row0) == 0 else ctx.ref_row0
     r = lax.dynamic_slice(ref, (head, ref_at, 0), (1, rows, ref.shape[-1]))[0]
     config, q_offset = kernel_mask(config, ctx.row0)
-    res = _engine.attention(s, v[head], config, implementation="xla", count_mask=~is_sink, q_offset=q_offset,
-                            sink_logit=ctx.learned[head] if has_learned else None)
+    res = _engine.run(s, v[head], _engine.bound(config), implementation="xla", count_mask=~is_sink,
+                      q_offset=q_offset, sink_logit=ctx.learned[head] if has_learned else None)
     # Q/K/V as the kernel sees them, P in FP32: the Q/K/V quantization's share of the error (none with
     # FP32 Q/K/V, which the kernel sees as the reference does).
     if config.qkv == "e4m3":
@@ -128,7 +128,7 @@ def _chunk_masses(ctx: ChunkContext, *, configs: tuple[KernelConfig, ...], has_l
     computation for all of them)."""
     s, _, is_sink, counted = _chunk_logits(ctx, keys)
     sink = ctx.learned[ctx.head] if has_learned else None
-    stats = [_engine.weights_and_stats(s, masked, count_mask=~is_sink, q_offset=q_offset, sink_logit=sink)
+    stats = [_engine.run_weights(s, _engine.bound(masked), count_mask=~is_sink, q_offset=q_offset, sink_logit=sink)
              for masked, q_offset in (kernel_mask(cfg, ctx.row0) for cfg in configs)]
     return counted, jnp.stack([w.zeroed_mass for w in stats]), jnp.stack([w.saturated_mass for w in stats])
 

@@ -123,8 +123,10 @@ def heads_attention(q, k, v, config: str | KernelConfig, *, count_mask=None,
     scores, v_seen = scores_and_values(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32),
                                         jnp.asarray(v, jnp.float32), cfg)
 
+    bound = _engine.bound(cfg)  # resolved above, bound once for every head
+
     def one(s, vh, cm):
-        return _engine.attention(s, vh, cfg, implementation=impl, count_mask=cm, q_offset=0)
+        return _engine.run(s, vh, bound, implementation=impl, count_mask=cm, q_offset=0)
 
     if count_mask is None:
         return jax.vmap(lambda s, vh: one(s, vh, None))(scores, v_seen)

@@ -117,9 +117,9 @@ class ScaleScan:
 def kernel_for(config: str | KernelConfig, head_dim: int) -> KernelConfig:
     """A preset name at its KV tile for ``head_dim`` (:func:`pcast_jax.presets.preset_for`); a
     :class:`KernelConfig` equal to a preset of the same name likewise; any other config as given."""
+    cfg = resolve(config, head_dim=head_dim)
     if isinstance(config, str):
-        return preset_for(config, head_dim)
-    cfg = resolve(config)
+        return cfg
     try:
         if get_preset(cfg.name) == cfg:
             return preset_for(cfg.name, head_dim)

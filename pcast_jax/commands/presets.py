@@ -42,9 +42,9 @@ def show(name: str, head_dim: int | None = None) -> list[str]:
     the preset as it runs at that head dim (:func:`pcast_jax.presets.preset_for`: its KV tile there)."""
     import dataclasses
 
-    from pcast_jax.presets import TILES_BY_HEAD_DIM, get_preset, preset_for
+    from pcast_jax.presets import TILES_BY_HEAD_DIM, resolve
 
-    cfg = get_preset(name) if head_dim is None else preset_for(name, head_dim)
+    cfg = resolve(name, head_dim=head_dim)
     lines = [cfg.to_string(), ""]
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)

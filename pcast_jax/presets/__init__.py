@@ -205,10 +205,15 @@ def preset_for(name: str, head_dim: int) -> KernelConfig:
     return dataclasses.replace(cfg, block_kv=tiles[dims[0]], name=name)
 
 
-def resolve(config: str | KernelConfig) -> KernelConfig:
-    """A preset name or a :class:`KernelConfig` → :class:`KernelConfig`."""
+def resolve(config: str | KernelConfig, *, head_dim: int | None = None) -> KernelConfig:
+    """A preset name or a :class:`KernelConfig` → :class:`KernelConfig`: the one resolution of a caller's
+    config, made once by each entry point (the engines take its result bound, :func:`pcast_jax.engine.bound`).
+
+    With ``head_dim`` a preset name gets its KV tile for that head dim (:func:`preset_for`); a
+    :class:`KernelConfig` is used as it is.
+    """
     if isinstance(config, KernelConfig):
         return config
     if isinstance(config, str):
-        return get_preset(config)
+        return get_preset(config) if head_dim is None else preset_for(config, head_dim)
     raise PcastError(f"config={config!r} must be a preset name or a KernelConfig")

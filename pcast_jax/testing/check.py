@@ -320,10 +320,9 @@ def _simulator(program, scale: float, with_sinks: bool):
 
     from pcast_jax import engine
 
-    def run(q, k, v, numbers, sinks):
-        cfg = program.bind(numbers)
-        scores, v_seen = engine.prepare_qkv(q, k, v, cfg, scale=scale)
-        return engine.attention(scores, v_seen, cfg, sink_logit=sinks if with_sinks else None).out
+    def run(q, k, v, numbers, sinks):  # the config resolved once (simulated_kernel), bound here to traced numbers
+        return engine.run_qkv(q, k, v, program.bind(numbers), scale=scale,
+                              sink_logit=sinks if with_sinks else None).out
 
     return jax.jit(run)
 
