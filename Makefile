@@ -8,8 +8,8 @@ PYTEST_ARGS ?= -n 2 --dist loadfile
 REPRO_ARGS ?=
 # JAX=0.11.2: install that jax and jaxlib (the oldest supported; default: the newest the range allows)
 JAX ?=
-# HALF=1 or 2: every test function, but of a parametrized one every other case (CI runs one half per jax
-# version, so the two together run every case; tests/conftest.py); default: every case
+# HALF=1 or 2: every other case of a parametrized test and every other test of a file (CI runs one half per
+# jax version, so the two together run every case; tests/conftest.py); default: every case
 HALF ?=
 
 .PHONY: venv test test-full lint docs reproduce quick clean benchmark

@@ -15,11 +15,11 @@ from pcast_jax.config import KernelConfig
 #: axes walk all of it; without it (``make test``, CI) they walk a subset that still covers every preset
 #: and every value of each axis (the conformance matrix, the Pallas kernels' registry test).
 FULL = os.environ.get("PCAST_JAX_TEST_FULL", "0") not in ("", "0")
-#: ``PCAST_JAX_TEST_HALF=1`` or ``2`` (``make test HALF=…``; CI runs one half per jax version): every test
-#: function runs, but of a parametrized one only every other case, alternating between the halves — so the two
-#: halves together run every case once (``tests/conftest.py``). Tests marked ``every_half`` run every case in
-#: each half (the conformance matrix, already a covering subset of its cross product, whose turn the second
-#: half shifts by one cell; the Hopper lowering proofs). Empty: every case.
+#: ``PCAST_JAX_TEST_HALF=1`` or ``2`` (``make test HALF=…``; CI runs one half per jax version): every other
+#: case of each parametrized test function and every other unparametrized function of each module, alternating
+#: between the halves — so the two halves together run every case once (``tests/conftest.py``). Tests marked
+#: ``every_half`` run in each half (the conformance matrix, already a covering subset of its cross product,
+#: whose turn the second half shifts by one cell; the Hopper lowering proofs). Empty: every case.
 HALF_VAR = "PCAST_JAX_TEST_HALF"
 HALF = os.environ.get(HALF_VAR, "").strip()
 

@@ -72,7 +72,8 @@ def _trim(folder: Path, max_bytes: int) -> None:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Of each parametrized test function, keep every other case in a halved run (:data:`cases.HALF`)."""
+    """In a halved run (:data:`cases.HALF`) keep every other case of each parametrized test function and every
+    other unparametrized test function of each module, alternating, so the two halves together run each once."""
     if not HALF:
         return
     if HALF not in ("1", "2"):
@@ -80,9 +81,12 @@ def pytest_collection_modifyitems(config, items):
     seen: dict[tuple, int] = {}
     keep, drop = [], []
     for item in items:
-        key = (item.path, item.cls.__name__ if item.cls else None, getattr(item, "originalname", item.name))
+        if hasattr(item, "callspec"):  # a case: counted within its function
+            key = (item.path, item.cls.__name__ if item.cls else None, getattr(item, "originalname", item.name))
+        else:  # a function: counted within its module
+            key = (item.path,)
         index = seen[key] = seen.get(key, -1) + 1
-        whole = item.get_closest_marker("every_half") is not None or not hasattr(item, "callspec")
+        whole = item.get_closest_marker("every_half") is not None
         (keep if whole or index % 2 == int(HALF) - 1 else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
